@@ -1,0 +1,267 @@
+"""Model configuration: one frozen, hashable dataclass for every supported architecture.
+
+The config is a static argument of every jitted function, so it must be hashable: all fields are
+scalars, strings or tuples. `from_hf_dict` reads both the transformers 4.x config.json form
+(`rope_theta`, `rope_scaling`, `torch_dtype`) and the 5.x form (`rope_parameters`, `dtype`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+# model_type values handled by the llama-family forward (pre-norm, RMSNorm, RoPE, gated SiLU MLP).
+LLAMA_FAMILY = ("llama", "qwen2", "mistral", "smollm", "smollm3_llama")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "gpt2")
+
+
+class ConfigError(ValueError):
+    """config.json describes a model jaxdecode cannot build."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model_type: str  # "llama" | "qwen2" | "mistral" | "gpt2" (HF model_type, kept for saving)
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    norm_eps: float = 1e-6
+    # llama family
+    rope_theta: float = 10000.0
+    # rope scaling as a sorted tuple of (key, value) pairs, e.g. (("factor", 8.0), ("rope_type", "llama3"), ...)
+    rope_scaling: tuple | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    # Per-layer sliding window (0 = full attention); a token at position p sees keys at p' with p - p' < w.
+    sliding_windows: tuple = ()
+    tie_word_embeddings: bool = False
+    activation: str = "silu"  # "silu" (gated MLP) | "gelu_new" (GPT-2 MLP)
+    dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple = ()
+    pad_token_id: int | None = None
+    # Anything else from config.json we keep for a faithful save (sorted (key, json-string) pairs).
+    extra: tuple = ()
+
+    def __post_init__(self):
+        if not self.sliding_windows:
+            object.__setattr__(self, "sliding_windows", (0,) * self.num_layers)
+        if len(self.sliding_windows) != self.num_layers:
+            raise ConfigError(
+                f"sliding_windows has {len(self.sliding_windows)} entries but the model has "
+                f"{self.num_layers} layers")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_kv_heads})")
+
+    @property
+    def is_gpt2(self) -> bool:
+        return self.model_type == "gpt2"
+
+    @property
+    def uses_rope(self) -> bool:
+        return not self.is_gpt2
+
+    @property
+    def jnp_dtype(self):
+        import jax.numpy as jnp
+        return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[self.dtype]
+
+    @property
+    def rope_scaling_dict(self) -> dict | None:
+        return None if self.rope_scaling is None else dict(self.rope_scaling)
+
+    def replace(self, **kw) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+    def num_parameters(self) -> int:
+        d, f, v, hd = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
+        attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
+        mlp = 2 * d * f if self.is_gpt2 else 3 * d * f
+        emb = v * d * (1 if self.tie_word_embeddings else 2)
+        if self.is_gpt2:
+            emb += self.max_position_embeddings * d
+        return self.num_layers * (attn + mlp) + emb
+
+    # ------------------------------------------------------------------ HF config.json
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], dtype: str | None = None) -> "ModelConfig":
+        model_type = cfg.get("model_type")
+        archs = cfg.get("architectures") or []
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"unsupported architecture: config.json has model_type={model_type!r} "
+                f"(architectures={archs}); jaxdecode supports model_type in {SUPPORTED_MODEL_TYPES}")
+        src_dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+        dtype = _normalize_dtype(dtype or src_dtype)
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        if model_type == "gpt2":
+            d = cfg.get("n_embd", 768)
+            n_head = cfg.get("n_head", 12)
+            act = cfg.get("activation_function", "gelu_new")
+            if act not in ("gelu_new", "gelu_pytorch_tanh"):
+                raise ConfigError(f"unsupported GPT-2 activation_function={act!r}; expected 'gelu_new'")
+            if cfg.get("scale_attn_by_inverse_layer_idx") or cfg.get("reorder_and_upcast_attn"):
+                raise ConfigError("GPT-2 options scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn "
+                                  "are not supported")
+            n_layer = cfg.get("n_layer", 12)
+            return cls(
+                model_type="gpt2", vocab_size=cfg["vocab_size"], hidden_size=d,
+                intermediate_size=cfg.get("n_inner") or 4 * d, num_layers=n_layer,
+                num_heads=n_head, num_kv_heads=n_head, head_dim=d // n_head,
+                max_position_embeddings=cfg.get("n_positions", 1024),
+                norm_eps=cfg.get("layer_norm_epsilon", 1e-5), qkv_bias=True, o_bias=True,
+                mlp_bias=True, tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+                activation="gelu_new", dtype=dtype, bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=eos_ids, pad_token_id=cfg.get("pad_token_id"),
+                extra=_extra(cfg))
+        # llama family
+        n_layers = cfg["num_hidden_layers"]
+        n_heads = cfg["num_attention_heads"]
+        d = cfg["hidden_size"]
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"unsupported hidden_act={act!r}; the llama family forward implements 'silu'")
+        rope_params = dict(cfg.get("rope_parameters") or {})
+        rope_theta = rope_params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = dict(cfg.get("rope_scaling") or {}) or rope_params
+        if "type" in scaling and "rope_type" not in scaling:
+            scaling["rope_type"] = scaling.pop("type")
+        scaling.pop("rope_theta", None)
+        rope_type = scaling.get("rope_type", "default")
+        if rope_type not in ("default", "llama3", "linear"):
+            raise ConfigError(f"unsupported rope_type={rope_type!r}; supported: default, llama3, linear")
+        scaling_t = None if rope_type == "default" else tuple(sorted(scaling.items()))
+        windows = _sliding_windows(cfg, model_type, n_layers)
+        return cls(
+            model_type=model_type, vocab_size=cfg["vocab_size"], hidden_size=d,
+            intermediate_size=cfg["intermediate_size"], num_layers=n_layers, num_heads=n_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=cfg.get("head_dim") or d // n_heads,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(rope_theta),
+            rope_scaling=scaling_t,
+            qkv_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            o_bias=bool(cfg.get("attention_bias", False)) and model_type != "qwen2",
+            mlp_bias=bool(cfg.get("mlp_bias", False)), sliding_windows=windows,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), activation="silu",
+            dtype=dtype, bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
+            pad_token_id=cfg.get("pad_token_id"), extra=_extra(cfg))
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """config.json in the transformers 5.x form (4.x readers accept it too: it also has rope_theta)."""
+        import json
+        out: dict[str, Any] = {k: json.loads(v) for k, v in self.extra}
+        eos = (list(self.eos_token_ids) if len(self.eos_token_ids) > 1
+               else (self.eos_token_ids[0] if self.eos_token_ids else None))
+        common = dict(model_type=self.model_type, vocab_size=self.vocab_size, dtype=self.dtype,
+                      torch_dtype=self.dtype, bos_token_id=self.bos_token_id, eos_token_id=eos,
+                      pad_token_id=self.pad_token_id, tie_word_embeddings=self.tie_word_embeddings)
+        if self.is_gpt2:
+            out.update(common, architectures=["GPT2LMHeadModel"], n_embd=self.hidden_size,
+                       n_head=self.num_heads, n_layer=self.num_layers, n_inner=self.intermediate_size,
+                       n_positions=self.max_position_embeddings, layer_norm_epsilon=self.norm_eps,
+                       activation_function="gelu_new")
+            return out
+        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "mistral": "MistralForCausalLM"}[self.model_type]
+        rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
+        if self.rope_scaling is not None:
+            rope.update(dict(self.rope_scaling))
+        out.update(common, architectures=[arch], hidden_size=self.hidden_size,
+                   intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
+                   num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
+                   head_dim=self.head_dim, max_position_embeddings=self.max_position_embeddings,
+                   rms_norm_eps=self.norm_eps, hidden_act="silu", rope_parameters=rope,
+                   rope_theta=self.rope_theta, mlp_bias=self.mlp_bias)
+        if self.model_type != "qwen2":
+            out["attention_bias"] = self.qkv_bias
+        windows = set(self.sliding_windows)
+        if windows != {0}:
+            if self.model_type == "mistral" and len(windows) == 1:
+                out["sliding_window"] = self.sliding_windows[0]
+            else:
+                w = max(self.sliding_windows)
+                out["sliding_window"] = w
+                out["use_sliding_window"] = True
+                out["layer_types"] = ["sliding_attention" if x else "full_attention"
+                                      for x in self.sliding_windows]
+        elif self.model_type == "mistral":
+            out["sliding_window"] = None
+        return out
+
+
+def _normalize_dtype(name: str) -> str:
+    name = str(name).replace("torch.", "")
+    aliases = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16",
+               "fp16": "float16", "auto": "float32"}
+    name = aliases.get(name, name)
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"unsupported dtype {name!r}; use float32, bfloat16 or float16")
+    return name
+
+
+def _sliding_windows(cfg: dict, model_type: str, n_layers: int) -> tuple:
+    window = cfg.get("sliding_window")
+    if not window:
+        return (0,) * n_layers
+    layer_types = cfg.get("layer_types")
+    if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+        return (0,) * n_layers
+    if layer_types:
+        return tuple(int(window) if t == "sliding_attention" else 0 for t in layer_types)
+    if model_type == "qwen2":
+        # transformers 4.x semantics: layers >= max_window_layers use the window.
+        mwl = cfg.get("max_window_layers", n_layers)
+        return tuple(int(window) if i >= mwl else 0 for i in range(n_layers))
+    return (int(window),) * n_layers
+
+
+_KNOWN_KEYS = {
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+    "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "attention_bias", "mlp_bias",
+    "sliding_window", "use_sliding_window", "layer_types", "max_window_layers", "tie_word_embeddings",
+    "hidden_act", "dtype", "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id",
+    "architectures", "n_embd", "n_head", "n_layer", "n_inner", "n_positions", "layer_norm_epsilon",
+    "activation_function", "transformers_version",
+}
+
+
+def _extra(cfg: dict) -> tuple:
+    import json
+    return tuple(sorted((k, json.dumps(v)) for k, v in cfg.items() if k not in _KNOWN_KEYS))
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Inverse RoPE frequencies [head_dim // 2], with linear or llama3 scaling applied."""
+    hd = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    sc = config.rope_scaling_dict
+    if sc is None:
+        return inv.astype(np.float32)
+    kind = sc.get("rope_type", "default")
+    if kind == "linear":
+        return (inv / float(sc["factor"])).astype(np.float32)
+    if kind == "llama3":
+        factor = float(sc["factor"])
+        lo, hi = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
+        old_ctx = float(sc.get("original_max_position_embeddings", 8192))
+        low_wavelen, high_wavelen = old_ctx / lo, old_ctx / hi
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return np.where(is_medium, smoothed, scaled).astype(np.float32)
+    raise ConfigError(f"unsupported rope_type {kind!r}")

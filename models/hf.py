@@ -1,0 +1,353 @@
+"""Hugging Face checkpoints: config.json + (sharded) safetensors <-> (ModelConfig, params).
+
+Weights are validated on load: a missing tensor, a tensor of the wrong shape, or an unexpected
+tensor is an error that names it. Saving writes config.json in the transformers 5.x form plus the
+4.x keys (`rope_theta`, `torch_dtype`), so both lines of transformers read what we write.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import ConfigError, ModelConfig
+from .transformer import param_shapes
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is missing files or holds tensors that do not fit its config."""
+
+
+# Buffers some checkpoints carry that are not parameters.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
+
+
+def read_config(path) -> dict:
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory; pass a Hugging Face checkpoint directory")
+    if not cfg_file.exists():
+        raise CheckpointError(f"{path} has no config.json; is it a Hugging Face checkpoint directory?")
+    with open(cfg_file) as f:
+        cfg = json.load(f)
+    gen = path / "generation_config.json"
+    if gen.exists() and cfg.get("eos_token_id") is None:
+        with open(gen) as f:
+            eos = json.load(f).get("eos_token_id")
+        if eos is not None:
+            cfg["eos_token_id"] = eos
+    return cfg
+
+
+def _tensor_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [n for n in names if not (path / n).exists()]
+        if missing:
+            raise CheckpointError(f"{index} lists shard files that do not exist: {missing}")
+        return [path / n for n in names]
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise CheckpointError(
+        f"{path} has no model.safetensors or model.safetensors.index.json "
+        f"(PyTorch .bin checkpoints are not supported: re-save with safe_serialization=True)")
+
+
+def _read_tensors(path: Path) -> dict[str, np.ndarray]:
+    from safetensors import safe_open
+    out = {}
+    for f in _tensor_files(path):
+        with safe_open(str(f), framework="flax") as sf:
+            for k in sf.keys():
+                out[k] = sf.get_tensor(k)
+    return out
+
+
+def _hf_layer_map(config: ModelConfig, i: int) -> dict[str, tuple[str, callable]]:
+    """HF tensor name -> (our layer param path, conversion from the HF tensor) for layer i."""
+    d, h, kv, hd = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+    p = f"model.layers.{i}."
+    m = {
+        p + "input_layernorm.weight": ("attn_norm/scale", lambda w: w),
+        p + "post_attention_layernorm.weight": ("mlp_norm/scale", lambda w: w),
+        p + "self_attn.q_proj.weight": ("wq", lambda w: w.T.reshape(d, h, hd)),
+        p + "self_attn.k_proj.weight": ("wk", lambda w: w.T.reshape(d, kv, hd)),
+        p + "self_attn.v_proj.weight": ("wv", lambda w: w.T.reshape(d, kv, hd)),
+        p + "self_attn.o_proj.weight": ("wo", lambda w: w.T.reshape(h, hd, d)),
+        p + "mlp.gate_proj.weight": ("w_gate", lambda w: w.T),
+        p + "mlp.up_proj.weight": ("w_up", lambda w: w.T),
+        p + "mlp.down_proj.weight": ("w_down", lambda w: w.T),
+    }
+    if config.qkv_bias:
+        m[p + "self_attn.q_proj.bias"] = ("bq", lambda b: b.reshape(h, hd))
+        m[p + "self_attn.k_proj.bias"] = ("bk", lambda b: b.reshape(kv, hd))
+        m[p + "self_attn.v_proj.bias"] = ("bv", lambda b: b.reshape(kv, hd))
+    if config.o_bias:
+        m[p + "self_attn.o_proj.bias"] = ("bo", lambda b: b)
+    if config.mlp_bias:
+        m[p + "mlp.gate_proj.bias"] = ("b_gate", lambda b: b)
+        m[p + "mlp.up_proj.bias"] = ("b_up", lambda b: b)
+        m[p + "mlp.down_proj.bias"] = ("b_down", lambda b: b)
+    return m
+
+
+def _gpt2_prefix(tensors: dict) -> str:
+    return "transformer." if any(k.startswith("transformer.") for k in tensors) else ""
+
+
+def _convert_gpt2(config: ModelConfig, tensors: dict, expect):
+    d, h, hd = config.hidden_size, config.num_heads, config.head_dim
+    pre = _gpt2_prefix(tensors)
+    used = set()
+
+    def get(name, shape):
+        key = pre + name
+        if key not in tensors:
+            raise CheckpointError(f"missing weight tensor {key!r} (expected shape {shape})")
+        w = tensors[key]
+        if tuple(w.shape) != tuple(shape):
+            raise CheckpointError(f"weight tensor {key!r} has shape {tuple(w.shape)}, expected {tuple(shape)}")
+        used.add(key)
+        return w
+
+    f = config.intermediate_size
+    layers = {k: [] for k in ("attn_norm/scale", "attn_norm/bias", "mlp_norm/scale", "mlp_norm/bias", "wq",
+                              "wk", "wv", "bq", "bk", "bv", "wo", "bo", "w_up", "b_up", "w_down",
+                              "b_down")}
+    for i in range(config.num_layers):
+        p = f"h.{i}."
+        layers["attn_norm/scale"].append(get(p + "ln_1.weight", (d,)))
+        layers["attn_norm/bias"].append(get(p + "ln_1.bias", (d,)))
+        layers["mlp_norm/scale"].append(get(p + "ln_2.weight", (d,)))
+        layers["mlp_norm/bias"].append(get(p + "ln_2.bias", (d,)))
+        w = get(p + "attn.c_attn.weight", (d, 3 * d))  # Conv1D: [in, out]
+        b = get(p + "attn.c_attn.bias", (3 * d,))
+        for j, name in enumerate(("q", "k", "v")):
+            layers["w" + name].append(w[:, j * d:(j + 1) * d].reshape(d, h, hd))
+            layers["b" + name].append(b[j * d:(j + 1) * d].reshape(h, hd))
+        layers["wo"].append(get(p + "attn.c_proj.weight", (d, d)).reshape(h, hd, d))
+        layers["bo"].append(get(p + "attn.c_proj.bias", (d,)))
+        layers["w_up"].append(get(p + "mlp.c_fc.weight", (d, f)))
+        layers["b_up"].append(get(p + "mlp.c_fc.bias", (f,)))
+        layers["w_down"].append(get(p + "mlp.c_proj.weight", (f, d)))
+        layers["b_down"].append(get(p + "mlp.c_proj.bias", (d,)))
+    params = {
+        "embed": get("wte.weight", (config.vocab_size, d)),
+        "pos_embed": get("wpe.weight", (config.max_position_embeddings, d)),
+        "final_norm": {"scale": get("ln_f.weight", (d,)), "bias": get("ln_f.bias", (d,))},
+        "layers": _nest({k: jnp.stack(v) for k, v in layers.items()}),
+    }
+    if not config.tie_word_embeddings:
+        params["lm_head"] = get_head(tensors, config, used)
+    used |= {k for k in tensors if k == "lm_head.weight" and config.tie_word_embeddings}
+    return params, used
+
+
+def get_head(tensors, config, used):
+    if "lm_head.weight" not in tensors:
+        raise CheckpointError("missing weight tensor 'lm_head.weight' (the config says "
+                              "tie_word_embeddings=false, so the LM head must be stored)")
+    w = tensors["lm_head.weight"]
+    if tuple(w.shape) != (config.vocab_size, config.hidden_size):
+        raise CheckpointError(f"weight tensor 'lm_head.weight' has shape {tuple(w.shape)}, expected "
+                              f"{(config.vocab_size, config.hidden_size)}")
+    used.add("lm_head.weight")
+    return w.T
+
+
+def _nest(flat: dict) -> dict:
+    out: dict = {}
+    for k, v in flat.items():
+        node = out
+        parts = k.split("/")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = v
+    return out
+
+
+def _convert_llama(config: ModelConfig, tensors: dict, expect: dict):
+    used = set()
+    per_layer: dict[str, list] = {}
+    for i in range(config.num_layers):
+        for hf_name, (ours, conv) in _hf_layer_map(config, i).items():
+            if hf_name not in tensors:
+                raise CheckpointError(f"missing weight tensor {hf_name!r}")
+            w = conv_checked(hf_name, tensors[hf_name], conv, _lookup(expect["layers"], ours)[1:])
+            per_layer.setdefault(ours, []).append(w)
+            used.add(hf_name)
+    d, v = config.hidden_size, config.vocab_size
+
+    def get(name, shape):
+        if name not in tensors:
+            raise CheckpointError(f"missing weight tensor {name!r} (expected shape {shape})")
+        w = tensors[name]
+        if tuple(w.shape) != tuple(shape):
+            raise CheckpointError(f"weight tensor {name!r} has shape {tuple(w.shape)}, expected {tuple(shape)}")
+        used.add(name)
+        return w
+
+    params = {
+        "embed": get("model.embed_tokens.weight", (v, d)),
+        "final_norm": {"scale": get("model.norm.weight", (d,))},
+        "layers": _nest({k: jnp.stack(x) for k, x in per_layer.items()}),
+    }
+    if config.tie_word_embeddings:
+        used.add("lm_head.weight")  # some tied checkpoints store a copy; it is the embedding
+    else:
+        params["lm_head"] = get_head(tensors, config, used)
+    return params, used
+
+
+def _lookup(tree, path):
+    node = tree
+    for p in path.split("/"):
+        node = node[p]
+    return node
+
+
+def conv_checked(name, w, conv, expected_shape):
+    try:
+        out = conv(w)
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"weight tensor {name!r} has shape {tuple(w.shape)}, which does not fit "
+                              f"the expected {tuple(expected_shape)} (after transposing): {e}") from None
+    if tuple(out.shape) != tuple(expected_shape):
+        raise CheckpointError(f"weight tensor {name!r} has shape {tuple(w.shape)}, which does not fit "
+                              f"the expected {tuple(expected_shape)}")
+    return out
+
+
+def load_params(path, dtype: str | None = None) -> tuple[ModelConfig, dict]:
+    """Load (config, params) from a Hugging Face checkpoint directory."""
+    path = Path(path)
+    config = ModelConfig.from_hf_dict(read_config(path), dtype=dtype)
+    tensors = _read_tensors(path)
+    expect = param_shapes(config)
+    if config.is_gpt2:
+        params, used = _convert_gpt2(config, tensors, expect)
+    else:
+        params, used = _convert_llama(config, tensors, expect)
+    unexpected = sorted(k for k in tensors if k not in used and not k.endswith(_IGNORED_SUFFIXES))
+    if unexpected:
+        shown = ", ".join(unexpected[:8]) + (" ..." if len(unexpected) > 8 else "")
+        raise CheckpointError(f"{len(unexpected)} weight tensors in {path} are not used by a "
+                              f"{config.model_type} model with this config.json: {shown}")
+    dt = config.jnp_dtype
+    params = jax.tree.map(lambda a: jnp.asarray(a, dtype=dt), params)
+    got = jax.tree.map(lambda a: tuple(a.shape), params)
+    if got != expect:
+        raise CheckpointError(f"checkpoint parameters do not match the config: {got} vs {expect}")
+    return config, params
+
+
+def to_hf_tensors(config: ModelConfig, params) -> dict[str, jax.Array]:
+    """Our params -> HF tensor names and layouts (inverse of load_params)."""
+    d, h, kv, hd = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+    L = params["layers"]
+    out = {}
+    if config.is_gpt2:
+        for i in range(config.num_layers):
+            p = f"transformer.h.{i}."
+            out[p + "ln_1.weight"] = L["attn_norm"]["scale"][i]
+            out[p + "ln_1.bias"] = L["attn_norm"]["bias"][i]
+            out[p + "ln_2.weight"] = L["mlp_norm"]["scale"][i]
+            out[p + "ln_2.bias"] = L["mlp_norm"]["bias"][i]
+            out[p + "attn.c_attn.weight"] = jnp.concatenate(
+                [L[w][i].reshape(d, d) for w in ("wq", "wk", "wv")], axis=1)
+            out[p + "attn.c_attn.bias"] = jnp.concatenate([L[b][i].reshape(d) for b in ("bq", "bk", "bv")])
+            out[p + "attn.c_proj.weight"] = L["wo"][i].reshape(d, d)
+            out[p + "attn.c_proj.bias"] = L["bo"][i]
+            out[p + "mlp.c_fc.weight"] = L["w_up"][i]
+            out[p + "mlp.c_fc.bias"] = L["b_up"][i]
+            out[p + "mlp.c_proj.weight"] = L["w_down"][i]
+            out[p + "mlp.c_proj.bias"] = L["b_down"][i]
+        out["transformer.wte.weight"] = params["embed"]
+        out["transformer.wpe.weight"] = params["pos_embed"]
+        out["transformer.ln_f.weight"] = params["final_norm"]["scale"]
+        out["transformer.ln_f.bias"] = params["final_norm"]["bias"]
+    else:
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            out[p + "input_layernorm.weight"] = L["attn_norm"]["scale"][i]
+            out[p + "post_attention_layernorm.weight"] = L["mlp_norm"]["scale"][i]
+            out[p + "self_attn.q_proj.weight"] = L["wq"][i].reshape(d, h * hd).T
+            out[p + "self_attn.k_proj.weight"] = L["wk"][i].reshape(d, kv * hd).T
+            out[p + "self_attn.v_proj.weight"] = L["wv"][i].reshape(d, kv * hd).T
+            out[p + "self_attn.o_proj.weight"] = L["wo"][i].reshape(h * hd, d).T
+            out[p + "mlp.gate_proj.weight"] = L["w_gate"][i].T
+            out[p + "mlp.up_proj.weight"] = L["w_up"][i].T
+            out[p + "mlp.down_proj.weight"] = L["w_down"][i].T
+            if config.qkv_bias:
+                out[p + "self_attn.q_proj.bias"] = L["bq"][i].reshape(-1)
+                out[p + "self_attn.k_proj.bias"] = L["bk"][i].reshape(-1)
+                out[p + "self_attn.v_proj.bias"] = L["bv"][i].reshape(-1)
+            if config.o_bias:
+                out[p + "self_attn.o_proj.bias"] = L["bo"][i]
+            if config.mlp_bias:
+                out[p + "mlp.gate_proj.bias"] = L["b_gate"][i]
+                out[p + "mlp.up_proj.bias"] = L["b_up"][i]
+                out[p + "mlp.down_proj.bias"] = L["b_down"][i]
+        out["model.embed_tokens.weight"] = params["embed"]
+        out["model.norm.weight"] = params["final_norm"]["scale"]
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = params["lm_head"].T
+    return out
+
+
+def save_params(config: ModelConfig, params, path, *, max_shard_bytes: int | None = None,
+                dtype: str | None = None) -> None:
+    """Write config.json and safetensors (sharded with an index when larger than max_shard_bytes)."""
+    from safetensors.flax import save_file
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if dtype is not None:
+        config = config.replace(dtype=dtype)
+    dt = config.jnp_dtype
+    tensors = {k: jnp.asarray(v, dt) for k, v in to_hf_tensors(config, params).items()}
+    # safetensors needs contiguous host buffers; np.asarray of a transposed jax array is fine.
+    tensors = {k: jnp.array(np.asarray(v)) for k, v in tensors.items()}
+    for old in list(path.glob("model*.safetensors")) + list(path.glob("model.safetensors.index.json")):
+        old.unlink()
+    if max_shard_bytes is None:
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        shards: list[dict] = [{}]
+        size = 0
+        for k in sorted(tensors):
+            nbytes = tensors[k].size * tensors[k].dtype.itemsize
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][k] = tensors[k]
+            size += nbytes
+        n = len(shards)
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            save_file(shard, str(path / name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+        total = sum(t.size * t.dtype.itemsize for t in tensors.values())
+        with open(path / "model.safetensors.index.json", "w") as f:
+            json.dump({"metadata": {"total_size": int(total)}, "weight_map": weight_map}, f, indent=2)
+    with open(path / "config.json", "w") as f:
+        json.dump(config.to_hf_dict(), f, indent=2, sort_keys=True)
+
+
+def load_tokenizer(path):
+    """transformers.AutoTokenizer from a local directory, or None if the directory has no tokenizer."""
+    path = Path(path)
+    if not any((path / n).exists() for n in ("tokenizer.json", "tokenizer_config.json", "vocab.json",
+                                              "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

@@ -1,0 +1,1 @@
+"""jaxdecode.kernels: Pallas kernels, each beside its pure-jnp reference."""

@@ -1,0 +1,59 @@
+"""Helpers for tests: tiny random Hugging Face checkpoints with a real tokenizer, built offline."""
+from __future__ import annotations
+
+from pathlib import Path
+
+TEXT = (
+    "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n"
+    "        self.x = x\n        self.y = y\n\nimport os\nimport sys\nprint('hello world')\n"
+    "for i in range(10):\n    if i % 2 == 0:\n        print(i)\n"
+) * 4
+
+
+def make_tokenizer(out_dir, vocab_size: int = 320):
+    """Train a byte-level BPE on a fixed snippet; saved so AutoTokenizer loads it offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([TEXT], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                   bos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def make_hf_model(kind: str, vocab_size: int = 320, seed: int = 0, **overrides):
+    """A random transformers model of the given family, in eval mode (no dropout)."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    base = dict(vocab_size=vocab_size, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if kind == "gpt2":
+        cfg = tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=128, **base)
+        cls = tf.GPT2LMHeadModel
+    else:
+        llama_like = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+        cfg_cls, cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+                        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+                        "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}[kind]
+        cfg = cfg_cls(**{**llama_like, **base})
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    # Larger init than the default spreads the logits, so greedy choices are not near-ties.
+    cfg.initializer_range = overrides.get("initializer_range", 0.2)
+    return cls(cfg).eval()
+
+
+def make_checkpoint(kind: str, out_dir, vocab_size: int = 320, seed: int = 0, **overrides) -> Path:
+    out_dir = Path(out_dir)
+    make_hf_model(kind, vocab_size, seed, **overrides).save_pretrained(str(out_dir))
+    make_tokenizer(out_dir, vocab_size)
+    return out_dir

@@ -1,0 +1,1 @@
+"""jaxdecode.training: Flax NNX + optax + orbax training of LMs, drafters, heads and filters."""
