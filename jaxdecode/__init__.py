@@ -1,2 +1,9 @@
-"""jaxdecode: pure-functional, jit-compiled decoders for language models in JAX."""
+"""jaxdecode: pure-functional, jit-compiled decoders for language models in JAX.
+
+    model = jaxdecode.load(path)                       # HF checkpoint dir (or None: embedded model)
+    out = jaxdecode.generate(model, ["def f("], method="greedy", max_new_tokens=32)
+"""
+from jaxdecode.api import Generation, Model, generate, load, methods, register_method
+
 __version__ = "0.1.0"
+__all__ = ["Generation", "Model", "generate", "load", "methods", "register_method"]

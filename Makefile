@@ -1,0 +1,38 @@
+# Two commands on a fresh machine with Python 3.11 and pip:  `make run`  and  `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+
+.PHONY: run test test-all bench models clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# Runtime install (the main job needs no torch).
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
+	touch $@
+
+# Test install: adds torch (CPU, parity tests only), pytest and the notebook runner.
+$(VENV)/.installed-test: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@ $(VENV)/.installed
+
+run: $(VENV)/.installed
+	$(BIN)/jaxdecode demo
+
+test: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -q -n 2 --durations=15
+
+test-all: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -q -n 2 -m "slow or not slow"
+
+bench: $(VENV)/.installed-test
+	$(BIN)/python benchmarks/bench_autoregressive.py
+
+models: $(VENV)/.installed-test
+	$(BIN)/python -m jaxdecode.training.build_embedded
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

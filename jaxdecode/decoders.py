@@ -1,0 +1,81 @@
+"""Built-in methods of `jaxdecode.generate`: adapters from the registry to the decoder functions.
+
+Each adapter turns the common options (temperature, top-k/p, min-p, repetition penalty, seed, EOS,
+mesh) into the decoder's own arguments; the decoders themselves stay plain jit-able functions.
+"""
+from __future__ import annotations
+
+import jax
+
+from jaxdecode.api import register_method
+from jaxdecode.autoregressive import decode
+from jaxdecode.beam import beam_search
+from jaxdecode.sampling import SamplerConfig
+
+SAMPLER_OPTIONS = ("top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def sampler_from_options(opts: dict, default_temperature: float) -> SamplerConfig:
+    t = opts.get("temperature")
+    return SamplerConfig(
+        temperature=default_temperature if t is None else float(t),
+        top_k=int(opts.get("top_k") or 0), top_p=float(opts.get("top_p") or 1.0),
+        min_p=float(opts.get("min_p") or 0.0),
+        repetition_penalty=float(opts.get("repetition_penalty") or 1.0))
+
+
+def place_inputs(model, prompt_tokens, prompt_lengths, opts):
+    """With a mesh: parameters as loaded (sharded by `load(mesh=...)`), prompts over `data`."""
+    mesh = opts.get("mesh")
+    if mesh is None:
+        return model.params, prompt_tokens, prompt_lengths
+    from jaxdecode.sharding import shard_batch, shard_params
+    return (shard_params(model.params, mesh), shard_batch(prompt_tokens, mesh),
+            shard_batch(prompt_lengths, mesh))
+
+
+def _autoregressive(kind: str, default_temperature: float):
+    def run(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
+        params, toks, lens = place_inputs(model, prompt_tokens, prompt_lengths, opts)
+        sampler = sampler_from_options(opts, default_temperature)
+        method = "greedy" if kind == "sample" and sampler.temperature == 0 else kind
+        extra = {}
+        if kind == "mirostat":
+            extra = {k: float(opts[o]) for k, o in (("mirostat_tau", "tau"), ("mirostat_eta", "eta"))
+                     if opts.get(o) is not None}
+        out = decode(model.config, params, toks, lens, max_new_tokens=max_new_tokens, sampler=sampler,
+                     eos_ids=opts["eos_ids"], key=jax.random.PRNGKey(opts.get("seed") or 0),
+                     cache_len=opts.get("cache_len"), method=method, **extra)
+        return out.tokens, out.lengths, out.stats
+    return run
+
+
+def _beam(diverse: bool):
+    def run(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
+        params, toks, lens = place_inputs(model, prompt_tokens, prompt_lengths, opts)
+        num_beams = int(opts.get("num_beams") or 4)
+        groups = int(opts.get("num_groups") or (2 if diverse else 1))
+        out = beam_search(model.config, params, toks, lens, max_new_tokens=max_new_tokens,
+                          num_beams=num_beams, length_penalty=float(opts.get("length_penalty", 1.0)),
+                          eos_ids=opts["eos_ids"], num_groups=groups,
+                          diversity_penalty=float(opts.get("diversity_penalty",
+                                                           0.5 if diverse else 0.0)),
+                          cache_len=opts.get("cache_len"))
+        stats = dict(out.stats)
+        stats["beam_scores"] = out.scores
+        stats["beams"] = out.tokens
+        stats["beam_lengths"] = out.lengths
+        return out.tokens[:, 0], out.lengths[:, 0], stats
+    return run
+
+
+register_method("greedy", _autoregressive("greedy", 0.0), description="argmax decoding")
+register_method("sample", _autoregressive("sample", 1.0), SAMPLER_OPTIONS, aliases=("sampling",),
+                description="ancestral sampling with temperature / top-k / top-p / min-p / repetition penalty")
+register_method("mirostat", _autoregressive("mirostat", 1.0), SAMPLER_OPTIONS + ("tau", "eta"),
+                description="Mirostat v2 sampling at a target surprise tau (bits)")
+register_method("beam", _beam(False), ("num_beams", "length_penalty"), aliases=("beam_search",),
+                description="beam search with length penalty")
+register_method("diverse_beam", _beam(True),
+                ("num_beams", "length_penalty", "num_groups", "diversity_penalty"),
+                description="Diverse Beam Search (Hamming diversity between beam groups)")

@@ -1,0 +1,126 @@
+"""Device meshes and logical -> physical sharding rules.
+
+Every array axis gets a *logical* name (batch, heads, mlp, vocab, ...); `LOGICAL_RULES` maps logical
+names to mesh axes (`data`, `model`). Batch shards over `data` (data parallel), attention heads, MLP
+width and vocabulary over `model` (tensor parallel). An axis whose size the mesh axis does not divide
+stays replicated (e.g. 2 KV heads on a 4-way `model` axis) instead of failing: correctness never
+depends on the layout, only speed does.
+
+Multi-host: call `jax.distributed.initialize()` first; `make_mesh` then spans all processes' devices
+and nothing here assumes one host.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+DATA, MODEL = "data", "model"
+
+LOGICAL_RULES: dict[str, str | None] = {
+    "batch": DATA,
+    "heads": MODEL,
+    "kv_heads": MODEL,
+    "mlp": MODEL,
+    "vocab": MODEL,
+    "embed": None,
+    "layers": None,
+    "head_dim": None,
+    "seq": None,
+    "positions": None,
+}
+
+# Logical axes of every parameter (by its key in the params pytree; see models/transformer.py).
+PARAM_AXES: dict[str, tuple] = {
+    "embed": ("vocab", "embed"),
+    "pos_embed": ("positions", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "scale": ("embed",),  # final_norm (the per-layer norms get a leading "layers" axis)
+    "bias": ("embed",),
+    "wq": ("layers", "embed", "heads", "head_dim"),
+    "wk": ("layers", "embed", "kv_heads", "head_dim"),
+    "wv": ("layers", "embed", "kv_heads", "head_dim"),
+    "wo": ("layers", "heads", "head_dim", "embed"),
+    "bq": ("layers", "heads", "head_dim"),
+    "bk": ("layers", "kv_heads", "head_dim"),
+    "bv": ("layers", "kv_heads", "head_dim"),
+    "bo": ("layers", "embed"),
+    "w_gate": ("layers", "embed", "mlp"),
+    "w_up": ("layers", "embed", "mlp"),
+    "w_down": ("layers", "mlp", "embed"),
+    "b_gate": ("layers", "mlp"),
+    "b_up": ("layers", "mlp"),
+    "b_down": ("layers", "embed"),
+}
+
+CACHE_AXES = {"k": ("layers", "batch", "kv_heads", "seq", "head_dim"),
+              "v": ("layers", "batch", "kv_heads", "seq", "head_dim"),
+              "lengths": ("batch",)}
+
+
+def make_mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:
+    """A (`data`, `model`) mesh over `devices` (default: all). `data` defaults to the rest."""
+    devices = list(jax.devices() if devices is None else devices)
+    if model < 1 or len(devices) % model:
+        raise ValueError(f"model={model} must divide the number of devices ({len(devices)})")
+    data = len(devices) // model if data is None else data
+    if data * model != len(devices):
+        raise ValueError(f"mesh {data}x{model} needs {data * model} devices, have {len(devices)}; "
+                         f"pass devices=jax.devices()[:{data * model}] to use a subset")
+    grid = np.asarray(devices, dtype=object).reshape(data, model)
+    auto = getattr(jax.sharding, "AxisType", None)
+    if auto is not None:  # Auto axes: GSPMD propagates shardings through the decoders
+        return Mesh(grid, (DATA, MODEL), axis_types=(auto.Auto, auto.Auto))
+    return Mesh(grid, (DATA, MODEL))
+
+
+def spec_for(logical_axes: tuple, shape: tuple, mesh: Mesh, rules=LOGICAL_RULES) -> P:
+    """PartitionSpec for an array, replicating axes the mesh axis size does not divide."""
+    out = []
+    used = set()
+    for name, size in zip(logical_axes, shape):
+        axis = rules.get(name)
+        if axis is None or axis in used or size % mesh.shape[axis]:
+            out.append(None)
+        else:
+            out.append(axis)
+            used.add(axis)
+    return P(*out)
+
+
+def _param_axes(path, leaf) -> tuple:
+    key = path[-1].key
+    axes = PARAM_AXES.get(key)
+    if axes is None:
+        raise ValueError(f"no sharding rule for parameter {jax.tree_util.keystr(path)}; "
+                         f"add it to jaxdecode.sharding.PARAM_AXES")
+    if key in ("scale", "bias") and leaf.ndim == 2:  # per-layer norms: [L, D]
+        axes = ("layers",) + axes
+    if len(axes) != leaf.ndim:
+        raise ValueError(f"parameter {jax.tree_util.keystr(path)} has {leaf.ndim} axes, its rule "
+                         f"names {len(axes)}: {axes}")
+    return axes
+
+
+def param_shardings(params, mesh: Mesh, rules=LOGICAL_RULES):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a: NamedSharding(mesh, spec_for(_param_axes(path, a), a.shape, mesh, rules)),
+        params)
+
+
+def shard_params(params, mesh: Mesh, rules=LOGICAL_RULES):
+    """Place parameters on the mesh: heads and MLP tensor-parallel over `model`."""
+    return jax.device_put(params, param_shardings(params, mesh, rules))
+
+
+def shard_cache(cache, mesh: Mesh, rules=LOGICAL_RULES):
+    """Place a KVCache on the mesh: batch over `data`, KV heads over `model`."""
+    shardings = {name: NamedSharding(mesh, spec_for(axes, getattr(cache, name).shape, mesh, rules))
+                 for name, axes in CACHE_AXES.items()}
+    return cache.replace(**{n: jax.device_put(getattr(cache, n), s) for n, s in shardings.items()})
+
+
+def shard_batch(x, mesh: Mesh, rules=LOGICAL_RULES):
+    """Place a [B, ...] array with its batch axis over `data` (replicated if B does not divide)."""
+    axes = ("batch",) + (None,) * (np.ndim(x) - 1)
+    return jax.device_put(x, NamedSharding(mesh, spec_for(axes, np.shape(x), mesh, rules)))

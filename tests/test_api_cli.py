@@ -1,0 +1,83 @@
+"""Public surface: jaxdecode.load / generate / methods and the `jaxdecode` CLI."""
+import json
+
+import pytest
+
+import jaxdecode
+from jaxdecode.cli import main
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama_dir):
+    return jaxdecode.load(tiny_llama_dir)
+
+
+def test_load_and_generate_text(model):
+    assert model.tokenizer is not None and model.config.model_type == "llama"
+    out = jaxdecode.generate(model, ["def add(a, b):", "import"], method="greedy", max_new_tokens=5,
+                             eos_ids=())
+    assert len(out) == 2
+    for r in out:
+        assert r.stats["new_tokens"] == 5 == len(r.tokens)
+        assert r.stats["target_calls"] == 5  # prefill (gives the first token) + 4 decode steps
+        assert r.stats["seconds"] > 0
+        assert r.text == model.decode(r.tokens)
+
+
+def test_every_registered_method_runs(model):
+    names = jaxdecode.methods()
+    for required in ("greedy", "sample", "mirostat", "beam", "diverse_beam"):
+        assert required in names
+    for method, opts in [("sample", dict(temperature=0.7, top_k=10, top_p=0.9, min_p=0.01,
+                                         repetition_penalty=1.2)),
+                         ("mirostat", dict(tau=3.0)), ("beam", dict(num_beams=3)),
+                         ("diverse_beam", dict(num_beams=4, num_groups=2, diversity_penalty=1.0))]:
+        out = jaxdecode.generate(model, [[5, 6, 7], [8]], method=method, max_new_tokens=4, **opts)
+        assert [len(r.tokens) for r in out] == [r.stats["new_tokens"] for r in out]
+
+
+def test_generate_is_deterministic_given_seed(model):
+    a = jaxdecode.generate(model, "def f(", method="sample", max_new_tokens=6, seed=4, eos_ids=())
+    b = jaxdecode.generate(model, "def f(", method="sample", max_new_tokens=6, seed=4, eos_ids=())
+    assert a[0].tokens == b[0].tokens
+
+
+def test_generate_bad_input(model):
+    with pytest.raises(ValueError, match="unknown method 'nope'"):
+        jaxdecode.generate(model, "x", method="nope")
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        jaxdecode.generate(model, ["x", ""], method="greedy")
+    with pytest.raises(ValueError, match="does not take option"):
+        jaxdecode.generate(model, "x", method="greedy", num_beams=3)
+    with pytest.raises(ValueError, match=r"vocab"):
+        jaxdecode.generate(model, [[1, 2, 10_000]], method="greedy")
+    with pytest.raises(ValueError, match="not a directory"):
+        jaxdecode.load("/nonexistent/dir")
+
+
+def test_cli_generate_json(tiny_llama_dir, capsys):
+    rc = main(["generate", "--model", str(tiny_llama_dir), "--prompt", "def add(", "--prompt",
+               "class", "--method", "greedy", "--max-new-tokens", "4", "--json"])
+    assert rc == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert [x["prompt"] for x in lines] == ["def add(", "class"]
+    for x in lines:
+        assert set(x) == {"prompt", "text", "tokens", "stats"}
+        assert {"new_tokens", "target_calls", "seconds"} <= set(x["stats"])
+
+
+def test_cli_prompts_file_and_sampling(tiny_llama_dir, tmp_path, capsys):
+    f = tmp_path / "prompts.txt"
+    f.write_text("import os\n\nfor i in\n")
+    rc = main(["generate", "--model", str(tiny_llama_dir), "--prompts-file", str(f), "--method",
+               "sample", "--temperature", "0.7", "--top-p", "0.9", "--seed", "1",
+               "--max-new-tokens", "3", "--json"])
+    assert rc == 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == 2
+
+
+def test_cli_errors_are_clear(tiny_llama_dir, capsys):
+    rc = main(["generate", "--model", str(tiny_llama_dir), "--prompt", "x", "--method", "nope"])
+    assert rc == 2 and "unknown method 'nope'" in capsys.readouterr().err
+    rc = main(["generate", "--model", "/nonexistent", "--prompt", "x"])
+    assert rc == 2 and "error" in capsys.readouterr().err

@@ -1,0 +1,16 @@
+"""The quickstart notebook runs top to bottom on CPU."""
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "quickstart.ipynb"
+
+
+def test_quickstart_notebook_runs(tmp_path):
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                      for o in c.get("outputs", []))
+    assert "[greedy]" in outputs and "[beam]" in outputs and "target_calls" in outputs

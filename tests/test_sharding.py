@@ -1,0 +1,64 @@
+"""Sharded on a simulated 2x4 (data x model) mesh equals single device."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdecode.autoregressive import decode, pad_prompts
+from jaxdecode.models import ModelConfig, causal_mask, forward, init_cache, init_params
+from jaxdecode.sampling import SamplerConfig
+from jaxdecode.sharding import make_mesh, shard_batch, shard_cache, shard_params, spec_for
+
+CONFIG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
+                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                     max_position_embeddings=128)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    assert jax.device_count() >= 8, "tests/conftest.py should simulate 8 CPU devices"
+    params = init_params(CONFIG, jax.random.PRNGKey(0), std=0.3)
+    return params, make_mesh(data=2, model=4, devices=jax.devices()[:8])
+
+
+def test_rules_shard_heads_and_replicate_what_does_not_divide(setup):
+    params, mesh = setup
+    sp = shard_params(params, mesh)
+    assert sp["layers"]["wq"].sharding.spec == jax.sharding.PartitionSpec(None, None, "model", None)
+    # 2 KV heads do not divide a 4-way model axis: replicated rather than an error
+    assert sp["layers"]["wk"].sharding.spec == jax.sharding.PartitionSpec(None, None, None, None)
+    assert sp["layers"]["w_up"].sharding.spec == jax.sharding.PartitionSpec(None, None, "model")
+    assert spec_for(("batch", None), (3, 5), mesh) == jax.sharding.PartitionSpec(None, None)
+
+
+def test_sharded_forward_equals_single_device(setup):
+    params, mesh = setup
+    toks = jnp.asarray(np.random.RandomState(0).randint(0, 64, (2, 6)))
+    pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
+    mask = causal_mask(2, 6)
+    ref, _, ref_cache = forward(CONFIG, params, toks, pos, init_cache(CONFIG, 2, 16), mask)
+    got, _, got_cache = forward(CONFIG, shard_params(params, mesh), shard_batch(toks, mesh),
+                                shard_batch(pos, mesh), shard_cache(init_cache(CONFIG, 2, 16), mesh),
+                                shard_batch(mask, mesh))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got_cache.k), np.asarray(ref_cache.k), atol=1e-5)
+
+
+@pytest.mark.parametrize("method,sampler", [("greedy", SamplerConfig(temperature=0.0)),
+                                            ("sample", SamplerConfig(temperature=0.8, top_k=20))])
+def test_sharded_decode_equals_single_device(setup, method, sampler):
+    params, mesh = setup
+    prompts, lengths = pad_prompts([[3, 9, 27, 4, 1], [8, 2], [5, 5, 5], [60, 1, 33, 7]])
+    kw = dict(max_new_tokens=8, sampler=sampler, method=method, key=jax.random.PRNGKey(3))
+    ref = decode(CONFIG, params, prompts, lengths, **kw)
+    got = decode(CONFIG, shard_params(params, mesh), shard_batch(prompts, mesh),
+                 shard_batch(lengths, mesh), **kw)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
+    np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(ref.lengths))
+
+
+def test_mesh_errors():
+    with pytest.raises(ValueError, match="must divide the number of devices"):
+        make_mesh(model=3, devices=jax.devices()[:8])
+    with pytest.raises(ValueError, match="needs 6 devices"):
+        make_mesh(data=3, model=2, devices=jax.devices()[:8])
