@@ -1,0 +1,148 @@
+"""Token trees: the draft structure shared by drafters, tree builders, verifiers and the kernel.
+
+A tree of N draft nodes per row is `parents: int32[B, N]` (−1 = child of the root, i.e. of the last
+committed token; otherwise the index of an earlier node: parents[i] < i, so nodes are topologically
+ordered and any root-to-node path is increasing in index) plus `tokens: int32[B, N]` and
+`valid: bool[B, N]` (rows may use fewer than N nodes; invalid nodes are never accepted or attended).
+
+Distributions over the tree are indexed by *parent slot*: slot 0 is the root, slot i+1 is node i. So a
+target array `p[B, N+1, V]` holds, at slot s, the next-token distribution after the path ending at s;
+node i's own token is scored by p[:, parents[i]+1].
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class TreeError(ValueError):
+    """A parents array that is not a valid token tree."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Tree:
+    tokens: jax.Array  # int32[B, N]
+    parents: jax.Array  # int32[B, N]; -1 = root's child; parents[i] < i
+    valid: jax.Array  # bool[B, N]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    def replace(self, **kw) -> "Tree":
+        return dataclasses.replace(self, **kw)
+
+
+def validate_parents(parents, num_nodes: int | None = None) -> np.ndarray:
+    """Host-side check of a parents array ([N] or [B, N]); raises TreeError naming the problem."""
+    p = np.asarray(parents)
+    if p.ndim not in (1, 2):
+        raise TreeError(f"parents must have shape [N] or [B, N], got {p.shape}")
+    if not np.issubdtype(p.dtype, np.integer):
+        raise TreeError(f"parents must be integers, got dtype {p.dtype}")
+    rows = p.reshape(-1, p.shape[-1])
+    n = rows.shape[1]
+    if num_nodes is not None and n != num_nodes:
+        raise TreeError(f"parents has {n} nodes, expected {num_nodes}")
+    idx = np.arange(n)
+    for r, row in enumerate(rows):
+        where = f" (row {r})" if p.ndim == 2 else ""
+        if np.any(row < -1) or np.any(row >= n):
+            bad = int(idx[(row < -1) | (row >= n)][0])
+            raise TreeError(f"parents[{bad}] = {row[bad]}{where} is out of range: use -1 for a child of "
+                            f"the root or the index 0..{n - 1} of an earlier node")
+        self_loop = row == idx
+        if np.any(self_loop):
+            bad = int(idx[self_loop][0])
+            raise TreeError(f"parents[{bad}] = {bad}{where}: a node cannot be its own parent (cycle)")
+        late = row > idx
+        if np.any(late):
+            bad = int(idx[late][0])
+            # Distinguish a true cycle from a mere ordering problem, to say how to fix it.
+            seen, j = set(), bad
+            while j != -1 and j not in seen:
+                seen.add(j)
+                j = int(row[j])
+            kind = "forms a cycle" if j != -1 else "comes after its child"
+            raise TreeError(f"parents[{bad}] = {row[bad]}{where}: the parent {kind}; nodes must be "
+                            f"topologically ordered (every parent index smaller than its child's)")
+    return p.astype(np.int32)
+
+
+def depths(parents: jax.Array) -> jax.Array:
+    """Depth of each node (root's children have depth 1). parents: [..., N] -> int32[..., N]."""
+    n = parents.shape[-1]
+
+    def body(i, d):
+        par = parents[..., i]
+        parent_depth = jnp.take_along_axis(d, jnp.maximum(par, 0)[..., None], axis=-1)[..., 0]
+        return d.at[..., i].set(jnp.where(par < 0, 1, parent_depth + 1))
+
+    return jax.lax.fori_loop(0, n, body, jnp.zeros(parents.shape, jnp.int32))
+
+
+def ancestor_mask(parents: jax.Array) -> jax.Array:
+    """A[..., i, j] = node j is node i or an ancestor of i. parents: [..., N] -> bool[..., N, N]."""
+    n = parents.shape[-1]
+    eye = jnp.broadcast_to(jnp.eye(n, dtype=bool), parents.shape + (n,))
+
+    def body(i, a):
+        par = parents[..., i]
+        parent_row = jnp.take_along_axis(a, jnp.maximum(par, 0)[..., None, None], axis=-2)[..., 0, :]
+        row = jnp.where((par >= 0)[..., None], parent_row, False) | eye[..., i, :]
+        return a.at[..., i, :].set(row)
+
+    return jax.lax.fori_loop(0, n, body, eye)
+
+
+def tree_attention_mask(tree: Tree) -> jax.Array:
+    """Mask among the N new tokens of a verification forward: ancestors, valid nodes only."""
+    return ancestor_mask(tree.parents) & tree.valid[:, None, :] & tree.valid[:, :, None]
+
+
+def tree_positions(tree: Tree, prefix_lengths: jax.Array) -> jax.Array:
+    """Position of each node: committed prefix length + depth − 1 (the root's children come next)."""
+    return prefix_lengths[:, None] + depths(tree.parents) - 1
+
+
+def path_to_keep(path_nodes: jax.Array, num_nodes: int) -> jax.Array:
+    """Accepted path (node indices, −1 padded) -> keep mask bool[B, N] for `commit`."""
+    hit = path_nodes[:, :, None] == jnp.arange(num_nodes)[None, None, :]
+    return jnp.any(hit & (path_nodes[:, :, None] >= 0), axis=1)
+
+
+def chain_tree(tokens: jax.Array, valid: jax.Array | None = None) -> Tree:
+    """A chain (γ draft tokens, each the child of the previous) as a Tree."""
+    b, n = tokens.shape
+    parents = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) - 1, (b, n))
+    valid = jnp.ones((b, n), bool) if valid is None else valid
+    return Tree(tokens=tokens.astype(jnp.int32), parents=parents, valid=valid)
+
+
+def static_tree_parents(paths) -> np.ndarray:
+    """Medusa-style "choices": a list of paths of child ranks, e.g. [(0,), (1,), (0, 0), (0, 1)].
+
+    Returns (parents int32[N], ranks int32[N]) with nodes ordered by depth then path, where ranks[i]
+    is node i's rank among its siblings (the drafter fills node i with its parent's ranks[i]-th
+    candidate). Every prefix of a path must itself be a path.
+    """
+    paths = [tuple(int(x) for x in p) for p in paths]
+    if not paths:
+        raise TreeError("a static tree needs at least one path")
+    if len(set(paths)) != len(paths):
+        raise TreeError("static tree paths contain duplicates")
+    ordered = sorted(paths, key=lambda p: (len(p), p))
+    index = {p: i for i, p in enumerate(ordered)}
+    parents, ranks = [], []
+    for p in ordered:
+        if len(p) == 0 or min(p) < 0:
+            raise TreeError(f"static tree path {p} must be a non-empty tuple of ranks >= 0")
+        if len(p) > 1 and p[:-1] not in index:
+            raise TreeError(f"static tree path {p} has no parent path {p[:-1]}: include every prefix")
+        parents.append(index[p[:-1]] if len(p) > 1 else -1)
+        ranks.append(p[-1])
+    return np.asarray(parents, np.int32), np.asarray(ranks, np.int32)
