@@ -111,9 +111,11 @@ class ModelConfig:
             act = cfg.get("activation_function", "gelu_new")
             if act not in ("gelu_new", "gelu_pytorch_tanh"):
                 raise ConfigError(f"unsupported GPT-2 activation_function={act!r}; expected 'gelu_new'")
-            if cfg.get("scale_attn_by_inverse_layer_idx") or cfg.get("reorder_and_upcast_attn"):
+            if (cfg.get("scale_attn_by_inverse_layer_idx") or cfg.get("reorder_and_upcast_attn")
+                    or not cfg.get("scale_attn_weights", True)):
                 raise ConfigError("GPT-2 options scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn "
-                                  "are not supported")
+                                  "/ scale_attn_weights=false are not supported (the forward scales "
+                                  "attention scores by 1/sqrt(head_dim) only)")
             n_layer = cfg.get("n_layer", 12)
             return cls(
                 model_type="gpt2", vocab_size=cfg["vocab_size"], hidden_size=d,

@@ -71,31 +71,36 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def _hf_layer_map(config: ModelConfig, i: int) -> dict[str, tuple[str, callable]]:
-    """HF tensor name -> (our layer param path, conversion from the HF tensor) for layer i."""
-    d, h, kv, hd = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+def _hf_layer_map(config: ModelConfig, i: int) -> dict[str, tuple[str, callable, tuple]]:
+    """HF tensor name -> (our layer param path, conversion from the HF tensor, HF shape) for layer i.
+
+    The HF shape is checked before converting: a reshape alone would accept a tensor of the right
+    size but the wrong layout (e.g. a transposed k_proj) and load garbage silently.
+    """
+    d, h, kv, hd, f = (config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
+                       config.intermediate_size)
     p = f"model.layers.{i}."
     m = {
-        p + "input_layernorm.weight": ("attn_norm/scale", lambda w: w),
-        p + "post_attention_layernorm.weight": ("mlp_norm/scale", lambda w: w),
-        p + "self_attn.q_proj.weight": ("wq", lambda w: w.T.reshape(d, h, hd)),
-        p + "self_attn.k_proj.weight": ("wk", lambda w: w.T.reshape(d, kv, hd)),
-        p + "self_attn.v_proj.weight": ("wv", lambda w: w.T.reshape(d, kv, hd)),
-        p + "self_attn.o_proj.weight": ("wo", lambda w: w.T.reshape(h, hd, d)),
-        p + "mlp.gate_proj.weight": ("w_gate", lambda w: w.T),
-        p + "mlp.up_proj.weight": ("w_up", lambda w: w.T),
-        p + "mlp.down_proj.weight": ("w_down", lambda w: w.T),
+        p + "input_layernorm.weight": ("attn_norm/scale", lambda w: w, (d,)),
+        p + "post_attention_layernorm.weight": ("mlp_norm/scale", lambda w: w, (d,)),
+        p + "self_attn.q_proj.weight": ("wq", lambda w: w.T.reshape(d, h, hd), (h * hd, d)),
+        p + "self_attn.k_proj.weight": ("wk", lambda w: w.T.reshape(d, kv, hd), (kv * hd, d)),
+        p + "self_attn.v_proj.weight": ("wv", lambda w: w.T.reshape(d, kv, hd), (kv * hd, d)),
+        p + "self_attn.o_proj.weight": ("wo", lambda w: w.T.reshape(h, hd, d), (d, h * hd)),
+        p + "mlp.gate_proj.weight": ("w_gate", lambda w: w.T, (f, d)),
+        p + "mlp.up_proj.weight": ("w_up", lambda w: w.T, (f, d)),
+        p + "mlp.down_proj.weight": ("w_down", lambda w: w.T, (d, f)),
     }
     if config.qkv_bias:
-        m[p + "self_attn.q_proj.bias"] = ("bq", lambda b: b.reshape(h, hd))
-        m[p + "self_attn.k_proj.bias"] = ("bk", lambda b: b.reshape(kv, hd))
-        m[p + "self_attn.v_proj.bias"] = ("bv", lambda b: b.reshape(kv, hd))
+        m[p + "self_attn.q_proj.bias"] = ("bq", lambda b: b.reshape(h, hd), (h * hd,))
+        m[p + "self_attn.k_proj.bias"] = ("bk", lambda b: b.reshape(kv, hd), (kv * hd,))
+        m[p + "self_attn.v_proj.bias"] = ("bv", lambda b: b.reshape(kv, hd), (kv * hd,))
     if config.o_bias:
-        m[p + "self_attn.o_proj.bias"] = ("bo", lambda b: b)
+        m[p + "self_attn.o_proj.bias"] = ("bo", lambda b: b, (d,))
     if config.mlp_bias:
-        m[p + "mlp.gate_proj.bias"] = ("b_gate", lambda b: b)
-        m[p + "mlp.up_proj.bias"] = ("b_up", lambda b: b)
-        m[p + "mlp.down_proj.bias"] = ("b_down", lambda b: b)
+        m[p + "mlp.gate_proj.bias"] = ("b_gate", lambda b: b, (f,))
+        m[p + "mlp.up_proj.bias"] = ("b_up", lambda b: b, (f,))
+        m[p + "mlp.down_proj.bias"] = ("b_down", lambda b: b, (d,))
     return m
 
 
@@ -178,9 +183,12 @@ def _convert_llama(config: ModelConfig, tensors: dict, expect: dict):
     used = set()
     per_layer: dict[str, list] = {}
     for i in range(config.num_layers):
-        for hf_name, (ours, conv) in _hf_layer_map(config, i).items():
+        for hf_name, (ours, conv, hf_shape) in _hf_layer_map(config, i).items():
             if hf_name not in tensors:
-                raise CheckpointError(f"missing weight tensor {hf_name!r}")
+                raise CheckpointError(f"missing weight tensor {hf_name!r} (expected shape {hf_shape})")
+            if tuple(tensors[hf_name].shape) != hf_shape:
+                raise CheckpointError(f"weight tensor {hf_name!r} has shape {tuple(tensors[hf_name].shape)}, "
+                                      f"expected {hf_shape}")
             w = conv_checked(hf_name, tensors[hf_name], conv, _lookup(expect["layers"], ours)[1:])
             per_layer.setdefault(ours, []).append(w)
             used.add(hf_name)

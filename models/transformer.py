@@ -151,13 +151,23 @@ def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, visible, key_pos, window
     return x + m, ck, cv
 
 
-def _layer_ids(config: ModelConfig, stop_at_layer, skip_layers) -> tuple:
-    stop = config.num_layers if stop_at_layer is None else stop_at_layer
-    if not 0 < stop <= config.num_layers:
-        raise ValueError(f"stop_at_layer must be in 1..{config.num_layers}, got {stop_at_layer}")
+def _layer_ids(config: ModelConfig, stop_at_layer, skip_layers, return_layers) -> tuple:
+    """The layers to run, in order; rejects selections that name layers the model does not have."""
+    n = config.num_layers
+    stop = n if stop_at_layer is None else stop_at_layer
+    if not 0 < stop <= n:
+        raise ValueError(f"stop_at_layer must be in 1..{n}, got {stop_at_layer}")
+    bad_skip = [i for i in (skip_layers or ()) if not 0 <= i < n]
+    if bad_skip:
+        raise ValueError(f"skip_layers {bad_skip} are not layers of this {n}-layer model (use 0..{n - 1})")
     ids = tuple(i for i in range(stop) if i not in set(skip_layers or ()))
     if not ids:
-        raise ValueError("skip_layers removes every layer")
+        raise ValueError(f"skip_layers={tuple(skip_layers)} with stop_at_layer={stop_at_layer} "
+                         "removes every layer")
+    not_run = [i for i in return_layers if i not in ids]
+    if not_run:
+        raise ValueError(f"return_layers {not_run} are not run by this forward (it runs layers {ids}: "
+                         "stop_at_layer and skip_layers exclude the others); ask only for layers it runs")
     return ids
 
 
@@ -173,7 +183,7 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
     with the new keys/values written after each row's committed prefix (lengths unchanged).
     """
     b, t = tokens.shape
-    ids = _layer_ids(config, stop_at_layer, skip_layers)
+    ids = _layer_ids(config, stop_at_layer, skip_layers, return_layers)
     x = jnp.take(params["embed"], tokens, axis=0)
     if config.is_gpt2:
         x = x + jnp.take(params["pos_embed"], positions, axis=0)

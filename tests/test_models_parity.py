@@ -1,0 +1,206 @@
+"""Parity of jaxdecode.models with transformers (PyTorch, f32) on tiny random checkpoints.
+
+Every variant is built once per module (a torch model saved with save_pretrained, loaded with
+load_params, and both run on one right-padded batch); the tests then compare the stored logits, so
+each architecture compiles the JAX forward once. Only valid (non-padding) positions are compared.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jd_testutil import make_hf_model
+from jaxdecode.models import forward, load_params, padded_causal_mask, save_params
+
+VOCAB = 64
+BATCH_LENGTHS = np.array([12, 9, 5])  # right-padded rows of different lengths
+SEQ = int(BATCH_LENGTHS.max())
+ATOL = 1e-5
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               # smaller than SEQ, so the scaled long-wavelength frequencies shape the logits
+               "original_max_position_embeddings": 8, "rope_theta": 10000.0}
+LINEAR_ROPE = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+
+# name -> (HF family, config overrides on top of jd_testutil's tiny defaults: hidden 32, 2 layers,
+# 4 heads, 2 kv heads)
+VARIANTS = {
+    "llama_gqa_untied_llama3": ("llama", dict(rope_parameters=LLAMA3_ROPE)),
+    "llama_mha_tied_linear_biases": ("llama", dict(num_key_value_heads=4, tie_word_embeddings=True,
+                                                   rope_parameters=LINEAR_ROPE, attention_bias=True,
+                                                   mlp_bias=True)),
+    "qwen2_biases_head_dim16": ("qwen2", dict(head_dim=16)),  # head_dim != hidden / heads (8)
+    "qwen2_window_on_layer1": ("qwen2", dict(use_sliding_window=True, sliding_window=4,
+                                             max_window_layers=1,
+                                             layer_types=["full_attention", "sliding_attention"])),
+    "mistral_window4": ("mistral", dict(sliding_window=4)),  # window < sequence length
+    "gpt2_tied": ("gpt2", {}),
+    "gpt2_untied": ("gpt2", dict(tie_word_embeddings=False)),
+}
+
+
+def _batch():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, VOCAB, (len(BATCH_LENGTHS), SEQ)).astype(np.int32)
+    valid = np.arange(SEQ)[None, :] < BATCH_LENGTHS[:, None]
+    return tokens, valid
+
+
+def torch_logits(model, tokens, valid) -> np.ndarray:
+    import torch
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(tokens, dtype=torch.long),
+                    attention_mask=torch.tensor(valid, dtype=torch.long))
+    return out.logits.float().numpy()
+
+
+def jax_logits(config, params, tokens, valid) -> np.ndarray:
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    logits, _, _ = forward(config, params, jnp.asarray(tokens), positions, None,
+                           padded_causal_mask(jnp.asarray(valid)))
+    return np.asarray(logits)
+
+
+def max_valid_diff(a, b, valid) -> float:
+    return float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))[valid].max())
+
+
+class Built:
+    """One variant: its checkpoint directory, the torch model, and both sides' logits."""
+
+    def __init__(self, name: str, root: Path):
+        kind, overrides = VARIANTS[name]
+        self.name, self.kind, self.dir = name, kind, root / name
+        self.torch_model = make_hf_model(kind, vocab_size=VOCAB, **overrides)
+        self.torch_model.save_pretrained(str(self.dir))
+        self.tokens, self.valid = _batch()
+        self.torch_logits = torch_logits(self.torch_model, self.tokens, self.valid)
+        self.config, self.params = load_params(self.dir)
+        self.logits = jax_logits(self.config, self.params, self.tokens, self.valid)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("parity")
+    cache: dict[str, Built] = {}
+
+    def get(name: str) -> Built:
+        if name not in cache:
+            cache[name] = Built(name, root)
+        return cache[name]
+    return get
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_logits_match_transformers(built, name):
+    v = built(name)
+    assert v.logits.shape == (len(BATCH_LENGTHS), SEQ, VOCAB)
+    assert np.isfinite(v.logits).all()
+    assert max_valid_diff(v.logits, v.torch_logits, v.valid) <= ATOL
+
+
+def test_variants_load_the_intended_shapes(built):
+    """Guard against an override silently not taking effect (the parity would then prove less)."""
+    c = built("llama_gqa_untied_llama3").config
+    assert (c.num_heads, c.num_kv_heads, c.tie_word_embeddings) == (4, 2, False)
+    assert dict(c.rope_scaling)["rope_type"] == "llama3"
+    c = built("llama_mha_tied_linear_biases").config
+    assert (c.num_kv_heads, c.tie_word_embeddings, c.qkv_bias, c.o_bias, c.mlp_bias) == (4, True, True,
+                                                                                          True, True)
+    assert "lm_head" not in built("llama_mha_tied_linear_biases").params
+    c = built("qwen2_biases_head_dim16").config
+    assert (c.head_dim, c.qkv_bias, c.o_bias) == (16, True, False)
+    assert built("qwen2_window_on_layer1").config.sliding_windows == (0, 4)
+    assert built("mistral_window4").config.sliding_windows == (4, 4)
+    assert built("gpt2_untied").config.tie_word_embeddings is False
+    assert "lm_head" in built("gpt2_untied").params
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_untied_llama3", "llama_mha_tied_linear_biases",
+                                  "mistral_window4", "qwen2_window_on_layer1"])
+def test_rope_scaling_and_windows_matter(built, name):
+    """Dropping the rope scaling / sliding window changes the logits, so parity above covers them."""
+    v = built(name)
+    plain = v.config.replace(rope_scaling=None, sliding_windows=(0,) * v.config.num_layers)
+    assert plain != v.config
+    assert max_valid_diff(jax_logits(plain, v.params, v.tokens, v.valid), v.logits, v.valid) > 1e-3
+
+
+def _to_4x_form(cfg: dict) -> dict:
+    """Rewrite a transformers 5.x config.json into the 4.x form (rope_theta/rope_scaling/torch_dtype)."""
+    cfg = dict(cfg)
+    rope = dict(cfg.pop("rope_parameters"))
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    cfg["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
+    cfg["torch_dtype"] = cfg.pop("dtype")
+    if cfg["model_type"] == "qwen2":
+        cfg.pop("layer_types", None)  # 4.x derives the windowed layers from max_window_layers
+    return cfg
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_untied_llama3", "llama_mha_tied_linear_biases",
+                                  "qwen2_window_on_layer1", "mistral_window4"])
+def test_config_json_4x_form_loads_like_5x(built, tmp_path, name):
+    v = built(name)
+    cfg5 = json.loads((v.dir / "config.json").read_text())
+    assert "rope_parameters" in cfg5 and "dtype" in cfg5 and "rope_theta" not in cfg5
+    shutil.copytree(v.dir, tmp_path / "4x")
+    (tmp_path / "4x" / "config.json").write_text(json.dumps(_to_4x_form(cfg5)))
+    config4, params4 = load_params(tmp_path / "4x")
+    assert config4 == v.config
+    jax.tree.map(np.testing.assert_array_equal, params4, v.params)
+    assert max_valid_diff(jax_logits(config4, params4, v.tokens, v.valid), v.torch_logits, v.valid) <= ATOL
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_untied_llama3", "gpt2_tied"])
+def test_sharded_save_pretrained_loads(built, tmp_path, name):
+    v = built(name)
+    v.torch_model.save_pretrained(str(tmp_path), max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    config, params = load_params(tmp_path)
+    assert config == v.config
+    jax.tree.map(np.testing.assert_array_equal, params, v.params)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_save_params_round_trips_through_transformers(built, tmp_path, name, sharded):
+    from transformers import AutoModelForCausalLM
+    v = built(name)
+    save_params(v.config, v.params, tmp_path, max_shard_bytes=8_000 if sharded else None)
+    if sharded:
+        index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+        assert len(set(index["weight_map"].values())) > 1
+    else:
+        assert (tmp_path / "model.safetensors").exists()
+    # Our own loader reads back exactly what we wrote.
+    config, params = load_params(tmp_path)
+    assert config == v.config
+    jax.tree.map(np.testing.assert_array_equal, params, v.params)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    assert type(model).__name__ == type(v.torch_model).__name__
+    assert max_valid_diff(torch_logits(model, v.tokens, v.valid), v.logits, v.valid) <= ATOL
+
+
+def test_bfloat16_load_runs_close_to_float32(built):
+    v = built("llama_gqa_untied_llama3")
+    config, params = load_params(v.dir, dtype="bfloat16")
+    assert config.dtype == "bfloat16" and config.replace(dtype="float32") == v.config
+    assert all(a.dtype == jnp.bfloat16 for a in jax.tree.leaves(params))
+    logits = jax_logits(config, params, v.tokens, v.valid)
+    assert logits.dtype == np.float32 and np.isfinite(logits).all()
+    scale = float(np.abs(v.logits[v.valid]).max())
+    # bf16 keeps 8 mantissa bits (~0.4% per rounding); a few roundings per layer stay within 5%.
+    assert max_valid_diff(logits, v.logits, v.valid) <= 0.05 * max(scale, 1.0)
+    # ... and the model still agrees with itself: the f32 argmax is among bf16's top few tokens.
+    top3 = np.argsort(-logits, axis=-1)[..., :3]
+    hits = (top3 == v.logits.argmax(-1)[..., None]).any(-1)[v.valid]
+    assert hits.mean() >= 0.9
