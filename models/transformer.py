@@ -86,22 +86,34 @@ def attention(q, k, v, visible):
     return out.reshape(b, t, h, hd).astype(q.dtype)
 
 
-def key_visibility(positions, attn_mask, lengths, max_len):
+def key_visibility(positions, attn_mask, lengths, max_len, write_offset=None, key_positions=None):
     """Which cache slots each new token sees, and the positions of the keys in those slots.
 
-    Slots < lengths[b] are the committed prefix (slot index == position); slots lengths[b]+j hold
-    new token j. Returns visible bool[B, T, S] and key_pos int32[B, S].
+    Slots < lengths[b] are the committed prefix (slot index == position). attn_mask [B, T, W] covers the
+    W slots lengths[b] .. lengths[b]+W-1 after it; the T new tokens are written at window columns
+    write_offset[b] .. write_offset[b]+T-1 (default 0, and W == T: the window is just the new tokens).
+    W > T lets a forward see tokens written by an earlier, not yet committed forward (a draft tree grown
+    level by level). key_positions [B, W] gives those earlier tokens' positions (only a sliding window
+    needs them; default: the slot index). Returns visible bool[B, T, S] and key_pos int32[B, S].
     """
     b, t = positions.shape
+    w = attn_mask.shape[2]
+    offset = jnp.zeros((b,), jnp.int32) if write_offset is None else write_offset.astype(jnp.int32)
     slots = jnp.arange(max_len, dtype=jnp.int32)[None, :]  # [1, S]
-    rel = slots - lengths[:, None]  # [B, S]: index into the new tokens
+    rel = slots - lengths[:, None]  # [B, S]: column of the attention window
     committed = rel < 0
-    is_new = (rel >= 0) & (rel < t)
-    rel_c = jnp.clip(rel, 0, t - 1)
-    new_vis = jnp.take_along_axis(attn_mask.astype(bool), jnp.broadcast_to(rel_c[:, None, :], (b, t, max_len)),
+    in_window = (rel >= 0) & (rel < w)
+    rel_c = jnp.clip(rel, 0, w - 1)
+    win_vis = jnp.take_along_axis(attn_mask.astype(bool), jnp.broadcast_to(rel_c[:, None, :], (b, t, max_len)),
                                   axis=2)
-    visible = committed[:, None, :] | (is_new[:, None, :] & new_vis)
-    key_pos = jnp.where(committed, slots, jnp.take_along_axis(positions, rel_c, axis=1))
+    visible = committed[:, None, :] | (in_window[:, None, :] & win_vis)
+    # Key positions: committed slots by index; the new tokens from `positions`; other window columns
+    # from key_positions (or their slot index).
+    new_col = rel - offset[:, None]
+    is_new = (new_col >= 0) & (new_col < t)
+    new_pos = jnp.take_along_axis(positions, jnp.clip(new_col, 0, t - 1), axis=1)
+    other_pos = slots if key_positions is None else jnp.take_along_axis(key_positions, rel_c, axis=1)
+    key_pos = jnp.where(committed, slots, jnp.where(is_new, new_pos, other_pos))
     return visible, key_pos.astype(jnp.int32)
 
 
@@ -112,7 +124,7 @@ def _window_mask(visible, q_pos, key_pos, window):
 
 
 # ----------------------------------------------------------------------------- the layer
-def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, visible, key_pos, window, ck, cv, lengths):
+def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, visible, key_pos, window, ck, cv, write_start):
     """One transformer block. x: [B, T, D]. ck/cv: this layer's cache [B, KV, S, hd] or None."""
     h = _norm(config, x, lp["attn_norm"])
     q = jnp.einsum("btd,dnh->btnh", h, lp["wq"])  # [B, T, H, hd]
@@ -126,7 +138,7 @@ def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, visible, key_pos, window
     k = k.transpose(0, 2, 1, 3)  # [B, KV, T, hd]
     v = v.transpose(0, 2, 1, 3)
     if ck is not None:
-        ck, cv = write_new(ck, cv, k, v, lengths)
+        ck, cv = write_new(ck, cv, k, v, write_start)
         keys, vals = ck, cv
     else:
         keys, vals = k, v
@@ -174,22 +186,30 @@ def _layer_ids(config: ModelConfig, stop_at_layer, skip_layers, return_layers) -
 # ----------------------------------------------------------------------------- forward
 @partial(jax.jit, static_argnames=("config", "return_layers", "stop_at_layer", "skip_layers"))
 def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | None, attn_mask,
-            *, return_layers: tuple = (), stop_at_layer: int | None = None,
-            skip_layers: tuple = ()):
+            *, write_offset=None, key_positions=None, return_layers: tuple = (),
+            stop_at_layer: int | None = None, skip_layers: tuple = ()):
     """Run the model over T new tokens per row. See the module docstring for the contract.
 
+    attn_mask is [B, T, T], or with a cache [B, T, W >= T]: then its columns are the W slots after the
+    committed prefix and the new tokens are written at columns write_offset[b]..+T-1 (see
+    `key_visibility`), so a draft tree can grow level by level without committing.
     Returns logits [B, T, V] (float32), hidden {"final": [B, T, D] after the final norm,
     "layers": [len(return_layers), B, T, D] outputs of the chosen layers (or None)}, and the cache
     with the new keys/values written after each row's committed prefix (lengths unchanged).
     """
     b, t = tokens.shape
+    if attn_mask.shape[:2] != (b, t) or attn_mask.shape[2] < t or (cache is None and attn_mask.shape[2] != t):
+        raise ValueError(f"attn_mask must be [B, T, T] (or [B, T, W>=T] with a cache) for tokens "
+                         f"{tokens.shape}, got {attn_mask.shape}")
     ids = _layer_ids(config, stop_at_layer, skip_layers, return_layers)
     x = jnp.take(params["embed"], tokens, axis=0)
     if config.is_gpt2:
         x = x + jnp.take(params["pos_embed"], positions, axis=0)
     inv_freq = jnp.asarray(rope_inv_freq(config)) if config.uses_rope else None
     if cache is not None:
-        visible, key_pos = key_visibility(positions, attn_mask, cache.lengths, cache.max_len)
+        visible, key_pos = key_visibility(positions, attn_mask, cache.lengths, cache.max_len,
+                                          write_offset, key_positions)
+        write_start = cache.lengths if write_offset is None else cache.lengths + write_offset
     else:
         visible, key_pos = attn_mask.astype(bool), positions.astype(jnp.int32)
 
@@ -207,7 +227,7 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
     def body(x, xs):
         lp, w, ck, cv = xs
         x, ck, cv = _layer(config, x, lp, positions, inv_freq, visible, key_pos, w, ck, cv,
-                           None if cache is None else cache.lengths)
+                           None if cache is None else write_start)
         return x, (x if return_layers else None, ck, cv)
 
     x, (per_layer, new_k, new_v) = jax.lax.scan(body, x, (layers, windows, ck_all, cv_all))

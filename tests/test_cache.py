@@ -294,3 +294,32 @@ def test_bad_layer_selection_is_a_clear_error(layered, select, message):
     params, tokens, positions, mask = layered
     with pytest.raises(ValueError, match=message):
         forward(LAYERED, params, tokens, positions, None, mask, **select)
+
+
+def test_tree_grown_level_by_level_with_write_offset_equals_one_tree_forward():
+    """Writing a tree in two forwards (W > T window, write_offset) equals one forward over it."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jaxdecode.models import ModelConfig, advance, causal_mask, forward, init_cache, init_params
+    from jaxdecode.tree import ancestor_mask, depths
+
+    cfg = ModelConfig(model_type="llama", vocab_size=48, hidden_size=32, intermediate_size=64,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+    params = init_params(cfg, jax.random.PRNGKey(1), std=0.3)
+    prompt = jnp.asarray(np.random.RandomState(0).randint(0, 48, (2, 5)))
+    cache = init_cache(cfg, 2, 32)
+    _, _, cache = forward(cfg, params, prompt, jnp.broadcast_to(jnp.arange(5), (2, 5)), cache,
+                          causal_mask(2, 5))
+    cache = advance(cache, jnp.array([5, 3]))  # ragged committed prefixes
+    parents = jnp.array([[-1, -1, 0, 0, 1]] * 2)
+    toks = jnp.asarray(np.random.RandomState(1).randint(0, 48, (2, 5)))
+    pos = cache.lengths[:, None] + depths(parents) - 1
+    mask = ancestor_mask(parents)
+    ref, _, _ = forward(cfg, params, toks, pos, cache, mask)
+    # level 1 (nodes 0, 1) then level 2 (nodes 2, 3, 4) with a 5-wide window
+    l1, _, c1 = forward(cfg, params, toks[:, :2], pos[:, :2], cache, mask[:, :2, :],
+                        write_offset=jnp.zeros((2,), jnp.int32))
+    l2, _, _ = forward(cfg, params, toks[:, 2:], pos[:, 2:], c1, mask[:, 2:, :],
+                       write_offset=jnp.full((2,), 2, jnp.int32))
+    np.testing.assert_allclose(np.concatenate([l1, l2], axis=1), ref, atol=1e-5)
