@@ -1,0 +1,226 @@
+"""Tree builders: decide the *shape* of a draft tree from a drafter's next-token distributions.
+
+A builder drives a scorer (e.g. a draft LM) through `expand(scorer_state, start, tokens[B, F],
+parents_all[B, W]) -> (logq[B, F, V], scorer_state)`: it asks for the next-token log-distributions
+after F new nodes (working indices start..start+F-1, parents in `parents_all`) and picks children.
+Builders are static (hashable) configuration; they differ only in which nodes they add:
+
+- `ChainBuilder(depth, rule)`: one path; children by argmax or by sampling from q.
+- `StaticTreeBuilder(paths, rule)`: a fixed list of paths (Medusa "choices"); a node with sibling rank r
+  takes its parent's r-th top candidate ("topk"), an i.i.d. sample ("iid", SpecInfer/SpecTr), or the
+  r-th of a Gumbel-top-k draw without replacement ("gumbel", Recursive Speculative Decoding).
+- `DynamicTreeBuilder(depth, topk, total)`: EAGLE-2. Expand `depth` levels keeping the global top-k
+  of the k x k children by cumulative draft log-prob, then keep the best `total` nodes of all levels.
+
+Each returns (Tree, q_slots[B, N+1, V] draft probabilities per parent slot, scorer_state).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdecode.tree import Tree, TreeError, static_tree_parents
+
+RULES = ("argmax", "sample", "topk", "iid", "gumbel")
+
+
+def _ranked(logq, k: int, rule: str, key):
+    """k children per distribution: [..., V] -> [..., k] tokens by the rule."""
+    if rule in ("argmax", "topk"):
+        return jax.lax.top_k(logq, k)[1]
+    if rule in ("iid", "sample"):
+        return jax.random.categorical(key, logq[..., None, :], axis=-1, shape=logq.shape[:-1] + (k,))
+    if rule == "gumbel":  # without replacement: top-k of log q + Gumbel noise
+        g = jax.random.gumbel(key, logq.shape)
+        return jax.lax.top_k(jnp.where(jnp.isfinite(logq), logq + g, -jnp.inf), k)[1]
+    raise ValueError(f"unknown child rule {rule!r}; use one of {RULES}")
+
+
+def _empty_slots(logq_root, n):
+    b, v = logq_root.shape
+    return jnp.zeros((b, n + 1, v), jnp.float32).at[:, 0].set(jnp.exp(logq_root))
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainBuilder:
+    depth: int
+    rule: str = "argmax"  # "argmax" (greedy drafting) or "sample" (children ~ q, chain/block verifiers)
+
+    def __post_init__(self):
+        if self.depth < 1:
+            raise TreeError(f"a chain needs depth >= 1, got {self.depth}")
+        if self.rule not in ("argmax", "sample"):
+            raise TreeError(f"a chain's rule is 'argmax' or 'sample', got {self.rule!r}")
+
+    num_nodes = property(lambda self: self.depth)
+    max_depth = property(lambda self: self.depth)
+    working_size = property(lambda self: self.depth)
+    is_chain = True
+
+    def build(self, scorer_state, logq_root, expand, key):
+        b = logq_root.shape[0]
+        n = self.depth
+        parents = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) - 1, (b, n))
+        slots = _empty_slots(logq_root, n)
+        keys = jax.random.split(key, n)
+        tokens = jnp.zeros((b, n), jnp.int32)
+        logq = logq_root
+        for d in range(n):  # static unroll over tree depth (trace time), not over decoded tokens
+            tok = _ranked(logq, 1, self.rule, keys[d])[:, 0]
+            tokens = tokens.at[:, d].set(tok)
+            if d + 1 < n:
+                logq, scorer_state = expand(scorer_state, d, tok[:, None], parents)
+                logq = logq[:, 0]
+                slots = slots.at[:, d + 1].set(jnp.exp(logq))
+        tree = Tree(tokens=tokens, parents=parents, valid=jnp.ones((b, n), bool))
+        return tree, slots, scorer_state
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticTreeBuilder:
+    paths: tuple  # tuple of tuples of sibling ranks, e.g. ((0,), (1,), (0, 0))
+    rule: str = "topk"
+
+    def __post_init__(self):
+        if self.rule not in ("topk", "iid", "gumbel", "argmax", "sample"):
+            raise TreeError(f"static tree rule must be topk, iid or gumbel, got {self.rule!r}")
+        object.__setattr__(self, "paths", tuple(tuple(int(x) for x in p) for p in self.paths))
+        static_tree_parents(self.paths)  # validates
+
+    @classmethod
+    def full(cls, branching, rule: str = "topk") -> "StaticTreeBuilder":
+        """Every node at depth d has branching[d] children (e.g. (3, 2, 1))."""
+        paths, level = [], [()]
+        for k in branching:
+            level = [p + (r,) for p in level for r in range(int(k))]
+            paths += level
+        return cls(tuple(paths), rule)
+
+    @property
+    def _layout(self):
+        parents, ranks = static_tree_parents(self.paths)
+        depth = np.zeros(len(parents), np.int32)
+        for i, p in enumerate(parents):
+            depth[i] = 1 if p < 0 else depth[p] + 1
+        return parents, ranks, depth
+
+    num_nodes = property(lambda self: len(self.paths))
+    max_depth = property(lambda self: max(len(p) for p in self.paths))
+    working_size = property(lambda self: len(self.paths))
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == (0,) * len(p) for p in self.paths)
+
+    def build(self, scorer_state, logq_root, expand, key):
+        parents_np, ranks_np, depth_np = self._layout
+        b = logq_root.shape[0]
+        n = len(parents_np)
+        parents = jnp.broadcast_to(jnp.asarray(parents_np), (b, n))
+        slots = _empty_slots(logq_root, n)
+        tokens = jnp.zeros((b, n), jnp.int32)
+        width = int(ranks_np.max()) + 1
+        keys = jax.random.split(key, int(depth_np.max()) + 1)
+        for d in range(1, int(depth_np.max()) + 1):
+            idx = np.flatnonzero(depth_np == d)  # this level's nodes (contiguous)
+            par_slot = parents_np[idx] + 1  # their parents' distribution slots
+            logq_par = jnp.log(slots[:, par_slot])  # [B, F, V]
+            # Per parent, `width` ranked candidates; a node takes its rank's candidate. Siblings share
+            # the parent's draw, so "gumbel" gives distinct children (without replacement).
+            cand = _ranked(logq_par, width, self.rule, keys[d])  # [B, F, width]
+            if self.rule == "gumbel":  # one Gumbel draw per parent, shared by its children
+                uniq, first = np.unique(par_slot, return_index=True)
+                cand = cand[:, first[np.searchsorted(uniq, par_slot)]]
+            tok = jnp.take_along_axis(cand, jnp.asarray(ranks_np[idx])[None, :, None], axis=2)[..., 0]
+            tokens = tokens.at[:, idx].set(tok)
+            if d < depth_np.max():
+                has_children = np.isin(idx, parents_np)
+                logq, scorer_state = expand(scorer_state, int(idx[0]), tok, parents)
+                slots = slots.at[:, idx[has_children] + 1].set(jnp.exp(logq[:, has_children]))
+        tree = Tree(tokens=tokens, parents=parents, valid=jnp.ones((b, n), bool))
+        return tree, slots, scorer_state
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicTreeBuilder:
+    """EAGLE-2 dynamic tree: `depth` levels of global top-`topk` expansion, best `total` nodes kept."""
+    depth: int = 5
+    topk: int = 8
+    total: int = 48
+    rule = "topk"
+    is_chain = False
+
+    def __post_init__(self):
+        if self.depth < 1 or self.topk < 1 or self.total < 1:
+            raise TreeError("dynamic tree needs depth, topk and total >= 1")
+        if self.total > self.depth * self.topk:
+            raise TreeError(f"total={self.total} exceeds the {self.depth * self.topk} nodes that "
+                            f"depth={self.depth} x topk={self.topk} expansion produces")
+
+    num_nodes = property(lambda self: self.total)
+    max_depth = property(lambda self: self.depth)
+    working_size = property(lambda self: self.depth * self.topk)
+
+    def build(self, scorer_state, logq_root, expand, key):
+        b, v = logq_root.shape
+        k, big_d = self.topk, self.depth
+        w = k * big_d  # working nodes: level l occupies [l*k, (l+1)*k)
+        work_tok = jnp.zeros((b, w), jnp.int32)
+        work_par = jnp.full((b, w), -1, jnp.int32)
+        work_score = jnp.full((b, w), -jnp.inf, jnp.float32)
+        work_q = jnp.zeros((b, w + 1, v), jnp.float32).at[:, 0].set(jnp.exp(logq_root))
+        score, tok = jax.lax.top_k(logq_root, k)
+        work_tok = work_tok.at[:, :k].set(tok)
+        work_score = work_score.at[:, :k].set(score)
+        for lvl in range(1, big_d):
+            start = (lvl - 1) * k
+            logq, scorer_state = expand(scorer_state, start, work_tok[:, start:start + k], work_par)
+            work_q = work_q.at[:, start + 1:start + k + 1].set(jnp.exp(logq))
+            child_score, child_tok = jax.lax.top_k(logq, k)  # [B, k, k]
+            cum = work_score[:, start:start + k, None] + child_score
+            best, flat = jax.lax.top_k(cum.reshape(b, k * k), k)
+            par_local = flat // k
+            new = slice(lvl * k, (lvl + 1) * k)
+            work_tok = work_tok.at[:, new].set(jnp.take_along_axis(child_tok.reshape(b, k * k), flat, axis=1))
+            work_par = work_par.at[:, new].set(start + par_local)
+            work_score = work_score.at[:, new].set(best)
+        # Keep the best `total` nodes; a small depth penalty makes every child rank strictly below its
+        # parent, so the kept set is closed under ancestors (a tree).
+        level = jnp.arange(w) // k
+        keep_score = work_score - 1e-6 * level
+        _, chosen = jax.lax.top_k(keep_score, self.total)
+        chosen = jnp.sort(chosen, axis=1)  # working order is topological (levels contiguous)
+        new_index = jnp.full((b, w), -1, jnp.int32)
+        new_index = jax.vmap(lambda ni, c: ni.at[c].set(jnp.arange(self.total, dtype=jnp.int32)))(
+            new_index, chosen)
+        old_par = jnp.take_along_axis(work_par, chosen, axis=1)
+        parents = jnp.where(old_par < 0, -1, jnp.take_along_axis(new_index, jnp.maximum(old_par, 0), axis=1))
+        tokens = jnp.take_along_axis(work_tok, chosen, axis=1)
+        slots = jnp.concatenate([work_q[:, :1], jnp.take_along_axis(work_q, chosen[..., None] + 1, axis=1)],
+                                axis=1)
+        tree = Tree(tokens=tokens, parents=parents.astype(jnp.int32), valid=jnp.ones((b, self.total), bool))
+        return tree, slots, scorer_state
+
+
+def parse_tree_spec(spec) -> object:
+    """'chain:4' | 'chain:4:sample' | 'static:3,2,1[:rule]' | 'eagle:depth=5,topk=8,total=48' | builder."""
+    if not isinstance(spec, str):
+        return spec
+    kind, _, rest = spec.partition(":")
+    try:
+        if kind == "chain":
+            depth, _, rule = rest.partition(":")
+            return ChainBuilder(int(depth or 4), rule or "argmax")
+        if kind == "static":
+            branching, _, rule = rest.partition(":")
+            return StaticTreeBuilder.full([int(x) for x in branching.split(",")], rule or "topk")
+        if kind in ("eagle", "eagle2", "dynamic"):
+            kw = dict(item.split("=") for item in rest.split(",") if item)
+            return DynamicTreeBuilder(**{k: int(v) for k, v in kw.items()})
+    except (ValueError, TypeError) as e:
+        raise TreeError(f"bad tree spec {spec!r}: {e}") from None
+    raise TreeError(f"unknown tree spec {spec!r}; use 'chain:4', 'chain:4:sample', 'static:3,2,1', "
+                    f"'static:2,2:iid', 'eagle:depth=5,topk=8,total=48' or 'dyspec:nodes=32'")

@@ -1,0 +1,77 @@
+"""Any jaxdecode model as a draft LM, with its own KV cache, composed with any tree builder.
+
+The draft cache holds committed tokens only. Each proposal first catches up on the tokens the target
+committed since the last step (the accepted path and the bonus: at most max_depth + 1, one padded
+forward), which yields the root distribution; the builder then grows the tree level by level, each
+level one forward that writes beyond the committed prefix (`write_offset`) and sees its ancestors
+through a window mask. Nothing written while drafting is ever committed, so `observe` has nothing to
+undo.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxdecode.autoregressive import prefill
+from jaxdecode.models import ModelConfig, advance, forward, init_cache, padded_causal_mask
+from jaxdecode.sampling import SamplerConfig, process_logits
+from jaxdecode.tree import ancestor_mask, depths
+
+
+def draft_logprobs(logits, sampler: SamplerConfig):
+    """The draft distribution: the target's sampler on draft logits (temperature 1 for greedy runs,
+    where only the ranking matters and a point mass would leave top-k children undefined)."""
+    if sampler.is_greedy:
+        return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return process_logits(logits, sampler.replace(repetition_penalty=1.0))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftLM:
+    params: object
+    config: ModelConfig = dataclasses.field(metadata=dict(static=True))
+    builder: object = dataclasses.field(metadata=dict(static=True))
+
+    num_nodes = property(lambda self: self.builder.num_nodes)
+    max_depth = property(lambda self: self.builder.max_depth)
+    child_rule = property(lambda self: self.builder.rule)
+    is_chain = property(lambda self: self.builder.is_chain)
+
+    def init(self, prompt_tokens, prompt_lengths, cache_len, key):
+        # Room for the committed tokens, one catch-up block and the working tree.
+        cache = init_cache(self.config, prompt_tokens.shape[0],
+                           cache_len + self.builder.working_size + self.max_depth + 1)
+        _, cache = prefill(self.config, self.params, prompt_tokens, prompt_lengths - 1, cache)
+        return cache
+
+    def propose(self, cache, ctx, sampler: SamplerConfig):
+        cfg, params = self.config, self.params
+        catch = self.max_depth + 1
+        idx = cache.lengths[:, None] + jnp.arange(catch)[None, :]  # [B, C] history positions
+        valid = idx < ctx.hist_len[:, None]
+        toks = jnp.take_along_axis(ctx.history, jnp.minimum(idx, ctx.history.shape[1] - 1), axis=1)
+        logits, _, cache = forward(cfg, params, jnp.where(valid, toks, 0), idx, cache,
+                                   padded_causal_mask(valid))
+        n_new = valid.sum(axis=1)
+        root_logits = jnp.take_along_axis(logits, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
+        cache = advance(cache, n_new)  # now holds every committed token, pending included
+        root_pos = ctx.hist_len - 1
+        b = root_pos.shape[0]
+
+        def expand(scratch, start, tokens, parents_all):
+            f = tokens.shape[1]
+            # parents_all spans the builder's whole working tree: W = working_size window columns
+            mask = ancestor_mask(parents_all)[:, start:start + f, :]  # [B, F, W]
+            node_depth = depths(parents_all)[:, start:start + f]
+            lg, _, scratch = forward(cfg, params, tokens, root_pos[:, None] + node_depth, scratch, mask,
+                                     write_offset=jnp.full((b,), start, jnp.int32))
+            return draft_logprobs(lg, sampler), scratch
+
+        tree, slots, _ = self.builder.build(cache, draft_logprobs(root_logits, sampler), expand, ctx.key)
+        return tree, slots, cache
+
+    def observe(self, cache, obs):
+        return cache

@@ -1,0 +1,276 @@
+"""Speculative decoding: one jit-compiled loop draft -> verify -> commit, from three chosen parts.
+
+    speculative_decode(config, params, drafter, prompt_tokens[B,P], prompt_lengths[B], *,
+                       max_new_tokens, verifier, sampler, eos_ids, key) -> SpecOutput
+
+- A **drafter** (a pytree dataclass: its arrays are leaves, its configuration static) proposes a token
+  tree per row, with draft distributions per parent slot or as point masses, and learns from each
+  verification (`observe`). Draft LMs, n-gram/recycling tables and heads are all drafters; a draft LM
+  composes with any tree builder (jaxdecode.drafters).
+- The **verifier** (jaxdecode.verifiers) decides the accepted path and the bonus token.
+- The engine keeps one invariant: the target cache holds every committed token except the newest
+  ("pending") one. Each step runs the target once over [pending, tree nodes] with the tree's ancestor
+  mask, so slot 0 of the logits is the root's next-token distribution and slot i+1 the one after node
+  i (the parent-slot convention of jaxdecode.tree); `commit` then keeps [pending, accepted path].
+
+Rows accept different lengths; a finished row (EOS or max_new_tokens) stops committing. Stats: tau
+(tokens per verification call, counting the bonus), target calls (incl. the prefill), the accepted-
+length histogram and the acceptance rate per tree depth.
+"""
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdecode.autoregressive import (default_cache_len, is_eos, pad_id_for, prefill, validate_eos_ids,
+                                      validate_prompts)
+from jaxdecode.models import commit, forward, init_cache
+from jaxdecode.sampling import SamplerConfig, process_logits
+from jaxdecode.tree import Tree, ancestor_mask, depths, path_to_keep
+
+
+class SpeculativeError(ValueError):
+    """A drafter / tree / verifier combination or option that cannot decode as asked."""
+
+
+# ----------------------------------------------------------------------------- protocol
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftContext:
+    """What a drafter sees: every committed token so far, the pending one last."""
+    history: jax.Array  # int32[B, H]: prompt + committed output
+    hist_len: jax.Array  # int32[B]: valid tokens in history; history[hist_len-1] is pending
+    key: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    """What a drafter learns after a verification (Token Recycling, ADED, draft-model upkeep)."""
+    tree: Tree
+    path: jax.Array  # int32[B, N] accepted node indices, -1 padded
+    num_accepted: jax.Array  # int32[B]
+    bonus: jax.Array  # int32[B]
+    target_logits: jax.Array  # f32[B, N+1, V] raw target logits per parent slot
+    history: jax.Array  # after the commit
+    hist_len: jax.Array
+    active: jax.Array  # bool[B]: rows that were still decoding this step
+
+
+class Drafter(Protocol):
+    num_nodes: int  # N, static tree size
+    max_depth: int  # deepest node of any proposed tree
+    child_rule: str  # how children were chosen: "argmax" | "sample" | "topk" | "iid" | "gumbel" | "point"
+
+    def init(self, prompt_tokens, prompt_lengths, cache_len: int, key) -> Any: ...
+
+    def propose(self, state, ctx: DraftContext, sampler: SamplerConfig) -> tuple[Tree, Any, Any]: ...
+
+    def observe(self, state, obs: Observation) -> Any: ...
+
+
+# Which child-selection rules each verifier is lossless with (the engine refuses other pairs).
+VERIFIER_CHILD_RULES = {
+    "greedy": None,  # any drafts
+    "typical": None,  # lossy anyway
+    "point_mass": None,  # any drafts, treated as point masses
+    "topk": None,  # any deterministic or sampled children: accepts c w.p. P(c) and zeroes it
+    "chain": ("sample",),
+    "block": ("sample",),
+    "specinfer": ("iid", "sample"),
+    "spectr": ("iid", "sample"),
+    "gbv": ("iid", "sample"),
+    "rsd": ("gumbel", "sample"),
+}
+
+
+# ----------------------------------------------------------------------------- state and output
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpecOutput:
+    tokens: jax.Array  # int32[B, max_new_tokens], pad after each row's length
+    lengths: jax.Array  # int32[B]
+    stats: dict
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _SpecState:
+    cache: Any
+    drafter_state: Any
+    history: jax.Array
+    hist_len: jax.Array
+    num_new: jax.Array  # int32[B]
+    done: jax.Array  # bool[B]
+    key: jax.Array
+    target_calls: jax.Array  # int32 scalar (incl. prefill)
+    steps: jax.Array  # int32[B]: verification calls while the row was active
+    accept_hist: jax.Array  # int32[D+1]: accepted draft lengths 0..D over active row-steps
+    depth_tried: jax.Array  # int32[D]: row-steps that reached depth d-1 and had a node at depth d
+    depth_accepted: jax.Array  # int32[D]
+
+    def replace(self, **kw):
+        return dataclasses.replace(self, **kw)
+
+
+def _with_root(tree: Tree, pending, prefix_len):
+    """Verification inputs over [pending, nodes]: tokens, positions, mask [B, N+1, N+1]."""
+    b, n = tree.tokens.shape
+    tokens = jnp.concatenate([pending[:, None], tree.tokens], axis=1)
+    node_mask = ancestor_mask(tree.parents) & tree.valid[:, None, :] & tree.valid[:, :, None]
+    mask = jnp.zeros((b, n + 1, n + 1), bool)
+    mask = mask.at[:, :, 0].set(True)  # everyone sees the root
+    mask = mask.at[:, 1:, 1:].set(node_mask)
+    # Invalid nodes see only the root (their outputs are ignored; this keeps softmax rows non-empty).
+    positions = jnp.concatenate(
+        [prefix_len[:, None], prefix_len[:, None] + jnp.where(tree.valid, depths(tree.parents), 1)], axis=1)
+    return tokens, positions, mask
+
+
+def _depth_stats(tree: Tree, num_accepted, active, max_depth: int):
+    node_depth = jnp.where(tree.valid, depths(tree.parents), 0)  # [B, N]
+    d = jnp.arange(1, max_depth + 1)  # [D]
+    has_depth = jnp.any(node_depth[:, None, :] == d[None, :, None], axis=2)  # [B, D]
+    reached = num_accepted[:, None] >= d[None, :] - 1
+    tried = (has_depth & reached & active[:, None]).sum(0)
+    accepted = ((num_accepted[:, None] >= d[None, :]) & active[:, None]).sum(0)
+    return tried.astype(jnp.int32), accepted.astype(jnp.int32)
+
+
+@partial(jax.jit, static_argnames=("config", "verifier", "sampler", "max_new_tokens", "eos_ids",
+                                   "cache_len", "hist_cap"))
+def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, *, verifier, sampler,
+                 max_new_tokens, eos_ids, cache_len, hist_cap):
+    b, p = prompt_tokens.shape
+    n, max_d = drafter.num_nodes, drafter.max_depth
+    pad = pad_id_for(eos_ids)
+    # Prefill all but the last prompt token: it becomes the pending root of the first tree.
+    cache = init_cache(config, b, cache_len)
+    _, cache = prefill(config, params, prompt_tokens, prompt_lengths - 1, cache)
+    history = jnp.full((b, hist_cap), pad, jnp.int32).at[:, :p].set(prompt_tokens)
+    key, dkey = jax.random.split(key)
+    state = _SpecState(
+        cache=cache, drafter_state=drafter.init(prompt_tokens, prompt_lengths, cache_len, dkey),
+        history=history, hist_len=prompt_lengths, num_new=jnp.zeros((b,), jnp.int32),
+        done=jnp.zeros((b,), bool), key=key, target_calls=jnp.int32(1), steps=jnp.zeros((b,), jnp.int32),
+        accept_hist=jnp.zeros((max_d + 1,), jnp.int32), depth_tried=jnp.zeros((max_d,), jnp.int32),
+        depth_accepted=jnp.zeros((max_d,), jnp.int32))
+    rows = jnp.arange(b)
+
+    def body(st: _SpecState) -> _SpecState:
+        key, k_draft, k_verify = jax.random.split(st.key, 3)
+        active = ~st.done
+        ctx = DraftContext(history=st.history, hist_len=st.hist_len, key=k_draft)
+        tree, draft_probs, dstate = drafter.propose(st.drafter_state, ctx, sampler)
+        pending = st.history[rows, st.hist_len - 1]
+        tokens, positions, mask = _with_root(tree, pending, st.cache.lengths)
+        logits, _, cache = forward(config, params, tokens, positions, st.cache, mask)  # [B, N+1, V]
+        target_probs = jnp.exp(process_logits(logits, sampler))
+        res = verifier(target_probs, draft_probs, tree, k_verify)
+        keep = jnp.concatenate([active[:, None], path_to_keep(res.path, n) & active[:, None]], axis=1)
+        cache = commit(cache, keep)
+
+        # New tokens: the accepted path, then the bonus; cut at the first EOS and at max_new_tokens.
+        path_tokens = jnp.take_along_axis(tree.tokens, jnp.maximum(res.path, 0), axis=1)  # [B, N]
+        j = jnp.arange(max_d + 1)[None, :]
+        path_tokens = jnp.pad(path_tokens[:, :max_d], ((0, 0), (0, 1)))  # [B, D+1]
+        seq = jnp.where(j < res.num_accepted[:, None], path_tokens, res.bonus[:, None])
+        count = res.num_accepted + 1
+        eos_at = jnp.where(is_eos(seq, eos_ids) & (j < count[:, None]), j, max_d + 1).min(axis=1)
+        hit_eos = eos_at <= max_d
+        count = jnp.where(hit_eos, eos_at + 1, count)
+        count = jnp.minimum(count, max_new_tokens - st.num_new)
+        count = jnp.where(active, count, 0)
+        seq = jnp.where(j < count[:, None], seq, pad)
+        history = jax.vmap(lambda h, s, start: jax.lax.dynamic_update_slice(h, s, (start,)))(
+            st.history, seq, st.hist_len)
+        hist_len = st.hist_len + count
+        num_new = st.num_new + count
+        done = st.done | (active & (hit_eos | (num_new >= max_new_tokens)))
+
+        obs = Observation(tree=tree, path=res.path, num_accepted=res.num_accepted, bonus=res.bonus,
+                          target_logits=logits, history=history, hist_len=hist_len, active=active)
+        dstate = drafter.observe(dstate, obs)
+        tried, accepted = _depth_stats(tree, res.num_accepted, active, max_d)
+        acc_hist = st.accept_hist + (jax.nn.one_hot(res.num_accepted, max_d + 1, dtype=jnp.int32)
+                                     * active[:, None]).sum(0)
+        return st.replace(cache=cache, drafter_state=dstate, history=history, hist_len=hist_len,
+                          num_new=num_new, done=done, key=key, target_calls=st.target_calls + 1,
+                          steps=st.steps + active.astype(jnp.int32), accept_hist=acc_hist,
+                          depth_tried=st.depth_tried + tried, depth_accepted=st.depth_accepted + accepted)
+
+    st = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+    cols = prompt_lengths[:, None] + jnp.arange(max_new_tokens)[None, :]
+    out = jnp.take_along_axis(st.history, jnp.minimum(cols, hist_cap - 1), axis=1)
+    out = jnp.where(jnp.arange(max_new_tokens)[None, :] < st.num_new[:, None], out, pad)
+    stats = {"target_calls": st.target_calls, "verify_calls": st.steps,
+             "tau": st.num_new / jnp.maximum(st.steps, 1),
+             "accept_hist": st.accept_hist,
+             "accept_rate_by_depth": st.depth_accepted / jnp.maximum(st.depth_tried, 1)}
+    return SpecOutput(tokens=out, lengths=st.num_new, stats=stats)
+
+
+def check_combination(config, drafter, verifier, sampler: SamplerConfig) -> None:
+    """Host-side checks of a drafter / verifier / sampler combination; clear errors."""
+    dcfg = getattr(drafter, "config", None)
+    if dcfg is not None and dcfg.vocab_size != config.vocab_size:
+        raise SpeculativeError(
+            f"the drafter's vocabulary ({dcfg.vocab_size} tokens) differs from the target's "
+            f"({config.vocab_size}): drafter and target must share one tokenizer")
+    name = verifier.name
+    if name != "greedy" and sampler.is_greedy and getattr(verifier, "needs_sampling", True):
+        raise SpeculativeError(
+            f"verifier {name!r} samples but the temperature is {sampler.temperature} (<= 0): use "
+            f"verifier='greedy' for greedy decoding or a temperature > 0")
+    if sampler.repetition_penalty != 1.0:
+        raise SpeculativeError("repetition_penalty depends on each tree node's own history, which "
+                               "speculative decoding does not track; use method='sample' for it")
+    rules = VERIFIER_CHILD_RULES.get(name)
+    if rules is not None and drafter.child_rule not in rules:
+        raise SpeculativeError(
+            f"verifier {name!r} is lossless only for drafts whose children are chosen by "
+            f"{' / '.join(rules)}, but this drafter's children are {drafter.child_rule!r}; pick a "
+            f"matching tree builder or the 'topk' / 'point_mass' verifier")
+    if getattr(verifier, "tree_kind", "tree") == "chain" and not getattr(drafter, "is_chain", False):
+        raise SpeculativeError(f"verifier {name!r} verifies chains only; use a chain tree (e.g. "
+                               f"tree='chain:4') or a tree verifier")
+    if verifier.needs_draft_probs and drafter.child_rule == "point":
+        raise SpeculativeError(f"verifier {name!r} needs draft probabilities but this drafter "
+                               f"proposes point masses; use verifier='point_mass' (or 'greedy')")
+
+
+def speculative_decode(config, params, drafter, prompt_tokens, prompt_lengths, *, max_new_tokens: int,
+                       verifier, sampler: SamplerConfig = SamplerConfig(temperature=0.0),
+                       eos_ids: tuple = (), key=None, cache_len: int | None = None) -> SpecOutput:
+    """Speculative decoding of up to max_new_tokens per row (see the module docstring)."""
+    eos_ids = validate_eos_ids(config, eos_ids)
+    check_combination(config, drafter, verifier, sampler)
+    n = drafter.num_nodes
+    # Room: prompt + new tokens + one verification tree (N nodes + the pending root) beyond them.
+    extra = n + 1 + drafter.max_depth + 1
+    prompt_tokens, prompt_lengths = validate_prompts(config, prompt_tokens, prompt_lengths,
+                                                     max_new_tokens)
+    width = prompt_tokens.shape[1]
+    need = width + max_new_tokens + extra
+    if cache_len is None:
+        cache_len = default_cache_len(width, max_new_tokens, extra)
+    elif cache_len < need:
+        raise SpeculativeError(
+            f"the cache ({cache_len} slots) has no room for the prompt ({width}) + max_new_tokens "
+            f"({max_new_tokens}) + a tree of {n} nodes (+{extra - n} scratch); raise cache_len to "
+            f">= {need} or use a smaller tree")
+    if width + max_new_tokens + drafter.max_depth + 1 > config.max_position_embeddings:
+        raise SpeculativeError(
+            f"prompt ({width}) + max_new_tokens ({max_new_tokens}) + tree depth "
+            f"({drafter.max_depth}) exceeds max_position_embeddings ({config.max_position_embeddings})")
+    if key is None:
+        key = jax.random.PRNGKey(0)
+    hist_cap = width + max_new_tokens + drafter.max_depth + 2
+    return _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, verifier=verifier,
+                        sampler=sampler, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                        cache_len=cache_len, hist_cap=hist_cap)
