@@ -32,6 +32,13 @@ def _add_generate(sub):
     g.add_argument("--diversity-penalty", type=float, default=None)
     g.add_argument("--tau", type=float, default=None, help="Mirostat target surprise (bits)")
     g.add_argument("--eta", type=float, default=None, help="Mirostat learning rate")
+    g.add_argument("--draft", default=None, help="draft model directory (speculative, drafter draft_lm)")
+    g.add_argument("--drafter", default=None,
+                   help="speculative drafter: draft_lm, prompt_lookup, aggressive, token_recycling, aded")
+    g.add_argument("--tree", default=None,
+                   help="tree spec: chain:4, static:3,2,1, eagle:depth=5,topk=8,total=48, dyspec:num_nodes=32")
+    g.add_argument("--verifier", default=None,
+                   help="greedy, chain, point_mass, block, specinfer, rsd, topk, spectr, gbv, typical (lossy)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     g.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
@@ -41,7 +48,7 @@ def _add_generate(sub):
 
 # CLI flags that map 1:1 to generate() options when given.
 _FLAG_OPTIONS = ("top_k", "top_p", "min_p", "repetition_penalty", "num_beams", "length_penalty",
-                 "num_groups", "diversity_penalty", "tau", "eta")
+                 "num_groups", "diversity_penalty", "tau", "eta", "draft", "drafter", "tree", "verifier")
 
 
 def _parse_option(text: str):

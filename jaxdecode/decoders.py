@@ -79,3 +79,41 @@ register_method("beam", _beam(False), ("num_beams", "length_penalty"), aliases=(
 register_method("diverse_beam", _beam(True),
                 ("num_beams", "length_penalty", "num_groups", "diversity_penalty"),
                 description="Diverse Beam Search (Hamming diversity between beam groups)")
+
+
+# ----------------------------------------------------------------------------- speculative
+# The verifier that is lossless for each way a drafter picks children (used when none is named).
+DEFAULT_VERIFIER = {"point": "point_mass", "sample": "chain", "argmax": "topk", "topk": "topk",
+                    "iid": "specinfer", "gumbel": "rsd"}
+
+
+def _speculative(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
+    from jaxdecode.api import Model, load
+    from jaxdecode.drafters import make_drafter
+    from jaxdecode.speculative import speculative_decode
+    from jaxdecode.verifiers import get_verifier
+
+    sampler = sampler_from_options(opts, 0.0)
+    draft = opts.get("draft")
+    if draft is not None and not isinstance(draft, Model):
+        draft = load(draft)
+    drafter = opts.get("drafter")
+    if drafter is None or isinstance(drafter, str):
+        drafter = make_drafter(drafter, model, draft=draft, tree=opts.get("tree"),
+                               temperature=sampler.temperature)
+    verifier = opts.get("verifier")
+    if verifier is None or isinstance(verifier, str):
+        name = verifier or ("greedy" if sampler.is_greedy else DEFAULT_VERIFIER[drafter.child_rule])
+        verifier = get_verifier(name)
+    params, toks, lens = place_inputs(model, prompt_tokens, prompt_lengths, opts)
+    out = speculative_decode(model.config, params, drafter, toks, lens, max_new_tokens=max_new_tokens,
+                             verifier=verifier, sampler=sampler, eos_ids=opts["eos_ids"],
+                             key=jax.random.PRNGKey(opts.get("seed") or 0),
+                             cache_len=opts.get("cache_len"))
+    return out.tokens, out.lengths, out.stats
+
+
+register_method("speculative", _speculative,
+                SAMPLER_OPTIONS + ("draft", "drafter", "tree", "verifier"), aliases=("spec",),
+                description="speculative decoding: drafter x tree x verifier (lossless verifiers unless "
+                            "verifier='typical', which is lossy)")

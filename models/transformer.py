@@ -82,8 +82,10 @@ def attention(q, k, v, visible):
     scores = scores / math.sqrt(hd)
     scores = jnp.where(visible[:, None, None, :, :], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h, hd).astype(q.dtype)
+    # Output with the batch dims leading ([B, KV, G, T, hd]): XLA:CPU has no bf16 dot for the
+    # transposed layout, and the transpose after the dot is free elsewhere.
+    out = jnp.einsum("bkgts,bksd->bkgtd", probs, v, preferred_element_type=jnp.float32)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, hd).astype(q.dtype)
 
 
 def key_visibility(positions, attn_mask, lengths, max_len, write_offset=None, key_positions=None):
@@ -261,6 +263,7 @@ def padded_causal_mask(valid: jax.Array) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------- init
+@partial(jax.jit, static_argnames=("config", "std"))
 def init_params(config: ModelConfig, key, std: float = 0.02):
     """Random parameters (normal(0, std) matrices, unit norms, zero biases) in config.dtype."""
     d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode.tree import Tree, TreeError, static_tree_parents
+from jaxdecode.tree import Tree, TreeError, static_tree_parents, validate_parents
 
 RULES = ("argmax", "sample", "topk", "iid", "gumbel")
 
@@ -97,6 +97,20 @@ class StaticTreeBuilder:
         for k in branching:
             level = [p + (r,) for p in level for r in range(int(k))]
             paths += level
+        return cls(tuple(paths), rule)
+
+    @classmethod
+    def from_parents(cls, parents, rule: str = "topk") -> "StaticTreeBuilder":
+        """A static tree from a parents array (−1 = root's child); siblings ranked in index order."""
+        parents = validate_parents(parents)
+        if parents.ndim != 1:
+            raise TreeError(f"a static tree's parents must be one row [N], got shape {parents.shape}")
+        paths: list[tuple] = []
+        child_count: dict[int, int] = {}
+        for p in parents:
+            rank = child_count.get(int(p), 0)
+            child_count[int(p)] = rank + 1
+            paths.append((paths[p] if p >= 0 else ()) + (rank,))
         return cls(tuple(paths), rule)
 
     @property
@@ -223,4 +237,4 @@ def parse_tree_spec(spec) -> object:
     except (ValueError, TypeError) as e:
         raise TreeError(f"bad tree spec {spec!r}: {e}") from None
     raise TreeError(f"unknown tree spec {spec!r}; use 'chain:4', 'chain:4:sample', 'static:3,2,1', "
-                    f"'static:2,2:iid', 'eagle:depth=5,topk=8,total=48' or 'dyspec:nodes=32'")
+                    f"'static:2,2:iid', 'eagle:depth=5,topk=8,total=48' or 'dyspec:num_nodes=32,topk=4'")

@@ -1,0 +1,302 @@
+"""Autoregressive decoding: one token per forward, as one jit-compiled `lax.while_loop`.
+
+    decode(config, params, prompt_tokens[B, P], prompt_lengths[B], max_new_tokens=N, ...)
+        -> DecodeOutput(tokens[B, N], lengths[B], stats={"target_calls": int32})
+
+All rows are prefilled together in one forward (right-padded prompts, padded causal mask), then every
+step feeds each live row's last token at its own position (= its own committed length). A row that
+emits an id in `eos_ids` is finished: it stops advancing its cache and its later outputs are the pad
+id (eos_ids[0], or 0 without EOS ids). The loop ends after N tokens or when every row is finished.
+
+The first token comes from the prefill logits, so a decode of N tokens makes at most N forwards
+(1 prefill + up to N - 1 steps); `target_calls` counts them.
+
+Host-side checks (`validate_prompts`) run before jit and raise `PromptError` with what to fix; with
+traced inputs (decode called inside a user's jit) only the shape checks can run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from functools import partial
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdecode.models import advance, forward, init_cache, padded_causal_mask
+from jaxdecode.sampling import (SamplerConfig, greedy, mirostat_init, mirostat_step, process_logits,
+                                sample, token_presence, validate_mirostat)
+
+METHODS = ("greedy", "sample", "mirostat")
+CACHE_LEN_MULTIPLE = 64
+
+
+class PromptError(ValueError):
+    """Prompts or decoding lengths that cannot be decoded as given."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeOutput:
+    tokens: jax.Array  # int32[B, N]; after a row's EOS: the pad id
+    lengths: jax.Array  # int32[B]: new tokens per row, including the EOS
+    stats: dict  # {"target_calls": int32 scalar: forwards incl. the prefill}
+
+
+# ----------------------------------------------------------------------------- host helpers
+def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad token lists into (prompt_tokens int32[B, P], prompt_lengths int32[B])."""
+    rows = [np.asarray(p) for p in prompts]
+    for i, r in enumerate(rows):
+        if r.ndim != 1 or (r.size and not np.issubdtype(r.dtype, np.integer)):
+            raise PromptError(f"prompt {i} must be a flat list of int token ids, got {prompts[i]!r:.80}")
+    lengths = np.array([r.size for r in rows], np.int32)
+    tokens = np.full((len(rows), int(lengths.max(initial=0))), pad_id, np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, :r.size] = r
+    return tokens, lengths
+
+
+def default_cache_len(prompt_width: int, max_new_tokens: int, extra: int = 0) -> int:
+    """Room for the longest prompt, the new tokens and `extra` scratch slots, rounded up to 64."""
+    need = prompt_width + max_new_tokens + extra
+    return int(math.ceil(need / CACHE_LEN_MULTIPLE) * CACHE_LEN_MULTIPLE)
+
+
+def _concrete(name: str, x):
+    """x as a numpy array, or None when it is a tracer (decode called inside jit)."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+    except ValueError as e:  # ragged nested lists
+        raise PromptError(f"{name} must be a rectangular int array; right-pad ragged token lists "
+                          f"with pad_prompts ({e})") from None
+
+
+def _check_count(name: str, value, minimum: int) -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
+        raise PromptError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def validate_prompts(config, prompt_tokens, prompt_lengths, max_new_tokens: int,
+                     cache_len: int | None = None):
+    """Check prompts before jit; return (prompt_tokens, prompt_lengths) as int32 arrays.
+
+    prompt_tokens: int[B, P] right-padded (ids past a row's length are ignored); prompt_lengths:
+    int[B]. The width P is kept as given, so callers control the compiled shapes. `cache_len` None
+    means the caller sizes the cache to fit (see default_cache_len). Raises PromptError naming the
+    offending row and the fix. With traced inputs the value checks are skipped and the width P
+    stands in for the longest prompt.
+    """
+    max_new_tokens = _check_count("max_new_tokens", max_new_tokens, 1)
+    if cache_len is not None:
+        cache_len = _check_count("cache_len", cache_len, 1)
+    tokens = _concrete("prompt_tokens", prompt_tokens)
+    lengths = _concrete("prompt_lengths", prompt_lengths)
+    shape_t = np.shape(prompt_tokens if tokens is None else tokens)
+    shape_l = np.shape(prompt_lengths if lengths is None else lengths)
+    if len(shape_t) != 2:
+        raise PromptError(f"prompt_tokens must be 2-D [batch, prompt_len] (right-padded), got shape "
+                          f"{shape_t}; use pad_prompts(list_of_token_lists)")
+    if shape_l != shape_t[:1]:
+        raise PromptError(f"prompt_lengths must have shape [batch] = {shape_t[:1]}, got {shape_l}")
+    if shape_t[0] == 0:
+        raise PromptError("the batch has zero rows; pass at least one prompt")
+    for name, x, arr in (("prompt_tokens", prompt_tokens, tokens),
+                         ("prompt_lengths", prompt_lengths, lengths)):
+        dtype = (x if arr is None else arr).dtype
+        if not np.issubdtype(dtype, np.integer):
+            raise PromptError(f"{name} must hold integer token ids / lengths, got dtype {dtype}")
+    if tokens is None or lengths is None:  # traced: only the static bound can be checked
+        longest = shape_t[1]
+    else:
+        empty = np.flatnonzero(lengths <= 0)
+        if empty.size:
+            raise PromptError(f"empty prompt: row {int(empty[0])} has length {int(lengths[empty[0]])}; "
+                              "every row needs at least one token (e.g. a BOS token)")
+        over = np.flatnonzero(lengths > shape_t[1])
+        if over.size:
+            i = int(over[0])
+            raise PromptError(f"row {i} has prompt_length {int(lengths[i])} but prompt_tokens is only "
+                              f"{shape_t[1]} wide")
+        longest = int(lengths.max())
+        valid = np.arange(shape_t[1])[None, :] < lengths[:, None]
+        bad = valid & ((tokens < 0) | (tokens >= config.vocab_size))
+        if bad.any():
+            i, j = (int(a) for a in np.argwhere(bad)[0])
+            raise PromptError(f"token id {int(tokens[i, j])} at row {i}, position {j} is outside the "
+                              f"vocabulary [0, {config.vocab_size}); ids must be in "
+                              f"0..{config.vocab_size - 1}")
+        prompt_tokens, prompt_lengths = tokens, lengths
+    total = longest + max_new_tokens
+    if cache_len is not None and shape_t[1] > cache_len:
+        raise PromptError(f"prompt_tokens is {shape_t[1]} wide but the cache has only {cache_len} "
+                          "slots; raise cache_len or drop padding columns")
+    if cache_len is not None and total > cache_len:
+        raise PromptError(f"the longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = "
+                          f"{total} does not fit the cache of {cache_len} slots; raise cache_len or "
+                          f"shorten the prompt / max_new_tokens")
+    if total > config.max_position_embeddings:
+        raise PromptError(f"the longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = "
+                          f"{total} exceeds the model's max_position_embeddings "
+                          f"({config.max_position_embeddings}); shorten the prompt or max_new_tokens")
+    return jnp.asarray(prompt_tokens, jnp.int32), jnp.asarray(prompt_lengths, jnp.int32)
+
+
+def validate_eos_ids(config, eos_ids) -> tuple:
+    eos_ids = tuple(eos_ids)
+    for e in eos_ids:
+        if not isinstance(e, numbers.Integral) or isinstance(e, bool) or not 0 <= e < config.vocab_size:
+            raise PromptError(f"eos_ids must be token ids in [0, {config.vocab_size}), got {eos_ids!r}")
+    return tuple(int(e) for e in eos_ids)
+
+
+def pad_id_for(eos_ids: tuple) -> int:
+    return eos_ids[0] if eos_ids else 0
+
+
+def is_eos(tokens, eos_ids: tuple):
+    """bool[...]: tokens[...] is one of the (static) eos_ids."""
+    if not eos_ids:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.any(tokens[..., None] == jnp.asarray(eos_ids, tokens.dtype), axis=-1)
+
+
+# ----------------------------------------------------------------------------- jit-able parts
+def prefill(config, params, prompt_tokens, prompt_lengths, cache):
+    """Run every row's prompt in one padded forward and commit it. Returns (last_logits[B, V], cache).
+
+    The prompt goes after whatever the cache already holds (normally nothing). Padding tokens are
+    replaced by id 0 at the row's last position, masked out for everyone, and left uncommitted.
+    """
+    b, p = prompt_tokens.shape
+    offsets = jnp.arange(p, dtype=jnp.int32)[None, :]
+    valid = offsets < prompt_lengths[:, None]  # [B, P]
+    tokens = jnp.where(valid, prompt_tokens, 0)
+    # Clamped positions keep padding inside the position table (GPT-2 learned positions).
+    positions = cache.lengths[:, None] + jnp.clip(offsets, 0, jnp.maximum(prompt_lengths[:, None] - 1, 0))
+    logits, _, cache = forward(config, params, tokens, positions, cache, padded_causal_mask(valid))
+    last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
+    return last, advance(cache, prompt_lengths)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _DecodeState:
+    step: jax.Array  # int32: tokens emitted so far (= next output column)
+    tokens: jax.Array  # int32[B, N]
+    done: jax.Array  # bool[B]
+    n_new: jax.Array  # int32[B]
+    cache: object
+    key: jax.Array
+    seen: jax.Array | None  # bool[B, V] (repetition penalty only)
+    mu: jax.Array  # f32[B] Mirostat maximal surprise
+    calls: jax.Array  # int32
+
+    def replace(self, **kw) -> "_DecodeState":
+        return dataclasses.replace(self, **kw)
+
+
+def _choose(method, sampler, key, logits, seen, mu, tau, eta):
+    """The next token per row, and Mirostat's updated mu."""
+    logprobs = process_logits(logits, sampler, seen)
+    if method == "greedy":
+        return greedy(logprobs), mu
+    if method == "sample":
+        return sample(key, logprobs), mu
+    return mirostat_step(key, logprobs, mu, tau, eta)
+
+
+def _emit(state: _DecodeState, token, new_mu, eos_ids: tuple) -> _DecodeState:
+    """Record this step's token for live rows (pad for finished ones) and update per-row status."""
+    live = ~state.done
+    token = jnp.where(live, token, pad_id_for(eos_ids))
+    seen = state.seen
+    if seen is not None:
+        seen = seen | (jax.nn.one_hot(token, seen.shape[-1], dtype=bool) & live[:, None])
+    return state.replace(
+        step=state.step + 1, tokens=state.tokens.at[:, state.step].set(token),
+        done=state.done | (live & is_eos(token, eos_ids)), n_new=state.n_new + live.astype(jnp.int32),
+        seen=seen, mu=jnp.where(live, new_mu, state.mu))
+
+
+@partial(jax.jit, static_argnames=("config", "max_new_tokens", "sampler", "eos_ids", "cache_len",
+                                   "method"))
+def _decode(config, params, prompt_tokens, prompt_lengths, key, tau, eta, *, max_new_tokens, sampler,
+            eos_ids, cache_len, method):
+    b = prompt_tokens.shape[0]
+    cache = init_cache(config, b, cache_len)
+    logits, cache = prefill(config, params, prompt_tokens, prompt_lengths, cache)
+    seen = None
+    if sampler.uses_seen_tokens:
+        valid = jnp.arange(prompt_tokens.shape[1])[None, :] < prompt_lengths[:, None]
+        seen = token_presence(prompt_tokens, valid, config.vocab_size)
+    state = _DecodeState(
+        step=jnp.int32(0), tokens=jnp.full((b, max_new_tokens), pad_id_for(eos_ids), jnp.int32),
+        done=jnp.zeros((b,), bool), n_new=jnp.zeros((b,), jnp.int32), cache=cache, key=key,
+        seen=seen, mu=mirostat_init(b, tau), calls=jnp.int32(1))
+
+    def choose_and_emit(state, logits):
+        key, sub = jax.random.split(state.key)
+        token, mu = _choose(method, sampler, sub, logits, state.seen, state.mu, tau, eta)
+        return _emit(state.replace(key=key), token, mu, eos_ids)
+
+    def cond(state):
+        return (state.step < max_new_tokens) & ~jnp.all(state.done)
+
+    def body(state):
+        last = state.tokens[:, state.step - 1]
+        cache = state.cache
+        logits, _, cache = forward(config, params, last[:, None], cache.lengths[:, None], cache,
+                                   jnp.ones((b, 1, 1), bool))
+        # Finished rows ran along (static shapes) but do not commit their token.
+        cache = advance(cache, (~state.done).astype(jnp.int32))
+        state = state.replace(cache=cache, calls=state.calls + 1)
+        return choose_and_emit(state, logits[:, 0])
+
+    state = jax.lax.while_loop(cond, body, choose_and_emit(state, logits))
+    return DecodeOutput(tokens=state.tokens, lengths=state.n_new, stats={"target_calls": state.calls})
+
+
+def resolve_method(method: str, sampler: SamplerConfig) -> tuple[str, SamplerConfig]:
+    """Canonical (method, sampler): temperature 0 means greedy, and greedy ignores truncation."""
+    if method not in METHODS:
+        raise ValueError(f"unknown decoding method {method!r}; choose one of {METHODS}")
+    if not isinstance(sampler, SamplerConfig):
+        raise TypeError(f"sampler must be a SamplerConfig, got {type(sampler).__name__}")
+    if method == "greedy" or sampler.is_greedy:
+        return "greedy", SamplerConfig(temperature=0.0, repetition_penalty=sampler.repetition_penalty)
+    return method, sampler
+
+
+def decode(config, params, prompt_tokens, prompt_lengths, *, max_new_tokens: int,
+           sampler: SamplerConfig = SamplerConfig(), eos_ids: tuple = (), key=None,
+           cache_len: int | None = None, method: str = "sample", mirostat_tau: float = 5.0,
+           mirostat_eta: float = 0.1) -> DecodeOutput:
+    """Decode up to max_new_tokens per row. See the module docstring.
+
+    method: "greedy" (argmax after the repetition penalty), "sample" (the SamplerConfig distribution)
+    or "mirostat" (Mirostat v2 over the SamplerConfig distribution; tau in bits). temperature 0 means
+    greedy for every method. `key` (a JAX PRNG key) is required unless decoding is greedy.
+    """
+    method, sampler = resolve_method(method, sampler)
+    eos_ids = validate_eos_ids(config, eos_ids)
+    prompt_tokens, prompt_lengths = validate_prompts(config, prompt_tokens, prompt_lengths,
+                                                     max_new_tokens, cache_len)
+    if cache_len is None:
+        cache_len = default_cache_len(prompt_tokens.shape[1], max_new_tokens)
+    if method == "mirostat":
+        validate_mirostat(mirostat_tau, mirostat_eta)
+    if key is None:
+        if method != "greedy":
+            raise ValueError(f"method={method!r} samples: pass key=jax.random.key(seed)")
+        key = jax.random.key(0)  # unused by greedy decoding
+    return _decode(config, params, prompt_tokens, prompt_lengths, key,
+                   jnp.float32(mirostat_tau), jnp.float32(mirostat_eta),
+                   max_new_tokens=max_new_tokens, sampler=sampler, eos_ids=eos_ids,
+                   cache_len=cache_len, method=method)

@@ -1,0 +1,250 @@
+"""Beam search with a length penalty, and Diverse Beam Search, as one jit-compiled `lax.while_loop`.
+
+    beam_search(config, params, prompt_tokens[B, P], prompt_lengths[B], max_new_tokens=N,
+                num_beams=K, ...) -> BeamOutput(tokens[B, K, N], lengths[B, K], scores[B, K], stats)
+
+Rules (Hugging Face conventions):
+- A beam's running score is the sum of its token log-probs. Each step, every running beam is expanded
+  over the vocabulary and the best candidates are taken by running score (ties: lower beam, then lower
+  token id). The best K non-EOS candidates continue. A candidate ending in an EOS id is a finished
+  hypothesis if it ranks among the best K candidates of the step; its score is
+  sum logprob / generated_length ** length_penalty (generated length includes the EOS).
+- Each row keeps a buffer of its K best finished hypotheses. At max_new_tokens the best K candidates
+  of the last step all finish (running beams at the end count as finished).
+- A row stops early when its buffer is full and no running beam can beat the worst kept hypothesis.
+  The bound is exact, not HF's heuristic: log-probs are <= 0, so a running beam's score can only
+  fall; its best final score is S / N ** lp for lp > 0 (finishing as late as possible) and
+  S / (t + 1) ** lp otherwise (finishing at the next step, t = tokens generated so far). Stopping early
+  therefore never changes the result.
+- Diverse Beam Search (Vijayakumar et al. 2016): the K beams form G groups of K/G. Each group is a beam
+  search of width K/G with its own buffer and stopping test; at each step the groups are expanded in
+  order and group g's log-probs are lowered by diversity_penalty x (the number of running beams of
+  groups < g that chose that token at this step) — Hamming diversity. As in the paper (and HF) the
+  penalties are part of the beam scores. Finished groups no longer count towards the penalty.
+  With diversity_penalty = 0 every group runs the same search, so the output is the beam search of
+  width K/G with each hypothesis repeated G times.
+
+The first step expands only beam 0 of each group (all beams start from the same prompt), so no
+duplicate hypotheses arise. Hypotheses are returned best first over all groups; tokens after a
+hypothesis' length are the pad id (eos_ids[0], or 0). If a row has fewer distinct hypotheses than
+beams (tiny vocabularies with EOS), the missing ones have score -inf and length 0.
+
+The cache holds B*K rows (row b*K + k); the prompt is prefilled once per row and copied to its beams,
+and every step reorders the rows by parent beam (`reorder_rows`) before the forward.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from jaxdecode.autoregressive import (PromptError, default_cache_len, is_eos, pad_id_for, prefill,
+                                      validate_eos_ids, validate_prompts)
+from jaxdecode.models import advance, forward, init_cache, reorder_rows
+
+
+class BeamConfigError(ValueError):
+    """Beam-search options that do not fit together."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BeamOutput:
+    tokens: jax.Array  # int32[B, K, N], best hypothesis first; pad id after each length
+    lengths: jax.Array  # int32[B, K]: generated tokens incl. the EOS
+    scores: jax.Array  # f32[B, K]: sum logprob / length ** length_penalty
+    stats: dict  # {"target_calls": int32 scalar}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _BeamState:
+    step: jax.Array  # int32: tokens generated so far by the running beams
+    run_tokens: jax.Array  # int32[B, G, Kg, N]
+    run_scores: jax.Array  # f32[B, G, Kg]: sums of (penalised) log-probs; -inf = no beam
+    fin_tokens: jax.Array  # int32[B, G, Kg, N]
+    fin_scores: jax.Array  # f32[B, G, Kg]: length-normalised; -inf = empty slot
+    fin_lengths: jax.Array  # int32[B, G, Kg]
+    done: jax.Array  # bool[B, G]
+    parents: jax.Array  # int32[B*K]: cache row each beam continues from
+    cache: object
+    calls: jax.Array  # int32
+
+    def replace(self, **kw) -> "_BeamState":
+        return dataclasses.replace(self, **kw)
+
+
+def _best_final_score(run_scores, t, max_new_tokens: int, length_penalty: float):
+    """Upper bound of the final score of running beams with t + 1 tokens generated (see docstring)."""
+    best_len = max_new_tokens if length_penalty > 0 else t + 2
+    return jnp.max(run_scores, axis=-1) / jnp.asarray(best_len, jnp.float32) ** length_penalty
+
+
+def _group_step(t, counts, group, *, max_new_tokens, length_penalty, diversity_penalty, eos_ids):
+    """Expand one group's beams by one token.
+
+    counts: f32[B, V] tokens chosen by earlier groups this step. group: dict of this group's arrays
+    (logprobs [B, Kg, V], run_*, fin_*, done [B]). Returns (counts', new group arrays, parent beam
+    [B, Kg] within the group).
+    """
+    logprobs, run_tokens, run_scores = group["logprobs"], group["run_tokens"], group["run_scores"]
+    fin_tokens, fin_scores, fin_lengths, done = (group["fin_tokens"], group["fin_scores"],
+                                                 group["fin_lengths"], group["done"])
+    b, kg, v = logprobs.shape
+    lp = logprobs - diversity_penalty * counts[:, None, :]
+    cand = (run_scores[:, :, None] + lp).reshape(b, kg * v)  # [B, Kg*V]
+    n_cand = min(kg * (1 + len(eos_ids)), kg * v)  # enough for Kg non-EOS candidates
+    top_scores, top_idx = jax.lax.top_k(cand, n_cand)  # [B, C], ties: lower index first
+    parent, token = top_idx // v, (top_idx % v).astype(jnp.int32)
+    ends = is_eos(token, eos_ids)
+    seqs = jnp.take_along_axis(run_tokens, parent[:, :, None], axis=1)  # [B, C, N]
+    seqs = seqs.at[:, :, t].set(token)
+
+    # Finished hypotheses: EOS candidates among the best Kg, or every best-Kg candidate at the end.
+    last = t == max_new_tokens - 1
+    finishing = (jnp.arange(n_cand) < kg)[None, :] & (ends | last) & ~done[:, None]
+    gen_len = (t + 1).astype(jnp.float32)
+    new_fin = jnp.where(finishing, top_scores / gen_len ** length_penalty, -jnp.inf)
+    all_scores = jnp.concatenate([fin_scores, new_fin], axis=1)  # kept ones first: they win ties
+    fin_scores_new, pick = jax.lax.top_k(all_scores, kg)
+    all_tokens = jnp.concatenate([fin_tokens, seqs], axis=1)
+    all_lengths = jnp.concatenate([fin_lengths, jnp.broadcast_to(t + 1, new_fin.shape)], axis=1)
+    fin_tokens_new = jnp.take_along_axis(all_tokens, pick[:, :, None], axis=1)
+    fin_lengths_new = jnp.take_along_axis(all_lengths, pick, axis=1).astype(jnp.int32)
+
+    # Running beams: the best Kg candidates that did not end in EOS.
+    run_scores_new, keep = jax.lax.top_k(jnp.where(ends, -jnp.inf, top_scores), kg)
+    run_tokens_new = jnp.take_along_axis(seqs, keep[:, :, None], axis=1)
+    parent_new = jnp.take_along_axis(parent, keep, axis=1).astype(jnp.int32)
+    token_new = jnp.take_along_axis(token, keep, axis=1)
+
+    full = jnp.all(fin_scores_new > -jnp.inf, axis=-1)
+    hopeless = jnp.min(fin_scores_new, axis=-1) >= _best_final_score(
+        run_scores_new, t, max_new_tokens, length_penalty)
+    done_new = done | last | (full & hopeless)
+
+    live_beam = ~done[:, None] & (run_scores_new > -jnp.inf)  # [B, Kg]
+    counts = counts + jnp.sum(jax.nn.one_hot(token_new, v, dtype=counts.dtype) * live_beam[..., None],
+                              axis=1)
+
+    def frozen(new, old):  # finished groups keep their state
+        return jnp.where(done.reshape(done.shape + (1,) * (new.ndim - 1)), old, new)
+
+    out = dict(run_tokens=frozen(run_tokens_new, run_tokens), run_scores=frozen(run_scores_new, run_scores),
+               fin_tokens=frozen(fin_tokens_new, fin_tokens), fin_scores=frozen(fin_scores_new, fin_scores),
+               fin_lengths=frozen(fin_lengths_new, fin_lengths), done=done_new)
+    parent_new = frozen(parent_new, jnp.broadcast_to(jnp.arange(kg, dtype=jnp.int32), parent_new.shape))
+    return counts, out, parent_new
+
+
+def _select(state: _BeamState, logprobs, *, max_new_tokens, length_penalty, diversity_penalty,
+            eos_ids) -> _BeamState:
+    """One beam step for every row and group. logprobs: f32[B, G, Kg, V]."""
+    b, g, kg, v = logprobs.shape
+    t = state.step
+    groups = dict(logprobs=logprobs, run_tokens=state.run_tokens, run_scores=state.run_scores,
+                  fin_tokens=state.fin_tokens, fin_scores=state.fin_scores,
+                  fin_lengths=state.fin_lengths, done=state.done)
+    groups = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), groups)  # group axis first for the scan
+
+    def step(counts, group):
+        counts, out, parent = _group_step(t, counts, group, max_new_tokens=max_new_tokens,
+                                          length_penalty=length_penalty,
+                                          diversity_penalty=diversity_penalty, eos_ids=eos_ids)
+        return counts, (out, parent)
+
+    _, (new, parent) = jax.lax.scan(step, jnp.zeros((b, v), jnp.float32), groups)
+    new = jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1), new)
+    parent = jnp.moveaxis(parent, 0, 1)  # [B, G, Kg] beam within its group
+    row0 = (jnp.arange(b)[:, None, None] * (g * kg) + jnp.arange(g)[None, :, None] * kg)
+    return state.replace(step=t + 1, parents=(row0 + parent).reshape(-1).astype(jnp.int32), **new)
+
+
+@partial(jax.jit, static_argnames=("config", "max_new_tokens", "num_beams", "num_groups",
+                                   "length_penalty", "diversity_penalty", "eos_ids", "cache_len"))
+def _beam_search(config, params, prompt_tokens, prompt_lengths, *, max_new_tokens, num_beams,
+                 num_groups, length_penalty, diversity_penalty, eos_ids, cache_len):
+    b = prompt_tokens.shape[0]
+    k, g = num_beams, num_groups
+    kg = k // g
+    n = max_new_tokens
+    cache = init_cache(config, b, cache_len)
+    logits, cache = prefill(config, params, prompt_tokens, prompt_lengths, cache)
+    cache = reorder_rows(cache, jnp.repeat(jnp.arange(b), k))  # every beam starts from its prompt
+    pad = pad_id_for(eos_ids)
+    # Only beam 0 of each group is live at first, so the first expansion has no duplicates.
+    run_scores = jnp.where(jnp.arange(kg) == 0, 0.0, -jnp.inf) * jnp.ones((b, g, 1), jnp.float32)
+    state = _BeamState(
+        step=jnp.int32(0), run_tokens=jnp.full((b, g, kg, n), pad, jnp.int32), run_scores=run_scores,
+        fin_tokens=jnp.full((b, g, kg, n), pad, jnp.int32),
+        fin_scores=jnp.full((b, g, kg), -jnp.inf, jnp.float32),
+        fin_lengths=jnp.zeros((b, g, kg), jnp.int32), done=jnp.zeros((b, g), bool),
+        parents=jnp.arange(b * k, dtype=jnp.int32), cache=cache, calls=jnp.int32(1))
+    select = partial(_select, max_new_tokens=n, length_penalty=length_penalty,
+                     diversity_penalty=diversity_penalty, eos_ids=eos_ids)
+    first = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
+    state = select(state, jnp.broadcast_to(first[:, None, None, :], (b, g, kg, first.shape[-1])))
+
+    def cond(state):
+        return (state.step < n) & ~jnp.all(state.done)
+
+    def body(state):
+        cache = reorder_rows(state.cache, state.parents)
+        last = state.run_tokens[..., state.step - 1].reshape(b * k)
+        logits, _, cache = forward(config, params, last[:, None], cache.lengths[:, None], cache,
+                                   jnp.ones((b * k, 1, 1), bool))
+        state = state.replace(cache=advance(cache, jnp.ones((b * k,), jnp.int32)), calls=state.calls + 1)
+        logprobs = jax.nn.log_softmax(logits[:, 0], axis=-1).reshape(b, g, kg, -1)
+        return select(state, logprobs)
+
+    state = jax.lax.while_loop(cond, body, state)
+
+    scores = state.fin_scores.reshape(b, k)
+    order = jnp.argsort(-scores, axis=1, stable=True)
+    scores = jnp.take_along_axis(scores, order, axis=1)
+    empty = scores == -jnp.inf
+    lengths = jnp.where(empty, 0, jnp.take_along_axis(state.fin_lengths.reshape(b, k), order, axis=1))
+    tokens = jnp.take_along_axis(state.fin_tokens.reshape(b, k, n), order[:, :, None], axis=1)
+    tokens = jnp.where(jnp.arange(n) < lengths[:, :, None], tokens, pad)
+    return BeamOutput(tokens=tokens, lengths=lengths, scores=scores, stats={"target_calls": state.calls})
+
+
+def _real(name: str, value, minimum: float | None = None) -> float:
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value) or (
+            minimum is not None and value < minimum):
+        bound = "" if minimum is None else f" >= {minimum}"
+        raise BeamConfigError(f"{name} must be a finite number{bound}, got {value!r}")
+    return float(value)
+
+
+def beam_search(config, params, prompt_tokens, prompt_lengths, *, max_new_tokens: int,
+                num_beams: int, length_penalty: float = 1.0, eos_ids: tuple = (), num_groups: int = 1,
+                diversity_penalty: float = 0.0, cache_len: int | None = None) -> BeamOutput:
+    """Beam search (num_groups=1) or Diverse Beam Search. See the module docstring for the rules."""
+    for name, value in (("num_beams", num_beams), ("num_groups", num_groups)):
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+            raise BeamConfigError(f"{name} must be an int >= 1, got {value!r}")
+    if num_beams % num_groups:
+        raise BeamConfigError(f"num_beams ({num_beams}) must be a multiple of num_groups ({num_groups})")
+    length_penalty = _real("length_penalty", length_penalty)
+    diversity_penalty = _real("diversity_penalty", diversity_penalty, 0.0)
+    eos_ids = validate_eos_ids(config, eos_ids)
+    prompt_tokens, prompt_lengths = validate_prompts(config, prompt_tokens, prompt_lengths,
+                                                     max_new_tokens, cache_len)
+    group_size = num_beams // num_groups
+    if group_size > config.vocab_size ** min(max_new_tokens, 64):
+        raise BeamConfigError(
+            f"{group_size} beams per group but only {config.vocab_size}^{max_new_tokens} possible "
+            f"continuations; lower num_beams or raise max_new_tokens")
+    if cache_len is None:
+        cache_len = default_cache_len(prompt_tokens.shape[1], max_new_tokens)
+    return _beam_search(config, params, prompt_tokens, prompt_lengths, max_new_tokens=max_new_tokens,
+                        num_beams=num_beams, num_groups=num_groups, length_penalty=length_penalty,
+                        diversity_penalty=diversity_penalty, eos_ids=eos_ids, cache_len=cache_len)
+
+
+__all__ = ["BeamOutput", "BeamConfigError", "PromptError", "beam_search"]

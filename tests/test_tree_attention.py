@@ -1,0 +1,262 @@
+"""Tree attention: the Pallas kernel (interpret mode, both lowerings) equals the pure-jnp reference, the
+reference equals the model's attention over key_visibility, the sharded op equals the unsharded one,
+and the GPU/TPU lowerings of the kernel build (block-shape rules) without the hardware."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxdecode.kernels.tree_attention import (block_plan, sharded_tree_attention, tree_attention,
+                                              tree_attention_pallas, tree_attention_reference)
+from jaxdecode.models.transformer import _window_mask, attention, key_visibility
+from jaxdecode.sharding import make_mesh
+
+TREES = {  # parents (-1 = child of the last committed token), valid nodes
+    "chain": ([-1, 0, 1, 2, 3, 4, 5], None),
+    "branching": ([-1, -1, 0, 0, 1, 2, 2], None),
+    "padded": ([-1, -1, 0, 0, 1, 2, 2], [1, 1, 1, 1, 1, 0, 0]),  # two invalid padding nodes
+    "padded8": ([-1, -1, 0, 0, 1, 2, 2, 3], [1, 1, 1, 1, 1, 1, 1, 0]),
+}
+
+
+def ancestor_mask(parents, valid):
+    """bool[N, N]: A[i, j] = j is i or an ancestor of i, both valid (as jaxdecode.tree builds it)."""
+    n = len(parents)
+    a = np.eye(n, dtype=bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            a[i] |= a[p]
+    v = np.ones(n, bool) if valid is None else np.asarray(valid, bool)
+    return a & v[:, None] & v[None, :]
+
+
+def make_inputs(seed, *, h=4, kv=2, s=64, hd=16, tree="branching", lengths=(0, 37), dtype=jnp.float32):
+    """Fresh random q and caches; a tree; ragged lengths; node positions = length + depth - 1."""
+    rng = np.random.default_rng(seed)
+    parents, valid = TREES[tree]
+    b, n = len(lengths), len(parents)
+    mask = ancestor_mask(parents, valid)
+    depth = mask.sum(axis=1) if valid is None else ancestor_mask(parents, None).sum(axis=1)
+    lens = np.asarray(lengths, np.int32)
+    q = jnp.asarray(rng.normal(size=(b, n, h, hd)), dtype)
+    k = jnp.asarray(rng.normal(size=(b, kv, s, hd)), dtype)
+    v = jnp.asarray(rng.normal(size=(b, kv, s, hd)), dtype)
+    return dict(q=q, k_cache=k, v_cache=v, lengths=jnp.asarray(lens),
+                tree_mask=jnp.asarray(np.broadcast_to(mask, (b, n, n))),
+                q_positions=jnp.asarray(lens[:, None] + depth[None, :] - 1, jnp.int32))
+
+
+def call(fn, inp, window=0, **kw):
+    return fn(inp["q"], inp["k_cache"], inp["v_cache"], inp["lengths"], inp["tree_mask"],
+              q_positions=inp["q_positions"], window=window, **kw)
+
+
+def tol(dtype):
+    return dict(atol=1e-5, rtol=1e-5) if dtype == jnp.float32 else dict(atol=2e-2, rtol=2e-2)
+
+
+def assert_close(got, want, dtype):
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **tol(dtype))
+
+
+# name: (make_inputs kwargs, window, pallas kwargs)
+KERNEL_CASES = {
+    "gqa-branching-f32": (dict(seed=1), 0, dict(block_k=16)),
+    "mha-chain-f32-window-scale": (dict(seed=2, h=2, kv=2, tree="chain", lengths=(5, 50)), 8,
+                                   dict(block_k=16, sm_scale=0.3)),
+    "gqa-padded-bf16-empty-prefix": (dict(seed=3, tree="padded", lengths=(0, 20), dtype=jnp.bfloat16), 0,
+                                     dict(block_k=16)),
+    "gqa-branching-bf16-window": (dict(seed=4, lengths=(3, 40), dtype=jnp.bfloat16), 4, {}),
+    "odd-shapes-hd24-s40-g4": (dict(seed=5, h=4, kv=1, hd=24, s=40, tree="chain", lengths=(33, 0)), 0, {}),
+    "query-blocks-padded-window": (dict(seed=6, h=4, kv=1, hd=32, tree="padded8", lengths=(12, 0)), 6,
+                                   dict(block_k=16, block_m=16)),
+}
+
+
+@pytest.mark.parametrize("variant", ["tpu", "gpu"])
+@pytest.mark.parametrize("case", list(KERNEL_CASES))
+def test_kernel_interpret_matches_reference(case, variant):
+    inp_kw, window, kw = KERNEL_CASES[case]
+    inp = make_inputs(**inp_kw)
+    dtype = inp["q"].dtype
+    want = call(tree_attention_reference, inp, window, sm_scale=kw.get("sm_scale"))
+    got = call(tree_attention_pallas, inp, window, interpret=True, variant=variant, **kw)
+    assert_close(got, want, dtype)
+    assert np.all(np.isfinite(np.asarray(got, np.float32)))
+
+
+@pytest.mark.parametrize("variant", ["tpu", "gpu"])
+def test_kernel_skips_blocks_outside_prefix_and_window(variant):
+    """NaN in cache blocks no query may see (past the prefix and tree; before every window) must not
+    reach the output: the kernel never reads them (the reference, reading all S slots, would be NaN)."""
+    inp = make_inputs(18, lengths=(5, 20))  # S=64, block_k=16, tree slots 5..11 and 20..26
+    want = call(tree_attention_reference, inp, 4)
+    poison = np.zeros(inp["v_cache"].shape, np.float32)
+    poison[:, :, 32:] = np.nan  # blocks 2, 3: past every row's prefix and tree
+    poison[1, :, :16] = np.nan  # row 1, block 0: before all its nodes' windows (positions >= 20)
+    bad = dict(inp, k_cache=inp["k_cache"] + poison, v_cache=inp["v_cache"] + poison)
+    assert_close(call(tree_attention_pallas, bad, 4, interpret=True, variant=variant, block_k=16), want,
+                 jnp.float32)
+
+
+def test_public_op_dispatch_on_cpu():
+    inp = make_inputs(7, tree="padded", lengths=(9, 0))
+    ref = call(tree_attention_reference, inp, 5)
+    np.testing.assert_array_equal(call(tree_attention, inp, 5), ref)  # auto = reference on cpu
+    assert_close(call(tree_attention, inp, 5, impl="interpret"), ref, jnp.float32)
+    # no positions needed without a window
+    no_pos = tree_attention(inp["q"], inp["k_cache"], inp["v_cache"], inp["lengths"], inp["tree_mask"])
+    assert_close(no_pos, call(tree_attention_reference, inp, 0), jnp.float32)
+
+
+REF_CASES = [("branching", 0, jnp.float32, (0, 37)), ("chain", 3, jnp.float32, (10, 57)),
+             ("padded", 0, jnp.float32, (0, 5)), ("padded", 4, jnp.bfloat16, (0, 30)),
+             ("branching", 100, jnp.bfloat16, (1, 2))]
+
+
+def model_attention(inp, window, write_offset=None, key_positions=None, attn_mask=None):
+    """models.transformer: key_visibility + sliding window + attention, on the same inputs."""
+    mask = inp["tree_mask"] if attn_mask is None else attn_mask
+    visible, key_pos = key_visibility(inp["q_positions"], mask, inp["lengths"], inp["k_cache"].shape[2],
+                                      write_offset, key_positions)
+    visible = _window_mask(visible, inp["q_positions"], key_pos, jnp.int32(window))
+    q, k, v = inp["q"], inp["k_cache"], inp["v_cache"]
+    if q.dtype == jnp.bfloat16:
+        # models' attention cannot run bf16 on XLA:CPU (its [B,T,KV,G,hd]-output PV einsum hits
+        # "Unsupported element type for DotThunk: BF16 x BF16 = F32"): compare with its f32 math.
+        return attention(*(x.astype(jnp.float32) for x in (q, k, v)), visible).astype(q.dtype)
+    return attention(q, k, v, visible)
+
+
+@pytest.mark.parametrize("tree,window,dtype,lengths", REF_CASES)
+def test_reference_equals_model_attention(tree, window, dtype, lengths):
+    inp = make_inputs(11, tree=tree, lengths=lengths, dtype=dtype)
+    assert_close(call(tree_attention_reference, inp, window), model_attention(inp, window), dtype)
+
+
+@pytest.mark.parametrize("impl", ["reference", "interpret"])
+def test_window_over_earlier_uncommitted_levels(impl):
+    """tree_mask [B, N, W > N]: the last 3 nodes of a 7-node tree attend to all 7 window keys (the first 4
+    written by an earlier, uncommitted forward), as models' key_visibility with write_offset does."""
+    full = make_inputs(17, tree="branching", lengths=(6, 0))
+    new = slice(4, 7)
+    inp = dict(full, q=full["q"][:, new], q_positions=full["q_positions"][:, new])
+    tm = full["tree_mask"][:, new, :]  # [B, 3, 7]
+    kw = dict(q_positions=inp["q_positions"], window=2, key_positions=full["q_positions"])
+    got = tree_attention(inp["q"], inp["k_cache"], inp["v_cache"], inp["lengths"], tm, impl=impl, **kw)
+    want = model_attention(inp, 2, write_offset=jnp.full((2,), 4, jnp.int32),
+                           key_positions=full["q_positions"], attn_mask=tm)
+    assert_close(got, want, jnp.float32)
+
+
+def test_query_that_sees_nothing_averages_all_slots():
+    """The model's corner case, kept by both implementations: an invalid node over an empty prefix."""
+    inp = make_inputs(12, h=2, kv=2, tree="padded", lengths=(0, 3))
+    uniform = jnp.mean(inp["v_cache"][0], axis=1)  # [KV, hd]: row 0, all S slots
+    for got in (call(tree_attention_reference, inp), call(tree_attention_pallas, inp, interpret=True)):
+        np.testing.assert_allclose(got[0, 5], uniform, atol=1e-5)  # node 5 is invalid: sees no key
+        np.testing.assert_allclose(got[0, 6], uniform, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    assert jax.device_count() >= 8, "tests/conftest.py should simulate 8 CPU devices"
+    return make_mesh(data=2, model=4, devices=jax.devices()[:8])
+
+
+def test_sharded_kernel_equals_unsharded(mesh):
+    inp = make_inputs(13, h=8, kv=4, s=32, lengths=(0, 21))  # KV=4 splits over model=4, B=2 over data=2
+    got = call(lambda *a, **k: sharded_tree_attention(mesh, *a, **k), inp, 6, impl="interpret")
+    assert got.sharding.spec == P("data", None, "model", None)
+    assert_close(got, call(tree_attention_reference, inp, 6), jnp.float32)
+
+
+def test_sharded_replicates_axes_the_mesh_does_not_divide(mesh):
+    inp = make_inputs(14, h=4, kv=2, s=32, tree="padded", lengths=(4,))  # B=1 of 2, KV=2 of 4
+    got = sharded_tree_attention(mesh, inp["q"], inp["k_cache"], inp["v_cache"], inp["lengths"],
+                                 inp["tree_mask"], impl="reference")
+    want = tree_attention_reference(inp["q"], inp["k_cache"], inp["v_cache"], inp["lengths"], inp["tree_mask"])
+    assert_close(got, want, jnp.float32)
+
+
+def _bad(**changes):
+    inp = make_inputs(15)
+    inp.update(changes)
+    return inp
+
+
+BAD_INPUTS = [
+    (dict(q=jnp.zeros((2, 7, 3, 16))), {}, "not a multiple of the cache's KV=2"),
+    (dict(tree_mask=jnp.ones((2, 7, 6), bool)), {}, r"tree_mask must have shape \[B, N, N\]"),
+    (dict(v_cache=jnp.zeros((2, 2, 32, 16))), {}, "v_cache shape"),
+    (dict(k_cache=jnp.zeros((2, 2, 64, 8)), v_cache=jnp.zeros((2, 2, 64, 8))), {}, "head_dim 8 differs"),
+    (dict(lengths=jnp.zeros((3,), jnp.int32)), {}, r"lengths must be an integer array of shape \[B\]"),
+    (dict(lengths=jnp.asarray([0, 60], jnp.int32)), {}, r"lengths\[b\] \+ W <= S"),
+    (dict(q=jnp.zeros((2, 7, 4, 16), jnp.bfloat16)), {}, "must share a dtype"),
+    (dict(q_positions=jnp.zeros((2, 6), jnp.int32)), {}, "q_positions must be an integer array"),
+    (dict(q_positions=None), dict(window=4), "sliding window needs q_positions"),
+    (dict(tree_mask=jnp.ones((2, 7, 9), bool)), {}, "pass key_positions"),
+    ({}, dict(key_positions=jnp.zeros((2, 6), jnp.int32)), "key_positions must be an integer array"),
+    ({}, dict(window=-1), "window must be >= 0"),
+    ({}, dict(sm_scale=0.0), "sm_scale must be a positive"),
+    ({}, dict(impl="cuda"), "impl must be one of"),
+    ({}, dict(impl="pallas"), "impl='pallas' compiles the kernel for a GPU or TPU"),
+]
+
+
+@pytest.mark.parametrize("changes,kw,match", BAD_INPUTS)
+def test_bad_input_raises_clear_errors(changes, kw, match):
+    inp = _bad(**changes)
+    with pytest.raises(ValueError, match=match):
+        tree_attention(inp["q"], inp["k_cache"], inp["v_cache"], inp["lengths"], inp["tree_mask"],
+                       q_positions=inp["q_positions"], **kw)
+
+
+def test_bad_kernel_options_and_mesh(mesh):
+    inp = make_inputs(16)
+    for kw, match in ((dict(variant="cpu"), "variant must be one of"),
+                      (dict(variant="gpu", block_k=24), "power of two"),
+                      (dict(variant="tpu", block_k=12), "multiple of 8"),
+                      (dict(variant="gpu", block_m=8), "power of two")):
+        with pytest.raises(ValueError, match=match):
+            call(tree_attention_pallas, inp, interpret=True, **kw)
+    flat = jax.sharding.Mesh(np.asarray(jax.devices()[:8]), ("x",))
+    with pytest.raises(ValueError, match="needs axes 'data' and 'model'"):
+        call(lambda *a, **k: sharded_tree_attention(flat, *a, **k), inp)
+
+
+@pytest.mark.parametrize("variant", ["tpu", "gpu"])
+@pytest.mark.parametrize("s,m,n,hd", [(64, 14, 7, 16), (40, 7, 7, 24), (4096, 512, 64, 128), (1100, 300, 60, 80),
+                                      (2048, 8, 8, 256)])
+def test_block_plan_obeys_backend_rules(variant, s, m, n, hd):
+    p = block_plan(variant, s, m, n, hd)
+    assert p["s_pad"] % p["block_k"] == 0 and p["s_pad"] >= s and p["m_pad"] % p["block_m"] == 0
+    assert p["m_pad"] >= m and p["w_pad"] >= n and p["d_pad"] >= hd
+    if variant == "tpu":  # (8, 128) rule: sublane dims multiples of 8 (or full), lane dims full or x128
+        assert p["block_k"] % 128 == 0 or p["block_k"] == p["s_pad"] == s
+        assert p["block_m"] % 8 == 0 and p["w_pad"] % 128 == 0 and p["d_pad"] == hd
+    else:  # Triton: power-of-two tensors, dot operands >= 16
+        for key in ("block_k", "block_m", "w_pad", "d_pad"):
+            assert p[key] >= 16 and p[key] & (p[key] - 1) == 0, (key, p)
+        assert p["block_m"] <= 64
+
+
+@pytest.mark.parametrize("variant,platform,target", [("gpu", "cuda", "__gpu$xla.gpu.triton"),
+                                                     ("tpu", "tpu", "tpu_custom_call")])
+@pytest.mark.parametrize("shape", [(2, 7, 4, 2, 256, 64, jnp.float32), (1, 5, 8, 1, 1100, 80, jnp.bfloat16),
+                                   (2, 3, 2, 2, 40, 24, jnp.bfloat16), (1, 64, 8, 1, 512, 128, jnp.bfloat16)])
+def test_kernel_lowers_for_gpu_and_tpu(variant, platform, target, shape):
+    """Runs Pallas' Triton / Mosaic lowering (its block-shape and power-of-two checks) on this CPU
+    machine; compiling and running the result needs the hardware."""
+    b, n, h, kv, s, hd, dt = shape
+
+    def f(q, k, v, lens, tm, qp, w):
+        return tree_attention_pallas(q, k, v, lens, tm, q_positions=qp, window=w, variant=variant)
+
+    args = [jax.ShapeDtypeStruct(x, d) for x, d in (((b, n, h, hd), dt), ((b, kv, s, hd), dt), ((b, kv, s, hd), dt),
+                                                    ((b,), jnp.int32), ((b, n, n), jnp.bool_), ((b, n), jnp.int32),
+                                                    ((), jnp.int32))]
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    assert target in text
