@@ -143,9 +143,9 @@ def _depth_stats(tree: Tree, num_accepted, active, max_depth: int):
 
 
 @partial(jax.jit, static_argnames=("config", "verifier", "sampler", "max_new_tokens", "eos_ids",
-                                   "cache_len", "hist_cap"))
+                                   "cache_len", "hist_cap", "attn_impl"))
 def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, *, verifier, sampler,
-                 max_new_tokens, eos_ids, cache_len, hist_cap):
+                 max_new_tokens, eos_ids, cache_len, hist_cap, attn_impl):
     b, p = prompt_tokens.shape
     n, max_d = drafter.num_nodes, drafter.max_depth
     pad = pad_id_for(eos_ids)
@@ -169,7 +169,8 @@ def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, *,
         tree, draft_probs, dstate = drafter.propose(st.drafter_state, ctx, sampler)
         pending = st.history[rows, st.hist_len - 1]
         tokens, positions, mask = _with_root(tree, pending, st.cache.lengths)
-        logits, _, cache = forward(config, params, tokens, positions, st.cache, mask)  # [B, N+1, V]
+        logits, _, cache = forward(config, params, tokens, positions, st.cache, mask,
+                                   attn_impl=attn_impl)  # [B, N+1, V]
         target_probs = jnp.exp(process_logits(logits, sampler))
         res = verifier(target_probs, draft_probs, tree, k_verify)
         keep = jnp.concatenate([active[:, None], path_to_keep(res.path, n) & active[:, None]], axis=1)
@@ -246,8 +247,15 @@ def check_combination(config, drafter, verifier, sampler: SamplerConfig) -> None
 
 def speculative_decode(config, params, drafter, prompt_tokens, prompt_lengths, *, max_new_tokens: int,
                        verifier, sampler: SamplerConfig = SamplerConfig(temperature=0.0),
-                       eos_ids: tuple = (), key=None, cache_len: int | None = None) -> SpecOutput:
-    """Speculative decoding of up to max_new_tokens per row (see the module docstring)."""
+                       eos_ids: tuple = (), key=None, cache_len: int | None = None,
+                       attn_impl: str | None = None) -> SpecOutput:
+    """Speculative decoding of up to max_new_tokens per row (see the module docstring).
+
+    attn_impl: attention of the verification forward; default "tree" (the Pallas tree-attention
+    kernel) on GPU/TPU and "xla" on CPU, where the kernel would only run interpreted.
+    """
+    if attn_impl is None:
+        attn_impl = "xla" if jax.default_backend() == "cpu" else "tree"
     eos_ids = validate_eos_ids(config, eos_ids)
     check_combination(config, drafter, verifier, sampler)
     n = drafter.num_nodes
@@ -273,4 +281,4 @@ def speculative_decode(config, params, drafter, prompt_tokens, prompt_lengths, *
     hist_cap = width + max_new_tokens + drafter.max_depth + 2
     return _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, verifier=verifier,
                         sampler=sampler, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-                        cache_len=cache_len, hist_cap=hist_cap)
+                        cache_len=cache_len, hist_cap=hist_cap, attn_impl=attn_impl)

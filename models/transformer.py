@@ -126,7 +126,8 @@ def _window_mask(visible, q_pos, key_pos, window):
 
 
 # ----------------------------------------------------------------------------- the layer
-def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, visible, key_pos, window, ck, cv, write_start):
+def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, visible, key_pos, window, ck, cv, write_start,
+           tree_args=None, attn_impl: str = "xla"):
     """One transformer block. x: [B, T, D]. ck/cv: this layer's cache [B, KV, S, hd] or None."""
     h = _norm(config, x, lp["attn_norm"])
     q = jnp.einsum("btd,dnh->btnh", h, lp["wq"])  # [B, T, H, hd]
@@ -144,8 +145,14 @@ def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, visible, key_pos, window
         keys, vals = ck, cv
     else:
         keys, vals = k, v
-    vis = _window_mask(visible, q_pos, key_pos, window)
-    a = attention(q, keys, vals, vis)  # [B, T, H, hd]
+    if attn_impl == "xla" or ck is None:
+        vis = _window_mask(visible, q_pos, key_pos, window)
+        a = attention(q, keys, vals, vis)  # [B, T, H, hd]
+    else:  # the tree-attention op: Pallas kernel on GPU/TPU (or interpret mode), reference on CPU
+        from jaxdecode.kernels.tree_attention import tree_attention
+        lengths, mask, win_pos = tree_args
+        a = tree_attention(q, keys, vals, lengths, mask, q_positions=q_pos, window=window,
+                           key_positions=win_pos, impl="interpret" if attn_impl == "interpret" else "auto")
     o = jnp.einsum("btnh,nhd->btd", a, lp["wo"])
     if config.o_bias:
         o = o + lp["bo"]
@@ -186,10 +193,13 @@ def _layer_ids(config: ModelConfig, stop_at_layer, skip_layers, return_layers) -
 
 
 # ----------------------------------------------------------------------------- forward
-@partial(jax.jit, static_argnames=("config", "return_layers", "stop_at_layer", "skip_layers"))
+ATTN_IMPLS = ("xla", "tree", "interpret")
+
+
+@partial(jax.jit, static_argnames=("config", "return_layers", "stop_at_layer", "skip_layers", "attn_impl"))
 def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | None, attn_mask,
             *, write_offset=None, key_positions=None, return_layers: tuple = (),
-            stop_at_layer: int | None = None, skip_layers: tuple = ()):
+            stop_at_layer: int | None = None, skip_layers: tuple = (), attn_impl: str = "xla"):
     """Run the model over T new tokens per row. See the module docstring for the contract.
 
     attn_mask is [B, T, T], or with a cache [B, T, W >= T]: then its columns are the W slots after the
@@ -198,7 +208,12 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
     Returns logits [B, T, V] (float32), hidden {"final": [B, T, D] after the final norm,
     "layers": [len(return_layers), B, T, D] outputs of the chosen layers (or None)}, and the cache
     with the new keys/values written after each row's committed prefix (lengths unchanged).
+    attn_impl: "xla" (plain einsum attention), "tree" (the tree-attention op of jaxdecode.kernels:
+    the Pallas kernel on GPU/TPU, its jnp reference on CPU) or "interpret" (the kernel in Pallas
+    interpret mode, for tests). All three compute the same function.
     """
+    if attn_impl not in ATTN_IMPLS:
+        raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
     b, t = tokens.shape
     if attn_mask.shape[:2] != (b, t) or attn_mask.shape[2] < t or (cache is None and attn_mask.shape[2] != t):
         raise ValueError(f"attn_mask must be [B, T, T] (or [B, T, W>=T] with a cache) for tokens "
@@ -212,6 +227,10 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
         visible, key_pos = key_visibility(positions, attn_mask, cache.lengths, cache.max_len,
                                           write_offset, key_positions)
         write_start = cache.lengths if write_offset is None else cache.lengths + write_offset
+        # The kernel takes the window columns' key positions directly ([B, W] after the prefix).
+        win_cols = cache.lengths[:, None] + jnp.arange(attn_mask.shape[2])[None, :]
+        win_pos = jnp.take_along_axis(key_pos, jnp.minimum(win_cols, cache.max_len - 1), axis=1)
+        tree_args = (cache.lengths, attn_mask.astype(bool), win_pos)
     else:
         visible, key_pos = attn_mask.astype(bool), positions.astype(jnp.int32)
 
@@ -229,7 +248,8 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
     def body(x, xs):
         lp, w, ck, cv = xs
         x, ck, cv = _layer(config, x, lp, positions, inv_freq, visible, key_pos, w, ck, cv,
-                           None if cache is None else write_start)
+                           None if cache is None else write_start,
+                           None if cache is None else tree_args, attn_impl)
         return x, (x if return_layers else None, ck, cv)
 
     x, (per_layer, new_k, new_v) = jax.lax.scan(body, x, (layers, windows, ck_all, cv_all))
