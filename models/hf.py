@@ -108,20 +108,24 @@ def _gpt2_prefix(tensors: dict) -> str:
     return "transformer." if any(k.startswith("transformer.") for k in tensors) else ""
 
 
+def _take_checked(tensors: dict, key: str, shape, used: set):
+    """tensors[key], checked to exist with the expected shape, and marked as used."""
+    if key not in tensors:
+        raise CheckpointError(f"missing weight tensor {key!r} (expected shape {tuple(shape)})")
+    w = tensors[key]
+    if tuple(w.shape) != tuple(shape):
+        raise CheckpointError(f"weight tensor {key!r} has shape {tuple(w.shape)}, expected {tuple(shape)}")
+    used.add(key)
+    return w
+
+
 def _convert_gpt2(config: ModelConfig, tensors: dict, expect):
     d, h, hd = config.hidden_size, config.num_heads, config.head_dim
     pre = _gpt2_prefix(tensors)
     used = set()
 
     def get(name, shape):
-        key = pre + name
-        if key not in tensors:
-            raise CheckpointError(f"missing weight tensor {key!r} (expected shape {shape})")
-        w = tensors[key]
-        if tuple(w.shape) != tuple(shape):
-            raise CheckpointError(f"weight tensor {key!r} has shape {tuple(w.shape)}, expected {tuple(shape)}")
-        used.add(key)
-        return w
+        return _take_checked(tensors, pre + name, shape, used)
 
     f = config.intermediate_size
     layers = {k: [] for k in ("attn_norm/scale", "attn_norm/bias", "mlp_norm/scale", "mlp_norm/bias", "wq",
@@ -195,13 +199,7 @@ def _convert_llama(config: ModelConfig, tensors: dict, expect: dict):
     d, v = config.hidden_size, config.vocab_size
 
     def get(name, shape):
-        if name not in tensors:
-            raise CheckpointError(f"missing weight tensor {name!r} (expected shape {shape})")
-        w = tensors[name]
-        if tuple(w.shape) != tuple(shape):
-            raise CheckpointError(f"weight tensor {name!r} has shape {tuple(w.shape)}, expected {tuple(shape)}")
-        used.add(name)
-        return w
+        return _take_checked(tensors, name, shape, used)
 
     params = {
         "embed": get("model.embed_tokens.weight", (v, d)),
