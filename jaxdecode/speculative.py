@@ -237,9 +237,21 @@ def check_combination(config, drafter, verifier, sampler: SamplerConfig) -> None
             f"verifier {name!r} is lossless only for drafts whose children are chosen by "
             f"{' / '.join(rules)}, but this drafter's children are {drafter.child_rule!r}; pick a "
             f"matching tree builder or the 'topk' / 'point_mass' verifier")
-    if getattr(verifier, "tree_kind", "tree") == "chain" and not getattr(drafter, "is_chain", False):
+    kind = getattr(verifier, "tree_kind", "tree")
+    if kind == "chain" and not getattr(drafter, "is_chain", False):
         raise SpeculativeError(f"verifier {name!r} verifies chains only; use a chain tree (e.g. "
                                f"tree='chain:4') or a tree verifier")
+    parents = getattr(getattr(drafter, "builder", None), "static_parents", None)
+    if kind != "tree":
+        if parents is None and not getattr(drafter, "is_chain", False):
+            raise SpeculativeError(f"verifier {name!r} needs a fixed tree structure ({kind}); use a "
+                                   f"static tree, e.g. tree='static:3,1,1:iid' for 3 i.i.d. chains")
+        if parents is not None:
+            from jaxdecode.verifiers import check_tree_kind
+            try:
+                check_tree_kind(verifier, parents)
+            except ValueError as e:
+                raise SpeculativeError(str(e)) from None
     if verifier.needs_draft_probs and drafter.child_rule == "point":
         raise SpeculativeError(f"verifier {name!r} needs draft probabilities but this drafter "
                                f"proposes point masses; use verifier='point_mass' (or 'greedy')")

@@ -171,6 +171,20 @@ def test_bad_input(models):
                            sampler=SamplerConfig(temperature=1.0))
 
 
+def test_gbv_needs_independent_chains(models):
+    (cfg, params), (dcfg, dparams) = models
+    prompts, lengths = pad_prompts([[1, 2, 3]])
+    kw = dict(max_new_tokens=4, verifier=get_verifier("gbv"), sampler=SamplerConfig(temperature=1.0))
+    with pytest.raises(SpeculativeError, match="gbv"):
+        speculative_decode(cfg, params, DraftLM(params=dparams, config=dcfg,
+                                                builder=parse_tree_spec("static:2,2:iid")),
+                           prompts, lengths, **kw)
+    out = speculative_decode(cfg, params, DraftLM(params=dparams, config=dcfg,
+                                                  builder=parse_tree_spec("static:3,1,1:iid")),
+                             prompts, lengths, **kw)
+    assert int(out.lengths[0]) == 4
+
+
 def test_generate_api_speculative(tiny_llama_dir):
     model = jaxdecode.load(tiny_llama_dir)
     plain = jaxdecode.generate(model, ["def add(a, b):", "import"], method="greedy", max_new_tokens=8,

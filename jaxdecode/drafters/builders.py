@@ -58,6 +58,7 @@ class ChainBuilder:
     num_nodes = property(lambda self: self.depth)
     max_depth = property(lambda self: self.depth)
     working_size = property(lambda self: self.depth)
+    static_parents = property(lambda self: np.arange(self.depth, dtype=np.int32) - 1)
     is_chain = True
 
     def build(self, scorer_state, logq_root, expand, key):
@@ -123,6 +124,7 @@ class StaticTreeBuilder:
 
     num_nodes = property(lambda self: len(self.paths))
     max_depth = property(lambda self: max(len(p) for p in self.paths))
+    static_parents = property(lambda self: self._layout[0])
     working_size = property(lambda self: len(self.paths))
 
     @property
@@ -176,6 +178,7 @@ class DynamicTreeBuilder:
 
     num_nodes = property(lambda self: self.total)
     max_depth = property(lambda self: self.depth)
+    static_parents = None  # the shape changes every step
     working_size = property(lambda self: self.depth * self.topk)
 
     def build(self, scorer_state, logq_root, expand, key):
