@@ -62,3 +62,25 @@ def test_mesh_errors():
         make_mesh(model=3, devices=jax.devices()[:8])
     with pytest.raises(ValueError, match="needs 6 devices"):
         make_mesh(data=3, model=2, devices=jax.devices()[:8])
+
+
+@pytest.mark.parametrize("tree,temperature,verifier", [("eagle:depth=3,topk=2,total=5", 0.0, "greedy"),
+                                                       ("static:2,2:iid", 0.8, "specinfer")])
+def test_sharded_speculative_equals_single_device(setup, tree, temperature, verifier):
+    from jaxdecode.drafters import DraftLM, parse_tree_spec
+    from jaxdecode.speculative import speculative_decode
+    from jaxdecode.verifiers import get_verifier
+
+    params, mesh = setup
+    dcfg = CONFIG.replace(num_layers=1, sliding_windows=(0,))
+    dparams = init_params(dcfg, jax.random.PRNGKey(7), std=0.3)
+    prompts, lengths = pad_prompts([[3, 9, 27, 4, 1], [8, 2], [5, 5, 5], [60, 1, 33, 7]])
+    kw = dict(max_new_tokens=8, verifier=get_verifier(verifier),
+              sampler=SamplerConfig(temperature=temperature), key=jax.random.PRNGKey(5))
+    ref = speculative_decode(CONFIG, params, DraftLM(params=dparams, config=dcfg,
+                                                     builder=parse_tree_spec(tree)), prompts, lengths, **kw)
+    sharded_drafter = DraftLM(params=shard_params(dparams, mesh), config=dcfg, builder=parse_tree_spec(tree))
+    got = speculative_decode(CONFIG, shard_params(params, mesh), sharded_drafter,
+                             shard_batch(prompts, mesh), shard_batch(lengths, mesh), **kw)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
+    np.testing.assert_array_equal(np.asarray(got.stats["verify_calls"]), np.asarray(ref.stats["verify_calls"]))
