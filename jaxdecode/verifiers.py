@@ -41,6 +41,7 @@ Where this module differs from ALGORITHMS.md (the papers win):
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 from typing import ClassVar
@@ -134,7 +135,7 @@ def _concrete(x):
 # Base class.
 
 @dataclasses.dataclass(frozen=True)
-class Verifier:
+class Verifier(abc.ABC):
     """Base of all verifiers. Subclasses set the class attributes and implement `_verify_row`."""
 
     name: ClassVar[str] = ""
@@ -161,8 +162,9 @@ class Verifier:
         """U[0,1) numbers one row consumes (N nodes)."""
         return n + 1
 
-    def _verify_row(self, p, q, tokens, parents, valid, u):  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _verify_row(self, p, q, tokens, parents, valid, u):
+        """(path [N], num_accepted, bonus) for one row."""
 
 
 def _check_inputs(verifier, target_probs, draft_probs, tree):
@@ -214,14 +216,16 @@ class _SequentialVerifier(Verifier):
         """State when `slot` becomes the current node."""
         return {}
 
+    @abc.abstractmethod
     def _accept_prob(self, row, info, state, cur, i):
-        raise NotImplementedError
+        """Probability of accepting node i as the next child of the current node `cur`."""
 
     def _reject(self, row, info, state, cur, i):
         return state
 
+    @abc.abstractmethod
     def _emit(self, row, info, state, cur, u):
-        raise NotImplementedError
+        """The token emitted after the accepted path (correction or bonus)."""
 
     def _num_uniforms(self, n):
         return 2 * n + 2
