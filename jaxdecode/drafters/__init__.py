@@ -17,10 +17,6 @@ def _tree_or_default(tree, default, temperature: float):
     spec = default if tree is None else tree
     if isinstance(spec, str) and spec.startswith("chain") and spec.count(":") == 1 and temperature > 0:
         spec = spec + ":sample"
-    if isinstance(spec, str) and spec.startswith("dyspec"):
-        from jaxdecode.drafters.dyspec import DySpecBuilder
-        kw = dict(item.split("=") for item in spec.partition(":")[2].split(",") if item)
-        return DySpecBuilder(**{k: int(v) for k, v in kw.items()})
     return parse_tree_spec(spec)
 
 
@@ -33,6 +29,18 @@ def make_drafter(name: str | None, target, draft=None, tree=None, temperature: f
                              "(CLI: --draft DIR)")
         return DraftLM(params=draft.params, config=draft.config,
                        builder=_tree_or_default(tree, "chain:4", temperature))
+    if name == "token_recycling":
+        from jaxdecode.drafters.recycling import TokenRecyclingDrafter
+        from jaxdecode.drafters.recycling import recycling_template
+        if tree is not None:  # 'static:...' is the template M is expanded along; 'nodes:N' its size
+            kw.setdefault("template", parse_tree_spec(tree).paths if str(tree).startswith("static")
+                          else recycling_template(_node_budget(tree, default=48)))
+        return TokenRecyclingDrafter(vocab_size=target.config.vocab_size, **kw)
+    if name == "aded":
+        from jaxdecode.drafters.aded import ADEDDrafter
+        if tree is not None:
+            kw.setdefault("num_nodes", _node_budget(tree, default=16))
+        return ADEDDrafter(vocab_size=target.config.vocab_size, **kw)
     n = _node_budget(tree, default=8)
     if name == "prompt_lookup":
         from jaxdecode.drafters.ngram import PromptLookupDrafter
@@ -40,22 +48,16 @@ def make_drafter(name: str | None, target, draft=None, tree=None, temperature: f
     if name == "aggressive":
         from jaxdecode.drafters.ngram import AggressiveDrafter
         return AggressiveDrafter(num_nodes=n, **kw)
-    if name == "token_recycling":
-        from jaxdecode.drafters.recycling import TokenRecyclingDrafter
-        return TokenRecyclingDrafter(vocab_size=target.config.vocab_size, **kw)
-    if name == "aded":
-        from jaxdecode.drafters.aded import ADEDDrafter
-        return ADEDDrafter(vocab_size=target.config.vocab_size, **kw)
     raise ValueError(f"unknown drafter {name!r}; choose one of {DRAFTERS}")
 
 
 def _node_budget(tree, default: int) -> int:
-    """Chain length for retrieval drafters: 'chain:N' or an int."""
+    """Node budget for retrieval drafters: 'chain:N', 'nodes:N' or an int."""
     if tree is None:
         return default
     if isinstance(tree, int):
         return tree
-    if isinstance(tree, str) and tree.startswith("chain:"):
+    if isinstance(tree, str) and tree.split(":")[0] in ("chain", "nodes"):
         return int(tree.split(":")[1])
     raise ValueError(f"drafters that retrieve a continuation propose chains: use tree='chain:N', got "
                      f"{tree!r}")

@@ -157,48 +157,49 @@ def mcts_tree(lookup, root_tok, root_prev, *, num_nodes: int, max_depth: int, c_
         dead = (st["cand_tok"][rows, slot] < 0) | ch_full
         return (st["s_depth"][rows, slot] >= d_max) | jnp.all(dead, axis=1)
 
+    def descend_one(depth, carry):
+        """One level of the selection walk: `cur` (at depth `depth`) picks a candidate by PUCT; a
+        known child is entered, a new one is created (and the walk ends)."""
+        st, cur, path, going, made, new, new_ctx = carry
+        ch = st["child"][rows, cur]  # [B, K]
+        ctok, cp = st["cand_tok"][rows, cur], st["cand_p"][rows, cur]
+        have = ch >= 0
+        chs = jnp.maximum(ch, 0)
+        ch_full = jnp.take_along_axis(st["full"], chs, axis=1) & have
+        avail = (ctok >= 0) & ~ch_full
+        n_ch = jnp.where(have, jnp.take_along_axis(st["visits"], chs, axis=1), 0.0)
+        q = jnp.where(have, jnp.take_along_axis(st["wsum"], chs, axis=1) / jnp.maximum(n_ch, 1.0), 0.0)
+        u = c_puct * cp * jnp.sqrt(st["visits"][rows, cur] + 1.0)[:, None] / (1.0 + n_ch)
+        a = jnp.argmax(jnp.where(avail, q + u, -jnp.inf), axis=1)
+        going = going & jnp.any(avail, axis=1)
+        pick = jnp.take_along_axis(ch, a[:, None], axis=1)[:, 0]
+        descend = going & (pick >= 0)
+        create = going & (pick < 0)
+        # Expand: a new node at slot used + 1, child of `cur`.
+        slot = st["used"] + 1
+        tok = jnp.take_along_axis(ctok, a[:, None], axis=1)[:, 0]
+        prob = jnp.take_along_axis(cp, a[:, None], axis=1)[:, 0]
+        st = dict(st)
+        st["s_tok"] = put(st["s_tok"], slot, tok, create)
+        st["s_depth"] = put(st["s_depth"], slot, jnp.broadcast_to(depth + 1, (b,)), create)
+        st["s_pathp"] = put(st["s_pathp"], slot, st["s_pathp"][rows, cur] * prob, create)
+        st["child"] = st["child"].at[rows, jnp.where(create, cur, s), a].set(slot, mode="drop")
+        st["parents"] = put(st["parents"], slot - 1, cur - 1, create)
+        st["used"] = st["used"] + create.astype(jnp.int32)
+        made = made | create
+        new = jnp.where(create, slot, new)
+        new_ctx = jnp.where(create, st["s_tok"][rows, cur], new_ctx)
+        nxt = jnp.where(descend, pick, jnp.where(create, slot, cur))
+        path = path.at[:, depth + 1].set(jnp.where(descend | create, nxt, -1))
+        return st, nxt, path, descend, made, new, new_ctx
+
     def simulate(_, st):
-        cur = jnp.zeros((b,), jnp.int32)
+        zeros = jnp.zeros((b,), jnp.int32)
         path = jnp.full((b, d_max + 1), -1, jnp.int32).at[:, 0].set(0)
-        going = ~st["full"][:, 0]
-        made = jnp.zeros((b,), bool)
-        new = jnp.zeros((b,), jnp.int32)
-        new_ctx = jnp.zeros((b,), jnp.int32)  # token before the new node (its context's first token)
-        for depth in range(d_max):  # static unroll over tree depth
-            ch = st["child"][rows, cur]  # [B, K]
-            ctok, cp = st["cand_tok"][rows, cur], st["cand_p"][rows, cur]
-            have = ch >= 0
-            chs = jnp.maximum(ch, 0)
-            ch_full = jnp.take_along_axis(st["full"], chs, axis=1) & have
-            avail = (ctok >= 0) & ~ch_full
-            n_ch = jnp.where(have, jnp.take_along_axis(st["visits"], chs, axis=1), 0.0)
-            q = jnp.where(have, jnp.take_along_axis(st["wsum"], chs, axis=1) / jnp.maximum(n_ch, 1.0), 0.0)
-            u = c_puct * cp * jnp.sqrt(st["visits"][rows, cur] + 1.0)[:, None] / (1.0 + n_ch)
-            a = jnp.argmax(jnp.where(avail, q + u, -jnp.inf), axis=1)
-            going = going & jnp.any(avail, axis=1)
-            pick = jnp.take_along_axis(ch, a[:, None], axis=1)[:, 0]
-            descend = going & (pick >= 0)
-            create = going & (pick < 0)
-            # Expand: a new node at slot used + 1, child of `cur`.
-            slot = st["used"] + 1
-            tok = jnp.take_along_axis(ctok, a[:, None], axis=1)[:, 0]
-            prob = jnp.take_along_axis(cp, a[:, None], axis=1)[:, 0]
-            pathp = st["s_pathp"][rows, cur] * prob
-            st = dict(st)
-            st["s_tok"] = put(st["s_tok"], slot, tok, create)
-            st["s_depth"] = put(st["s_depth"], slot, jnp.full((b,), depth + 1, jnp.int32), create)
-            st["s_pathp"] = put(st["s_pathp"], slot, pathp, create)
-            st["child"] = st["child"].at[rows, jnp.where(create, cur, s), a].set(slot, mode="drop")
-            st["parents"] = put(st["parents"], slot - 1, cur - 1, create)
-            st["used"] = st["used"] + create.astype(jnp.int32)
-            made = made | create
-            new = jnp.where(create, slot, new)
-            new_ctx = jnp.where(create, st["s_tok"][rows, cur], new_ctx)
-            nxt = jnp.where(descend, pick, jnp.where(create, slot, cur))
-            path = path.at[:, depth + 1].set(jnp.where(descend | create, nxt, -1))
-            cur = nxt
-            going = descend
-        # The new node's candidates (one table lookup per simulation, outside the unrolled descent).
+        carry = (st, zeros, path, ~st["full"][:, 0], jnp.zeros((b,), bool), zeros, zeros)
+        # The walk never enters an exhausted node, so it creates a node within d_max levels.
+        st, _, path, _, made, new, new_ctx = jax.lax.fori_loop(0, d_max, descend_one, carry)
+        # The new node's candidates (one table lookup per simulation).
         ntok, nprob = lookup(new_ctx, st["s_tok"][rows, new])
         st = dict(st)
         st["cand_tok"] = put(st["cand_tok"], new, ntok, made)
@@ -206,13 +207,15 @@ def mcts_tree(lookup, root_tok, root_prev, *, num_nodes: int, max_depth: int, c_
         # Back up the new node's reward along its path, then refresh which path nodes are exhausted
         # (bottom-up, so a parent sees its children's new state; this also settles the new node).
         reward = jnp.where(made, st["s_pathp"][rows, new], 0.0)
-        on = (path >= 0) & made[:, None]
-        idx = jnp.where(on, path, s)
+        idx = jnp.where((path >= 0) & made[:, None], path, s)
         st["visits"] = st["visits"].at[rows[:, None], idx].add(1.0, mode="drop")
         st["wsum"] = st["wsum"].at[rows[:, None], idx].add(reward[:, None], mode="drop")
-        for depth in range(d_max, -1, -1):
-            p = path[:, depth]
-            st["full"] = put(st["full"], p, slot_full(st, jnp.maximum(p, 0)), p >= 0)
+
+        def refresh(i, full):
+            p = path[:, d_max - i]
+            return put(full, p, slot_full({**st, "full": full}, jnp.maximum(p, 0)), p >= 0)
+
+        st["full"] = jax.lax.fori_loop(0, d_max + 1, refresh, st["full"])
         return st
 
     st = jax.lax.fori_loop(0, n, simulate, st)
@@ -269,14 +272,21 @@ class ADEDDrafter:
 
     def count_sequences(self, table: TrigramTable, tokens, lengths) -> TrigramTable:
         """Count every position 1..length-1 of tokens[B, P] (tri-gram and bi-gram contexts)."""
+        p = tokens.shape[1]
+        offsets = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), tokens.shape)
+        return self._count(table, tokens, offsets, offsets < lengths[:, None])
+
+    def _count(self, table: TrigramTable, tokens, offsets, valid) -> TrigramTable:
+        """One lax.scan over positions of tokens[B, P]; offsets[B, P] = index within its own sequence
+        (contexts never reach across a sequence start); valid[B, P] = count this position."""
         none = self.vocab_size
         tokens = tokens.astype(jnp.int32)
 
-        def step(tab, p):
-            a = jnp.where(p >= 2, tokens[:, jnp.maximum(p - 2, 0)], none)
-            bb = tokens[:, p - 1]
-            nxt = tokens[:, p]
-            ok = p < lengths
+        def step(tab, q):
+            a = jnp.where(offsets[:, q] >= 2, tokens[:, jnp.maximum(q - 2, 0)], none)
+            bb = tokens[:, q - 1]
+            nxt = tokens[:, q]
+            ok = valid[:, q] & (offsets[:, q] >= 1)
             tab = table_add(tab, a, bb, nxt, ok & (a != none), self.decay)
             return table_add(tab, jnp.full_like(bb, none), bb, nxt, ok, self.decay), None
 
@@ -287,14 +297,15 @@ class ADEDDrafter:
 
     def fit_corpus(self, sequences) -> "ADEDDrafter":
         """A copy whose table starts from the counts of `sequences` (lists of token ids), the role of
-        the paper's corpus datastore. Sequences are counted one after the other (host loop over
-        sequences, one scan each)."""
-        table = self.empty_table(1)
-        for seq in sequences:
-            seq = np.asarray(seq, np.int32).reshape(1, -1)
-            if seq.size and (seq.min() < 0 or seq.max() >= self.vocab_size):
-                raise ValueError(f"ADEDDrafter.fit_corpus: token ids must be in [0, {self.vocab_size})")
-            table = self.count_sequences(table, jnp.asarray(seq), jnp.asarray([seq.shape[1]]))
+        the paper's corpus datastore. The sequences are counted in order, in one scan."""
+        seqs = [np.asarray(q, np.int64).reshape(-1) for q in sequences]
+        flat = np.concatenate(seqs) if seqs else np.zeros((0,), np.int64)
+        if flat.size and (flat.min() < 0 or flat.max() >= self.vocab_size):
+            raise ValueError(f"ADEDDrafter.fit_corpus: token ids must be in [0, {self.vocab_size})")
+        offsets = np.concatenate([np.arange(q.size) for q in seqs]) if seqs else flat
+        table = jax.jit(self._count)(self.empty_table(1), jnp.asarray(flat[None], jnp.int32),
+                                     jnp.asarray(offsets[None], jnp.int32),
+                                     jnp.ones((1, flat.size), bool))
         return dataclasses.replace(self, prior=jax.tree_util.tree_map(lambda x: x[0], table))
 
     # ------------------------------------------------------------------ protocol

@@ -234,9 +234,12 @@ def parse_tree_spec(spec) -> object:
         if kind == "static":
             branching, _, rule = rest.partition(":")
             return StaticTreeBuilder.full([int(x) for x in branching.split(",")], rule or "topk")
-        if kind in ("eagle", "eagle2", "dynamic"):
-            kw = dict(item.split("=") for item in rest.split(",") if item)
-            return DynamicTreeBuilder(**{k: int(v) for k, v in kw.items()})
+        if kind in ("eagle", "eagle2", "dynamic", "dyspec"):
+            kw = {k: int(v) for k, v in (item.split("=") for item in rest.split(",") if item)}
+            if kind == "dyspec":
+                from jaxdecode.drafters.dyspec import DySpecBuilder
+                return DySpecBuilder(**kw)
+            return DynamicTreeBuilder(**kw)
     except (ValueError, TypeError) as e:
         raise TreeError(f"bad tree spec {spec!r}: {e}") from None
     raise TreeError(f"unknown tree spec {spec!r}; use 'chain:4', 'chain:4:sample', 'static:3,2,1', "

@@ -12,8 +12,9 @@ Rule, in static shapes. The frontier holds, for every node already in the tree (
 cumulative draft log-probability into the tree (their order = their index, so parents always precede
 children) and asks the scorer for their next-token distributions (one draft forward per round), whose
 top-k children join the frontier. The paper pops one candidate per draft forward; taking the best
-`per_round` at once (default: topk) keeps the number of draft forwards at ceil(num_nodes / per_round)
-- 1, and with per_round = 1 it is exactly the one-at-a-time greedy. A child never scores above its
+`per_round` at once (default: topk; fewer while the frontier is smaller, see `schedule`) keeps the
+number of draft forwards near num_nodes / per_round, and with per_round = 1 it is exactly the
+one-at-a-time greedy. A child never scores above its
 parent, so the chosen set is closed under ancestors. Candidates deeper than `max_depth` (default: the
 number of rounds, i.e. no limit) are never taken; candidates of zero draft probability (e.g. cut by the
 sampler's top-k/top-p) become invalid nodes.
@@ -21,7 +22,6 @@ sampler's top-k/top-p) become invalid nodes.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -52,18 +52,29 @@ class DySpecBuilder:
         if self.per_round > self.num_nodes:
             raise TreeError(f"DySpecBuilder: per_round ({self.per_round}) exceeds num_nodes "
                             f"({self.num_nodes})")
-        rounds = math.ceil(self.num_nodes / self.per_round)
+        rounds = len(self.schedule)
         if self.max_depth == 0 or self.max_depth > rounds:
             object.__setattr__(self, "max_depth", rounds)  # a path gains at most one node per round
 
     working_size = property(lambda self: self.num_nodes)
 
+    @property
+    def schedule(self) -> tuple:
+        """Nodes added per round: per_round, but never more than the frontier holds (topk children
+        of the root and of every node so far, minus the nodes taken) nor than the budget left."""
+        sizes, added = [], 0
+        while added < self.num_nodes:
+            size = min(self.per_round, self.num_nodes - added, self.topk + added * (self.topk - 1))
+            sizes.append(size)
+            added += size
+        return tuple(sizes)
+
     def build(self, scorer_state, logq_root, expand, key):
         b, v = logq_root.shape
-        n, k, m, d_max = self.num_nodes, self.topk, self.per_round, self.max_depth
+        n, k, d_max = self.num_nodes, self.topk, self.max_depth
         if k > v:
             raise TreeError(f"DySpecBuilder: topk ({k}) exceeds the vocabulary ({v})")
-        rounds = math.ceil(n / m)
+        sizes = self.schedule
         c = (n + 1) * k  # frontier: topk children of each parent slot (root = slot 0)
         rows = jnp.arange(b)[:, None]
         score, tok = jax.lax.top_k(logq_root, k)
@@ -75,8 +86,8 @@ class DySpecBuilder:
         parents = jnp.full((b, n), -1, jnp.int32)
         valid = jnp.zeros((b, n), bool)
         slots = jnp.zeros((b, n + 1, v), jnp.float32).at[:, 0].set(jnp.exp(logq_root))
-        for r in range(rounds):  # static: one draft forward per round
-            start, size = r * m, min(m, n - r * m)
+        start = 0
+        for r, size in enumerate(sizes):  # static: one draft forward per round
             par_depth = jnp.repeat(slot_depth, k, axis=1)  # depth of each candidate's parent slot
             allowed = f_open & (par_depth < d_max)
             best, pick = jax.lax.top_k(jnp.where(allowed, f_score, -jnp.inf), size)  # [B, size]
@@ -89,7 +100,7 @@ class DySpecBuilder:
             f_open = f_open.at[rows, pick].set(False)
             slot_depth = slot_depth.at[:, start + 1:start + size + 1].set(
                 jnp.take_along_axis(slot_depth, par_slot, axis=1) + 1)
-            if r + 1 < rounds:
+            if r + 1 < len(sizes):
                 logq, scorer_state = expand(scorer_state, start, tokens[:, new], parents)
                 slots = slots.at[:, start + 1:start + size + 1].set(jnp.exp(logq))
                 child_score, child_tok = jax.lax.top_k(logq, k)  # [B, size, k]
@@ -98,6 +109,7 @@ class DySpecBuilder:
                 f_score = f_score.at[:, fr].set(cum.reshape(b, size * k))
                 f_tok = f_tok.at[:, fr].set(child_tok.reshape(b, size * k))
                 f_open = f_open.at[:, fr].set(ok.repeat(k, axis=1))
+            start += size
         # Invalid nodes: an earlier index keeps the parents array a valid tree.
         idx = jnp.arange(n)[None, :]
         parents = jnp.where(valid, parents, jnp.maximum(idx - 1, -1)).astype(jnp.int32)
