@@ -197,6 +197,7 @@ class _DecodeState:
     seen: jax.Array | None  # bool[B, V] (repetition penalty only)
     mu: jax.Array  # f32[B] Mirostat maximal surprise
     calls: jax.Array  # int32
+    cstate: object = None  # constraint state per row, or None
 
     def replace(self, **kw) -> "_DecodeState":
         return dataclasses.replace(self, **kw)
@@ -225,10 +226,24 @@ def _emit(state: _DecodeState, token, new_mu, eos_ids: tuple) -> _DecodeState:
         seen=seen, mu=jnp.where(live, new_mu, state.mu))
 
 
+def _constrain(state: _DecodeState, logits, constraint):
+    """Logits with the tokens the constraint forbids set to -inf (finished rows are left alone)."""
+    allowed = constraint.allowed(state.cstate, logits.shape[-1])
+    return jnp.where(allowed | state.done[:, None], logits, -jnp.inf)
+
+
+def _advance_constraint(old: _DecodeState, new: _DecodeState, token, constraint) -> _DecodeState:
+    """Move live rows' constraint states along their token; a row whose item is complete is done."""
+    live = ~old.done
+    moved = constraint.advance(old.cstate, token)
+    cstate = moved.replace(node=tuple(jnp.where(live, m, o) for m, o in zip(moved.node, old.cstate.node)))
+    return new.replace(cstate=cstate, done=new.done | (live & constraint.complete(cstate)))
+
+
 @partial(jax.jit, static_argnames=("config", "max_new_tokens", "sampler", "eos_ids", "cache_len",
                                    "method"))
-def _decode(config, params, prompt_tokens, prompt_lengths, key, tau, eta, *, max_new_tokens, sampler,
-            eos_ids, cache_len, method):
+def _decode(config, params, prompt_tokens, prompt_lengths, key, tau, eta, constraint=None, *,
+            max_new_tokens, sampler, eos_ids, cache_len, method):
     b = prompt_tokens.shape[0]
     cache = init_cache(config, b, cache_len)
     logits, cache = prefill(config, params, prompt_tokens, prompt_lengths, cache)
@@ -239,12 +254,16 @@ def _decode(config, params, prompt_tokens, prompt_lengths, key, tau, eta, *, max
     state = _DecodeState(
         step=jnp.int32(0), tokens=jnp.full((b, max_new_tokens), pad_id_for(eos_ids), jnp.int32),
         done=jnp.zeros((b,), bool), n_new=jnp.zeros((b,), jnp.int32), cache=cache, key=key,
-        seen=seen, mu=mirostat_init(b, tau), calls=jnp.int32(1))
+        seen=seen, mu=mirostat_init(b, tau), calls=jnp.int32(1),
+        cstate=None if constraint is None else constraint.init(b))
 
     def choose_and_emit(state, logits):
         key, sub = jax.random.split(state.key)
+        if constraint is not None:
+            logits = _constrain(state, logits, constraint)
         token, mu = _choose(method, sampler, sub, logits, state.seen, state.mu, tau, eta)
-        return _emit(state.replace(key=key), token, mu, eos_ids)
+        new = _emit(state.replace(key=key), token, mu, eos_ids)
+        return new if constraint is None else _advance_constraint(state, new, token, constraint)
 
     def cond(state):
         return (state.step < max_new_tokens) & ~jnp.all(state.done)
@@ -277,12 +296,16 @@ def resolve_method(method: str, sampler: SamplerConfig) -> tuple[str, SamplerCon
 def decode(config, params, prompt_tokens, prompt_lengths, *, max_new_tokens: int,
            sampler: SamplerConfig = SamplerConfig(), eos_ids: tuple = (), key=None,
            cache_len: int | None = None, method: str = "sample", mirostat_tau: float = 5.0,
-           mirostat_eta: float = 0.1) -> DecodeOutput:
+           mirostat_eta: float = 0.1, constraint=None) -> DecodeOutput:
     """Decode up to max_new_tokens per row. See the module docstring.
 
     method: "greedy" (argmax after the repetition penalty), "sample" (the SamplerConfig distribution)
     or "mirostat" (Mirostat v2 over the SamplerConfig distribution; tau in bits). temperature 0 means
     greedy for every method. `key` (a JAX PRNG key) is required unless decoding is greedy.
+    constraint: a Constraint (jaxdecode.constraints): each step the logits of the tokens it does not
+    allow are set to -inf before the sampler, and a row whose item is complete (an EOS id, or a final
+    leaf without EOS ids) is finished. Masked sampling draws prod_i p(x_i | x_<i, allowed), not
+    p(x | x in the set) (ALGORITHMS.md §6, ASAp).
     """
     method, sampler = resolve_method(method, sampler)
     eos_ids = validate_eos_ids(config, eos_ids)
@@ -296,7 +319,9 @@ def decode(config, params, prompt_tokens, prompt_lengths, *, max_new_tokens: int
         if method != "greedy":
             raise ValueError(f"method={method!r} samples: pass key=jax.random.key(seed)")
         key = jax.random.key(0)  # unused by greedy decoding
+    if constraint is not None:
+        constraint = constraint.prepare(config.vocab_size, eos_ids, max_new_tokens, prompt_tokens.shape[0])
     return _decode(config, params, prompt_tokens, prompt_lengths, key,
-                   jnp.float32(mirostat_tau), jnp.float32(mirostat_eta),
+                   jnp.float32(mirostat_tau), jnp.float32(mirostat_eta), constraint,
                    max_new_tokens=max_new_tokens, sampler=sampler, eos_ids=eos_ids,
                    cache_len=cache_len, method=method)

@@ -73,6 +73,7 @@ class _BeamState:
     parents: jax.Array  # int32[B*K]: cache row each beam continues from
     cache: object
     calls: jax.Array  # int32
+    cstate: object = None  # constraint state of each beam (row b*K + k), or None
 
     def replace(self, **kw) -> "_BeamState":
         return dataclasses.replace(self, **kw)
@@ -88,25 +89,58 @@ def _group_step(t, counts, group, *, max_new_tokens, length_penalty, diversity_p
     """Expand one group's beams by one token.
 
     counts: f32[B, V] tokens chosen by earlier groups this step. group: dict of this group's arrays
-    (logprobs [B, Kg, V], run_*, fin_*, done [B]). Returns (counts', new group arrays, parent beam
-    [B, Kg] within the group).
+    (logprobs [B, Kg, C], run_*, fin_*, done [B]). Unconstrained, the candidates are the vocabulary
+    (C = V, token = index). With a constraint the group also holds each beam's candidate list
+    (cand_tokens / cand_ends [B, Kg, C], cand_next and node: constraint states) and the beams'
+    constraint states advance to the chosen candidates' next states. Returns (counts', new group
+    arrays, parent beam [B, Kg] within the group).
     """
     logprobs, run_tokens, run_scores = group["logprobs"], group["run_tokens"], group["run_scores"]
     fin_tokens, fin_scores, fin_lengths, done = (group["fin_tokens"], group["fin_scores"],
                                                  group["fin_lengths"], group["done"])
-    b, kg, v = logprobs.shape
-    lp = logprobs - diversity_penalty * counts[:, None, :]
-    cand = (run_scores[:, :, None] + lp).reshape(b, kg * v)  # [B, Kg*V]
-    n_cand = min(kg * (1 + len(eos_ids)), kg * v)  # enough for Kg non-EOS candidates
-    top_scores, top_idx = jax.lax.top_k(cand, n_cand)  # [B, C], ties: lower index first
-    parent, token = top_idx // v, (top_idx % v).astype(jnp.int32)
-    ends = is_eos(token, eos_ids)
-    seqs = jnp.take_along_axis(run_tokens, parent[:, :, None], axis=1)  # [B, C, N]
-    seqs = seqs.at[:, :, t].set(token)
-
-    # Finished hypotheses: EOS candidates among the best Kg, or every best-Kg candidate at the end.
+    constrained = "cand_tokens" in group
+    b, kg, c = logprobs.shape
+    v = counts.shape[-1]
     last = t == max_new_tokens - 1
-    finishing = (jnp.arange(n_cand) < kg)[None, :] & (ends | last) & ~done[:, None]
+    if not constrained:
+        lp = logprobs - diversity_penalty * counts[:, None, :]
+        cand = (run_scores[:, :, None] + lp).reshape(b, kg * v)  # [B, Kg*V]
+        n_cand = min(kg * (1 + len(eos_ids)), kg * v)  # enough for Kg non-EOS candidates
+        top_scores, top_idx = jax.lax.top_k(cand, n_cand)  # [B, C], ties: lower index first
+        parent, token = top_idx // v, (top_idx % v).astype(jnp.int32)
+        ends = is_eos(token, eos_ids)
+        seqs = jnp.take_along_axis(run_tokens, parent[:, :, None], axis=1)  # [B, C, N]
+        seqs = seqs.at[:, :, t].set(token)
+        # Finished hypotheses: EOS candidates among the best Kg, or every best-Kg candidate at the end.
+        finishing = (jnp.arange(n_cand) < kg)[None, :] & (ends | last) & ~done[:, None]
+        # Running beams: the best Kg candidates that did not end in EOS.
+        run_scores_new, keep = jax.lax.top_k(jnp.where(ends, -jnp.inf, top_scores), kg)
+        run_tokens_new = jnp.take_along_axis(seqs, keep[:, :, None], axis=1)
+        parent_new = jnp.take_along_axis(parent, keep, axis=1).astype(jnp.int32)
+        token_new = jnp.take_along_axis(token, keep, axis=1)
+        node_new = None
+    else:
+        cand_tokens = group["cand_tokens"].reshape(b, kg * c)
+        cand_ends = group["cand_ends"].reshape(b, kg * c)
+        lp = logprobs
+        if diversity_penalty:
+            lp = lp - diversity_penalty * jnp.take_along_axis(
+                jnp.broadcast_to(counts[:, None, :], (b, kg, v)), jnp.maximum(group["cand_tokens"], 0), axis=-1)
+        cand = (run_scores[:, :, None] + lp).reshape(b, kg * c)  # [B, Kg*C]
+        # Finished hypotheses: ending candidates among the best Kg (every one of them at the end).
+        top_scores, top_idx = jax.lax.top_k(cand, min(kg, kg * c))
+        parent = top_idx // c
+        token = jnp.take_along_axis(cand_tokens, top_idx, axis=1)
+        ends = jnp.take_along_axis(cand_ends, top_idx, axis=1)
+        seqs = jnp.take_along_axis(run_tokens, parent[:, :, None], axis=1).at[:, :, t].set(token)
+        finishing = (ends | last) & ~done[:, None]
+        # Running beams: the best Kg candidates that do not end (any number of candidates may end).
+        run_scores_new, keep = jax.lax.top_k(jnp.where(cand_ends, -jnp.inf, cand), kg)
+        parent_new = (keep // c).astype(jnp.int32)
+        token_new = jnp.take_along_axis(cand_tokens, keep, axis=1)
+        run_tokens_new = jnp.take_along_axis(run_tokens, parent_new[:, :, None], axis=1).at[:, :, t].set(token_new)
+        node_new = tuple(jnp.take_along_axis(x.reshape(b, kg * c), keep, axis=1) for x in group["cand_next"])
+
     gen_len = (t + 1).astype(jnp.float32)
     new_fin = jnp.where(finishing, top_scores / gen_len ** length_penalty, -jnp.inf)
     all_scores = jnp.concatenate([fin_scores, new_fin], axis=1)  # kept ones first: they win ties
@@ -115,12 +149,6 @@ def _group_step(t, counts, group, *, max_new_tokens, length_penalty, diversity_p
     all_lengths = jnp.concatenate([fin_lengths, jnp.broadcast_to(t + 1, new_fin.shape)], axis=1)
     fin_tokens_new = jnp.take_along_axis(all_tokens, pick[:, :, None], axis=1)
     fin_lengths_new = jnp.take_along_axis(all_lengths, pick, axis=1).astype(jnp.int32)
-
-    # Running beams: the best Kg candidates that did not end in EOS.
-    run_scores_new, keep = jax.lax.top_k(jnp.where(ends, -jnp.inf, top_scores), kg)
-    run_tokens_new = jnp.take_along_axis(seqs, keep[:, :, None], axis=1)
-    parent_new = jnp.take_along_axis(parent, keep, axis=1).astype(jnp.int32)
-    token_new = jnp.take_along_axis(token, keep, axis=1)
 
     full = jnp.all(fin_scores_new > -jnp.inf, axis=-1)
     hopeless = jnp.min(fin_scores_new, axis=-1) >= _best_final_score(
@@ -137,18 +165,25 @@ def _group_step(t, counts, group, *, max_new_tokens, length_penalty, diversity_p
     out = dict(run_tokens=frozen(run_tokens_new, run_tokens), run_scores=frozen(run_scores_new, run_scores),
                fin_tokens=frozen(fin_tokens_new, fin_tokens), fin_scores=frozen(fin_scores_new, fin_scores),
                fin_lengths=frozen(fin_lengths_new, fin_lengths), done=done_new)
+    if constrained:
+        out["node"] = tuple(frozen(n, o) for n, o in zip(node_new, group["node"]))
     parent_new = frozen(parent_new, jnp.broadcast_to(jnp.arange(kg, dtype=jnp.int32), parent_new.shape))
     return counts, out, parent_new
 
 
 def _select(state: _BeamState, logprobs, *, max_new_tokens, length_penalty, diversity_penalty,
-            eos_ids) -> _BeamState:
-    """One beam step for every row and group. logprobs: f32[B, G, Kg, V]."""
-    b, g, kg, v = logprobs.shape
+            eos_ids, constraint=None, cands=None, vocab_size=None) -> _BeamState:
+    """One beam step for every row and group. logprobs: f32[B, G, Kg, V], or with a constraint the
+    candidates' log-probs f32[B, G, Kg, C] and `cands` (their tokens, ends and next states)."""
+    b, g, kg, _ = logprobs.shape
+    v = logprobs.shape[-1] if cands is None else vocab_size
     t = state.step
     groups = dict(logprobs=logprobs, run_tokens=state.run_tokens, run_scores=state.run_scores,
                   fin_tokens=state.fin_tokens, fin_scores=state.fin_scores,
                   fin_lengths=state.fin_lengths, done=state.done)
+    if cands is not None:
+        groups.update(cand_tokens=cands.tokens, cand_ends=cands.ends, cand_next=cands.next,
+                      node=tuple(n.reshape(b, g, kg) for n in state.cstate.node))
     groups = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), groups)  # group axis first for the scan
 
     def step(counts, group):
@@ -161,13 +196,27 @@ def _select(state: _BeamState, logprobs, *, max_new_tokens, length_penalty, dive
     new = jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1), new)
     parent = jnp.moveaxis(parent, 0, 1)  # [B, G, Kg] beam within its group
     row0 = (jnp.arange(b)[:, None, None] * (g * kg) + jnp.arange(g)[None, :, None] * kg)
+    if cands is not None:
+        node = new.pop("node")
+        new["cstate"] = constraint.step_to(state.cstate, tuple(n.reshape(-1) for n in node))
     return state.replace(step=t + 1, parents=(row0 + parent).reshape(-1).astype(jnp.int32), **new)
+
+
+def _constrained_select(select, state, constraint, logits, b, g, kg):
+    """Constraint candidates of every beam (logits [B*K, V]), then the beam step over them."""
+    c = constraint.candidates(state.cstate, logits, kg)
+
+    def split(a):  # [B*K, C] -> [B, G, Kg, C]
+        return a.reshape(b, g, kg, -1)
+
+    cands = jax.tree.map(split, c)
+    return select(state, cands.logprobs, constraint=constraint, cands=cands, vocab_size=logits.shape[-1])
 
 
 @partial(jax.jit, static_argnames=("config", "max_new_tokens", "num_beams", "num_groups",
                                    "length_penalty", "diversity_penalty", "eos_ids", "cache_len"))
-def _beam_search(config, params, prompt_tokens, prompt_lengths, *, max_new_tokens, num_beams,
-                 num_groups, length_penalty, diversity_penalty, eos_ids, cache_len):
+def _beam_search(config, params, prompt_tokens, prompt_lengths, constraint=None, *, max_new_tokens,
+                 num_beams, num_groups, length_penalty, diversity_penalty, eos_ids, cache_len):
     b = prompt_tokens.shape[0]
     k, g = num_beams, num_groups
     kg = k // g
@@ -186,8 +235,15 @@ def _beam_search(config, params, prompt_tokens, prompt_lengths, *, max_new_token
         parents=jnp.arange(b * k, dtype=jnp.int32), cache=cache, calls=jnp.int32(1))
     select = partial(_select, max_new_tokens=n, length_penalty=length_penalty,
                      diversity_penalty=diversity_penalty, eos_ids=eos_ids)
-    first = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
-    state = select(state, jnp.broadcast_to(first[:, None, None, :], (b, g, kg, first.shape[-1])))
+    if constraint is None:
+        first = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
+        state = select(state, jnp.broadcast_to(first[:, None, None, :], (b, g, kg, first.shape[-1])))
+    else:  # candidates of each prompt once, shared by its beams (only beam 0 of a group is live)
+        roots = constraint.init(b)
+        c = constraint.candidates(roots, logits, kg)
+        c = jax.tree.map(lambda a: jnp.broadcast_to(a[:, None, None, :], (b, g, kg, a.shape[-1])), c)
+        state = state.replace(cstate=roots.replace(node=tuple(jnp.repeat(x, k) for x in roots.node)))
+        state = select(state, c.logprobs, constraint=constraint, cands=c, vocab_size=logits.shape[-1])
 
     def cond(state):
         return (state.step < n) & ~jnp.all(state.done)
@@ -198,6 +254,8 @@ def _beam_search(config, params, prompt_tokens, prompt_lengths, *, max_new_token
         logits, _, cache = forward(config, params, last[:, None], cache.lengths[:, None], cache,
                                    jnp.ones((b * k, 1, 1), bool))
         state = state.replace(cache=advance(cache, jnp.ones((b * k,), jnp.int32)), calls=state.calls + 1)
+        if constraint is not None:
+            return _constrained_select(select, state, constraint, logits[:, 0], b, g, kg)
         logprobs = jax.nn.log_softmax(logits[:, 0], axis=-1).reshape(b, g, kg, -1)
         return select(state, logprobs)
 
@@ -223,8 +281,16 @@ def _real(name: str, value, minimum: float | None = None) -> float:
 
 def beam_search(config, params, prompt_tokens, prompt_lengths, *, max_new_tokens: int,
                 num_beams: int, length_penalty: float = 1.0, eos_ids: tuple = (), num_groups: int = 1,
-                diversity_penalty: float = 0.0, cache_len: int | None = None) -> BeamOutput:
-    """Beam search (num_groups=1) or Diverse Beam Search. See the module docstring for the rules."""
+                diversity_penalty: float = 0.0, cache_len: int | None = None,
+                constraint=None) -> BeamOutput:
+    """Beam search (num_groups=1) or Diverse Beam Search. See the module docstring for the rules.
+
+    constraint: a Constraint with the candidate form (jaxdecode.constraints.TrieConstraint): every
+    hypothesis is then an item of the row's set. Each beam expands over its candidate list (the
+    STATIC step) instead of the vocabulary; a candidate may end its hypothesis (EOS, or a final leaf
+    without EOS ids). When a row's set has fewer items than beams, the missing hypotheses keep
+    score -inf and length 0.
+    """
     for name, value in (("num_beams", num_beams), ("num_groups", num_groups)):
         if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
             raise BeamConfigError(f"{name} must be an int >= 1, got {value!r}")
@@ -242,7 +308,10 @@ def beam_search(config, params, prompt_tokens, prompt_lengths, *, max_new_tokens
             f"continuations; lower num_beams or raise max_new_tokens")
     if cache_len is None:
         cache_len = default_cache_len(prompt_tokens.shape[1], max_new_tokens)
-    return _beam_search(config, params, prompt_tokens, prompt_lengths, max_new_tokens=max_new_tokens,
+    if constraint is not None:
+        constraint = constraint.prepare(config.vocab_size, eos_ids, max_new_tokens, prompt_tokens.shape[0])
+    return _beam_search(config, params, prompt_tokens, prompt_lengths, constraint,
+                        max_new_tokens=max_new_tokens,
                         num_beams=num_beams, num_groups=num_groups, length_penalty=length_penalty,
                         diversity_penalty=diversity_penalty, eos_ids=eos_ids, cache_len=cache_len)
 

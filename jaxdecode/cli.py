@@ -1,7 +1,11 @@
-"""Command line: `jaxdecode generate | methods | demo | train`.
+"""Command line: `jaxdecode generate | methods | demo | train | index`.
 
     jaxdecode generate --model DIR --prompt TEXT [--prompt TEXT ...] | --prompts-file FILE
                        --method NAME --max-new-tokens N [--temperature T] [--seed S] [--json]
+    jaxdecode generate --method constrained_beam --index items.npz [--set-id S ...] ...
+    jaxdecode index build ITEMS_FILE --vocab-size V --out items.npz   (one item per line, ids by spaces)
+    jaxdecode index info items.npz
+    jaxdecode index bench [--items 100000 ...]                        (constrained-step benchmark)
 
 With --json, one JSON object per prompt per line: {"prompt", "text", "tokens", "stats"}.
 """
@@ -39,6 +43,10 @@ def _add_generate(sub):
                    help="tree spec: chain:4, static:3,2,1, eagle:depth=5,topk=8,total=48, dyspec:num_nodes=32")
     g.add_argument("--verifier", default=None,
                    help="greedy, chain, point_mass, block, specinfer, rsd, topk, spectr, gbv, typical (lossy)")
+    g.add_argument("--index", default=None,
+                   help="constrained methods: item index .npz (jaxdecode index build) or item file")
+    g.add_argument("--set-id", dest="set_ids", type=int, action="append", default=None,
+                   help="constrained methods: item set of each prompt (repeat per prompt, or once for all)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     g.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
@@ -48,7 +56,8 @@ def _add_generate(sub):
 
 # CLI flags that map 1:1 to generate() options when given.
 _FLAG_OPTIONS = ("top_k", "top_p", "min_p", "repetition_penalty", "num_beams", "length_penalty",
-                 "num_groups", "diversity_penalty", "tau", "eta", "draft", "drafter", "tree", "verifier")
+                 "num_groups", "diversity_penalty", "tau", "eta", "draft", "drafter", "tree", "verifier",
+                 "index")
 
 
 def _parse_option(text: str):
@@ -75,6 +84,8 @@ def cmd_generate(args) -> int:
     model = jaxdecode.load(args.model, dtype=args.dtype)
     options = {k: getattr(args, k) for k in _FLAG_OPTIONS if getattr(args, k) is not None}
     options.update(_parse_option(o) for o in args.option)
+    if args.set_ids is not None:
+        options["set_ids"] = args.set_ids[0] if len(args.set_ids) == 1 else args.set_ids
     results = jaxdecode.generate(model, prompts, method=args.method,
                                  max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                  seed=args.seed, **options)
@@ -100,6 +111,54 @@ def cmd_demo(args) -> int:
     return run_demo(max_new_tokens=args.max_new_tokens)
 
 
+def _add_index(sub):
+    ix = sub.add_parser("index", help="item indexes for constrained decoding (build, info, bench)")
+    isub = ix.add_subparsers(dest="index_command", required=True)
+    b = isub.add_parser("build", help="build an index from a file with one item per line")
+    b.add_argument("items", help="file: one item per line, token ids separated by spaces")
+    b.add_argument("--vocab-size", type=int, required=True, help="token ids must be < this")
+    b.add_argument("--out", required=True, help="output .npz")
+    b.add_argument("--set-ids", default=None, help="optional file: the item set of each line (one int per line)")
+    b.add_argument("--dense-levels", default=None,
+                   help="comma-separated item depths with dense tables ('' for none; default: where they pay)")
+    i = isub.add_parser("info", help="print an index's summary")
+    i.add_argument("path")
+    bench = isub.add_parser("bench", help="constrained step vs unconstrained step and a CPU trie")
+    bench.add_argument("--items", default="100000", help="comma-separated item counts")
+    bench.add_argument("--vocab", type=int, default=2048)
+    bench.add_argument("--length", type=int, default=8)
+    bench.add_argument("--batch", type=int, default=2)
+    bench.add_argument("--beams", type=int, default=70)
+    bench.add_argument("--no-model", action="store_true", help="skip the model decode-step timing")
+
+
+def cmd_index(args) -> int:
+    import time
+
+    import numpy as np
+
+    from jaxdecode.constraints import build_index, load_index
+    if args.index_command == "build":
+        sets = None
+        if args.set_ids:
+            sets = np.loadtxt(args.set_ids, dtype=np.int64, ndmin=1)
+        dense = None
+        if args.dense_levels is not None:
+            dense = [int(x) for x in args.dense_levels.split(",") if x.strip()]
+        t0 = time.perf_counter()
+        index = build_index(args.items, args.vocab_size, set_ids=sets, dense_levels=dense)
+        path = index.save(args.out)
+        print(json.dumps(dict(index.summary(), out=str(path), build_seconds=round(time.perf_counter() - t0, 3))))
+        return 0
+    if args.index_command == "info":
+        print(json.dumps(load_index(args.path).summary()))
+        return 0
+    from jaxdecode.constraints.bench import run_benchmark
+    run_benchmark(items=[int(float(x)) for x in args.items.split(",")], vocab=args.vocab, length=args.length,
+                  batch=args.batch, beams=args.beams, model=not args.no_model)
+    return 0
+
+
 def build_parser(with_train: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxdecode", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -108,6 +167,7 @@ def build_parser(with_train: bool = True) -> argparse.ArgumentParser:
     sub.add_parser("methods", help="list the decoding methods")
     d = sub.add_parser("demo", help="the main job: generate with the default model and report speed")
     d.add_argument("--max-new-tokens", type=int, default=64)
+    _add_index(sub)
     if with_train:  # imported only when asked for: decoding never imports the training module
         from jaxdecode.training.cli import add_train_parser
         add_train_parser(sub)
@@ -126,6 +186,8 @@ def main(argv=None) -> int:
             return cmd_methods(args)
         if args.command == "demo":
             return cmd_demo(args)
+        if args.command == "index":
+            return cmd_index(args)
         if args.command == "train":
             from jaxdecode.training.cli import run_train
             return run_train(args)

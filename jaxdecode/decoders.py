@@ -117,3 +117,64 @@ register_method("speculative", _speculative,
                 SAMPLER_OPTIONS + ("draft", "drafter", "tree", "verifier"), aliases=("spec",),
                 description="speculative decoding: drafter x tree x verifier (lossless verifiers unless "
                             "verifier='typical', which is lossy)")
+
+
+# ----------------------------------------------------------------------------- constrained
+def constraint_from_options(model, opts, batch: int):
+    """The TrieConstraint of option `index`: a TrieConstraint, TrieIndex or DynamicIndex, an index file
+    (.npz from TrieIndex.save) or an item file (one item per line, token ids separated by spaces; built
+    for the model's vocabulary). Option `set_ids`: one item set per prompt, or one int for all."""
+    import numpy as np
+
+    from jaxdecode.constraints import DynamicIndex, TrieConstraint, TrieIndex, build_index, load_index
+    src = opts.get("index")
+    if src is None:
+        raise ValueError("constrained methods need option index=: an index .npz (jaxdecode index build), an "
+                         "item file (one item per line), a TrieIndex, DynamicIndex or TrieConstraint")
+    set_ids = opts.get("set_ids")
+    if set_ids is not None:
+        set_ids = np.asarray(set_ids)
+        if set_ids.ndim == 0:
+            set_ids = np.full((batch,), int(set_ids))
+    if isinstance(src, TrieConstraint):
+        return src if set_ids is None else src.replace(set_ids=jax.numpy.asarray(set_ids, jax.numpy.int32))
+    if not isinstance(src, (TrieIndex, DynamicIndex)):
+        src = str(src)
+        src = load_index(src) if src.endswith(".npz") else build_index(src, model.config.vocab_size)
+    return src.constraint(set_ids=set_ids, mesh=opts.get("mesh"), impl=opts.get("impl") or "auto")
+
+
+def _constrained_beam(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
+    params, toks, lens = place_inputs(model, prompt_tokens, prompt_lengths, opts)
+    constraint = constraint_from_options(model, opts, prompt_tokens.shape[0])
+    out = beam_search(model.config, params, toks, lens, max_new_tokens=max_new_tokens,
+                      num_beams=int(opts.get("num_beams") or 4),
+                      length_penalty=float(opts.get("length_penalty", 1.0)), eos_ids=opts["eos_ids"],
+                      cache_len=opts.get("cache_len"), constraint=constraint)
+    stats = dict(out.stats, beam_scores=out.scores, beams=out.tokens, beam_lengths=out.lengths,
+                 beam_valid=out.scores > -float("inf"))
+    return out.tokens[:, 0], out.lengths[:, 0], stats
+
+
+def _constrained_autoregressive(kind: str, default_temperature: float):
+    def run(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
+        params, toks, lens = place_inputs(model, prompt_tokens, prompt_lengths, opts)
+        constraint = constraint_from_options(model, opts, prompt_tokens.shape[0])
+        sampler = sampler_from_options(opts, default_temperature)
+        method = "greedy" if kind == "greedy" or sampler.temperature == 0 else "sample"
+        out = decode(model.config, params, toks, lens, max_new_tokens=max_new_tokens, sampler=sampler,
+                     eos_ids=opts["eos_ids"], key=jax.random.PRNGKey(opts.get("seed") or 0),
+                     cache_len=opts.get("cache_len"), method=method, constraint=constraint)
+        return out.tokens, out.lengths, out.stats
+    return run
+
+
+CONSTRAINT_OPTIONS = ("index", "set_ids", "impl")
+register_method("constrained_beam", _constrained_beam, CONSTRAINT_OPTIONS + ("num_beams", "length_penalty"),
+                aliases=("static",),
+                description="beam search over an item index (STATIC CSR trie): every beam is an item")
+register_method("constrained_greedy", _constrained_autoregressive("greedy", 0.0), CONSTRAINT_OPTIONS,
+                description="greedy decoding restricted to an item index (masking)")
+register_method("constrained_sample", _constrained_autoregressive("sample", 1.0),
+                CONSTRAINT_OPTIONS + SAMPLER_OPTIONS,
+                description="sampling restricted to an item index (masking)")

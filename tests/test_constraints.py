@@ -1,0 +1,460 @@
+"""Constrained decoding (STATIC): the item index, the trie Constraint, the constrained-step kernel, and
+constrained beam search / greedy / sampling checked against independent NumPy and exhaustive searches."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdecode.constraints import (ConstraintError, DynamicIndex, ItemSetError, build_index, load_index,
+                                   trie_beam_search)
+from jaxdecode.kernels.constrained import (block_plan, constrained_topk, constrained_topk_pallas,
+                                           constrained_topk_reference, sharded_constrained_topk)
+from jaxdecode.sharding import make_mesh
+
+P = 97  # rows of the random log-prob table: a beam's logits = table[step, hash(prefix) % P]
+
+
+# ----------------------------------------------------------------------------- the "model"
+def table_logits(table, tokens, step):
+    """Logits [R, V] of tokens[R, N] (the beams so far) at `step`: a fixed random table indexed by a
+    rolling hash of the prefix, so every prefix gets its own (pseudo-random) next-token scores."""
+    h = jnp.zeros(tokens.shape[0], jnp.int32)
+    for i in range(tokens.shape[1]):
+        h = jnp.where(i < step, (h * 31 + tokens[:, i] + 1) % P, h)
+    return table[jnp.minimum(step, table.shape[0] - 1), h]
+
+
+def np_logp(table, prefix):
+    h = 0
+    for t in prefix:
+        h = (h * 31 + int(t) + 1) % P
+    x = table[min(len(prefix), table.shape[0] - 1), h].astype(np.float64)
+    m = x.max()
+    return x - (m + np.log(np.exp(x - m).sum()))
+
+
+def np_beam_search(items, table, k, n, eos=(), length_penalty=0.0):
+    """Independent beam search over a Python trie, Hugging Face rules: each step every beam expands over
+    its allowed children (+ EOS at item ends); the best k candidates that end are finished hypotheses
+    (at the last step all best k), the best k that do not end continue. Returns [(score, tokens)]."""
+    children, finals = {}, set(items)
+    for it in items:
+        for t in range(len(it)):
+            children.setdefault(it[:t], set()).add(it[t])
+    running, finished = [((), 0.0)], []
+    for t in range(n):
+        cands = []
+        for bi, (pre, sc) in enumerate(running):
+            logp = np_logp(table, pre)
+            for tok in sorted(children.get(pre, ())):
+                nxt = pre + (tok,)
+                cands.append((sc + logp[tok], bi, not eos and nxt not in children, nxt))
+            if eos and pre in finals:
+                cands += [(sc + logp[e], bi, True, pre + (e,)) for e in eos]
+        cands.sort(key=lambda c: (-c[0], c[1]))
+        finished += [(c[0] / (t + 1) ** length_penalty, c[3]) for c in cands[:k] if c[2] or t == n - 1]
+        running = [(c[3], c[0]) for c in cands if not c[2]][:k]
+        if not running:
+            break
+    return sorted(finished, key=lambda f: -f[0])[:k]
+
+
+def got_beams(out, b, k):
+    return [(float(out.scores[b, j]), tuple(int(x) for x in out.tokens[b, j, :int(out.lengths[b, j])]))
+            for j in range(k) if bool(out.valid[b, j])]
+
+
+def assert_same_beams(got, want, atol=1e-4):
+    assert [g[1] for g in got] == [tuple(int(x) for x in w[1]) for w in want]
+    np.testing.assert_allclose([g[0] for g in got], [w[0] for w in want], atol=atol, rtol=1e-5)
+
+
+def random_items(rng, n, v, length, variable=False, prefix_free=False):
+    if not variable:
+        return [tuple(int(x) for x in r) for r in rng.integers(0, v, (n, length))]
+    lens = rng.integers(1, length + 1, n)
+    items = sorted({tuple(int(x) for x in rng.integers(0, v, m)) for m in lens})
+    if prefix_free:  # a prefix is followed in sorted order by one of its extensions
+        items = [a for a, b in zip(items, items[1:] + [()]) if b[:len(a)] != a]
+    return items
+
+
+def as_tuples(items_out):
+    tokens, lens = items_out[:2]
+    return sorted(tuple(int(x) for x in t) for t in np.split(tokens, np.cumsum(lens)[:-1]))
+
+
+def shuffled_with_duplicates(rng, items):
+    dup = [items[i] for i in rng.integers(0, len(items), max(1, len(items) // 10))]
+    allx = list(items) + dup
+    return [list(allx[i]) for i in rng.permutation(len(allx))], len(dup)
+
+
+# ----------------------------------------------------------------------------- the index
+def test_index_sorts_dedups_and_keeps_prefix_items():
+    items = [[3, 1], [1, 2, 3], [1, 2], [1, 2], [0], [3, 1, 4], [2]]
+    ix = build_index(items, 5)
+    assert ix.num_items == 6 and ix.num_duplicates == 1 and ix.has_prefix_items
+    assert ix.max_len == 3 and ix.min_len == 1
+    assert as_tuples(ix.items()) == sorted({tuple(i) for i in items}) and (ix.items()[2] == 0).all()
+    assert ix.contains([1, 2]) and ix.contains([1, 2, 3]) and not ix.contains([1]) and not ix.contains([3])
+    # Rows are in token order and every state's children are consecutive states.
+    toks, kids = ix.children(ix.walk([1])[-1])
+    assert toks.tolist() == [2] and ix.walk([1, 2])[-1] == kids[0]
+    assert ix.level_width[1] == 4  # the set root has 4 first tokens: 0, 1, 2, 3
+
+
+def test_index_input_forms_agree(tmp_path):
+    rng = np.random.default_rng(0)
+    items = random_items(rng, 300, 50, 5, variable=True)
+    mat = np.zeros((len(items), 5), np.int64)
+    lens = np.array([len(i) for i in items])
+    for i, it in enumerate(items):
+        mat[i, :len(it)] = it
+    f = tmp_path / "items.txt"
+    f.write_text("\n".join(" ".join(map(str, it)) for it in items[::-1]) + "\n")
+    a = build_index([list(i) for i in items], 50)
+    for other in (build_index(mat, 50, lengths=lens), build_index(str(f), 50),
+                  build_index([list(i) for i in items[::-1]] + [list(items[0])], 50)):
+        for name in ("edge_token", "indptr", "final_bits"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(other, name))
+        assert a.level_start == other.level_start
+    fixed = rng.integers(0, 50, (100, 4))
+    ix = build_index(fixed, 50)
+    np.testing.assert_array_equal(np.sort(ix.items()[0].reshape(-1, 4), axis=0),
+                                  np.sort(np.unique(fixed, axis=0), axis=0))
+
+
+BAD_ITEMS = [
+    (dict(items=[]), "the item set is empty"),
+    (dict(items=np.zeros((0, 4), np.int32)), "the item set is empty"),
+    (dict(items=[[1, 2], []]), "item 1 is empty"),
+    (dict(items=[[1, 2], [3, 50]]), "token id 50, outside the vocabulary"),
+    (dict(items=[[1, -2]]), "token id -2, outside the vocabulary"),
+    (dict(items=np.ones((2, 2), np.float32)), "must be integers"),
+    (dict(items=[[1], [2]], set_ids=[0, -1]), "negative"),
+    (dict(items=[[1], [2]], set_ids=[0, 3], num_sets=2), r"outside \[0, num_sets=2\)"),
+    (dict(items=[[1], [2]], set_ids=[0]), "one set per item"),
+    (dict(items=np.ones((2, 3), np.int32), lengths=[1, 4]), "lengths"),
+    (dict(items=[[1, 2]], dense_levels=[5]), "dense level 5"),
+]
+
+
+@pytest.mark.parametrize("kw,match", BAD_ITEMS)
+def test_index_bad_input_is_a_clear_error(kw, match):
+    kw = dict(kw)
+    with pytest.raises(ItemSetError, match=match):
+        build_index(kw.pop("items"), 50, **kw)
+
+
+@pytest.mark.parametrize("text,match", [("1 2\n\n3 4\n", "line 2 is empty"), ("1 2\n3 x\n", "line 2"),
+                                        ("1 2\n3 4-5\n", "line 2"), ("", "holds no items"),
+                                        ("1 2\n3 99\n", "outside the vocabulary")])
+def test_item_file_errors(tmp_path, text, match):
+    f = tmp_path / "items.txt"
+    f.write_text(text)
+    with pytest.raises(ItemSetError, match=match):
+        build_index(str(f), 50)
+
+
+def test_save_load_roundtrip(tmp_path):
+    rng = np.random.default_rng(1)
+    items = random_items(rng, 500, 300, 6, variable=True)
+    ix = build_index([list(i) for i in items], 300, set_ids=rng.integers(0, 3, len(items)), dense_levels=[0, 1])
+    path = ix.save(tmp_path / "ix")
+    back = load_index(path)
+    for f in dataclasses.fields(ix):
+        a, b = getattr(ix, f.name), getattr(back, f.name)
+        if isinstance(a, dict):
+            assert a.keys() == b.keys() and all(np.array_equal(a[x], b[x]) for x in a)
+        elif isinstance(a, np.ndarray):
+            np.testing.assert_array_equal(a, b)
+        else:
+            assert a == b, f.name
+    with pytest.raises(FileNotFoundError):
+        load_index(tmp_path / "missing.npz")
+
+
+def test_memory_per_item_at_1e6_items_of_length_8():
+    items = np.random.default_rng(2).integers(0, 2048, (1_000_000, 8), dtype=np.int32)
+    ix = build_index(items, 2048)
+    from jaxdecode.constraints.bench import reference_layout_bytes
+    assert ix.nbytes / 1e6 <= 60, ix.summary()  # bytes per item (the issue's budget: 60 MB per 1e6)
+    assert reference_layout_bytes(ix) / 1e6 >= 90  # the reference layout, same trie: ~95 MB
+    # Dense: the root row (all 2048 first tokens) and the second level (~490 of 2048 per row), no deeper.
+    assert ix.dense.keys() == {1, 2}
+
+
+# ----------------------------------------------------------------------------- the kernel
+def kernel_inputs(seed, r=6, v=300, c=20):
+    rng = np.random.default_rng(seed)
+    logits = jnp.asarray(rng.normal(size=(r, v)) * 3, jnp.float32)
+    cand = rng.integers(-1, v, (r, c)).astype(np.int32)
+    cand[0, 3:] = -1  # fewer candidates than k: -inf values and -1 slots
+    cand[1, :] = -1  # none at all
+    mask = rng.random((r, v)) < 0.05
+    mask[2] = False
+    return logits, jnp.asarray(cand), jnp.asarray(mask)
+
+
+@pytest.mark.parametrize("variant", ["tpu", "gpu"])
+@pytest.mark.parametrize("mode,k", [("candidates", 7), ("candidates", 20), ("mask", 9)])
+def test_kernel_interpret_matches_reference(variant, mode, k):
+    logits, cand, mask = kernel_inputs(3 + k)
+    kw = dict(candidates=cand) if mode == "candidates" else dict(mask=mask)
+    want_v, want_s = constrained_topk_reference(logits, k, **kw)
+    got_v, got_s = constrained_topk_pallas(logits, k, interpret=True, variant=variant, **kw)
+    np.testing.assert_allclose(np.asarray(got_v), np.asarray(want_v), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got_s), np.asarray(want_s))
+    assert (np.asarray(want_s)[1 if mode == "candidates" else 2] == -1).all()
+    # values are log_softmax at the chosen tokens
+    tok = np.asarray(want_s) if mode == "mask" else np.take_along_axis(np.asarray(cand), np.maximum(want_s, 0), 1)
+    ref = np.asarray(jax.nn.log_softmax(logits, -1))
+    ok = np.asarray(want_s) >= 0
+    np.testing.assert_allclose(np.take_along_axis(ref, tok, 1)[ok], np.asarray(want_v)[ok], rtol=1e-6)
+
+
+@pytest.mark.parametrize("variant,platform,target", [("gpu", "cuda", "triton"), ("tpu", "tpu", "tpu_custom_call")])
+@pytest.mark.parametrize("mode,shape", [("candidates", (140, 2048, 80, 70)), ("mask", (140, 2048, 2048, 70)),
+                                        ("candidates", (3, 1000, 5, 5)), ("mask", (9, 4096, 4096, 71))])
+def test_kernel_lowers_for_gpu_and_tpu(variant, platform, target, mode, shape):
+    """Pallas' Triton / Mosaic lowering (block-shape rules) on this CPU; running it needs the hardware."""
+    r, v, c, k = shape
+
+    def f(x, aux):
+        return constrained_topk_pallas(x, k, variant=variant, **{mode: aux})
+
+    aux = jax.ShapeDtypeStruct((r, c), jnp.int32 if mode == "candidates" else jnp.bool_)
+    text = jax.jit(f).trace(jax.ShapeDtypeStruct((r, v), jnp.bfloat16), aux).lower(
+        lowering_platforms=(platform,)).as_text()
+    assert target in text
+    plan = block_plan(variant, r, v, c, k, mode)
+    if variant == "tpu":
+        assert plan["block_rows"] % 8 == 0 and plan["v_pad"] % 128 == 0 and plan["k_pad"] % 128 == 0
+    else:
+        assert all(plan[x] & (plan[x] - 1) == 0 for x in ("block_rows", "v_pad", "w_pad", "k_pad"))
+
+
+def test_kernel_bad_input_and_dispatch():
+    logits, cand, mask = kernel_inputs(0)
+    for kw, match in ((dict(), "exactly one of"), (dict(candidates=cand, mask=mask), "exactly one of"),
+                      (dict(candidates=cand[:2]), "candidates must be"), (dict(mask=mask[:, :5]), "mask must be")):
+        with pytest.raises(ValueError, match=match):
+            constrained_topk(logits, 3, **kw)
+    with pytest.raises(ValueError, match="k must be an int"):
+        constrained_topk(logits, 21, candidates=cand)
+    with pytest.raises(ValueError, match="impl='pallas' compiles"):
+        constrained_topk(logits, 3, candidates=cand, impl="pallas")
+    a = constrained_topk(logits, 3, candidates=cand)  # auto: the reference on CPU
+    b = constrained_topk_reference(logits, 3, candidates=cand)
+    np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    assert jax.device_count() >= 8, "tests/conftest.py should simulate 8 CPU devices"
+    return make_mesh(data=2, model=4, devices=jax.devices()[:8])
+
+
+def test_sharded_kernel_equals_single_device(mesh):
+    logits, cand, mask = kernel_inputs(9, r=8)
+    for kw in (dict(candidates=cand), dict(mask=mask)):
+        got = sharded_constrained_topk(mesh, logits, 5, impl="interpret", **kw)
+        want = constrained_topk_reference(logits, 5, **kw)
+        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-6)
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+        assert got[0].sharding.spec[0] == "data"
+
+
+# ----------------------------------------------------------------------------- exact beam search
+EXACT_CASES = {  # name: (items, vocab, max length, kind, beams)
+    "1e3-fixed-V2048-L8": (1_000, 2048, 8, "fixed", 8),
+    "1e4-variable-V512-L6": (10_000, 512, 6, "variable", 6),
+    "1e5-eos-prefixes-V2048-L8": (100_000, 2048, 8, "eos", 5),
+}
+
+
+@pytest.mark.parametrize("case", list(EXACT_CASES))
+def test_beam_search_equals_numpy_beam_search(case):
+    n, v, length, kind, k = EXACT_CASES[case]
+    rng = np.random.default_rng(len(case))
+    eos = (v - 1,) if kind == "eos" else ()
+    items = random_items(rng, n, v - len(eos), length, variable=kind != "fixed", prefix_free=kind == "variable")
+    given, n_dup = shuffled_with_duplicates(rng, items)
+    ix = build_index(given, v)
+    assert ix.num_items == len(set(items)) and ix.num_duplicates == n_dup + len(items) - len(set(items))
+    present = set(items)
+    assert ix.has_prefix_items == any(i[:j] in present for i in items for j in range(1, len(i)))
+    table = rng.normal(size=(length + 2, P, v)).astype(np.float32) * 2
+    n_steps = length + len(eos)
+    out = trie_beam_search(ix.constraint(), table_logits, jnp.asarray(table), 1, num_beams=k,
+                           max_new_tokens=n_steps, vocab_size=v, length_penalty=0.0, eos_ids=eos)
+    got = got_beams(out, 0, k)
+    assert len(got) == k
+    assert_same_beams(got, np_beam_search(sorted(set(items)), table, k, n_steps, eos))
+    assert all(ix.contains(list(t[:-1] if eos else t)) and (not eos or t[-1] in eos) for _, t in got)
+
+
+def test_beam_search_with_model_is_exhaustive_when_beams_cover_the_set(tmp_path):
+    """Model beam search through jaxdecode.generate, from an item file; beams > items: every item, in the
+    order of its teacher-forced log-probability (+ EOS), then invalid beams."""
+    import jaxdecode
+    from jaxdecode.models import causal_mask, forward
+    model = tiny_model()
+    rng = np.random.default_rng(4)
+    items = sorted({tuple(int(x) for x in rng.integers(0, 60, rng.integers(1, 4))) for _ in range(24)})
+    f = tmp_path / "items.txt"
+    f.write_text("\n".join(" ".join(map(str, i)) for i in items[::-1]) + "\n")
+    eos, k = (63,), 32
+    prompts = [[1, 2, 3], [4, 5]]
+    out = jaxdecode.generate(model, prompts, method="constrained_beam", max_new_tokens=4, index=str(f),
+                             num_beams=k, length_penalty=0.0)
+
+    def score(prompt, item):
+        seq = list(prompt) + list(item)
+        logits, _, _ = forward(model.config, model.params, jnp.asarray([seq]), jnp.arange(len(seq))[None], None,
+                               causal_mask(1, len(seq)))
+        lp = np.asarray(jax.nn.log_softmax(logits[0], -1))
+        return float(sum(lp[len(prompt) - 1 + i, seq[len(prompt) + i]] for i in range(len(item))))
+
+    for p, g in zip(prompts, out):
+        st = g.stats
+        assert st["beam_valid"] == [True] * len(items) + [False] * (k - len(items))
+        assert all(s == -np.inf for s in st["beam_scores"][len(items):]) and not any(st["beam_lengths"][len(items):])
+        got = [(st["beam_scores"][j], tuple(st["beams"][j][:st["beam_lengths"][j]])) for j in range(len(items))]
+        want = sorted(((score(p, it + eos), it + eos) for it in items), key=lambda x: -x[0])
+        assert_same_beams(got, want, atol=2e-4)
+
+
+def test_per_request_sets_and_sharded_search(mesh):
+    rng = np.random.default_rng(6)
+    v, length, k = 40, 3, 5
+    items = sorted(set(random_items(rng, 300, v, length)))
+    sets = rng.integers(0, 3, len(items))
+    ix = build_index([list(i) for i in items], v, set_ids=sets, num_sets=4)
+    table = jnp.asarray(rng.normal(size=(length + 2, P, v)).astype(np.float32) * 2)
+    rows = [2, 0, 1, 2]
+    kw = dict(num_beams=k, max_new_tokens=length, vocab_size=v, length_penalty=0.0)
+    out = trie_beam_search(ix.constraint(set_ids=rows), table_logits, table, 4, **kw)
+    for b, s in enumerate(rows):
+        want = np_beam_search([it for it, st in zip(items, sets) if st == s], np.asarray(table), k, length)
+        assert_same_beams(got_beams(out, b, k), want)
+    sharded = trie_beam_search(ix.constraint(set_ids=rows, mesh=mesh, impl="interpret"), table_logits, table, 4, **kw)
+    np.testing.assert_array_equal(np.asarray(sharded.tokens), np.asarray(out.tokens))
+    np.testing.assert_allclose(np.asarray(sharded.scores), np.asarray(out.scores), rtol=1e-6)
+    with pytest.raises(ConstraintError, match="item set 3 .* has no items"):
+        trie_beam_search(ix.constraint(set_ids=[0, 3]), table_logits, table, 2, **kw)
+
+
+def test_dynamic_add_remove_equals_rebuilt_set_without_recompiling():
+    rng = np.random.default_rng(7)
+    v, length, k = 40, 3, 6
+    items = sorted(set(random_items(rng, 400, v - 1, length)))
+    dyn = DynamicIndex(build_index([list(i) for i in items], v, dense_levels=[0, 1]))
+    table = rng.normal(size=(length + 2, P, v)).astype(np.float32) * 2
+    first = items[0][0]  # remove every item under one first token: that prefix must vanish
+    gone = set(items[::3]) | {i for i in items if i[0] == first}
+    assert dyn.remove([list(i) for i in sorted(gone)]) == dict(removed=len(gone), missing=0)
+    new = sorted(set(random_items(rng, 40, v - 1, length)) - set(items))
+    assert dyn.add([list(i) for i in new])["added"] == len(new)
+    assert dyn.add([list(items[1])]) == dict(added=0, revived=1 if items[1] in gone else 0,
+                                             already_present=0 if items[1] in gone else 1)
+    live = sorted((set(items) - gone) | set(new) | {items[1]})
+    assert dyn.num_items == len(live) and all(dyn.contains(list(i)) for i in live)
+    eos = (v - 1,)
+    kw = dict(num_beams=k, vocab_size=v, length_penalty=0.0)
+    for e in ((), eos):
+        out = trie_beam_search(dyn.constraint(), table_logits, jnp.asarray(table), 1, max_new_tokens=length + len(e),
+                               eos_ids=e, **kw)
+        assert_same_beams(got_beams(out, 0, k), np_beam_search(live, table, k, length + len(e), e))
+    # A later update of similar size reuses the compiled search: same pytree structure, static metadata,
+    # shapes and dtypes (bucketed delta capacities), so jit finds its cached executable.
+    def signature(c):
+        return jax.tree.structure(c), [(x.shape, x.dtype) for x in jax.tree.leaves(c)]
+
+    before = signature(dyn.constraint())
+    dyn.add([list(i) for i in sorted(set(random_items(rng, 5, v - 1, length)) - set(live))])
+    dyn.remove([list(live[2])])
+    assert signature(dyn.constraint()) == before
+    with pytest.raises(ItemSetError, match="is not in the index"):
+        dyn.remove([[0, 0, 0, 0]])
+    before = as_tuples(dyn.items())
+    base = dyn.compact()
+    assert dyn.num_added == 0 and base.num_items == len(before) and as_tuples(base.items()) == before
+
+
+# ----------------------------------------------------------------------------- decoders and API
+def tiny_model(vocab=64):
+    from jaxdecode.api import Model
+    from jaxdecode.models import ModelConfig, init_params
+    cfg = ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64, eos_token_ids=(63,))
+    return Model(config=cfg, params=init_params(cfg, jax.random.PRNGKey(1), std=0.5))
+
+
+def test_constrained_greedy_and_sampling_through_generate(tmp_path):
+    import jaxdecode
+    from jaxdecode.cli import main
+    model = tiny_model()
+    rng = np.random.default_rng(8)
+    items = sorted({tuple(int(x) for x in rng.integers(0, 60, rng.integers(1, 5))) for _ in range(50)})
+    f = tmp_path / "items.txt"
+    f.write_text("\n".join(" ".join(map(str, i)) for i in items))
+    assert main(["index", "build", str(f), "--vocab-size", "60", "--out", str(tmp_path / "ix.npz")]) == 0
+    assert main(["index", "info", str(tmp_path / "ix.npz")]) == 0
+    prompts = [[1, 2, 3], [7, 8]]
+    greedy = jaxdecode.generate(model, prompts, method="constrained_greedy", max_new_tokens=5,
+                                index=str(tmp_path / "ix.npz"))
+    children, finals = {}, set(items)
+    for it in items:
+        for t in range(len(it)):
+            children.setdefault(it[:t], set()).add(it[t])
+    from jaxdecode.models import causal_mask, forward
+    for p, g in zip(prompts, greedy):
+        assert g.tokens[-1] == 63 and tuple(g.tokens[:-1]) in finals
+        seq = p + g.tokens  # each token is the best allowed one under teacher forcing
+        logits, _, _ = forward(model.config, model.params, jnp.asarray([seq]), jnp.arange(len(seq))[None], None,
+                               causal_mask(1, len(seq)))
+        for i, tok in enumerate(g.tokens):
+            pre = tuple(g.tokens[:i])
+            allowed = sorted(children.get(pre, set()) | ({63} if pre in finals else set()))
+            row = np.asarray(logits[0, len(p) - 1 + i])
+            assert tok == allowed[int(np.argmax(row[allowed]))]
+    sampled = jaxdecode.generate(model, prompts * 4, method="constrained_sample", max_new_tokens=5, seed=3,
+                                 index=build_index([list(i) for i in items], 60), top_k=5)
+    assert all(s.tokens[-1] == 63 and tuple(s.tokens[:-1]) in finals for s in sampled)
+
+
+def test_fixed_length_items_without_eos_end_at_leaves():
+    from jaxdecode.autoregressive import decode
+    model = tiny_model()
+    items = np.random.default_rng(9).integers(0, 60, (30, 3))
+    c = build_index(items, 60).constraint()
+    out = decode(model.config, model.params, jnp.asarray([[1, 2], [3, 4]]), jnp.asarray([2, 2]),
+                 max_new_tokens=6, method="greedy", constraint=c)
+    assert out.lengths.tolist() == [3, 3]
+    assert all(tuple(out.tokens[b, :3].tolist()) in {tuple(r) for r in items.tolist()} for b in range(2))
+
+
+CONSTRAINT_ERRORS = [
+    (dict(items=[[1, 2], [1]]), dict(), "prefixes of other items.*pass eos_ids"),
+    (dict(items=[[1, 63]], vocab=64), dict(eos_ids=(63,)), "EOS id 63 also occurs inside items"),
+    (dict(items=[[1, 2, 3]]), dict(eos_ids=(63,), max_new_tokens=3), r"max_new_tokens >= 4"),
+    (dict(items=[[1, 2, 3]], vocab=100), dict(), "build the index with vocab_size <= 64"),
+    (dict(items=[[1]], set_ids=[0, 5]), dict(), r"set_ids\[1\] = 5 is outside"),
+    (dict(items=[[1]], set_ids=[0]), dict(), "set_ids has shape"),
+]
+
+
+@pytest.mark.parametrize("build,call,match", CONSTRAINT_ERRORS)
+def test_decoder_rejects_unusable_constraints(build, call, match):
+    from jaxdecode.beam import beam_search
+    build = dict(build)
+    model = tiny_model()
+    ix = build_index(build.pop("items"), build.pop("vocab", 60))
+    c = ix.constraint(**build)
+    call = dict(dict(max_new_tokens=4, num_beams=2), **call)
+    with pytest.raises(ConstraintError, match=match):
+        beam_search(model.config, model.params, jnp.asarray([[1], [2]]), jnp.asarray([1, 1]), constraint=c, **call)
