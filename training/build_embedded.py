@@ -1,0 +1,138 @@
+"""Build the embedded default models: corpus -> tokenizer -> target + draft -> export -> card.
+
+    python -m jaxdecode.training.build_embedded [--workdir runs/embedded] [--out models/embedded]
+        [--stages tokenizer,corpus,target,draft,report]
+
+Every stage resumes: the tokenizer and corpus are reused when present, training continues from the
+latest checkpoint in <workdir>/<model>/checkpoints, and `report` exports the latest checkpoint of
+each model (bf16 safetensors), evaluates it on the whole held-out split, computes the unigram and
+bigram baselines, plots the loss curves and writes MODEL_CARD.md. The target and draft stages can run
+as separate processes at the same time (`--stages target` and `--stages draft`).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+from .tokenizer import train_tokenizer, load_tokenizer_dir
+from .trainer import TrainConfig
+
+VOCAB_SIZE = 4096
+HELD_OUT_FRACTION = 0.05
+SEQ_LEN = 256
+MAX_POSITIONS = 512
+EXPORT_DTYPE = "bfloat16"
+
+# (model size, TrainConfig, LMTrainSpec kwargs) of the shipped models.
+RECIPES = {
+    "target": ("small", TrainConfig(steps=400, learning_rate=2e-3, warmup_steps=30, seed=0,
+                                    log_every=10, eval_every=50, checkpoint_every=50,
+                                    keep_checkpoints=3, data_parallel=1),
+               dict(batch_size=8, seq_len=SEQ_LEN, eval_batch_size=8, eval_max_batches=4)),
+    "draft": ("draft", TrainConfig(steps=600, learning_rate=3e-3, warmup_steps=30, seed=1,
+                                   log_every=10, eval_every=100, checkpoint_every=100,
+                                   keep_checkpoints=3, data_parallel=1),
+              dict(batch_size=8, seq_len=SEQ_LEN, eval_batch_size=8, eval_max_batches=4)),
+}
+# Continued training, one entry per further phase: a fresh AdamW with a new warmup + cosine and a new
+# data seed, starting from the previous phase's final params (workdir <model>-2, <model>-3, ...).
+# A finished cosine cannot be extended, and on a shared CPU the time a run gets is not known in advance.
+CONTINUATIONS = {
+    "target": [TrainConfig(steps=500, learning_rate=1.5e-3, warmup_steps=20, seed=2, log_every=10,
+                           eval_every=50, checkpoint_every=50, keep_checkpoints=3, data_parallel=1)],
+}
+STAGES = ("tokenizer", "corpus", "target", "draft", "report")
+
+
+def phases(name: str) -> list[tuple[str, TrainConfig]]:
+    """(workdir name, TrainConfig) of each training phase of a model, in order."""
+    first = RECIPES[name][1]
+    return [(name, first)] + [(f"{name}-{i + 2}", c) for i, c in enumerate(CONTINUATIONS.get(name, []))]
+
+
+def stdlib_root() -> str:
+    return sysconfig.get_paths()["stdlib"]
+
+
+def stage_tokenizer(work: Path):
+    tok_dir = work / "tokenizer"
+    if (tok_dir / "tokenizer.json").exists():
+        return load_tokenizer_dir(tok_dir)
+    from .corpus import iter_texts
+    return train_tokenizer(iter_texts([stdlib_root()], held_out_fraction=HELD_OUT_FRACTION),
+                           VOCAB_SIZE, tok_dir)
+
+
+def stage_corpus(work: Path):
+    from .corpus import Corpus, CorpusError, build_corpus
+    tok = stage_tokenizer(work)
+    try:
+        corpus = Corpus.open(work / "corpus")
+        corpus.check_tokenizer(tok)
+        return corpus
+    except CorpusError:
+        build_corpus([stdlib_root()], tok, work / "corpus", held_out_fraction=HELD_OUT_FRACTION)
+        return Corpus.open(work / "corpus")
+
+
+def recipe(name: str, vocab_size: int, eos: int):
+    from .lm import LMTrainSpec, model_config
+    size, tcfg, spec = RECIPES[name]
+    return model_config(size, vocab_size, MAX_POSITIONS, eos), tcfg, LMTrainSpec(**spec)
+
+
+def stage_train(work: Path, name: str, progress: bool):
+    """Every phase of one model in turn; each resumes from its own checkpoints."""
+    from .lm import train_lm
+    from .tokenizer import eos_id
+    stage_corpus(work)
+    tok = load_tokenizer_dir(work / "tokenizer")
+    config, _, spec = recipe(name, len(tok), eos_id(tok))
+    params, result, previous = None, None, None
+    for dirname, tcfg in phases(name):
+        tcfg = dataclasses.replace(tcfg, progress=progress)
+        result = train_lm(work / "corpus", work / "tokenizer", config, tcfg, work / dirname, spec=spec,
+                          init_from=params, init_info=previous)
+        params, previous = result.module.raw_params(), f"{dirname} step {result.step}"
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jaxdecode.training.build_embedded",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workdir", default="runs/embedded", help="corpus, tokenizer, checkpoints, logs")
+    ap.add_argument("--out", default="models/embedded", help="where the shipped models and card go")
+    ap.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {STAGES}")
+    ap.add_argument("--no-progress", action="store_true", help="no tqdm bar (for logs)")
+    ap.add_argument("--eval-windows", type=int, default=256,
+                    help="report: held-out windows of 256 tokens to score, spread evenly (0: all)")
+    args = ap.parse_args(argv)
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    bad = [s for s in stages if s not in STAGES]
+    if bad:
+        ap.error(f"unknown stages {bad}; choose from {STAGES}")
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    for s in stages:
+        t0 = time.time()
+        if s == "tokenizer":
+            stage_tokenizer(work)
+        elif s == "corpus":
+            stage_corpus(work)
+        elif s in ("target", "draft"):
+            stage_train(work, s, not args.no_progress)
+        elif s == "report":
+            from .report import build_report
+            cmd = " ".join(["python -m jaxdecode.training.build_embedded"]
+                           + (argv if argv is not None else sys.argv[1:]))
+            build_report(work, Path(args.out), command=cmd, eval_windows=args.eval_windows)
+        print(f"[build_embedded] stage {s} done in {time.time() - t0:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

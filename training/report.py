@@ -1,0 +1,288 @@
+"""Export the embedded models from their latest checkpoints, evaluate them, and write the model card.
+
+Figures in the card: tokens seen, steps, held-out nats/token and bits/byte of the shipped (bf16)
+weights over the whole held-out split, against add-k unigram and bigram baselines on the same
+tokenizer; training throughput; the transformers-vs-jaxdecode logit difference; the loss curves.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxdecode.models import init_params, load_params
+
+from .baselines import ngram_baselines, token_byte_lengths
+from .corpus import Corpus, eval_batches
+from .lm import CausalLM, evaluate_heldout, export_lm
+from .tokenizer import eos_id, load_tokenizer_dir
+from .trainer import read_metrics, restore_latest
+
+NAMES = ("target", "draft")
+
+
+def _complete_steps(ckpt_dir: Path) -> list[int]:
+    return sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit()) if ckpt_dir.is_dir() else []
+
+
+def choose_checkpoint(work: Path, name: str) -> tuple[int, int, float | None]:
+    """(phase index, step) of the kept checkpoint with the lowest periodic held-out loss.
+
+    Falls back to the latest checkpoint of the latest phase when no kept step was evaluated.
+    """
+    from .build_embedded import phases
+    best, latest = None, None
+    for i, (dirname, _) in enumerate(phases(name)):
+        steps = _complete_steps(work / dirname / "checkpoints")
+        if not steps:
+            continue
+        latest = (i, steps[-1], None)
+        evals = {m["step"]: m["eval_loss"] for m in read_metrics(work / dirname / "metrics.jsonl")
+                 if "eval_loss" in m}
+        for st in steps:
+            if st in evals and (best is None or evals[st] < best[2]):
+                best = (i, st, evals[st])
+    if latest is None:
+        raise FileNotFoundError(f"no checkpoint of the {name} model under {work}; train it first "
+                                f"(--stages {name})")
+    return best or latest
+
+
+def export_latest(work: Path, name: str, out_dir: Path, tokenizer) -> dict:
+    """Export the best kept checkpoint (by periodic held-out loss) over all phases of a model."""
+    from .build_embedded import EXPORT_DTYPE, phases, recipe
+    config, _, spec = recipe(name, len(tokenizer), eos_id(tokenizer))
+    phase, step, eval_loss = choose_checkpoint(work, name)
+    plan = phases(name)
+    dirname, tcfg = plan[phase]
+    module = CausalLM(config, init_params(config, jax.random.PRNGKey(0)))
+    module, step = restore_latest(module, tcfg, work / dirname, step=step)
+    export_lm(config, module.raw_params(), tokenizer, out_dir, dtype=EXPORT_DTYPE)
+    steps_before = sum(c.steps for _, c in plan[:phase])
+    return {"step": steps_before + step, "phase": phase + 1, "phase_step": step,
+            "selected_by_eval_loss": eval_loss,
+            "phases": [{"workdir": d, "steps": c.steps, "learning_rate": c.learning_rate,
+                        "warmup_steps": c.warmup_steps, "seed": c.seed} for d, c in plan],
+            "planned_steps": sum(c.steps for _, c in plan),
+            "tokens_seen": (steps_before + step) * spec.batch_size * spec.seq_len,
+            "batch_size": spec.batch_size, "seq_len": spec.seq_len, "learning_rate": plan[0][1].learning_rate,
+            "warmup_steps": plan[0][1].warmup_steps, "seed": plan[0][1].seed,
+            "parameters": config.num_parameters(), "config": config.to_hf_dict()}
+
+
+def phase_metrics(work: Path, name: str, upto_step: int) -> list[dict]:
+    """All phases' metrics on one step axis (phase k's steps offset by the earlier phases')."""
+    from .build_embedded import phases
+    out, offset = [], 0
+    for dirname, tcfg in phases(name):
+        path = work / dirname / "metrics.jsonl"
+        if path.exists():
+            out += [{**m, "step": m["step"] + offset} for m in read_metrics(path)
+                    if m["step"] + offset <= upto_step]
+        offset += tcfg.steps
+    return out
+
+
+def throughput(metrics: list[dict]) -> float | None:
+    tps = [m["tokens_per_s"] for m in metrics if "tokens_per_s" in m][1:]  # first includes compile
+    return float(np.median(tps)) if tps else None
+
+
+def hf_logit_diff(model_dir: Path, tokens: np.ndarray) -> float:
+    """Max |logits| difference between transformers and jaxdecode on the same float32 weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from jaxdecode.models import causal_mask, forward
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.as_tensor(tokens[None].astype(np.int64))).logits.numpy()
+    config, params = load_params(model_dir, dtype="float32")
+    t = len(tokens)
+    ours, _, _ = forward(config, params, tokens[None], np.arange(t, dtype=np.int32)[None], None,
+                         causal_mask(1, t))
+    return float(np.max(np.abs(np.asarray(ours) - ref)))
+
+
+def plot_curves(curves: dict, baselines: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = {"target": "tab:blue", "draft": "tab:orange"}
+    for name, (tokens_per_step, metrics, boundaries) in curves.items():
+        for b in boundaries:  # a new training phase (fresh optimizer and schedule) starts here
+            ax.axvline(b * tokens_per_step / 1e6, color=colors.get(name), ls=":", lw=1, alpha=0.6)
+        tr = [(m["step"] * tokens_per_step / 1e6, m["loss"]) for m in metrics if "loss" in m]
+        ev = [(m["step"] * tokens_per_step / 1e6, m["eval_loss"]) for m in metrics if "eval_loss" in m]
+        if tr:
+            x, y = zip(*tr)
+            ax.plot(x, y, color=colors.get(name), alpha=0.35, lw=1, label=f"{name} train")
+        if ev:
+            x, y = zip(*ev)
+            ax.plot(x, y, "o-", color=colors.get(name), lw=2, ms=3, label=f"{name} held-out")
+    for name, style in (("unigram", ":"), ("bigram", "--")):
+        ax.axhline(baselines[name]["nats_per_token"], color="gray", ls=style,
+                   label=f"{name} baseline (held-out)")
+    ax.set_xlabel("training tokens seen (millions)")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_ylim(0, 8.5)
+    ax.set_title("Embedded models: loss on CPython stdlib sources")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def build_report(work: Path, out: Path, command: str, eval_windows: int = 256) -> dict:
+    """Export, evaluate and document both models. eval_windows: held-out windows scored, spread
+    evenly over the split (0: every held-out token)."""
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer_dir(work / "tokenizer")
+    corpus = Corpus.open(work / "corpus")
+    corpus.check_tokenizer(tokenizer)
+    train_tokens, heldout = corpus.tokens("train"), corpus.tokens("heldout")
+    from .build_embedded import SEQ_LEN
+    batches = eval_batches(heldout, 8, SEQ_LEN, max_batches=-(-eval_windows // 8) if eval_windows else None)
+    byte_lengths = token_byte_lengths(tokenizer)
+    report = {"corpus": {s: {k: v for k, v in corpus.manifest["splits"][s].items() if k != "shards"}
+                         for s in ("train", "heldout")},
+              "skipped_files": [r for r in corpus.manifest["files"] if "skipped" in r],
+              "held_out_fraction": corpus.manifest["held_out_fraction"],
+              "corpus_root": corpus.manifest["roots"], "vocab_size": len(tokenizer),
+              "python": platform.python_version(), "command": command,
+              "date": time.strftime("%Y-%m-%d"), "models": {}}
+    report["baselines"] = ngram_baselines(train_tokens, batches, len(tokenizer), byte_lengths)
+    report["eval"] = {"windows": eval_windows or "all", "seq_len": SEQ_LEN}
+    curves = {}
+    for name in NAMES:
+        if not (work / name / "checkpoints").is_dir():
+            continue
+        info = export_latest(work, name, out / name, tokenizer)
+        config, params = load_params(out / name, dtype="float32")
+        info["heldout"] = evaluate_heldout(config, params, batches, byte_lengths)
+        metrics = phase_metrics(work, name, info["step"])
+        info["train_tokens_per_s"] = throughput(metrics)
+        info["train_loss_last"] = next((m["loss"] for m in reversed(metrics) if "loss" in m), None)
+        info["hf_max_logit_diff"] = hf_logit_diff(out / name, heldout[:64].astype(np.int32))
+        info["bytes_on_disk"] = sum(f.stat().st_size for f in (out / name).iterdir())
+        report["models"][name] = info
+        starts = np.cumsum([p["steps"] for p in info["phases"]])[:-1]
+        curves[name] = (info["batch_size"] * info["seq_len"], metrics,
+                        [int(b) for b in starts if b < info["step"]])
+    plot_curves(curves, report["baselines"], out / "loss_curves.png")
+    with open(out / "metrics.json", "w") as f:
+        json.dump(report, f, indent=1)
+    (out / "MODEL_CARD.md").write_text(model_card(report))
+    return report
+
+
+def _scored_line(r: dict, h: dict) -> str:
+    w = r["eval"]["windows"]
+    where = ("every held-out token after the first" if w == "all"
+             else f"{w} windows of {r['eval']['seq_len']} tokens spread evenly over the held-out split")
+    return (f"Scored: {h['tokens']:,} held-out tokens ({h['bytes']:,} bytes; {where}; EOS separators "
+            f"included; each token conditioned on the tokens before it in its window).")
+
+
+def model_card(r: dict) -> str:
+    b = r["baselines"]
+    c = r["corpus"]
+    lines = [
+        "# jaxdecode embedded models: `target` and `draft`",
+        "",
+        "Two small Llama-style causal LMs that share one byte-level BPE tokenizer, trained from scratch",
+        "by `jaxdecode.training` on the Python sources of the CPython standard library, so that the",
+        "decoders, tests and benchmarks run offline on any machine. They are tiny and undertrained: use",
+        "them to exercise and measure decoding (speculative decoding needs a target and a draft that",
+        "agree often), not as code assistants.",
+        "",
+        "## Corpus and split",
+        f"- Source: every `*.py` file under `sysconfig.get_paths()[\"stdlib\"]` of Python {r['python']}",
+        f"  (`{r['corpus_root'][0]}`), `site-packages` excluded. Documents are joined with `<|endoftext|>`.",
+        f"- Split by file: a file is held out when `sha256('jaxdecode-split:' + relative_path)` falls in",
+        f"  the first {r['held_out_fraction']:.0%} of the hash range; the tokenizer saw only training files.",
+        f"- Train: {c['train']['documents']} files, {c['train']['bytes']:,} bytes, {c['train']['tokens']:,} tokens.",
+        f"  Held-out: {c['heldout']['documents']} files, {c['heldout']['bytes']:,} bytes, {c['heldout']['tokens']:,} tokens.",
+        f"- {len(r['skipped_files'])} files were skipped (not UTF-8 or empty); `runs/embedded/corpus/manifest.json`",
+        "  lists each with its reason.",
+        f"- Tokenizer: byte-level BPE, {r['vocab_size']} tokens (`tokenizers` library), `<|endoftext|>` = id 0 is",
+        "  EOS / BOS / padding. Saved with `PreTrainedTokenizerFast`: `AutoTokenizer.from_pretrained(dir)` works offline.",
+        "",
+        "## Models",
+    ]
+    m = r["models"]
+    names = [n for n in ("target", "draft") if n in m]
+    lines += ["| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+
+    def row(label, fn):
+        return f"| {label} | " + " | ".join(fn(m[n]) for n in names) + " |"
+    cfgs = {n: m[n]["config"] for n in names}
+    lines += [
+        row("parameters", lambda i: f"{i['parameters'] / 1e6:.2f} M"),
+        row("layers x hidden (MLP)", lambda i: f"{i['config']['num_hidden_layers']} x {i['config']['hidden_size']} ({i['config']['intermediate_size']})"),
+        row("heads / kv heads x head dim", lambda i: f"{i['config']['num_attention_heads']} / {i['config']['num_key_value_heads']} x {i['config']['head_dim']}"),
+        row("tied embeddings", lambda i: str(i['config']['tie_word_embeddings'])),
+        row("context (trained / max)", lambda i: f"{i['seq_len']} / {i['config']['max_position_embeddings']}"),
+        row("steps (of planned)", lambda i: f"{i['step']} ({i['planned_steps']})"),
+        row("training phases (steps, peak LR, warmup, data seed)", lambda i: "; ".join(
+            f"{p['steps']}, {p['learning_rate']}, {p['warmup_steps']}, {p['seed']}" for p in i["phases"])),
+        row("shipped checkpoint", lambda i: f"phase {i['phase']} step {i['phase_step']}"),
+        row("tokens seen", lambda i: f"{i['tokens_seen'] / 1e6:.2f} M"),
+        row("batch x seq", lambda i: f"{i['batch_size']} x {i['seq_len']}"),
+        row("training throughput (CPU)", lambda i: f"{i['train_tokens_per_s']:.0f} tokens/s" if i['train_tokens_per_s'] else "-"),
+        row("**held-out nats/token**", lambda i: f"**{i['heldout']['nats_per_token']:.3f}**"),
+        row("**held-out bits/byte**", lambda i: f"**{i['heldout']['bits_per_byte']:.3f}**"),
+        row("stored as", lambda i: f"bf16 safetensors, {i['bytes_on_disk'] / 1e6:.1f} MB"),
+        row("max abs logit diff vs transformers (f32)", lambda i: f"{i['hf_max_logit_diff']:.1e}"),
+        "",
+        "## Held-out loss against count baselines (same tokenizer, same scored tokens)",
+        "| model | nats/token | bits/byte |",
+        "|---|---|---|",
+        f"| unigram, add-k (k={b['unigram']['k']}) | {b['unigram']['nats_per_token']:.3f} | {b['unigram']['bits_per_byte']:.3f} |",
+        f"| bigram, add-k (k={b['bigram']['k']}) | {b['bigram']['nats_per_token']:.3f} | {b['bigram']['bits_per_byte']:.3f} |",
+    ]
+    for n in names:
+        h = m[n]["heldout"]
+        lines.append(f"| {n} | {h['nats_per_token']:.3f} | {h['bits_per_byte']:.3f} |")
+    lines += [
+        "",
+        _scored_line(r, m[names[0]]["heldout"]),
+        "bits/byte = total nats / ln 2 / the UTF-8 bytes those tokens stand for. The baselines are scored on exactly",
+        "the same tokens, and their k was picked on them (which favours the baselines). The models are scored as",
+        "shipped (bf16 weights, float32 compute).",
+        "",
+        "![loss curves](loss_curves.png)",
+        "",
+        "[loss_curves.png](loss_curves.png): training loss (thin) and held-out loss during training (dots: 32 windows of",
+        "256 tokens spread over the held-out split, for speed) against tokens seen; grey lines: the baselines on the",
+        "tokens scored above; dotted verticals: a new training phase starts.",
+        "",
+        "## Training",
+        "AdamW (b1 0.9, b2 0.95, weight decay 0.1 on matrices), linear warmup then cosine decay to 10% of the peak,",
+        "global-norm clipping at 1.0, float32 on CPU, random windows of the training stream (batch order a pure",
+        "function of (seed, step), so runs resume exactly). Each further phase restarts AdamW with its own warmup,",
+        "cosine and data seed from the previous phase's final weights (the time a run would get on a shared CPU was",
+        "not known in advance, and a finished cosine cannot be extended). The shipped checkpoint is the kept one",
+        "with the lowest periodic held-out loss (a mild selection on the held-out split). The draft is trained from",
+        "scratch, not distilled, so both could train at once; `jaxdecode train lm --teacher DIR` distils one.",
+        "Throughput was measured during these runs, on 2 CPU cores shared with other jobs.",
+        "",
+        "## Reproduce",
+        "```",
+        "python -m jaxdecode.training.build_embedded          # or: make models",
+        "```",
+        "Stages (`--stages tokenizer,corpus,target,draft,report`) resume from `runs/embedded/`; `report` re-exports the",
+        "latest checkpoints into `models/embedded/` and rewrites this card and `metrics.json`. This card was written by:",
+        "```",
+        r["command"],
+        "```",
+        "Load: `jaxdecode.models.load_params('models/embedded/target', dtype='float32')`, or",
+        "`transformers.AutoModelForCausalLM.from_pretrained('models/embedded/target')`.",
+        "",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,392 @@
+"""A general training loop for Flax NNX modules: jit step, AdamW + schedule, eval, logs, checkpoints.
+
+    result = train(module, loss_fn, batches, config, workdir, eval_step=..., eval_batches=...)
+
+- `loss_fn(module, batch, constants) -> (loss, aux)`: aux is a dict of scalars (an optional
+  "tokens" entry drives the tokens/s figure). Gradients are taken w.r.t. the module's `nnx.Param`s.
+- `batches(step) -> batch` (a dict of numpy arrays): a pure function of the step, so a resumed run
+  sees exactly the batches of an uninterrupted one.
+- `eval_step(module, batch, constants) -> (loss_sum, weight_sum)`; the logged held-out loss is
+  sum(loss_sum) / sum(weight_sum) over `eval_batches()`.
+- `constants`: a pytree passed to every step un-differentiated (e.g. a teacher's params for
+  distillation); it is an argument, not a closure, so it is not baked into the compiled program.
+
+The module and its optimizer are split once (`nnx.split`) and the step is a `jax.jit` over the
+state pytree (donated), which is also exactly what is checkpointed: params, AdamW moments, the step
+count and any RNG state the module holds. The data position is the step itself.
+
+Checkpoints go through an orbax `CheckpointManager` (keeps the last N; each save is written to a
+temporary directory and renamed when complete, so a crash during a save leaves the previous one
+intact). `metrics.jsonl` is cut back to the restored step on resume, so the log of a resumed run is
+the log of an uninterrupted one.
+
+Data parallelism: the batch is sharded over the `data` axis of a (`data`, `model`) mesh; with
+`fsdp=True` every parameter and optimizer moment is also sharded over `data` along its largest
+divisible axis (XLA inserts the all-gathers). The `model` axis is left for tensor-parallel
+decoding; training replicates over it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+
+class TrainConfigError(ValueError):
+    """Training options that cannot work together."""
+
+
+class CheckpointCorruptError(ValueError):
+    """A checkpoint directory exists but cannot be restored."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1000
+    learning_rate: float = 1e-3
+    end_lr_ratio: float = 0.1  # cosine decays to learning_rate * end_lr_ratio at `steps`
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 200  # 0: only at the end
+    checkpoint_every: int = 200  # 0: only at the end
+    keep_checkpoints: int = 3
+    data_parallel: int | None = None  # devices on the `data` axis; None: all devices
+    fsdp: bool = False
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.steps < 1:
+            raise TrainConfigError(f"steps must be >= 1, got {self.steps}")
+        if self.warmup_steps < 0 or self.warmup_steps >= max(self.steps, 2):
+            raise TrainConfigError(f"warmup_steps must be in [0, steps), got {self.warmup_steps} "
+                                   f"with steps={self.steps}")
+        if self.learning_rate <= 0:
+            raise TrainConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if self.keep_checkpoints < 1:
+            raise TrainConfigError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+
+    def resume_key(self) -> dict:
+        """The options a resumed run must share with the run that wrote the checkpoint."""
+        d = dataclasses.asdict(self)
+        for k in ("progress", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
+            d.pop(k)
+        return d
+
+
+@dataclasses.dataclass
+class TrainResult:
+    module: Any
+    step: int
+    resumed_from: int | None
+    history: list[dict]  # every record written to metrics.jsonl by this call
+    eval_loss: float | None
+
+
+# ----------------------------------------------------------------------------- optimizer
+def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
+    """Linear warmup from 0, then cosine decay to learning_rate * end_lr_ratio at `steps`."""
+    return optax.warmup_cosine_decay_schedule(
+        0.0, config.learning_rate, config.warmup_steps, max(config.steps, config.warmup_steps + 1),
+        end_value=config.learning_rate * config.end_lr_ratio)
+
+
+def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW; weight decay on matrices only (not norms or biases).
+
+    Memoised on the optimizer's options: the transformation is part of the jitted step's static
+    graph definition, so equal options must give the same object to reuse the compiled step.
+    """
+    return _optimizer(dataclasses.replace(config, progress=False, log_every=1, eval_every=0,
+                                          checkpoint_every=0, keep_checkpoints=1,
+                                          data_parallel=None, fsdp=False, seed=0))
+
+
+@functools.lru_cache(maxsize=64)
+def _optimizer(config: TrainConfig) -> optax.GradientTransformation:
+    def decay_mask(params):
+        return jax.tree.map(lambda p: len(getattr(p, "shape", ())) >= 2, params)
+    return optax.chain(
+        optax.clip_by_global_norm(config.grad_clip),
+        optax.adamw(learning_rate_schedule(config), b1=config.b1, b2=config.b2,
+                    weight_decay=config.weight_decay, mask=decay_mask))
+
+
+# ----------------------------------------------------------------------------- mesh
+def make_mesh(data: int | None = None, model: int = 1) -> jax.sharding.Mesh:
+    n = jax.device_count()
+    data = n // model if data is None else data
+    if data < 1 or model < 1 or data * model > n:
+        raise TrainConfigError(f"a ({data} data x {model} model) mesh needs {data * model} devices; "
+                               f"{n} are available")
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    return jax.make_mesh((data, model), ("data", "model"), axis_types=auto,
+                         devices=jax.devices()[: data * model])
+
+
+def state_shardings(state, mesh, fsdp: bool):
+    """Replicated leaves, or (FSDP) each leaf sharded over `data` on its largest divisible axis."""
+    P, NS = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
+    n = mesh.shape["data"]
+
+    def spec(x):
+        shape = getattr(x, "shape", ())
+        if not fsdp or n == 1 or not shape:
+            return NS(mesh, P())
+        axes = [i for i in np.argsort(shape)[::-1] if shape[i] % n == 0 and shape[i] >= n]
+        if not axes:
+            return NS(mesh, P())
+        parts = [None] * len(shape)
+        parts[axes[0]] = "data"
+        return NS(mesh, P(*parts))
+    return jax.tree.map(spec, state)
+
+
+def batch_sharding(mesh):
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def checkpoint_manager(directory, keep: int, read_only: bool = False):
+    import orbax.checkpoint as ocp
+    directory = Path(directory).absolute()
+    opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only, read_only=read_only,
+                                        enable_async_checkpointing=False)
+    return ocp.CheckpointManager(directory, options=opts)
+
+
+def save_checkpoint(manager, step: int, state, meta: dict) -> None:
+    import orbax.checkpoint as ocp
+    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                               meta=ocp.args.JsonSave(meta)), force=True)
+    manager.wait_until_finished()
+
+
+def restore_checkpoint(manager, step: int, abstract_state):
+    """(state, meta) of a saved step; a damaged checkpoint is a CheckpointCorruptError."""
+    import orbax.checkpoint as ocp
+    step_dir = Path(manager.directory) / str(step)
+    try:
+        out = manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+        state, meta = out["state"], out["meta"]
+    except Exception as e:  # orbax raises many types (FileNotFoundError, ValueError, tensorstore)
+        raise CheckpointCorruptError(
+            f"checkpoint {step_dir} is corrupt or incomplete and cannot be restored "
+            f"({type(e).__name__}: {str(e)[:300]}); delete that step directory to resume from the "
+            f"previous checkpoint, or start over in a new work directory") from None
+    if meta is None or not isinstance(meta, dict) or "step" not in meta:
+        raise CheckpointCorruptError(f"checkpoint {step_dir} has no readable metadata; delete that "
+                                     f"step directory to resume from the previous checkpoint")
+    return state, meta
+
+
+def restore_latest(module: nnx.Module, config: TrainConfig, workdir, step: int | None = None):
+    """(module with the params of a checkpoint in `workdir`, its step); default: the latest.
+
+    Safe while the run that writes the checkpoints is still going (read-only manager). `config`
+    only shapes the optimizer state to read; its schedule values do not matter.
+    """
+    optimizer = nnx.Optimizer(module, make_optimizer(config), wrt=nnx.Param)
+    graphdef, state = nnx.split((module, optimizer))
+    ckpt_dir = Path(workdir) / "checkpoints"
+    if not ckpt_dir.is_dir():
+        raise CheckpointCorruptError(f"{workdir} has no checkpoints/ directory: nothing to restore")
+    manager = checkpoint_manager(ckpt_dir, config.keep_checkpoints, read_only=True)
+    step = manager.latest_step() if step is None else step
+    if step is None:
+        raise CheckpointCorruptError(f"{ckpt_dir} holds no complete checkpoint")
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+    state, _ = restore_checkpoint(manager, step, abstract)
+    manager.close()
+    module, _ = nnx.merge(graphdef, state)
+    return module, step
+
+
+# ----------------------------------------------------------------------------- metrics log
+class MetricsLog:
+    """Append-only JSONL, cut back to a step on resume."""
+
+    def __init__(self, path, resume_step: int | None):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        keep = []
+        if resume_step is not None and self.path.exists():
+            with open(self.path) as f:
+                for line in f:
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue  # a line torn by a kill mid-write
+                    if rec.get("step", 0) <= resume_step:
+                        keep.append(rec)
+        with open(self.path, "w") as f:
+            for rec in keep:
+                f.write(json.dumps(rec) + "\n")
+
+    def write(self, record: dict):
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def read_metrics(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ----------------------------------------------------------------------------- the loop
+# One compiled step per (module structure, loss, mesh, FSDP): runs of the same model and loss reuse
+# it (tests, resumes). The output shardings are pinned to the input ones so that every step, before
+# and after a resume, runs the very same executable (bit-identical resumes).
+_STEP_CACHE: dict = {}
+
+
+def _train_step_fn(graphdef, loss_fn, mesh, fsdp: bool, shardings, replicated):
+    key = (graphdef, loss_fn, mesh, fsdp)
+    if key not in _STEP_CACHE:
+        def step(state, batch, constants):
+            module, optimizer = nnx.merge(graphdef, state)
+            (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(module, batch, constants)
+            metrics = {**aux, "loss": loss, "grad_norm": optax.global_norm(grads)}
+            optimizer.update(module, grads)
+            return nnx.state((module, optimizer)), metrics
+        _STEP_CACHE[key] = jax.jit(step, donate_argnums=(0,), out_shardings=(shardings, replicated))
+    return _STEP_CACHE[key]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _eval_step(module_graphdef, eval_step, module_state, batch, constants):
+    return eval_step(nnx.merge(module_graphdef, module_state), batch, constants)
+
+
+def train(module: nnx.Module, loss_fn: Callable, batches: Callable[[int], dict], config: TrainConfig,
+          workdir, *, eval_step: Callable | None = None,
+          eval_batches: Callable[[], Iterable[dict]] | None = None, constants=None,
+          run_info: dict | None = None) -> TrainResult:
+    """Train `module` for `config.steps` optimizer steps, resuming from `workdir` if it holds a
+    checkpoint; `result.module` is the trained module (the one passed in is left as it was)."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    schedule = learning_rate_schedule(config)
+    optimizer = nnx.Optimizer(module, make_optimizer(config), wrt=nnx.Param)
+    graphdef, state = nnx.split((module, optimizer))
+
+    mesh = make_mesh(config.data_parallel)
+    shardings = state_shardings(state, mesh, config.fsdp)
+    state = jax.device_put(state, shardings)
+    bsharding = batch_sharding(mesh)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    constants = None if constants is None else jax.device_put(constants, replicated)
+
+    identity = {"train": config.resume_key(), "run": run_info or {}}
+    manager = checkpoint_manager(workdir / "checkpoints", config.keep_checkpoints)
+    start, resumed_from = 0, None
+    latest = manager.latest_step()
+    if latest is not None:
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                                state)
+        state, meta = restore_checkpoint(manager, latest, abstract)
+        if json.loads(json.dumps(meta.get("identity"))) != json.loads(json.dumps(identity)):
+            raise TrainConfigError(
+                f"{workdir} holds a checkpoint of a different run (its options: "
+                f"{meta.get('identity')}; now: {identity}); use a new work directory or the same options")
+        start = resumed_from = int(meta["step"])
+    log = MetricsLog(workdir / "metrics.jsonl", resumed_from if resumed_from is not None else -1)
+
+    step_fn = _train_step_fn(graphdef, loss_fn, mesh, config.fsdp, shardings, replicated)
+    eval_fn = None
+    if eval_step is not None and eval_batches is not None:
+        # the module alone (not the optimizer), so runs with other schedules share the compile
+        eval_fn = functools.partial(_eval_step, nnx.graphdef(module), eval_step)
+
+    def evaluate(state):
+        tot, wt = 0.0, 0.0
+        for b in eval_batches():
+            ls, ws = eval_fn(state[0], jax.device_put(b, bsharding), constants)
+            tot += float(ls)
+            wt += float(ws)
+        return tot / max(wt, 1e-9)
+
+    history: list[dict] = []
+
+    def record(rec):
+        log.write(rec)
+        history.append(rec)
+
+    def checkpoint(step, state):
+        save_checkpoint(manager, step, state, {"step": step, "identity": identity,
+                                               "time": time.time()})
+
+    bar = None
+    if config.progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=config.steps, initial=start, desc="train", dynamic_ncols=True)
+    eval_loss = None
+    t_last = time.perf_counter()
+    pending: list = []
+
+    def flush_logs(done):
+        nonlocal pending, t_last
+        if not pending:
+            return
+        fetched = jax.device_get(pending)  # one host sync per log interval
+        pending = []
+        now = time.perf_counter()
+        dt = max(now - t_last, 1e-9)
+        t_last = now
+        toks = float(sum(m.get("tokens", 0.0) for m in fetched))
+        last = fetched[-1]
+        rec = {"step": done, "loss": float(np.mean([m["loss"] for m in fetched])),
+               "grad_norm": float(last["grad_norm"]), "lr": float(schedule(done - 1)),
+               "steps_per_s": len(fetched) / dt}
+        if toks:
+            rec["tokens_per_s"] = toks / dt
+        rec.update({k: float(v) for k, v in last.items() if k not in ("loss", "grad_norm", "tokens")})
+        record(rec)
+        if bar is not None:
+            post = {"loss": f"{rec['loss']:.3f}"}
+            if toks:
+                post["tok/s"] = f"{rec['tokens_per_s']:.0f}"
+            bar.set_postfix(post)
+            bar.update(len(fetched))
+
+    try:
+        for step in range(start, config.steps):
+            batch = jax.device_put(batches(step), bsharding)
+            state, metrics = step_fn(state, batch, constants)
+            pending.append(metrics)
+            done = step + 1
+            last_step = done == config.steps
+            evaluate_now = eval_fn is not None and (
+                last_step or (config.eval_every and done % config.eval_every == 0))
+            save_now = last_step or (config.checkpoint_every and done % config.checkpoint_every == 0)
+            if done % config.log_every == 0 or evaluate_now or save_now:
+                flush_logs(done)
+            if evaluate_now:
+                eval_loss = evaluate(state)
+                record({"step": done, "eval_loss": eval_loss})
+            if save_now:
+                checkpoint(done, state)
+            if evaluate_now or save_now:
+                t_last = time.perf_counter()  # evaluation and saving are not training throughput
+    finally:
+        if bar is not None:
+            bar.close()
+        manager.close()
+    if start >= config.steps and eval_fn is not None:
+        eval_loss = evaluate(state)
+    module, _ = nnx.merge(graphdef, state)
+    return TrainResult(module=module, step=max(start, config.steps), resumed_from=resumed_from,
+                       history=history, eval_loss=eval_loss)
