@@ -1,0 +1,38 @@
+"""The shipped embedded models: they load, and speculative decoding on them is exact."""
+import numpy as np
+import pytest
+
+import jaxdecode
+from jaxdecode.api import embedded_model_path
+
+PROMPTS = ["import os\nimport sys\n\n\ndef main(argv):\n", "class Stack:\n    def __init__(self):\n",
+           "for i in range(", "    return self."]
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    assert embedded_model_path("target") and embedded_model_path("draft"), \
+        "models/embedded/{target,draft} must be shipped (make models)"
+    return jaxdecode.load("target"), jaxdecode.load("draft")
+
+
+def test_embedded_models_share_a_tokenizer(embedded):
+    target, draft = embedded
+    assert target.config.vocab_size == draft.config.vocab_size
+    assert target.encode(PROMPTS[0]) == draft.encode(PROMPTS[0])
+    assert target.decode(target.encode(PROMPTS[1])) == PROMPTS[1]
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("opts", [dict(tree="chain:4"), dict(tree="eagle:depth=4,topk=3,total=10"),
+                                  dict(drafter="prompt_lookup", tree="chain:5")],
+                         ids=["draft_chain", "draft_eagle", "prompt_lookup"])
+def test_greedy_speculative_equals_greedy_on_embedded_models(embedded, batch, opts):
+    target, draft = embedded
+    prompts = PROMPTS[:batch]
+    plain = jaxdecode.generate(target, prompts, method="greedy", max_new_tokens=24, eos_ids=())
+    extra = {"draft": draft} if "drafter" not in opts else {}
+    spec = jaxdecode.generate(target, prompts, method="speculative", max_new_tokens=24, eos_ids=(),
+                              **extra, **opts)
+    assert [r.tokens for r in spec] == [r.tokens for r in plain]
+    assert np.mean([r.stats["tau"] for r in spec]) >= 1.0
