@@ -146,3 +146,12 @@ def static_tree_parents(paths) -> np.ndarray:
         parents.append(index[p[:-1]] if len(p) > 1 else -1)
         ranks.append(p[-1])
     return np.asarray(parents, np.int32), np.asarray(ranks, np.int32)
+
+
+def static_tree_layout(paths) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(parents, sibling ranks, depths) of a static tree given as paths (see static_tree_parents)."""
+    parents, ranks = static_tree_parents(paths)
+    depth = np.zeros(len(parents), np.int32)
+    for i, p in enumerate(parents):
+        depth[i] = 1 if p < 0 else depth[p] + 1
+    return parents, ranks, depth

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode.tree import Tree, TreeError, static_tree_parents, validate_parents
+from jaxdecode.tree import Tree, TreeError, static_tree_layout, static_tree_parents, validate_parents
 
 RULES = ("argmax", "sample", "topk", "iid", "gumbel")
 
@@ -116,11 +116,7 @@ class StaticTreeBuilder:
 
     @property
     def _layout(self):
-        parents, ranks = static_tree_parents(self.paths)
-        depth = np.zeros(len(parents), np.int32)
-        for i, p in enumerate(parents):
-            depth[i] = 1 if p < 0 else depth[p] + 1
-        return parents, ranks, depth
+        return static_tree_layout(self.paths)
 
     num_nodes = property(lambda self: len(self.paths))
     max_depth = property(lambda self: max(len(p) for p in self.paths))

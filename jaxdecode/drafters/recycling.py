@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdecode.drafters.ngram import check_int
-from jaxdecode.tree import Tree, TreeError, static_tree_parents
+from jaxdecode.tree import Tree, TreeError, static_tree_layout, static_tree_parents
 
 
 def recycling_template(num_nodes: int = 48, topk: int = 8, max_depth: int = 6,
@@ -120,11 +120,7 @@ class TokenRecyclingDrafter:
 
     @property
     def _layout(self):
-        parents, ranks = static_tree_parents(self.template)
-        depth = np.zeros(len(parents), np.int32)
-        for i, p in enumerate(parents):
-            depth[i] = 1 if p < 0 else depth[p] + 1
-        return parents, ranks, depth
+        return static_tree_layout(self.template)
 
     num_nodes = property(lambda self: len(self.template))
     max_depth = property(lambda self: max(len(p) for p in self.template))
