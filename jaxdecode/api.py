@@ -91,6 +91,7 @@ class MethodSpec:
     run: Callable
     options: tuple = ()  # option names the method accepts (beyond the common ones)
     description: str = ""
+    per_row_stats: tuple = ()  # stats with one entry per prompt (the others are whole-batch figures)
 
 
 _METHODS: dict[str, MethodSpec] = {}
@@ -99,8 +100,9 @@ COMMON_OPTIONS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"
 
 
 def register_method(name: str, run: Callable, options: Sequence[str] = (), description: str = "",
-                    aliases: Sequence[str] = ()) -> None:
-    spec = MethodSpec(name=name, run=run, options=tuple(options), description=description)
+                    aliases: Sequence[str] = (), per_row_stats: Sequence[str] = ()) -> None:
+    spec = MethodSpec(name=name, run=run, options=tuple(options), description=description,
+                      per_row_stats=tuple(per_row_stats))
     for n in (name, *aliases):
         _METHODS[n] = spec
 
@@ -174,8 +176,7 @@ def generate(model: Model, prompts, method: str = "greedy", max_new_tokens: int 
         new = [int(t) for t in np.asarray(tokens[b])[: int(lengths[b])]]
         row_stats = {"new_tokens": len(new), "seconds": round(seconds, 4)}
         for k, v in stats.items():
-            v = np.asarray(v)
-            row_stats[k] = _jsonable(v[b] if v.ndim >= 1 and v.shape[0] == len(raw_prompts) else v)
+            row_stats[k] = _jsonable(np.asarray(v)[b] if k in spec.per_row_stats else v)
         out.append(Generation(prompt=prompt if isinstance(prompt, str) else list(map(int, prompt)),
                               text=model.decode(new), tokens=new, stats=row_stats))
     return out

@@ -69,14 +69,17 @@ def _beam(diverse: bool):
     return run
 
 
+BEAM_ROW_STATS = ("beam_scores", "beams", "beam_lengths")
+
 register_method("greedy", _autoregressive("greedy", 0.0), description="argmax decoding")
 register_method("sample", _autoregressive("sample", 1.0), SAMPLER_OPTIONS, aliases=("sampling",),
                 description="ancestral sampling with temperature / top-k / top-p / min-p / repetition penalty")
 register_method("mirostat", _autoregressive("mirostat", 1.0), SAMPLER_OPTIONS + ("tau", "eta"),
                 description="Mirostat v2 sampling at a target surprise tau (bits)")
 register_method("beam", _beam(False), ("num_beams", "length_penalty"), aliases=("beam_search",),
+                per_row_stats=BEAM_ROW_STATS,
                 description="beam search with length penalty")
-register_method("diverse_beam", _beam(True),
+register_method("diverse_beam", _beam(True), per_row_stats=BEAM_ROW_STATS, options=
                 ("num_beams", "length_penalty", "num_groups", "diversity_penalty"),
                 description="Diverse Beam Search (Hamming diversity between beam groups)")
 
@@ -115,6 +118,7 @@ def _speculative(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
 
 register_method("speculative", _speculative,
                 SAMPLER_OPTIONS + ("draft", "drafter", "tree", "verifier"), aliases=("spec",),
+                per_row_stats=("tau", "verify_calls"),
                 description="speculative decoding: drafter x tree x verifier (lossless verifiers unless "
                             "verifier='typical', which is lossy)")
 
@@ -171,7 +175,7 @@ def _constrained_autoregressive(kind: str, default_temperature: float):
 
 CONSTRAINT_OPTIONS = ("index", "set_ids", "impl")
 register_method("constrained_beam", _constrained_beam, CONSTRAINT_OPTIONS + ("num_beams", "length_penalty"),
-                aliases=("static",),
+                aliases=("static",), per_row_stats=BEAM_ROW_STATS + ("beam_valid",),
                 description="beam search over an item index (STATIC CSR trie): every beam is an item")
 register_method("constrained_greedy", _constrained_autoregressive("greedy", 0.0), CONSTRAINT_OPTIONS,
                 description="greedy decoding restricted to an item index (masking)")

@@ -187,9 +187,12 @@ def test_gbv_needs_independent_chains(models):
 
 def test_generate_api_speculative(tiny_llama_dir):
     model = jaxdecode.load(tiny_llama_dir)
-    plain = jaxdecode.generate(model, ["def add(a, b):", "import"], method="greedy", max_new_tokens=8,
-                               eos_ids=())
-    spec = jaxdecode.generate(model, ["def add(a, b):", "import"], method="speculative", draft=model,
-                              tree="chain:3", max_new_tokens=8, eos_ids=())
+    prompts = ["def add(a, b):", "import", "class A:"]
+    plain = jaxdecode.generate(model, prompts, method="greedy", max_new_tokens=8, eos_ids=())
+    spec = jaxdecode.generate(model, prompts, method="speculative", draft=model, tree="chain:3",
+                              max_new_tokens=8, eos_ids=())
     assert [r.tokens for r in spec] == [r.tokens for r in plain]
-    assert all(r.stats["tau"] > 1 for r in spec) and "accept_rate_by_depth" in spec[0].stats
+    assert all(r.stats["tau"] > 1 for r in spec)
+    # Whole-batch stats stay whole even when their length equals the batch size (3 depths, 3 prompts).
+    assert all(len(r.stats["accept_rate_by_depth"]) == 3 for r in spec)
+    assert all(len(r.stats["accept_hist"]) == 4 for r in spec)
