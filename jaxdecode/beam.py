@@ -203,8 +203,12 @@ def _select(state: _BeamState, logprobs, *, max_new_tokens, length_penalty, dive
 
 
 def _constrained_select(select, state, constraint, logits, b, g, kg):
-    """Constraint candidates of every beam (logits [B*K, V]), then the beam step over them."""
-    c = constraint.candidates(state.cstate, logits, kg)
+    """Constraint candidates of every beam (logits [B*K, V]), then the beam step over them. Without a
+    diversity penalty the constraint selects per group from the running scores (one top-k over a
+    group's beams x allowed tokens); the penalty re-ranks tokens inside the step, so with it the
+    candidates are each beam's own best."""
+    scores = None if select.keywords.get("diversity_penalty") else state.run_scores.reshape(-1)
+    c = constraint.candidates(state.cstate, logits, kg, scores=scores)
 
     def split(a):  # [B*K, C] -> [B, G, Kg, C]
         return a.reshape(b, g, kg, -1)

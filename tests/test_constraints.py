@@ -273,6 +273,10 @@ EXACT_CASES = {  # name: (items, vocab, max length, kind, beams)
     "1e3-fixed-V2048-L8": (1_000, 2048, 8, "fixed", 8),
     "1e4-variable-V512-L6": (10_000, 512, 6, "variable", 6),
     "1e5-eos-prefixes-V2048-L8": (100_000, 2048, 8, "eos", 5),
+    # Small vocabularies: levels past the first are dense (every row spans most of V), so the later
+    # steps run the dense form of the beam-group selection.
+    "3e3-dense-fixed-V12-L5": (3_000, 12, 5, "fixed", 9),
+    "3e3-dense-eos-V16-L5": (3_000, 16, 5, "eos", 7),
 }
 
 
@@ -284,6 +288,8 @@ def test_beam_search_equals_numpy_beam_search(case):
     items = random_items(rng, n, v - len(eos), length, variable=kind != "fixed", prefix_free=kind == "variable")
     given, n_dup = shuffled_with_duplicates(rng, items)
     ix = build_index(given, v)
+    if "dense" in case:
+        assert ix.constraint()._use_dense(2), "the case should exercise a dense level after the first step"
     assert ix.num_items == len(set(items)) and ix.num_duplicates == n_dup + len(items) - len(set(items))
     present = set(items)
     assert ix.has_prefix_items == any(i[:j] in present for i in items for j in range(1, len(i)))

@@ -62,8 +62,11 @@ def unconstrained_step(logits, run_scores, *, b, k):
 
 @partial(jax.jit, static_argnames=("b", "k"))
 def constrained_step(constraint, state, logits, run_scores, *, b, k):
-    """The constrained beam step's selection: per-row candidates, top-k over beams x C."""
-    c = constraint.candidates(state, logits, k)
+    """The constrained beam step's selection, as beam search runs it: the constraint's candidates (per
+    group of k beams from the running scores; per row on the first step's b prompt rows), then the
+    top-k over beams x C."""
+    grouped = logits.shape[0] == b * k
+    c = constraint.candidates(state, logits, k, scores=run_scores if grouped else None)
     width = c.tokens.shape[1]
     cand = (run_scores[:, None] + c.logprobs).reshape(b, -1)
     top, idx = jax.lax.top_k(cand, k)

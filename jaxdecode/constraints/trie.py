@@ -270,30 +270,50 @@ class TrieConstraint:
             return jnp.zeros(state.node[0].shape, bool)
         return self._final_any(state.node)
 
-    def candidates(self, state: TrieState, logits, num_beams: int) -> Candidates:
-        """The STATIC step: per row, the best allowed next tokens by log_softmax(logits), enough of them
-        for an exact beam step of width num_beams (module docstring). logits: [R, V] (V >= the index's)."""
+    def candidates(self, state: TrieState, logits, num_beams: int, scores=None) -> Candidates:
+        """The STATIC step: the best allowed next tokens by log_softmax(logits), enough of them for an
+        exact beam step of width num_beams (module docstring). logits: [R, V] (V >= the index's).
+
+        scores: optional f32[R], the rows' running beam scores, rows in consecutive groups of num_beams
+        that compete for num_beams places (one beam-search group). Then the selection is per group: one
+        top-k over the group's beams x allowed tokens, instead of a top-k per row and another over the
+        beams' survivors. Same candidates for the beam step, each winner in its own column of its row,
+        and much cheaper where a per-row top-k is slow (many short rows on CPU). Without scores the
+        selection is per row (greedy, sampling, a first step whose rows are separate prompts)."""
         if not isinstance(num_beams, numbers.Integral) or num_beams < 1:
             raise ConstraintError(f"num_beams must be an int >= 1, got {num_beams!r}")
-        width = max(self._cand_width(d, num_beams) for d in range(self.max_len + 1))
-
-        def step(parts, node, logits, depth):
-            c = self.replace(parts=parts)
-            branches = [lambda node, logits, d=d: _pad_cands(c._candidates_at(node, logits, d, num_beams), width)
-                        for d in range(self.max_len + 1)]
-            return jax.lax.switch(jnp.clip(depth, 0, self.max_len), branches, node, logits)
-
         if logits.shape[-1] < self._mask_width():
             raise ConstraintError(f"logits have {logits.shape[-1]} columns, fewer than the index vocabulary / "
                                   f"EOS ids need ({self._mask_width()})")
+        r = logits.shape[0]
+        ax = None
+        if self.mesh is not None:
+            ax = row_axis(self.mesh, r)
+        if scores is not None:
+            if getattr(scores, "shape", None) != (r,):
+                raise ConstraintError(f"scores must be f32[{r}] (one running score per row), got "
+                                      f"{getattr(scores, 'shape', type(scores))}")
+            local_rows = r // self.mesh.shape["data"] if ax is not None else r
+            if r % num_beams or local_rows % num_beams:  # a group must not straddle rows or devices
+                scores = None
+        grouped = scores is not None
+        width = max(self._cand_width(d, num_beams, grouped) for d in range(self.max_len + 1))
+
+        def step(parts, node, logits, depth, scores):
+            c = self.replace(parts=parts)
+            branches = [lambda node, logits, scores, d=d: _pad_cands(
+                c._candidates_at(node, logits, d, num_beams, scores), width) for d in range(self.max_len + 1)]
+            return jax.lax.switch(jnp.clip(depth, 0, self.max_len), branches, node, logits, scores)
+
         if self.mesh is None:
-            return step(self.parts, state.node, logits, state.depth)
+            return step(self.parts, state.node, logits, state.depth, scores)
         from jax.sharding import PartitionSpec as P
-        ax = row_axis(self.mesh, logits.shape[0])
-        in_specs = (jax.tree.map(lambda _: P(), self.parts), tuple(P(ax) for _ in state.node), P(ax, None), P())
+        in_specs = (jax.tree.map(lambda _: P(), self.parts), tuple(P(ax) for _ in state.node), P(ax, None), P(),
+                    None if scores is None else P(ax))
         out_specs = Candidates(logprobs=P(ax, None), tokens=P(ax, None), ends=P(ax, None),
                                next=tuple(P(ax, None) for _ in state.node))
-        return shard_map(step, self.mesh, in_specs, out_specs)(self.parts, state.node, logits, state.depth)
+        return shard_map(step, self.mesh, in_specs, out_specs)(self.parts, state.node, logits, state.depth,
+                                                                scores)
 
     def step_to(self, state: TrieState, next_nodes) -> TrieState:
         """The state after each row took a candidate (next_nodes: the chosen `Candidates.next` entries)."""
@@ -330,15 +350,24 @@ class TrieConstraint:
             return 2 * max(p.width(lv) for p in self.parts) >= self.vocab_size
         return True
 
-    def _cand_width(self, d: int, num_beams: int) -> int:
-        lv = d + 1
+    def _slot_width(self, lv: int) -> int:
+        """Candidate slots per row at level lv: the vocabulary (dense) or the CSR rows + EOS slots."""
         e = len(self.eos_ids)
         if self._use_dense(lv):
-            return min(self.vocab_size + e, num_beams + e)
-        slots = sum(p.width(lv) for p in self.parts) + e
-        if not self.eos_ids and self._mixed(lv):
-            return 2 * min(num_beams, max(slots, 1))
-        return min(num_beams + e, max(slots, 1))
+            return self.vocab_size + e
+        return max(sum(p.width(lv) for p in self.parts) + e, 1)
+
+    def _cand_width(self, d: int, num_beams: int, grouped: bool = False) -> int:
+        lv = d + 1
+        e = len(self.eos_ids)
+        slots = self._slot_width(lv)
+        mixed = not self.eos_ids and self._mixed(lv)
+        if grouped:  # the group's winners (see _group_select)
+            total = num_beams * slots
+            return 2 * min(num_beams, total) if mixed else min(num_beams * (1 + e), total)
+        if mixed:
+            return 2 * min(num_beams, slots)
+        return min(num_beams + e, slots)
 
     def _mask_rows(self, nodes, lv: int, v: int):
         """bool[R, v]: the union of every part's children (dense rows or scattered CSR rows)."""
@@ -368,20 +397,31 @@ class TrieConstraint:
         rows = jnp.broadcast_to(jnp.arange(mask.shape[0])[:, None], tok.shape)
         return mask.at[rows, jnp.where(valid, tok, mask.shape[1])].set(True, mode="drop")
 
-    def _candidates_at(self, nodes, logits, d: int, num_beams: int) -> Candidates:
+    def _next_of(self, nodes, tokens, lv: int):
+        """Each part's state after `tokens` from `nodes` (broadcast), -1 for EOS / no candidate, and
+        whether taking the token ends the item."""
+        eos = _is_eos(tokens, self.eos_ids)
+        nxt = tuple(jnp.where(eos | (tokens < 0), -1, _lookup(p, n, tokens, p.width(lv)))
+                    for p, n in zip(self.parts, nodes))
+        ends = eos if self.eos_ids else self._final_any(nxt) & (tokens >= 0)
+        return nxt, ends
+
+    def _candidates_at(self, nodes, logits, d: int, num_beams: int, scores=None) -> Candidates:
         lv = d + 1
         v = logits.shape[-1]
         impl = resolve_impl(self.impl)
-        k_out = self._cand_width(d, num_beams)
+        k_out = self._cand_width(d, num_beams, scores is not None)
         if self._use_dense(lv):
             mask = self._mask_rows(nodes, lv, v)
             if self.eos_ids:
                 mask = self._add_eos(mask, nodes)
+            if scores is not None:
+                vals = jnp.where(mask, jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), _NEG)
+                tok = jnp.where(mask, jnp.arange(v, dtype=jnp.int32)[None, :], -1)
+                # Next states and ends only for the winners (a binary search each), not for R x V tokens.
+                return self._group_select(vals, tok, None, None, nodes, lv, num_beams, scores, k_out)
             vals, tokens = constrained_topk(logits, min(k_out, v), mask=mask, impl=impl)
-            eos = _is_eos(tokens, self.eos_ids)
-            nxt = tuple(jnp.where(eos | (tokens < 0), -1, _lookup(p, n[:, None], tokens, p.width(lv)))
-                        for p, n in zip(self.parts, nodes))
-            ends = eos if self.eos_ids else self._final_any(nxt) & (tokens >= 0)
+            nxt, ends = self._next_of(tuple(n[:, None] for n in nodes), tokens, lv)
             return Candidates(logprobs=vals, tokens=tokens, ends=ends, next=nxt)
 
         # CSR: every part's row, then the EOS slots; a later part's token already offered is dropped.
@@ -418,6 +458,12 @@ class TrieConstraint:
         else:
             ends = self._final_any(nxt) & (tok >= 0)
         c = tok.shape[1]
+        if scores is not None:
+            x = logits.astype(jnp.float32)
+            logp = x - jax.nn.logsumexp(x, axis=-1, keepdims=True)  # [R, V]
+            ok = (tok >= 0) & (tok < v)
+            vals = jnp.where(ok, jnp.take_along_axis(logp, jnp.where(ok, tok, 0), axis=1), _NEG)
+            return self._group_select(vals, tok, ends, nxt, nodes, lv, num_beams, scores, k_out)
         if not self.eos_ids and self._mixed(lv):  # best num_beams of each kind
             kk = min(num_beams, c)
             va, sa = constrained_topk(logits, kk, candidates=jnp.where(ends, -1, tok), impl=impl)
@@ -432,6 +478,51 @@ class TrieConstraint:
 
         return Candidates(logprobs=vals, tokens=pick(tok, -1), ends=pick(ends, False),
                           next=tuple(pick(x, -1) for x in nxt))
+
+    def _group_select(self, vals, tok, ends, nxt, nodes, lv: int, num_beams: int, scores, n_top: int):
+        """Beam-group selection. vals / tok: [R, W] every row's allowed slots (log-prob, token id; -inf /
+        -1 = none), ends / nxt: bool[R, W] / per part int32[R, W], or both None (then computed for the
+        winners only); rows in groups of num_beams, scores f32[R].
+
+        Returns the group's n_top best (scores + vals) slots, winner j in column j of its own row (the
+        other rows of the group hold no candidate there). That set is all the beam step uses: its best
+        num_beams, and its best num_beams that do not end, which lie among the best num_beams x (1 + E)
+        (a row offers at most E ending EOS slots); without EOS ids only a level that mixes leaves and
+        inner states has both kinds, and then the best num_beams of each are kept. Ties: lower row,
+        then lower slot, as the per-row path."""
+        r, w = vals.shape
+        kg = num_beams
+        g = r // kg
+        total = (scores[:, None] + vals).reshape(g, kg * w)
+        mixed = not self.eos_ids and self._mixed(lv)
+        if mixed:
+            # (ends is given here: a dense level never mixes leaves and inner states without EOS ids.)
+            flat_end = ends.reshape(g, kg * w)
+            half = n_top // 2
+            ta, ia = jax.lax.top_k(jnp.where(flat_end, _NEG, total), half)
+            tb, ib = jax.lax.top_k(jnp.where(flat_end, total, _NEG), half)
+            top, idx = jnp.concatenate([ta, tb], axis=1), jnp.concatenate([ia, ib], axis=1)
+        else:
+            top, idx = jax.lax.top_k(total, n_top)  # [G, n]
+        parent = idx // w  # beam within the group
+        win_row = jnp.arange(g)[:, None] * kg + parent  # [G, n] global row
+        win_tok = jnp.take_along_axis(tok.reshape(g, kg * w), idx, axis=1)
+        ok = (top > _NEG) & (win_tok >= 0)
+        win_tok = jnp.where(ok, win_tok, -1)
+        win_val = jnp.where(ok, jnp.take_along_axis(vals.reshape(g, kg * w), idx, axis=1), _NEG)
+        if nxt is None:
+            win_next, win_end = self._next_of(tuple(n[win_row] for n in nodes), win_tok, lv)
+        else:
+            win_next = tuple(jnp.where(ok, jnp.take_along_axis(x.reshape(g, kg * w), idx, axis=1), -1)
+                             for x in nxt)
+            win_end = jnp.take_along_axis(ends.reshape(g, kg * w), idx, axis=1) & ok
+        own = (parent[:, None, :] == jnp.arange(kg)[None, :, None]) & ok[:, None, :]  # [G, Kg, n]
+
+        def spread(a, fill):  # [G, n] -> [R, n]: winner j in column j of its row
+            return jnp.where(own, a[:, None, :], fill).reshape(r, -1)
+
+        return Candidates(logprobs=spread(win_val, _NEG), tokens=spread(win_tok, -1),
+                          ends=spread(win_end, False), next=tuple(spread(x, -1) for x in win_next))
 
 
 jax.tree_util.register_dataclass(
