@@ -417,9 +417,8 @@ class TrieConstraint:
                 mask = self._add_eos(mask, nodes)
             if scores is not None:
                 vals = jnp.where(mask, jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), _NEG)
-                tok = jnp.where(mask, jnp.arange(v, dtype=jnp.int32)[None, :], -1)
-                # Next states and ends only for the winners (a binary search each), not for R x V tokens.
-                return self._group_select(vals, tok, None, None, nodes, lv, num_beams, scores, k_out)
+                # Slot = token id; next states and ends only for the winners (a binary search each).
+                return self._group_select(vals, None, None, None, nodes, lv, num_beams, scores, k_out)
             vals, tokens = constrained_topk(logits, min(k_out, v), mask=mask, impl=impl)
             nxt, ends = self._next_of(tuple(n[:, None] for n in nodes), tokens, lv)
             return Candidates(logprobs=vals, tokens=tokens, ends=ends, next=nxt)
@@ -481,7 +480,7 @@ class TrieConstraint:
 
     def _group_select(self, vals, tok, ends, nxt, nodes, lv: int, num_beams: int, scores, n_top: int):
         """Beam-group selection. vals / tok: [R, W] every row's allowed slots (log-prob, token id; -inf /
-        -1 = none), ends / nxt: bool[R, W] / per part int32[R, W], or both None (then computed for the
+        -1 = none; tok None: the slot is the token id), ends / nxt: bool[R, W] / per part int32[R, W], or both None (then computed for the
         winners only); rows in groups of num_beams, scores f32[R].
 
         Returns the group's n_top best (scores + vals) slots, winner j in column j of its own row (the
@@ -506,7 +505,7 @@ class TrieConstraint:
             top, idx = jax.lax.top_k(total, n_top)  # [G, n]
         parent = idx // w  # beam within the group
         win_row = jnp.arange(g)[:, None] * kg + parent  # [G, n] global row
-        win_tok = jnp.take_along_axis(tok.reshape(g, kg * w), idx, axis=1)
+        win_tok = idx % w if tok is None else jnp.take_along_axis(tok.reshape(g, kg * w), idx, axis=1)
         ok = (top > _NEG) & (win_tok >= 0)
         win_tok = jnp.where(ok, win_tok, -1)
         win_val = jnp.where(ok, jnp.take_along_axis(vals.reshape(g, kg * w), idx, axis=1), _NEG)
