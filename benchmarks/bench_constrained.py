@@ -25,10 +25,12 @@ def main():
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--no-model", action="store_true", help="skip the model timings")
     ap.add_argument("--json", default=None, help="also write the results to this file")
+    ap.add_argument("--dict-trie-max", type=float, default=1e6,
+                    help="largest item count for the nested-dict host trie baseline (memory)")
     args = ap.parse_args()
     run_benchmark(items=[int(float(x)) for x in args.items.split(",")], vocab=args.vocab, length=args.length,
                   batch=args.batch, beams=args.beams, model=not args.no_model, repeats=args.repeats,
-                  json_out=args.json)
+                  json_out=args.json, dict_trie_max=int(args.dict_trie_max))
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ L 8, batch 2, beam 70):
     depths (the first step on the batch's rows, the others on R = batch x beams rows): unconstrained
     (log_softmax + top-k over beams x V) against constrained (TrieConstraint.candidates + top-k over
     beams x C), the difference being the overhead;
-  * a CPU trie step in the same process: per beam, walk to its row in the host CSR, gather that row's
-    log-probs, build the mask, top-k on the host (the `prefix_allowed_tokens_fn` pattern);
+  * two host (CPU) trie steps in the same process: (1) per beam, its row in the host CSR arrays of the
+    same index, that row's log-probs into a mask, top-k on the host; (2) the `prefix_allowed_tokens_fn`
+    pattern of generative-retrieval code: per beam, walk its prefix from the root of a nested-dict trie
+    and mask the allowed tokens (built up to `dict_trie_max` items: ~1.5 GB of Python objects at 1e6);
   * whole decodes: the model-free constrained beam search (random logits), and, with `model`, one
     decode step of the target model and constrained vs plain beam search with it.
 Times are medians of `repeats` calls after a warm-up call (compile excluded, reported apart).
@@ -94,13 +96,45 @@ def cpu_trie_step(index, logits, nodes: np.ndarray, run_scores: np.ndarray, b: i
     return np.take_along_axis(idx, order, axis=1)
 
 
-def _states_at(index, items: np.ndarray, depth: int, rows: int, rng) -> np.ndarray:
-    """States of `rows` random item prefixes of `depth` tokens (what live beams hold)."""
+def build_dict_trie(items: np.ndarray) -> dict:
+    """The textbook host trie of generative retrieval code: nested dicts token -> child."""
+    root: dict = {}
+    for it in items.tolist():
+        node = root
+        for t in it:
+            node = node.setdefault(t, {})
+    return root
+
+
+def dict_trie_step(trie: dict, logits, prefixes: list, run_scores: np.ndarray, b: int, k: int):
+    """Host baseline 2, the `prefix_allowed_tokens_fn` pattern: per beam, walk its generated prefix
+    from the root of a dict trie, list the allowed tokens, mask the host log-probs; top-k over beams."""
+    x = np.asarray(logits, np.float32)
+    m = x.max(axis=1, keepdims=True)
+    logp = x - (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True)))
+    masked = np.full(logp.shape, -np.inf, np.float32)
+    for i, prefix in enumerate(prefixes):
+        node = trie
+        for t in prefix:
+            node = node[t]
+        allowed = np.fromiter(node.keys(), np.int64, len(node))
+        masked[i, allowed] = logp[i, allowed]
+    cand = (run_scores[:, None] + masked).reshape(b, -1)
+    idx = np.argpartition(-cand, k - 1, axis=1)[:, :k]
+    order = np.argsort(-np.take_along_axis(cand, idx, axis=1), axis=1)
+    return np.take_along_axis(idx, order, axis=1)
+
+
+def _states_at(index, items: np.ndarray, depth: int, rows: int, rng):
+    """States of `rows` random item prefixes of `depth` tokens (what live beams hold), and the
+    prefixes themselves."""
     pick = items[rng.integers(0, items.shape[0], rows)]
     out = np.empty(rows, np.int64)
+    prefixes = []
     for i, it in enumerate(pick):
-        out[i] = index.walk(it[:depth].tolist())[-1]
-    return out
+        prefixes.append(it[:depth].tolist())
+        out[i] = index.walk(prefixes[-1])[-1]
+    return out, prefixes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +177,8 @@ def _decode_step_time(cfg, params, rows: int, prompt: int, repeats: int) -> floa
 
 
 def run_benchmark(items=(100_000,), vocab: int = 2048, length: int = 8, batch: int = 2, beams: int = 70,
-                  model: bool = True, repeats: int = 20, seed: int = 0, json_out: str | None = None) -> list:
+                  model: bool = True, repeats: int = 20, seed: int = 0, json_out: str | None = None,
+                  dict_trie_max: int = 1_000_000) -> list:
     rng = np.random.default_rng(seed)
     b, k, v, n_len = batch, beams, vocab, length
     r = b * k
@@ -169,11 +204,12 @@ def run_benchmark(items=(100_000,), vocab: int = 2048, length: int = 8, batch: i
         index = build_index(item_arr, v)
         build_s = time.perf_counter() - t0
         constraint = index.constraint()
-        con, cpu, compile_s = [], [], 0.0
+        con, cpu, cpu_dict, compile_s = [], [], [], 0.0
+        dict_trie = build_dict_trie(item_arr) if n <= dict_trie_max else None  # ~1.5 GB at 1e6
         for d in range(n_len):
             rows_d = b if d == 0 else r
             x, sc = (first if d == 0 else (logits, scores))
-            nodes = _states_at(index, item_arr, d, rows_d, rng)
+            nodes, prefixes = _states_at(index, item_arr, d, rows_d, rng)
             state = constraint.init(rows_d).replace(node=(jnp.asarray(nodes, jnp.int32),), depth=jnp.int32(d))
             t0 = time.perf_counter()
             jax.block_until_ready(constrained_step(constraint, state, x, sc, b=b, k=k))
@@ -182,7 +218,12 @@ def run_benchmark(items=(100_000,), vocab: int = 2048, length: int = 8, batch: i
             sc_host = np.asarray(sc)
             host = lambda: cpu_trie_step(index, x, nodes, sc_host, b, k)  # noqa: E731
             cpu.append(median_time(host, max(3, repeats // 4)))
+            if dict_trie is not None:
+                host = lambda: dict_trie_step(dict_trie, x, prefixes, sc_host, b, k)  # noqa: E731
+                cpu_dict.append(median_time(host, max(3, repeats // 4)))
+        del dict_trie
         con_ms, cpu_ms, unc_ms = (1e3 * float(np.mean(x)) for x in (con, cpu, unc))
+        dict_ms = 1e3 * float(np.mean(cpu_dict)) if cpu_dict else None
         key = jax.random.PRNGKey(1)
 
         def run():
@@ -198,7 +239,10 @@ def run_benchmark(items=(100_000,), vocab: int = 2048, length: int = 8, batch: i
                    reference_bytes_per_item=round(reference_layout_bytes(index) / n, 1),
                    unconstrained_step_ms=round(unc_ms, 4), constrained_step_ms=round(con_ms, 4),
                    overhead_ms=round(con_ms - unc_ms, 4), cpu_trie_step_ms=round(cpu_ms, 3),
-                   speedup_vs_cpu_trie=round(cpu_ms / con_ms, 1), model_free_decode_ms=round(decode_ms, 2),
+                   speedup_vs_cpu_trie=round(cpu_ms / con_ms, 1),
+                   dict_trie_step_ms=None if dict_ms is None else round(dict_ms, 3),
+                   speedup_vs_dict_trie=None if dict_ms is None else round(dict_ms / con_ms, 1),
+                   model_free_decode_ms=round(decode_ms, 2),
                    step_compile_s=round(compile_s, 1), decode_compile_s=round(decode_compile - decode_ms / 1e3, 1),
                    per_depth_ms=[round(1e3 * x, 4) for x in con],
                    per_depth_unconstrained_ms=[round(1e3 * x, 4) for x in unc])
@@ -231,12 +275,18 @@ def _model_decodes(cfg, params, constraint, b, k, n_len, repeats) -> dict:
 
 def _print_tables(rows, model_info):
     print("\n| items | build (s) | bytes/item (ref. layout) | unconstrained step (ms) | constrained step (ms) "
-          "| overhead (ms) | CPU trie step (ms) | vs CPU trie | model-free decode (ms) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| overhead (ms) | host CSR trie step (ms) | vs host CSR | dict trie step (ms) | vs dict trie "
+          "| model-free decode (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        dict_cells = ("n/a | n/a" if r["dict_trie_step_ms"] is None
+                      else f"{r['dict_trie_step_ms']} | {r['speedup_vs_dict_trie']}x")
         print(f"| {r['items']:.0e} | {r['build_s']} | {r['bytes_per_item']} ({r['reference_bytes_per_item']}) | "
               f"{r['unconstrained_step_ms']} | {r['constrained_step_ms']} | {r['overhead_ms']} | "
-              f"{r['cpu_trie_step_ms']} | {r['speedup_vs_cpu_trie']}x | {r['model_free_decode_ms']} |")
+              f"{r['cpu_trie_step_ms']} | {r['speedup_vs_cpu_trie']}x | {dict_cells} | {r['model_free_decode_ms']} |")
+    print("\nPer-depth constrained step (ms), then the unconstrained one:")
+    for r in rows:
+        print(f"  {r['items']:.0e}: {r['per_depth_ms']} vs {r['per_depth_unconstrained_ms']}")
     if model_info is not None:
         print(f"\nModel: {model_info['model']}; one decode step of batch x beams rows: "
               f"{model_info['decode_step_ms']:.2f} ms")
@@ -247,4 +297,4 @@ def _print_tables(rows, model_info):
                   f"{r['model_constrained_beam_ms']} |")
 
 
-__all__ = ["run_benchmark", "cpu_trie_step", "reference_layout_bytes"]
+__all__ = ["run_benchmark", "cpu_trie_step", "dict_trie_step", "build_dict_trie", "reference_layout_bytes"]
