@@ -132,6 +132,47 @@ def _with_root(tree: Tree, pending, prefix_len):
     return tokens, positions, mask
 
 
+def _verify_forward(config, params, tree: Tree, pending, cache, active, widths: tuple, attn_impl: str):
+    """The target over [pending, tree nodes]: logits [B, N+1, V] and the cache with them written.
+
+    widths: ascending static node counts, the last = N. The forward runs over the smallest width that
+    holds every valid node of the active rows (a `lax.switch`, each branch compiled once), so a drafter
+    that marks the tail of its proposal invalid (a weak match, a low-confidence draft) pays only for
+    what it proposes. Logit rows past the width are zero: they belong to invalid nodes, which no
+    verifier accepts and no drafter learns from. Nodes are topologically ordered, so every kept node's
+    ancestors lie inside the width."""
+    n = tree.tokens.shape[1]
+
+    def run(width):
+        def branch(cache):
+            t = Tree(tokens=tree.tokens[:, :width], parents=tree.parents[:, :width], valid=tree.valid[:, :width])
+            tokens, positions, mask = _with_root(t, pending, cache.lengths)
+            logits, _, cache = forward(config, params, tokens, positions, cache, mask, attn_impl=attn_impl)
+            return jnp.pad(logits, ((0, 0), (0, n - width), (0, 0))), cache
+        return branch
+
+    if len(widths) == 1:
+        return run(n)(cache)
+    idx = jnp.arange(n)[None, :]
+    need = jnp.max(jnp.where(tree.valid & active[:, None], idx + 1, 0))  # nodes the forward must cover
+    which = jnp.searchsorted(jnp.asarray(widths), need)  # smallest width >= need
+    return jax.lax.switch(which, [run(w) for w in widths], cache)
+
+
+def check_verify_widths(widths, num_nodes: int) -> tuple:
+    """Normalise `verify_widths` (node counts a verification may use) to an ascending tuple ending at N."""
+    if widths is None:
+        return (num_nodes,)
+    try:
+        ws = sorted({int(w) for w in widths})
+    except (TypeError, ValueError):
+        raise SpeculativeError(f"verify_widths must be a list of ints, got {widths!r}") from None
+    if not ws or ws[0] < 1 or ws[-1] > num_nodes:
+        raise SpeculativeError(f"verify_widths must be node counts in 1..{num_nodes} (the drafter's tree "
+                               f"size), got {list(widths)!r}")
+    return tuple(ws) if ws[-1] == num_nodes else tuple(ws) + (num_nodes,)
+
+
 def _depth_stats(tree: Tree, num_accepted, active, max_depth: int):
     node_depth = jnp.where(tree.valid, depths(tree.parents), 0)  # [B, N]
     d = jnp.arange(1, max_depth + 1)  # [D]
@@ -143,9 +184,9 @@ def _depth_stats(tree: Tree, num_accepted, active, max_depth: int):
 
 
 @partial(jax.jit, static_argnames=("config", "verifier", "sampler", "max_new_tokens", "eos_ids",
-                                   "cache_len", "hist_cap", "attn_impl"))
+                                   "cache_len", "hist_cap", "attn_impl", "verify_widths"))
 def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, *, verifier, sampler,
-                 max_new_tokens, eos_ids, cache_len, hist_cap, attn_impl):
+                 max_new_tokens, eos_ids, cache_len, hist_cap, attn_impl, verify_widths):
     b, p = prompt_tokens.shape
     n, max_d = drafter.num_nodes, drafter.max_depth
     pad = pad_id_for(eos_ids)
@@ -168,9 +209,8 @@ def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, *,
         ctx = DraftContext(history=st.history, hist_len=st.hist_len, key=k_draft)
         tree, draft_probs, dstate = drafter.propose(st.drafter_state, ctx, sampler)
         pending = st.history[rows, st.hist_len - 1]
-        tokens, positions, mask = _with_root(tree, pending, st.cache.lengths)
-        logits, _, cache = forward(config, params, tokens, positions, st.cache, mask,
-                                   attn_impl=attn_impl)  # [B, N+1, V]
+        logits, cache = _verify_forward(config, params, tree, pending, st.cache, active, verify_widths,
+                                        attn_impl)  # [B, N+1, V]
         target_probs = jnp.exp(process_logits(logits, sampler))
         res = verifier(target_probs, draft_probs, tree, k_verify)
         keep = jnp.concatenate([active[:, None], path_to_keep(res.path, n) & active[:, None]], axis=1)
@@ -260,11 +300,15 @@ def check_combination(config, drafter, verifier, sampler: SamplerConfig) -> None
 def speculative_decode(config, params, drafter, prompt_tokens, prompt_lengths, *, max_new_tokens: int,
                        verifier, sampler: SamplerConfig = SamplerConfig(temperature=0.0),
                        eos_ids: tuple = (), key=None, cache_len: int | None = None,
-                       attn_impl: str | None = None) -> SpecOutput:
+                       attn_impl: str | None = None, verify_widths=None) -> SpecOutput:
     """Speculative decoding of up to max_new_tokens per row (see the module docstring).
 
     attn_impl: attention of the verification forward; default "tree" (the Pallas tree-attention
     kernel) on GPU/TPU and "xla" on CPU, where the kernel would only run interpreted.
+    verify_widths: node counts the verification forward may shrink to (e.g. (2, 8) for an 8-node
+    drafter): each step verifies the smallest that covers every valid node. Pays off with drafters
+    that leave low-confidence tails invalid (PromptLookupDrafter(lengths=...)); the output is the same.
+    Default: the drafter's `verify_widths` attribute if it has one, else always all N nodes.
     """
     if attn_impl is None:
         attn_impl = "xla" if jax.default_backend() == "cpu" else "tree"
@@ -291,6 +335,9 @@ def speculative_decode(config, params, drafter, prompt_tokens, prompt_lengths, *
     if key is None:
         key = jax.random.PRNGKey(0)
     hist_cap = width + max_new_tokens + drafter.max_depth + 2
+    if verify_widths is None:
+        verify_widths = getattr(drafter, "verify_widths", None)
+    widths = check_verify_widths(verify_widths, n)
     return _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, verifier=verifier,
                         sampler=sampler, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-                        cache_len=cache_len, hist_cap=hist_cap, attn_impl=attn_impl)
+                        cache_len=cache_len, hist_cap=hist_cap, attn_impl=attn_impl, verify_widths=widths)

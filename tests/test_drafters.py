@@ -83,6 +83,23 @@ def test_prompt_lookup_most_recent_longest_match():
     assert (toks[~val] == 0).all()  # invalid nodes carry an in-vocabulary token
 
 
+def test_prompt_lookup_draft_length_by_match_size():
+    d = PromptLookupDrafter(num_nodes=4, lengths=(1, 2, 4))
+    assert d.verify_widths == (1, 2, 4)
+    rows = [[1, 2, 3, 9, 9, 1, 2, 3, 7, 7, 2, 3],  # longest match: a 2-gram -> 2 tokens
+            [4, 5, 6, 8, 5, 6, 1, 4, 5, 6],  # a 3-gram -> 4 tokens
+            [7, 1, 8, 1],  # a 1-gram -> 1 token
+            [1, 2, 3]]  # none
+    tokens, valid = map(np.asarray, d.lookup(*hist(rows)))
+    np.testing.assert_array_equal(valid.sum(axis=1), [2, 4, 1, 0])
+    full, _ = map(np.asarray, PromptLookupDrafter(num_nodes=4).lookup(*hist(rows)))
+    np.testing.assert_array_equal(tokens[valid], full[valid])  # the same tokens, fewer of them
+    assert PromptLookupDrafter(num_nodes=4, min_ngram=2, lengths=(1, 2, 2)).verify_widths == (2, 4)
+    for bad in [(1, 2), (1, 2, 5), (0, 1, 2), "124"]:
+        with pytest.raises(ValueError, match="lengths"):
+            PromptLookupDrafter(num_nodes=4, lengths=bad)
+
+
 def test_aggressive_alignment_rule():
     d = AggressiveDrafter(num_nodes=4)
     prompt = [10, 11, 12, 13, 14, 10, 15]
@@ -413,6 +430,8 @@ def setup():
 def make(name, s, params):
     if name == "prompt_lookup":
         return PromptLookupDrafter(num_nodes=6)
+    if name == "prompt_lookup_adaptive":  # draft length by match size; verification shrinks to fit
+        return PromptLookupDrafter(num_nodes=6, lengths=(2, 4, 6))
     if name == "aggressive":
         return AggressiveDrafter(num_nodes=8)
     if name == "recycling":
@@ -427,7 +446,7 @@ def make(name, s, params):
     raise KeyError(name)
 
 
-DRAFTERS = ["prompt_lookup", "aggressive", "recycling", "aded", "dyspec"]
+DRAFTERS = ["prompt_lookup", "prompt_lookup_adaptive", "aggressive", "recycling", "aded", "dyspec"]
 
 
 @pytest.mark.parametrize("name", DRAFTERS)
@@ -459,7 +478,7 @@ def test_greedy_exact_batch1(setup, name):
 
 
 # Aggressive decoding verifies exactly like prompt lookup (a copied chain): one of them suffices here.
-@pytest.mark.parametrize("name", ["prompt_lookup", "recycling", "aded", "dyspec_other"])
+@pytest.mark.parametrize("name", ["prompt_lookup", "prompt_lookup_adaptive", "recycling", "aded", "dyspec_other"])
 def test_point_mass_sampling_runs_and_is_reproducible(setup, name):
     s = setup
     prompts, lengths = s["random"]

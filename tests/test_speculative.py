@@ -171,6 +171,20 @@ def test_bad_input(models):
                            sampler=SamplerConfig(temperature=1.0))
 
 
+def test_verify_widths_are_checked_and_change_nothing(models):
+    from jaxdecode.drafters.ngram import PromptLookupDrafter
+    cfg, params = models[0]
+    prompts, lengths = pad_prompts([[5, 6, 7, 5, 6, 7, 5, 6], [9, 3, 9, 3, 9]])
+    drafter = PromptLookupDrafter(num_nodes=5)
+    kw = dict(max_new_tokens=12, verifier=get_verifier("greedy"))
+    full = speculative_decode(cfg, params, drafter, prompts, lengths, **kw)
+    shrunk = speculative_decode(cfg, params, drafter, prompts, lengths, verify_widths=(1, 3), **kw)
+    np.testing.assert_array_equal(np.asarray(full.tokens), np.asarray(shrunk.tokens))
+    for bad in [(0, 5), (6,), (), "ab"]:
+        with pytest.raises(SpeculativeError, match="verify_widths"):
+            speculative_decode(cfg, params, drafter, prompts, lengths, verify_widths=bad, **kw)
+
+
 def test_gbv_needs_independent_chains(models):
     (cfg, params), (dcfg, dparams) = models
     prompts, lengths = pad_prompts([[1, 2, 3]])

@@ -90,6 +90,10 @@ class PromptLookupDrafter:
     max_ngram: int = dataclasses.field(default=3, metadata=dict(static=True))
     min_ngram: int = dataclasses.field(default=1, metadata=dict(static=True))
     cyclic: bool = dataclasses.field(default=True, metadata=dict(static=True))
+    # Draft length by the size n of the matched n-gram: lengths[n - 1] tokens (a longer match is a
+    # surer continuation), the rest of the chain invalid; None = num_nodes for every match. With it,
+    # the engine verifies only the lengths in use (verify_widths).
+    lengths: tuple | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     child_rule = "point"
     is_chain = True
@@ -98,6 +102,23 @@ class PromptLookupDrafter:
     def __post_init__(self):
         check_int("PromptLookupDrafter", "num_nodes", self.num_nodes, 1)
         _check_ngrams("PromptLookupDrafter", self.max_ngram, self.min_ngram)
+        if self.lengths is not None:
+            ls = tuple(self.lengths) if isinstance(self.lengths, (tuple, list)) else None
+            if ls is None or len(ls) != self.max_ngram:
+                raise ValueError(f"PromptLookupDrafter: lengths must list a draft length for each match "
+                                 f"size 1..max_ngram={self.max_ngram}, got {self.lengths!r}")
+            for n, k in enumerate(ls, 1):
+                check_int("PromptLookupDrafter", f"lengths[{n - 1}]", k, 1)
+                if k > self.num_nodes:
+                    raise ValueError(f"PromptLookupDrafter: lengths[{n - 1}]={k} exceeds num_nodes="
+                                     f"{self.num_nodes}")
+            object.__setattr__(self, "lengths", tuple(int(k) for k in ls))
+
+    @property
+    def verify_widths(self):
+        if self.lengths is None:
+            return None
+        return tuple(sorted(set(self.lengths[self.min_ngram - 1:]) | {self.num_nodes}))
 
     def init(self, prompt_tokens, prompt_lengths, cache_len, key):
         return ()  # stateless: everything it needs is in the history
@@ -110,8 +131,11 @@ class PromptLookupDrafter:
         # An earlier occurrence ends at j <= hist_len - 2 (the suffix itself ends at hist_len - 1).
         earlier = pos <= (hist_len - 2)[:, None]
         end = jnp.full((b,), -1, jnp.int32)
+        limit = jnp.full((b,), self.num_nodes, jnp.int32)  # draft length for the match found
         for n in range(self.max_ngram, self.min_ngram - 1, -1):  # longest n-gram first
             last = jnp.max(jnp.where(maps[n - 1] & earlier, pos, -1), axis=1).astype(jnp.int32)
+            if self.lengths is not None:
+                limit = jnp.where((end < 0) & (last >= 0), self.lengths[n - 1], limit)
             end = jnp.where(end >= 0, end, last)
         found = end >= 0
         i = jnp.arange(self.num_nodes)[None, :]
@@ -122,6 +146,7 @@ class PromptLookupDrafter:
         else:
             idx = end[:, None] + 1 + i
             valid = found[:, None] & (idx < hist_len[:, None])
+        valid = valid & (i < limit[:, None])
         tokens = jnp.take_along_axis(history, jnp.clip(idx, 0, h - 1), axis=1)
         return tokens, valid
 
