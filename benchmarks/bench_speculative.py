@@ -113,12 +113,14 @@ def main(argv=None):
                                     calls_per_token=base_calls / n_tok, tok_s=n_tok / base_s,
                                     speedup=1.0, equal_to_baseline=True))
         print(f"\nT={temperature}: autoregressive {n_tok / base_s:.1f} tok/s", flush=True)
-        configs = [("draft_lm", "chain:4"), ("draft_lm", "chain:6"), ("draft_lm", "static:4,2,2,1"),
-                   ("draft_lm", "eagle:depth=6,topk=4,total=24"), ("draft_lm", "dyspec:num_nodes=24,topk=4"),
-                   ("prompt_lookup", "chain:6"), ("token_recycling", None), ("aded", None)]
-        for drafter_name, tree in configs:
+        configs = [("draft_lm", "chain:4", {}), ("draft_lm", "chain:6", {}), ("draft_lm", "static:4,2,2,1", {}),
+                   ("draft_lm", "eagle:depth=6,topk=4,total=24", {}),
+                   ("draft_lm", "dyspec:num_nodes=24,topk=4", {}), ("prompt_lookup", "chain:3", {}),
+                   ("prompt_lookup", "chain:6", {}), ("prompt_lookup", "chain:8", {"lengths": (1, 3, 8)}),
+                   ("token_recycling", None, {}), ("aded", None, {})]
+        for drafter_name, tree, kw in configs:
             try:
-                drafter = make_drafter(drafter_name, target, draft=draft, tree=tree, temperature=temperature)
+                drafter = make_drafter(drafter_name, target, draft=draft, tree=tree, temperature=temperature, **kw)
             except (ImportError, ValueError) as e:
                 print(f"  skip {drafter_name} {tree}: {e}")
                 continue
@@ -136,7 +138,9 @@ def main(argv=None):
                                         "steps": np.sum(out.stats["verify_calls"])}
 
                 toks, calls, steps, secs = run_all(spec)
-                row = dict(temperature=temperature, method=f"{drafter_name} {tree or ''} / {vn}".strip(),
+                opts = "".join(f" {k}={v}" for k, v in kw.items()).replace(" ", "")
+                label = f"{drafter_name} {tree or ''}{' ' + opts if opts else ''} / {vn}".replace("  ", " ")
+                row = dict(temperature=temperature, method=label,
                            tau=n_tok / steps, calls_per_token=calls / n_tok, tok_s=n_tok / secs,
                            speedup=base_s / secs, equal_to_baseline=toks == base_toks)
                 results["rows"].append(row)
@@ -203,7 +207,7 @@ def verify_curve(target, sizes):
         pos = 128 + jnp.arange(n)[None]
         mask = ancestor_mask(parents)
         f = lambda: jax.block_until_ready(forward(cfg, params, toks, pos, cache, mask)[0])
-        _, s = timed(f, 5)
+        _, s = timed(f, 20)
         out.append(dict(nodes=n, ms=1000 * s))
         print(f"  verify {n:4d} nodes: {1000 * s:.2f} ms", flush=True)
     return out
