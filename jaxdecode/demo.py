@@ -73,5 +73,5 @@ def run_demo(max_new_tokens: int = 64) -> int:
 SPEC_CONFIGS = [
     ("draft LM, chain of 4", {"tree": "chain:4"}),
     ("draft LM, EAGLE-2 dynamic tree", {"tree": "eagle:depth=5,topk=4,total=16"}),
-    ("prompt lookup (no draft model)", {"drafter": "prompt_lookup", "tree": "chain:6"}),
+    ("prompt lookup (no draft model)", {"drafter": "prompt_lookup", "tree": "chain:3"}),
 ]
