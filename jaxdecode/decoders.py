@@ -103,7 +103,10 @@ def _speculative(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
     drafter = opts.get("drafter")
     if drafter is None or isinstance(drafter, str):
         drafter = make_drafter(drafter, model, draft=draft, tree=opts.get("tree"),
-                               temperature=sampler.temperature)
+                               temperature=sampler.temperature, **dict(opts.get("drafter_options") or {}))
+    elif opts.get("drafter_options"):
+        raise ValueError("drafter_options configure a drafter built by name; a drafter object is already "
+                         "configured: drop drafter_options")
     verifier = opts.get("verifier")
     if verifier is None or isinstance(verifier, str):
         name = verifier or ("greedy" if sampler.is_greedy else DEFAULT_VERIFIER[drafter.child_rule])
@@ -112,12 +115,13 @@ def _speculative(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
     out = speculative_decode(model.config, params, drafter, toks, lens, max_new_tokens=max_new_tokens,
                              verifier=verifier, sampler=sampler, eos_ids=opts["eos_ids"],
                              key=jax.random.PRNGKey(opts.get("seed") or 0),
-                             cache_len=opts.get("cache_len"))
+                             cache_len=opts.get("cache_len"), verify_widths=opts.get("verify_widths"))
     return out.tokens, out.lengths, out.stats
 
 
 register_method("speculative", _speculative,
-                SAMPLER_OPTIONS + ("draft", "drafter", "tree", "verifier"), aliases=("spec",),
+                SAMPLER_OPTIONS + ("draft", "drafter", "tree", "verifier", "drafter_options", "verify_widths"),
+                aliases=("spec",),
                 per_row_stats=("tau", "verify_calls"),
                 description="speculative decoding: drafter x tree x verifier (lossless verifiers unless "
                             "verifier='typical', which is lossy)")

@@ -210,3 +210,11 @@ def test_generate_api_speculative(tiny_llama_dir):
     # Whole-batch stats stay whole even when their length equals the batch size (3 depths, 3 prompts).
     assert all(len(r.stats["accept_rate_by_depth"]) == 3 for r in spec)
     assert all(len(r.stats["accept_hist"]) == 4 for r in spec)
+    # Drafter options by name and a shrinking verification, as the CLI's --option passes them (JSON lists).
+    adaptive = jaxdecode.generate(model, prompts, method="speculative", drafter="prompt_lookup", tree="chain:6",
+                                  drafter_options={"lengths": [1, 2, 6]}, verify_widths=[2], max_new_tokens=8,
+                                  eos_ids=())
+    assert [r.tokens for r in adaptive] == [r.tokens for r in plain]
+    with pytest.raises(ValueError, match="lengths"):
+        jaxdecode.generate(model, prompts, method="speculative", drafter="prompt_lookup", tree="chain:6",
+                           drafter_options={"lengths": [1, 9]}, max_new_tokens=8)
