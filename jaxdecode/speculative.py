@@ -163,6 +163,8 @@ def check_verify_widths(widths, num_nodes: int) -> tuple:
     """Normalise `verify_widths` (node counts a verification may use) to an ascending tuple ending at N."""
     if widths is None:
         return (num_nodes,)
+    if isinstance(widths, (str, bytes)) or any(isinstance(w, bool) for w in widths):
+        raise SpeculativeError(f"verify_widths must be a list of ints, got {widths!r}")
     try:
         ws = sorted({int(w) for w in widths})
     except (TypeError, ValueError):

@@ -180,7 +180,7 @@ def test_verify_widths_are_checked_and_change_nothing(models):
     full = speculative_decode(cfg, params, drafter, prompts, lengths, **kw)
     shrunk = speculative_decode(cfg, params, drafter, prompts, lengths, verify_widths=(1, 3), **kw)
     np.testing.assert_array_equal(np.asarray(full.tokens), np.asarray(shrunk.tokens))
-    for bad in [(0, 5), (6,), (), "ab"]:
+    for bad in [(0, 5), (6,), (), "ab", "12", (True, 3)]:
         with pytest.raises(SpeculativeError, match="verify_widths"):
             speculative_decode(cfg, params, drafter, prompts, lengths, verify_widths=bad, **kw)
 

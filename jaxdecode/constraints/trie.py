@@ -458,8 +458,7 @@ class TrieConstraint:
             ends = self._final_any(nxt) & (tok >= 0)
         c = tok.shape[1]
         if scores is not None:
-            x = logits.astype(jnp.float32)
-            logp = x - jax.nn.logsumexp(x, axis=-1, keepdims=True)  # [R, V]
+            logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [R, V]
             ok = (tok >= 0) & (tok < v)
             vals = jnp.where(ok, jnp.take_along_axis(logp, jnp.where(ok, tok, 0), axis=1), _NEG)
             return self._group_select(vals, tok, ends, nxt, nodes, lv, num_beams, scores, k_out)
@@ -480,8 +479,8 @@ class TrieConstraint:
 
     def _group_select(self, vals, tok, ends, nxt, nodes, lv: int, num_beams: int, scores, n_top: int):
         """Beam-group selection. vals / tok: [R, W] every row's allowed slots (log-prob, token id; -inf /
-        -1 = none; tok None: the slot is the token id), ends / nxt: bool[R, W] / per part int32[R, W], or both None (then computed for the
-        winners only); rows in groups of num_beams, scores f32[R].
+        -1 = none; tok None: the slot is the token id); ends / nxt: bool[R, W] / per part int32[R, W],
+        or both None (then computed for the winners only); rows in groups of num_beams, scores f32[R].
 
         Returns the group's n_top best (scores + vals) slots, winner j in column j of its own row (the
         other rows of the group hold no candidate there). That set is all the beam step uses: its best
