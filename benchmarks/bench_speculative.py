@@ -38,7 +38,7 @@ def heldout_prompts(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> lis
     """Prompts from held-out stdlib files (the split the embedded models never trained on)."""
     import sysconfig
 
-    from jaxdecode.training.build_embedded import HELD_OUT_FRACTION
+    from jaxdecode.training.recipe import HELD_OUT_FRACTION
     from jaxdecode.training.corpus import iter_texts
     texts = [t for t in iter_texts([sysconfig.get_paths()["stdlib"]], held_out_fraction=HELD_OUT_FRACTION,
                                    split="heldout") if len(t) > 4000]

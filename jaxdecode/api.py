@@ -1,43 +1,21 @@
 """The public surface: `load(path)` and `generate(model, prompts, method=..., **options)`.
 
-Methods live in a registry (`register_method`), so every decoder — autoregressive, beam, and the
-speculative / diffusion / constrained decoders of later modules — is reachable by name from Python and
-from the CLI with one code path for tokenising, batching, timing and detokenising.
+Methods live in a registry (`jaxdecode.registry`), so every decoder — autoregressive, beam, and the
+speculative / diffusion / constrained decoders — is reachable by name from Python and from the CLI
+with one code path for tokenising, batching, timing and detokenising.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
-from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 import jax
 import numpy as np
 
-import jaxdecode.models as _models_pkg
-from jaxdecode.models import ModelConfig, load_params, load_tokenizer
-
-# Shipped with the jaxdecode.models package (models/embedded in the repository).
-EMBEDDED_DIR = Path(_models_pkg.__file__).resolve().parent / "embedded"
-
-
-@dataclasses.dataclass(frozen=True)
-class Model:
-    """A loaded model: static config, parameter pytree, tokenizer (or None) and where it came from."""
-    config: ModelConfig
-    params: Any
-    tokenizer: Any = None
-    path: str | None = None
-
-    def encode(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError(f"model {self.path} has no tokenizer files; pass prompts as token-id lists")
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def decode(self, tokens: Sequence[int]) -> str:
-        if self.tokenizer is None:
-            return " ".join(str(int(t)) for t in tokens)
-        return self.tokenizer.decode(list(tokens), skip_special_tokens=False)
+import jaxdecode.decoders  # noqa: F401  (registers the built-in methods)
+from jaxdecode.model import EMBEDDED_DIR, Model, embedded_model_path, load  # noqa: F401  (public names)
+from jaxdecode.registry import COMMON_OPTIONS, get_method, methods, register_method  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,79 +28,6 @@ class Generation:
 
     def to_json(self) -> dict:
         return {"prompt": self.prompt, "text": self.text, "tokens": self.tokens, "stats": self.stats}
-
-
-def embedded_model_path(name: str = "target") -> Path | None:
-    """Directory of an embedded default model ("target" or "draft"), or None if not shipped."""
-    p = EMBEDDED_DIR / name
-    return p if (p / "config.json").exists() else None
-
-
-def load(path: str | Path | None = None, *, dtype: str | None = None, mesh=None) -> Model:
-    """Load a Hugging Face checkpoint directory (config.json + safetensors + tokenizer).
-
-    `path=None` (or "default"/"target"/"draft") loads an embedded default model. `dtype` overrides the
-    checkpoint's ("float32", "bfloat16"). With a `mesh`, parameters are sharded over it.
-    """
-    if path is None or str(path) in ("default", "target", "draft"):
-        name = "draft" if str(path) == "draft" else "target"
-        found = embedded_model_path(name)
-        if found is None:
-            raise FileNotFoundError(
-                f"the embedded {name} model is not shipped in this checkout ({EMBEDDED_DIR / name}); "
-                f"build it with `make models` or pass a checkpoint directory")
-        path = found
-        dtype = dtype or "float32"  # shipped in bf16 to save space; f32 is faster on CPU
-    config, params = load_params(path, dtype=dtype)
-    if mesh is not None:
-        from jaxdecode.sharding import shard_params
-        params = shard_params(params, mesh)
-    return Model(config=config, params=params, tokenizer=load_tokenizer(path), path=str(path))
-
-
-# ----------------------------------------------------------------------------- method registry
-@dataclasses.dataclass(frozen=True)
-class MethodSpec:
-    """run(model, prompt_tokens[B,P], prompt_lengths[B], max_new_tokens, options) -> (tokens, lengths, stats).
-
-    tokens: int [B, N] new tokens; lengths: int [B]; stats: dict of per-batch numbers (scalars or [B]).
-    """
-    name: str
-    run: Callable
-    options: tuple = ()  # option names the method accepts (beyond the common ones)
-    description: str = ""
-    per_row_stats: tuple = ()  # stats with one entry per prompt (the others are whole-batch figures)
-
-
-_METHODS: dict[str, MethodSpec] = {}
-COMMON_OPTIONS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "eos_ids",
-                  "cache_len", "mesh")
-
-
-def register_method(name: str, run: Callable, options: Sequence[str] = (), description: str = "",
-                    aliases: Sequence[str] = (), per_row_stats: Sequence[str] = ()) -> None:
-    spec = MethodSpec(name=name, run=run, options=tuple(options), description=description,
-                      per_row_stats=tuple(per_row_stats))
-    for n in (name, *aliases):
-        _METHODS[n] = spec
-
-
-def methods() -> dict[str, str]:
-    """Registered method names and one-line descriptions."""
-    _ensure_builtin_methods()
-    return {n: s.description for n, s in sorted(_METHODS.items())}
-
-
-def _ensure_builtin_methods():
-    # Importing the decoder modules registers their methods.
-    from jaxdecode import decoders  # noqa: F401
-
-
-def get_method(name: str) -> MethodSpec:
-    _ensure_builtin_methods()
-    if name not in _METHODS:
-        raise ValueError(f"unknown method {name!r}; available: {', '.join(sorted(_METHODS))}")
-    return _METHODS[name]
 
 
 # ----------------------------------------------------------------------------- generate

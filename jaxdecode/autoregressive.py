@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdecode.kernels.common import concrete
 from jaxdecode.models import advance, forward, init_cache, padded_causal_mask
 from jaxdecode.sampling import (SamplerConfig, greedy, mirostat_init, mirostat_step, process_logits,
                                 sample, token_presence, validate_mirostat)
@@ -69,9 +70,7 @@ def default_cache_len(prompt_width: int, max_new_tokens: int, extra: int = 0) ->
 def _concrete(name: str, x):
     """x as a numpy array, or None when it is a tracer (decode called inside jit)."""
     try:
-        return np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
+        return concrete(x)
     except ValueError as e:  # ragged nested lists
         raise PromptError(f"{name} must be a rectangular int array; right-pad ragged token lists "
                           f"with pad_prompts ({e})") from None

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import jax
 
-from jaxdecode.api import register_method
 from jaxdecode.autoregressive import decode
 from jaxdecode.beam import beam_search
+from jaxdecode.registry import register_method
 from jaxdecode.sampling import SamplerConfig
 
 SAMPLER_OPTIONS = ("top_k", "top_p", "min_p", "repetition_penalty")
@@ -91,7 +91,7 @@ DEFAULT_VERIFIER = {"point": "point_mass", "sample": "chain", "argmax": "topk", 
 
 
 def _speculative(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
-    from jaxdecode.api import Model, load
+    from jaxdecode.model import Model, load
     from jaxdecode.drafters import make_drafter
     from jaxdecode.speculative import speculative_decode
     from jaxdecode.verifiers import get_verifier

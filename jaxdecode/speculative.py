@@ -25,7 +25,6 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxdecode.autoregressive import (default_cache_len, is_eos, pad_id_for, prefill, validate_eos_ids,
                                       validate_prompts)

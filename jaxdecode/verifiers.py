@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdecode.kernels.common import concrete
 from jaxdecode.tree import Tree, TreeError, depths, validate_parents
 
 __all__ = [
@@ -123,14 +124,6 @@ def _split_uniforms(u, n):
     return u[:n], 1.0 - u[n:2 * n + 1], 1.0 - u[2 * n + 1]
 
 
-def _concrete(x):
-    """x as a numpy array when it is concrete, None under tracing (jit/vmap)."""
-    try:
-        return np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
-
-
 # ----------------------------------------------------------------------------------------------------
 # Base class.
 
@@ -145,7 +138,7 @@ class Verifier(abc.ABC):
 
     def __call__(self, target_probs, draft_probs, tree: Tree, key) -> VerifyResult:
         p, q = _check_inputs(self, target_probs, draft_probs, tree)
-        parents = _concrete(tree.parents)
+        parents = concrete(tree.parents)
         if parents is not None:
             check_tree_kind(self, parents)
         b, n = tree.tokens.shape

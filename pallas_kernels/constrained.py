@@ -49,6 +49,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from .common import next_pow2, round_up, shard_map
+
 _IMPLS = ("auto", "pallas", "interpret", "reference")
 _VARIANTS = ("tpu", "gpu")
 _NEG = float("-inf")
@@ -161,14 +163,6 @@ def _kernel(x_ref, c_ref, v_out, s_out, *, mode, k, n_slots, vocab):
 
 
 # ----------------------------------------------------------------------------- block plan
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
 def block_plan(variant: str, rows: int, vocab: int, width: int, k: int, mode: str,
                block_rows: int | None = None) -> dict:
     """Static padded sizes of a call: block_rows, rows_pad, v_pad, w_pad (candidate slots), k_pad."""
@@ -182,18 +176,18 @@ def block_plan(variant: str, rows: int, vocab: int, width: int, k: int, mode: st
             block_rows = sub
         elif block_rows % sub:
             raise ValueError(f"TPU block_rows must be a multiple of {sub} here, got {block_rows}")
-        v_pad = _round_up(vocab, 128)
-        w_pad = v_pad if mode == "mask" else _round_up(width, 128)
-        return dict(block_rows=block_rows, rows_pad=_round_up(rows, block_rows), v_pad=v_pad, w_pad=w_pad,
-                    k_pad=_round_up(k, 128))
-    v_pad = _next_pow2(vocab)
+        v_pad = round_up(vocab, 128)
+        w_pad = v_pad if mode == "mask" else round_up(width, 128)
+        return dict(block_rows=block_rows, rows_pad=round_up(rows, block_rows), v_pad=v_pad, w_pad=w_pad,
+                    k_pad=round_up(k, 128))
+    v_pad = next_pow2(vocab)
     if block_rows is None:  # ~16 K floats of logits per program
         block_rows = max(1, min(16, (1 << 14) // v_pad))
     elif block_rows & (block_rows - 1):
         raise ValueError(f"GPU block_rows must be a power of two, got {block_rows}")
-    w_pad = v_pad if mode == "mask" else _next_pow2(width)
-    return dict(block_rows=block_rows, rows_pad=_round_up(rows, block_rows), v_pad=v_pad, w_pad=w_pad,
-                k_pad=_next_pow2(k))
+    w_pad = v_pad if mode == "mask" else next_pow2(width)
+    return dict(block_rows=block_rows, rows_pad=round_up(rows, block_rows), v_pad=v_pad, w_pad=w_pad,
+                k_pad=next_pow2(k))
 
 
 # ----------------------------------------------------------------------------- kernel wrapper
@@ -275,14 +269,6 @@ def constrained_topk(logits, k: int, *, candidates=None, mask=None, impl: str = 
     return constrained_topk_pallas(logits, k, candidates=candidates, mask=mask, interpret=impl == "interpret")
 
 
-def shard_map(f, mesh, in_specs, out_specs):
-    """jax.shard_map across JAX versions (replication checks off: outputs are per-shard by design)."""
-    if hasattr(jax, "shard_map"):  # JAX >= 0.7
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    from jax.experimental.shard_map import shard_map as _sm  # older JAX
-    return _sm(f, mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
-
-
 def row_axis(mesh, rows: int):
     """The mesh axis rows shard over: "data" when it divides them, else None (replicated)."""
     if "data" not in mesh.shape:
@@ -309,4 +295,4 @@ def sharded_constrained_topk(mesh, logits, k: int, *, candidates=None, mask=None
 
 
 __all__ = ["block_plan", "constrained_topk", "constrained_topk_pallas", "constrained_topk_reference",
-           "resolve_impl", "row_axis", "shard_map", "sharded_constrained_topk"]
+           "resolve_impl", "row_axis", "sharded_constrained_topk"]

@@ -69,6 +69,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from .common import concrete, next_pow2, round_up, shard_map
+
 _MASKED = -1e30  # invisible key: same finite value as models.transformer (all-masked -> uniform)
 _ABSENT = float("-inf")  # not a key at all (padding): weight exactly 0
 _IMPLS = ("auto", "pallas", "interpret", "reference")
@@ -77,16 +79,6 @@ _LANES = 128  # TPU lane width: m/l scratch is stored lane-replicated, as Mosaic
 
 
 # ----------------------------------------------------------------------------- input checks
-def _concrete(x):
-    """x as a numpy array, or None while tracing or when it spans other hosts (no value checks then)."""
-    try:
-        if not getattr(x, "is_fully_addressable", True):
-            return None
-        return np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
-
-
 def _check_inputs(q, k_cache, v_cache, lengths, tree_mask, q_positions, window, sm_scale, key_positions=None):
     """Raise a ValueError naming the first problem with the inputs; returns (B, N, W, H, KV, S, hd)."""
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -146,7 +138,7 @@ def _check_inputs(q, k_cache, v_cache, lengths, tree_mask, q_positions, window, 
     if sm_scale is not None and not (isinstance(sm_scale, (int, float, np.floating)) and math.isfinite(sm_scale)
                                      and sm_scale > 0):
         raise ValueError(f"sm_scale must be a positive finite number or None, got {sm_scale!r}")
-    lv = _concrete(lengths)
+    lv = concrete(lengths)
     if lv is not None:
         if lv.size and (lv.min() < 0 or lv.max() + w_cols > s):
             raise ValueError(f"every row needs 0 <= lengths[b] and lengths[b] + W <= S (the tree's keys sit "
@@ -424,14 +416,6 @@ def _call_gpu(qr, k_cache, v_cache, kt, vt, tv, lo, lengths, blk_lo, blk_hi, *, 
 
 
 # ----------------------------------------------------------------------------- block plan
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
 def block_plan(variant: str, s: int, m: int, w: int, hd: int, block_k: int | None = None,
                block_m: int | None = None) -> dict:
     """Static block sizes of a call: block_k (prefix slots per step), block_m (query rows per program)
@@ -453,22 +437,22 @@ def block_plan(variant: str, s: int, m: int, w: int, hd: int, block_k: int | Non
         elif block_k % 8 and block_k != s:
             raise ValueError(f"TPU block_k must be a multiple of 8 (or S={s}), got {block_k}")
         if block_m is None:
-            block_m = _round_up(m, 16) if m <= 256 else 128  # 16: a bf16 sublane tile
+            block_m = round_up(m, 16) if m <= 256 else 128  # 16: a bf16 sublane tile
         elif block_m % 8:
             raise ValueError(f"TPU block_m must be a multiple of 8, got {block_m}")
-        return dict(block_k=block_k, block_m=block_m, s_pad=_round_up(s, block_k), m_pad=_round_up(m, block_m),
-                    w_pad=_round_up(w, _LANES), d_pad=hd)
+        return dict(block_k=block_k, block_m=block_m, s_pad=round_up(s, block_k), m_pad=round_up(m, block_m),
+                    w_pad=round_up(w, _LANES), d_pad=hd)
     if block_k is None:
         block_k = next((c for c in (64, 32, 16) if s % c == 0), 16)
     elif block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"GPU block_k must be a power of two >= 16, got {block_k}")
-    m_pow2 = _next_pow2(max(m, 16))
+    m_pow2 = next_pow2(max(m, 16))
     if block_m is None:
         block_m = min(m_pow2, 64)  # bounds the f32 accumulator a program keeps in registers
     elif block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"GPU block_m must be a power of two >= 16, got {block_m}")
-    return dict(block_k=block_k, block_m=block_m, s_pad=_round_up(s, block_k), m_pad=max(m_pow2, block_m),
-                w_pad=_next_pow2(max(w, 16)), d_pad=_next_pow2(max(hd, 16)))
+    return dict(block_k=block_k, block_m=block_m, s_pad=round_up(s, block_k), m_pad=max(m_pow2, block_m),
+                w_pad=next_pow2(max(w, 16)), d_pad=next_pow2(max(hd, 16)))
 
 
 # ----------------------------------------------------------------------------- kernel wrapper
@@ -568,13 +552,6 @@ def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, q_positions=None,
     return tree_attention_pallas(q, k_cache, v_cache, lengths, tree_mask, interpret=impl == "interpret", **kw)
 
 
-def _shard_map(f, mesh, in_specs, out_specs):
-    if hasattr(jax, "shard_map"):  # JAX >= 0.7
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    from jax.experimental.shard_map import shard_map  # older JAX
-    return shard_map(f, mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
-
-
 def sharded_tree_attention(mesh, q, k_cache, v_cache, lengths, tree_mask, *, q_positions=None, window=0,
                            sm_scale=None, key_positions=None, impl="auto"):
     """`tree_attention` under shard_map: batch over mesh axis "data", KV heads (with their query groups)
@@ -605,4 +582,4 @@ def sharded_tree_attention(mesh, q, k_cache, v_cache, lengths, tree_mask, *, q_p
         return tree_attention(q, k, v, lens, tm, q_positions=qp, window=win, sm_scale=sm_scale,
                               key_positions=kp, impl=impl)
 
-    return _shard_map(local, mesh, tuple(specs), P(bax, None, hax, None))(*args)
+    return shard_map(local, mesh, tuple(specs), P(bax, None, hax, None))(*args)

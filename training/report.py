@@ -19,6 +19,7 @@ from jaxdecode.models import init_params, load_params
 from .baselines import ngram_baselines, token_byte_lengths
 from .corpus import Corpus, eval_batches
 from .lm import CausalLM, evaluate_heldout, export_lm
+from .recipe import EXPORT_DTYPE, SEQ_LEN, phases, recipe
 from .tokenizer import eos_id, load_tokenizer_dir
 from .trainer import read_metrics, restore_latest
 
@@ -34,7 +35,6 @@ def choose_checkpoint(work: Path, name: str) -> tuple[int, int, float | None]:
 
     Falls back to the latest checkpoint of the latest phase when no kept step was evaluated.
     """
-    from .build_embedded import phases
     best, latest = None, None
     for i, (dirname, _) in enumerate(phases(name)):
         steps = _complete_steps(work / dirname / "checkpoints")
@@ -54,7 +54,6 @@ def choose_checkpoint(work: Path, name: str) -> tuple[int, int, float | None]:
 
 def export_latest(work: Path, name: str, out_dir: Path, tokenizer) -> dict:
     """Export the best kept checkpoint (by periodic held-out loss) over all phases of a model."""
-    from .build_embedded import EXPORT_DTYPE, phases, recipe
     config, _, spec = recipe(name, len(tokenizer), eos_id(tokenizer))
     phase, step, eval_loss = choose_checkpoint(work, name)
     plan = phases(name)
@@ -76,7 +75,6 @@ def export_latest(work: Path, name: str, out_dir: Path, tokenizer) -> dict:
 
 def phase_metrics(work: Path, name: str, upto_step: int) -> list[dict]:
     """All phases' metrics on one step axis (phase k's steps offset by the earlier phases')."""
-    from .build_embedded import phases
     out, offset = [], 0
     for dirname, tcfg in phases(name):
         path = work / dirname / "metrics.jsonl"
@@ -146,7 +144,6 @@ def build_report(work: Path, out: Path, command: str, eval_windows: int = 256) -
     corpus = Corpus.open(work / "corpus")
     corpus.check_tokenizer(tokenizer)
     train_tokens, heldout = corpus.tokens("train"), corpus.tokens("heldout")
-    from .build_embedded import SEQ_LEN
     batches = eval_batches(heldout, 8, SEQ_LEN, max_batches=-(-eval_windows // 8) if eval_windows else None)
     byte_lengths = token_byte_lengths(tokenizer)
     report = {"corpus": {s: {k: v for k, v in corpus.manifest["splits"][s].items() if k != "shards"}
@@ -221,7 +218,6 @@ def model_card(r: dict) -> str:
 
     def row(label, fn):
         return f"| {label} | " + " | ".join(fn(m[n]) for n in names) + " |"
-    cfgs = {n: m[n]["config"] for n in names}
     lines += [
         row("parameters", lambda i: f"{i['parameters'] / 1e6:.2f} M"),
         row("layers x hidden (MLP)", lambda i: f"{i['config']['num_hidden_layers']} x {i['config']['hidden_size']} ({i['config']['intermediate_size']})"),

@@ -44,7 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode.kernels.constrained import constrained_topk, resolve_impl, row_axis, shard_map
+from jaxdecode.kernels.common import concrete, next_pow2, shard_map
+from jaxdecode.kernels.constrained import constrained_topk, resolve_impl, row_axis
 
 _NEG = float("-inf")
 
@@ -196,7 +197,7 @@ class TrieConstraint:
             raise ConstraintError(f"the index allows token ids up to {self.vocab_size - 1} but the model's "
                                   f"vocabulary has {vocab_size} ids; build the index with vocab_size <= "
                                   f"{vocab_size}")
-        used = _concrete(self.token_used)
+        used = concrete(self.token_used)
         if used is not None:
             clash = [e for e in eos_ids if e < used.shape[0] and used[e]]
             if clash:
@@ -212,7 +213,7 @@ class TrieConstraint:
                                   f"max_new_tokens >= {need}")
         out = self.replace(eos_ids=eos_ids)
         if self.set_ids is not None:
-            sets = _concrete(self.set_ids)
+            sets = concrete(self.set_ids)
             if batch is not None and np.shape(self.set_ids) != (batch,):
                 raise ConstraintError(f"set_ids has shape {np.shape(self.set_ids)} but the batch has "
                                       f"{batch} rows; pass one item-set id per prompt")
@@ -547,18 +548,6 @@ def _is_eos(tokens, eos_ids: tuple):
     return jnp.any(tokens[..., None] == jnp.asarray(eos_ids, tokens.dtype), axis=-1)
 
 
-def _concrete(x):
-    """x as numpy, or None while tracing."""
-    try:
-        return None if x is None else np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
 def part_from_index(index, *, final_bits=None, alive_bits=None, dense=None, bucket_levels: int | None = None,
                     device_csr=None) -> TriePart:
     """Device arrays of a TrieIndex (optionally with updated final bits / alive bits / dense tables).
@@ -583,11 +572,11 @@ def part_from_index(index, *, final_bits=None, alive_bits=None, dense=None, buck
         if dense:
             raise ValueError("a bucketed part has no dense tables")
         n_levels = max(n_levels, int(bucket_levels))
-        widths = [_next_pow2(w) if w else 0 for w in widths] + [0] * (n_levels - len(widths))
+        widths = [next_pow2(w) if w else 0 for w in widths] + [0] * (n_levels - len(widths))
         kinds = kinds + [0] * (n_levels - len(kinds))
         starts = starts + [starts[-1]] * (n_levels + 1 - len(starts))
         e = edge_token.shape[0]
-        cap = _next_pow2(max(e, 64))
+        cap = next_pow2(max(e, 64))
         edge_token = np.pad(edge_token, (0, cap - e))
         # Every state past the real ones (and the deepest level) gets an empty row [E, E].
         indptr = np.pad(indptr, (0, cap + 1 - indptr.shape[0] + 1), constant_values=e)

@@ -1,0 +1,44 @@
+"""The recipe of the embedded default models: one home for the constants that building them
+(`build_embedded`) and reporting on them (`report`) both read.
+"""
+from __future__ import annotations
+
+from .trainer import TrainConfig
+
+VOCAB_SIZE = 4096
+HELD_OUT_FRACTION = 0.05
+SEQ_LEN = 256
+MAX_POSITIONS = 512
+EXPORT_DTYPE = "bfloat16"
+
+# (model size, TrainConfig, LMTrainSpec kwargs) of the shipped models.
+RECIPES = {
+    "target": ("small", TrainConfig(steps=400, learning_rate=2e-3, warmup_steps=30, seed=0,
+                                    log_every=10, eval_every=50, checkpoint_every=50,
+                                    keep_checkpoints=3, data_parallel=1),
+               dict(batch_size=8, seq_len=SEQ_LEN, eval_batch_size=8, eval_max_batches=4)),
+    "draft": ("draft", TrainConfig(steps=600, learning_rate=3e-3, warmup_steps=30, seed=1,
+                                   log_every=10, eval_every=100, checkpoint_every=100,
+                                   keep_checkpoints=3, data_parallel=1),
+              dict(batch_size=8, seq_len=SEQ_LEN, eval_batch_size=8, eval_max_batches=4)),
+}
+# Continued training, one entry per further phase: a fresh AdamW with a new warmup + cosine and a new
+# data seed, starting from the previous phase's final params (workdir <model>-2, <model>-3, ...).
+# A finished cosine cannot be extended, and on a shared CPU the time a run gets is not known in advance.
+CONTINUATIONS = {
+    "target": [TrainConfig(steps=500, learning_rate=1.5e-3, warmup_steps=20, seed=2, log_every=10,
+                           eval_every=50, checkpoint_every=50, keep_checkpoints=3, data_parallel=1)],
+}
+
+
+def phases(name: str) -> list[tuple[str, TrainConfig]]:
+    """(workdir name, TrainConfig) of each training phase of a model, in order."""
+    first = RECIPES[name][1]
+    return [(name, first)] + [(f"{name}-{i + 2}", c) for i, c in enumerate(CONTINUATIONS.get(name, []))]
+
+
+def recipe(name: str, vocab_size: int, eos: int):
+    """(ModelConfig, TrainConfig, LMTrainSpec) of one shipped model for a tokenizer."""
+    from .lm import LMTrainSpec, model_config
+    size, tcfg, spec = RECIPES[name]
+    return model_config(size, vocab_size, MAX_POSITIONS, eos), tcfg, LMTrainSpec(**spec)
