@@ -7,6 +7,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Sequence
 
+import jax
+
 import jaxdecode.models as _models_pkg
 from jaxdecode.models import ModelConfig, load_params, load_tokenizer
 
@@ -39,11 +41,37 @@ def embedded_model_path(name: str = "target") -> Path | None:
     return p if (p / "config.json").exists() else None
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def resolve_dtype(dtype: str | None, backend: str | None = None) -> str | None:
+    """The one dtype rule of `load` (every checkpoint, the embedded models included).
+
+    dtype=None: float32 on a CPU backend, the checkpoint's own dtype (config.json `dtype` /
+    `torch_dtype`) on GPU/TPU. CPUs have no fast bfloat16 matmul (XLA:CPU emulates it, slower than
+    float32), and float32 keeps speculative decoding token-for-token equal to plain greedy decoding
+    (README, "Numerics"); accelerators are built for the checkpoint's half precision.
+    dtype="auto": the checkpoint's own dtype on every backend. Any name in DTYPES: that dtype.
+    Returns the dtype name to load in, or None for "as stored".
+    """
+    if dtype is None:
+        backend = backend or jax.default_backend()
+        return "float32" if backend == "cpu" else None
+    if dtype == "auto":
+        return None
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be None (the default rule), 'auto' (the checkpoint's own) or one of "
+                         f"{DTYPES}, got {dtype!r}")
+    return dtype
+
+
 def load(path: str | Path | None = None, *, dtype: str | None = None, mesh=None) -> Model:
     """Load a Hugging Face checkpoint directory (config.json + safetensors + tokenizer).
 
-    `path=None` (or "default"/"target"/"draft") loads an embedded default model. `dtype` overrides the
-    checkpoint's ("float32", "bfloat16"). With a `mesh`, parameters are sharded over it.
+    `path=None` (or "default"/"target"/"draft") loads an embedded default model. `dtype`: None = the
+    default rule (`resolve_dtype`: float32 on CPU, the checkpoint's dtype on GPU/TPU), "auto" = the
+    checkpoint's dtype, or "float32" / "bfloat16" / "float16". With a `mesh`, parameters are sharded
+    over it.
     """
     if path is None or str(path) in ("default", "target", "draft"):
         name = "draft" if str(path) == "draft" else "target"
@@ -53,8 +81,7 @@ def load(path: str | Path | None = None, *, dtype: str | None = None, mesh=None)
                 f"the embedded {name} model is not shipped in this checkout ({EMBEDDED_DIR / name}); "
                 f"build it with `make models` or pass a checkpoint directory")
         path = found
-        dtype = dtype or "float32"  # shipped in bf16 to save space; f32 is faster on CPU
-    config, params = load_params(path, dtype=dtype)
+    config, params = load_params(path, dtype=resolve_dtype(dtype))
     if mesh is not None:
         from jaxdecode.sharding import shard_params
         params = shard_params(params, mesh)
