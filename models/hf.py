@@ -26,6 +26,34 @@ class CheckpointError(ValueError):
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
 
 
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    """An exception's message on one line, cut to `limit` characters (errors print as one line)."""
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean",
+               type(None): "null"}
+
+
+def read_json_object(file: Path) -> dict:
+    """A JSON file that must hold an object; anything else is a CheckpointError naming the file."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            obj = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
+                              f"fix it or re-download the checkpoint") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{file} is not valid JSON (not UTF-8: {e.reason} at byte {e.start}); "
+                              f"fix it or re-download the checkpoint") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{file} must hold a JSON object ({{...}}), found a JSON "
+                              f"{_JSON_KINDS.get(type(obj), type(obj).__name__)}; fix it or re-download "
+                              f"the checkpoint")
+    return obj
+
+
 def read_config(path) -> dict:
     path = Path(path)
     cfg_file = path / "config.json"
@@ -33,12 +61,10 @@ def read_config(path) -> dict:
         raise CheckpointError(f"{path} is not a directory; pass a Hugging Face checkpoint directory")
     if not cfg_file.exists():
         raise CheckpointError(f"{path} has no config.json; is it a Hugging Face checkpoint directory?")
-    with open(cfg_file) as f:
-        cfg = json.load(f)
+    cfg = read_json_object(cfg_file)
     gen = path / "generation_config.json"
     if gen.exists() and cfg.get("eos_token_id") is None:
-        with open(gen) as f:
-            eos = json.load(f).get("eos_token_id")
+        eos = read_json_object(gen).get("eos_token_id")
         if eos is not None:
             cfg["eos_token_id"] = eos
     return cfg
@@ -47,9 +73,12 @@ def read_config(path) -> dict:
 def _tensor_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        missing = [n for n in names if not (path / n).exists()]
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f'{index} has no "weight_map" object (tensor name -> shard file); '
+                                  f"fix it or re-download the checkpoint")
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (path / n).is_file()]
         if missing:
             raise CheckpointError(f"{index} lists shard files that do not exist: {missing}")
         return [path / n for n in names]
@@ -61,13 +90,91 @@ def _tensor_files(path: Path) -> list[Path]:
         f"(PyTorch .bin checkpoints are not supported: re-save with safe_serialization=True)")
 
 
+# Bytes per element of the safetensors dtypes whose byte ranges are checked here; tensors of other
+# dtypes (sub-byte floats, ...) are left to the safetensors reader.
+_ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
+                "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+_ST_MAX_HEADER = 100 << 20  # the safetensors reader's own limit
+_REFETCH = "re-download or re-save the checkpoint"
+
+
+def check_safetensors_file(file: Path) -> None:
+    """Check a safetensors file's layout before reading it: an 8-byte little-endian header length, a
+    JSON header, and tensors whose byte ranges match their dtype and shape and tile the data section.
+
+    A truncated, foreign or inconsistent file is a CheckpointError naming the file and the problem
+    (the reader's own errors name neither).
+    """
+    size = file.stat().st_size
+    if size == 0:
+        raise CheckpointError(f"{file} is not a safetensors file: it is empty; {_REFETCH}")
+    with open(file, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little")
+        if len(head) < 8 or n < 2 or n > _ST_MAX_HEADER:
+            raise CheckpointError(f"{file} is not a safetensors file: its first 8 bytes are not a header "
+                                  f"length ({size} bytes in all); {_REFETCH}")
+        if 8 + n > size:
+            raise CheckpointError(f"{file} is truncated or not a safetensors file: its header should end "
+                                  f"at byte {8 + n} but the file has {size} bytes; {_REFETCH}")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file} is not a safetensors file: its header is not JSON "
+                              f"({_one_line(e, 120)}); {_REFETCH}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file} is not a safetensors file: its header is not a JSON object; {_REFETCH}")
+    data = size - 8 - n
+    entries = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        ok = (isinstance(info, dict) and isinstance(info.get("dtype"), str)
+              and isinstance(info.get("shape"), list)
+              and all(isinstance(x, int) and x >= 0 for x in info["shape"])
+              and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2
+              and all(isinstance(x, int) for x in info["data_offsets"])
+              and 0 <= info["data_offsets"][0] <= info["data_offsets"][1])
+        if not ok:
+            raise CheckpointError(f"{file} has an inconsistent header: the entry of tensor {name!r} is "
+                                  f"malformed ({_one_line(info, 120)}); {_REFETCH}")
+        begin, end = info["data_offsets"]
+        item = _ST_ITEMSIZE.get(info["dtype"])
+        if item is not None:
+            want = item * int(np.prod(info["shape"], dtype=np.int64))
+            if want != end - begin:
+                dims = ", ".join(map(str, info["shape"]))
+                raise CheckpointError(
+                    f"{file} has an inconsistent header: tensor {name!r} is {info['dtype']} [{dims}] "
+                    f"({want} bytes) but its data_offsets span {end - begin} bytes; {_REFETCH}")
+        entries.append((begin, end, name))
+    pos = 0
+    for begin, end, name in sorted(entries):
+        if end > data:
+            raise CheckpointError(f"{file} is truncated: tensor {name!r} ends at byte {8 + n + end} but "
+                                  f"the file has {size} bytes; {_REFETCH}")
+        if begin != pos:
+            raise CheckpointError(f"{file} has an inconsistent header: tensor {name!r} starts at data "
+                                  f"byte {begin}, expected {pos} (tensors must tile the data); {_REFETCH}")
+        pos = end
+    if pos != data:
+        raise CheckpointError(f"{file} has {data - pos} bytes after its last tensor that its header does "
+                              f"not describe (a damaged or partly overwritten file); {_REFETCH}")
+
+
 def _read_tensors(path: Path) -> dict[str, np.ndarray]:
     from safetensors import safe_open
     out = {}
     for f in _tensor_files(path):
-        with safe_open(str(f), framework="flax") as sf:
-            for k in sf.keys():
-                out[k] = sf.get_tensor(k)
+        check_safetensors_file(f)
+        try:
+            with safe_open(str(f), framework="flax") as sf:
+                for k in sf.keys():
+                    out[k] = sf.get_tensor(k)
+        except Exception as e:  # what the layout check cannot see (e.g. an unknown dtype)
+            raise CheckpointError(f"{f} cannot be read as safetensors ({type(e).__name__}: "
+                                  f"{_one_line(e)}); {_REFETCH}") from None
     return out
 
 
@@ -235,7 +342,14 @@ def conv_checked(name, w, conv, expected_shape):
 def load_params(path, dtype: str | None = None) -> tuple[ModelConfig, dict]:
     """Load (config, params) from a Hugging Face checkpoint directory."""
     path = Path(path)
-    config = ModelConfig.from_hf_dict(read_config(path), dtype=dtype)
+    cfg = read_config(path)
+    try:
+        config = ModelConfig.from_hf_dict(cfg, dtype=dtype)
+    except KeyError as e:
+        raise ConfigError(f"{path / 'config.json'} has no {e.args[0]!r}, which a "
+                          f"{cfg.get('model_type')} config needs") from None
+    except (TypeError, AttributeError) as e:
+        raise ConfigError(f"{path / 'config.json'} holds a value of the wrong type ({_one_line(e)})") from None
     tensors = _read_tensors(path)
     expect = param_shapes(config)
     if config.is_gpt2:
@@ -348,12 +462,28 @@ def save_params(config: ModelConfig, params, path, *, max_shard_bytes: int | Non
         json.dump(config.to_hf_dict(), f, indent=2, sort_keys=True)
 
 
+# The tokenizer files that are JSON: checked first, so a damaged one is named.
+_TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json")
+
+
 def load_tokenizer(path):
-    """transformers.AutoTokenizer from a local directory, or None if the directory has no tokenizer."""
+    """transformers.AutoTokenizer from a local directory, or None if the directory has no tokenizer.
+
+    Tokenizer files that do not load are a CheckpointError naming the directory (and the file when
+    it is one of the JSON files).
+    """
     path = Path(path)
     if not any((path / n).exists() for n in ("tokenizer.json", "tokenizer_config.json", "vocab.json",
                                               "tokenizer.model")):
         return None
+    for name in _TOKENIZER_JSON:
+        if (path / name).exists():
+            read_json_object(path / name)
     from transformers import AutoTokenizer
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # transformers / tokenizers raise many types, none naming the file
+        raise CheckpointError(f"the tokenizer in {path} cannot be loaded ({type(e).__name__}: "
+                              f"{_one_line(e)}); fix or replace its tokenizer files, or remove them and "
+                              f"pass prompts as token-id lists") from None

@@ -197,3 +197,134 @@ def test_config_with_fewer_layers_than_the_tensors(llama_dir):
     edit_config(llama_dir, num_hidden_layers=1)
     with pytest.raises(CheckpointError, match=r"not used by a llama model.*model.layers.1."):
         load_params(llama_dir)
+
+
+# ----------------------------------------------------------------------------- damaged files
+# Each case breaks one file of a saved checkpoint; loading must give one CheckpointError that names
+# the file and what is wrong (no chained library traceback), and the CLI must print it on one line.
+def _rewrite_header(path: Path, edit) -> None:
+    """Re-write a safetensors file's JSON header after `edit(header)`; the data bytes stay as they are."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    new = json.dumps(header).encode()
+    path.write_bytes(len(new).to_bytes(8, "little") + new + raw[8 + n:])
+
+
+def _first_tensor(header: dict) -> str:
+    return min((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+
+
+def _grow_shape(header):  # the header claims more elements than the tensor's byte range holds
+    k = _first_tensor(header)
+    header[k]["shape"] = [header[k]["shape"][0] * 2] + header[k]["shape"][1:]
+
+
+def _past_the_end(header):  # consistent sizes, but the last tensor's bytes end past the end of the file
+    k = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
+    shape = header[k]["shape"]
+    row = int(np.prod(shape[1:])) * 4  # F32
+    header[k]["shape"] = [shape[0] + 8] + shape[1:]
+    header[k]["data_offsets"][1] += 8 * row
+
+
+def _truncate(path: Path):
+    raw = path.read_bytes()
+    path.write_bytes(raw[:len(raw) // 2])
+
+
+DAMAGED = {
+    # name: (file to break, how, pattern the message must match)
+    "truncated": ("model.safetensors", _truncate,
+                  r"model.safetensors is truncated: .* but the file has \d+ bytes"),
+    "garbage": ("model.safetensors", lambda p: p.write_bytes(b"<html>404 Not Found</html>" * 40),
+                r"model.safetensors is not a safetensors file"),
+    "empty": ("model.safetensors", lambda p: p.write_bytes(b""),
+              r"model.safetensors is not a safetensors file: it is empty"),
+    "header_not_json": ("model.safetensors",
+                        lambda p: p.write_bytes((20).to_bytes(8, "little") + b"{this is not json!!}" + b"\0" * 64),
+                        r"model.safetensors is not a safetensors file: its header is not JSON"),
+    "header_lies_about_shape": ("model.safetensors", lambda p: _rewrite_header(p, _grow_shape),
+                                r"model.safetensors has an inconsistent header: tensor '.*' is F32 "
+                                r"\[\d+(, \d+)*\] \(\d+ bytes\) but its data_offsets span \d+ bytes"),
+    "header_lies_about_length": ("model.safetensors", lambda p: _rewrite_header(p, _past_the_end),
+                                 r"model.safetensors is truncated: tensor '.*' ends at byte \d+ but the "
+                                 r"file has \d+ bytes"),
+    "config_not_json": ("config.json", lambda p: p.write_text('{"model_type": "llama",'),
+                        r"config.json is not valid JSON \(.*line 1 column \d+\)"),
+    "config_not_an_object": ("config.json", lambda p: p.write_text("[1, 2]"),
+                             r"config.json must hold a JSON object .*, found a JSON array"),
+    "config_missing_key": ("config.json", lambda p: p.write_text(json.dumps(
+        {k: v for k, v in json.loads(p.read_text()).items() if k != "hidden_size"})),
+        r"config.json has no 'hidden_size', which a llama config needs"),
+    "generation_config_not_json": ("generation_config.json", lambda p: p.write_text("{oops"),
+                                   r"generation_config.json is not valid JSON"),
+    "tokenizer_not_json": ("tokenizer.json", lambda p: p.write_text("{oops"),
+                           r"tokenizer.json is not valid JSON \(.*line 1 column 2\)"),
+    "tokenizer_unreadable": ("tokenizer.json", lambda p: p.write_text('{"model": {"type": "nonsense"}}'),
+                             r"the tokenizer in .* cannot be loaded \(.*\); fix or replace its tokenizer"),
+}
+
+
+@pytest.fixture(scope="module")
+def saved_with_tokenizer(saved):
+    from jd_testutil import make_tokenizer
+    make_tokenizer(saved / "llama_tok", VOCAB)
+    shutil.copytree(saved / "llama", saved / "llama_tok", dirs_exist_ok=True)
+    cfg = json.loads((saved / "llama_tok" / "config.json").read_text())
+    cfg.pop("eos_token_id", None)  # so generation_config.json is read
+    (saved / "llama_tok" / "config.json").write_text(json.dumps(cfg))
+    return saved / "llama_tok"
+
+
+def _damaged(saved_with_tokenizer, tmp_path, case) -> tuple[Path, Path]:
+    d = Path(shutil.copytree(saved_with_tokenizer, tmp_path / case))
+    fname, breaker, _ = DAMAGED[case]
+    breaker(d / fname)
+    return d, d / fname
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGED))
+def test_damaged_file_is_one_clear_error(saved_with_tokenizer, tmp_path, case):
+    import jaxdecode
+    d, broken = _damaged(saved_with_tokenizer, tmp_path, case)
+    with pytest.raises((CheckpointError, ConfigError), match=DAMAGED[case][2]) as info:
+        jaxdecode.load(d)
+    err = info.value
+    assert str(broken) in str(err) or str(d) in str(err)
+    assert err.__cause__ is None and (err.__suppress_context__ or err.__context__ is None)
+    assert "\n" not in str(err)
+
+
+@pytest.mark.parametrize("case", ["truncated", "garbage", "config_not_json", "tokenizer_not_json"])
+def test_cli_damaged_file_prints_one_line(saved_with_tokenizer, tmp_path, capsys, case):
+    from jaxdecode.cli import main
+    d, broken = _damaged(saved_with_tokenizer, tmp_path, case)
+    rc = main(["generate", "--model", str(d), "--prompt", "x"])
+    err = capsys.readouterr().err.strip()
+    assert rc != 0
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("jaxdecode: error: ") and d.name in err
+
+
+def _sharded(saved, tmp_path) -> Path:
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(str(saved / "llama")).save_pretrained(str(tmp_path / "sharded"),
+                                                                               max_shard_size="20KB")
+    return tmp_path / "sharded"
+
+
+def test_damaged_shard_and_index(saved, tmp_path):
+    d = _sharded(saved, tmp_path)
+    shards = sorted(d.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    _truncate(shards[1])
+    with pytest.raises(CheckpointError, match=rf"{shards[1].name} is truncated"):
+        load_params(d)
+    (d / "model.safetensors.index.json").write_text('{"weight_map": ')
+    with pytest.raises(CheckpointError, match=r"model.safetensors.index.json is not valid JSON"):
+        load_params(d)
+    (d / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(CheckpointError, match=r"model.safetensors.index.json has no \"weight_map\" object"):
+        load_params(d)
