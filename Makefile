@@ -10,12 +10,12 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # Runtime install (the main job needs no torch).
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
+$(VENV)/.installed: pyproject.toml setup.py | $(BIN)/python
 	$(BIN)/pip install -q -e .
 	touch $@
 
 # Test install: adds torch (CPU, parity tests only), pytest and the notebook runner.
-$(VENV)/.installed-test: pyproject.toml | $(BIN)/python
+$(VENV)/.installed-test: pyproject.toml setup.py | $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@ $(VENV)/.installed
 
