@@ -15,7 +15,8 @@ import numpy as np
 
 import jaxdecode.decoders  # noqa: F401  (registers the built-in methods)
 from jaxdecode.model import EMBEDDED_DIR, Model, embedded_model_path, load  # noqa: F401  (public names)
-from jaxdecode.registry import COMMON_OPTIONS, get_method, methods, register_method  # noqa: F401
+from jaxdecode.options import OPTIONS, OptionError  # noqa: F401  (public names)
+from jaxdecode.registry import get_method, methods, register_method  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,43 +48,70 @@ def _tokenize(model: Model, prompts) -> tuple[list, list[list[int]]]:
     return list(prompts), token_lists
 
 
+class NonFiniteLogitsError(ValueError):
+    """The model's logits were NaN or infinite while rows were decoding: their output is garbage."""
+
+    def __init__(self, message: str, results: list):
+        super().__init__(message)
+        self.results = results  # the Generations, each with stats["nonfinite_logits"]
+
+
+NONFINITE_STAT = "nonfinite_logits"  # per-row stat of every built-in method
+
+
 def generate(model: Model, prompts, method: str = "greedy", max_new_tokens: int = 32, *,
-             temperature: float | None = None, seed: int = 0, eos_ids: Sequence[int] | None = None,
-             **options) -> list[Generation]:
+             temperature: float | None = None, seed: int | None = None,
+             eos_ids: Sequence[int] | None = None, **options) -> list[Generation]:
     """Generate continuations of `prompts` (a string, a list of strings, or token-id lists).
 
     `method` is any registered name (`jaxdecode.methods()`): greedy, sample, mirostat, beam,
-    diverse_beam, and the speculative/diffusion/constrained decoders. Options are the method's own
-    (e.g. top_k, top_p, min_p, repetition_penalty, num_beams, length_penalty). EOS defaults to the
-    model's eos ids. Returns one `Generation` per prompt, with stats new_tokens, target_calls, seconds.
+    diverse_beam, and the speculative/constrained decoders. Options are the method's own; every
+    option, what it accepts and its default are in `jaxdecode.options.OPTIONS` (README, "Options").
+    All are checked before anything decodes; None means "the method's default". EOS defaults to the
+    model's eos ids. Returns one `Generation` per prompt, with stats new_tokens, target_calls,
+    seconds, nonfinite_logits, and the method's own.
+
+    If the model's logits were NaN/inf at a step where a row was decoding, raises
+    NonFiniteLogitsError naming the rows (its `.results` holds the outputs) unless
+    allow_nonfinite=True.
     """
     from jaxdecode.autoregressive import pad_prompts
+    from jaxdecode.options import resolve
     spec = get_method(method)
-    allowed = set(COMMON_OPTIONS) | set(spec.options)
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise ValueError(f"method {method!r} does not take option(s) {unknown}; it takes "
-                         f"{sorted(allowed - {'mesh'})}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    given = dict(options, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                 eos_ids=eos_ids)
     raw_prompts, token_lists = _tokenize(model, prompts)
+    opts = resolve(spec.name, given, batch=len(token_lists))
     prompt_tokens, prompt_lengths = pad_prompts(token_lists)
-    if eos_ids is None:
-        eos_ids = model.config.eos_token_ids
-    opts = dict(options, temperature=temperature, seed=seed, eos_ids=tuple(int(e) for e in eos_ids))
+    if opts["eos_ids"] is None:
+        opts["eos_ids"] = model.config.eos_token_ids
+    opts["eos_ids"] = tuple(int(e) for e in opts["eos_ids"])  # validated ints: exact
+    max_new_tokens = opts.pop("max_new_tokens")
+    allow_nonfinite = opts.pop("allow_nonfinite")
     start = time.perf_counter()
     tokens, lengths, stats = spec.run(model, prompt_tokens, prompt_lengths, max_new_tokens, opts)
     tokens, lengths = jax.device_get((tokens, lengths))
     stats = jax.device_get(stats)
     seconds = time.perf_counter() - start
+    per_row = set(spec.per_row_stats) | {NONFINITE_STAT}
     out = []
     for b, prompt in enumerate(raw_prompts):
         new = [int(t) for t in np.asarray(tokens[b])[: int(lengths[b])]]
         row_stats = {"new_tokens": len(new), "seconds": round(seconds, 4)}
         for k, v in stats.items():
-            row_stats[k] = _jsonable(np.asarray(v)[b] if k in spec.per_row_stats else v)
+            row_stats[k] = _jsonable(np.asarray(v)[b] if k in per_row else v)
         out.append(Generation(prompt=prompt if isinstance(prompt, str) else list(map(int, prompt)),
                               text=model.decode(new), tokens=new, stats=row_stats))
+    bad = [b for b, r in enumerate(out) if r.stats.get(NONFINITE_STAT)]
+    if bad and not allow_nonfinite:
+        dtype = model.config.dtype
+        cause = ("NaN/inf weights in the checkpoint, or activations overflowing float32" if dtype == "float32"
+                 else f"NaN/inf weights in the checkpoint, or overflow in {dtype} (try "
+                      f"jaxdecode.load(..., dtype='float32'), CLI --dtype float32)")
+        raise NonFiniteLogitsError(
+            f"the model's logits were NaN or infinite while decoding prompt(s) {bad} (of {len(out)}), so "
+            f"their output is garbage. Likely cause: {cause}. Pass allow_nonfinite=True (CLI: "
+            f"--allow-nonfinite) to get the outputs anyway.", out)
     return out
 
 

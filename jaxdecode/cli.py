@@ -17,47 +17,42 @@ import sys
 
 
 def _add_generate(sub):
-    g = sub.add_parser("generate", help="generate continuations of prompts")
+    from jaxdecode.options import OPTIONS, cli_help
+    g = sub.add_parser("generate", help="generate continuations of prompts",
+                       description="Every method option has a flag or --option KEY=VALUE; what each accepts "
+                                   "and its default are in jaxdecode.options.OPTIONS (README, 'Options').")
     g.add_argument("--model", default=None,
                    help="Hugging Face checkpoint directory (default: the embedded target model)")
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
     src.add_argument("--prompts-file", default=None, help="a file with one prompt per line")
     g.add_argument("--method", default="greedy", help="decoding method (see `jaxdecode methods`)")
-    g.add_argument("--max-new-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=None)
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--min-p", type=float, default=None)
-    g.add_argument("--repetition-penalty", type=float, default=None)
-    g.add_argument("--num-beams", type=int, default=None)
-    g.add_argument("--length-penalty", type=float, default=None)
-    g.add_argument("--num-groups", type=int, default=None)
-    g.add_argument("--diversity-penalty", type=float, default=None)
-    g.add_argument("--tau", type=float, default=None, help="Mirostat target surprise (bits)")
-    g.add_argument("--eta", type=float, default=None, help="Mirostat learning rate")
-    g.add_argument("--draft", default=None, help="draft model directory (speculative, drafter draft_lm)")
-    g.add_argument("--drafter", default=None,
-                   help="speculative drafter: draft_lm, prompt_lookup, aggressive, token_recycling, aded")
-    g.add_argument("--tree", default=None,
-                   help="tree spec: chain:4, static:3,2,1, eagle:depth=5,topk=8,total=48, dyspec:num_nodes=32")
-    g.add_argument("--verifier", default=None,
-                   help="greedy, chain, point_mass, block, specinfer, rsd, topk, spectr, gbv, typical (lossy)")
-    g.add_argument("--index", default=None,
-                   help="constrained methods: item index .npz (jaxdecode index build) or item file")
-    g.add_argument("--set-id", dest="set_ids", type=int, action="append", default=None,
-                   help="constrained methods: item set of each prompt (repeat per prompt, or once for all)")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="parameter dtype (default: float32 on CPU, the checkpoint's own on GPU/TPU)")
+    # One flag per option of the table; unset flags stay None, i.e. the method's default.
+    for name, opt in OPTIONS.items():
+        if opt.cli is None:
+            continue
+        kw = dict(dest=name, default=None, help=cli_help(opt).replace("%", "%%"))
+        if opt.kind == "bool":
+            kw["action"] = "store_const"
+            kw["const"] = True
+        else:
+            kw["type"] = {"int": int, "float": float, "ids": int, "int_or_ids": int}.get(opt.kind, str)
+            if opt.objects and opt.kind == "str" and opt.low is not None:
+                kw["type"] = _str_or_int  # tree: a spec or a node count
+            if opt.cli_repeat:
+                kw["action"] = "append"
+        g.add_argument(opt.cli, **kw)
+    rest = [n for n, o in OPTIONS.items() if o.cli is None and n != "mesh"]
     g.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="any other method option (value parsed as JSON when possible)")
+                   help=f"any method option, value parsed as JSON when possible (e.g. "
+                        f"'verify_widths=[2,4]'); the options without a flag: {', '.join(rest)}")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
 
 
-# CLI flags that map 1:1 to generate() options when given.
-_FLAG_OPTIONS = ("top_k", "top_p", "min_p", "repetition_penalty", "num_beams", "length_penalty",
-                 "num_groups", "diversity_penalty", "tau", "eta", "draft", "drafter", "tree", "verifier",
-                 "index")
+def _str_or_int(text: str):
+    return int(text) if text.isdigit() else text
 
 
 def _parse_option(text: str):
@@ -72,6 +67,7 @@ def _parse_option(text: str):
 
 def cmd_generate(args) -> int:
     import jaxdecode
+    from jaxdecode.options import OPTIONS
     if args.prompts_file:
         with open(args.prompts_file) as f:
             prompts = [line.rstrip("\n") for line in f if line.strip()]
@@ -81,14 +77,16 @@ def cmd_generate(args) -> int:
         prompts = args.prompt
     else:
         raise SystemExit("give at least one --prompt TEXT or --prompts-file FILE")
+    options = {k: getattr(args, k) for k, o in OPTIONS.items() if o.cli is not None and getattr(args, k) is not None}
+    if isinstance(options.get("set_ids"), list) and len(options["set_ids"]) == 1:
+        options["set_ids"] = options["set_ids"][0]  # one --set-id: every prompt
+    for text in args.option:
+        key, value = _parse_option(text)
+        if key in options:
+            raise SystemExit(f"option {key} is given twice (a flag and --option); give it once")
+        options[key] = value
     model = jaxdecode.load(args.model, dtype=args.dtype)
-    options = {k: getattr(args, k) for k in _FLAG_OPTIONS if getattr(args, k) is not None}
-    options.update(_parse_option(o) for o in args.option)
-    if args.set_ids is not None:
-        options["set_ids"] = args.set_ids[0] if len(args.set_ids) == 1 else args.set_ids
-    results = jaxdecode.generate(model, prompts, method=args.method,
-                                 max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                 seed=args.seed, **options)
+    results = jaxdecode.generate(model, prompts, method=args.method, **options)
     for r in results:
         if args.json:
             print(json.dumps(r.to_json()))

@@ -1,7 +1,9 @@
 """Built-in methods of `jaxdecode.generate`: adapters from the registry to the decoder functions.
 
-Each adapter turns the common options (temperature, top-k/p, min-p, repetition penalty, seed, EOS,
-mesh) into the decoder's own arguments; the decoders themselves stay plain jit-able functions.
+`generate` hands each adapter the options resolved by `jaxdecode.options.resolve`: every option the
+method takes is present, validated, and unset ones hold the table's default. The adapters use the
+values as given (0 is a value, never "unset") and turn them into the decoder's own arguments; the
+decoders themselves stay plain jit-able functions.
 """
 from __future__ import annotations
 
@@ -9,19 +11,21 @@ import jax
 
 from jaxdecode.autoregressive import decode
 from jaxdecode.beam import beam_search
+from jaxdecode.options import method_options
 from jaxdecode.registry import register_method
 from jaxdecode.sampling import SamplerConfig
 
-SAMPLER_OPTIONS = ("top_k", "top_p", "min_p", "repetition_penalty")
+
+def sampler_from_options(opts: dict) -> SamplerConfig:
+    """The SamplerConfig of resolved options; a rule the method does not take is off (greedy has no
+    temperature: it is 0)."""
+    return SamplerConfig(temperature=float(opts.get("temperature", 0.0)), top_k=int(opts.get("top_k", 0)),
+                         top_p=float(opts.get("top_p", 1.0)), min_p=float(opts.get("min_p", 0.0)),
+                         repetition_penalty=float(opts.get("repetition_penalty", 1.0)))
 
 
-def sampler_from_options(opts: dict, default_temperature: float) -> SamplerConfig:
-    t = opts.get("temperature")
-    return SamplerConfig(
-        temperature=default_temperature if t is None else float(t),
-        top_k=int(opts.get("top_k") or 0), top_p=float(opts.get("top_p") or 1.0),
-        min_p=float(opts.get("min_p") or 0.0),
-        repetition_penalty=float(opts.get("repetition_penalty") or 1.0))
+def _key(opts: dict):
+    return jax.random.PRNGKey(opts.get("seed", 0))
 
 
 def place_inputs(model, prompt_tokens, prompt_lengths, opts):
@@ -34,18 +38,16 @@ def place_inputs(model, prompt_tokens, prompt_lengths, opts):
             shard_batch(prompt_lengths, mesh))
 
 
-def _autoregressive(kind: str, default_temperature: float):
+def _autoregressive(kind: str):
     def run(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
         params, toks, lens = place_inputs(model, prompt_tokens, prompt_lengths, opts)
-        sampler = sampler_from_options(opts, default_temperature)
-        method = "greedy" if kind == "sample" and sampler.temperature == 0 else kind
         extra = {}
         if kind == "mirostat":
-            extra = {k: float(opts[o]) for k, o in (("mirostat_tau", "tau"), ("mirostat_eta", "eta"))
-                     if opts.get(o) is not None}
-        out = decode(model.config, params, toks, lens, max_new_tokens=max_new_tokens, sampler=sampler,
-                     eos_ids=opts["eos_ids"], key=jax.random.PRNGKey(opts.get("seed") or 0),
-                     cache_len=opts.get("cache_len"), method=method, **extra)
+            extra = dict(mirostat_tau=float(opts["tau"]), mirostat_eta=float(opts["eta"]))
+        # decode() treats temperature 0 as greedy for every method.
+        out = decode(model.config, params, toks, lens, max_new_tokens=max_new_tokens,
+                     sampler=sampler_from_options(opts), eos_ids=opts["eos_ids"], key=_key(opts),
+                     cache_len=opts["cache_len"], method=kind, **extra)
         return out.tokens, out.lengths, out.stats
     return run
 
@@ -53,14 +55,11 @@ def _autoregressive(kind: str, default_temperature: float):
 def _beam(diverse: bool):
     def run(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
         params, toks, lens = place_inputs(model, prompt_tokens, prompt_lengths, opts)
-        num_beams = int(opts.get("num_beams") or 4)
-        groups = int(opts.get("num_groups") or (2 if diverse else 1))
         out = beam_search(model.config, params, toks, lens, max_new_tokens=max_new_tokens,
-                          num_beams=num_beams, length_penalty=float(opts.get("length_penalty", 1.0)),
-                          eos_ids=opts["eos_ids"], num_groups=groups,
-                          diversity_penalty=float(opts.get("diversity_penalty",
-                                                           0.5 if diverse else 0.0)),
-                          cache_len=opts.get("cache_len"))
+                          num_beams=opts["num_beams"], length_penalty=float(opts["length_penalty"]),
+                          eos_ids=opts["eos_ids"], num_groups=opts["num_groups"] if diverse else 1,
+                          diversity_penalty=float(opts["diversity_penalty"]) if diverse else 0.0,
+                          cache_len=opts["cache_len"])
         stats = dict(out.stats)
         stats["beam_scores"] = out.scores
         stats["beams"] = out.tokens
@@ -71,16 +70,15 @@ def _beam(diverse: bool):
 
 BEAM_ROW_STATS = ("beam_scores", "beams", "beam_lengths")
 
-register_method("greedy", _autoregressive("greedy", 0.0), description="argmax decoding")
-register_method("sample", _autoregressive("sample", 1.0), SAMPLER_OPTIONS, aliases=("sampling",),
+register_method("greedy", _autoregressive("greedy"), method_options("greedy"), description="argmax decoding")
+register_method("sample", _autoregressive("sample"), method_options("sample"), aliases=("sampling",),
                 description="ancestral sampling with temperature / top-k / top-p / min-p / repetition penalty")
-register_method("mirostat", _autoregressive("mirostat", 1.0), SAMPLER_OPTIONS + ("tau", "eta"),
+register_method("mirostat", _autoregressive("mirostat"), method_options("mirostat"),
                 description="Mirostat v2 sampling at a target surprise tau (bits)")
-register_method("beam", _beam(False), ("num_beams", "length_penalty"), aliases=("beam_search",),
+register_method("beam", _beam(False), method_options("beam"), aliases=("beam_search",),
                 per_row_stats=BEAM_ROW_STATS,
                 description="beam search with length penalty")
-register_method("diverse_beam", _beam(True), per_row_stats=BEAM_ROW_STATS, options=
-                ("num_beams", "length_penalty", "num_groups", "diversity_penalty"),
+register_method("diverse_beam", _beam(True), method_options("diverse_beam"), per_row_stats=BEAM_ROW_STATS,
                 description="Diverse Beam Search (Hamming diversity between beam groups)")
 
 
@@ -96,32 +94,31 @@ def _speculative(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
     from jaxdecode.speculative import speculative_decode
     from jaxdecode.verifiers import get_verifier
 
-    sampler = sampler_from_options(opts, 0.0)
-    draft = opts.get("draft")
+    sampler = sampler_from_options(opts)
+    draft = opts["draft"]
     if draft is not None and not isinstance(draft, Model):
         draft = load(draft)
-    drafter = opts.get("drafter")
+    drafter = opts["drafter"]
     if drafter is None or isinstance(drafter, str):
-        drafter = make_drafter(drafter, model, draft=draft, tree=opts.get("tree"),
-                               temperature=sampler.temperature, **dict(opts.get("drafter_options") or {}))
-    elif opts.get("drafter_options"):
+        drafter = make_drafter(drafter, model, draft=draft, tree=opts["tree"],
+                               temperature=sampler.temperature, **(opts["drafter_options"] or {}))
+    elif opts["drafter_options"] is not None:
         raise ValueError("drafter_options configure a drafter built by name; a drafter object is already "
                          "configured: drop drafter_options")
-    verifier = opts.get("verifier")
-    if verifier is None or isinstance(verifier, str):
-        name = verifier or ("greedy" if sampler.is_greedy else DEFAULT_VERIFIER[drafter.child_rule])
-        verifier = get_verifier(name)
+    verifier = opts["verifier"]
+    if verifier is None:
+        verifier = "greedy" if sampler.is_greedy else DEFAULT_VERIFIER[drafter.child_rule]
+    if isinstance(verifier, str):
+        verifier = get_verifier(verifier)
     params, toks, lens = place_inputs(model, prompt_tokens, prompt_lengths, opts)
     out = speculative_decode(model.config, params, drafter, toks, lens, max_new_tokens=max_new_tokens,
                              verifier=verifier, sampler=sampler, eos_ids=opts["eos_ids"],
-                             key=jax.random.PRNGKey(opts.get("seed") or 0),
-                             cache_len=opts.get("cache_len"), verify_widths=opts.get("verify_widths"))
+                             key=_key(opts), cache_len=opts["cache_len"],
+                             verify_widths=opts["verify_widths"])
     return out.tokens, out.lengths, out.stats
 
 
-register_method("speculative", _speculative,
-                SAMPLER_OPTIONS + ("draft", "drafter", "tree", "verifier", "drafter_options", "verify_widths"),
-                aliases=("spec",),
+register_method("speculative", _speculative, method_options("speculative"), aliases=("spec",),
                 per_row_stats=("tau", "verify_calls"),
                 description="speculative decoding: drafter x tree x verifier (lossless verifiers unless "
                             "verifier='typical', which is lossy)")
@@ -135,11 +132,11 @@ def constraint_from_options(model, opts, batch: int):
     import numpy as np
 
     from jaxdecode.constraints import DynamicIndex, TrieConstraint, TrieIndex, build_index, load_index
-    src = opts.get("index")
-    if src is None:
+    src = opts["index"]
+    if src is None:  # generate() refuses this earlier (a required option); kept for direct callers
         raise ValueError("constrained methods need option index=: an index .npz (jaxdecode index build), an "
                          "item file (one item per line), a TrieIndex, DynamicIndex or TrieConstraint")
-    set_ids = opts.get("set_ids")
+    set_ids = opts["set_ids"]
     if set_ids is not None:
         set_ids = np.asarray(set_ids)
         if set_ids.ndim == 0:
@@ -149,40 +146,35 @@ def constraint_from_options(model, opts, batch: int):
     if not isinstance(src, (TrieIndex, DynamicIndex)):
         src = str(src)
         src = load_index(src) if src.endswith(".npz") else build_index(src, model.config.vocab_size)
-    return src.constraint(set_ids=set_ids, mesh=opts.get("mesh"), impl=opts.get("impl") or "auto")
+    return src.constraint(set_ids=set_ids, mesh=opts["mesh"], impl=opts["impl"])
 
 
 def _constrained_beam(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
     params, toks, lens = place_inputs(model, prompt_tokens, prompt_lengths, opts)
     constraint = constraint_from_options(model, opts, prompt_tokens.shape[0])
     out = beam_search(model.config, params, toks, lens, max_new_tokens=max_new_tokens,
-                      num_beams=int(opts.get("num_beams") or 4),
-                      length_penalty=float(opts.get("length_penalty", 1.0)), eos_ids=opts["eos_ids"],
-                      cache_len=opts.get("cache_len"), constraint=constraint)
+                      num_beams=opts["num_beams"], length_penalty=float(opts["length_penalty"]),
+                      eos_ids=opts["eos_ids"], cache_len=opts["cache_len"], constraint=constraint)
     stats = dict(out.stats, beam_scores=out.scores, beams=out.tokens, beam_lengths=out.lengths,
                  beam_valid=out.scores > -float("inf"))
     return out.tokens[:, 0], out.lengths[:, 0], stats
 
 
-def _constrained_autoregressive(kind: str, default_temperature: float):
+def _constrained_autoregressive(kind: str):
     def run(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
         params, toks, lens = place_inputs(model, prompt_tokens, prompt_lengths, opts)
         constraint = constraint_from_options(model, opts, prompt_tokens.shape[0])
-        sampler = sampler_from_options(opts, default_temperature)
-        method = "greedy" if kind == "greedy" or sampler.temperature == 0 else "sample"
-        out = decode(model.config, params, toks, lens, max_new_tokens=max_new_tokens, sampler=sampler,
-                     eos_ids=opts["eos_ids"], key=jax.random.PRNGKey(opts.get("seed") or 0),
-                     cache_len=opts.get("cache_len"), method=method, constraint=constraint)
+        out = decode(model.config, params, toks, lens, max_new_tokens=max_new_tokens,
+                     sampler=sampler_from_options(opts), eos_ids=opts["eos_ids"], key=_key(opts),
+                     cache_len=opts["cache_len"], method=kind, constraint=constraint)
         return out.tokens, out.lengths, out.stats
     return run
 
 
-CONSTRAINT_OPTIONS = ("index", "set_ids", "impl")
-register_method("constrained_beam", _constrained_beam, CONSTRAINT_OPTIONS + ("num_beams", "length_penalty"),
+register_method("constrained_beam", _constrained_beam, method_options("constrained_beam"),
                 aliases=("static",), per_row_stats=BEAM_ROW_STATS + ("beam_valid",),
                 description="beam search over an item index (STATIC CSR trie): every beam is an item")
-register_method("constrained_greedy", _constrained_autoregressive("greedy", 0.0), CONSTRAINT_OPTIONS,
+register_method("constrained_greedy", _constrained_autoregressive("greedy"), method_options("constrained_greedy"),
                 description="greedy decoding restricted to an item index (masking)")
-register_method("constrained_sample", _constrained_autoregressive("sample", 1.0),
-                CONSTRAINT_OPTIONS + SAMPLER_OPTIONS,
+register_method("constrained_sample", _constrained_autoregressive("sample"), method_options("constrained_sample"),
                 description="sampling restricted to an item index (masking)")

@@ -81,3 +81,32 @@ def test_cli_errors_are_clear(tiny_llama_dir, capsys):
     assert rc == 2 and "unknown method 'nope'" in capsys.readouterr().err
     rc = main(["generate", "--model", "/nonexistent", "--prompt", "x"])
     assert rc == 2 and "error" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- option values
+@pytest.mark.parametrize("method, opts, match", [
+    ("sample", dict(top_p=0), r"top_p must be .* \(0, 1\]"),
+    ("sample", dict(top_p=1.5), "top_p"),
+    ("beam", dict(num_beams=0), "num_beams must be an int >= 1"),
+    ("sample", dict(repetition_penalty=0), "repetition_penalty"),
+    ("greedy", dict(repetition_penalty=0), "repetition_penalty"),
+    ("sample", dict(temperature=-1), "temperature"),
+    ("diverse_beam", dict(num_groups=0), "num_groups"),
+    ("mirostat", dict(tau=0), "tau"),
+    ("sample", dict(seed=2**32), "seed"),
+    ("greedy", dict(eos_ids=[1.5]), "eos_ids"),
+    ("greedy", dict(temperature=0.7), "does not take"),
+])
+def test_generate_refuses_bad_option_values(model, method, opts, match):
+    """No `or` defaults: 0 is a value (refused where out of range), never silently the default."""
+    with pytest.raises(ValueError, match=match):
+        jaxdecode.generate(model, [[5, 6]], method=method, max_new_tokens=2, **opts)
+
+
+def test_cli_refuses_bad_option_values(tiny_llama_dir, capsys):
+    rc = main(["generate", "--model", str(tiny_llama_dir), "--prompt", "x", "--method", "sample",
+               "--top-p", "0"])
+    assert rc == 2 and "top_p" in capsys.readouterr().err
+    rc = main(["generate", "--model", str(tiny_llama_dir), "--prompt", "x", "--method", "beam",
+               "--option", "num_beams=0"])
+    assert rc == 2 and "num_beams" in capsys.readouterr().err
