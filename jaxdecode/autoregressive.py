@@ -1,7 +1,7 @@
 """Autoregressive decoding: one token per forward, as one jit-compiled `lax.while_loop`.
 
     decode(config, params, prompt_tokens[B, P], prompt_lengths[B], max_new_tokens=N, ...)
-        -> DecodeOutput(tokens[B, N], lengths[B], stats={"target_calls": int32})
+        -> DecodeOutput(tokens[B, N], lengths[B], stats={"target_calls": int32, "nonfinite_logits": bool[B]})
 
 All rows are prefilled together in one forward (right-padded prompts, padded causal mask), then every
 step feeds each live row's last token at its own position (= its own committed length). A row that
@@ -44,7 +44,8 @@ class PromptError(ValueError):
 class DecodeOutput:
     tokens: jax.Array  # int32[B, N]; after a row's EOS: the pad id
     lengths: jax.Array  # int32[B]: new tokens per row, including the EOS
-    stats: dict  # {"target_calls": int32 scalar: forwards incl. the prefill}
+    stats: dict  # {"target_calls": int32 scalar: forwards incl. the prefill,
+    #              "nonfinite_logits": bool[B]: the row's logits held a NaN/inf while it was live}
 
 
 # ----------------------------------------------------------------------------- host helpers
@@ -159,6 +160,17 @@ def pad_id_for(eos_ids: tuple) -> int:
     return eos_ids[0] if eos_ids else 0
 
 
+def nonfinite_rows(logits, live, valid=None):
+    """bool[B]: live rows whose logits [B, ..., V] hold a NaN or inf (only where valid [B, ...] is True).
+
+    Every decoder loop ORs this into a per-row flag (stats["nonfinite_logits"]): the sampler would
+    otherwise turn NaN logits into token 0 without a trace (NaN weights, low-precision overflow)."""
+    bad = ~jnp.all(jnp.isfinite(logits), axis=-1)
+    if valid is not None:
+        bad = bad & valid
+    return jnp.any(bad.reshape(bad.shape[0], -1), axis=1) & live
+
+
 def is_eos(tokens, eos_ids: tuple):
     """bool[...]: tokens[...] is one of the (static) eos_ids."""
     if not eos_ids:
@@ -196,6 +208,7 @@ class _DecodeState:
     seen: jax.Array | None  # bool[B, V] (repetition penalty only)
     mu: jax.Array  # f32[B] Mirostat maximal surprise
     calls: jax.Array  # int32
+    nonfinite: jax.Array  # bool[B]: the model's logits held a NaN/inf at a step where the row was live
     cstate: object = None  # constraint state per row, or None
 
     def replace(self, **kw) -> "_DecodeState":
@@ -253,11 +266,13 @@ def _decode(config, params, prompt_tokens, prompt_lengths, key, tau, eta, constr
     state = _DecodeState(
         step=jnp.int32(0), tokens=jnp.full((b, max_new_tokens), pad_id_for(eos_ids), jnp.int32),
         done=jnp.zeros((b,), bool), n_new=jnp.zeros((b,), jnp.int32), cache=cache, key=key,
-        seen=seen, mu=mirostat_init(b, tau), calls=jnp.int32(1),
+        seen=seen, mu=mirostat_init(b, tau), calls=jnp.int32(1), nonfinite=jnp.zeros((b,), bool),
         cstate=None if constraint is None else constraint.init(b))
 
     def choose_and_emit(state, logits):
         key, sub = jax.random.split(state.key)
+        # The model's own logits, before the constraint's -inf masking.
+        state = state.replace(nonfinite=state.nonfinite | nonfinite_rows(logits, ~state.done))
         if constraint is not None:
             logits = _constrain(state, logits, constraint)
         token, mu = _choose(method, sampler, sub, logits, state.seen, state.mu, tau, eta)
@@ -278,7 +293,8 @@ def _decode(config, params, prompt_tokens, prompt_lengths, key, tau, eta, constr
         return choose_and_emit(state, logits[:, 0])
 
     state = jax.lax.while_loop(cond, body, choose_and_emit(state, logits))
-    return DecodeOutput(tokens=state.tokens, lengths=state.n_new, stats={"target_calls": state.calls})
+    return DecodeOutput(tokens=state.tokens, lengths=state.n_new,
+                        stats={"target_calls": state.calls, "nonfinite_logits": state.nonfinite})
 
 
 def resolve_method(method: str, sampler: SamplerConfig) -> tuple[str, SamplerConfig]:

@@ -42,8 +42,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jaxdecode.autoregressive import (PromptError, default_cache_len, is_eos, pad_id_for, prefill,
-                                      validate_eos_ids, validate_prompts)
+from jaxdecode.autoregressive import (PromptError, default_cache_len, is_eos, nonfinite_rows, pad_id_for,
+                                      prefill, validate_eos_ids, validate_prompts)
 from jaxdecode.models import advance, forward, init_cache, reorder_rows
 
 
@@ -57,7 +57,7 @@ class BeamOutput:
     tokens: jax.Array  # int32[B, K, N], best hypothesis first; pad id after each length
     lengths: jax.Array  # int32[B, K]: generated tokens incl. the EOS
     scores: jax.Array  # f32[B, K]: sum logprob / length ** length_penalty
-    stats: dict  # {"target_calls": int32 scalar}
+    stats: dict  # {"target_calls": int32 scalar, "nonfinite_logits": bool[B]}
 
 
 @jax.tree_util.register_dataclass
@@ -73,6 +73,7 @@ class _BeamState:
     parents: jax.Array  # int32[B*K]: cache row each beam continues from
     cache: object
     calls: jax.Array  # int32
+    nonfinite: jax.Array  # bool[B]: the model's logits held a NaN/inf for a live beam of the row
     cstate: object = None  # constraint state of each beam (row b*K + k), or None
 
     def replace(self, **kw) -> "_BeamState":
@@ -236,7 +237,8 @@ def _beam_search(config, params, prompt_tokens, prompt_lengths, constraint=None,
         fin_tokens=jnp.full((b, g, kg, n), pad, jnp.int32),
         fin_scores=jnp.full((b, g, kg), -jnp.inf, jnp.float32),
         fin_lengths=jnp.zeros((b, g, kg), jnp.int32), done=jnp.zeros((b, g), bool),
-        parents=jnp.arange(b * k, dtype=jnp.int32), cache=cache, calls=jnp.int32(1))
+        parents=jnp.arange(b * k, dtype=jnp.int32), cache=cache, calls=jnp.int32(1),
+        nonfinite=nonfinite_rows(logits, jnp.ones((b,), bool)))
     select = partial(_select, max_new_tokens=n, length_penalty=length_penalty,
                      diversity_penalty=diversity_penalty, eos_ids=eos_ids)
     if constraint is None:
@@ -257,7 +259,10 @@ def _beam_search(config, params, prompt_tokens, prompt_lengths, constraint=None,
         last = state.run_tokens[..., state.step - 1].reshape(b * k)
         logits, _, cache = forward(config, params, last[:, None], cache.lengths[:, None], cache,
                                    jnp.ones((b * k, 1, 1), bool))
-        state = state.replace(cache=advance(cache, jnp.ones((b * k,), jnp.int32)), calls=state.calls + 1)
+        live = (~state.done[:, :, None] & (state.run_scores > -jnp.inf)).reshape(b * k)
+        bad = nonfinite_rows(logits[:, 0], live).reshape(b, k).any(axis=1)
+        state = state.replace(cache=advance(cache, jnp.ones((b * k,), jnp.int32)), calls=state.calls + 1,
+                              nonfinite=state.nonfinite | bad)
         if constraint is not None:
             return _constrained_select(select, state, constraint, logits[:, 0], b, g, kg)
         logprobs = jax.nn.log_softmax(logits[:, 0], axis=-1).reshape(b, g, kg, -1)
@@ -272,7 +277,8 @@ def _beam_search(config, params, prompt_tokens, prompt_lengths, constraint=None,
     lengths = jnp.where(empty, 0, jnp.take_along_axis(state.fin_lengths.reshape(b, k), order, axis=1))
     tokens = jnp.take_along_axis(state.fin_tokens.reshape(b, k, n), order[:, :, None], axis=1)
     tokens = jnp.where(jnp.arange(n) < lengths[:, :, None], tokens, pad)
-    return BeamOutput(tokens=tokens, lengths=lengths, scores=scores, stats={"target_calls": state.calls})
+    return BeamOutput(tokens=tokens, lengths=lengths, scores=scores,
+                      stats={"target_calls": state.calls, "nonfinite_logits": state.nonfinite})
 
 
 def _real(name: str, value, minimum: float | None = None) -> float:

@@ -26,8 +26,8 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
-from jaxdecode.autoregressive import (default_cache_len, is_eos, pad_id_for, prefill, validate_eos_ids,
-                                      validate_prompts)
+from jaxdecode.autoregressive import (default_cache_len, is_eos, nonfinite_rows, pad_id_for, prefill,
+                                      validate_eos_ids, validate_prompts)
 from jaxdecode.models import commit, forward, init_cache
 from jaxdecode.sampling import SamplerConfig, process_logits
 from jaxdecode.tree import Tree, ancestor_mask, depths, path_to_keep
@@ -112,6 +112,7 @@ class _SpecState:
     accept_hist: jax.Array  # int32[D+1]: accepted draft lengths 0..D over active row-steps
     depth_tried: jax.Array  # int32[D]: row-steps that reached depth d-1 and had a node at depth d
     depth_accepted: jax.Array  # int32[D]
+    nonfinite: jax.Array  # bool[B]: target logits NaN/inf at the root or a valid node while active
 
     def replace(self, **kw):
         return dataclasses.replace(self, **kw)
@@ -201,7 +202,7 @@ def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, *,
         history=history, hist_len=prompt_lengths, num_new=jnp.zeros((b,), jnp.int32),
         done=jnp.zeros((b,), bool), key=key, target_calls=jnp.int32(1), steps=jnp.zeros((b,), jnp.int32),
         accept_hist=jnp.zeros((max_d + 1,), jnp.int32), depth_tried=jnp.zeros((max_d,), jnp.int32),
-        depth_accepted=jnp.zeros((max_d,), jnp.int32))
+        depth_accepted=jnp.zeros((max_d,), jnp.int32), nonfinite=jnp.zeros((b,), bool))
     rows = jnp.arange(b)
 
     def body(st: _SpecState) -> _SpecState:
@@ -212,6 +213,8 @@ def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, *,
         pending = st.history[rows, st.hist_len - 1]
         logits, cache = _verify_forward(config, params, tree, pending, st.cache, active, verify_widths,
                                         attn_impl)  # [B, N+1, V]
+        nodes = jnp.concatenate([jnp.ones((b, 1), bool), tree.valid], axis=1)  # [B, N+1]: root + valid
+        nonfinite = st.nonfinite | nonfinite_rows(logits, active, nodes)
         target_probs = jnp.exp(process_logits(logits, sampler))
         res = verifier(target_probs, draft_probs, tree, k_verify)
         keep = jnp.concatenate([active[:, None], path_to_keep(res.path, n) & active[:, None]], axis=1)
@@ -244,7 +247,8 @@ def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, *,
         return st.replace(cache=cache, drafter_state=dstate, history=history, hist_len=hist_len,
                           num_new=num_new, done=done, key=key, target_calls=st.target_calls + 1,
                           steps=st.steps + active.astype(jnp.int32), accept_hist=acc_hist,
-                          depth_tried=st.depth_tried + tried, depth_accepted=st.depth_accepted + accepted)
+                          depth_tried=st.depth_tried + tried, depth_accepted=st.depth_accepted + accepted,
+                          nonfinite=nonfinite)
 
     st = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
     cols = prompt_lengths[:, None] + jnp.arange(max_new_tokens)[None, :]
@@ -253,7 +257,8 @@ def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, *,
     stats = {"target_calls": st.target_calls, "verify_calls": st.steps,
              "tau": st.num_new / jnp.maximum(st.steps, 1),
              "accept_hist": st.accept_hist,
-             "accept_rate_by_depth": st.depth_accepted / jnp.maximum(st.depth_tried, 1)}
+             "accept_rate_by_depth": st.depth_accepted / jnp.maximum(st.depth_tried, 1),
+             "nonfinite_logits": st.nonfinite}
     return SpecOutput(tokens=out, lengths=st.num_new, stats=stats)
 
 
