@@ -124,7 +124,8 @@ def check_safetensors_file(file: Path) -> None:
         raise CheckpointError(f"{file} is not a safetensors file: its header is not JSON "
                               f"({_one_line(e, 120)}); {_REFETCH}") from None
     if not isinstance(header, dict):
-        raise CheckpointError(f"{file} is not a safetensors file: its header is not a JSON object; {_REFETCH}")
+        raise CheckpointError(f"{file} is not a safetensors file: its header is not a JSON object; "
+                              f"{_REFETCH}")
     data = size - 8 - n
     entries = []
     for name, info in header.items():
@@ -349,7 +350,8 @@ def load_params(path, dtype: str | None = None) -> tuple[ModelConfig, dict]:
         raise ConfigError(f"{path / 'config.json'} has no {e.args[0]!r}, which a "
                           f"{cfg.get('model_type')} config needs") from None
     except (TypeError, AttributeError) as e:
-        raise ConfigError(f"{path / 'config.json'} holds a value of the wrong type ({_one_line(e)})") from None
+        raise ConfigError(f"{path / 'config.json'} holds a value of the wrong type "
+                          f"({_one_line(e)})") from None
     tensors = _read_tensors(path)
     expect = param_shapes(config)
     if config.is_gpt2:

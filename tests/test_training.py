@@ -173,28 +173,161 @@ def test_crash_during_save_keeps_previous_checkpoint(tiny, tmp_path, monkeypatch
     assert _params_equal(done.module.raw_params(), first.module.raw_params())
 
 
-def test_corrupt_or_partial_checkpoint_is_a_clear_error(tiny, tmp_path):
-    work = tmp_path / "run"
-    _run(tiny, work, 30, checkpoint_every=10)
-    # partial: a step directory with no checkpoint inside
-    (work / "checkpoints" / "35").mkdir()
-    with pytest.raises(CheckpointCorruptError, match="35.*corrupt or incomplete"):
-        _run(tiny, work, 30, checkpoint_every=10)
-    shutil.rmtree(work / "checkpoints" / "35")
-    # corrupt: the array data of the latest step truncated
-    files = [p for p in (work / "checkpoints" / "30").rglob("*") if p.is_file() and p.stat().st_size > 1000]
+def _corrupt(step_dir: Path):
+    """Truncate the array data of a checkpoint step (as a crash of the disk, not of the writer, would)."""
+    files = [p for p in step_dir.rglob("*") if p.is_file() and p.stat().st_size > 1000]
     assert files
     for p in files:
         p.write_bytes(p.read_bytes()[:100])
-    with pytest.raises(CheckpointCorruptError, match="delete that step directory"):
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tiny, tmp_path):
+    from jaxdecode.training.trainer import CheckpointFallbackWarning
+    work = tmp_path / "run"
+    first, tcfg = _run(tiny, work, 30, checkpoint_every=10)
+    module = CausalLM(tiny["config"], first.module.raw_params())
+    at20, _ = restore_latest(module, tcfg, work, step=20)
+    # partial: a step directory with nothing inside, newer than the good ones
+    (work / "checkpoints" / "35").mkdir()
+    with pytest.warns(CheckpointFallbackWarning, match=r"step 35 .* cannot be restored .*; using step 30"):
+        _, step = restore_latest(module, tcfg, work)
+    assert step == 30
+    shutil.rmtree(work / "checkpoints" / "35")
+    # corrupt: the latest step's array data truncated; reading falls back to step 20 ...
+    _corrupt(work / "checkpoints" / "30")
+    with pytest.warns(CheckpointFallbackWarning, match=r"step 30 .* cannot be restored \(.*\); using step 20"):
+        restored, step = restore_latest(module, tcfg, work)
+    assert step == 20 and _params_equal(restored.raw_params(), at20.raw_params())
+    # ... and training resumes from step 20, moves the bad step aside, and ends where the first run did
+    with pytest.warns(CheckpointFallbackWarning, match=r"step 30 .*; using step 20.*moved to"):
+        again, _ = _run(tiny, work, 30, checkpoint_every=10)
+    assert again.resumed_from == 20
+    assert _params_equal(again.module.raw_params(), first.module.raw_params())
+    assert _complete_steps(work / "checkpoints") == [20, 30]
+    assert [p.name for p in (work / "corrupt-checkpoints").iterdir()][0].startswith("30")
+    # only when no kept step restores is it an error, naming every step and why
+    for st in (20, 30):
+        _corrupt(work / "checkpoints" / str(st))
+    with pytest.raises(CheckpointCorruptError, match=r"no kept checkpoint .* can be restored: step 30 \(.*\), "
+                                                     r"step 20 \(.*\); .*new work directory"):
         _run(tiny, work, 30, checkpoint_every=10)
 
 
-def test_resume_with_different_options_is_refused(tiny, tmp_path):
+def test_resume_with_different_options_is_refused_naming_the_key(tiny, tmp_path):
     work = tmp_path / "run"
     _run(tiny, work, 30, checkpoint_every=30)
-    with pytest.raises(TrainConfigError, match="different run"):
+    with pytest.raises(TrainConfigError, match=r"different run: train.learning_rate was 0.003, now 0.01; ") as e:
         _run(tiny, work, 30, learning_rate=1e-2)
+    assert "\n" not in str(e.value) and "{" not in str(e.value)
+    with pytest.raises(TrainConfigError, match=r"train.weight_decay was 0.1, now 0.0 \(and 1 more: train.seed\)"):
+        _run(tiny, work, 30, seed=1, weight_decay=0.0)
+
+
+def test_extending_a_finished_run_continues_at_the_final_learning_rate(tiny, tmp_path, capsys):
+    work = tmp_path / "run"
+    done, tcfg = _run(tiny, work, 30, checkpoint_every=10)
+    assert "resuming" not in capsys.readouterr().err
+    longer, _ = _run(tiny, work, 40, checkpoint_every=10)
+    assert "resuming from step 30 (of 40)" in capsys.readouterr().err
+    assert longer.resumed_from == 30 and longer.step == 40
+    final_lr = tcfg.learning_rate * tcfg.end_lr_ratio
+    lrs = [r["lr"] for r in read_metrics(work / "metrics.jsonl") if "lr" in r]
+    assert np.allclose(lrs[-2:], final_lr)  # the steps past the schedule's end run at its final value
+    # the same as one run with that schedule: a cosine over 30 steps, stopped at 40
+    ref, _ = _run(tiny, tmp_path / "ref", 40, checkpoint_every=10, schedule_steps=30)
+    assert _params_equal(longer.module.raw_params(), ref.module.raw_params())
+    # a run already past --steps trains nothing, and says so
+    again, _ = _run(tiny, work, 35, checkpoint_every=10)
+    assert again.step == 40 and "resuming from step 40 (of 35): nothing to train" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- run hygiene
+def test_tokenizer_and_export_are_written_whole_or_not_at_all(tiny, tmp_path, monkeypatch):
+    from transformers import PreTrainedTokenizerFast
+    from jaxdecode.models import init_params
+    from jaxdecode.training.lm import export_lm
+    params = init_params(tiny["config"], jax.random.PRNGKey(0))
+    export_lm(tiny["config"], params, tiny["tok"], tmp_path / "model")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "model").iterdir()}
+
+    def half_then_fail(real):
+        def save(self, d, *a, **k):  # some files written, then a failure (full disk, kill)
+            real(self, d, *a, **k)
+            raise OSError("disk full (simulated)")
+        return save
+    for cls in {PreTrainedTokenizerFast, type(tiny["tok"])}:
+        monkeypatch.setattr(cls, "save_pretrained", half_then_fail(cls.save_pretrained))
+    with pytest.raises(OSError, match="disk full"):
+        train_tokenizer([(tiny["src"] / "mod_00.py").read_text()], 290, tmp_path / "tok")
+    assert not (tmp_path / "tok").exists()
+    with pytest.raises(OSError, match="disk full"):
+        export_lm(tiny["config"], params, tiny["tok"], tmp_path / "fresh")
+    assert not (tmp_path / "fresh").exists()
+    with pytest.raises(OSError, match="disk full"):
+        export_lm(tiny["config"], params, tiny["tok"], tmp_path / "model")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "model").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no temporary directories left
+
+
+def _train_args(corpus, out, *extra):
+    from jaxdecode.training.cli import add_train_parser
+    ap = argparse.ArgumentParser()
+    add_train_parser(ap.add_subparsers(dest="command"))
+    return ap.parse_args(["train", "lm", "--corpus", str(corpus), "--output", str(out), "--size", "tiny",
+                          "--vocab-size", "320", "--batch-size", "8", "--seq-len", "32",
+                          "--max-positions", "128", "--lr", "3e-3", "--warmup", "5", "--eval-every", "10",
+                          "--checkpoint-every", "10", "--data-parallel", "1", "--held-out-fraction", "0.25",
+                          "--no-progress", *extra])
+
+
+def test_cli_rerun_after_a_failure_and_with_more_steps(tiny, tmp_path, capsys):
+    from jaxdecode.training.cli import run_train
+    from jaxdecode.training.corpus import split_of
+    one = tmp_path / "one"
+    one.mkdir()
+    name = next(f"f{i}.py" for i in range(100) if split_of(f"f{i}.py", 0.25) == "train")
+    (one / name).write_text("x = 1\n")
+    out = tmp_path / "model"
+    # a run on a one-line corpus trains a 257-token tokenizer, then fails building the corpus ...
+    with pytest.warns(UserWarning, match=r"257 tokens .* vocab_size=320"):
+        with pytest.raises(CorpusError, match="heldout split has no documents"):
+            run_train(_train_args(one, out, "--steps", "30"))
+    capsys.readouterr()
+    # ... and the next run, on other sources, does not reuse that tokenizer
+    assert run_train(_train_args(tiny["src"], out, "--steps", "30")) == 0
+    assert "made from other sources" in capsys.readouterr().err
+    assert len(load_tokenizer_dir(tmp_path / "model.train" / "tokenizer")) == 320
+    assert len(load_tokenizer_dir(out)) == 320
+    # the same command with a larger --steps resumes the finished run and says so
+    assert run_train(_train_args(tiny["src"], out, "--steps", "32")) == 0
+    err = capsys.readouterr().err
+    assert "resuming from step 30 (of 32)" in err and "training a" not in err and "tokenizing" not in err
+    # another changed option: one line naming the flag, the old and the new value, and the fix
+    with pytest.raises(TrainConfigError, match=r"--lr \(train.learning_rate\) was 0.003, now 0.01; rerun "
+                                               r"with the same options .* or use a new --workdir"):
+        run_train(_train_args(tiny["src"], out, "--steps", "32", "--lr", "1e-2"))
+
+
+def test_train_help_shows_every_default(monkeypatch, capsys):
+    from jaxdecode.cli import main
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit) as e:
+        main(["train", "lm", "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split("options:", 1)[1].split())
+    opts = [w for w in text.split() if w.startswith("--") and not w.endswith(",")]
+    segments = {}
+    for i, opt in enumerate(opts):
+        start = text.index(f" {opt}") if i else text.index(opt)
+        end = text.index(f" {opts[i + 1]}", start + 1) if i + 1 < len(opts) else len(text)
+        segments[opt] = text[start:end]
+    assert {"--steps", "--lr", "--batch-size", "--seq-len", "--warmup", "--keep-checkpoints"} <= set(segments)
+    flags = {"--help", "--bf16", "--fsdp", "--no-progress"}
+    missing = [o for o, seg in segments.items() if o not in flags and "default" not in seg.lower()
+               and o not in ("--corpus", "--output")]  # required
+    assert not missing, missing
+    assert "(default: 2000)" in segments["--steps"] and "(default: 8)" in segments["--batch-size"]
+    assert "final learning rate" in segments["--steps"]  # how a longer --steps extends the schedule
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -218,7 +351,7 @@ def test_vocab_mismatch_errors(tmp_path, tiny):
     small = tiny["config"].replace(vocab_size=100)
     with pytest.raises(TokenizerError, match="vocabulary mismatch.*320 tokens.*vocab_size=100"):
         train_lm(tiny["corpus"], tiny["tok_dir"], small, tcfg, tmp_path / "r", spec=spec)
-    other = train_tokenizer([(tiny["src"] / "mod_00.py").read_text()], 300, tmp_path / "other_tok")
+    other = train_tokenizer([(tiny["src"] / "mod_00.py").read_text()], 290, tmp_path / "other_tok")
     with pytest.raises(CorpusError, match="tokenizer mismatch"):
         Corpus.open(tiny["corpus"]).check_tokenizer(other)
     with pytest.raises(TokenizerError, match="too small"):

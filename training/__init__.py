@@ -4,6 +4,7 @@
                  tqdm, orbax checkpoints with exact resume, data parallel / FSDP over a mesh)
     corpus       files -> tokenized memmap shards, split by path hash, batch sources
     tokenizer    byte-level BPE training, saved for transformers.AutoTokenizer
+    files        artefacts (tokenizer, corpus, export) written whole or not at all
     lm           causal LMs from scratch or distilled; HF export; held-out evaluation
     baselines    add-k unigram / bigram baselines
     fixtures     tiny corpora and models for tests, built by the same code
@@ -15,13 +16,15 @@ Nothing in the decoding package imports this one: import it explicitly.
 from .corpus import Corpus, CorpusError, WindowSampler, build_corpus, eval_batches, find_source_files
 from .lm import CausalLM, DistillLoss, LMTrainSpec, export_lm, lm_eval_step, lm_loss, model_config, train_lm
 from .tokenizer import TokenizerError, load_tokenizer_dir, train_tokenizer
-from .trainer import (CheckpointCorruptError, TrainConfig, TrainConfigError, TrainResult, make_mesh,
-                      make_optimizer, read_metrics, restore_latest, train)
+from .trainer import (CheckpointCorruptError, CheckpointFallbackWarning, ResumeMismatchError, TrainConfig,
+                      TrainConfigError, TrainResult, make_mesh, make_optimizer, read_metrics, restore_latest,
+                      train)
 
 __all__ = [
     "Corpus", "CorpusError", "WindowSampler", "build_corpus", "eval_batches", "find_source_files",
     "CausalLM", "DistillLoss", "LMTrainSpec", "export_lm", "lm_eval_step", "lm_loss", "model_config",
     "train_lm", "TokenizerError", "load_tokenizer_dir", "train_tokenizer", "CheckpointCorruptError",
+    "CheckpointFallbackWarning", "ResumeMismatchError",
     "TrainConfig", "TrainConfigError", "TrainResult", "make_mesh", "make_optimizer", "read_metrics",
     "restore_latest", "train",
 ]

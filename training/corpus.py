@@ -3,7 +3,8 @@
 Layout of a corpus directory (written to a temporary sibling, then renamed, so a crash never leaves
 a half-built corpus behind):
     manifest.json            tokenizer fingerprint, vocab size, dtype, per-split shards and counts,
-                             and every file with its split (or the reason it was skipped)
+                             what it was built from (`sources_record`), and every file with its split
+                             (or the reason it was skipped)
     train-00000.bin ...      token ids (uint16 when the vocabulary fits), documents separated by EOS
     heldout-00000.bin ...
 
@@ -18,14 +19,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
-import shutil
 import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 
+from .files import save_whole
 from .tokenizer import eos_id, tokenizer_fingerprint
 
 SPLITS = ("train", "heldout")
@@ -60,6 +60,21 @@ def find_source_files(roots: Sequence, patterns: Sequence[str] = ("*.py",),
     return found
 
 
+def sources_record(roots: Sequence, patterns: Sequence[str], held_out_fraction: float,
+                   salt: str = "jaxdecode-split", files: list | None = None) -> dict:
+    """What a tokenizer or corpus was made from: the roots (absolute), patterns, split, and a hash of
+    every matching file's relative path, size and modification time (so an edited, added or removed
+    file changes it)."""
+    h = hashlib.sha256()
+    files = find_source_files(roots, patterns) if files is None else files
+    for path, rel in files:
+        st = path.stat()
+        h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return {"roots": [str(Path(r).resolve()) for r in roots], "patterns": list(patterns),
+            "held_out_fraction": held_out_fraction, "salt": salt, "files": len(files),
+            "files_sha256": h.hexdigest()[:16]}
+
+
 def split_of(rel_path: str, held_out_fraction: float, salt: str = "jaxdecode-split") -> str:
     """'heldout' for a fixed, hash-chosen fraction of paths; 'train' for the rest."""
     h = int(hashlib.sha256(f"{salt}:{rel_path}".encode()).hexdigest()[:8], 16)
@@ -84,58 +99,61 @@ def build_corpus(roots: Sequence, tokenizer, out_dir, *, held_out_fraction: floa
     if not 0.0 < held_out_fraction < 1.0:
         raise CorpusError(f"held_out_fraction must be in (0, 1), got {held_out_fraction}")
     files = find_source_files(roots, patterns)
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    sources = sources_record(roots, patterns, held_out_fraction, salt, files)
+    manifest = {"format": 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "roots": [str(r) for r in roots], "patterns": list(patterns),
+                "held_out_fraction": held_out_fraction, "salt": salt, "sources": sources}
+    save_whole(Path(out_dir), lambda tmp: _write_corpus(manifest, files, tokenizer, tmp, shard_tokens,
+                                                        batch_files))
+    return manifest
+
+
+def _write_corpus(manifest: dict, files, tokenizer, tmp: Path, shard_tokens: int, batch_files: int):
+    """Tokenize `files` into shards and MANIFEST under `tmp`, completing `manifest` in place."""
+    held_out_fraction, salt = manifest["held_out_fraction"], manifest["salt"]
     eos = eos_id(tokenizer)
     vocab = len(tokenizer)
     dtype = np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.uint32
     writers = {s: _ShardWriter(tmp, s, dtype, shard_tokens) for s in SPLITS}
     records, stats = [], {s: {"documents": 0, "bytes": 0} for s in SPLITS}
     backend = tokenizer.backend_tokenizer
-    for start in range(0, len(files), batch_files):
-        chunk = files[start:start + batch_files]
-        texts, kept = [], []
-        for path, rel in chunk:
-            text, why = read_text(path)
-            if why is not None:
-                records.append({"path": rel, "skipped": why})
-            elif not text:
-                records.append({"path": rel, "skipped": "empty file"})
-            else:
-                texts.append(text)
-                kept.append(rel)
-        for rel, text, enc in zip(kept, texts, backend.encode_batch(texts, add_special_tokens=False)):
-            split = split_of(rel, held_out_fraction, salt)
-            ids = np.asarray(enc.ids + [eos], dtype=dtype)
-            writers[split].write(ids)
-            nbytes = len(text.encode("utf-8"))
-            stats[split]["documents"] += 1
-            stats[split]["bytes"] += nbytes
-            records.append({"path": rel, "split": split, "bytes": nbytes, "tokens": len(ids)})
+    try:
+        for start in range(0, len(files), batch_files):
+            chunk = files[start:start + batch_files]
+            texts, kept = [], []
+            for path, rel in chunk:
+                text, why = read_text(path)
+                if why is not None:
+                    records.append({"path": rel, "skipped": why})
+                elif not text:
+                    records.append({"path": rel, "skipped": "empty file"})
+                else:
+                    texts.append(text)
+                    kept.append(rel)
+            for rel, text, enc in zip(kept, texts, backend.encode_batch(texts, add_special_tokens=False)):
+                split = split_of(rel, held_out_fraction, salt)
+                ids = np.asarray(enc.ids + [eos], dtype=dtype)
+                writers[split].write(ids)
+                nbytes = len(text.encode("utf-8"))
+                stats[split]["documents"] += 1
+                stats[split]["bytes"] += nbytes
+                records.append({"path": rel, "split": split, "bytes": nbytes, "tokens": len(ids)})
+    finally:
+        shards = {s: w.close() for s, w in writers.items()}
     for s in SPLITS:
         if stats[s]["documents"] == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
             total = sum(v["documents"] for v in stats.values())
             raise CorpusError(
                 f"empty corpus: the {s} split has no documents ({total} non-empty files of "
                 f"{len(files)} found); add more files or change held_out_fraction={held_out_fraction}")
-    manifest = {
-        "format": 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "roots": [str(r) for r in roots], "patterns": list(patterns),
-        "held_out_fraction": held_out_fraction, "salt": salt,
+    manifest.update({
         "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer), "vocab_size": vocab,
         "eos_id": eos, "dtype": np.dtype(dtype).name,
-        "splits": {s: {**stats[s], **writers[s].close()} for s in SPLITS},
+        "splits": {s: {**stats[s], **shards[s]} for s in SPLITS},
         "files": records,
-    }
+    })
     with open(tmp / MANIFEST, "w") as f:
         json.dump(manifest, f, indent=1)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
-    return manifest
 
 
 class _ShardWriter:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 from pathlib import Path
 
 import jax
@@ -20,6 +21,7 @@ from flax import nnx
 from jaxdecode.models import ModelConfig, causal_mask, forward, init_params, load_params, save_params
 
 from .corpus import Corpus, WindowSampler, eval_batches
+from .files import save_whole
 from .tokenizer import TokenizerError, check_vocab, load_tokenizer_dir
 from .trainer import TrainConfig, TrainConfigError, train
 
@@ -197,15 +199,39 @@ def train_lm(corpus_dir, tokenizer_dir, config: ModelConfig, train_config: Train
 
 
 def export_lm(config: ModelConfig, params, tokenizer, out_dir, dtype: str | None = None) -> Path:
-    """config.json + safetensors + tokenizer files: loadable by jaxdecode and by transformers."""
+    """config.json + safetensors + tokenizer files: loadable by jaxdecode and by transformers.
+
+    Written whole or not at all (`save_whole`): a failed export leaves an earlier one as it was.
+    Files of an existing `out_dir` that the export does not write are kept, except old weights.
+    """
     out_dir = Path(out_dir)
-    save_params(config, params, out_dir, dtype=dtype or config.dtype)
-    tokenizer.save_pretrained(str(out_dir))
-    gen = {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids),
-           "pad_token_id": config.pad_token_id}
-    with open(out_dir / "generation_config.json", "w") as f:
-        json.dump(gen, f, indent=2)
-    return out_dir
+
+    def write(tmp: Path):
+        save_params(config, params, tmp, dtype=dtype or config.dtype)
+        tokenizer.save_pretrained(str(tmp))
+        gen = {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids),
+               "pad_token_id": config.pad_token_id}
+        with open(tmp / "generation_config.json", "w") as f:
+            json.dump(gen, f, indent=2)
+        _keep_other_files(out_dir, tmp)
+    return save_whole(out_dir, write)
+
+
+_OLD_WEIGHTS = ("model*.safetensors", "model.safetensors.index.json")
+
+
+def _keep_other_files(old: Path, new: Path) -> None:
+    """Copy what `old` holds and `new` does not (a model card, notes) into `new`, old weights aside."""
+    if not old.is_dir():
+        return
+    weights = {p.name for pat in _OLD_WEIGHTS for p in old.glob(pat)}
+    for p in old.iterdir():
+        if p.name in weights or (new / p.name).exists():
+            continue
+        if p.is_dir():
+            shutil.copytree(p, new / p.name, symlinks=True)
+        else:
+            shutil.copy2(p, new / p.name)
 
 
 def evaluate_heldout(config: ModelConfig, params, batches, byte_lengths: np.ndarray) -> dict:

@@ -2,27 +2,39 @@
 
 Byte-level means every byte sequence has an encoding, so any source file round-trips exactly.
 `<|endoftext|>` is the only special token: EOS, BOS, padding and the document separator of corpora.
+
+A trained tokenizer directory is written whole or not at all (a temporary sibling, renamed when
+complete) and holds `jaxdecode_tokenizer.json`: how it was trained, so a later run can tell whether
+it fits (`trained_with`).
 """
 from __future__ import annotations
 
 import hashlib
-import os
+import json
+import warnings
 from pathlib import Path
 from typing import Iterable
+
+from .files import save_whole
 
 EOS_TOKEN = "<|endoftext|>"
 # 256 byte symbols + the special token: anything smaller cannot hold the byte alphabet.
 MIN_VOCAB_SIZE = 257
+# How a tokenizer directory was trained (vocab_size, min_frequency and the caller's `record`).
+TRAINED_WITH = "jaxdecode_tokenizer.json"
 
 
 class TokenizerError(ValueError):
     """A tokenizer cannot be trained or loaded, or does not fit the model or corpus."""
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir=None, min_frequency: int = 2):
-    """Train a byte-level BPE on `texts`; save to `out_dir` (AutoTokenizer-loadable) if given.
+def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir=None, min_frequency: int = 2,
+                    record: dict | None = None):
+    """Train a byte-level BPE on `texts`; save to `out_dir` (AutoTokenizer-loadable) if given, with
+    `record` (e.g. the sources it was trained on) in its TRAINED_WITH file.
 
-    Returns a `transformers.PreTrainedTokenizerFast`.
+    Returns a `transformers.PreTrainedTokenizerFast`. Warns when the texts hold too few distinct
+    pairs to reach `vocab_size` (the tokenizer is then smaller).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -50,21 +62,37 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir=None, min_fre
                              "(check the corpus paths and file patterns)")
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN,
                                    pad_token=EOS_TOKEN, unk_token=None)
+    if len(fast) < vocab_size:
+        warnings.warn(f"the tokenizer has only {len(fast)} tokens of the vocab_size={vocab_size} asked: "
+                      f"its {seen['chars']} characters of text hold too few repeated pairs for more merges",
+                      stacklevel=2)
     if out_dir is not None:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        fast.save_pretrained(str(out_dir))
+        info = {"vocab_size": vocab_size, "min_frequency": min_frequency, **(record or {})}
+        save_whole(Path(out_dir), lambda d: (fast.save_pretrained(str(d)),
+                                             (d / TRAINED_WITH).write_text(json.dumps(info, indent=1))))
     return fast
 
 
+def trained_with(tok_dir) -> dict | None:
+    """The TRAINED_WITH record of a tokenizer directory, or None (not trained by train_tokenizer,
+    trained by an older jaxdecode, or unreadable)."""
+    try:
+        info = json.loads((Path(tok_dir) / TRAINED_WITH).read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
 def load_tokenizer_dir(path):
-    """AutoTokenizer from a local directory, offline, with a clear error if there is none."""
+    """AutoTokenizer from a local directory, offline, with a clear error if there is none (and a
+    CheckpointError naming the directory if its files do not load)."""
+    from jaxdecode.models.hf import load_tokenizer
     path = Path(path)
-    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+    tok = load_tokenizer(path) if path.is_dir() else None
+    if tok is None:
         raise TokenizerError(f"{path} holds no tokenizer (tokenizer.json); train one with "
-                             f"`jaxdecode train lm --tokenizer-size N` or pass a tokenizer directory")
-    from transformers import AutoTokenizer
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+                             f"`jaxdecode train lm --vocab-size N` or pass a tokenizer directory")
+    return tok
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

@@ -17,8 +17,15 @@ count and any RNG state the module holds. The data position is the step itself.
 
 Checkpoints go through an orbax `CheckpointManager` (keeps the last N; each save is written to a
 temporary directory and renamed when complete, so a crash during a save leaves the previous one
-intact). `metrics.jsonl` is cut back to the restored step on resume, so the log of a resumed run is
-the log of an uninterrupted one.
+intact). A kept step that cannot be restored (damaged on disk) is skipped with a warning for the
+newest one that can; training moves the bad steps to `corrupt-checkpoints/` and goes on from there.
+`metrics.jsonl` is cut back to the restored step on resume, so the log of a resumed run is the log
+of an uninterrupted one.
+
+Resuming needs the options that shaped the checkpoint (`TrainConfig.resume_key` and the caller's
+`run_info`); a change is refused naming the option. `steps` is not one of them: the learning-rate
+schedule's length (`schedule_steps`) is fixed by the run's first call, so a finished run can be
+extended by a larger `steps`, the extra steps running at the schedule's final learning rate.
 
 Data parallelism: the batch is sharded over the `data` axis of a (`data`, `model`) mesh; with
 `fsdp=True` every parameter and optimizer moment is also sharded over `data` along its largest
@@ -30,7 +37,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import shutil
+import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -44,15 +54,47 @@ class TrainConfigError(ValueError):
     """Training options that cannot work together."""
 
 
+class ResumeMismatchError(TrainConfigError):
+    """A work directory holds a checkpoint written with other options. `changes`: (key, old, new)."""
+
+    def __init__(self, workdir, changes: list[tuple[str, Any, Any]], names: dict[str, str] | None = None):
+        self.workdir, self.changes = workdir, changes
+        names = names or {}
+
+        def key(k):
+            return f"{names[k]} ({k})" if k in names else k
+        (k0, old, new), rest = changes[0], changes[1:]
+        more = f" (and {len(rest)} more: {', '.join(key(k) for k, _, _ in rest)})" if rest else ""
+        where = "--workdir" if names else "work directory"
+        super().__init__(f"{workdir} holds a checkpoint of a different run: {key(k0)} was {old!r}, now "
+                         f"{new!r}{more}; rerun with the same options to resume it, or use a new "
+                         f"{where} to start another run")
+
+    def renamed(self, names: dict[str, str]) -> "ResumeMismatchError":
+        """The same error with the keys also given by the caller's names for them (CLI flags)."""
+        return ResumeMismatchError(self.workdir, self.changes, names)
+
+
 class CheckpointCorruptError(ValueError):
-    """A checkpoint directory exists but cannot be restored."""
+    """A checkpoint directory exists but cannot be restored. `reason`: why, in a few words."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason or message
+
+
+class CheckpointFallbackWarning(UserWarning):
+    """The newest kept checkpoint could not be restored; an older kept one was used."""
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 1000
+    steps: int = 1000  # train until this step
     learning_rate: float = 1e-3
-    end_lr_ratio: float = 0.1  # cosine decays to learning_rate * end_lr_ratio at `steps`
+    end_lr_ratio: float = 0.1  # cosine decays to learning_rate * end_lr_ratio at the schedule's end
+    # Length of the warmup + cosine schedule; None: `steps` (when resuming: the checkpoint's). Steps
+    # beyond it run at learning_rate * end_lr_ratio.
+    schedule_steps: int | None = None
     warmup_steps: int = 100
     weight_decay: float = 0.1
     b1: float = 0.9
@@ -70,20 +112,62 @@ class TrainConfig:
     def __post_init__(self):
         if self.steps < 1:
             raise TrainConfigError(f"steps must be >= 1, got {self.steps}")
-        if self.warmup_steps < 0 or self.warmup_steps >= max(self.steps, 2):
+        if self.schedule_steps is not None and self.schedule_steps < 1:
+            raise TrainConfigError(f"schedule_steps must be >= 1 (or None: steps), got {self.schedule_steps}")
+        if self.warmup_steps < 0 or self.warmup_steps >= max(self.horizon, 2):
             raise TrainConfigError(f"warmup_steps must be in [0, steps), got {self.warmup_steps} "
-                                   f"with steps={self.steps}")
+                                   f"with {'schedule_steps' if self.schedule_steps else 'steps'}="
+                                   f"{self.horizon}")
         if self.learning_rate <= 0:
             raise TrainConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
         if self.keep_checkpoints < 1:
             raise TrainConfigError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
 
+    @property
+    def horizon(self) -> int:
+        """The schedule's length in steps."""
+        return self.schedule_steps or self.steps
+
     def resume_key(self) -> dict:
-        """The options a resumed run must share with the run that wrote the checkpoint."""
+        """The options a resumed run must share with the run that wrote the checkpoint.
+
+        Not `steps` (a run may be extended) and not the device layout (`data_parallel`, `fsdp`: a
+        checkpoint restores onto any mesh); the schedule's length is in it as `schedule_steps`.
+        """
         d = dataclasses.asdict(self)
-        for k in ("progress", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
+        for k in ("progress", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "steps",
+                  "data_parallel", "fsdp"):
             d.pop(k)
+        d["schedule_steps"] = self.horizon
         return d
+
+
+def _current_identity_form(identity):
+    """A checkpoint identity written before `schedule_steps` existed, in today's form."""
+    if not isinstance(identity, dict) or not isinstance(identity.get("train"), dict):
+        return identity
+    t = dict(identity["train"])
+    if "schedule_steps" not in t and "steps" in t:
+        t["schedule_steps"] = t.pop("steps")
+    for k in ("data_parallel", "fsdp"):
+        t.pop(k, None)
+    return {**identity, "train": t}
+
+
+def _flat(tree, prefix: str = "") -> dict:
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def identity_changes(old, new) -> list[tuple[str, Any, Any]]:
+    """(dotted key, old value, new value) of every leaf that differs, in the new identity's order."""
+    a, b = _flat(json.loads(json.dumps(old))), _flat(json.loads(json.dumps(new)))
+    keys = list(b) + [k for k in a if k not in b]
+    return [(k, a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k)]
 
 
 @dataclasses.dataclass
@@ -97,9 +181,10 @@ class TrainResult:
 
 # ----------------------------------------------------------------------------- optimizer
 def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
-    """Linear warmup from 0, then cosine decay to learning_rate * end_lr_ratio at `steps`."""
+    """Linear warmup from 0, then cosine decay to learning_rate * end_lr_ratio at `config.horizon`,
+    constant after it (optax's cosine holds its end value)."""
     return optax.warmup_cosine_decay_schedule(
-        0.0, config.learning_rate, config.warmup_steps, max(config.steps, config.warmup_steps + 1),
+        0.0, config.learning_rate, config.warmup_steps, max(config.horizon, config.warmup_steps + 1),
         end_value=config.learning_rate * config.end_lr_ratio)
 
 
@@ -109,7 +194,8 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     Memoised on the optimizer's options: the transformation is part of the jitted step's static
     graph definition, so equal options must give the same object to reuse the compiled step.
     """
-    return _optimizer(dataclasses.replace(config, progress=False, log_every=1, eval_every=0,
+    return _optimizer(dataclasses.replace(config, steps=config.horizon, schedule_steps=None,
+                                          progress=False, log_every=1, eval_every=0,
                                           checkpoint_every=0, keep_checkpoints=1,
                                           data_parallel=None, fsdp=False, seed=0))
 
@@ -178,23 +264,68 @@ def restore_checkpoint(manager, step: int, abstract_state):
     """(state, meta) of a saved step; a damaged checkpoint is a CheckpointCorruptError."""
     import orbax.checkpoint as ocp
     step_dir = Path(manager.directory) / str(step)
+    advice = ("delete that step directory to resume from the previous checkpoint, or start over in a "
+              "new work directory")
     try:
         out = manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
         state, meta = out["state"], out["meta"]
     except Exception as e:  # orbax raises many types (FileNotFoundError, ValueError, tensorstore)
-        raise CheckpointCorruptError(
-            f"checkpoint {step_dir} is corrupt or incomplete and cannot be restored "
-            f"({type(e).__name__}: {str(e)[:300]}); delete that step directory to resume from the "
-            f"previous checkpoint, or start over in a new work directory") from None
+        why = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        raise CheckpointCorruptError(f"checkpoint {step_dir} is corrupt or incomplete and cannot be "
+                                     f"restored ({why}); {advice}", reason=why) from None
     if meta is None or not isinstance(meta, dict) or "step" not in meta:
-        raise CheckpointCorruptError(f"checkpoint {step_dir} has no readable metadata; delete that "
-                                     f"step directory to resume from the previous checkpoint")
+        raise CheckpointCorruptError(f"checkpoint {step_dir} has no readable metadata; {advice}",
+                                     reason="no readable metadata")
     return state, meta
 
 
+def restore_newest(manager, abstract_state):
+    """(state, meta, step, bad) of the newest kept step that restores, or None when none is kept.
+
+    `bad`: [(step, why)] of the newer kept steps that could not be restored (newest first). When no
+    kept step restores, a CheckpointCorruptError names each one and why.
+    """
+    steps = sorted(manager.all_steps(), reverse=True)
+    bad = []
+    for step in steps:
+        try:
+            state, meta = restore_checkpoint(manager, step, abstract_state)
+        except CheckpointCorruptError as e:
+            bad.append((step, e.reason))
+            continue
+        return state, meta, step, bad
+    if not bad:
+        return None
+    listed = ", ".join(f"step {st} ({why})" for st, why in bad)
+    raise CheckpointCorruptError(
+        f"no kept checkpoint in {manager.directory} can be restored: {listed}; delete the damaged step "
+        f"directories to start over, or use a new work directory", reason="no kept step restores")
+
+
+def _warn_fallback(ckpt_dir, bad, step, moved: dict | None = None):
+    for st, why in bad:
+        where = f"; moved to {moved[st]}" if moved else ""
+        warnings.warn(f"checkpoint step {st} in {ckpt_dir} cannot be restored ({why}); using step {step}"
+                      f"{where}", CheckpointFallbackWarning, stacklevel=3)
+
+
+def _set_aside(ckpt_dir: Path, aside: Path, bad, step: int, keep: int):
+    """Move the unrestorable steps `bad` from `ckpt_dir` to `aside` (kept for inspection, out of the
+    manager's sight), warn, and return a manager that sees the remaining steps."""
+    aside.mkdir(exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    moved = {st: aside / f"{st}-{stamp}" for st, _ in bad}
+    _warn_fallback(ckpt_dir, bad, step, moved)
+    for st, dest in moved.items():
+        shutil.move(str(ckpt_dir / str(st)), str(dest))
+    return checkpoint_manager(ckpt_dir, keep)
+
+
 def restore_latest(module: nnx.Module, config: TrainConfig, workdir, step: int | None = None):
-    """(module with the params of a checkpoint in `workdir`, its step); default: the latest.
+    """(module with the params of a checkpoint in `workdir`, its step); default: the newest kept
+    step that restores (older ones are tried, with a CheckpointFallbackWarning, when newer ones are
+    damaged).
 
     Safe while the run that writes the checkpoints is still going (read-only manager). `config`
     only shapes the optimizer state to read; its schedule values do not matter.
@@ -205,12 +336,18 @@ def restore_latest(module: nnx.Module, config: TrainConfig, workdir, step: int |
     if not ckpt_dir.is_dir():
         raise CheckpointCorruptError(f"{workdir} has no checkpoints/ directory: nothing to restore")
     manager = checkpoint_manager(ckpt_dir, config.keep_checkpoints, read_only=True)
-    step = manager.latest_step() if step is None else step
-    if step is None:
-        raise CheckpointCorruptError(f"{ckpt_dir} holds no complete checkpoint")
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
-    state, _ = restore_checkpoint(manager, step, abstract)
-    manager.close()
+    try:
+        if step is not None:
+            state, _ = restore_checkpoint(manager, step, abstract)
+        else:
+            found = restore_newest(manager, abstract)
+            if found is None:
+                raise CheckpointCorruptError(f"{ckpt_dir} holds no complete checkpoint")
+            state, _, step, bad = found
+            _warn_fallback(ckpt_dir, bad, step)
+    finally:
+        manager.close()
     module, _ = nnx.merge(graphdef, state)
     return module, step
 
@@ -279,9 +416,10 @@ def train(module: nnx.Module, loss_fn: Callable, batches: Callable[[int], dict],
     checkpoint; `result.module` is the trained module (the one passed in is left as it was)."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    schedule = learning_rate_schedule(config)
-    optimizer = nnx.Optimizer(module, make_optimizer(config), wrt=nnx.Param)
-    graphdef, state = nnx.split((module, optimizer))
+
+    def split(cfg):  # the optimizer's schedule lives in the graphdef; the state's layout is the same
+        return nnx.split((module, nnx.Optimizer(module, make_optimizer(cfg), wrt=nnx.Param)))
+    graphdef, state = split(config)
 
     mesh = make_mesh(config.data_parallel)
     shardings = state_shardings(state, mesh, config.fsdp)
@@ -290,19 +428,36 @@ def train(module: nnx.Module, loss_fn: Callable, batches: Callable[[int], dict],
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     constants = None if constants is None else jax.device_put(constants, replicated)
 
-    identity = {"train": config.resume_key(), "run": run_info or {}}
-    manager = checkpoint_manager(workdir / "checkpoints", config.keep_checkpoints)
+    ckpt_dir = workdir / "checkpoints"
+    manager = checkpoint_manager(ckpt_dir, config.keep_checkpoints)
     start, resumed_from = 0, None
-    latest = manager.latest_step()
-    if latest is not None:
-        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                                state)
-        state, meta = restore_checkpoint(manager, latest, abstract)
-        if json.loads(json.dumps(meta.get("identity"))) != json.loads(json.dumps(identity)):
-            raise TrainConfigError(
-                f"{workdir} holds a checkpoint of a different run (its options: "
-                f"{meta.get('identity')}; now: {identity}); use a new work directory or the same options")
-        start = resumed_from = int(meta["step"])
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+    try:
+        found = restore_newest(manager, abstract)
+        if found is not None:
+            state, meta, step, bad = found
+            if bad:  # out of the way, so that this run can write those steps again
+                manager.close()
+                manager = _set_aside(ckpt_dir, workdir / "corrupt-checkpoints", bad, step,
+                                     config.keep_checkpoints)
+            old = _current_identity_form(meta.get("identity"))
+            if config.schedule_steps is None and isinstance(old, dict):
+                # another `steps` (a longer run) keeps the schedule the run started with
+                horizon = old.get("train", {}).get("schedule_steps")
+                if isinstance(horizon, int) and horizon > config.warmup_steps:
+                    config = dataclasses.replace(config, schedule_steps=horizon)
+            changes = identity_changes(old, {"train": config.resume_key(), "run": run_info or {}})
+            if changes:
+                raise ResumeMismatchError(workdir, changes)
+            graphdef, _ = split(config)
+            start = resumed_from = int(meta["step"])
+            todo = "" if start < config.steps else ": nothing to train"
+            print(f"resuming from step {start} (of {config.steps}){todo} in {workdir}", file=sys.stderr)
+    except BaseException:
+        manager.close()
+        raise
+    identity = {"train": config.resume_key(), "run": run_info or {}}
+    schedule = learning_rate_schedule(config)
     log = MetricsLog(workdir / "metrics.jsonl", resumed_from if resumed_from is not None else -1)
 
     step_fn = _train_step_fn(graphdef, loss_fn, mesh, config.fsdp, shardings, replicated)
