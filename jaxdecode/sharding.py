@@ -6,8 +6,12 @@ width and vocabulary over `model` (tensor parallel). An axis whose size the mesh
 stays replicated (e.g. 2 KV heads on a 4-way `model` axis) instead of failing: correctness never
 depends on the layout, only speed does.
 
-Multi-host: call `jax.distributed.initialize()` first; `make_mesh` then spans all processes' devices
-and nothing here assumes one host.
+Multi-host (several processes, one controller each): call `jax.distributed.initialize()` first;
+`make_mesh` then spans every process's devices. Every process runs the same program on the same
+inputs (the same prompts, options and checkpoint). `put` builds a global array from host data with
+each process filling only its own devices' shards, and `to_host` gathers an output that spans
+processes, so that `jaxdecode.generate(..., mesh=mesh)` returns the whole result on every process
+(tests/test_multihost.py: two processes equal one).
 """
 from __future__ import annotations
 
@@ -108,19 +112,60 @@ def param_shardings(params, mesh: Mesh, rules=LOGICAL_RULES):
         params)
 
 
+def _spans_processes(x) -> bool:
+    """A jax.Array with shards on other processes' devices (a global array, not host-local data)."""
+    return isinstance(x, jax.Array) and not x.is_fully_addressable
+
+
+def put(x, sharding: NamedSharding):
+    """`jax.device_put(x, sharding)`, also when `sharding` spans several processes: then host data (or
+    a process-local array), which must be the same on every process, becomes one global array whose
+    shards each process fills for its own devices (jax.device_put refuses a committed local array and
+    all-gathers anything else to compare it); an array that already spans processes is resharded."""
+    if sharding.is_fully_addressable or _spans_processes(x):
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def to_host(tree):
+    """`jax.device_get(tree)` that also fetches arrays spanning several processes: every process gets
+    the whole value (a collective: all processes must call it on the same tree)."""
+    def get(x):
+        if not _spans_processes(x):
+            return jax.device_get(x)
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return jax.tree_util.tree_map(get, tree)
+
+
 def shard_params(params, mesh: Mesh, rules=LOGICAL_RULES):
     """Place parameters on the mesh: heads and MLP tensor-parallel over `model`."""
-    return jax.device_put(params, param_shardings(params, mesh, rules))
+    return jax.tree_util.tree_map(put, params, param_shardings(params, mesh, rules))
 
 
 def shard_cache(cache, mesh: Mesh, rules=LOGICAL_RULES):
     """Place a KVCache on the mesh: batch over `data`, KV heads over `model`."""
     shardings = {name: NamedSharding(mesh, spec_for(axes, getattr(cache, name).shape, mesh, rules))
                  for name, axes in CACHE_AXES.items()}
-    return cache.replace(**{n: jax.device_put(getattr(cache, n), s) for n, s in shardings.items()})
+    return cache.replace(**{n: put(getattr(cache, n), s) for n, s in shardings.items()})
 
 
 def shard_batch(x, mesh: Mesh, rules=LOGICAL_RULES):
-    """Place a [B, ...] array with its batch axis over `data` (replicated if B does not divide)."""
+    """Place a [B, ...] array with its batch axis over `data` (replicated if B does not divide).
+
+    On a mesh that spans processes every process must pass the same batch (checked: different prompts
+    per process would otherwise decode garbage silently)."""
     axes = ("batch",) + (None,) * (np.ndim(x) - 1)
-    return jax.device_put(x, NamedSharding(mesh, spec_for(axes, np.shape(x), mesh, rules)))
+    sharding = NamedSharding(mesh, spec_for(axes, np.shape(x), mesh, rules))
+    if not sharding.is_fully_addressable and not _spans_processes(x):
+        from jax.experimental import multihost_utils
+        try:
+            multihost_utils.assert_equal(np.asarray(x))
+        except AssertionError:
+            raise ValueError(f"the batch (shape {np.shape(x)}) differs between processes: on a mesh that "
+                             f"spans processes every process must pass the same prompts and options "
+                             f"(this is process {jax.process_index()})") from None
+    return put(x, sharding)

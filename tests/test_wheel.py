@@ -15,7 +15,6 @@ import sys
 import sysconfig
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
