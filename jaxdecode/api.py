@@ -17,6 +17,7 @@ import jaxdecode.decoders  # noqa: F401  (registers the built-in methods)
 from jaxdecode.model import EMBEDDED_DIR, Model, embedded_model_path, load  # noqa: F401  (public names)
 from jaxdecode.options import OPTIONS, OptionError  # noqa: F401  (public names)
 from jaxdecode.registry import get_method, methods, register_method  # noqa: F401
+from jaxdecode.sharding import to_host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +91,7 @@ def generate(model: Model, prompts, method: str = "greedy", max_new_tokens: int 
     allow_nonfinite = opts.pop("allow_nonfinite")
     start = time.perf_counter()
     tokens, lengths, stats = spec.run(model, prompt_tokens, prompt_lengths, max_new_tokens, opts)
-    tokens, lengths = jax.device_get((tokens, lengths))
-    stats = jax.device_get(stats)
+    tokens, lengths, stats = to_host((tokens, lengths, stats))  # also gathers what spans processes
     seconds = time.perf_counter() - start
     per_row = set(spec.per_row_stats) | {NONFINITE_STAT}
     out = []
