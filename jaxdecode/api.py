@@ -10,7 +10,6 @@ import dataclasses
 import time
 from typing import Sequence
 
-import jax
 import numpy as np
 
 import jaxdecode.decoders  # noqa: F401  (registers the built-in methods)
