@@ -17,6 +17,10 @@ matching the Hugging Face processor/warper order:
    so this is `logit >= max_logit + log(min_p)` and is exact at the boundary).
 
 Everything works on any leading dims (`[..., V]`), so the speculative verifiers reuse it per tree node.
+No step sorts the vocabulary when it can be avoided: top-k is `lax.top_k` (whose ties go to the lower
+index, as in the rule), and top-p alone looks for the nucleus among the `TOP_P_CAP` most likely tokens,
+sorting all V only when some row's nucleus is wider (`truncation_mask_sorted` is the full-sort
+reference and that fallback).
 """
 from __future__ import annotations
 
@@ -90,8 +94,9 @@ def _point_mass(logits):
     return jnp.where(hit, 0.0, -jnp.inf).astype(jnp.float32)
 
 
-def _truncation_mask(logits, top_k: int, top_p: float):
-    """bool[..., V]: the tokens kept by top-k then top-p (one stable sort, ties by lower id)."""
+def truncation_mask_sorted(logits, top_k: int, top_p: float):
+    """bool[..., V]: the tokens kept by top-k then top-p, by one stable sort of the vocabulary (ties by
+    lower id). The reference of `_truncation_mask`, and its fallback when a nucleus is very wide."""
     v = logits.shape[-1]
     order = jnp.argsort(-logits, axis=-1, stable=True)  # [..., V] token ids, most likely first
     sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
@@ -107,6 +112,53 @@ def _truncation_mask(logits, top_k: int, top_p: float):
     keep_sorted = jnp.broadcast_to(keep_sorted, sorted_logits.shape)
     return jnp.put_along_axis(jnp.zeros(sorted_logits.shape, bool), order, keep_sorted, axis=-1,
                               inplace=False)
+
+
+# Top-p alone looks for the nucleus among the TOP_P_CAP most likely tokens (lax.top_k) and sorts the
+# whole vocabulary only when some row's nucleus is wider (a lax.cond over the batch).
+TOP_P_CAP = 256
+
+
+def _nucleus(probs, top_p: float):
+    """top-p over probs[..., C] sorted most likely first (ties by lower id): (keep bool[..., C], the mass
+    of all C tokens [...], which is the mass before any token ranked after them)."""
+    mass = jnp.cumsum(probs, axis=-1)
+    mass_before = mass - probs  # [..., C] mass of strictly more likely tokens
+    keep = (mass_before < top_p - TOP_P_TOLERANCE) | (jnp.arange(probs.shape[-1]) == 0)
+    return keep, mass[..., -1]
+
+
+def _scatter(ids, keep, v: int):
+    """bool[..., V], True at ids[..., C] where keep[..., C]."""
+    return jnp.put_along_axis(jnp.zeros(ids.shape[:-1] + (v,), bool), ids, keep, axis=-1, inplace=False)
+
+
+def _truncation_mask(logits, top_k: int, top_p: float, cap: int = TOP_P_CAP):
+    """bool[..., V]: the tokens kept by top-k then top-p, as `truncation_mask_sorted` keeps them, without
+    sorting V: top-k is lax.top_k (ties: lower index first, the same order as the stable sort); top-p
+    alone takes the top `cap` tokens and falls back to the full sort only when a nucleus is wider."""
+    v = logits.shape[-1]
+    if 0 < top_k < v:
+        vals, ids = jax.lax.top_k(logits, top_k)  # [..., k], most likely first
+        keep = jnp.ones(vals.shape, bool)
+        if top_p < 1.0:  # over the top-k distribution, renormalised
+            keep, _ = _nucleus(jax.nn.softmax(vals, axis=-1), top_p)
+        return _scatter(ids, keep, v)
+    if top_p >= 1.0:
+        return jnp.ones(logits.shape, bool)
+    c = min(cap, v)
+    vals, ids = jax.lax.top_k(logits, c)  # [..., C]
+    # The max from its own reduction, not vals[..., :1]: reusing top_k's output next to the full-V sum
+    # makes XLA:CPU turn top_k back into a full sort.
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    probs = jnp.exp(vals - top) / jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True)  # softmax over V
+    keep, mass = _nucleus(probs, top_p)
+    if c == v:
+        return _scatter(ids, keep, v)
+    # Every token past the cap has at least the top-C mass before it: all dropped once that reaches top_p.
+    covered = jnp.all(mass >= top_p - TOP_P_TOLERANCE)
+    return jax.lax.cond(covered, lambda: _scatter(ids, keep, v),
+                        lambda: truncation_mask_sorted(logits, 0, top_p))
 
 
 def process_logits(logits, cfg: SamplerConfig, seen_mask=None):

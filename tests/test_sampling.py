@@ -230,3 +230,83 @@ def test_mirostat_sampled_frequencies_follow_the_truncated_distribution():
     # The untruncated distribution is rejected by the same test.
     assert chi2_pvalue(tokens, np.exp(np.asarray(MIRO))) < P_THRESHOLD
     assert chi2_pvalue(tokens, [0.6, 0.4, 0, 0, 0]) < P_THRESHOLD
+
+
+# ----------------------------------------------------------------------------- truncation without a full sort
+from jaxdecode.sampling import _truncation_mask, truncation_mask_sorted  # noqa: E402
+
+
+def _primitives(jaxpr, skip_cond: bool) -> set:
+    """Primitive names in a jaxpr and its sub-jaxprs (not inside lax.cond branches when skip_cond)."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        if skip_cond and eqn.primitive.name == "cond":
+            continue
+        for p in eqn.params.values():
+            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    names |= _primitives(inner, skip_cond)
+    return names
+
+
+@pytest.mark.parametrize("cfg, always", [
+    (SamplerConfig(top_k=50), True), (SamplerConfig(top_k=50, top_p=0.9), True),
+    (SamplerConfig(top_p=0.9), False), (SamplerConfig(top_k=40, top_p=0.8, min_p=0.05), True)])
+def test_truncation_does_not_sort_the_vocabulary(cfg, always):
+    """top-k uses lax.top_k; top-p alone sorts V only in the fallback branch of a lax.cond (taken when the
+    nucleus is wider than TOP_P_CAP tokens)."""
+    for shape in ((4, 4096), (2, 9, 4096)):  # a decode step and a speculative [B, N+1, V] verification
+        jaxpr = jax.make_jaxpr(lambda x: _process_logits(x, cfg))(jnp.zeros(shape, jnp.float32)).jaxpr
+        assert "sort" not in _primitives(jaxpr, skip_cond=True)
+        if always:
+            assert "sort" not in _primitives(jaxpr, skip_cond=False)
+
+
+def _truncation_cases():
+    """Rows [R, V]: ties at every boundary, normal and peaked logits, exact dyadic masses, uniform rows and a
+    constraint's -inf entries (one row with a single allowed token)."""
+    rng = np.random.default_rng(11)
+    v = 40
+    ties = rng.integers(0, 4, (6, v)).astype(np.float32)
+    normal = rng.normal(0, 2, (6, v)).astype(np.float32)
+    dyadic = np.log(np.array([0.5, 0.25, 0.125, 0.0625] + [0.0625 / (v - 4)] * (v - 4), np.float32))
+    dyadic = np.stack([dyadic, dyadic[::-1], np.roll(dyadic, 7), np.zeros(v, np.float32)])
+    masked = np.where(rng.random((4, v)) < 0.7, -np.inf, normal[:4]).astype(np.float32)
+    masked[0, 1:] = -np.inf
+    return np.concatenate([ties, normal, normal * 4, dyadic, masked])
+
+
+# (top_k, top_p, cap): the lax.top_k path, top-k >= V (top-p alone), and top-p alone with caps that make
+# the capped branch, the full-sort fallback, or (cap >= V) no lax.cond at all serve the rows.
+TRUNCATIONS = [(1, 1.0, 256), (3, 1.0, 256), (39, 1.0, 256), (3, 0.5, 256), (7, 0.75, 256), (12, 0.9, 256),
+               (40, 0.6, 256), (99, 0.95, 4)]
+TRUNCATIONS += [(0, p, cap) for p in (0.5, 0.75, 0.875, 0.999, 1e-3) for cap in (1, 4, 16, 256)]
+
+
+@pytest.fixture(scope="module")
+def truncations():
+    """Every TRUNCATIONS mask of the cases, in one compiled function: whole batch (one lax.cond for all
+    rows), row by row (vmap: each row takes its own branch), on a [B, N+1, V] block, and the reference."""
+    x = _truncation_cases()
+
+    def masks(x):
+        out = {}
+        for k, p, cap in TRUNCATIONS:
+            out[k, p, cap] = (_truncation_mask(x, k, p, cap),
+                              jax.vmap(lambda r: _truncation_mask(r, k, p, cap))(x),
+                              _truncation_mask(x[:24].reshape(4, 6, -1), k, p, cap).reshape(24, -1),
+                              truncation_mask_sorted(x, k, p))
+        return out
+    return jax.device_get(jax.jit(masks)(x))
+
+
+@pytest.mark.parametrize("top_k, top_p, cap", TRUNCATIONS)
+def test_truncation_equals_the_full_sort(truncations, top_k, top_p, cap):
+    """The lax.top_k / capped-nucleus path keeps exactly the tokens the stable full sort keeps: ties by lower
+    id, exact boundary masses, -inf entries; for top-p alone both the capped branch and its fallback."""
+    batch, rows, spec, want = truncations[top_k, top_p, cap]
+    np.testing.assert_array_equal(batch, want)
+    np.testing.assert_array_equal(rows, want)
+    np.testing.assert_array_equal(spec, want[:24])
