@@ -292,6 +292,11 @@ def _cross_checks(method: str, opts: dict, batch: int | None) -> None:
     if method == "diverse_beam" and opts["num_beams"] % opts["num_groups"]:
         raise OptionError(f"num_beams ({opts['num_beams']}) must be a multiple of num_groups "
                           f"({opts['num_groups']}): each group holds num_beams / num_groups beams")
+    drafter = opts.get("drafter")
+    if opts.get("draft") is not None and drafter is not None and drafter != "draft_lm":
+        raise OptionError(f"draft is used only by drafter 'draft_lm', but the drafter is "
+                          f"{drafter if isinstance(drafter, str) else type(drafter).__name__!r}: drop draft "
+                          f"or use drafter='draft_lm'")
     set_ids = opts.get("set_ids")
     if batch is not None and set_ids is not None and not _is_int(set_ids) and len(_ids(set_ids)) != batch:
         raise OptionError(f"set_ids has {len(_ids(set_ids))} entries but there are {batch} prompts: give "

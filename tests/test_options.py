@@ -131,6 +131,7 @@ def test_defaults_fill_unset_options_and_keep_zeros():
     ("diverse_beam", {"num_beams": 4, "num_groups": 8}, "multiple of num_groups"),
     ("constrained_beam", {}, "needs option index"),
     ("constrained_greedy", {"index": "x.npz", "set_ids": [0, 1, 2]}, r"set_ids has 3 entries but there are 2 prompts"),
+    ("speculative", {"draft": "dir", "drafter": "prompt_lookup"}, "draft is used only by drafter 'draft_lm'"),
 ])
 def test_cross_option_checks(method, opts, match):
     with pytest.raises(OptionError, match=match):
