@@ -314,4 +314,9 @@ def options_markdown() -> str:
 
 
 def cli_help(opt: Option) -> str:
-    return f"{opt.doc}. Accepts {opt.accepts()}; default: {opt.default_text()}; methods: {opt.methods_text()}"
+    """The help of an option's CLI flag."""
+    if opt.kind == "bool":
+        accepts = "no value"
+    else:
+        accepts = opt.accepts() + (" (repeat the flag, one value each)" if opt.cli_repeat else "")
+    return f"{opt.doc}. Accepts {accepts}; default: {opt.default_text()}; methods: {opt.methods_text()}"
