@@ -5,7 +5,8 @@
     jaxdecode generate --method constrained_beam --index items.npz [--set-id S ...] ...
     jaxdecode index build ITEMS_FILE --vocab-size V --out items.npz   (one item per line, ids by spaces)
     jaxdecode index info items.npz
-    jaxdecode index bench [--items 100000 ...]                        (constrained-step benchmark)
+    (the constrained-decoding benchmark is `python benchmarks/bench_constrained.py` in a checkout;
+     `jaxdecode index bench` only says so: the library holds no benchmark code)
 
 With --json, one JSON object per prompt per line: {"prompt", "text", "tokens", "stats"}.
 """
@@ -121,13 +122,8 @@ def _add_index(sub):
                    help="comma-separated item depths with dense tables ('' for none; default: where they pay)")
     i = isub.add_parser("info", help="print an index's summary")
     i.add_argument("path")
-    bench = isub.add_parser("bench", help="constrained step vs unconstrained step and a CPU trie")
-    bench.add_argument("--items", default="100000", help="comma-separated item counts")
-    bench.add_argument("--vocab", type=int, default=2048)
-    bench.add_argument("--length", type=int, default=8)
-    bench.add_argument("--batch", type=int, default=2)
-    bench.add_argument("--beams", type=int, default=70)
-    bench.add_argument("--no-model", action="store_true", help="skip the model decode-step timing")
+    bench = isub.add_parser("bench", help="moved: python benchmarks/bench_constrained.py (in a checkout)")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 
 
 def cmd_index(args) -> int:
@@ -151,10 +147,8 @@ def cmd_index(args) -> int:
     if args.index_command == "info":
         print(json.dumps(load_index(args.path).summary()))
         return 0
-    from jaxdecode.constraints.bench import run_benchmark
-    run_benchmark(items=[int(float(x)) for x in args.items.split(",")], vocab=args.vocab, length=args.length,
-                  batch=args.batch, beams=args.beams, model=not args.no_model)
-    return 0
+    raise ValueError("`jaxdecode index bench` moved out of the library: run `python "
+                     "benchmarks/bench_constrained.py` from a jaxdecode checkout (same options, --help)")
 
 
 def build_parser(with_train: bool = True) -> argparse.ArgumentParser:

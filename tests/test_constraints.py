@@ -177,10 +177,25 @@ def test_save_load_roundtrip(tmp_path):
         load_index(tmp_path / "missing.npz")
 
 
+def _bench_module():
+    """benchmarks/bench_constrained.py (not part of the installed library) as a module."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+    if "bench_constrained" in sys.modules:
+        return sys.modules["bench_constrained"]
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_constrained.py"
+    spec = importlib.util.spec_from_file_location("bench_constrained", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_memory_per_item_at_1e6_items_of_length_8():
     items = np.random.default_rng(2).integers(0, 2048, (1_000_000, 8), dtype=np.int32)
     ix = build_index(items, 2048)
-    from jaxdecode.constraints.bench import reference_layout_bytes
+    reference_layout_bytes = _bench_module().reference_layout_bytes
     assert ix.nbytes / 1e6 <= 60, ix.summary()  # bytes per item (the issue's budget: 60 MB per 1e6)
     assert reference_layout_bytes(ix) / 1e6 >= 90  # the reference layout, same trie: ~95 MB
     # Dense: the root row (all 2048 first tokens) and the second level (~490 of 2048 per row), no deeper.
@@ -464,3 +479,169 @@ def test_decoder_rejects_unusable_constraints(build, call, match):
     call = dict(dict(max_new_tokens=4, num_beams=2), **call)
     with pytest.raises(ConstraintError, match=match):
         beam_search(model.config, model.params, jnp.asarray([[1], [2]]), jnp.asarray([1, 1]), constraint=c, **call)
+
+
+# ----------------------------------------------------------------------------- issue 9 (5, 6, 10, 12)
+def _jit_index():
+    rng = np.random.default_rng(11)
+    items = sorted(set(random_items(rng, 200, 60, 3)))
+    return items, build_index([list(i) for i in items], 60, set_ids=rng.integers(0, 2, len(items)), num_sets=2)
+
+
+def test_constrained_decoders_run_inside_user_jit():
+    """beam_search, decode and trie_beam_search with the constraint as a traced argument of the user's
+    jax.jit give the eager result, with set ids traced, absent, or given inside the trace (issue 9.5:
+    prepare() raised TracerArrayConversionError)."""
+    from jaxdecode.autoregressive import decode
+    from jaxdecode.beam import beam_search
+    model = tiny_model()
+    cfg, params = model.config, model.params
+    _, ix = _jit_index()
+    prompts, lens = jnp.asarray([[1, 2, 3], [4, 5, 0]]), jnp.asarray([3, 2])
+    table = jnp.asarray(np.random.default_rng(12).normal(size=(5, P, 60)).astype(np.float32))
+    calls = {
+        "beam": lambda c, p, n: beam_search(cfg, params, p, n, max_new_tokens=4, num_beams=3, eos_ids=(63,),
+                                            constraint=c),
+        "greedy": lambda c, p, n: decode(cfg, params, p, n, max_new_tokens=4, method="greedy", constraint=c),
+        "trie": lambda c, p, n: trie_beam_search(c, table_logits, table, 2, num_beams=3, max_new_tokens=3,
+                                                 vocab_size=60),
+    }
+    for name, sets in (("beam", "traced"), ("greedy", "none"), ("trie", "none"), ("trie", "given_inside_jit")):
+        f = calls[name]
+        c = ix.constraint(set_ids=[1, 0] if sets == "traced" else None)
+        if sets == "given_inside_jit":  # the constraint traced, its set ids a constant of the trace
+            f = (lambda f: lambda c, p, n: f(c.replace(set_ids=np.array([1, 0], np.int32)), p, n))(f)
+        want = f(c, prompts, lens)
+        got = jax.jit(f)(c, prompts, lens)
+        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, err_msg=f"{name} {sets}")
+
+
+def test_constraint_checks_cost_no_device_transfer():
+    """prepare() checks against host copies taken when the constraint was built: a repeated call moves no
+    data between host and device (issue 9.5: two device->host copies per call), and the checks still
+    run inside jit when the constraint itself is concrete."""
+    _, ix = _jit_index()
+    table = jnp.asarray(np.random.default_rng(13).normal(size=(5, P, 60)).astype(np.float32))
+    kw = dict(num_beams=3, max_new_tokens=3, vocab_size=60)
+    for set_ids in (None, [1, 0]):
+        c = ix.constraint(set_ids=set_ids)
+        want = trie_beam_search(c, table_logits, table, 2, **kw)
+        with jax.transfer_guard("disallow"):
+            c.prepare(60, (), 3, 2)
+            got = trie_beam_search(c, table_logits, table, 2, **kw)
+        np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    bad = build_index([[1, 2], [3, 4]], 60, set_ids=[0, 0], num_sets=2)
+    with pytest.raises(ConstraintError, match="item set 1 .* has no items"):
+        jax.jit(lambda t: trie_beam_search(bad.constraint(set_ids=[0, 1]), table_logits, t, 2, num_beams=2,
+                                           max_new_tokens=2, vocab_size=60).tokens)(table)
+    with pytest.raises(ConstraintError, match="item set 1 .* has no items"):  # set ids swapped in later
+        bad.constraint().replace(set_ids=jnp.asarray([0, 1], jnp.int32)).prepare(60, (), 2, 2)
+    with pytest.raises(ConstraintError, match="EOS id 3 also occurs inside items"):
+        jax.jit(lambda t: trie_beam_search(bad.constraint(), table_logits, t, 2, num_beams=2, max_new_tokens=3,
+                                           vocab_size=60, eos_ids=(3,)).tokens)(table)
+
+
+@pytest.mark.parametrize("content", ["garbage", "truncated", "npy", "foreign_npz"])
+def test_load_index_says_a_bad_file_is_not_an_index(tmp_path, content):
+    """A corrupt file is named as not a jaxdecode index; never a hint to enable allow_pickle (issue 9.6)."""
+    path = tmp_path / "bad.npz"
+    if content == "garbage":
+        path.write_bytes(b"this is not an index\n" * 20)
+    elif content == "truncated":
+        data = build_index([[1, 2], [3, 4, 5]], 10).save(tmp_path / "good.npz").read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    elif content == "npy":
+        with open(path, "wb") as f:
+            np.save(f, np.arange(5))
+    else:
+        with open(path, "wb") as f:
+            np.savez(f, meta=np.frombuffer(b'{"format": 1}', np.uint8))
+    with pytest.raises(ItemSetError, match=r"bad\.npz is not a valid jaxdecode item index") as e:
+        load_index(path)
+    assert "pickle" not in str(e.value)
+
+
+@pytest.mark.parametrize("mode,width", [("candidates", 96), ("mask", 131072)])
+def test_kernel_block_plan_fits_a_128k_vocabulary(mode, width):
+    """V = 131072: the TPU plan tiles V and sets a scoped-VMEM limit that covers its working set and
+    fits every TPU generation (v7x: 64 MiB per core); the GPU plan keeps a block within ~16 K f32
+    registers per program (issue 9.10)."""
+    v, r, k = 131072, 140, 140
+    tpu = block_plan("tpu", r, v, width, k, mode)
+    assert tpu["v_tile"] < v and tpu["v_tile"] % 128 == 0 and tpu["v_pad"] % tpu["v_tile"] == 0
+    assert tpu["vmem_bytes"] <= tpu["vmem_limit_bytes"] <= 48 << 20
+    gpu = block_plan("gpu", r, v, width, k, mode)
+    assert gpu["v_tile"] < v and gpu["block_rows"] * gpu["v_tile"] <= 1 << 14
+    assert all(gpu[x] & (gpu[x] - 1) == 0 for x in ("block_rows", "v_tile", "w_pad", "k_pad"))
+
+
+@pytest.mark.parametrize("variant", ["tpu", "gpu"])
+@pytest.mark.parametrize("mode,k", [("candidates", 7), ("mask", 9)])
+def test_kernel_tiled_vocabulary_matches_reference(variant, mode, k):
+    """The vocabulary split into tiles (online max / sum, running top-k) gives the one-tile result."""
+    logits, cand, mask = kernel_inputs(21 + k, r=5, v=300)
+    kw = dict(candidates=cand) if mode == "candidates" else dict(mask=mask)
+    want_v, want_s = constrained_topk_reference(logits, k, **kw)
+    got_v, got_s = constrained_topk_pallas(logits, k, interpret=True, variant=variant, v_tile=128, **kw)
+    np.testing.assert_allclose(np.asarray(got_v), np.asarray(want_v), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got_s), np.asarray(want_s))
+
+
+def _exp_over_vocab(jaxpr, v) -> bool:
+    """Does the jaxpr (sub-jaxprs included, Pallas kernels excluded) exponentiate a [.., V] array?"""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            continue
+        if eqn.primitive.name == "exp" and eqn.outvars[0].aval.shape[-1:] == (v,):
+            return True
+        for p in eqn.params.values():
+            for j in (p if isinstance(p, (tuple, list)) else (p,)):
+                j = getattr(j, "jaxpr", j)
+                if hasattr(j, "eqns") and _exp_over_vocab(j, v):
+                    return True
+    return False
+
+
+GROUPED_CASES = {  # name: (items, vocab, max length, kind, beams)
+    "fixed": (200, 40, 3, "fixed", 5),  # CSR rows, items end at leaves
+    "variable-mixed": (200, 30, 4, "variable", 4),  # levels mixing leaves and inner states: two kinds
+    "dense-eos": (300, 12, 3, "eos", 6),  # dense levels (the mask form) and EOS slots
+}
+
+
+@pytest.mark.parametrize("case", list(GROUPED_CASES))
+def test_grouped_beam_step_runs_the_kernel(case):
+    """The default beam path (per-group selection) runs the Pallas kernel when the kernel is the
+    implementation (GPU/TPU; here interpret mode): the kernel's per-row best allowed tokens feed the
+    group's top-k, so the [R, V] log-softmax is never built, and the beams equal the NumPy search
+    (issue 9.10)."""
+    n, v, length, kind, k = GROUPED_CASES[case]
+    rng = np.random.default_rng(30 + len(case))
+    eos = (v - 1,) if kind == "eos" else ()
+    items = sorted(set(random_items(rng, n, v - len(eos), length, variable=kind != "fixed",
+                                    prefix_free=kind == "variable")))
+    ix = build_index([list(i) for i in items], v)
+    c = ix.constraint(impl="interpret")
+    r = 2 * k
+    logits = jnp.asarray(rng.normal(size=(r, v)).astype(np.float32))
+    state = c.prepare(v, eos).init(r).replace(depth=jnp.int32(1))
+    jaxpr = jax.make_jaxpr(lambda c, s, x, sc: c.candidates(s, x, k, scores=sc))(
+        c.prepare(v, eos), state, logits, jnp.zeros((r,), jnp.float32))
+    assert "pallas_call" in str(jaxpr)
+    assert not _exp_over_vocab(jaxpr.jaxpr, v), "an [R, V] softmax is built outside the kernel"
+    table = rng.normal(size=(length + 2, P, v)).astype(np.float32) * 2
+    n_steps = length + len(eos)
+    out = trie_beam_search(c, table_logits, jnp.asarray(table), 1, num_beams=k, max_new_tokens=n_steps,
+                           vocab_size=v, length_penalty=0.0, eos_ids=eos)
+    assert_same_beams(got_beams(out, 0, k), np_beam_search(items, table, k, n_steps, eos))
+
+
+def test_library_holds_no_benchmark_code(capsys):
+    """The benchmark lives in benchmarks/ (issue 9.12); `jaxdecode index bench` says where it went."""
+    import importlib.util
+
+    from jaxdecode.cli import main
+    assert importlib.util.find_spec("jaxdecode.constraints.bench") is None
+    assert main(["index", "bench"]) == 2
+    assert "benchmarks/bench_constrained.py" in capsys.readouterr().err

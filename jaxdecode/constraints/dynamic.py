@@ -239,7 +239,7 @@ class DynamicIndex:
         """A TrieConstraint over the base (with removals) and the delta (additions)."""
         import jax.numpy as jnp
 
-        from jaxdecode.constraints.trie import make_constraint, part_from_index
+        from jaxdecode.constraints.trie import make_constraint, part_from_index, sets_with_items
         if self.num_items == 0:
             raise ItemSetError("every item was removed; nothing can be decoded")
         if self._device_base is None:
@@ -248,13 +248,15 @@ class DynamicIndex:
         parts = [part_from_index(b, final_bits=self._final, alive_bits=self._alive, dense=self._dense,
                                  device_csr=self._device_base)]
         used = b.token_used.copy()
+        sets = sets_with_items(b, alive=self._alive)
         if self._delta is not None:
             # Bucketed shapes: successive deltas reuse the compiled decoder.
             parts.append(part_from_index(self._delta, bucket_levels=b.num_levels))
             used |= self._delta.token_used
+            sets |= sets_with_items(self._delta)
         return make_constraint(parts, vocab_size=b.vocab_size, num_sets=b.num_sets, max_len=self.max_len,
-                               has_prefix_items=self.has_prefix_items, token_used=used, set_ids=set_ids,
-                               impl=impl, mesh=mesh)
+                               has_prefix_items=self.has_prefix_items, token_used=used, set_has_items=sets,
+                               set_ids=set_ids, impl=impl, mesh=mesh)
 
 
 __all__ = ["DynamicIndex"]

@@ -300,19 +300,40 @@ class TrieIndex:
 
 
 def load_index(path) -> TrieIndex:
-    """Read an index written by `TrieIndex.save`."""
+    """Read an index written by `TrieIndex.save`. A file that is not one (another .npz, a truncated or
+    corrupt file) is an ItemSetError that names it; nothing in it is ever unpickled."""
     path = Path(path)
     if not path.exists() and path.with_suffix(".npz").exists():
         path = path.with_suffix(".npz")
     if not path.exists():
         raise FileNotFoundError(f"index file {path} does not exist")
+    try:
+        return _read_index(path)
+    except ItemSetError:
+        raise
+    except Exception as e:  # zip / npy / JSON / key errors: all mean "not a readable index"
+        # (NumPy's own message for an object array would suggest allow_pickle: never do that here.)
+        raise ItemSetError(f"{path} is not a valid jaxdecode item index (written by TrieIndex.save / "
+                           f"`jaxdecode index build`): it is truncated, corrupt or another kind of file "
+                           f"({type(e).__name__}); rebuild it") from None
+
+
+def _read_index(path: Path) -> TrieIndex:
+    not_index = f"{path} is not a valid jaxdecode item index"
+    with open(path, "rb") as f:
+        if f.read(4) != b"PK\x03\x04":  # every .npz is a zip archive
+            raise ItemSetError(f"{not_index} (not an .npz archive); build one with `jaxdecode index build`")
     with np.load(path, allow_pickle=False) as z:
         if "meta" not in z.files:
-            raise ItemSetError(f"{path} is not a jaxdecode item index (no metadata)")
+            raise ItemSetError(f"{not_index} (no metadata); build one with `jaxdecode index build`")
         meta = json.loads(bytes(z["meta"]).decode())
-        if meta.get("format") != FORMAT_VERSION:
-            raise ItemSetError(f"{path} has index format {meta.get('format')}, this jaxdecode reads "
-                               f"format {FORMAT_VERSION}; rebuild the index")
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+            got = meta.get("format") if isinstance(meta, dict) else None
+            raise ItemSetError(f"{path} has index format {got}, this jaxdecode reads format "
+                               f"{FORMAT_VERSION}; rebuild the index")
+        missing = [n for n in ("edge_token", "indptr", "final_bits", "token_used") if n not in z.files]
+        if missing:
+            raise ItemSetError(f"{not_index} (no {missing[0]} array); rebuild it")
         v = int(meta["vocab_size"])
         dense = {}
         for lv in meta["dense_levels"]:

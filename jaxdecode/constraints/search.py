@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxdecode.autoregressive import DecodeOutput, decode, pad_id_for
-from jaxdecode.beam import BeamConfigError, _BeamState, _constrained_select, _real, _select, beam_search
+from jaxdecode.beam import (BeamConfigError, _BeamState, _constrained_first, _constrained_select, _real, _select,
+                            beam_search)
 
 
 @jax.tree_util.register_dataclass
@@ -61,15 +62,12 @@ def _trie_beam_search(constraint, fn_params, *, logits_fn, batch, num_beams, max
         step=jnp.int32(0), run_tokens=jnp.full((b, 1, k, n), pad, jnp.int32), run_scores=run_scores,
         fin_tokens=jnp.full((b, 1, k, n), pad, jnp.int32), fin_scores=jnp.full((b, 1, k), -jnp.inf, jnp.float32),
         fin_lengths=jnp.zeros((b, 1, k), jnp.int32), done=jnp.zeros((b, 1), bool),
-        parents=jnp.arange(b * k, dtype=jnp.int32), cache=None, calls=jnp.int32(1))
+        parents=jnp.arange(b * k, dtype=jnp.int32), cache=None, calls=jnp.int32(1),
+        nonfinite=jnp.zeros((b,), bool))
     select = partial(_select, max_new_tokens=n, length_penalty=length_penalty, diversity_penalty=0.0,
                      eos_ids=eos_ids)
     logits = logits_fn(fn_params, state.run_tokens[:, 0, 0], jnp.int32(0))  # [B, V]
-    roots = constraint.init(b)
-    c = constraint.candidates(roots, logits, k)
-    c = jax.tree.map(lambda a: jnp.broadcast_to(a[:, None, None, :], (b, 1, k, a.shape[-1])), c)
-    state = state.replace(cstate=roots.replace(node=tuple(jnp.repeat(x, k) for x in roots.node)))
-    state = select(state, c.logprobs, constraint=constraint, cands=c, vocab_size=vocab_size)
+    state = _constrained_first(select, state, constraint, logits, b, 1, k)
 
     def cond(state):
         return (state.step < n) & ~jnp.all(state.done)
@@ -82,10 +80,10 @@ def _trie_beam_search(constraint, fn_params, *, logits_fn, batch, num_beams, max
     state = jax.lax.while_loop(cond, body, state)
     scores = state.fin_scores.reshape(b, k)
     order = jnp.argsort(-scores, axis=1, stable=True)
-    scores = jnp.take_along_axis(scores, order, axis=1)
+    scores = jnp.take_along_axis(scores, order, axis=1, mode="clip")
     valid = scores > -jnp.inf
-    lengths = jnp.where(valid, jnp.take_along_axis(state.fin_lengths.reshape(b, k), order, axis=1), 0)
-    tokens = jnp.take_along_axis(state.fin_tokens.reshape(b, k, n), order[:, :, None], axis=1)
+    lengths = jnp.where(valid, jnp.take_along_axis(state.fin_lengths.reshape(b, k), order, axis=1, mode="clip"), 0)
+    tokens = jnp.take_along_axis(state.fin_tokens.reshape(b, k, n), order[:, :, None], axis=1, mode="clip")
     tokens = jnp.where(jnp.arange(n) < lengths[:, :, None], tokens, pad)
     return ConstrainedBeamOutput(tokens=tokens, lengths=lengths, scores=scores, valid=valid,
                                  stats={"logits_calls": state.calls})
