@@ -340,7 +340,7 @@ def find_reference(arg: str | None) -> tuple[Path | None, str]:
     cache.parent.mkdir(parents=True, exist_ok=True)
     try:
         subprocess.run(["git", "clone", "--depth", "1", "--quiet", REFERENCE_URL, str(cache)], check=True,
-                       timeout=120, capture_output=True)
+                       timeout=120, capture_output=True, env=dict(os.environ, GIT_TERMINAL_PROMPT="0"))
     except (subprocess.SubprocessError, OSError) as e:
         shutil.rmtree(cache, ignore_errors=True)
         return None, f"git clone {REFERENCE_URL} failed ({type(e).__name__})"
