@@ -92,15 +92,17 @@ def _group_step(t, counts, group, *, max_new_tokens, length_penalty, diversity_p
     counts: f32[B, V] tokens chosen by earlier groups this step. group: dict of this group's arrays
     (logprobs [B, Kg, C], run_*, fin_*, done [B]). Unconstrained, the candidates are the vocabulary
     (C = V, token = index). With a constraint the group also holds each beam's candidate list
-    (cand_tokens / cand_ends [B, Kg, C], cand_next and node: constraint states) and the beams'
-    constraint states advance to the chosen candidates' next states. Returns (counts', new group
-    arrays, parent beam [B, Kg] within the group).
+    (cand_tokens / cand_ends [B, Kg, C], cand_next and node: constraint states), or the group's own
+    ranked candidates (logprobs etc. [B, 1, C] and cand_parent [B, 1, C], the beam each extends; see
+    TrieConstraint.candidates with scores), and the beams' constraint states advance to the chosen
+    candidates' next states. Returns (counts', new group arrays, parent beam [B, Kg] within the group).
     """
     logprobs, run_tokens, run_scores = group["logprobs"], group["run_tokens"], group["run_scores"]
     fin_tokens, fin_scores, fin_lengths, done = (group["fin_tokens"], group["fin_scores"],
                                                  group["fin_lengths"], group["done"])
     constrained = "cand_tokens" in group
-    b, kg, c = logprobs.shape
+    b, kg = run_scores.shape
+    c = logprobs.shape[-1]
     v = counts.shape[-1]
     last = t == max_new_tokens - 1
     if not constrained:
@@ -110,37 +112,49 @@ def _group_step(t, counts, group, *, max_new_tokens, length_penalty, diversity_p
         top_scores, top_idx = jax.lax.top_k(cand, n_cand)  # [B, C], ties: lower index first
         parent, token = top_idx // v, (top_idx % v).astype(jnp.int32)
         ends = is_eos(token, eos_ids)
-        seqs = jnp.take_along_axis(run_tokens, parent[:, :, None], axis=1)  # [B, C, N]
+        seqs = jnp.take_along_axis(run_tokens, parent[:, :, None], axis=1, mode="clip")  # [B, C, N]
         seqs = seqs.at[:, :, t].set(token)
         # Finished hypotheses: EOS candidates among the best Kg, or every best-Kg candidate at the end.
         finishing = (jnp.arange(n_cand) < kg)[None, :] & (ends | last) & ~done[:, None]
         # Running beams: the best Kg candidates that did not end in EOS.
         run_scores_new, keep = jax.lax.top_k(jnp.where(ends, -jnp.inf, top_scores), kg)
-        run_tokens_new = jnp.take_along_axis(seqs, keep[:, :, None], axis=1)
-        parent_new = jnp.take_along_axis(parent, keep, axis=1).astype(jnp.int32)
-        token_new = jnp.take_along_axis(token, keep, axis=1)
+        run_tokens_new = jnp.take_along_axis(seqs, keep[:, :, None], axis=1, mode="clip")
+        parent_new = jnp.take_along_axis(parent, keep, axis=1, mode="clip").astype(jnp.int32)
+        token_new = jnp.take_along_axis(token, keep, axis=1, mode="clip")
         node_new = None
     else:
-        cand_tokens = group["cand_tokens"].reshape(b, kg * c)
-        cand_ends = group["cand_ends"].reshape(b, kg * c)
-        lp = logprobs
-        if diversity_penalty:
-            lp = lp - diversity_penalty * jnp.take_along_axis(
-                jnp.broadcast_to(counts[:, None, :], (b, kg, v)), jnp.maximum(group["cand_tokens"], 0), axis=-1)
-        cand = (run_scores[:, :, None] + lp).reshape(b, kg * c)  # [B, Kg*C]
+        cand_tokens = group["cand_tokens"].reshape(b, -1)
+        cand_ends = group["cand_ends"].reshape(b, -1)
+        ranked = "cand_parent" in group  # the group's candidates, already ranked: [B, 1, C]
+        if ranked:
+            src = group["cand_parent"].reshape(b, -1)  # [B, C] beam of each candidate
+            cand = jnp.take_along_axis(run_scores, src, axis=1, mode="clip") + logprobs.reshape(b, -1)
+
+            def beam_of(idx):
+                return jnp.take_along_axis(src, idx, axis=1, mode="clip")
+        else:
+            lp = logprobs
+            if diversity_penalty:
+                lp = lp - diversity_penalty * jnp.take_along_axis(
+                    jnp.broadcast_to(counts[:, None, :], (b, kg, v)), jnp.maximum(group["cand_tokens"], 0), axis=-1)
+            cand = (run_scores[:, :, None] + lp).reshape(b, kg * c)  # [B, Kg*C]
+
+            def beam_of(idx):
+                return idx // c
         # Finished hypotheses: ending candidates among the best Kg (every one of them at the end).
-        top_scores, top_idx = jax.lax.top_k(cand, min(kg, kg * c))
-        parent = top_idx // c
-        token = jnp.take_along_axis(cand_tokens, top_idx, axis=1)
-        ends = jnp.take_along_axis(cand_ends, top_idx, axis=1)
-        seqs = jnp.take_along_axis(run_tokens, parent[:, :, None], axis=1).at[:, :, t].set(token)
+        top_scores, top_idx = jax.lax.top_k(cand, min(kg, cand.shape[1]))
+        parent = beam_of(top_idx)
+        token = jnp.take_along_axis(cand_tokens, top_idx, axis=1, mode="clip")
+        ends = jnp.take_along_axis(cand_ends, top_idx, axis=1, mode="clip")
+        seqs = jnp.take_along_axis(run_tokens, parent[:, :, None], axis=1, mode="clip").at[:, :, t].set(token)
         finishing = (ends | last) & ~done[:, None]
         # Running beams: the best Kg candidates that do not end (any number of candidates may end).
         run_scores_new, keep = jax.lax.top_k(jnp.where(cand_ends, -jnp.inf, cand), kg)
-        parent_new = (keep // c).astype(jnp.int32)
-        token_new = jnp.take_along_axis(cand_tokens, keep, axis=1)
-        run_tokens_new = jnp.take_along_axis(run_tokens, parent_new[:, :, None], axis=1).at[:, :, t].set(token_new)
-        node_new = tuple(jnp.take_along_axis(x.reshape(b, kg * c), keep, axis=1) for x in group["cand_next"])
+        parent_new = beam_of(keep).astype(jnp.int32)
+        token_new = jnp.take_along_axis(cand_tokens, keep, axis=1, mode="clip")
+        run_tokens_new = jnp.take_along_axis(run_tokens, parent_new[:, :, None], axis=1,
+                                             mode="clip").at[:, :, t].set(token_new)
+        node_new = tuple(jnp.take_along_axis(x.reshape(b, -1), keep, axis=1, mode="clip") for x in group["cand_next"])
 
     gen_len = (t + 1).astype(jnp.float32)
     new_fin = jnp.where(finishing, top_scores / gen_len ** length_penalty, -jnp.inf)
@@ -148,17 +162,18 @@ def _group_step(t, counts, group, *, max_new_tokens, length_penalty, diversity_p
     fin_scores_new, pick = jax.lax.top_k(all_scores, kg)
     all_tokens = jnp.concatenate([fin_tokens, seqs], axis=1)
     all_lengths = jnp.concatenate([fin_lengths, jnp.broadcast_to(t + 1, new_fin.shape)], axis=1)
-    fin_tokens_new = jnp.take_along_axis(all_tokens, pick[:, :, None], axis=1)
-    fin_lengths_new = jnp.take_along_axis(all_lengths, pick, axis=1).astype(jnp.int32)
+    fin_tokens_new = jnp.take_along_axis(all_tokens, pick[:, :, None], axis=1, mode="clip")
+    fin_lengths_new = jnp.take_along_axis(all_lengths, pick, axis=1, mode="clip").astype(jnp.int32)
 
     full = jnp.all(fin_scores_new > -jnp.inf, axis=-1)
     hopeless = jnp.min(fin_scores_new, axis=-1) >= _best_final_score(
         run_scores_new, t, max_new_tokens, length_penalty)
     done_new = done | last | (full & hopeless)
 
-    live_beam = ~done[:, None] & (run_scores_new > -jnp.inf)  # [B, Kg]
-    counts = counts + jnp.sum(jax.nn.one_hot(token_new, v, dtype=counts.dtype) * live_beam[..., None],
-                              axis=1)
+    if diversity_penalty:  # only the penalty of later groups reads the counts
+        live_beam = ~done[:, None] & (run_scores_new > -jnp.inf)  # [B, Kg]
+        counts = counts + jnp.sum(jax.nn.one_hot(token_new, v, dtype=counts.dtype) * live_beam[..., None],
+                                  axis=1)
 
     def frozen(new, old):  # finished groups keep their state
         return jnp.where(done.reshape(done.shape + (1,) * (new.ndim - 1)), old, new)
@@ -175,8 +190,9 @@ def _group_step(t, counts, group, *, max_new_tokens, length_penalty, diversity_p
 def _select(state: _BeamState, logprobs, *, max_new_tokens, length_penalty, diversity_penalty,
             eos_ids, constraint=None, cands=None, vocab_size=None) -> _BeamState:
     """One beam step for every row and group. logprobs: f32[B, G, Kg, V], or with a constraint the
-    candidates' log-probs f32[B, G, Kg, C] and `cands` (their tokens, ends and next states)."""
-    b, g, kg, _ = logprobs.shape
+    candidates' log-probs f32[B, G, Kg, C] and `cands` (their tokens, ends and next states), or the
+    groups' ranked candidates f32[B, G, 1, C] with cands.parent."""
+    b, g, kg = state.run_scores.shape
     v = logprobs.shape[-1] if cands is None else vocab_size
     t = state.step
     groups = dict(logprobs=logprobs, run_tokens=state.run_tokens, run_scores=state.run_scores,
@@ -185,7 +201,8 @@ def _select(state: _BeamState, logprobs, *, max_new_tokens, length_penalty, dive
     if cands is not None:
         groups.update(cand_tokens=cands.tokens, cand_ends=cands.ends, cand_next=cands.next,
                       node=tuple(n.reshape(b, g, kg) for n in state.cstate.node))
-    groups = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), groups)  # group axis first for the scan
+        if cands.parent is not None:
+            groups["cand_parent"] = cands.parent
 
     def step(counts, group):
         counts, out, parent = _group_step(t, counts, group, max_new_tokens=max_new_tokens,
@@ -193,9 +210,16 @@ def _select(state: _BeamState, logprobs, *, max_new_tokens, length_penalty, dive
                                           diversity_penalty=diversity_penalty, eos_ids=eos_ids)
         return counts, (out, parent)
 
-    _, (new, parent) = jax.lax.scan(step, jnp.zeros((b, v), jnp.float32), groups)
-    new = jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1), new)
-    parent = jnp.moveaxis(parent, 0, 1)  # [B, G, Kg] beam within its group
+    counts = jnp.zeros((b, v), jnp.float32)
+    if g == 1:  # one group: no scan (a loop of one iteration still costs its copies)
+        _, (new, parent) = step(counts, jax.tree.map(lambda a: a[:, 0], groups))
+        new = jax.tree.map(lambda a: a[:, None], new)
+        parent = parent[:, None]
+    else:
+        groups = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), groups)  # group axis first for the scan
+        _, (new, parent) = jax.lax.scan(step, counts, groups)
+        new = jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1), new)
+        parent = jnp.moveaxis(parent, 0, 1)  # [B, G, Kg] beam within its group
     row0 = (jnp.arange(b)[:, None, None] * (g * kg) + jnp.arange(g)[None, :, None] * kg)
     if cands is not None:
         node = new.pop("node")
@@ -205,17 +229,32 @@ def _select(state: _BeamState, logprobs, *, max_new_tokens, length_penalty, dive
 
 def _constrained_select(select, state, constraint, logits, b, g, kg):
     """Constraint candidates of every beam (logits [B*K, V]), then the beam step over them. Without a
-    diversity penalty the constraint selects per group from the running scores (one top-k over a
-    group's beams x allowed tokens); the penalty re-ranks tokens inside the step, so with it the
-    candidates are each beam's own best."""
+    diversity penalty the constraint ranks each group's candidates from the running scores (one
+    top-k over a group's beams x allowed tokens); the penalty re-ranks tokens inside the step, so with
+    it the candidates are each beam's own best. The loop body never sees depth 0 (min_depth=1)."""
     scores = None if select.keywords.get("diversity_penalty") else state.run_scores.reshape(-1)
-    c = constraint.candidates(state.cstate, logits, kg, scores=scores)
+    c = constraint.candidates(state.cstate, logits, kg, scores=scores, min_depth=1)
 
-    def split(a):  # [B*K, C] -> [B, G, Kg, C]
-        return a.reshape(b, g, kg, -1)
+    def split(a):  # [B*K, C] -> [B, G, Kg, C]; ranked per group: [B*G, C] -> [B, G, 1, C]
+        return a.reshape(b, g, kg if c.parent is None else 1, -1)
 
     cands = jax.tree.map(split, c)
     return select(state, cands.logprobs, constraint=constraint, cands=cands, vocab_size=logits.shape[-1])
+
+
+def _constrained_first(select, state, constraint, logits, b, g, kg):
+    """The first step: each prompt's candidates once (logits [B, V]; only beam 0 of a group is live), as
+    each group's ranked list (all from beam 0), or, with a diversity penalty (it re-ranks inside the
+    step), as every beam's own list."""
+    roots = constraint.init(b)
+    c = constraint.candidates(roots, logits, kg, max_depth=0)  # [B, C]
+    ranked = not select.keywords.get("diversity_penalty")
+    if ranked:  # the ranked step takes the best kg: at least kg slots
+        c = c.pad_to(kg)
+        c = dataclasses.replace(c, parent=jnp.zeros(c.tokens.shape, jnp.int32))
+    c = jax.tree.map(lambda a: jnp.broadcast_to(a[:, None, None, :], (b, g, 1 if ranked else kg, a.shape[-1])), c)
+    state = state.replace(cstate=roots.replace(node=tuple(jnp.repeat(x, g * kg) for x in roots.node)))
+    return select(state, c.logprobs, constraint=constraint, cands=c, vocab_size=logits.shape[-1])
 
 
 @partial(jax.jit, static_argnames=("config", "max_new_tokens", "num_beams", "num_groups",
@@ -244,12 +283,8 @@ def _beam_search(config, params, prompt_tokens, prompt_lengths, constraint=None,
     if constraint is None:
         first = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
         state = select(state, jnp.broadcast_to(first[:, None, None, :], (b, g, kg, first.shape[-1])))
-    else:  # candidates of each prompt once, shared by its beams (only beam 0 of a group is live)
-        roots = constraint.init(b)
-        c = constraint.candidates(roots, logits, kg)
-        c = jax.tree.map(lambda a: jnp.broadcast_to(a[:, None, None, :], (b, g, kg, a.shape[-1])), c)
-        state = state.replace(cstate=roots.replace(node=tuple(jnp.repeat(x, k) for x in roots.node)))
-        state = select(state, c.logprobs, constraint=constraint, cands=c, vocab_size=logits.shape[-1])
+    else:
+        state = _constrained_first(select, state, constraint, logits, b, g, kg)
 
     def cond(state):
         return (state.step < n) & ~jnp.all(state.done)
