@@ -233,7 +233,8 @@ def test_kernel_interpret_matches_reference(variant, mode, k):
 
 @pytest.mark.parametrize("variant,platform,target", [("gpu", "cuda", "triton"), ("tpu", "tpu", "tpu_custom_call")])
 @pytest.mark.parametrize("mode,shape", [("candidates", (140, 2048, 80, 70)), ("mask", (140, 2048, 2048, 70)),
-                                        ("candidates", (3, 1000, 5, 5)), ("mask", (9, 4096, 4096, 71))])
+                                        ("candidates", (3, 1000, 5, 5)), ("mask", (9, 4096, 4096, 71)),
+                                        ("mask", (140, 131072, 131072, 140)), ("candidates", (16, 131072, 96, 80))])
 def test_kernel_lowers_for_gpu_and_tpu(variant, platform, target, mode, shape):
     """Pallas' Triton / Mosaic lowering (block-shape rules) on this CPU; running it needs the hardware."""
     r, v, c, k = shape
