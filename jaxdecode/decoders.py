@@ -83,8 +83,9 @@ register_method("diverse_beam", _beam(True), method_options("diverse_beam"), per
 
 
 # ----------------------------------------------------------------------------- speculative
-# The verifier that is lossless for each way a drafter picks children (used when none is named).
-DEFAULT_VERIFIER = {"point": "point_mass", "sample": "chain", "argmax": "topk", "topk": "topk",
+# The verifier used when none is named, per child rule (jaxdecode.verifiers.CHILD_RULES): each is lossless
+# for its rule on chains and trees alike (tests/test_verifier_pairs.py checks it against the declarations).
+DEFAULT_VERIFIER = {"point": "point_mass", "sample": "specinfer", "argmax": "topk", "topk": "topk",
                     "iid": "specinfer", "gumbel": "rsd"}
 
 

@@ -15,7 +15,7 @@
 
 Rows accept different lengths; a finished row (EOS or max_new_tokens) stops committing. Stats: tau
 (tokens per verification call, counting the bonus), target calls (incl. the prefill), the accepted-
-length histogram and the acceptance rate per tree depth.
+length histogram and the acceptance rate per tree depth, both over committed nodes (`_acceptance_stats`).
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from jaxdecode.autoregressive import (default_cache_len, is_eos, nonfinite_rows,
 from jaxdecode.models import commit, forward, init_cache
 from jaxdecode.sampling import SamplerConfig, process_logits
 from jaxdecode.tree import Tree, ancestor_mask, depths, path_to_keep
+from jaxdecode.verifiers import CHILD_RULES, VERIFIERS, check_tree_kind, get_verifier
 
 
 class SpeculativeError(ValueError):
@@ -64,28 +65,14 @@ class Observation:
 class Drafter(Protocol):
     num_nodes: int  # N, static tree size
     max_depth: int  # deepest node of any proposed tree
-    child_rule: str  # how children were chosen: "argmax" | "sample" | "topk" | "iid" | "gumbel" | "point"
+    child_rule: str  # how children were chosen: one of jaxdecode.verifiers.CHILD_RULES
+    is_chain: bool  # every proposal is a chain (no node has two children); absent = False
 
     def init(self, prompt_tokens, prompt_lengths, cache_len: int, key) -> Any: ...
 
     def propose(self, state, ctx: DraftContext, sampler: SamplerConfig) -> tuple[Tree, Any, Any]: ...
 
     def observe(self, state, obs: Observation) -> Any: ...
-
-
-# Which child-selection rules each verifier is lossless with (the engine refuses other pairs).
-VERIFIER_CHILD_RULES = {
-    "greedy": None,  # any drafts
-    "typical": None,  # lossy anyway
-    "point_mass": None,  # any drafts, treated as point masses
-    "topk": None,  # any deterministic or sampled children: accepts c w.p. P(c) and zeroes it
-    "chain": ("sample",),
-    "block": ("sample",),
-    "specinfer": ("iid", "sample"),
-    "spectr": ("iid", "sample"),
-    "gbv": ("iid", "sample"),
-    "rsd": ("gumbel", "sample"),
-}
 
 
 # ----------------------------------------------------------------------------- state and output
@@ -109,9 +96,9 @@ class _SpecState:
     key: jax.Array
     target_calls: jax.Array  # int32 scalar (incl. prefill)
     steps: jax.Array  # int32[B]: verification calls while the row was active
-    accept_hist: jax.Array  # int32[D+1]: accepted draft lengths 0..D over active row-steps
-    depth_tried: jax.Array  # int32[D]: row-steps that reached depth d-1 and had a node at depth d
-    depth_accepted: jax.Array  # int32[D]
+    accept_hist: jax.Array  # int32[D+1]: committed draft lengths 0..D over active row-steps
+    depth_tried: jax.Array  # int32[D]: row-steps whose node at depth d-1 had a child (_acceptance_stats)
+    depth_accepted: jax.Array  # int32[D]: row-steps that committed a node at depth d
     nonfinite: jax.Array  # bool[B]: target logits NaN/inf at the root or a valid node while active
 
     def replace(self, **kw):
@@ -175,14 +162,28 @@ def check_verify_widths(widths, num_nodes: int) -> tuple:
     return tuple(ws) if ws[-1] == num_nodes else tuple(ws) + (num_nodes,)
 
 
-def _depth_stats(tree: Tree, num_accepted, active, max_depth: int):
-    node_depth = jnp.where(tree.valid, depths(tree.parents), 0)  # [B, N]
-    d = jnp.arange(1, max_depth + 1)  # [D]
-    has_depth = jnp.any(node_depth[:, None, :] == d[None, :, None], axis=2)  # [B, D]
-    reached = num_accepted[:, None] >= d[None, :] - 1
-    tried = (has_depth & reached & active[:, None]).sum(0)
-    accepted = ((num_accepted[:, None] >= d[None, :]) & active[:, None]).sum(0)
-    return tried.astype(jnp.int32), accepted.astype(jnp.int32)
+def _acceptance_stats(tree: Tree, path, num_accepted, committed, active, max_depth: int):
+    """One step's acceptance counts over the active rows: (hist int32[D+1], tried int32[D],
+    accepted int32[D]).
+
+    path int32[B, N] / num_accepted int32[B]: the verifier's accepted nodes; committed int32[B]: how many
+    of them were committed (fewer when an EOS or max_new_tokens ends the row inside the path). Counted is
+    what was committed: hist[k] = rows that committed k draft nodes; depth d was *tried* when the node
+    committed at depth d-1 (the root for d = 1) has a valid child, and *accepted* when a node at depth d
+    was committed. A depth past a cut path is neither (the verifier's verdict there was discarded)."""
+    b, n = tree.tokens.shape
+    d = jnp.arange(1, max_depth + 1)[None, :]  # [1, D]
+    slots = jnp.arange(n + 1)[None, :, None]
+    has_child = jnp.any(tree.valid[:, None, :] & (tree.parents[:, None, :] + 1 == slots), axis=2)  # [B, N+1]
+    # Parent slot of depth d: the root for d = 1, else the committed node at depth d-1 (slot = node + 1).
+    parent_slot = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), path[:, :max_depth - 1] + 1], axis=1)
+    parent_slot = jnp.clip(parent_slot, 0, n)  # -1 padding -> the root; masked below
+    uncut = (committed == num_accepted)[:, None]
+    accepted = (d <= committed[:, None]) & active[:, None]
+    tried = accepted | ((d == committed[:, None] + 1) & uncut & active[:, None]
+                        & jnp.take_along_axis(has_child, parent_slot, axis=1))
+    hist = (jax.nn.one_hot(committed, max_depth + 1, dtype=jnp.int32) * active[:, None]).sum(0)
+    return hist, tried.sum(0).astype(jnp.int32), accepted.sum(0).astype(jnp.int32)
 
 
 @partial(jax.jit, static_argnames=("config", "verifier", "sampler", "max_new_tokens", "eos_ids",
@@ -241,9 +242,10 @@ def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, *,
         obs = Observation(tree=tree, path=res.path, num_accepted=res.num_accepted, bonus=res.bonus,
                           target_logits=logits, history=history, hist_len=hist_len, active=active)
         dstate = drafter.observe(dstate, obs)
-        tried, accepted = _depth_stats(tree, res.num_accepted, active, max_d)
-        acc_hist = st.accept_hist + (jax.nn.one_hot(res.num_accepted, max_d + 1, dtype=jnp.int32)
-                                     * active[:, None]).sum(0)
+        # Committed draft nodes: the path up to an EOS or the token budget (count includes the bonus).
+        committed = jnp.minimum(res.num_accepted, count)
+        hist, tried, accepted = _acceptance_stats(tree, res.path, res.num_accepted, committed, active, max_d)
+        acc_hist = st.accept_hist + hist
         return st.replace(cache=cache, drafter_state=dstate, history=history, hist_len=hist_len,
                           num_new=num_new, done=done, key=key, target_calls=st.target_calls + 1,
                           steps=st.steps + active.astype(jnp.int32), accept_hist=acc_hist,
@@ -262,45 +264,67 @@ def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, *,
     return SpecOutput(tokens=out, lengths=st.num_new, stats=stats)
 
 
+def _structure_error(drafter, verifier) -> str | None:
+    """Why `verifier` cannot verify this drafter's proposals as declared (child rule, tree kind, draft
+    probabilities), or None when it can."""
+    name, rule = verifier.name, drafter.child_rule
+    chain = bool(getattr(drafter, "is_chain", False))
+    if not verifier.accepts_children(rule, chain):
+        shape = "chains" if chain else "a branching tree"
+        return (f"verifier {name!r} is lossless only for children chosen by {verifier.describe_children()}, "
+                f"but this drafter's children are {rule!r} on {shape}")
+    if verifier.needs_draft_probs and rule == "point":
+        return f"verifier {name!r} needs draft probabilities but this drafter proposes point masses"
+    kind = verifier.tree_kind
+    if kind == "chain" and not chain:
+        return f"verifier {name!r} verifies chains only (e.g. tree='chain:4'), but this drafter branches"
+    parents = getattr(getattr(drafter, "builder", None), "static_parents", None)
+    if kind != "tree":
+        if parents is None and not chain:
+            return (f"verifier {name!r} needs a fixed tree structure ({kind}), e.g. tree='static:3,1,1:iid' "
+                    f"for 3 i.i.d. chains; this drafter's trees change from step to step")
+        if parents is not None:
+            try:
+                check_tree_kind(verifier, parents)
+            except ValueError as e:
+                return str(e)
+    return None
+
+
+def _sampling_verifiers_for(drafter) -> str:
+    """The lossless sampling verifiers that accept this drafter's proposals, for error messages."""
+    names = [n for n in VERIFIERS if (v := get_verifier(n)).lossless and not v.greedy_decoding
+             and _structure_error(drafter, v) is None]
+    return ", ".join(names) or "none"
+
+
 def check_combination(config, drafter, verifier, sampler: SamplerConfig) -> None:
-    """Host-side checks of a drafter / verifier / sampler combination; clear errors."""
+    """Host-side checks of a drafter / verifier / sampler combination; clear errors. Which drafts a
+    verifier is lossless for is declared by the verifier itself (`child_rules`, `tree_kind`, ...)."""
     dcfg = getattr(drafter, "config", None)
     if dcfg is not None and dcfg.vocab_size != config.vocab_size:
         raise SpeculativeError(
             f"the drafter's vocabulary ({dcfg.vocab_size} tokens) differs from the target's "
             f"({config.vocab_size}): drafter and target must share one tokenizer")
-    name = verifier.name
-    if name != "greedy" and sampler.is_greedy and getattr(verifier, "needs_sampling", True):
-        raise SpeculativeError(
-            f"verifier {name!r} samples but the temperature is {sampler.temperature} (<= 0): use "
-            f"verifier='greedy' for greedy decoding or a temperature > 0")
     if sampler.repetition_penalty != 1.0:
         raise SpeculativeError("repetition_penalty depends on each tree node's own history, which "
                                "speculative decoding does not track; use method='sample' for it")
-    rules = VERIFIER_CHILD_RULES.get(name)
-    if rules is not None and drafter.child_rule not in rules:
+    name, rule = verifier.name, drafter.child_rule
+    if rule not in CHILD_RULES:
+        raise SpeculativeError(f"the drafter's child_rule {rule!r} is unknown; declare one of "
+                               f"{', '.join(CHILD_RULES)} (jaxdecode.verifiers.CHILD_RULES)")
+    if verifier.greedy_decoding and not sampler.is_greedy:
         raise SpeculativeError(
-            f"verifier {name!r} is lossless only for drafts whose children are chosen by "
-            f"{' / '.join(rules)}, but this drafter's children are {drafter.child_rule!r}; pick a "
-            f"matching tree builder or the 'topk' / 'point_mass' verifier")
-    kind = getattr(verifier, "tree_kind", "tree")
-    if kind == "chain" and not getattr(drafter, "is_chain", False):
-        raise SpeculativeError(f"verifier {name!r} verifies chains only; use a chain tree (e.g. "
-                               f"tree='chain:4') or a tree verifier")
-    parents = getattr(getattr(drafter, "builder", None), "static_parents", None)
-    if kind != "tree":
-        if parents is None and not getattr(drafter, "is_chain", False):
-            raise SpeculativeError(f"verifier {name!r} needs a fixed tree structure ({kind}); use a "
-                                   f"static tree, e.g. tree='static:3,1,1:iid' for 3 i.i.d. chains")
-        if parents is not None:
-            from jaxdecode.verifiers import check_tree_kind
-            try:
-                check_tree_kind(verifier, parents)
-            except ValueError as e:
-                raise SpeculativeError(str(e)) from None
-    if verifier.needs_draft_probs and drafter.child_rule == "point":
-        raise SpeculativeError(f"verifier {name!r} needs draft probabilities but this drafter "
-                               f"proposes point masses; use verifier='point_mass' (or 'greedy')")
+            f"verifier {name!r} decodes greedily (argmax), but the temperature is {sampler.temperature}: "
+            f"use temperature 0, or a sampling verifier for this drafter ({_sampling_verifiers_for(drafter)})")
+    if not verifier.greedy_decoding and sampler.is_greedy:
+        raise SpeculativeError(
+            f"verifier {name!r} samples but the temperature is {sampler.temperature} (<= 0): use "
+            f"verifier='greedy' for greedy decoding or a temperature > 0")
+    problem = _structure_error(drafter, verifier)
+    if problem is not None:
+        raise SpeculativeError(f"{problem}; lossless sampling verifiers for this drafter: "
+                               f"{_sampling_verifiers_for(drafter)}")
 
 
 def speculative_decode(config, params, drafter, prompt_tokens, prompt_lengths, *, max_new_tokens: int,

@@ -12,10 +12,13 @@ is vmapped, so everything jits and vmaps. Invalid nodes (tree.valid False) are n
 without valid nodes just samples the bonus at the root.
 
 Class attributes say how a verifier may be used: `name` (registry key), `lossless` (output distributed
-exactly as sampling from the target), `needs_draft_probs`, and `tree_kind`: "chain" (node i's parent
-is node i-1), "paths" (several root-to-leaf chains sharing only the root) or "tree" (any tree).
-`check_tree_kind` checks a concrete parents array on the host; `__call__` runs it when the tree is
-concrete (not under jit).
+exactly as sampling from the target), `greedy_decoding` (reproduces argmax decoding: temperature 0
+only; every other verifier samples: temperature > 0), `needs_draft_probs`, `tree_kind`: "chain" (node
+i's parent is node i-1), "paths" (several root-to-leaf chains sharing only the root) or "tree" (any
+tree), and `child_rules`: the ways of choosing children (CHILD_RULES) it is lossless for, each on any
+tree or on chains only; `accepts_children(rule, chain)` answers from it, and the speculative engine
+refuses every other pair. `check_tree_kind` checks a concrete parents array on the host; `__call__`
+runs it when the tree is concrete (not under jit).
 
 Rules (ALGORITHMS.md §1 and the papers; formulas re-derived and checked by the χ² tests):
 - greedy: descend into the child carrying argmax P; bonus = argmax at the last accepted node.
@@ -57,10 +60,25 @@ __all__ = [
     "VerifyResult", "Verifier", "VerifierInputError", "TreeKindError",
     "GreedyVerifier", "ChainVerifier", "PointMassVerifier", "BlockVerifier", "SpecInferVerifier",
     "RSDVerifier", "TopKVerifier", "SpecTrVerifier", "GreedyBlockVerifier", "LossyTypicalVerifier",
-    "VERIFIERS", "TREE_KINDS", "get_verifier", "check_tree_kind",
+    "VERIFIERS", "TREE_KINDS", "CHILD_RULES", "ANY_CHILDREN", "get_verifier", "check_tree_kind",
 ]
 
 TREE_KINDS = ("chain", "paths", "tree")
+
+# How a drafter chose each node's children (its `child_rule`): the contract between drafters and verifiers.
+CHILD_RULES = {
+    "argmax": "deterministic: the draft's most likely token (on a tree the r-th child is the r-th most likely)",
+    "topk": "deterministic: a node's r-th child is the r-th most likely draft token",
+    "sample": "drawn from q: a chain node's one child; on a tree the siblings are i.i.d. (as 'iid')",
+    "iid": "siblings drawn i.i.d. from q (with replacement)",
+    "gumbel": "siblings drawn from q without replacement, listed in draw order (Gumbel-top-k)",
+    "point": "point masses without a draft distribution (prompt lookup, n-grams, token recycling)",
+}
+ANY_CHILDREN = "any"  # a `child_rules` value: lossless whatever the rule (drafts independent of the verifier)
+_SCOPES = ("tree", "chain")  # a rule holds on any tree the verifier's tree_kind admits / on chains only
+# Children that are draws from q, independent across siblings. Without replacement ("gumbel") they are
+# independent only when each node has one child, i.e. on a chain.
+_IID_CHILDREN = {"sample": "tree", "iid": "tree", "gumbel": "chain"}
 _LN2 = math.log(2.0)
 
 
@@ -133,8 +151,39 @@ class Verifier(abc.ABC):
 
     name: ClassVar[str] = ""
     lossless: ClassVar[bool] = True
+    greedy_decoding: ClassVar[bool] = False
     needs_draft_probs: ClassVar[bool] = True
     tree_kind: ClassVar[str] = "tree"
+    # child rule -> "tree" | "chain" (see _SCOPES), or ANY_CHILDREN. Empty by default: a verifier that
+    # does not declare its contract is refused by the engine for every drafter.
+    child_rules: ClassVar = {}
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        rules = cls.child_rules
+        if rules != ANY_CHILDREN and (not isinstance(rules, dict) or not set(rules) <= set(CHILD_RULES)
+                                      or not set(rules.values()) <= set(_SCOPES)):
+            raise TypeError(f"{cls.__name__}.child_rules must be ANY_CHILDREN or a dict from child rules "
+                            f"({', '.join(CHILD_RULES)}) to a scope ({', '.join(_SCOPES)}), got {rules!r}")
+
+    @classmethod
+    def accepts_children(cls, rule: str, chain: bool) -> bool:
+        """Whether drafts whose children follow `rule` verify losslessly (the lossy verifier: are
+        verified at all); `chain`: the drafts are chains (no node has two children)."""
+        if cls.child_rules == ANY_CHILDREN:
+            return True
+        scope = cls.child_rules.get(rule)
+        return scope == "tree" or (scope == "chain" and chain)
+
+    @classmethod
+    def describe_children(cls) -> str:
+        """The declared child rules in words, for error messages."""
+        if cls.child_rules == ANY_CHILDREN:
+            return "any child rule"
+        parts = [" / ".join(r for r, sc in cls.child_rules.items() if sc == scope) for scope in _SCOPES]
+        words = (f"{parts[0]} (any {cls.tree_kind})" if parts[0] else "",
+                 f"{parts[1]} (chains only: no node with two children)" if parts[1] else "")
+        return " or ".join(w for w in words if w) or "no child rule"
 
     def __call__(self, target_probs, draft_probs, tree: Tree, key) -> VerifyResult:
         p, q = _check_inputs(self, target_probs, draft_probs, tree)
@@ -255,6 +304,8 @@ class GreedyVerifier(_SequentialVerifier):
 
     name: ClassVar[str] = "greedy"
     needs_draft_probs: ClassVar[bool] = False
+    greedy_decoding: ClassVar[bool] = True
+    child_rules: ClassVar = ANY_CHILDREN
 
     def _prepare(self, row):
         return {"argmax": jnp.argmax(row["p"], axis=-1).astype(jnp.int32)}
@@ -274,6 +325,7 @@ class PointMassVerifier(_SequentialVerifier):
 
     name: ClassVar[str] = "point_mass"
     needs_draft_probs: ClassVar[bool] = False
+    child_rules: ClassVar = ANY_CHILDREN
 
     def _prepare(self, row):
         # One draw per slot; each slot is current at most once, so the draws are independent.
@@ -295,6 +347,7 @@ class SpecInferVerifier(_SequentialVerifier):
     accepted, or a leaf: emit y ~ P. Lossless when the children are i.i.d. draws from q."""
 
     name: ClassVar[str] = "specinfer"
+    child_rules: ClassVar = _IID_CHILDREN
 
     def _enter(self, row, info, slot):
         return {"P": row["p"][slot]}
@@ -332,6 +385,10 @@ class RSDVerifier(_SequentialVerifier):
     a draw from Q and whether it exists at all does not depend on which token it is."""
 
     name: ClassVar[str] = "rsd"
+    # Without replacement on any tree. Not i.i.d. siblings: they repeat tokens that the residual Q has
+    # already zeroed, which biases the output (a χ² negative control); on a chain a sampled child is one
+    # draw from q, which is fine.
+    child_rules: ClassVar = {"gumbel": "tree", "sample": "chain", "iid": "chain"}
 
     def _enter(self, row, info, slot):
         return {"P": row["p"][slot], "Q": row["q"][slot]}
@@ -358,6 +415,7 @@ class TopKVerifier(_SequentialVerifier):
 
     name: ClassVar[str] = "topk"
     needs_draft_probs: ClassVar[bool] = False
+    child_rules: ClassVar = ANY_CHILDREN
 
     def _enter(self, row, info, slot):
         return {"P": row["p"][slot]}
@@ -417,6 +475,7 @@ class SpecTrVerifier(_SequentialVerifier):
     mass is min(q, p/ρ)(1-(1-β)^k)/β <= p exactly when 1-(1-β)^k <= ρβ. k = 1 is chain rejection."""
 
     name: ClassVar[str] = "spectr"
+    child_rules: ClassVar = _IID_CHILDREN
     bisection_steps: int = 32
 
     def __post_init__(self):
@@ -449,6 +508,7 @@ class LossyTypicalVerifier(_SequentialVerifier):
     name: ClassVar[str] = "typical"
     lossless: ClassVar[bool] = False
     needs_draft_probs: ClassVar[bool] = False
+    child_rules: ClassVar = ANY_CHILDREN
     eps: float = 0.09
     delta: float = 0.3
 
@@ -531,6 +591,7 @@ class BlockVerifier(Verifier):
 
     name: ClassVar[str] = "block"
     tree_kind: ClassVar[str] = "chain"
+    child_rules: ClassVar = _IID_CHILDREN
     _core = staticmethod(_block_core)
 
     def _verify_row(self, p, q, tokens, parents, valid, u):
@@ -570,6 +631,7 @@ class GreedyBlockVerifier(Verifier):
 
     name: ClassVar[str] = "gbv"
     tree_kind: ClassVar[str] = "paths"
+    child_rules: ClassVar = _IID_CHILDREN  # K i.i.d. paths; without replacement only for K = 1
     _core = staticmethod(_block_core)
 
     def _path_draft_law(self, q, chain, x, order, rank, num_paths):

@@ -1,20 +1,22 @@
-"""Speculative decoding engine: exactness against plain greedy, losslessness end to end, bad input."""
-import itertools
+"""Speculative decoding engine: exactness against plain greedy, losslessness end to end, statistics,
+bad input. Every drafter x tree x verifier pair is tested for losslessness in test_verifier_pairs.py;
+the χ² tests here run real draft LMs."""
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats as sps
 
 import jaxdecode
 from jaxdecode.autoregressive import decode, pad_prompts
 from jaxdecode.drafters import DraftLM, StaticTreeBuilder, parse_tree_spec
-from jaxdecode.models import ModelConfig, causal_mask, forward, init_params
+from jaxdecode.models import ModelConfig, init_params
 from jaxdecode.sampling import SamplerConfig
-from jaxdecode.speculative import SpeculativeError, speculative_decode
-from jaxdecode.tree import TreeError
+from jaxdecode.speculative import SpeculativeError, _acceptance_stats, speculative_decode
+from jaxdecode.tree import Tree, TreeError
 from jaxdecode.verifiers import get_verifier
+from test_verifier_pairs import chi2_pvalue, exact_joint
 
 GREEDY = SamplerConfig(temperature=0.0)
 
@@ -94,18 +96,6 @@ def small_vocab():
     return target, draft
 
 
-def exact_joint(cfg, params, prompt, vocab):
-    """p(x1, x2 | prompt) by enumeration: [V, V]."""
-    seqs = np.array([prompt + [a, b] for a, b in itertools.product(range(vocab), repeat=2)], np.int32)
-    n, t = seqs.shape
-    logits, _, _ = forward(cfg, params, jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(t), (n, t)), None,
-                           causal_mask(n, t))
-    lp = jax.nn.log_softmax(np.asarray(logits), axis=-1)
-    p1 = np.exp(lp[:, len(prompt) - 1])[np.arange(n), seqs[:, -2]]
-    p2 = np.exp(lp[:, len(prompt)])[np.arange(n), seqs[:, -1]]
-    return (p1 * p2).reshape(vocab, vocab)
-
-
 def joint_pvalue(cfg, params, drafter, verifier, temperature=1.0):
     prompts = np.tile(np.asarray(PROMPT, np.int32), (DRAWS, 1))
     lengths = np.full((DRAWS,), len(PROMPT), np.int32)
@@ -113,16 +103,12 @@ def joint_pvalue(cfg, params, drafter, verifier, temperature=1.0):
                              verifier=verifier, sampler=SamplerConfig(temperature=temperature),
                              key=jax.random.PRNGKey(11))
     toks = np.asarray(out.tokens)
-    v = cfg.vocab_size
-    counts = np.bincount(toks[:, 0] * v + toks[:, 1], minlength=v * v)
-    expected = exact_joint(cfg, params, PROMPT, v).ravel() * DRAWS
-    keep = expected > 5
-    chi2 = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
-    return sps.chi2.sf(chi2, keep.sum() - 1), out
+    return chi2_pvalue(toks, exact_joint(cfg, params, PROMPT, cfg.vocab_size)), out
 
 
-@pytest.mark.parametrize("tree,verifier", [("chain:3:sample", "chain"), ("static:2,2:iid", "specinfer"),
-                                           ("static:2,2:gumbel", "rsd"), ("static:3,2", "topk")])
+# A draft LM's own distributions reach the verifier (the pair matrix uses table drafters); the lossy
+# `typical` verifier failing the same χ² test is one of the matrix's negative controls.
+@pytest.mark.parametrize("tree,verifier", [("chain:3:sample", "chain"), ("static:2,2:gumbel", "rsd")])
 def test_sampling_speculative_matches_target_distribution(small_vocab, tree, verifier):
     (cfg, params), (dcfg, dparams) = small_vocab
     drafter = DraftLM(params=dparams, config=dcfg, builder=parse_tree_spec(tree))
@@ -131,13 +117,85 @@ def test_sampling_speculative_matches_target_distribution(small_vocab, tree, ver
     assert float(np.mean(out.stats["tau"])) > 1.0  # drafts were accepted, not only bonus tokens
 
 
-def test_lossy_typical_acceptance_fails_the_same_test(small_vocab):
-    (cfg, params), (dcfg, dparams) = small_vocab
-    drafter = DraftLM(params=dparams, config=dcfg, builder=parse_tree_spec("static:3,2"))
-    verifier = get_verifier("typical")
-    assert not verifier.lossless
-    p, _ = joint_pvalue(cfg, params, drafter, verifier)
-    assert p < 1e-6
+# ----------------------------------------------------------------------------- statistics
+def _tree(parents, valid=None, n_rows=1):
+    parents = np.tile(np.asarray(parents, np.int32), (n_rows, 1))
+    valid = np.ones(parents.shape, bool) if valid is None else np.tile(np.asarray(valid, bool), (n_rows, 1))
+    return Tree(tokens=jnp.zeros(parents.shape, jnp.int32), parents=jnp.asarray(parents), valid=jnp.asarray(valid))
+
+
+def test_acceptance_stats_hand_built_trees():
+    """Depth d is tried only when the committed node at depth d-1 has a valid child; only committed
+    nodes count. Tree:  root -> 0 -> 2 -> 4  and  root -> 1 -> 3  (depths 1, 1, 2, 2, 3)."""
+    parents = [-1, -1, 0, 1, 2]
+    full = [1, 1, 1, 1, 1]
+    # (valid, path, num_accepted, committed, active) -> (hist over 0..3, tried [3], accepted [3])
+    cases = [
+        (full, [1], 1, 1, True, [0, 1, 0, 0], [1, 1, 0], [1, 0, 0]),  # node 1's child 3 rejected
+        (full, [0, 2, 4], 3, 3, True, [0, 0, 0, 1], [1, 1, 1], [1, 1, 1]),
+        (full, [0, 2, 4], 3, 1, True, [0, 1, 0, 0], [1, 0, 0], [1, 0, 0]),  # EOS at node 0: rest dropped
+        (full, [], 0, 0, True, [1, 0, 0, 0], [1, 0, 0], [0, 0, 0]),
+        (full, [0, 2], 2, 2, False, [0, 0, 0, 0], [0, 0, 0], [0, 0, 0]),  # inactive row
+        # accepted node 1 has no valid child; a node at depth 2 exists elsewhere (node 2)
+        ([1, 1, 1, 0, 1], [1], 1, 1, True, [0, 1, 0, 0], [1, 0, 0], [1, 0, 0]),
+        ([0, 0, 0, 0, 0], [], 0, 0, True, [1, 0, 0, 0], [0, 0, 0], [0, 0, 0]),  # nothing drafted
+        ([1, 1, 1, 1, 0], [0, 2], 2, 2, True, [0, 0, 1, 0], [1, 1, 0], [1, 1, 0]),  # leaf node 2
+    ]
+    for valid, path, num, committed, active, hist, tried, accepted in cases:
+        p = jnp.asarray([path + [-1] * (5 - len(path))], jnp.int32)
+        got = _acceptance_stats(_tree(parents, valid), p, jnp.asarray([num]), jnp.asarray([committed]),
+                                jnp.asarray([active]), 3)
+        assert [np.asarray(g).tolist() for g in got] == [hist, tried, accepted], (valid, path, committed)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FixedTreeDrafter:
+    """Proposes the same hand-made tree for each row at every step (point masses)."""
+    tokens: jax.Array  # int32[B, N]
+    parents: jax.Array  # int32[B, N]
+    max_depth: int = dataclasses.field(metadata=dict(static=True))
+    child_rule = "point"
+    is_chain = False
+    num_nodes = property(lambda self: self.tokens.shape[1])
+
+    def init(self, prompt_tokens, prompt_lengths, cache_len, key):
+        return jnp.zeros((), jnp.int32)
+
+    def propose(self, state, ctx, sampler):
+        return Tree(tokens=self.tokens, parents=self.parents, valid=jnp.ones(self.tokens.shape, bool)), None, state
+
+    def observe(self, state, obs):
+        return state
+
+
+def test_engine_stats_count_committed_nodes_of_the_accepted_branch(models):
+    """Greedy verification of hand-made trees built from each row's greedy continuation g1 g2 g3:
+    row 0: chain g1 g2 g3, all accepted, but g1 is an EOS: one node committed;
+    row 1: root -> {g1, x -> y}: g1 accepted, it has no child (its sibling has): depth 2 not tried;
+    row 2: chain g1 g2 g3, all accepted, max_new_tokens = 2 commits two;
+    row 3: root -> g1 -> {z, g2}: two accepted, g2 is a leaf;
+    row 4: root -> g1 -> {z, w}, both wrong: depth 2 tried, not accepted."""
+    (cfg, params), _ = models
+    prompts, lengths = pad_prompts(PROMPTS_4 + PROMPTS_4[3:])
+    g = np.asarray(decode(cfg, params, prompts, lengths, max_new_tokens=3, sampler=GREEDY,
+                          method="greedy").tokens)
+    eos = int(g[0, 0])
+    assert eos not in g[1:, :2]  # only row 0 stops at an EOS
+    z, w = (g[3:, 1] + 1) % 64, (g[3:, 1] + 2) % 64
+    tokens = np.array([g[0], [g[1, 0], (g[1, 0] + 1) % 64, 0], g[2], [g[3, 0], z[0], g[3, 1]],
+                       [g[4, 0], z[1], w[1]]], np.int32)
+    parents = np.array([[-1, 0, 1], [-1, -1, 1], [-1, 0, 1], [-1, 0, 0], [-1, 0, 0]], np.int32)
+    drafter = FixedTreeDrafter(tokens=jnp.asarray(tokens), parents=jnp.asarray(parents), max_depth=3)
+    out = speculative_decode(cfg, params, drafter, prompts, lengths, max_new_tokens=2,
+                             verifier=get_verifier("greedy"), eos_ids=(eos,))
+    np.testing.assert_array_equal(np.asarray(out.lengths), [1, 2, 2, 2, 2])
+    np.testing.assert_array_equal(np.asarray(out.tokens)[1:], g[1:, :2])
+    s = out.stats
+    np.testing.assert_array_equal(np.asarray(s["verify_calls"]), [1, 1, 1, 1, 1])
+    np.testing.assert_array_equal(np.asarray(s["accept_hist"]), [0, 3, 2, 0])  # committed nodes per row
+    # tried [5, 3, 0] (depth 2: rows 2, 3, 4), accepted [5, 2, 0] (depth 2: rows 2, 3)
+    np.testing.assert_allclose(np.asarray(s["accept_rate_by_depth"]), [1.0, 2 / 3, 0.0], rtol=1e-6)
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -169,6 +227,22 @@ def test_bad_input(models):
                                                 builder=parse_tree_spec("static:2,2:sample")),
                            prompts, lengths, max_new_tokens=4, verifier=get_verifier("block"),
                            sampler=SamplerConfig(temperature=1.0))
+    # RSD is lossless for children drawn without replacement, not for i.i.d. siblings (issue 9).
+    with pytest.raises(SpeculativeError, match="'rsd' is lossless only for children chosen by gumbel"):
+        speculative_decode(cfg, params, DraftLM(params=dparams, config=dcfg,
+                                                builder=parse_tree_spec("static:2,2:sample")),
+                           prompts, lengths, max_new_tokens=4, verifier=get_verifier("rsd"),
+                           sampler=SamplerConfig(temperature=1.0))
+
+
+def test_greedy_verifier_refuses_sampling(models):
+    """verifier='greedy' at temperature > 0 would silently decode greedily: a clear error instead."""
+    (cfg, params), (dcfg, dparams) = models
+    prompts, lengths = pad_prompts([[1, 2, 3]])
+    drafter = DraftLM(params=dparams, config=dcfg, builder=parse_tree_spec("chain:2:sample"))
+    with pytest.raises(SpeculativeError, match=r"'greedy' decodes greedily.*temperature is 0.7.*specinfer"):
+        speculative_decode(cfg, params, drafter, prompts, lengths, max_new_tokens=4,
+                           verifier=get_verifier("greedy"), sampler=SamplerConfig(temperature=0.7))
 
 
 def test_verify_widths_are_checked_and_change_nothing(models):

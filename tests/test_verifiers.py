@@ -340,6 +340,8 @@ BROKEN_CASES = [
     ("specinfer", SpecInferNoResidual(), IID22),
     ("rsd-gumbel_topk", RSDWithQ(), WOR22),
     ("rsd-beam_search", RSDWithQ(), SBS32),
+    # The correct RSD rule on i.i.d. siblings (a pair the engine refuses): not lossless either.
+    ("rsd-iid_siblings", vf.RSDVerifier(), IID22),
     ("topk", TopKNoRenorm(), TOP22),
     ("spectr", SpecTrRhoOne(), IID32),
     ("gbv", GBVPlainQ(), PATHS33),

@@ -24,6 +24,8 @@ import numpy as np
 
 from jaxdecode.tree import Tree, TreeError, static_tree_layout, static_tree_parents, validate_parents
 
+# The child rules builders draft by (each is one of jaxdecode.verifiers.CHILD_RULES, which says what it
+# promises verifiers). On a static tree "argmax" ranks like "topk" and "sample" draws siblings i.i.d.
 RULES = ("argmax", "sample", "topk", "iid", "gumbel")
 
 
@@ -87,7 +89,8 @@ class StaticTreeBuilder:
 
     def __post_init__(self):
         if self.rule not in ("topk", "iid", "gumbel", "argmax", "sample"):
-            raise TreeError(f"static tree rule must be topk, iid or gumbel, got {self.rule!r}")
+            raise TreeError(f"static tree rule must be topk, iid or gumbel (or argmax = topk, sample = iid), "
+                            f"got {self.rule!r}")
         object.__setattr__(self, "paths", tuple(tuple(int(x) for x in p) for p in self.paths))
         static_tree_parents(self.paths)  # validates
 
