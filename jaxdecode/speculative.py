@@ -119,7 +119,8 @@ def _with_root(tree: Tree, pending, prefix_len):
     return tokens, positions, mask
 
 
-def _verify_forward(config, params, tree: Tree, pending, cache, active, widths: tuple, attn_impl: str):
+def _verify_forward(config, params, tree: Tree, pending, cache, active, widths: tuple, attn_impl: str,
+                    mesh=None):
     """The target over [pending, tree nodes]: logits [B, N+1, V] and the cache with them written.
 
     widths: ascending static node counts, the last = N. The forward runs over the smallest width that
@@ -134,7 +135,8 @@ def _verify_forward(config, params, tree: Tree, pending, cache, active, widths: 
         def branch(cache):
             t = Tree(tokens=tree.tokens[:, :width], parents=tree.parents[:, :width], valid=tree.valid[:, :width])
             tokens, positions, mask = _with_root(t, pending, cache.lengths)
-            logits, _, cache = forward(config, params, tokens, positions, cache, mask, attn_impl=attn_impl)
+            logits, _, cache = forward(config, params, tokens, positions, cache, mask, attn_impl=attn_impl,
+                                       mesh=mesh)
             return jnp.pad(logits, ((0, 0), (0, n - width), (0, 0))), cache
         return branch
 
@@ -187,9 +189,9 @@ def _acceptance_stats(tree: Tree, path, num_accepted, committed, active, max_dep
 
 
 @partial(jax.jit, static_argnames=("config", "verifier", "sampler", "max_new_tokens", "eos_ids",
-                                   "cache_len", "hist_cap", "attn_impl", "verify_widths"))
+                                   "cache_len", "hist_cap", "attn_impl", "verify_widths", "mesh"))
 def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, *, verifier, sampler,
-                 max_new_tokens, eos_ids, cache_len, hist_cap, attn_impl, verify_widths):
+                 max_new_tokens, eos_ids, cache_len, hist_cap, attn_impl, verify_widths, mesh=None):
     b, p = prompt_tokens.shape
     n, max_d = drafter.num_nodes, drafter.max_depth
     pad = pad_id_for(eos_ids)
@@ -213,7 +215,7 @@ def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, *,
         tree, draft_probs, dstate = drafter.propose(st.drafter_state, ctx, sampler)
         pending = st.history[rows, st.hist_len - 1]
         logits, cache = _verify_forward(config, params, tree, pending, st.cache, active, verify_widths,
-                                        attn_impl)  # [B, N+1, V]
+                                        attn_impl, mesh)  # [B, N+1, V]
         nodes = jnp.concatenate([jnp.ones((b, 1), bool), tree.valid], axis=1)  # [B, N+1]: root + valid
         nonfinite = st.nonfinite | nonfinite_rows(logits, active, nodes)
         target_probs = jnp.exp(process_logits(logits, sampler))
@@ -330,7 +332,7 @@ def check_combination(config, drafter, verifier, sampler: SamplerConfig) -> None
 def speculative_decode(config, params, drafter, prompt_tokens, prompt_lengths, *, max_new_tokens: int,
                        verifier, sampler: SamplerConfig = SamplerConfig(temperature=0.0),
                        eos_ids: tuple = (), key=None, cache_len: int | None = None,
-                       attn_impl: str | None = None, verify_widths=None) -> SpecOutput:
+                       attn_impl: str | None = None, verify_widths=None, mesh=None) -> SpecOutput:
     """Speculative decoding of up to max_new_tokens per row (see the module docstring).
 
     attn_impl: attention of the verification forward; default "tree" (the Pallas tree-attention
@@ -339,6 +341,8 @@ def speculative_decode(config, params, drafter, prompt_tokens, prompt_lengths, *
     drafter): each step verifies the smallest that covers every valid node. Pays off with drafters
     that leave low-confidence tails invalid (PromptLookupDrafter(lengths=...)); the output is the same.
     Default: the drafter's `verify_widths` attribute if it has one, else always all N nodes.
+    mesh: the (data, model) Mesh params and prompts are sharded on: the verification forward then runs
+    its attention kernel under shard_map on each device's shard (models.forward's `mesh`).
     """
     if attn_impl is None:
         attn_impl = "xla" if jax.default_backend() == "cpu" else "tree"
@@ -370,4 +374,5 @@ def speculative_decode(config, params, drafter, prompt_tokens, prompt_lengths, *
     widths = check_verify_widths(verify_widths, n)
     return _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, verifier=verifier,
                         sampler=sampler, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-                        cache_len=cache_len, hist_cap=hist_cap, attn_impl=attn_impl, verify_widths=widths)
+                        cache_len=cache_len, hist_cap=hist_cap, attn_impl=attn_impl, verify_widths=widths,
+                        mesh=mesh)

@@ -7,6 +7,10 @@ then moves the kept tokens (an accepted tree path, or the valid part of a padded
 consecutive slots and advances `lengths`. Because the rope of every key is applied with its true
 position (prefix length + tree depth), the moved entries are exactly what decoding that path token
 by token would have produced.
+
+Writes and moves touch only the entries concerned (B x T slots, a scatter with the row as a batch
+dimension), never the whole cache, so inside a jitted loop the cache is updated in place and their
+cost does not grow with S_max.
 """
 from __future__ import annotations
 
@@ -45,16 +49,26 @@ def init_cache(config, batch_size: int, max_len: int, dtype=None) -> KVCache:
                    lengths=jnp.zeros((batch_size,), jnp.int32))
 
 
-def write_new(cache_layer_k, cache_layer_v, new_k, new_v, lengths):
-    """Write T new keys/values of one layer after each row's committed prefix.
+def write_layer(k, v, layer, new_k, new_v, starts):
+    """Write one layer's T new keys/values per row at slots starts[b] .. starts[b]+T-1, in place.
 
-    cache_layer_*: [B, KV, S, hd]; new_*: [B, KV, T, hd]; lengths: [B].
+    k, v: [L, B, KV, S, hd] (the whole cache); layer: int32 scalar (traced inside the layer scan);
+    new_*: [B, T, KV, hd]; starts: int32[B]. One scatter of the [B, T, KV, hd] new entries at (layer,
+    slot) with the row as a batch dimension, so the cache is neither transposed nor copied (inside a
+    jitted loop XLA updates its buffer in place) and a cache sharded by rows stays partitioned. The
+    caller sizes the cache (starts + T <= S; the decoders check it up front).
     """
-    def one(ck, cv, nk, nv, start):
-        ck = jax.lax.dynamic_update_slice(ck, nk.astype(ck.dtype), (0, start, 0))
-        cv = jax.lax.dynamic_update_slice(cv, nv.astype(cv.dtype), (0, start, 0))
-        return ck, cv
-    return jax.vmap(one)(cache_layer_k, cache_layer_v, new_k, new_v, lengths)
+    b, t = new_k.shape[:2]
+    slots = starts.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+    idx = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (b, t)), slots], axis=-1)  # [B, T, 2]
+    dims = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=(2, 3), inserted_window_dims=(0, 3), scatter_dims_to_operand_dims=(0, 3),
+        operand_batching_dims=(1,), scatter_indices_batching_dims=(0,))
+
+    def put(cache, new):
+        return jax.lax.scatter(cache, idx, new.astype(cache.dtype), dims, indices_are_sorted=True,
+                               unique_indices=True, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+    return put(k, new_k), put(v, new_v)
 
 
 def commit(cache: KVCache, keep: jax.Array) -> KVCache:
@@ -67,21 +81,29 @@ def commit(cache: KVCache, keep: jax.Array) -> KVCache:
     keep = keep.astype(bool)
     t = keep.shape[1]
     # Kept indices first, in their original order (stable sort of the "dropped" flag).
-    order = jnp.argsort(~keep, axis=1, stable=True)  # [B, T]
+    order = jnp.argsort(~keep, axis=1, stable=True).astype(jnp.int32)  # [B, T]
     n_keep = keep.sum(axis=1).astype(jnp.int32)
-    all_prefix = jnp.all(order == jnp.arange(t)[None, :])
+    src = (cache.lengths[:, None] + order)[..., None]  # [B, T, 1]: window slot of the j-th kept token
+    dst = (cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :])[..., None]  # [B, T, 1]
 
-    def move(x):  # x: [L, B, KV, S, hd]
-        def row(xb, start, idx):  # xb: [L, KV, S, hd]
-            block = jax.lax.dynamic_slice_in_dim(xb, start, t, axis=2)
-            block = jnp.take(block, idx, axis=2)
-            return jax.lax.dynamic_update_slice_in_dim(xb, block, start, axis=2)
-        return jax.vmap(row, in_axes=(1, 0, 0), out_axes=1)(x, cache.lengths, order)
+    def move(x):  # x: [L, B, KV, S, hd]. Gather the T window entries per row (all layers), write them
+        # back in path order: the row is a batch dimension, so nothing but those entries is touched.
+        n_layers, _, kv, _, hd = x.shape
+        block = jax.lax.gather(  # [B, T, L, KV, hd]
+            x, src, jax.lax.GatherDimensionNumbers(offset_dims=(2, 3, 4), collapsed_slice_dims=(3,),
+                                                   start_index_map=(3,), operand_batching_dims=(1,),
+                                                   start_indices_batching_dims=(0,)),
+            (n_layers, 1, kv, 1, hd), mode=jax.lax.GatherScatterMode.CLIP)
+        return jax.lax.scatter(
+            x, dst, block, jax.lax.ScatterDimensionNumbers(update_window_dims=(2, 3, 4), inserted_window_dims=(3,),
+                                                           scatter_dims_to_operand_dims=(3,),
+                                                           operand_batching_dims=(1,),
+                                                           scatter_indices_batching_dims=(0,)),
+            indices_are_sorted=True, unique_indices=True, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
-    # When every row keeps a prefix (plain decoding), no data moves: skip the gather.
-    k, v = jax.lax.cond(all_prefix, lambda: (cache.k, cache.v),
-                        lambda: (move(cache.k), move(cache.v)))
-    return KVCache(k=k, v=v, lengths=cache.lengths + n_keep)
+    # No lax.cond around it to skip prefix-only commits: a conditional's pass-through branch makes XLA
+    # copy the whole cache, while the move itself costs only B*T entries.
+    return KVCache(k=move(cache.k), v=move(cache.v), lengths=cache.lengths + n_keep)
 
 
 def advance(cache: KVCache, n: jax.Array) -> KVCache:

@@ -12,6 +12,14 @@ Layers are stacked along a leading axis and run under `lax.scan`, so compile tim
 depth. `stop_at_layer` / `skip_layers` select a sub-network statically (self-speculation) without a
 second copy of the weights; `return_layers` exposes chosen layers' hidden states (feature drafters).
 
+A forward costs what the rows occupy, not the cache's capacity S: the whole cache rides in the layer
+scan's carry, each layer writes only its T new entries into it (`cache.write_layer`, in place inside
+the decoders' jitted loops) and reads it where it lies, and attention over the cache is the
+tree-attention op (jaxdecode.kernels.tree_attention: one semantics, its Pallas kernel on GPU/TPU and
+its blockwise jnp form, a loop over the occupied prefix blocks, elsewhere). With a `mesh` the op runs
+under shard_map on each device's rows and KV heads. Without a cache the T tokens attend densely
+(`attention`, the same masking rule).
+
 Parameter pytree (L = layers, D = hidden, H/KV = heads, hd = head dim, F = MLP width):
     embed [V, D]; pos_embed [P, D] (GPT-2); lm_head [D, V] (untied only)
     final_norm {scale [D], bias [D] (GPT-2)}
@@ -28,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .cache import KVCache, write_new
+from .cache import KVCache, write_layer
 from .config import ModelConfig, rope_inv_freq
 
 _MASKED = -1e30  # finite, so a fully masked (padding) query gives a uniform softmax, never NaN
@@ -88,47 +96,31 @@ def attention(q, k, v, visible):
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, hd).astype(q.dtype)
 
 
-def key_visibility(positions, attn_mask, lengths, max_len, write_offset=None, key_positions=None):
-    """Which cache slots each new token sees, and the positions of the keys in those slots.
-
-    Slots < lengths[b] are the committed prefix (slot index == position). attn_mask [B, T, W] covers the
-    W slots lengths[b] .. lengths[b]+W-1 after it; the T new tokens are written at window columns
-    write_offset[b] .. write_offset[b]+T-1 (default 0, and W == T: the window is just the new tokens).
-    W > T lets a forward see tokens written by an earlier, not yet committed forward (a draft tree grown
-    level by level). key_positions [B, W] gives those earlier tokens' positions (only a sliding window
-    needs them; default: the slot index). Returns visible bool[B, T, S] and key_pos int32[B, S].
-    """
-    b, t = positions.shape
-    w = attn_mask.shape[2]
-    offset = jnp.zeros((b,), jnp.int32) if write_offset is None else write_offset.astype(jnp.int32)
-    slots = jnp.arange(max_len, dtype=jnp.int32)[None, :]  # [1, S]
-    rel = slots - lengths[:, None]  # [B, S]: column of the attention window
-    committed = rel < 0
-    in_window = (rel >= 0) & (rel < w)
-    rel_c = jnp.clip(rel, 0, w - 1)
-    win_vis = jnp.take_along_axis(attn_mask.astype(bool), jnp.broadcast_to(rel_c[:, None, :], (b, t, max_len)),
-                                  axis=2)
-    visible = committed[:, None, :] | (in_window[:, None, :] & win_vis)
-    # Key positions: committed slots by index; the new tokens from `positions`; other window columns
-    # from key_positions (or their slot index).
-    new_col = rel - offset[:, None]
-    is_new = (new_col >= 0) & (new_col < t)
-    new_pos = jnp.take_along_axis(positions, jnp.clip(new_col, 0, t - 1), axis=1)
-    other_pos = slots if key_positions is None else jnp.take_along_axis(key_positions, rel_c, axis=1)
-    key_pos = jnp.where(committed, slots, jnp.where(is_new, new_pos, other_pos))
-    return visible, key_pos.astype(jnp.int32)
-
-
 def _window_mask(visible, q_pos, key_pos, window):
     """Restrict visibility to keys within the sliding window (window 0 = full attention)."""
     in_window = (q_pos[:, :, None] - key_pos[:, None, :]) < window
     return jnp.where(window > 0, visible & in_window, visible)
 
 
+def window_key_positions(positions, lengths, width: int, write_offset=None, key_positions=None):
+    """Positions of the keys in the W = width window slots lengths[b] .. lengths[b]+W-1: int32[B, W].
+
+    The T new tokens sit at window columns write_offset[b] .. +T-1 (positions from `positions`); the
+    other columns hold tokens of an earlier, uncommitted forward (a draft tree grown level by level),
+    at `key_positions` [B, W] if given, else at their slot index (only a sliding window reads them)."""
+    b, t = positions.shape
+    offset = jnp.zeros((b,), jnp.int32) if write_offset is None else write_offset.astype(jnp.int32)
+    cols = jnp.arange(width, dtype=jnp.int32)[None, :]  # [1, W]
+    new_col = cols - offset[:, None]
+    new_pos = jnp.take_along_axis(positions.astype(jnp.int32), jnp.clip(new_col, 0, t - 1), axis=1)
+    other = lengths[:, None] + cols if key_positions is None else key_positions.astype(jnp.int32)
+    return jnp.where((new_col >= 0) & (new_col < t), new_pos, other).astype(jnp.int32)
+
+
 # ----------------------------------------------------------------------------- the layer
-def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, visible, key_pos, window, ck, cv, write_start,
-           tree_args=None, attn_impl: str = "xla"):
-    """One transformer block. x: [B, T, D]. ck/cv: this layer's cache [B, KV, S, hd] or None."""
+def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, attend):
+    """One transformer block. x: [B, T, D]. attend(q [B,T,H,hd], k, v [B,T,KV,hd]) -> (a [B,T,H,hd], aux):
+    the attention of this layer (with or without a cache); aux is returned as it is."""
     h = _norm(config, x, lp["attn_norm"])
     q = jnp.einsum("btd,dnh->btnh", h, lp["wq"])  # [B, T, H, hd]
     k = jnp.einsum("btd,dnh->btnh", h, lp["wk"])  # [B, T, KV, hd]
@@ -138,21 +130,7 @@ def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, visible, key_pos, window
     if config.uses_rope:
         q = apply_rope(q, q_pos, inv_freq)
         k = apply_rope(k, q_pos, inv_freq)
-    k = k.transpose(0, 2, 1, 3)  # [B, KV, T, hd]
-    v = v.transpose(0, 2, 1, 3)
-    if ck is not None:
-        ck, cv = write_new(ck, cv, k, v, write_start)
-        keys, vals = ck, cv
-    else:
-        keys, vals = k, v
-    if attn_impl == "xla" or ck is None:
-        vis = _window_mask(visible, q_pos, key_pos, window)
-        a = attention(q, keys, vals, vis)  # [B, T, H, hd]
-    else:  # the tree-attention op: Pallas kernel on GPU/TPU (or interpret mode), reference on CPU
-        from jaxdecode.kernels.tree_attention import tree_attention
-        lengths, mask, win_pos = tree_args
-        a = tree_attention(q, keys, vals, lengths, mask, q_positions=q_pos, window=window,
-                           key_positions=win_pos, impl="interpret" if attn_impl == "interpret" else "auto")
+    a, aux = attend(q, k, v)
     o = jnp.einsum("btnh,nhd->btd", a, lp["wo"])
     if config.o_bias:
         o = o + lp["bo"]
@@ -169,7 +147,7 @@ def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, visible, key_pos, window
         m = jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, lp["w_down"])
         if config.mlp_bias:
             m = m + lp["b_down"]
-    return x + m, ck, cv
+    return x + m, aux
 
 
 def _layer_ids(config: ModelConfig, stop_at_layer, skip_layers, return_layers) -> tuple:
@@ -194,23 +172,40 @@ def _layer_ids(config: ModelConfig, stop_at_layer, skip_layers, return_layers) -
 
 # ----------------------------------------------------------------------------- forward
 ATTN_IMPLS = ("xla", "tree", "interpret")
+# attn_impl -> the tree-attention op's impl (jaxdecode.kernels.tree_attention)
+_OP_IMPL = {"xla": "blockwise", "tree": "auto", "interpret": "interpret"}
 
 
-@partial(jax.jit, static_argnames=("config", "return_layers", "stop_at_layer", "skip_layers", "attn_impl"))
+def _cached_attention(q, k_all, v_all, layer, window, lengths, mask, q_pos, win_pos, attn_impl, mesh):
+    """The tree-attention op over layer `layer` of the stacked cache (read in place, never sliced out);
+    under shard_map on the mesh's local shards when a mesh is given (a Pallas call cannot be
+    partitioned by GSPMD)."""
+    from jaxdecode.kernels.tree_attention import sharded_tree_attention, tree_attention
+
+    kw = dict(q_positions=q_pos, window=window, key_positions=win_pos, layer=layer, impl=_OP_IMPL[attn_impl])
+    if mesh is None:
+        return tree_attention(q, k_all, v_all, lengths, mask, **kw)
+    return sharded_tree_attention(mesh, q, k_all, v_all, lengths, mask, **kw)
+
+
+@partial(jax.jit, static_argnames=("config", "return_layers", "stop_at_layer", "skip_layers", "attn_impl", "mesh"))
 def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | None, attn_mask,
             *, write_offset=None, key_positions=None, return_layers: tuple = (),
-            stop_at_layer: int | None = None, skip_layers: tuple = (), attn_impl: str = "xla"):
+            stop_at_layer: int | None = None, skip_layers: tuple = (), attn_impl: str = "xla", mesh=None):
     """Run the model over T new tokens per row. See the module docstring for the contract.
 
     attn_mask is [B, T, T], or with a cache [B, T, W >= T]: then its columns are the W slots after the
-    committed prefix and the new tokens are written at columns write_offset[b]..+T-1 (see
-    `key_visibility`), so a draft tree can grow level by level without committing.
+    committed prefix and the new tokens are written at columns write_offset[b]..+T-1 (key positions of
+    the other columns: `key_positions` [B, W], see `window_key_positions`), so a draft tree can grow
+    level by level without committing.
     Returns logits [B, T, V] (float32), hidden {"final": [B, T, D] after the final norm,
     "layers": [len(return_layers), B, T, D] outputs of the chosen layers (or None)}, and the cache
     with the new keys/values written after each row's committed prefix (lengths unchanged).
-    attn_impl: "xla" (plain einsum attention), "tree" (the tree-attention op of jaxdecode.kernels:
-    the Pallas kernel on GPU/TPU, its jnp reference on CPU) or "interpret" (the kernel in Pallas
-    interpret mode, for tests). All three compute the same function.
+    attn_impl (attention over the cache; all compute the same function): "xla" (the tree-attention op's
+    blockwise jnp form), "tree" (the op: its Pallas kernel on GPU/TPU, the blockwise form on CPU) or
+    "interpret" (the kernel in Pallas interpret mode, for tests).
+    mesh: a (data, model) Mesh when params and cache are sharded on it: the attention op then runs
+    under shard_map (rows over data, KV heads over model), as a Pallas kernel must.
     """
     if attn_impl not in ATTN_IMPLS:
         raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
@@ -223,36 +218,43 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
     if config.is_gpt2:
         x = x + jnp.take(params["pos_embed"], positions, axis=0)
     inv_freq = jnp.asarray(rope_inv_freq(config)) if config.uses_rope else None
+    positions = positions.astype(jnp.int32)
+    mask = attn_mask.astype(bool)
     if cache is not None:
-        visible, key_pos = key_visibility(positions, attn_mask, cache.lengths, cache.max_len,
-                                          write_offset, key_positions)
-        write_start = cache.lengths if write_offset is None else cache.lengths + write_offset
-        # The kernel takes the window columns' key positions directly ([B, W] after the prefix).
-        win_cols = cache.lengths[:, None] + jnp.arange(attn_mask.shape[2])[None, :]
-        win_pos = jnp.take_along_axis(key_pos, jnp.minimum(win_cols, cache.max_len - 1), axis=1)
-        tree_args = (cache.lengths, attn_mask.astype(bool), win_pos)
-    else:
-        visible, key_pos = attn_mask.astype(bool), positions.astype(jnp.int32)
+        write_start = cache.lengths if write_offset is None else cache.lengths + write_offset.astype(jnp.int32)
+        win_pos = window_key_positions(positions, cache.lengths, mask.shape[2], write_offset, key_positions)
 
     layers = params["layers"]
     windows = jnp.asarray(config.sliding_windows, jnp.int32)
+
+    # The cache rides in the scan's carry and each layer writes only its T new slots into it, so XLA
+    # updates it in place (no per-forward copy). The layers run are scanned by id; a sub-network
+    # (stop_at_layer / skip_layers) indexes its weights inside the body, so it gathers no copy of its
+    # weights or cache either (the full model scans the stacked weights, the usual form for training).
     full = ids == tuple(range(config.num_layers))
-    if not full:  # a static sub-network: gather its layers (and their cache slices)
-        sel = np.asarray(ids)
-        layers = jax.tree.map(lambda a: a[sel], layers)
-        windows = windows[sel]
-    ck_all = cv_all = None
-    if cache is not None:
-        ck_all, cv_all = (cache.k, cache.v) if full else (cache.k[sel], cache.v[sel])
 
-    def body(x, xs):
-        lp, w, ck, cv = xs
-        x, ck, cv = _layer(config, x, lp, positions, inv_freq, visible, key_pos, w, ck, cv,
-                           None if cache is None else write_start,
-                           None if cache is None else tree_args, attn_impl)
-        return x, (x if return_layers else None, ck, cv)
+    def body(carry, xs):
+        x, k_all, v_all = carry
+        layer, lp = xs
+        if lp is None:
+            lp = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), layers)
+        window = jax.lax.dynamic_index_in_dim(windows, layer, keepdims=False)
 
-    x, (per_layer, new_k, new_v) = jax.lax.scan(body, x, (layers, windows, ck_all, cv_all))
+        def attend(q, k, v):
+            if cache is None:  # the T tokens see each other as attn_mask says
+                vis = _window_mask(mask, positions, positions, window)
+                return attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), vis), (None, None)
+            k2, v2 = write_layer(k_all, v_all, layer, k, v, write_start)
+            a = _cached_attention(q, k2, v2, layer, window, cache.lengths, mask, positions, win_pos, attn_impl,
+                                  mesh)
+            return a, (k2, v2)
+
+        x, (k_all, v_all) = _layer(config, x, lp, positions, inv_freq, attend)
+        return (x, k_all, v_all), (x if return_layers else None)
+
+    init = (x, None, None) if cache is None else (x, cache.k, cache.v)
+    xs = (jnp.asarray(ids, jnp.int32), layers if full else None)
+    (x, new_k, new_v), per_layer = jax.lax.scan(body, init, xs)
     h_final = _norm(config, x, params["final_norm"])
     head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
     logits = jnp.einsum("btd,dv->btv", h_final, head, preferred_element_type=jnp.float32)
@@ -262,13 +264,7 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
         pos = [ids.index(i) for i in return_layers]
         layers_out = per_layer[np.asarray(pos)]
     hidden = {"final": h_final, "layers": layers_out}
-
-    new_cache = None
-    if cache is not None:
-        if full:
-            new_cache = cache.replace(k=new_k, v=new_v)
-        else:
-            new_cache = cache.replace(k=cache.k.at[sel].set(new_k), v=cache.v.at[sel].set(new_v))
+    new_cache = None if cache is None else cache.replace(k=new_k, v=new_v)
     return logits, hidden, new_cache
 
 

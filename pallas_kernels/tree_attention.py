@@ -1,15 +1,18 @@
 """Tree attention: N draft-tree nodes attend to their row's committed KV prefix and their ancestors.
 
     tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, q_positions=None, window=0,
-                   sm_scale=None, key_positions=None, impl="auto") -> out
+                   sm_scale=None, key_positions=None, layer=None, impl="auto") -> out
       q           [B, N, H, hd]   queries of the N tree nodes (rope applied)
       k/v_cache   [B, KV, S, hd]  one layer's cache, the N nodes' own keys already written at slots
-                                  lengths[b] .. lengths[b]+N-1 (what the model core does)
+                                  lengths[b] .. lengths[b]+N-1 (what the model core does); or, with
+                  [L, B, KV, S, hd] `layer`, the whole stacked cache and the layer to read (an int or
+                                  a traced int32 scalar): the model passes its cache this way, so no
+                                  layer slice is ever copied out of it
       lengths     int32[B]        committed prefix length per row (needs lengths[b] + W <= S)
       tree_mask   bool[B, N, W]   tree_mask[b, i, j]: node i sees the key at slot lengths[b] + j
                                   (ancestor-or-self, valid nodes). Usually W == N; W > N is the
                                   model's window of a tree grown level by level (earlier, uncommitted
-                                  levels' keys sit in the first columns, see key_visibility)
+                                  levels' keys sit in the first columns)
       q_positions int32[B, N]     positions of the nodes; only needed with a sliding window
       window      int or int32 scalar (may be traced, as in the model's layer scan); 0 = no window:
                   a key at position p' is visible to a query at p iff p - p' < window
@@ -17,11 +20,21 @@
                   q_positions (required when W > N and q_positions is given)
       out         [B, N, H, hd] in q.dtype; softmax in float32; sm_scale defaults to 1/sqrt(hd)
 
-Semantics are exactly `models.transformer.attention` over the visibility of
-`models.transformer.key_visibility` (plus its sliding-window rule), including its corner case: a query
-that sees no key at all (an invalid padded node over an empty prefix) gets the uniform average of all
-S value slots, because invisible keys score the finite -1e30 rather than -inf. This module does not
-import `models` (models will import kernels); the tests hold the two together.
+Semantics (`tree_attention_reference`, dense over all S slots): node i sees the committed slots
+< lengths[b] (key position = slot) and the window columns its tree_mask row marks, minus the keys
+outside its sliding window; softmax attention over those, invisible keys scoring the finite -1e30. So
+a query that sees no key at all (an invalid padded node over an empty prefix) gets the uniform average
+of all S value slots: finite, never NaN. This is the model's attention over its KV cache
+(models.transformer.forward runs this op in every layer).
+
+One function, three implementations:
+  * "reference": dense, for tests (reads all S slots whatever the rows hold);
+  * "blockwise": the kernel's math in jnp (XLA, any backend): the same online-softmax steps
+    (`_prefix_step`, `_tree_step`) vmapped over (row, KV head), in a loop over the prefix blocks some
+    row needs, [min blk_lo, max blk_hi) (below), then the window block. Its cost follows the longest
+    committed prefix, not the cache capacity S; it is the model's default attention;
+  * "pallas" / "interpret": the kernel (interpret = Pallas interpret mode, for tests on CPU).
+This module does not import `models` (models import kernels); the tests hold the two together.
 
 Kernel design (`impl="pallas"`). Per (row b, KV head h) the G = H/KV query heads of the group and the
 N nodes form the M = N*G query rows (row = node*G + g) of one program, so each K/V block is loaded
@@ -34,27 +47,34 @@ over
      skipped too. A row in which some query sees nothing sweeps all S slots, which reproduces the
      reference's uniform average exactly;
   2. the tree block: the W window keys (gathered from slots lengths[b]..lengths[b]+W-1 by the
-     wrapper, a [B, KV, W, hd] slice) masked by tree_mask (and the window).
+     wrapper, [B, KV, W, hd]) masked by tree_mask (and the window).
+The blockwise form runs the same two steps per (row, KV head) with one loop for the whole batch over
+the union of the rows' block ranges: in a block outside its own range every slot of a row is masked
+(-1e30), which weighs exactly 0 once the row's query has seen a visible key, so the result is the
+same. Its default block is BLOCKWISE_BLOCK_K slots; a cache of at most that many slots is one block
+(no loop); a last block that would pass S is moved back to end at S, its overlap dropped.
 Masked prefix slots score -1e30 (present but invisible, as in the reference); slots that are not
 keys at all (tree padding, cache padding past S) score -inf and weigh exactly 0. The running max
 starts at -1e30, so no exp(-inf - -inf) NaN can occur.
 
 Two lowerings of the same kernel math (`_prefix_step`, `_tree_step`, `_online_update`), chosen by
 `jax.default_backend()`:
-  * "tpu" (Mosaic): grid (B, KV, M/block_m, S/block_k), the last axis "arbitrary" (the reduction); lengths and
-    the per-row block range are scalar-prefetched into SMEM, and the K/V index_map clamps the block
-    index into the row's range, so skipped steps re-use the resident block (no DMA) and do no work.
+  * "tpu" (Mosaic): grid (B, KV, M/block_m, S/block_k), the last axis "arbitrary" (the reduction); lengths,
+    the per-row block range and the layer are scalar-prefetched into SMEM, and the K/V index_map picks
+    the layer and clamps the block index into the row's range, so skipped steps re-use the resident
+    block (no DMA) and do no work.
     m/l/acc live in VMEM scratch; the tree block and the output write run on the last step. Block
     shapes obey the (8, 128) rule: the second-to-last block dims (block_m, block_k, W_pad) are
     multiples of 8 (or the whole S), the last ones are full dims (hd, 1) or multiples of 128 (W_pad);
     block_k defaults to 512/256/128 dividing S, block_m to M rounded up to 16 (128 when M > 256).
   * "gpu" (Triton): grid (B, KV, M/block_m), an in-kernel `fori_loop` over the row's prefix blocks
-    (dynamic bounds read from the lengths/bounds inputs), K/V read block by block from the full-S
-    ref. Every loaded tensor is a power of two (Triton's requirement; dots need >= 16): M, W and hd
-    are padded to powers of two >= 16 (hd by masked loads of the cache, as the official Pallas GPU
-    attention does), block_k in {64, 32, 16}, block_m <= 64.
+    (dynamic bounds read from the lengths/bounds inputs), K/V read block by block at the layer from
+    the [L, S, hd] ref of the program's (row, head). Every loaded tensor is a power of two (Triton's
+    requirement; dots need >= 16): M, W and hd are padded to powers of two >= 16 (hd by masked loads
+    of the cache, as the official Pallas GPU attention does), block_k in {64, 32, 16}, block_m <= 64.
 A cache whose S has no legal block size (TPU: S > 1024 and not a multiple of 128; GPU: S not a
-multiple of 16) is padded along S for the call, which copies it: allocate caches accordingly.
+multiple of 16) is padded along S for the call, which copies its layer: allocate caches accordingly.
+A [B, KV, S, hd] cache is layer 0 of a one-layer stack for both (a free reshape).
 The GPU variant's parallelism is B*KV*(M/block_m) programs; a split-S (flash-decoding) variant would
 raise occupancy for long prefixes with few rows, at the cost of a second reduction pass.
 """
@@ -73,20 +93,31 @@ from .common import concrete, next_pow2, round_up, shard_map
 
 _MASKED = -1e30  # invisible key: same finite value as models.transformer (all-masked -> uniform)
 _ABSENT = float("-inf")  # not a key at all (padding): weight exactly 0
-_IMPLS = ("auto", "pallas", "interpret", "reference")
+_IMPLS = ("auto", "pallas", "interpret", "blockwise", "reference")
 _VARIANTS = ("tpu", "gpu")
 _LANES = 128  # TPU lane width: m/l scratch is stored lane-replicated, as Mosaic kernels do
 
 
 # ----------------------------------------------------------------------------- input checks
-def _check_inputs(q, k_cache, v_cache, lengths, tree_mask, q_positions, window, sm_scale, key_positions=None):
+def _check_inputs(q, k_cache, v_cache, lengths, tree_mask, q_positions, window, sm_scale, key_positions=None,
+                  layer=None):
     """Raise a ValueError naming the first problem with the inputs; returns (B, N, W, H, KV, S, hd)."""
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if getattr(x, "ndim", None) != 4:
-            raise ValueError(f"{name} must be 4-D ({'[B, N, H, hd]' if name == 'q' else '[B, KV, S, hd]'}),"
+    cache_layout = "[B, KV, S, hd]" if layer is None else "[L, B, KV, S, hd] (layer is given)"
+    for name, x, nd in (("q", q, 4), ("k_cache", k_cache, 4 if layer is None else 5),
+                        ("v_cache", v_cache, 4 if layer is None else 5)):
+        if getattr(x, "ndim", None) != nd:
+            raise ValueError(f"{name} must be {nd}-D ({'[B, N, H, hd]' if name == 'q' else cache_layout}),"
                              f" got shape {getattr(x, 'shape', None)}")
+    if layer is not None:
+        if isinstance(layer, (bool, np.bool_)) or not (
+                isinstance(layer, (int, np.integer))
+                or (getattr(layer, "shape", None) == () and jnp.issubdtype(layer.dtype, jnp.integer))):
+            raise ValueError(f"layer must be an int or an integer scalar array, got {layer!r}")
+        lv = concrete(layer)
+        if lv is not None and not 0 <= int(lv) < k_cache.shape[0]:
+            raise ValueError(f"layer {int(lv)} is not a layer of the cache (it has {k_cache.shape[0]})")
     b, n, h, hd = q.shape
-    kb, kv, s, khd = k_cache.shape
+    kb, kv, s, khd = k_cache.shape[-4:]
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache shape {v_cache.shape} differs from k_cache shape {k_cache.shape}")
     if kb != b:
@@ -153,13 +184,15 @@ def _scale(sm_scale, hd) -> float:
 
 # ----------------------------------------------------------------------------- reference
 def tree_attention_reference(q, k_cache, v_cache, lengths, tree_mask, *, q_positions=None, window=0,
-                             sm_scale=None, key_positions=None):
+                             sm_scale=None, key_positions=None, layer=None):
     """Pure-jnp tree attention: dense visibility over all S slots, then plain softmax attention.
 
     Same arguments as `tree_attention` (without `impl`); the math of models.transformer.attention.
     """
     b, n, w_cols, h, kv, s, hd = _check_inputs(q, k_cache, v_cache, lengths, tree_mask, q_positions, window,
-                                               sm_scale, key_positions)
+                                               sm_scale, key_positions, layer)
+    if layer is not None:
+        k_cache, v_cache = k_cache[layer], v_cache[layer]
     g = h // kv
     lengths = lengths.astype(jnp.int32)
     slots = jnp.arange(s, dtype=jnp.int32)[None, :]  # [1, S]
@@ -218,13 +251,16 @@ def _qk(q, k, scale, precision):
     return _mm(q, k, 1, precision) * scale
 
 
-def _prefix_step(state, q, k, v, start, length, lo_slot, *, s_true, s_padded, scale, precision):
-    """Prefix block of slots start..start+K-1. lo_slot: int32 [M, 1] first slot in each query's window."""
+def _prefix_step(state, q, k, v, start, length, lo_slot, covered=None, *, s_true, s_padded, scale, precision):
+    """Prefix block of slots start..start+K-1. lo_slot: int32 [M, 1] first slot in each query's window.
+    covered: slots below it were visited by an earlier block (a last block clamped to end at S)."""
     s = _qk(q, k, scale, precision)  # [M, K]
     slot = start + lax.broadcasted_iota(jnp.int32, s.shape, 1)  # [M, K]
     s = jnp.where((slot < length) & (slot >= lo_slot), s, _MASKED)
     if s_padded:  # slots past the real cache are not keys (matters for the all-masked uniform case)
         s = jnp.where(slot < s_true, s, _ABSENT)
+    if covered is not None:  # counted once already
+        s = jnp.where(slot >= covered, s, _ABSENT)
     return _online_update(state, s, v, precision)
 
 
@@ -248,8 +284,9 @@ def _init_state(m_rows, d):
 
 # ----------------------------------------------------------------------------- TPU (Mosaic) kernel
 def _tpu_kernel(len_ref, blo_ref, bhi_ref,  # SMEM scalar prefetch: int32 [B] each
+                lay_ref,  # SMEM scalar prefetch: int32 [1], the cache layer (used by the index maps)
                 q_ref,  # [block_m, D]: query rows (node*G + g) of this q block
-                k_ref, v_ref,  # [block_k, D]: prefix block ki (clamped into the row's range)
+                k_ref, v_ref,  # [block_k, D]: prefix block ki of the layer (clamped into the row's range)
                 kt_ref, vt_ref,  # [W_pad, D]: the window's (tree nodes') keys/values
                 tv_ref,  # int32 [block_m, W_pad]
                 lo_ref,  # int32 [block_m, 1]
@@ -286,12 +323,12 @@ def _tpu_kernel(len_ref, blo_ref, bhi_ref,  # SMEM scalar prefetch: int32 [B] ea
         o_ref[...] = _finish(state).astype(o_ref.dtype)
 
 
-def _call_tpu(qr, k_cache, v_cache, kt, vt, tv, lo, lengths, blk_lo, blk_hi, *, block_k, block_m, s_true,
-              scale, interpret):
+def _call_tpu(qr, k_cache, v_cache, kt, vt, tv, lo, lengths, blk_lo, blk_hi, layer, *, block_k, block_m,
+              s_true, scale, interpret):
     from jax.experimental.pallas import tpu as pltpu
 
     b, kv, m_pad, d = qr.shape
-    s_pad = k_cache.shape[2]
+    s_pad = k_cache.shape[3]  # k/v_cache: [L, B, KV, S_pad, hd]
     w_pad = kt.shape[2]
     nk = s_pad // block_k
 
@@ -301,11 +338,11 @@ def _call_tpu(qr, k_cache, v_cache, kt, vt, tv, lo, lengths, blk_lo, blk_hi, *, 
     def tree_kv(bi, hi, qi, ki, *_):
         return bi, hi, 0, 0
 
-    def prefix_block(bi, hi, qi, ki, lens, blo, bhi):
+    def prefix_block(bi, hi, qi, ki, lens, blo, bhi, lay):
         # Outside [blo, bhi) repeat a neighbouring in-range block: Pallas skips the copy of an unchanged
         # block, and the kernel skips the compute.
         last = jnp.maximum(bhi[bi] - 1, blo[bi])
-        return bi, hi, jnp.minimum(jnp.maximum(ki, blo[bi]), last), 0
+        return lay[0], bi, hi, jnp.minimum(jnp.maximum(ki, blo[bi]), last), 0
 
     def mask_rows(bi, hi, qi, ki, *_):
         return bi, qi, 0
@@ -313,12 +350,12 @@ def _call_tpu(qr, k_cache, v_cache, kt, vt, tv, lo, lengths, blk_lo, blk_hi, *, 
     kernel = functools.partial(_tpu_kernel, block_k=block_k, s_true=s_true, s_padded=s_pad != s_true,
                                scale=scale, precision=_precision(qr.dtype))
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,
+        num_scalar_prefetch=4,
         grid=(b, kv, m_pad // block_m, nk),
         in_specs=[
             pl.BlockSpec((None, None, block_m, d), q_rows),  # q tile
-            pl.BlockSpec((None, None, block_k, d), prefix_block),  # k_cache
-            pl.BlockSpec((None, None, block_k, d), prefix_block),  # v_cache
+            pl.BlockSpec((None, None, None, block_k, d), prefix_block),  # k_cache (layer, row, head)
+            pl.BlockSpec((None, None, None, block_k, d), prefix_block),  # v_cache
             pl.BlockSpec((None, None, w_pad, d), tree_kv),  # tree keys
             pl.BlockSpec((None, None, w_pad, d), tree_kv),  # tree values
             pl.BlockSpec((None, block_m, w_pad), mask_rows),  # tree visibility
@@ -336,13 +373,14 @@ def _call_tpu(qr, k_cache, v_cache, kt, vt, tv, lo, lengths, blk_lo, blk_hi, *, 
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name="tree_attention_tpu",
-    )(lengths, blk_lo, blk_hi, qr, k_cache, v_cache, kt, vt, tv, lo)
+    )(lengths, blk_lo, blk_hi, layer, qr, k_cache, v_cache, kt, vt, tv, lo)
 
 
 # ----------------------------------------------------------------------------- GPU (Triton) kernel
 def _gpu_kernel(len_ref, blo_ref, bhi_ref,  # int32 scalars of this row
+                lay_ref,  # int32 [1]: the cache layer
                 q_ref,  # [block_m, D_pad]: query rows (node*G + g) of this q block
-                k_ref, v_ref,  # [S_pad, D_pad] (D_pad >= hd: columns past hd are masked on load)
+                k_ref, v_ref,  # [L, S_pad, D_pad] (D_pad >= hd: columns past hd are masked on load)
                 kt_ref, vt_ref,  # [W_pad, D_pad]: the window's (tree nodes') keys/values
                 tv_ref,  # int32 [block_m, W_pad]
                 lo_ref,  # int32 [block_m, 1]
@@ -352,12 +390,13 @@ def _gpu_kernel(len_ref, blo_ref, bhi_ref,  # int32 scalars of this row
 
     rows, d_pad = q_ref.shape
     length = len_ref[()]
+    layer = lay_ref[0]
     q = q_ref[...]
     lo_slot = lo_ref[...]
     col_ok = (lax.broadcasted_iota(jnp.int32, (block_k, d_pad), 1) < head_dim) if d_pad != head_dim else None
 
     def load_block(ref, start):
-        view = ref.at[pl.ds(start, block_k), :]
+        view = ref.at[layer, pl.ds(start, block_k), :]
         return view[...] if col_ok is None else plgpu.load(view, mask=col_ok, other=0)
 
     def body(ki, state):
@@ -370,12 +409,12 @@ def _gpu_kernel(len_ref, blo_ref, bhi_ref,  # int32 scalars of this row
     o_ref[...] = _finish(state).astype(o_ref.dtype)
 
 
-def _call_gpu(qr, k_cache, v_cache, kt, vt, tv, lo, lengths, blk_lo, blk_hi, *, block_k, block_m, s_true,
+def _call_gpu(qr, k_cache, v_cache, kt, vt, tv, lo, lengths, blk_lo, blk_hi, layer, *, block_k, block_m, s_true,
               head_dim, scale, interpret):
     from jax.experimental.pallas import triton as plgpu
 
     b, kv, m_pad, d_pad = qr.shape
-    s_pad = k_cache.shape[2]
+    n_layers, s_pad = k_cache.shape[0], k_cache.shape[3]  # k/v_cache: [L, B, KV, S_pad, hd]
     w_pad = kt.shape[2]
 
     def q_rows(bi, hi, qi):
@@ -384,11 +423,17 @@ def _call_gpu(qr, k_cache, v_cache, kt, vt, tv, lo, lengths, blk_lo, blk_hi, *, 
     def whole(bi, hi, qi):
         return bi, hi, 0, 0
 
+    def all_layers(bi, hi, qi):
+        return 0, bi, hi, 0, 0
+
     def mask_rows(bi, hi, qi):
         return bi, qi, 0
 
     def scalar(bi, hi, qi):
         return (bi,)
+
+    def first(bi, hi, qi):
+        return (0,)
 
     kernel = functools.partial(_gpu_kernel, block_k=block_k, head_dim=head_dim, s_true=s_true, scale=scale,
                                precision=_precision(qr.dtype))
@@ -400,9 +445,11 @@ def _call_gpu(qr, k_cache, v_cache, kt, vt, tv, lo, lengths, blk_lo, blk_hi, *, 
             pl.BlockSpec((None,), scalar),  # lengths
             pl.BlockSpec((None,), scalar),  # first prefix block
             pl.BlockSpec((None,), scalar),  # end prefix block
+            pl.BlockSpec((1,), first),  # layer
             pl.BlockSpec((None, None, block_m, d_pad), q_rows),  # q tile
-            pl.BlockSpec((None, None, s_pad, d_pad), whole),  # k_cache (whole row, read per block)
-            pl.BlockSpec((None, None, s_pad, d_pad), whole),  # v_cache
+            # k/v_cache: every layer of this (row, head), read block by block at `layer`
+            pl.BlockSpec((n_layers, None, None, s_pad, d_pad), all_layers),
+            pl.BlockSpec((n_layers, None, None, s_pad, d_pad), all_layers),
             pl.BlockSpec((None, None, w_pad, d_pad), whole),  # tree keys
             pl.BlockSpec((None, None, w_pad, d_pad), whole),  # tree values
             pl.BlockSpec((None, block_m, w_pad), mask_rows),  # tree visibility
@@ -412,7 +459,7 @@ def _call_gpu(qr, k_cache, v_cache, kt, vt, tv, lo, lengths, blk_lo, blk_hi, *, 
         compiler_params=plgpu.CompilerParams(num_warps=4 if d_pad <= 64 else 8, num_stages=2),
         interpret=interpret,
         name="tree_attention_gpu",
-    )(lengths, blk_lo, blk_hi, qr, k_cache, v_cache, kt, vt, tv, lo)
+    )(lengths, blk_lo, blk_hi, layer, qr, k_cache, v_cache, kt, vt, tv, lo)
 
 
 # ----------------------------------------------------------------------------- block plan
@@ -455,24 +502,15 @@ def block_plan(variant: str, s: int, m: int, w: int, hd: int, block_k: int | Non
                 w_pad=next_pow2(max(w, 16)), d_pad=next_pow2(max(hd, 16)))
 
 
-# ----------------------------------------------------------------------------- kernel wrapper
-@functools.partial(jax.jit, static_argnames=("scale", "variant", "block_k", "block_m", "interpret"))
-def _pallas_forward(q, k_cache, v_cache, lengths, tree_mask, q_positions, key_positions, window, *, scale,
-                    variant, block_k, block_m, interpret):
-    b, n, h, hd = q.shape
-    kv, s = k_cache.shape[1], k_cache.shape[2]
-    w_cols = tree_mask.shape[2]
-    g = h // kv
-    m = n * g
-    plan = block_plan(variant, s, m, w_cols, hd, block_k, block_m)
-    bk, bm, s_pad, m_pad, w_pad, d_pad = (plan[k] for k in ("block_k", "block_m", "s_pad", "m_pad", "w_pad",
-                                                             "d_pad"))
-    nk = s_pad // bk
-    lengths = lengths.astype(jnp.int32)
-
-    # Visibility inputs of the kernel, computed once per call on [B, N, W]-sized arrays.
+# ----------------------------------------------------------------------------- shared by kernel and blockwise
+def _visibility(tree_mask, lengths, q_positions, key_positions, window):
+    """Per-node inputs of both implementations, on [B, N, W]-sized arrays: the window columns each node
+    sees (tree mask and sliding window) bool[B, N, W], the first prefix slot inside each node's window
+    int32[B, N], and which rows hold a query that sees no key at all bool[B] (they sweep all S slots,
+    which reproduces the reference's uniform average exactly)."""
+    b, n = tree_mask.shape[:2]
     tv = tree_mask.astype(bool)  # [B, N, W]
-    lo_slot = jnp.zeros((b, n), jnp.int32)  # first prefix slot inside each node's window
+    lo_slot = jnp.zeros((b, n), jnp.int32)
     if q_positions is not None:
         qpos = q_positions.astype(jnp.int32)
         kpos = qpos if key_positions is None else key_positions.astype(jnp.int32)  # [B, W]
@@ -480,17 +518,76 @@ def _pallas_forward(q, k_cache, v_cache, lengths, tree_mask, q_positions, key_po
         tv = tv & ((win <= 0) | ((qpos[:, :, None] - kpos[:, None, :]) < win))
         lo_slot = jnp.where(win > 0, qpos - win + 1, 0)
     sees_prefix = jnp.maximum(lo_slot, 0) < lengths[:, None]  # [B, N]
-    blind = ~(sees_prefix | jnp.any(tv, axis=-1))  # [B, N]: sees no key at all
-    sweep_all = jnp.any(blind, axis=-1)  # [B]: reproduce the uniform average over all S slots
-    blk_lo = jnp.where(sweep_all, 0, jnp.clip(jnp.min(jnp.maximum(lo_slot, 0), axis=-1) // bk, 0, nk - 1))
-    blk_hi = jnp.where(sweep_all, nk, jnp.clip(-(-lengths // bk), 0, nk))
-    blk_lo, blk_hi = blk_lo.astype(jnp.int32), blk_hi.astype(jnp.int32)
+    blind = ~(sees_prefix | jnp.any(tv, axis=-1))  # [B, N]
+    return tv, lo_slot, jnp.any(blind, axis=-1)
 
-    # Query tile per (row, KV head): row r = node * G + g. [B, N, H, hd] -> [B, KV, M, hd]
-    qr = q.reshape(b, n, kv, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, kv, m, hd)
-    # The window's (tree nodes') keys/values sit at slots lengths[b] .. lengths[b]+W-1: [B, KV, W, hd]
-    take = jax.vmap(lambda c, start: lax.dynamic_slice_in_dim(c, start, w_cols, axis=1))
-    kt, vt = take(k_cache, lengths), take(v_cache, lengths)
+
+def _block_range(lengths, lo_slot, sweep_all, block_k: int, num_blocks: int):
+    """Prefix blocks [blk_lo[b], blk_hi[b]) row b must visit: up to its committed length, from the first
+    block inside some node's window (all blocks for a sweeping row). int32[B] each."""
+    blk_lo = jnp.where(sweep_all, 0, jnp.clip(jnp.min(jnp.maximum(lo_slot, 0), axis=-1) // block_k, 0,
+                                              num_blocks - 1))
+    blk_hi = jnp.where(sweep_all, num_blocks, jnp.clip(-(-lengths // block_k), 0, num_blocks))
+    return blk_lo.astype(jnp.int32), blk_hi.astype(jnp.int32)
+
+
+def _window_kv(k_cache, v_cache, layer, lengths, w_cols: int):
+    """The W window keys/values of layer `layer`, slots lengths[b]..lengths[b]+W-1: [B, KV, W, hd] each.
+    k/v_cache: [L, B, KV, S, hd]. A gather of just those entries with the row as a batch dimension (no
+    transposed view of the cache; a cache sharded by rows stays partitioned)."""
+    b = lengths.shape[0]
+    slots = lengths[:, None] + jnp.arange(w_cols, dtype=jnp.int32)[None, :]  # [B, W]
+    idx = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (b, w_cols)), slots], axis=-1)  # [B, W, 2]
+    kv, hd = k_cache.shape[2], k_cache.shape[4]
+    dims = lax.GatherDimensionNumbers(offset_dims=(2, 3), collapsed_slice_dims=(0, 3), start_index_map=(0, 3),
+                                      operand_batching_dims=(1,), start_indices_batching_dims=(0,))
+
+    def take(c):  # [B, W, KV, hd] -> [B, KV, W, hd]
+        return lax.gather(c, idx, dims, (1, 1, kv, 1, hd), indices_are_sorted=True,
+                          mode=lax.GatherScatterMode.CLIP).transpose(0, 2, 1, 3)
+    return take(k_cache), take(v_cache)
+
+
+def _query_rows(q, kv: int):
+    """[B, N, H, hd] -> [B, KV, M, hd], query row r = node * G + g (the kernel's tile per KV head)."""
+    b, n, h, hd = q.shape
+    return q.reshape(b, n, kv, h // kv, hd).transpose(0, 2, 1, 3, 4).reshape(b, kv, n * (h // kv), hd)
+
+
+def _from_query_rows(out, n: int, h: int, hd: int):
+    """[B, KV, M(_pad), D(_pad)] -> [B, N, H, hd]."""
+    b, kv = out.shape[:2]
+    out = out[:, :, :n * (h // kv), :hd]
+    return out.reshape(b, kv, n, h // kv, hd).transpose(0, 2, 1, 3, 4).reshape(b, n, h, hd)
+
+
+def _as_stacked(k_cache, v_cache, layer):
+    """Both layouts as the stacked one: a [B, KV, S, hd] cache is layer 0 of a 1-layer stack (a free
+    reshape). Returns (k, v, layer as int32[1])."""
+    if layer is None:
+        return k_cache[None], v_cache[None], jnp.zeros((1,), jnp.int32)
+    return k_cache, v_cache, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+
+
+# ----------------------------------------------------------------------------- kernel wrapper
+@functools.partial(jax.jit, static_argnames=("scale", "variant", "block_k", "block_m", "interpret"))
+def _pallas_forward(q, k_cache, v_cache, lengths, tree_mask, q_positions, key_positions, window, layer, *,
+                    scale, variant, block_k, block_m, interpret):
+    """k/v_cache: [L, B, KV, S, hd]; layer: int32[1]."""
+    b, n, h, hd = q.shape
+    kv, s = k_cache.shape[2], k_cache.shape[3]
+    w_cols = tree_mask.shape[2]
+    g = h // kv
+    m = n * g
+    plan = block_plan(variant, s, m, w_cols, hd, block_k, block_m)
+    bk, bm, s_pad, m_pad, w_pad, d_pad = (plan[k] for k in ("block_k", "block_m", "s_pad", "m_pad", "w_pad",
+                                                             "d_pad"))
+    lengths = lengths.astype(jnp.int32)
+    tv, lo_slot, sweep_all = _visibility(tree_mask, lengths, q_positions, key_positions, window)
+    blk_lo, blk_hi = _block_range(lengths, lo_slot, sweep_all, bk, s_pad // bk)
+
+    qr = _query_rows(q, kv)  # [B, KV, M, hd]
+    kt, vt = _window_kv(k_cache, v_cache, layer[0], lengths, w_cols)  # [B, KV, W, hd]
     tv_rows = jnp.repeat(tv, g, axis=1).astype(jnp.int32)  # [B, M, W]
     lo_rows = jnp.repeat(lo_slot, g, axis=1)[:, :, None]  # [B, M, 1]
 
@@ -499,17 +596,18 @@ def _pallas_forward(q, k_cache, v_cache, lengths, tree_mask, q_positions, key_po
     vt = jnp.pad(vt, ((0, 0), (0, 0), (0, w_pad - w_cols), (0, d_pad - hd)))
     tv_rows = jnp.pad(tv_rows, ((0, 0), (0, m_pad - m), (0, w_pad - w_cols)))
     lo_rows = jnp.pad(lo_rows, ((0, 0), (0, m_pad - m), (0, 0)))
-    if s_pad != s:  # slow path (copies the cache): S has no legal block size
-        k_cache = jnp.pad(k_cache, ((0, 0), (0, 0), (0, s_pad - s), (0, 0)))
-        v_cache = jnp.pad(v_cache, ((0, 0), (0, 0), (0, s_pad - s), (0, 0)))
+    if s_pad != s:  # slow path (copies the layer): S has no legal block size
+        pad = ((0, 0), (0, 0), (0, 0), (0, s_pad - s), (0, 0))
+        k_cache = jnp.pad(lax.dynamic_index_in_dim(k_cache, layer[0], 0), pad)
+        v_cache = jnp.pad(lax.dynamic_index_in_dim(v_cache, layer[0], 0), pad)
+        layer = jnp.zeros((1,), jnp.int32)
 
-    args = (qr, k_cache, v_cache, kt, vt, tv_rows, lo_rows, lengths, blk_lo, blk_hi)
+    args = (qr, k_cache, v_cache, kt, vt, tv_rows, lo_rows, lengths, blk_lo, blk_hi, layer)
     if variant == "tpu":
         out = _call_tpu(*args, block_k=bk, block_m=bm, s_true=s, scale=scale, interpret=interpret)
     else:  # the cache keeps its hd columns; the kernel's block is D_pad wide and loads are masked
         out = _call_gpu(*args, block_k=bk, block_m=bm, s_true=s, head_dim=hd, scale=scale, interpret=interpret)
-    out = out[:, :, :m, :hd]  # [B, KV, M, hd]
-    return out.reshape(b, kv, n, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, n, h, hd)
+    return _from_query_rows(out, n, h, hd)
 
 
 def _default_variant() -> str:
@@ -517,50 +615,121 @@ def _default_variant() -> str:
 
 
 def tree_attention_pallas(q, k_cache, v_cache, lengths, tree_mask, *, q_positions=None, window=0,
-                          sm_scale=None, key_positions=None, interpret=False, variant=None, block_k=None,
-                          block_m=None):
+                          sm_scale=None, key_positions=None, layer=None, interpret=False, variant=None,
+                          block_k=None, block_m=None):
     """The Pallas kernel. `variant` "tpu" | "gpu" (default: by backend; "tpu" on CPU) picks the
     lowering; `interpret=True` runs it in Pallas interpret mode (any backend); `block_k` / `block_m`
     override the prefix block size / query rows per program (checked against the variant's rules)."""
-    hd = _check_inputs(q, k_cache, v_cache, lengths, tree_mask, q_positions, window, sm_scale, key_positions)[-1]
+    hd = _check_inputs(q, k_cache, v_cache, lengths, tree_mask, q_positions, window, sm_scale, key_positions,
+                       layer)[-1]
     variant = variant or _default_variant()
     if variant not in _VARIANTS:
         raise ValueError(f"variant must be one of {_VARIANTS} or None, got {variant!r}")
+    k_cache, v_cache, layer = _as_stacked(k_cache, v_cache, layer)
     return _pallas_forward(q, k_cache, v_cache, lengths, tree_mask, q_positions, key_positions,
-                           jnp.asarray(window, jnp.int32), scale=_scale(sm_scale, hd), variant=variant,
+                           jnp.asarray(window, jnp.int32), layer, scale=_scale(sm_scale, hd), variant=variant,
                            block_k=block_k, block_m=block_m, interpret=bool(interpret))
+
+
+# ----------------------------------------------------------------------------- blockwise (jnp)
+BLOCKWISE_BLOCK_K = 256  # prefix slots per step of the blockwise form
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_k"))
+def _blockwise_forward(q, k_cache, v_cache, lengths, tree_mask, q_positions, key_positions, window, layer, *,
+                       scale, block_k):
+    """The kernel's steps in jnp, vmapped over (row, KV head). k/v_cache: [L, B, KV, S, hd]; layer int32[1]."""
+    b, n, h, hd = q.shape
+    kv, s = k_cache.shape[2], k_cache.shape[3]
+    w_cols = tree_mask.shape[2]
+    g = h // kv
+    bk = min(block_k, s)
+    lengths = lengths.astype(jnp.int32)
+    layer = layer[0]
+    tv, lo_slot, sweep_all = _visibility(tree_mask, lengths, q_positions, key_positions, window)
+    blk_lo, blk_hi = _block_range(lengths, lo_slot, sweep_all, bk, -(-s // bk))
+    qr = _query_rows(q, kv)  # [B, KV, M, hd]
+    lo_rows = jnp.repeat(lo_slot, g, axis=1)[:, :, None]  # [B, M, 1]
+    precision = _precision(q.dtype)
+
+    # One step per (row, KV head): vmapped over KV heads (shared length / window bounds), then rows.
+    prefix = functools.partial(_prefix_step, s_true=s, s_padded=False, scale=scale, precision=precision)
+    prefix = jax.vmap(jax.vmap(prefix, in_axes=(0, 0, 0, 0, None, None, None, None)),
+                      in_axes=(0, 0, 0, 0, None, 0, 0, None))
+    tree = functools.partial(_tree_step, scale=scale, precision=precision)
+    tree = jax.vmap(jax.vmap(tree, in_axes=(0, 0, 0, 0, None)))
+
+    def block(i, state):
+        # Every row visits the union of the rows' ranges: in a block outside its own range all of a row's
+        # slots score -1e30 (masked) and weigh exactly 0 once a visible key is seen, so the result is the
+        # kernel's. A last block that would pass S is moved back to end at S; `covered` drops the overlap.
+        want = i * bk
+        start = jnp.minimum(want, s - bk)
+        kb = lax.dynamic_slice(k_cache, (layer, 0, 0, start, 0), (1, b, kv, bk, hd))[0]  # [B, KV, bk, hd]
+        vb = lax.dynamic_slice(v_cache, (layer, 0, 0, start, 0), (1, b, kv, bk, hd))[0]
+        return prefix(state, qr, kb, vb, start, lengths, lo_rows, want if s % bk else None)
+
+    init = jax.tree.map(lambda x: jnp.broadcast_to(x, (b, kv) + x.shape), _init_state(qr.shape[2], hd))
+    if bk == s:  # one block: visit it (an all-masked block is exact, see above) without a loop
+        state = block(0, init)
+    else:
+        state = lax.fori_loop(jnp.min(blk_lo), jnp.max(blk_hi), block, init)
+    kt, vt = _window_kv(k_cache, v_cache, layer, lengths, w_cols)  # [B, KV, W, hd]
+    state = tree(state, qr, kt, vt, jnp.repeat(tv, g, axis=1).astype(jnp.int32))
+    return _from_query_rows(_finish(state).astype(q.dtype), n, h, hd)
+
+
+def tree_attention_blockwise(q, k_cache, v_cache, lengths, tree_mask, *, q_positions=None, window=0,
+                             sm_scale=None, key_positions=None, layer=None, block_k=BLOCKWISE_BLOCK_K):
+    """The kernel's math in jnp (XLA on any backend): cost follows the longest committed prefix in the
+    batch, not the cache capacity. block_k: prefix slots per step (any positive int)."""
+    hd = _check_inputs(q, k_cache, v_cache, lengths, tree_mask, q_positions, window, sm_scale, key_positions,
+                       layer)[-1]
+    if isinstance(block_k, (bool, np.bool_)) or not isinstance(block_k, (int, np.integer)) or block_k <= 0:
+        raise ValueError(f"block_k must be a positive int, got {block_k!r}")
+    k_cache, v_cache, layer = _as_stacked(k_cache, v_cache, layer)
+    return _blockwise_forward(q, k_cache, v_cache, lengths, tree_mask, q_positions, key_positions,
+                              jnp.asarray(window, jnp.int32), layer, scale=_scale(sm_scale, hd),
+                              block_k=int(block_k))
 
 
 # ----------------------------------------------------------------------------- public ops
 def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, q_positions=None, window=0, sm_scale=None,
-                   key_positions=None, impl="auto"):
+                   key_positions=None, layer=None, impl="auto", block_k=None):
     """Attention of N tree nodes over their row's committed prefix plus their tree ancestors.
 
-    impl: "auto" (Pallas kernel on gpu/tpu, the reference on cpu), "pallas", "interpret" (the kernel in
-    Pallas interpret mode, for tests), "reference". See the module docstring for shapes and semantics.
+    impl: "auto" (the Pallas kernel on gpu/tpu, the blockwise jnp form elsewhere), "pallas", "interpret"
+    (the kernel in Pallas interpret mode, for tests), "blockwise", "reference" (dense). block_k: prefix
+    slots per step (None: the implementation's default). See the module docstring for shapes and
+    semantics.
     """
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
     if impl == "auto":
-        impl = "pallas" if jax.default_backend() in ("gpu", "tpu") else "reference"
+        impl = "pallas" if jax.default_backend() in ("gpu", "tpu") else "blockwise"
     if impl == "pallas" and jax.default_backend() not in ("gpu", "tpu"):
         raise ValueError(f"impl='pallas' compiles the kernel for a GPU or TPU, but the default backend is "
-                         f"{jax.default_backend()!r}: use impl='interpret' (or 'reference', or 'auto')")
-    kw = dict(q_positions=q_positions, window=window, sm_scale=sm_scale, key_positions=key_positions)
+                         f"{jax.default_backend()!r}: use impl='interpret' (or 'blockwise', or 'auto')")
+    kw = dict(q_positions=q_positions, window=window, sm_scale=sm_scale, key_positions=key_positions, layer=layer)
     if impl == "reference":
         return tree_attention_reference(q, k_cache, v_cache, lengths, tree_mask, **kw)
-    return tree_attention_pallas(q, k_cache, v_cache, lengths, tree_mask, interpret=impl == "interpret", **kw)
+    if impl == "blockwise":
+        return tree_attention_blockwise(q, k_cache, v_cache, lengths, tree_mask,
+                                        block_k=BLOCKWISE_BLOCK_K if block_k is None else block_k, **kw)
+    return tree_attention_pallas(q, k_cache, v_cache, lengths, tree_mask, interpret=impl == "interpret",
+                                 block_k=block_k, **kw)
 
 
 def sharded_tree_attention(mesh, q, k_cache, v_cache, lengths, tree_mask, *, q_positions=None, window=0,
-                           sm_scale=None, key_positions=None, impl="auto"):
+                           sm_scale=None, key_positions=None, layer=None, impl="auto"):
     """`tree_attention` under shard_map: batch over mesh axis "data", KV heads (with their query groups)
-    over "model"; every device runs the op on its local shard. An axis the mesh does not divide is
-    replicated over that mesh axis instead (as in jaxdecode.sharding), which stays correct."""
+    over "model"; every device runs the op on its local shard (a stacked cache keeps its layer axis
+    whole). An axis the mesh does not divide is replicated over that mesh axis instead (as in
+    jaxdecode.sharding), which stays correct."""
     from jax.sharding import PartitionSpec as P
 
     b, n, w_cols, h, kv, s, hd = _check_inputs(q, k_cache, v_cache, lengths, tree_mask, q_positions, window,
-                                               sm_scale, key_positions)
+                                               sm_scale, key_positions, layer)
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
     missing = [a for a in ("data", "model") if a not in mesh.shape]
@@ -570,16 +739,20 @@ def sharded_tree_attention(mesh, q, k_cache, v_cache, lengths, tree_mask, *, q_p
     hax = "model" if kv % mesh.shape["model"] == 0 else None  # H = KV*G then splits at group boundaries
     sm_scale = _scale(sm_scale, hd)
 
-    specs = [P(bax, None, hax, None), P(bax, hax, None, None), P(bax, hax, None, None), P(bax), P(bax, None, None)]
+    cache_spec = P(bax, hax, None, None) if layer is None else P(None, bax, hax, None, None)
+    specs = [P(bax, None, hax, None), cache_spec, cache_spec, P(bax), P(bax, None, None)]
     args = [q, k_cache, v_cache, lengths, tree_mask]
     if q_positions is not None:  # window (int or traced scalar) rides along replicated
         specs += [P(bax, None), P(), P(bax, None)]
         args += [q_positions, jnp.asarray(window, jnp.int32),
                  q_positions if key_positions is None else key_positions]
+    if layer is not None:
+        specs.append(P())
+        args.append(jnp.asarray(layer, jnp.int32))
 
-    def local(q, k, v, lens, tm, *positions):
-        qp, win, kp = positions if positions else (None, 0, None)
+    def local(q, k, v, lens, tm, *rest):
+        qp, win, kp = rest[:3] if q_positions is not None else (None, 0, None)
         return tree_attention(q, k, v, lens, tm, q_positions=qp, window=win, sm_scale=sm_scale,
-                              key_positions=kp, impl=impl)
+                              key_positions=kp, layer=rest[-1] if layer is not None else None, impl=impl)
 
     return shard_map(local, mesh, tuple(specs), P(bax, None, hax, None))(*args)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdecode.models import (ModelConfig, advance, causal_mask, commit, forward, init_cache,
+from jaxdecode.models import (ModelConfig, advance, causal_mask, commit, forward, init_cache, init_params,
                               padded_causal_mask)
 from jaxdecode.models.transformer import param_shapes, rms_norm
 
@@ -323,3 +323,53 @@ def test_tree_grown_level_by_level_with_write_offset_equals_one_tree_forward():
     l2, _, _ = forward(cfg, params, toks[:, 2:], pos[:, 2:], c1, mask[:, 2:, :],
                        write_offset=jnp.full((2,), 2, jnp.int32))
     np.testing.assert_allclose(np.concatenate([l1, l2], axis=1), ref, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- cost follows occupancy
+COST_CONFIG = ModelConfig(model_type="qwen2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=3,
+                          num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=8192, qkv_bias=True,
+                          sliding_windows=(0, 0, 48))
+
+
+def decode_loop_cost(select: dict, cache_len: int) -> tuple[float, int]:
+    """Compiled cost of 4 decode steps (forward + advance in a loop, the cache donated, as inside the
+    decoders): XLA's flop estimate and the temporary memory it allocates."""
+    params = init_params(COST_CONFIG, jax.random.PRNGKey(0))
+
+    def steps(params, cache, tok):
+        def body(_, c):
+            _, _, c = forward(COST_CONFIG, params, tok, c.lengths[:, None], c, jnp.ones((2, 1, 1), bool), **select)
+            return advance(c, jnp.ones((2,), jnp.int32))
+        return jax.lax.fori_loop(0, 4, body, cache)
+
+    compiled = jax.jit(steps, donate_argnums=(1,)).lower(
+        params, init_cache(COST_CONFIG, 2, cache_len), jnp.zeros((2, 1), jnp.int32)).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost["flops"]), int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+@pytest.mark.parametrize("select", [{}, dict(skip_layers=(1,))], ids=["all_layers", "skip_layers=(1,)"])
+def test_decode_step_cost_does_not_grow_with_cache_capacity(select):
+    """A decode step works on what the rows occupy, not on the preallocated capacity: it allocates no
+    copy of the cache (the cache is updated in place, layer slices and sub-networks included) and does
+    not attend over empty slots. With 16x the capacity, the compiled step's temporary memory and
+    arithmetic stay about the same (both grew 10-14x when every forward copied the cache through the
+    layer scan and attended over all S slots)."""
+    small_flops, small_temp = decode_loop_cost(select, 256)
+    big_flops, big_temp = decode_loop_cost(select, 4096)
+    full_cache = 2 * COST_CONFIG.num_layers * 2 * COST_CONFIG.num_kv_heads * 4096 * COST_CONFIG.head_dim * 4
+    assert big_temp - small_temp < full_cache // 8, (small_temp, big_temp)
+    assert big_flops < 1.5 * small_flops, (small_flops, big_flops)
+
+
+def test_commit_cost_does_not_grow_with_cache_capacity():
+    """Moving an accepted tree path touches the T window slots per row, not the whole cache: with 16x the
+    capacity the compiled commit allocates about the same temporaries (it grew 16x with a per-row
+    vmapped slice that transposed the cache)."""
+    def temp(cache_len):
+        cache = init_cache(COST_CONFIG, 2, cache_len)
+        keep = jnp.zeros((2, 5), bool)
+        return jax.jit(commit, donate_argnums=(0,)).lower(cache, keep).compile().memory_analysis().temp_size_in_bytes
+    full_cache = 2 * COST_CONFIG.num_layers * 2 * COST_CONFIG.num_kv_heads * 4096 * COST_CONFIG.head_dim * 4
+    assert temp(4096) - temp(256) < full_cache // 8, (temp(256), temp(4096))

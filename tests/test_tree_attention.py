@@ -1,6 +1,6 @@
-"""Tree attention: the Pallas kernel (interpret mode, both lowerings) equals the pure-jnp reference, the
-reference equals the model's attention over key_visibility, the sharded op equals the unsharded one,
-and the GPU/TPU lowerings of the kernel build (block-shape rules) without the hardware."""
+"""Tree attention: the Pallas kernel (interpret mode, both lowerings) and the blockwise jnp form equal the
+dense reference (also over a stacked [L, B, KV, S, hd] cache read at a layer), the sharded op equals the
+unsharded one, and the GPU/TPU lowerings of the kernel build (block-shape rules) without the hardware."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,8 +8,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxdecode.kernels.tree_attention import (block_plan, sharded_tree_attention, tree_attention,
-                                              tree_attention_pallas, tree_attention_reference)
-from jaxdecode.models.transformer import _window_mask, attention, key_visibility
+                                              tree_attention_blockwise, tree_attention_pallas,
+                                              tree_attention_reference)
 from jaxdecode.sharding import make_mesh
 
 TREES = {  # parents (-1 = child of the last committed token), valid nodes
@@ -104,58 +104,73 @@ def test_kernel_skips_blocks_outside_prefix_and_window(variant):
 def test_public_op_dispatch_on_cpu():
     inp = make_inputs(7, tree="padded", lengths=(9, 0))
     ref = call(tree_attention_reference, inp, 5)
-    np.testing.assert_array_equal(call(tree_attention, inp, 5), ref)  # auto = reference on cpu
+    np.testing.assert_array_equal(call(tree_attention, inp, 5), call(tree_attention_blockwise, inp, 5))  # auto
+    assert_close(call(tree_attention, inp, 5), ref, jnp.float32)
     assert_close(call(tree_attention, inp, 5, impl="interpret"), ref, jnp.float32)
     # no positions needed without a window
     no_pos = tree_attention(inp["q"], inp["k_cache"], inp["v_cache"], inp["lengths"], inp["tree_mask"])
     assert_close(no_pos, call(tree_attention_reference, inp, 0), jnp.float32)
 
 
-REF_CASES = [("branching", 0, jnp.float32, (0, 37)), ("chain", 3, jnp.float32, (10, 57)),
-             ("padded", 0, jnp.float32, (0, 5)), ("padded", 4, jnp.bfloat16, (0, 30)),
-             ("branching", 100, jnp.bfloat16, (1, 2))]
+@pytest.mark.parametrize("block_k", [16, 24, 256])  # 24: S=64 ends in a block moved back to end at S
+@pytest.mark.parametrize("case", list(KERNEL_CASES))
+def test_blockwise_matches_reference(case, block_k):
+    inp_kw, window, kw = KERNEL_CASES[case]
+    inp = make_inputs(**inp_kw)
+    want = call(tree_attention_reference, inp, window, sm_scale=kw.get("sm_scale"))
+    got = call(tree_attention_blockwise, inp, window, sm_scale=kw.get("sm_scale"), block_k=block_k)
+    assert_close(got, want, inp["q"].dtype)
 
 
-def model_attention(inp, window, write_offset=None, key_positions=None, attn_mask=None):
-    """models.transformer: key_visibility + sliding window + attention, on the same inputs."""
-    mask = inp["tree_mask"] if attn_mask is None else attn_mask
-    visible, key_pos = key_visibility(inp["q_positions"], mask, inp["lengths"], inp["k_cache"].shape[2],
-                                      write_offset, key_positions)
-    visible = _window_mask(visible, inp["q_positions"], key_pos, jnp.int32(window))
-    q, k, v = inp["q"], inp["k_cache"], inp["v_cache"]
-    if q.dtype == jnp.bfloat16:
-        # models' attention cannot run bf16 on XLA:CPU (its [B,T,KV,G,hd]-output PV einsum hits
-        # "Unsupported element type for DotThunk: BF16 x BF16 = F32"): compare with its f32 math.
-        return attention(*(x.astype(jnp.float32) for x in (q, k, v)), visible).astype(q.dtype)
-    return attention(q, k, v, visible)
+def test_blockwise_reads_only_blocks_some_row_needs():
+    """NaN in cache blocks past every row's prefix and tree must not reach the output: the loop stops at
+    the longest prefix, whatever the capacity."""
+    inp = make_inputs(18, lengths=(5, 20))  # S=64, tree slots 5..11 and 20..26
+    want = call(tree_attention_reference, inp, 4)
+    poison = np.zeros(inp["v_cache"].shape, np.float32)
+    poison[:, :, 32:] = np.nan
+    bad = dict(inp, k_cache=inp["k_cache"] + poison, v_cache=inp["v_cache"] + poison)
+    assert_close(call(tree_attention_blockwise, bad, 4, block_k=16), want, jnp.float32)
 
 
-@pytest.mark.parametrize("tree,window,dtype,lengths", REF_CASES)
-def test_reference_equals_model_attention(tree, window, dtype, lengths):
-    inp = make_inputs(11, tree=tree, lengths=lengths, dtype=dtype)
-    assert_close(call(tree_attention_reference, inp, window), model_attention(inp, window), dtype)
+@pytest.mark.parametrize("impl", ["reference", "blockwise", "interpret"])
+def test_stacked_cache_read_at_a_layer(impl):
+    """A [L, B, KV, S, hd] cache with `layer` (a traced scalar, as in the model's layer scan) is layer
+    `layer` of the stack: the model reads its cache in place this way."""
+    inp = make_inputs(19, lengths=(6, 30))
+    other = make_inputs(20, lengths=(6, 30))
+    k_all = jnp.stack([other["k_cache"], inp["k_cache"], other["k_cache"]])
+    v_all = jnp.stack([other["v_cache"], inp["v_cache"], other["v_cache"]])
+    want = call(tree_attention_reference, inp, 3)
+    f = jax.jit(lambda layer: tree_attention(inp["q"], k_all, v_all, inp["lengths"], inp["tree_mask"],
+                                             q_positions=inp["q_positions"], window=3, layer=layer, impl=impl))
+    assert_close(f(jnp.int32(1)), want, jnp.float32)
+    if impl == "interpret":
+        got = tree_attention_pallas(inp["q"], k_all, v_all, inp["lengths"], inp["tree_mask"],
+                                    q_positions=inp["q_positions"], window=3, layer=1, interpret=True,
+                                    variant="gpu")
+        assert_close(got, want, jnp.float32)
 
 
-@pytest.mark.parametrize("impl", ["reference", "interpret"])
+@pytest.mark.parametrize("impl", ["reference", "blockwise", "interpret"])
 def test_window_over_earlier_uncommitted_levels(impl):
     """tree_mask [B, N, W > N]: the last 3 nodes of a 7-node tree attend to all 7 window keys (the first 4
-    written by an earlier, uncommitted forward), as models' key_visibility with write_offset does."""
+    written by an earlier, uncommitted forward), which equals those nodes' rows of one 7-node call."""
     full = make_inputs(17, tree="branching", lengths=(6, 0))
     new = slice(4, 7)
-    inp = dict(full, q=full["q"][:, new], q_positions=full["q_positions"][:, new])
-    tm = full["tree_mask"][:, new, :]  # [B, 3, 7]
-    kw = dict(q_positions=inp["q_positions"], window=2, key_positions=full["q_positions"])
-    got = tree_attention(inp["q"], inp["k_cache"], inp["v_cache"], inp["lengths"], tm, impl=impl, **kw)
-    want = model_attention(inp, 2, write_offset=jnp.full((2,), 4, jnp.int32),
-                           key_positions=full["q_positions"], attn_mask=tm)
+    want = call(tree_attention_reference, full, 2)[:, new]
+    got = tree_attention(full["q"][:, new], full["k_cache"], full["v_cache"], full["lengths"],
+                         full["tree_mask"][:, new, :], q_positions=full["q_positions"][:, new], window=2,
+                         key_positions=full["q_positions"], impl=impl)
     assert_close(got, want, jnp.float32)
 
 
 def test_query_that_sees_nothing_averages_all_slots():
-    """The model's corner case, kept by both implementations: an invalid node over an empty prefix."""
+    """The documented corner case, kept by every implementation: an invalid node over an empty prefix."""
     inp = make_inputs(12, h=2, kv=2, tree="padded", lengths=(0, 3))
     uniform = jnp.mean(inp["v_cache"][0], axis=1)  # [KV, hd]: row 0, all S slots
-    for got in (call(tree_attention_reference, inp), call(tree_attention_pallas, inp, interpret=True)):
+    for got in (call(tree_attention_reference, inp), call(tree_attention_pallas, inp, interpret=True),
+                call(tree_attention_blockwise, inp, block_k=24)):
         np.testing.assert_allclose(got[0, 5], uniform, atol=1e-5)  # node 5 is invalid: sees no key
         np.testing.assert_allclose(got[0, 6], uniform, atol=1e-5)
 
@@ -168,9 +183,16 @@ def mesh():
 
 def test_sharded_kernel_equals_unsharded(mesh):
     inp = make_inputs(13, h=8, kv=4, s=32, lengths=(0, 21))  # KV=4 splits over model=4, B=2 over data=2
+    want = call(tree_attention_reference, inp, 6)
     got = call(lambda *a, **k: sharded_tree_attention(mesh, *a, **k), inp, 6, impl="interpret")
     assert got.sharding.spec == P("data", None, "model", None)
-    assert_close(got, call(tree_attention_reference, inp, 6), jnp.float32)
+    assert_close(got, want, jnp.float32)
+    # a stacked [L, B, KV, S, hd] cache: the layer axis stays whole on every device
+    stacked = dict(inp, k_cache=jnp.stack([inp["v_cache"], inp["k_cache"]]),
+                   v_cache=jnp.stack([inp["k_cache"], inp["v_cache"]]))
+    got = call(lambda *a, **k: sharded_tree_attention(mesh, *a, **k), stacked, 6, layer=jnp.int32(1),
+               impl="blockwise")
+    assert_close(got, want, jnp.float32)
 
 
 def test_sharded_replicates_axes_the_mesh_does_not_divide(mesh):
@@ -203,6 +225,14 @@ BAD_INPUTS = [
     ({}, dict(sm_scale=0.0), "sm_scale must be a positive"),
     ({}, dict(impl="cuda"), "impl must be one of"),
     ({}, dict(impl="pallas"), "impl='pallas' compiles the kernel for a GPU or TPU"),
+    ({}, dict(layer=0), r"k_cache must be 5-D \(\[L, B, KV, S, hd\]"),
+    (dict(k_cache=jnp.zeros((2, 2, 2, 64, 16)), v_cache=jnp.zeros((2, 2, 2, 64, 16))), {},
+     r"k_cache must be 4-D \(\[B, KV, S, hd\]\)"),
+    (dict(k_cache=jnp.zeros((2, 2, 2, 64, 16)), v_cache=jnp.zeros((2, 2, 2, 64, 16))), dict(layer=2),
+     "layer 2 is not a layer of the cache"),
+    (dict(k_cache=jnp.zeros((2, 2, 2, 64, 16)), v_cache=jnp.zeros((2, 2, 2, 64, 16))), dict(layer=1.0),
+     "layer must be an int"),
+    ({}, dict(impl="blockwise", block_k=0), "block_k must be a positive int"),
 ]
 
 
@@ -245,19 +275,23 @@ def test_block_plan_obeys_backend_rules(variant, s, m, n, hd):
 
 @pytest.mark.parametrize("variant,platform,target", [("gpu", "cuda", "__gpu$xla.gpu.triton"),
                                                      ("tpu", "tpu", "tpu_custom_call")])
-@pytest.mark.parametrize("shape", [(2, 7, 4, 2, 256, 64, jnp.float32), (1, 5, 8, 1, 1100, 80, jnp.bfloat16),
-                                   (2, 3, 2, 2, 40, 24, jnp.bfloat16), (1, 64, 8, 1, 512, 128, jnp.bfloat16)])
+@pytest.mark.parametrize("shape", [(2, 7, 4, 2, 256, 64, jnp.float32, 0), (1, 5, 8, 1, 1100, 80, jnp.bfloat16, 0),
+                                   (2, 3, 2, 2, 40, 24, jnp.bfloat16, 3), (1, 64, 8, 1, 512, 128, jnp.bfloat16, 0),
+                                   (1, 1, 8, 2, 256, 64, jnp.bfloat16, 5)])
 def test_kernel_lowers_for_gpu_and_tpu(variant, platform, target, shape):
     """Runs Pallas' Triton / Mosaic lowering (its block-shape and power-of-two checks) on this CPU
-    machine; compiling and running the result needs the hardware."""
-    b, n, h, kv, s, hd, dt = shape
+    machine; compiling and running the result needs the hardware. L > 0: a stacked cache read at a
+    traced layer (as inside the model's layer scan)."""
+    b, n, h, kv, s, hd, dt, n_layers = shape
+    cache = (b, kv, s, hd) if not n_layers else (n_layers, b, kv, s, hd)
 
-    def f(q, k, v, lens, tm, qp, w):
-        return tree_attention_pallas(q, k, v, lens, tm, q_positions=qp, window=w, variant=variant)
+    def f(q, k, v, lens, tm, qp, w, layer):
+        return tree_attention_pallas(q, k, v, lens, tm, q_positions=qp, window=w, variant=variant,
+                                     layer=layer if n_layers else None)
 
-    args = [jax.ShapeDtypeStruct(x, d) for x, d in (((b, n, h, hd), dt), ((b, kv, s, hd), dt), ((b, kv, s, hd), dt),
+    args = [jax.ShapeDtypeStruct(x, d) for x, d in (((b, n, h, hd), dt), (cache, dt), (cache, dt),
                                                     ((b,), jnp.int32), ((b, n, n), jnp.bool_), ((b, n), jnp.int32),
-                                                    ((), jnp.int32))]
+                                                    ((), jnp.int32), ((), jnp.int32))]
     text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
     assert target in text
 
