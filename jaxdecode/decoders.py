@@ -7,6 +7,8 @@ decoders themselves stay plain jit-able functions.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
 from jaxdecode.autoregressive import decode
@@ -99,6 +101,9 @@ def _speculative(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
     draft = opts["draft"]
     if draft is not None and not isinstance(draft, Model):
         draft = load(draft)
+    if draft is not None and opts.get("mesh") is not None:  # the draft model on the target's mesh
+        from jaxdecode.sharding import shard_params
+        draft = dataclasses.replace(draft, params=shard_params(draft.params, opts["mesh"]))
     drafter = opts["drafter"]
     if drafter is None or isinstance(drafter, str):
         drafter = make_drafter(drafter, model, draft=draft, tree=opts["tree"],
@@ -115,7 +120,7 @@ def _speculative(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
     out = speculative_decode(model.config, params, drafter, toks, lens, max_new_tokens=max_new_tokens,
                              verifier=verifier, sampler=sampler, eos_ids=opts["eos_ids"],
                              key=_key(opts), cache_len=opts["cache_len"],
-                             verify_widths=opts["verify_widths"])
+                             verify_widths=opts["verify_widths"], mesh=opts.get("mesh"))
     return out.tokens, out.lengths, out.stats
 
 
