@@ -179,8 +179,11 @@ def is_eos(tokens, eos_ids: tuple):
 
 
 # ----------------------------------------------------------------------------- jit-able parts
-def prefill(config, params, prompt_tokens, prompt_lengths, cache):
-    """Run every row's prompt in one padded forward and commit it. Returns (last_logits[B, V], cache).
+def prefill(config, params, prompt_tokens, prompt_lengths, cache, return_layers: tuple = (),
+            with_hidden: bool = False):
+    """Run every row's prompt in one padded forward and commit it. Returns (last_logits[B, V], cache),
+    and the forward's `hidden` dict third when `with_hidden` (feature drafters read the prompt's
+    hidden states; `return_layers` as in models.forward).
 
     The prompt goes after whatever the cache already holds (normally nothing). Padding tokens are
     replaced by id 0 at the row's last position, masked out for everyone, and left uncommitted.
@@ -191,8 +194,11 @@ def prefill(config, params, prompt_tokens, prompt_lengths, cache):
     tokens = jnp.where(valid, prompt_tokens, 0)
     # Clamped positions keep padding inside the position table (GPT-2 learned positions).
     positions = cache.lengths[:, None] + jnp.clip(offsets, 0, jnp.maximum(prompt_lengths[:, None] - 1, 0))
-    logits, _, cache = forward(config, params, tokens, positions, cache, padded_causal_mask(valid))
-    last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
+    logits, hidden, cache = forward(config, params, tokens, positions, cache, padded_causal_mask(valid),
+                                    return_layers=tuple(return_layers))
+    last = jnp.take_along_axis(logits, (jnp.maximum(prompt_lengths, 1) - 1)[:, None, None], axis=1)[:, 0]
+    if with_hidden:
+        return last, advance(cache, prompt_lengths), hidden
     return last, advance(cache, prompt_lengths)
 
 

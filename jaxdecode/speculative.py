@@ -60,19 +60,80 @@ class Observation:
     history: jax.Array  # after the commit
     hist_len: jax.Array
     active: jax.Array  # bool[B]: rows that were still decoding this step
+    # f32[F, B, N+1, D]: the target's hidden states of the drafter's `feature_layers` per slot (slot 0
+    # the pending root, slot i+1 node i), from the verification forward itself; None for drafters
+    # without feature_layers. `accepted_features` picks the committed ones.
+    features: jax.Array | None = None
+    # int32[B]: tokens committed this step (path + bonus, fewer when EOS or max_new_tokens cut the
+    # row; 0 for inactive rows): history[hist_len - committed:hist_len] are the new ones.
+    committed: jax.Array | None = None
 
 
 class Drafter(Protocol):
+    """What a drafter implements (a pytree dataclass; see jaxdecode/drafters for examples).
+
+    Required: num_nodes, max_depth, child_rule, init, propose, observe. Optional attributes:
+    is_chain (default False), verify_widths (see speculative_decode), feature_layers (default ()).
+
+    feature_layers: target hidden states the drafter reads, a static tuple of layer ids (0..L-1: the
+    output of that decoder layer) and/or FINAL (the last hidden state after the final norm, what the
+    LM head reads). When non-empty, `init` gets `features=` f32[F, B, P, D] from the prefill (position
+    t holds the state after prompt token t, valid for t < prompt_length - 1: the last prompt token is
+    the first pending root, which the first verification runs), and every Observation carries the
+    verification forward's states (`Observation.features`): a feature drafter never runs the target.
+    """
     num_nodes: int  # N, static tree size
     max_depth: int  # deepest node of any proposed tree
     child_rule: str  # how children were chosen: one of jaxdecode.verifiers.CHILD_RULES
     is_chain: bool  # every proposal is a chain (no node has two children); absent = False
 
-    def init(self, prompt_tokens, prompt_lengths, cache_len: int, key) -> Any: ...
+    def init(self, prompt_tokens, prompt_lengths, cache_len: int, key) -> Any: ...  # (+ features=...)
 
     def propose(self, state, ctx: DraftContext, sampler: SamplerConfig) -> tuple[Tree, Any, Any]: ...
 
     def observe(self, state, obs: Observation) -> Any: ...
+
+
+FINAL = "final"  # in Drafter.feature_layers: the target's last hidden state (after the final norm)
+
+
+def feature_request(feature_layers) -> tuple:
+    """The decoder-layer ids a drafter's feature_layers ask the target forward to return."""
+    return tuple(sorted({int(i) for i in feature_layers if i != FINAL}))
+
+
+def check_feature_layers(config, feature_layers) -> tuple:
+    """Validate a drafter's feature_layers against the target config; a clear error otherwise."""
+    fl = tuple(feature_layers or ())
+    bad = [i for i in fl if i != FINAL and (isinstance(i, bool) or not isinstance(i, int)
+                                           or not 0 <= i < config.num_layers)]
+    if bad:
+        raise SpeculativeError(
+            f"the drafter reads target layers {bad}, but the target has {config.num_layers} layers "
+            f"(0..{config.num_layers - 1}, or {FINAL!r}): was the drafter built for another target?")
+    return fl
+
+
+def select_features(hidden: dict, feature_layers: tuple):
+    """The forward's hidden states of `feature_layers`, stacked: f32[F, B, T, D] (None when empty)."""
+    if not feature_layers:
+        return None
+    ids = feature_request(feature_layers)
+    return jnp.stack([hidden["final"] if i == FINAL else hidden["layers"][ids.index(i)]
+                      for i in feature_layers]).astype(jnp.float32)
+
+
+def accepted_features(obs: Observation):
+    """The committed slots' features in order: f32[F, B, D+1, Dm] for [root, accepted nodes...], and
+    int32[B] how many are valid (obs.committed: num_accepted + 1 unless EOS / max_new_tokens cut the
+    row; 0 for inactive rows). Slot j holds the state after history token
+    hist_len - committed - 1 + j (the pending root is j = 0), the one that predicted the step's
+    committed token j; the last valid one is the "bonus slot" (its logits produced the newest token)."""
+    slots = jnp.concatenate([jnp.zeros_like(obs.path[:, :1]), obs.path + 1], axis=1)  # [B, N+1]
+    slots = jnp.where(slots > 0, slots, 0)
+    feats = jnp.take_along_axis(obs.features, slots[None, :, :, None], axis=2)
+    count = obs.committed if obs.committed is not None else jnp.where(obs.active, obs.num_accepted + 1, 0)
+    return feats, count
 
 
 # ----------------------------------------------------------------------------- state and output
@@ -120,8 +181,9 @@ def _with_root(tree: Tree, pending, prefix_len):
 
 
 def _verify_forward(config, params, tree: Tree, pending, cache, active, widths: tuple, attn_impl: str,
-                    mesh=None):
-    """The target over [pending, tree nodes]: logits [B, N+1, V] and the cache with them written.
+                    mesh=None, feature_layers: tuple = ()):
+    """The target over [pending, tree nodes]: logits [B, N+1, V], the drafter's features
+    [F, B, N+1, D] (None without feature_layers) and the cache with them written.
 
     widths: ascending static node counts, the last = N. The forward runs over the smallest width that
     holds every valid node of the active rows (a `lax.switch`, each branch compiled once), so a drafter
@@ -135,9 +197,12 @@ def _verify_forward(config, params, tree: Tree, pending, cache, active, widths: 
         def branch(cache):
             t = Tree(tokens=tree.tokens[:, :width], parents=tree.parents[:, :width], valid=tree.valid[:, :width])
             tokens, positions, mask = _with_root(t, pending, cache.lengths)
-            logits, _, cache = forward(config, params, tokens, positions, cache, mask, attn_impl=attn_impl,
-                                       mesh=mesh)
-            return jnp.pad(logits, ((0, 0), (0, n - width), (0, 0))), cache
+            logits, hidden, cache = forward(config, params, tokens, positions, cache, mask, attn_impl=attn_impl,
+                                            mesh=mesh, return_layers=feature_request(feature_layers))
+            feats = select_features(hidden, feature_layers)
+            if feats is not None:
+                feats = jnp.pad(feats, ((0, 0), (0, 0), (0, n - width), (0, 0)))
+            return jnp.pad(logits, ((0, 0), (0, n - width), (0, 0))), feats, cache
         return branch
 
     if len(widths) == 1:
@@ -195,13 +260,20 @@ def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, *,
     b, p = prompt_tokens.shape
     n, max_d = drafter.num_nodes, drafter.max_depth
     pad = pad_id_for(eos_ids)
+    feature_layers = tuple(getattr(drafter, "feature_layers", ()) or ())
     # Prefill all but the last prompt token: it becomes the pending root of the first tree.
     cache = init_cache(config, b, cache_len)
-    _, cache = prefill(config, params, prompt_tokens, prompt_lengths - 1, cache)
+    _, cache, hidden = prefill(config, params, prompt_tokens, prompt_lengths - 1, cache,
+                               return_layers=feature_request(feature_layers), with_hidden=True)
     history = jnp.full((b, hist_cap), pad, jnp.int32).at[:, :p].set(prompt_tokens)
     key, dkey = jax.random.split(key)
+    if feature_layers:
+        dstate0 = drafter.init(prompt_tokens, prompt_lengths, cache_len, dkey,
+                               features=select_features(hidden, feature_layers))
+    else:
+        dstate0 = drafter.init(prompt_tokens, prompt_lengths, cache_len, dkey)
     state = _SpecState(
-        cache=cache, drafter_state=drafter.init(prompt_tokens, prompt_lengths, cache_len, dkey),
+        cache=cache, drafter_state=dstate0,
         history=history, hist_len=prompt_lengths, num_new=jnp.zeros((b,), jnp.int32),
         done=jnp.zeros((b,), bool), key=key, target_calls=jnp.int32(1), steps=jnp.zeros((b,), jnp.int32),
         accept_hist=jnp.zeros((max_d + 1,), jnp.int32), depth_tried=jnp.zeros((max_d,), jnp.int32),
@@ -214,8 +286,8 @@ def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, *,
         ctx = DraftContext(history=st.history, hist_len=st.hist_len, key=k_draft)
         tree, draft_probs, dstate = drafter.propose(st.drafter_state, ctx, sampler)
         pending = st.history[rows, st.hist_len - 1]
-        logits, cache = _verify_forward(config, params, tree, pending, st.cache, active, verify_widths,
-                                        attn_impl, mesh)  # [B, N+1, V]
+        logits, feats, cache = _verify_forward(config, params, tree, pending, st.cache, active, verify_widths,
+                                               attn_impl, mesh, feature_layers)  # [B, N+1, V]
         nodes = jnp.concatenate([jnp.ones((b, 1), bool), tree.valid], axis=1)  # [B, N+1]: root + valid
         nonfinite = st.nonfinite | nonfinite_rows(logits, active, nodes)
         target_probs = jnp.exp(process_logits(logits, sampler))
@@ -242,7 +314,8 @@ def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, *,
         done = st.done | (active & (hit_eos | (num_new >= max_new_tokens)))
 
         obs = Observation(tree=tree, path=res.path, num_accepted=res.num_accepted, bonus=res.bonus,
-                          target_logits=logits, history=history, hist_len=hist_len, active=active)
+                          target_logits=logits, history=history, hist_len=hist_len, active=active,
+                          features=feats, committed=count)
         dstate = drafter.observe(dstate, obs)
         # Committed draft nodes: the path up to an EOS or the token budget (count includes the bonus).
         committed = jnp.minimum(res.num_accepted, count)
@@ -348,6 +421,7 @@ def speculative_decode(config, params, drafter, prompt_tokens, prompt_lengths, *
         attn_impl = "xla" if jax.default_backend() == "cpu" else "tree"
     eos_ids = validate_eos_ids(config, eos_ids)
     check_combination(config, drafter, verifier, sampler)
+    check_feature_layers(config, getattr(drafter, "feature_layers", ()))
     n = drafter.num_nodes
     # Room: prompt + new tokens + one verification tree (N nodes + the pending root) beyond them.
     extra = n + 1 + drafter.max_depth + 1
