@@ -93,7 +93,7 @@ DEFAULT_VERIFIER = {"point": "point_mass", "sample": "specinfer", "argmax": "top
 
 def _speculative(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
     from jaxdecode.model import Model, load
-    from jaxdecode.drafters import make_drafter
+    from jaxdecode.drafters import TrainedDrafter, make_drafter
     from jaxdecode.speculative import speculative_decode
     from jaxdecode.verifiers import get_verifier
 
@@ -105,9 +105,10 @@ def _speculative(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
         from jaxdecode.sharding import shard_params
         draft = dataclasses.replace(draft, params=shard_params(draft.params, opts["mesh"]))
     drafter = opts["drafter"]
-    if drafter is None or isinstance(drafter, str):
+    if drafter is None or isinstance(drafter, (str, TrainedDrafter)):  # built here, trained ones loaded
         drafter = make_drafter(drafter, model, draft=draft, tree=opts["tree"],
-                               temperature=sampler.temperature, **(opts["drafter_options"] or {}))
+                               temperature=sampler.temperature, drafter_dir=opts["drafter_dir"],
+                               **(opts["drafter_options"] or {}))
     elif opts["drafter_options"] is not None:
         raise ValueError("drafter_options configure a drafter built by name; a drafter object is already "
                          "configured: drop drafter_options")

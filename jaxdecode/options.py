@@ -44,6 +44,8 @@ class Option:
     low_open: bool = False  # low itself excluded
     high_open: bool = False
     choices: tuple | Callable[[], tuple] | None = None  # allowed strings
+    # Also accepted, not listed in the docs: names registered at run time (trained-drafter kinds).
+    more_choices: Callable[[], tuple] | None = None
     objects: str = ""  # also accepted: a Python object of this description (not checked further)
     required: bool = False
     cli: str | None = ""  # the CLI flag; "" = derived from the name; None = Python / --option only
@@ -116,6 +118,11 @@ def _drafters() -> tuple:
     return tuple(DRAFTERS)
 
 
+def _registered_drafters() -> tuple:
+    from jaxdecode.drafters import drafter_names
+    return drafter_names()
+
+
 def _verifiers() -> tuple:
     from jaxdecode.verifiers import VERIFIERS
     return tuple(VERIFIERS)
@@ -159,8 +166,14 @@ _TABLE = (
     # ------------------------------------------------------------------ speculative
     Option("draft", "str", "draft model directory (drafter draft_lm)", ("speculative",),
            default_doc="none", objects="a jaxdecode Model"),
-    Option("drafter", "str", "who proposes the draft tree", ("speculative",), choices=_drafters,
-           default_doc="draft_lm with a draft model, else prompt_lookup", objects="a Drafter object"),
+    Option("drafter", "str", "who proposes the draft tree (trained kinds: medusa .. kangaroo, and kinds "
+           "registered with jaxdecode.drafters.trained.register_kind, load their weights from drafter_dir)",
+           ("speculative",), choices=_drafters, more_choices=_registered_drafters,
+           default_doc="draft_lm with a draft model, else prompt_lookup; the kind in drafter_dir's "
+           "config.json with drafter_dir", objects="a Drafter object or a TrainedDrafter (load_drafter)"),
+    Option("drafter_dir", "str", "trained drafter directory (config.json + model.safetensors, written by "
+           "`jaxdecode train KIND` / save_drafter)", ("speculative",), objects="a pathlib.Path",
+           default_doc="<target_dir>/drafters/<kind> when the target ships one"),
     Option("tree", "str", "tree spec: chain:4, static:3,2,1[:rule], eagle:depth=5,topk=8,total=48, "
            "dyspec:num_nodes=32 (retrieval drafters: chain:N / node count)", ("speculative",), low=1,
            default_doc="the drafter's own", objects="an int node count or a tree builder"),
@@ -240,7 +253,7 @@ def check_option(name: str, value):
         if opt.objects and _is_int(value) and opt.low is not None:  # tree: a node count
             ok = _in_range(opt, value)
         else:
-            choices = opt.allowed_choices()
+            choices = opt.allowed_choices() + (opt.more_choices() if opt.more_choices else ())
             ok = isinstance(value, str) and (opt.choices is None or value in choices)
     elif opt.kind in ("ids", "int_or_ids"):
         if opt.kind == "int_or_ids" and _is_int(value):
@@ -297,10 +310,24 @@ def _cross_checks(method: str, opts: dict, batch: int | None) -> None:
         raise OptionError(f"draft is used only by drafter 'draft_lm', but the drafter is "
                           f"{drafter if isinstance(drafter, str) else type(drafter).__name__!r}: drop draft "
                           f"or use drafter='draft_lm'")
+    drafter_dir = opts.get("drafter_dir")
+    if drafter_dir is not None and drafter is not None and not _takes_drafter_dir(drafter):
+        raise OptionError(f"drafter_dir is for trained drafters, but the drafter is "
+                          f"{drafter if isinstance(drafter, str) else type(drafter).__name__!r}: drop "
+                          f"drafter_dir, or name a trained kind (e.g. drafter='medusa')")
+    if drafter_dir is not None and opts.get("draft") is not None:
+        raise OptionError("draft (a draft model) and drafter_dir (a trained drafter) name two different "
+                          "drafters: give one of them")
     set_ids = opts.get("set_ids")
     if batch is not None and set_ids is not None and not _is_int(set_ids) and len(_ids(set_ids)) != batch:
         raise OptionError(f"set_ids has {len(_ids(set_ids))} entries but there are {batch} prompts: give "
                           f"one item set per prompt, or one int for all")
+
+
+def _takes_drafter_dir(drafter) -> bool:
+    """A trained kind's name (its weights come from drafter_dir). A TrainedDrafter is loaded already."""
+    from jaxdecode.drafters.trained import is_trained_kind
+    return is_trained_kind(drafter)
 
 
 # ----------------------------------------------------------------------------- docs

@@ -1,27 +1,59 @@
 """Drafters for speculative decoding, and `make_drafter` to build one by name.
 
 Names: "draft_lm" (any jaxdecode model as a draft LM, with any tree builder), "prompt_lookup",
-"aggressive", "token_recycling", "aded". Tree specs: see `builders.parse_tree_spec`.
+"aggressive", "token_recycling", "aded", and the trained kinds ("medusa", "hydra", "eagle3", "block",
+"accept_head", "kangaroo", and any kind registered with `trained.register_kind`), whose weights come
+from a drafter directory (`drafter_dir=`, or `<target_dir>/drafters/<kind>` when the target ships one).
+Tree specs: see `builders.parse_tree_spec`.
 """
 from __future__ import annotations
+
+import os
 
 from jaxdecode.drafters.builders import (ChainBuilder, DynamicTreeBuilder, StaticTreeBuilder,
                                          parse_tree_spec)
 from jaxdecode.drafters.draft_lm import DraftLM
+from jaxdecode.drafters.trained import (BUILTIN_KIND_MODULES, DrafterKind, DrafterLoadError, TrainedDrafter,
+                                        find_drafter_dir, is_trained_kind, kind_names, load_drafter,
+                                        read_drafter_config, register_kind, save_drafter)
 
-DRAFTERS = ("draft_lm", "prompt_lookup", "aggressive", "token_recycling", "aded")
+UNTRAINED = ("draft_lm", "prompt_lookup", "aggressive", "token_recycling", "aded")
+DRAFTERS = UNTRAINED + tuple(BUILTIN_KIND_MODULES)  # names built in; registered kinds add to drafter_names()
 
 
-def _tree_or_default(tree, default, temperature: float):
-    """A builder from a spec; chains sample their children when decoding samples."""
+def drafter_names() -> tuple:
+    """Every drafter name make_drafter accepts now: the built-in ones and the registered trained kinds."""
+    return tuple(dict.fromkeys(UNTRAINED + kind_names()))
+
+
+def tree_from_option(tree, default, temperature: float):
+    """The tree builder of the user's `tree` option: None = `default`, a spec string (parse_tree_spec),
+    or a builder object as is; a 'chain:N' spec samples its children when decoding samples
+    (temperature > 0). Trained drafters' `make` use it for their `tree` argument."""
     spec = default if tree is None else tree
     if isinstance(spec, str) and spec.startswith("chain") and spec.count(":") == 1 and temperature > 0:
         spec = spec + ":sample"
     return parse_tree_spec(spec)
 
 
-def make_drafter(name: str | None, target, draft=None, tree=None, temperature: float = 0.0, **kw):
-    """Build a drafter for `target` (a jaxdecode.Model). `draft` is a Model for "draft_lm"."""
+_tree_or_default = tree_from_option
+
+
+def make_drafter(name, target, draft=None, tree=None, temperature: float = 0.0, drafter_dir=None, **kw):
+    """Build a drafter for `target` (a jaxdecode.Model). `draft` is a Model for "draft_lm".
+
+    A trained kind (`name` in trained.kind_names(), a TrainedDrafter from load_drafter, or None with
+    `drafter_dir` given: the kind its config.json names) is loaded from `drafter_dir`, or from
+    `<target_dir>/drafters/<kind>` when drafter_dir is None, and built by its kind's `make`.
+    """
+    if drafter_dir is not None and not isinstance(drafter_dir, (str, os.PathLike)):
+        raise ValueError(f"drafter_dir must be a directory path (str or pathlib.Path), got "
+                         f"{type(drafter_dir).__name__}")
+    if isinstance(name, TrainedDrafter) or is_trained_kind(name) or (name is None and drafter_dir is not None):
+        return _make_trained(name, target, tree, temperature, drafter_dir, **kw)
+    if drafter_dir is not None:
+        raise ValueError(f"drafter_dir is for trained drafters ({', '.join(kind_names())}), but the drafter "
+                         f"is {name!r}: drop drafter_dir (CLI: --drafter-dir) or name a trained kind")
     name = name or ("draft_lm" if draft is not None else "prompt_lookup")
     if name in ("draft_lm", "draft", "model"):
         if draft is None:
@@ -48,7 +80,33 @@ def make_drafter(name: str | None, target, draft=None, tree=None, temperature: f
     if name == "aggressive":
         from jaxdecode.drafters.ngram import AggressiveDrafter
         return AggressiveDrafter(num_nodes=n, **kw)
-    raise ValueError(f"unknown drafter {name!r}; choose one of {DRAFTERS}")
+    raise ValueError(f"unknown drafter {name!r}; choose one of {drafter_names()}")
+
+
+def _make_trained(name, target, tree, temperature, drafter_dir, **kw):
+    """A trained drafter: from a TrainedDrafter, a kind name (+ drafter_dir or the target's own), or a
+    drafter_dir alone (its config.json names the kind)."""
+    if isinstance(name, TrainedDrafter):
+        if drafter_dir is not None:
+            raise ValueError(f"the drafter is a TrainedDrafter already loaded from {name.path}: drop "
+                             f"drafter_dir={str(drafter_dir)!r}")
+        return name.make(target, tree=tree, temperature=temperature, **kw)
+    if drafter_dir is None:
+        drafter_dir = find_drafter_dir(target, name)
+        if drafter_dir is None:
+            where = getattr(target, "path", None)
+            looked = (f"; none is shipped with the target ({where}/drafters/{name} has no config.json)"
+                      if where else "")
+            raise ValueError(f"drafter {name!r} is a trained drafter and needs its weights: pass "
+                             f"drafter_dir=DIR (CLI: --drafter-dir DIR), a directory written by `jaxdecode "
+                             f"train {name}` or save_drafter{looked}")
+    elif name is not None:
+        found = read_drafter_config(drafter_dir)["jaxdecode_drafter"]
+        if found != name:
+            raise ValueError(f"drafter_dir {drafter_dir} holds a {found!r} drafter, but drafter={name!r} was "
+                             f"asked: pass drafter={found!r}, or leave drafter unset to use the directory's "
+                             f"kind")
+    return load_drafter(drafter_dir, target).make(target, tree=tree, temperature=temperature, **kw)
 
 
 def _node_budget(tree, default: int) -> int:
@@ -64,4 +122,5 @@ def _node_budget(tree, default: int) -> int:
 
 
 __all__ = ["ChainBuilder", "DynamicTreeBuilder", "StaticTreeBuilder", "DraftLM", "make_drafter",
-           "parse_tree_spec", "DRAFTERS"]
+           "parse_tree_spec", "tree_from_option", "DRAFTERS", "drafter_names", "DrafterKind",
+           "DrafterLoadError", "TrainedDrafter", "load_drafter", "save_drafter", "register_kind"]
