@@ -12,20 +12,11 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import tempfile
 import time
 
 import numpy as np
-
-
-def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from _common import median_seconds
 
 
 def main():
@@ -79,7 +70,7 @@ def main():
         t0 = time.perf_counter()
         jax_tokens = np.asarray(run_jax())
         first = time.perf_counter() - t0
-        jax_s = median_time(run_jax, args.repeats)
+        jax_s = median_seconds(run_jax, args.repeats)
         compile_s = max(first - jax_s, 0.0)
 
         ids = torch.tensor(prompts, dtype=torch.long)
@@ -91,7 +82,7 @@ def main():
                                    eos_token_id=None, pad_token_id=0)
 
         hf_tokens = run_torch()[:, args.prompt:].numpy()  # warm-up, and the tokens to compare
-        hf_s = median_time(run_torch, args.repeats)
+        hf_s = median_seconds(run_torch, args.repeats)
         n = batch * args.new
         row = dict(batch=batch, new_tokens=n, jaxdecode_tok_s=n / jax_s, transformers_tok_s=n / hf_s,
                    ratio=hf_s / jax_s, jax_compile_s=compile_s,

@@ -14,25 +14,17 @@ A forward that copied the cache or attended over every preallocated slot would g
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import statistics
-import time
 
 import jax
 import numpy as np
+from _common import median_seconds as _median_seconds, write_result
 
 
 def median_seconds(fn, repeats: int) -> float:
-    fn()  # compile
-    fn()  # warm up (the first timed configuration otherwise pays the process's warm-up)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    # compile, then warm up (the first timed configuration otherwise pays the process's warm-up)
+    return _median_seconds(fn, repeats, warmup=2)
 
 
 def stdlib_prompt(tokenizer, n_tokens: int) -> list[int]:
@@ -117,11 +109,7 @@ def main():
               f"{r['relative_to_smallest']:10.2f}")
     result = dict(jax=jax.__version__, platform=jax.devices()[0].platform, cpu_count=os.cpu_count(),
                   prompt_tokens=args.prompt, new_tokens=args.new, repeats=args.repeats, rows=rows)
-    print(json.dumps(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-
+    write_result(result, args.json)
 
 if __name__ == "__main__":
     main()

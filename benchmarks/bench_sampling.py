@@ -13,10 +13,11 @@ new calls interleaved.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
+
+from _common import write_result
 
 
 def main():
@@ -79,11 +80,7 @@ def main():
     result = dict(bench="sampling_step", backend=jax.default_backend(), device=str(jax.devices()[0]),
                   jax=jax.__version__, machine=platform.machine(), batch=args.batch, nodes=args.nodes,
                   top_p_cap=TOP_P_CAP, repeats=args.repeats, rows=rows)
-    print(json.dumps(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-
+    write_result(result, args.json)
 
 if __name__ == "__main__":
     main()

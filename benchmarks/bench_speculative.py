@@ -18,9 +18,7 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 
 import jax
 import numpy as np
@@ -32,33 +30,7 @@ from jaxdecode.drafters import make_drafter
 from jaxdecode.sampling import SamplerConfig
 from jaxdecode.speculative import speculative_decode
 from jaxdecode.verifiers import get_verifier
-
-
-def heldout_prompts(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> list[list[int]]:
-    """Prompts from held-out stdlib files (the split the embedded models never trained on)."""
-    import sysconfig
-
-    from jaxdecode.training.recipe import HELD_OUT_FRACTION
-    from jaxdecode.training.corpus import iter_texts
-    texts = [t for t in iter_texts([sysconfig.get_paths()["stdlib"]], held_out_fraction=HELD_OUT_FRACTION,
-                                   split="heldout") if len(t) > 4000]
-    rng = np.random.RandomState(seed)
-    out = []
-    for i in rng.permutation(len(texts))[:n]:
-        ids = tokenizer.encode(texts[i], add_special_tokens=False)
-        start = rng.randint(0, max(1, len(ids) - prompt_tokens - 1))
-        out.append(ids[start:start + prompt_tokens])
-    return out
-
-
-def timed(fn, repeats: int):
-    fn()  # compile / warm up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        res = fn()
-        times.append(time.perf_counter() - t0)
-    return res, statistics.median(times)
+from _common import heldout_prompts, timed
 
 
 def main(argv=None):

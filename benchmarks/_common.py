@@ -1,0 +1,84 @@
+"""Shared helpers of the benchmark scripts: timing, result files, prompts no model trained on.
+
+Scripts import it as `from _common import ...` (Python puts a script's own folder on sys.path).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import numpy as np
+
+
+def median_seconds(fn, repeats: int, warmup: int = 0) -> float:
+    """Median wall time of `fn()` over `repeats` calls after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def timed(fn, repeats: int):
+    """(result of the last call, median seconds): one untimed call first (compile / warm-up)."""
+    out = [fn()]
+
+    def call():
+        out[0] = fn()
+    return out[0], median_seconds(call, repeats) if repeats else 0.0
+
+
+def write_result(result: dict, path: str | None) -> None:
+    """Print the result as one JSON line, and write it to `path` when given."""
+    print(json.dumps(result, default=float))
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1, default=float)
+
+
+def _windows(texts: list[str], tokenizer, n: int, prompt_tokens: int, seed: int) -> list[list[int]]:
+    rng = np.random.RandomState(seed)
+    out = []
+    for i in rng.permutation(len(texts))[:n]:
+        ids = tokenizer.encode(texts[i], add_special_tokens=False)
+        start = rng.randint(0, max(1, len(ids) - prompt_tokens - 1))
+        out.append(ids[start:start + prompt_tokens])
+    return out
+
+
+def heldout_prompts(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> list[list[int]]:
+    """Prompts from held-out stdlib files (the split the embedded models never trained on)."""
+    import sysconfig
+
+    from jaxdecode.training.corpus import iter_texts
+    from jaxdecode.training.recipe import HELD_OUT_FRACTION
+    texts = [t for t in iter_texts([sysconfig.get_paths()["stdlib"]], held_out_fraction=HELD_OUT_FRACTION,
+                                   split="heldout") if len(t) > 4000]
+    return _windows(texts, tokenizer, n, prompt_tokens, seed)
+
+
+OUTSIDE_PACKAGES = ("optax", "flax", "safetensors", "tqdm")
+
+
+def outside_prompts(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> list[list[int]]:
+    """Prompts from Python source outside the embedded corpus (installed packages: optax, flax, ...),
+    which no shipped model or drafter trained on; sorted paths, so every machine draws alike."""
+    import importlib
+    from pathlib import Path
+    texts = []
+    for name in OUTSIDE_PACKAGES:
+        try:
+            root = Path(importlib.import_module(name).__file__).parent
+        except ImportError:
+            continue
+        for path in sorted(root.rglob("*.py")):
+            text = path.read_text(encoding="utf-8", errors="replace")
+            if len(text) > 4000 and "test" not in path.name:
+                texts.append(text)
+    if not texts:
+        raise RuntimeError(f"none of {OUTSIDE_PACKAGES} is installed: no outside-corpus prompts")
+    return _windows(texts, tokenizer, n, prompt_tokens, seed)
