@@ -164,7 +164,8 @@ _TABLE = (
     Option("diversity_penalty", "float", "Hamming diversity penalty between groups", ("diverse_beam",), 0.5,
            low=0),
     # ------------------------------------------------------------------ speculative
-    Option("draft", "str", "draft model directory (drafter draft_lm)", ("speculative",),
+    Option("draft", "str", "draft model directory (drafter draft_lm; trained drafters over a draft LM, "
+           "e.g. accept_head)", ("speculative",),
            default_doc="none", objects="a jaxdecode Model"),
     Option("drafter", "str", "who proposes the draft tree (trained kinds: medusa .. kangaroo, and kinds "
            "registered with jaxdecode.drafters.trained.register_kind, load their weights from drafter_dir)",
@@ -306,8 +307,10 @@ def _cross_checks(method: str, opts: dict, batch: int | None) -> None:
         raise OptionError(f"num_beams ({opts['num_beams']}) must be a multiple of num_groups "
                           f"({opts['num_groups']}): each group holds num_beams / num_groups beams")
     drafter = opts.get("drafter")
-    if opts.get("draft") is not None and drafter is not None and drafter != "draft_lm":
-        raise OptionError(f"draft is used only by drafter 'draft_lm', but the drafter is "
+    if (opts.get("draft") is not None and drafter is not None and drafter != "draft_lm"
+            and not _takes_drafter_dir(drafter)):  # trained kinds that draft with an LM take it too
+        raise OptionError(f"draft is used only by drafter 'draft_lm' (and trained drafters over a draft "
+                          f"LM, e.g. accept_head), but the drafter is "
                           f"{drafter if isinstance(drafter, str) else type(drafter).__name__!r}: drop draft "
                           f"or use drafter='draft_lm'")
     drafter_dir = opts.get("drafter_dir")
@@ -315,9 +318,6 @@ def _cross_checks(method: str, opts: dict, batch: int | None) -> None:
         raise OptionError(f"drafter_dir is for trained drafters, but the drafter is "
                           f"{drafter if isinstance(drafter, str) else type(drafter).__name__!r}: drop "
                           f"drafter_dir, or name a trained kind (e.g. drafter='medusa')")
-    if drafter_dir is not None and opts.get("draft") is not None:
-        raise OptionError("draft (a draft model) and drafter_dir (a trained drafter) name two different "
-                          "drafters: give one of them")
     set_ids = opts.get("set_ids")
     if batch is not None and set_ids is not None and not _is_int(set_ids) and len(_ids(set_ids)) != batch:
         raise OptionError(f"set_ids has {len(_ids(set_ids))} entries but there are {batch} prompts: give "
@@ -325,7 +325,7 @@ def _cross_checks(method: str, opts: dict, batch: int | None) -> None:
 
 
 def _takes_drafter_dir(drafter) -> bool:
-    """A trained kind's name (its weights come from drafter_dir). A TrainedDrafter is loaded already."""
+    """A trained kind's name (its weights come from drafter_dir)."""
     from jaxdecode.drafters.trained import is_trained_kind
     return is_trained_kind(drafter)
 

@@ -76,11 +76,16 @@ def unigram_kind():
     tr.unregister_kind("unigram")  # keep the README's option table free of test kinds
 
 
-def tiny(vocab=V, hidden=32, layers=2, seed=0):
-    cfg = ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=64,
-                      num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=hidden // 4,
-                      max_position_embeddings=256, sliding_windows=(0,) * layers)
-    return jaxdecode.Model(config=cfg, params=init_params(cfg, jax.random.PRNGKey(seed), std=0.3))
+def tiny_config(vocab=V, hidden=32, layers=2):
+    return ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=64,
+                       num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=hidden // 4,
+                       max_position_embeddings=256, sliding_windows=(0,) * layers)
+
+
+def tiny(seed=0, **kw):
+    cfg = tiny_config(**kw)
+    return jaxdecode.Model(config=cfg, params=init_params(cfg, jax.random.PRNGKey(seed), std=0.3),
+                           path="targets/tiny")
 
 
 def unigram_params(target, seed=1):
@@ -146,11 +151,12 @@ def test_save_refuses_bad_params_and_configs(target, tmp_path):
 @pytest.mark.parametrize("field,other", [("vocab_size", dict(vocab=96)), ("hidden_size", dict(hidden=64)),
                                          ("num_layers", dict(layers=3))])
 def test_other_target_is_refused(saved, field, other):
-    other_target = tiny(**other)
+    other_target = jaxdecode.Model(config=tiny_config(**other), params=None, path="targets/other")
     have = getattr(other_target.config, field)
     want = {"vocab_size": V, "hidden_size": 32, "num_layers": 2}[field]
     with pytest.raises(tr.DrafterTargetError, match=rf"drafter {saved} was trained for a target with "
-                                                    rf"{field} {want}, but this target .* has {have}"):
+                                                    rf"{field} {want}, but this target \(targets/other\) "
+                                                    rf"has {have}"):
         jaxdecode.load_drafter(saved, other_target)
 
 
@@ -255,7 +261,7 @@ def test_wiring_errors(target, saved, tmp_path):
     with pytest.raises(ValueError, match=r"holds a 'unigram' drafter, but drafter='medusa'"):
         make_drafter("medusa", target, drafter_dir=str(saved))
     with pytest.raises(tr.DrafterTargetError, match="hidden_size 32, but"):
-        make_drafter(jaxdecode.load_drafter(saved, target), tiny(hidden=64))
+        make_drafter(jaxdecode.load_drafter(saved, target), tiny_config(hidden=64))
     with pytest.raises(OptionError, match="drafter='nope'"):
         jaxdecode.generate(target, PROMPTS, "speculative", 4, drafter="nope")
 
@@ -272,3 +278,24 @@ def test_cli_drafter_dir(tiny_llama_dir, tmp_path, capsys):
     assert main(base + ["--method", "spec", "--drafter", "unigram", "--drafter-dir", str(d)]) == 0
     got = [json.loads(x)["tokens"] for x in capsys.readouterr().out.strip().splitlines()]
     assert got == want
+
+
+def test_draft_model_reaches_kinds_that_take_one(target, saved):
+    seen = []
+
+    def make_over_lm(params, cfg, target, tree, temperature, draft_model=None):
+        seen.append(draft_model)
+        return make_unigram(params, cfg, target, tree, temperature)
+
+    with pytest.raises(ValueError, match="the unigram drafter does not draft with a draft model: drop draft"):
+        jaxdecode.generate(target, PROMPTS, "speculative", 4, drafter="unigram", drafter_dir=saved, draft=target)
+    tr.register_kind(dataclasses.replace(KIND, make=make_over_lm), replace=True)
+    try:
+        out = jaxdecode.generate(target, PROMPTS, "speculative", 12, drafter_dir=saved, draft=target)
+        assert [r.tokens for r in out] == _greedy(target, PROMPTS) and seen == [target]
+        with pytest.raises(ValueError, match="given twice"):
+            make_drafter("unigram", target, draft=target, drafter_dir=saved, draft_model=target)
+    finally:
+        tr.register_kind(KIND, replace=True)
+    with pytest.raises(OptionError, match="draft is used only by drafter 'draft_lm'"):
+        jaxdecode.generate(target, PROMPTS, "speculative", 4, drafter="prompt_lookup", draft=target)

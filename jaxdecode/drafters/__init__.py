@@ -50,7 +50,7 @@ def make_drafter(name, target, draft=None, tree=None, temperature: float = 0.0, 
         raise ValueError(f"drafter_dir must be a directory path (str or pathlib.Path), got "
                          f"{type(drafter_dir).__name__}")
     if isinstance(name, TrainedDrafter) or is_trained_kind(name) or (name is None and drafter_dir is not None):
-        return _make_trained(name, target, tree, temperature, drafter_dir, **kw)
+        return _make_trained(name, target, tree, temperature, drafter_dir, draft, **kw)
     if drafter_dir is not None:
         raise ValueError(f"drafter_dir is for trained drafters ({', '.join(kind_names())}), but the drafter "
                          f"is {name!r}: drop drafter_dir (CLI: --drafter-dir) or name a trained kind")
@@ -83,14 +83,15 @@ def make_drafter(name, target, draft=None, tree=None, temperature: float = 0.0, 
     raise ValueError(f"unknown drafter {name!r}; choose one of {drafter_names()}")
 
 
-def _make_trained(name, target, tree, temperature, drafter_dir, **kw):
+def _make_trained(name, target, tree, temperature, drafter_dir, draft, **kw):
     """A trained drafter: from a TrainedDrafter, a kind name (+ drafter_dir or the target's own), or a
-    drafter_dir alone (its config.json names the kind)."""
+    drafter_dir alone (its config.json names the kind). `draft` (a draft Model) goes to kinds whose
+    `make` takes `draft_model`."""
     if isinstance(name, TrainedDrafter):
         if drafter_dir is not None:
             raise ValueError(f"the drafter is a TrainedDrafter already loaded from {name.path}: drop "
                              f"drafter_dir={str(drafter_dir)!r}")
-        return name.make(target, tree=tree, temperature=temperature, **kw)
+        return name.make(target, tree=tree, temperature=temperature, **_with_draft(name.kind, draft, kw))
     if drafter_dir is None:
         drafter_dir = find_drafter_dir(target, name)
         if drafter_dir is None:
@@ -106,7 +107,21 @@ def _make_trained(name, target, tree, temperature, drafter_dir, **kw):
             raise ValueError(f"drafter_dir {drafter_dir} holds a {found!r} drafter, but drafter={name!r} was "
                              f"asked: pass drafter={found!r}, or leave drafter unset to use the directory's "
                              f"kind")
-    return load_drafter(drafter_dir, target).make(target, tree=tree, temperature=temperature, **kw)
+    td = load_drafter(drafter_dir, target)
+    return td.make(target, tree=tree, temperature=temperature, **_with_draft(td.kind, draft, kw))
+
+
+def _with_draft(kind, draft, kw: dict) -> dict:
+    """drafter options plus draft_model=draft, for a kind whose make takes a draft LM."""
+    if draft is None:
+        return kw
+    import inspect
+    if "draft_model" not in inspect.signature(kind.make).parameters:
+        raise ValueError(f"the {kind.name} drafter does not draft with a draft model: drop draft (CLI: --draft)")
+    if kw.get("draft_model") is not None:
+        raise ValueError("a draft model is given twice, as draft and as drafter_options['draft_model']: "
+                         "keep one")
+    return dict(kw, draft_model=draft)
 
 
 def _node_budget(tree, default: int) -> int:
