@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Callable
+import json
+from pathlib import Path
+from typing import Any, Callable
 
+import jax
+import numpy as np
 from flax import nnx
 
 # Training modules of the built-in kinds, imported on first use (each registers its TrainKind).
@@ -100,3 +104,245 @@ def get_train_kind(name: str) -> TrainKind:
 def params_of(module: nnx.Module):
     """THE params pytree of a drafter module: its nnx.Param state as a pure dict."""
     return nnx.to_pure_dict(nnx.state(module, nnx.Param))
+
+
+# ----------------------------------------------------------------------------- held-out acceptance
+def measure_acceptance(target, drafter, prompts, *, new_tokens: int, eos_ids: tuple = ()) -> dict:
+    """Acceptance of `drafter` on `prompts` int32[B, P] from a real greedy speculative run of the target.
+
+    tau: committed tokens per verification call over all rows (the bonus counted); accept_by_depth[d]:
+    the fraction of row-steps that committed a node at depth d+1 among those that drafted one there.
+    No EOS by default, so every row runs the same length and the figure does not depend on where the
+    target happens to stop.
+    """
+    from jaxdecode.sampling import SamplerConfig
+    from jaxdecode.speculative import speculative_decode
+    from jaxdecode.verifiers import get_verifier
+
+    prompts = np.asarray(prompts, np.int32)
+    lengths = np.full((prompts.shape[0],), prompts.shape[1], np.int32)
+    out = speculative_decode(target.config, target.params, drafter, prompts, lengths,
+                             max_new_tokens=new_tokens, verifier=get_verifier("greedy"),
+                             sampler=SamplerConfig(temperature=0.0), eos_ids=tuple(eos_ids))
+    st = jax.device_get(out.stats)
+    calls = int(np.sum(st["verify_calls"]))
+    return {"tau": float(np.sum(jax.device_get(out.lengths)) / max(calls, 1)),
+            "accept_by_depth": [round(float(a), 6) for a in st["accept_rate_by_depth"]],
+            "accept_hist": [int(a) for a in st["accept_hist"]], "verify_calls": calls}
+
+
+def heldout_prompts(corpus_dir, count: int, length: int, seed: int = 0) -> np.ndarray:
+    """int32[count, length] windows of the corpus's held-out split."""
+    from .corpus import Corpus
+    from .distill_data import prompt_windows
+    return prompt_windows(Corpus.open(corpus_dir).tokens("heldout"), count, length, seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalOptions:
+    """Held-out evaluation during training: loss batches and real speculative runs."""
+    prompts: int = 16  # held-out prompts decoded by the target with the current drafter
+    prompt_len: int = 32
+    new_tokens: int = 48
+    loss_batches: int = 4  # held-out windows for the loss, batches of the training batch size
+    tree: str | None = None  # the drafter's tree (None: its kind's default)
+    seed: int = 0
+
+
+# ----------------------------------------------------------------------------- training runs
+@dataclasses.dataclass
+class DrafterTrainResult:
+    out_dir: Path | None
+    cfg: Any
+    params: Any
+    train: Any  # training.trainer.TrainResult
+    heldout: list  # the eval records of this call (loss, tau, accept_by_depth per evaluation point)
+
+
+def _load_target(target):
+    from jaxdecode.model import Model, load
+    return target if isinstance(target, Model) else load(target, dtype="float32")
+
+
+def _loss_eval_step(loss_fn):
+    """The trainer's eval form from a loss: (loss x tokens, tokens), or (loss, 1) without aux tokens."""
+    def eval_step(module, batch, constants):
+        loss, aux = loss_fn(module, batch, constants)
+        n = aux.get("tokens", 1.0) if isinstance(aux, dict) else 1.0
+        return loss * n, n
+    return eval_step
+
+
+def _data_batches(data, corpus_dir, target, workdir, *, batch_size, seq_len, seed, distill, progress):
+    """(batches(step), data record for the run identity and the export) of --data corpus|self|mix."""
+    from .distill_data import DATA_MODES, make_batches, self_distill_data
+    if data not in DATA_MODES:
+        raise ValueError(f"unknown data {data!r}; choose one of {', '.join(DATA_MODES)}")
+    shard, info = None, {"data": data}
+    if data != "corpus":
+        if distill.seq_len != seq_len:
+            distill = dataclasses.replace(distill, new_tokens=seq_len - distill.prompt_len)
+        shard = self_distill_data(target, corpus_dir, Path(workdir) / "data", distill, progress=progress)
+        info["self"] = json.loads((shard.parent / "manifest.json").read_text())["key"]
+    return make_batches(data, corpus_dir, batch_size=batch_size, seq_len=seq_len, seed=seed, shard=shard), info
+
+
+def train_drafter(kind: str, target, corpus_dir, out_dir=None, *, train_config, data: str = "corpus",
+                  batch_size: int = 16, seq_len: int = 96, workdir=None, config_overrides: dict | None = None,
+                  distill=None, eval_options: EvalOptions = EvalOptions(), drafter_options: dict | None = None,
+                  plot: bool = True) -> DrafterTrainResult:
+    """Train a drafter of a registered kind on a frozen target; export it with save_drafter to out_dir.
+
+    target: a jaxdecode.Model or its directory. corpus_dir: a corpus tokenized with the target's
+    tokenizer (training windows, self-distillation prompts, held-out loss and prompts). data: corpus |
+    self | mix (training.distill_data). Every evaluation point logs the held-out loss and the drafter's
+    acceptance (tau, by depth) from real greedy speculative runs to workdir/metrics.jsonl; rerunning
+    resumes exactly from workdir's last checkpoint. drafter_options go to the decode kind's make (e.g.
+    draft_model=Model for kinds that draft with a draft LM).
+    """
+    from flax import nnx as _nnx
+
+    from jaxdecode.drafters.trained import get_kind, save_drafter
+
+    from .distill_data import CorpusBatches, DistillOptions
+    from .trainer import train
+
+    tk = get_train_kind(kind)
+    dk = get_kind(tk.name)
+    target = _load_target(target)
+    if seq_len > target.config.max_position_embeddings:
+        raise ValueError(f"seq_len={seq_len} exceeds the target's max_position_embeddings "
+                         f"{target.config.max_position_embeddings}")
+    workdir = Path(workdir) if workdir is not None else Path(out_dir).with_name(Path(out_dir).name + ".train")
+    cfg = tk.default_config(target.config, **(config_overrides or {}))
+    module = tk.module(cfg, target.config, _nnx.Rngs(train_config.seed))
+    batches, data_info = _data_batches(data, corpus_dir, target, workdir, batch_size=batch_size,
+                                       seq_len=seq_len, seed=train_config.seed,
+                                       distill=distill or DistillOptions(seed=train_config.seed),
+                                       progress=train_config.progress)
+    from .corpus import Corpus
+    held = CorpusBatches(Corpus.open(corpus_dir).tokens("heldout"), batch_size, seq_len, eval_options.seed + 1)
+    eval_set = [held(i) for i in range(eval_options.loss_batches)]
+    prompts = heldout_prompts(corpus_dir, eval_options.prompts, eval_options.prompt_len, eval_options.seed)
+    options = dict(drafter_options or {})
+
+    def on_eval(mod, step):
+        drafter = dk.make(params_of(mod), cfg, target, eval_options.tree, 0.0, **options)
+        return measure_acceptance(target, drafter, prompts, new_tokens=eval_options.new_tokens)
+
+    run_info = {"kind": tk.name, "cfg": _jsonable(dataclasses.asdict(cfg)),
+                "target": _target_id(target), **data_info, "batch_size": batch_size, "seq_len": seq_len}
+    result = train(module, tk.loss_fn, batches, train_config, workdir,
+                   eval_step=tk.eval_step or _loss_eval_step(tk.loss_fn), eval_batches=lambda: eval_set,
+                   constants={"target": target.params}, run_info=run_info, on_eval=on_eval)
+    params = params_of(result.module)
+    heldout = [r for r in result.history if "tau" in r]
+    if plot:
+        plot_training(read_metrics_file(workdir / "metrics.jsonl"), workdir / "training.png",
+                      title=f"{tk.name} drafter")
+    if out_dir is not None:
+        last = heldout[-1] if heldout else {}
+        save_drafter(out_dir, tk.name, cfg, params, target.config,
+                     extra={"trained_steps": result.step, "data": data_info, "batch_size": batch_size,
+                            "seq_len": seq_len, "heldout": {k: last[k] for k in ("eval_loss", "tau",
+                                                                               "accept_by_depth") if k in last}})
+    return DrafterTrainResult(out_dir=Path(out_dir) if out_dir is not None else None, cfg=cfg, params=params,
+                              train=result, heldout=heldout)
+
+
+def train_draft_lm(target, corpus_dir, out_dir=None, *, train_config, data: str = "self", size: str = "draft",
+                   batch_size: int = 8, seq_len: int = 96, workdir=None, distill=None,
+                   logit_distill: bool = False, distill_temperature: float = 1.0, distill_alpha: float = 1.0,
+                   eval_options: EvalOptions = EvalOptions(), plot: bool = True):
+    """A draft LM (the train_lm path, model size `size`) on corpus windows, the target's own
+    continuations (data="self": on-policy) or both; logit_distill adds DistillLoss with the target as
+    teacher. Every evaluation point logs the held-out loss and tau of DraftLM(the current params) with
+    the target; the model is exported as an HF directory (tokenizer: the target's) to out_dir."""
+    from jaxdecode.drafters import DraftLM, tree_from_option
+
+    from .distill_data import DistillOptions, lm_batches
+    from .lm import LMTrainSpec, model_config, train_lm
+    from .tokenizer import eos_id
+
+    target = _load_target(target)
+    if target.path is None or target.tokenizer is None:
+        raise ValueError("train_draft_lm needs a target loaded from a directory with its tokenizer "
+                         "(the draft LM shares it): pass the directory")
+    workdir = Path(workdir) if workdir is not None else Path(out_dir).with_name(Path(out_dir).name + ".train")
+    batches, data_info = _data_batches(data, corpus_dir, target, workdir, batch_size=batch_size,
+                                       seq_len=seq_len, seed=train_config.seed,
+                                       distill=distill or DistillOptions(seed=train_config.seed),
+                                       progress=train_config.progress)
+    config = model_config(size, target.config.vocab_size, target.config.max_position_embeddings,
+                          eos_id(target.tokenizer))
+    spec = LMTrainSpec(batch_size=batch_size, seq_len=seq_len - 1, eval_batch_size=batch_size,
+                       eval_max_batches=eval_options.loss_batches, distill_temperature=distill_temperature,
+                       distill_alpha=distill_alpha)
+    prompts = heldout_prompts(corpus_dir, eval_options.prompts, eval_options.prompt_len, eval_options.seed)
+    builder = tree_from_option(eval_options.tree, "chain:4", 0.0)
+
+    def on_eval(mod, step):
+        drafter = DraftLM(params=mod.raw_params(), config=mod.config, builder=builder)
+        return measure_acceptance(target, drafter, prompts, new_tokens=eval_options.new_tokens)
+
+    result = train_lm(corpus_dir, target.path, config, train_config, Path(workdir) / "run", spec=spec,
+                      teacher_dir=target.path if logit_distill else None, export_dir=out_dir,
+                      batches=lm_batches(batches), data_info=json.dumps({**data_info, "target": _target_id(target)},
+                                                                        sort_keys=True),
+                      on_eval=on_eval)
+    if plot:
+        plot_training(read_metrics_file(Path(workdir) / "run" / "metrics.jsonl"), Path(workdir) / "training.png",
+                      title=f"draft LM ({size}, data={data})")
+    return DrafterTrainResult(out_dir=Path(out_dir) if out_dir is not None else None, cfg=config,
+                              params=result.module.raw_params(), train=result,
+                              heldout=[r for r in result.history if "tau" in r])
+
+
+def _jsonable(x):
+    return json.loads(json.dumps(x, default=lambda o: list(o) if isinstance(o, tuple) else str(o)))
+
+
+def _target_id(target) -> str:
+    from .distill_data import target_fingerprint
+    return target_fingerprint(target)
+
+
+def read_metrics_file(path) -> list[dict]:
+    from .trainer import read_metrics
+    return read_metrics(path) if Path(path).exists() else []
+
+
+# ----------------------------------------------------------------------------- plot
+def plot_training(metrics: list[dict], path, title: str = "drafter") -> Path | None:
+    """Loss (train, held-out), tau and acceptance by depth over training steps, one figure."""
+    if not metrics:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax_l, ax_t, ax_d) = plt.subplots(1, 3, figsize=(14, 4))
+    tr = [(m["step"], m["loss"]) for m in metrics if "loss" in m]
+    ev = [(m["step"], m["eval_loss"]) for m in metrics if "eval_loss" in m]
+    acc = [m for m in metrics if "tau" in m]
+    if tr:
+        ax_l.plot(*zip(*tr), color="tab:blue", alpha=0.35, lw=1, label="train")
+    if ev:
+        ax_l.plot(*zip(*ev), "o-", color="tab:blue", lw=2, ms=3, label="held-out")
+    ax_l.set(xlabel="step", ylabel="loss", title=f"{title}: loss")
+    ax_l.legend()
+    if acc:
+        ax_t.plot([m["step"] for m in acc], [m["tau"] for m in acc], "o-", color="tab:green", lw=2, ms=3)
+        depth = max(len(m["accept_by_depth"]) for m in acc)
+        cmap = plt.get_cmap("viridis")
+        for d in range(depth):
+            pts = [(m["step"], m["accept_by_depth"][d]) for m in acc if d < len(m["accept_by_depth"])]
+            ax_d.plot(*zip(*pts), "o-", ms=3, color=cmap(d / max(depth - 1, 1)), label=f"depth {d + 1}")
+        ax_d.legend(fontsize=8)
+    ax_t.set(xlabel="step", ylabel="tokens per target call", title="tau (held-out, greedy)")
+    ax_d.set(xlabel="step", ylabel="acceptance rate", title="acceptance by depth", ylim=(0, 1.02))
+    for ax in (ax_l, ax_t, ax_d):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)

@@ -134,9 +134,13 @@ class LMTrainSpec:
 
 def train_lm(corpus_dir, tokenizer_dir, config: ModelConfig, train_config: TrainConfig, workdir, *,
              spec: LMTrainSpec = LMTrainSpec(), teacher_dir=None, export_dir=None,
-             export_dtype: str | None = None, init_from=None, init_info: str | None = None):
+             export_dtype: str | None = None, init_from=None, init_info: str | None = None,
+             batches=None, data_info: str | None = None, on_eval=None):
     """Train a causal LM on a corpus (optionally distilling a teacher), optionally export it.
 
+    `batches(step)` ({"tokens" [B, T+1], "weights" [B, T]}, a pure function of the step) replaces the
+    corpus's training windows (e.g. the target's own continuations); `data_info` names that data in
+    the run identity. The corpus still gives the held-out evaluation. `on_eval`: see trainer.train.
     `init_from`: start from these params (a pytree, or an HF directory of a model with this
     config) instead of a random init: continued training with a fresh optimizer and schedule.
     `init_info` names the starting point in the run identity (default: the directory).
@@ -166,7 +170,7 @@ def train_lm(corpus_dir, tokenizer_dir, config: ModelConfig, train_config: Train
 
     train_tokens = corpus.tokens("train")
     heldout = corpus.tokens("heldout")
-    sampler = WindowSampler(train_tokens, spec.batch_size, spec.seq_len, train_config.seed)
+    sampler = batches or WindowSampler(train_tokens, spec.batch_size, spec.seq_len, train_config.seed)
     eval_set = eval_batches(heldout, spec.eval_batch_size, spec.seq_len, spec.eval_max_batches)
 
     params = init_params(config.replace(dtype="float32"), jax.random.PRNGKey(train_config.seed))
@@ -190,9 +194,11 @@ def train_lm(corpus_dir, tokenizer_dir, config: ModelConfig, train_config: Train
                 "teacher": teacher_info}
     if init_from is not None:  # only then, so plain runs keep their identity
         run_info["init"] = init_info or "params"
+    if batches is not None:
+        run_info["data"] = data_info or "batches"
     result = train(module, loss_fn, sampler, train_config, workdir,
                    eval_step=lm_eval_step if eval_set else None, eval_batches=lambda: eval_set,
-                   constants=constants, run_info=run_info)
+                   constants=constants, run_info=run_info, on_eval=on_eval)
     if export_dir is not None:
         export_lm(config, result.module.raw_params(), tokenizer, export_dir, dtype=export_dtype)
     return result

@@ -411,9 +411,14 @@ def _eval_step(module_graphdef, eval_step, module_state, batch, constants):
 def train(module: nnx.Module, loss_fn: Callable, batches: Callable[[int], dict], config: TrainConfig,
           workdir, *, eval_step: Callable | None = None,
           eval_batches: Callable[[], Iterable[dict]] | None = None, constants=None,
-          run_info: dict | None = None) -> TrainResult:
+          run_info: dict | None = None,
+          on_eval: Callable[[nnx.Module, int], dict] | None = None) -> TrainResult:
     """Train `module` for `config.steps` optimizer steps, resuming from `workdir` if it holds a
-    checkpoint; `result.module` is the trained module (the one passed in is left as it was)."""
+    checkpoint; `result.module` is the trained module (the one passed in is left as it was).
+
+    on_eval(module, step) -> dict of JSON-able figures: run at every evaluation point (with or without
+    an eval_step) and merged into that step's eval record in metrics.jsonl (e.g. a drafter's
+    acceptance from real decoding runs)."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
 
@@ -524,14 +529,18 @@ def train(module: nnx.Module, loss_fn: Callable, batches: Callable[[int], dict],
             pending.append(metrics)
             done = step + 1
             last_step = done == config.steps
-            evaluate_now = eval_fn is not None and (
+            evaluate_now = (eval_fn is not None or on_eval is not None) and (
                 last_step or (config.eval_every and done % config.eval_every == 0))
             save_now = last_step or (config.checkpoint_every and done % config.checkpoint_every == 0)
             if done % config.log_every == 0 or evaluate_now or save_now:
                 flush_logs(done)
             if evaluate_now:
-                eval_loss = evaluate(state)
-                record({"step": done, "eval_loss": eval_loss})
+                rec = {"step": done}
+                if eval_fn is not None:
+                    eval_loss = rec["eval_loss"] = evaluate(state)
+                if on_eval is not None:
+                    rec.update(on_eval(nnx.merge(nnx.graphdef(module), state[0]), done))
+                record(rec)
             if save_now:
                 checkpoint(done, state)
             if evaluate_now or save_now:

@@ -1,0 +1,207 @@
+"""Training drafters: the kind registry, self-distillation data, train_drafter (held-out loss and
+acceptance from real engine runs, exact resume, export -> load -> decode), the on-policy draft LM, CLI."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxdecode
+from jaxdecode.drafters import ChainBuilder, make_drafter
+from jaxdecode.drafters.trained import DrafterKind, load_drafter, register_kind, unregister_kind
+from jaxdecode.training import drafters as td
+from jaxdecode.training.distill_data import (DistillOptions, load_shard, make_batches, prompt_windows,
+                                             self_distill_data)
+from jaxdecode.training.trainer import TrainConfig
+
+
+# ----------------------------------------------------------------------------- a trivial kind
+@dataclasses.dataclass(frozen=True)
+class BigramConfig:
+    depth: int = 3
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BigramDrafter:
+    """Drafts a chain from a learned next-token table (no target features): the test kind."""
+    table: jax.Array  # f32[V, V] logits of the next token given the current one
+    builder: object = dataclasses.field(metadata=dict(static=True))
+
+    num_nodes = property(lambda self: self.builder.num_nodes)
+    max_depth = property(lambda self: self.builder.max_depth)
+    child_rule = property(lambda self: self.builder.rule)
+    is_chain = True
+
+    def init(self, prompt_tokens, prompt_lengths, cache_len, key):
+        return jnp.zeros((), jnp.int32)
+
+    def propose(self, state, ctx, sampler):
+        pending = jnp.take_along_axis(ctx.history, (ctx.hist_len - 1)[:, None], axis=1)[:, 0]
+
+        def expand(s, start, tokens, parents_all):
+            return jax.nn.log_softmax(self.table[tokens], axis=-1), s
+
+        root = jax.nn.log_softmax(self.table[pending], axis=-1)
+        tree, slots, state = self.builder.build(state, root, expand, ctx.key)
+        return tree, slots, state
+
+    def observe(self, state, obs):
+        return state
+
+
+def _make(params, cfg, target, tree=None, temperature=0.0, **kw):
+    return BigramDrafter(table=params["table"], builder=ChainBuilder(cfg.depth))
+
+
+class BigramModule(nnx.Module):
+    def __init__(self, cfg, target_config, rngs):
+        v = target_config.vocab_size
+        self.table = nnx.Param(jnp.zeros((v, v), jnp.float32))
+
+
+def _loss(module, batch, constants):
+    toks, mask = batch["tokens"], batch["mask"]
+    logits = module.table[...][toks[:, :-1]]
+    w = mask[:, 1:] * mask[:, :-1]
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), toks[:, 1:, None], -1)[..., 0]
+    n = jnp.maximum(w.sum(), 1.0)
+    return jnp.sum(nll * w) / n, {"tokens": w.sum()}
+
+
+@pytest.fixture(scope="module")
+def bigram_kind():
+    register_kind(DrafterKind(name="bigram_test", config_cls=BigramConfig, make=_make,
+                              target_fields=("vocab_size",)), replace=True)
+    td.register_train_kind(td.TrainKind(name="bigram_test", module=BigramModule, loss_fn=_loss,
+                                        default_config=lambda tc, **kw: BigramConfig(**kw)))
+    yield "bigram_test"
+    td.unregister_train_kind("bigram_test")
+    unregister_kind("bigram_test")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(target Model, corpus dir) of a tiny trained LM with a real tokenizer."""
+    from jaxdecode.training.fixtures import build_tiny_lm
+    root = tmp_path_factory.mktemp("tiny")
+    model_dir = build_tiny_lm(root / "lm", steps=40)
+    return jaxdecode.load(model_dir), root / "lm" / "corpus"
+
+
+def _cfg(steps, **kw):
+    base = dict(steps=steps, learning_rate=0.3, warmup_steps=1, weight_decay=0.0, log_every=5, eval_every=10,
+                checkpoint_every=10, keep_checkpoints=3, data_parallel=1, progress=False)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+EVAL = td.EvalOptions(prompts=4, prompt_len=8, new_tokens=12, loss_batches=2)
+
+
+# ----------------------------------------------------------------------------- registry
+def test_unknown_and_missing_kinds(monkeypatch):
+    with pytest.raises(td.TrainKindError, match="unknown training kind 'nope'.*known kinds: medusa"):
+        td.get_train_kind("nope")
+    monkeypatch.setitem(td.TRAIN_KIND_MODULES, "ghost", "jaxdecode.training.ghost_kind_module")
+    with pytest.raises(td.TrainKindError, match="needs its module jaxdecode.training.ghost_kind_module"):
+        td.get_train_kind("ghost")
+    with pytest.raises(ValueError, match="must be callable"):
+        td.TrainKind(name="x", module=1, loss_fn=_loss, default_config=BigramConfig)
+
+
+# ----------------------------------------------------------------------------- data
+def test_self_distillation_data(tiny, tmp_path):
+    target, corpus = tiny
+    opts = DistillOptions(num_prompts=6, prompt_len=8, new_tokens=10, batch_size=4, greedy_fraction=0.5)
+    shard = self_distill_data(target, corpus, tmp_path, opts, progress=False)
+    tokens, mask = load_shard(shard)
+    assert tokens.shape == mask.shape == (6, 18)
+    assert (mask[:, :8] == 1).all() and ((tokens == 0) | (mask > 0)).all()
+    # the first batch is greedy: the target's own greedy continuation of its prompt
+    from jaxdecode.autoregressive import decode
+    from jaxdecode.training.corpus import Corpus
+    prompts = prompt_windows(Corpus.open(corpus).tokens("train"), 8, 8, opts.seed)
+    assert (tokens[:, :8] == prompts[:6]).all()
+    ref = decode(target.config, target.params, prompts[:4], np.full(4, 8, np.int32), max_new_tokens=10,
+                 eos_ids=tuple(target.config.eos_token_ids), method="greedy")
+    n = np.asarray(ref.lengths)
+    for r in range(4):
+        assert (tokens[r, 8:8 + n[r]] == np.asarray(ref.tokens)[r, :n[r]]).all() and mask[r, 8:].sum() == n[r]
+    # cached: the same request does not regenerate; other options are another shard
+    stamp = shard.stat().st_mtime_ns
+    assert self_distill_data(target, corpus, tmp_path, opts, progress=False) == shard
+    assert shard.stat().st_mtime_ns == stamp
+    other = self_distill_data(target, corpus, tmp_path, dataclasses.replace(opts, seed=1), progress=False)
+    assert other != shard
+    # batches are pure functions of the step; mix = half corpus windows, half continuations
+    b = make_batches("mix", corpus, batch_size=4, seq_len=18, seed=3, shard=shard)
+    x, y = b(5), b(5)
+    assert x["tokens"].shape == (4, 18) and (x["tokens"] == y["tokens"]).all()
+    assert (x["mask"][:2] == 1).all()
+    with pytest.raises(ValueError, match="unknown data 'web'"):
+        make_batches("web", corpus, batch_size=4, seq_len=18)
+
+
+# ----------------------------------------------------------------------------- train_drafter
+def test_train_drafter_improves_and_exports(tiny, bigram_kind, tmp_path):
+    target, corpus = tiny
+    res = td.train_drafter(bigram_kind, target, corpus, tmp_path / "out", train_config=_cfg(30),
+                           batch_size=8, seq_len=24, eval_options=EVAL)
+    evals = [r for r in td.read_metrics_file(tmp_path / "out.train" / "metrics.jsonl") if "tau" in r]
+    assert [r["step"] for r in evals] == [10, 20, 30]
+    assert all("eval_loss" in r and len(r["accept_by_depth"]) == 3 for r in evals)
+    # against the untrained table (uniform: tau 1 + a little luck)
+    drafter0 = _make({"table": jnp.zeros_like(res.params["table"])}, res.cfg, target)
+    prompts = td.heldout_prompts(corpus, EVAL.prompts, EVAL.prompt_len)
+    tau0 = td.measure_acceptance(target, drafter0, prompts, new_tokens=EVAL.new_tokens)["tau"]
+    assert evals[-1]["tau"] > tau0 + 0.3, (tau0, evals)
+    assert evals[-1]["eval_loss"] < np.log(target.config.vocab_size) - 1.0
+    assert (tmp_path / "out.train" / "training.png").exists()
+    # export -> load -> decode: greedy speculative equals plain greedy
+    loaded = load_drafter(tmp_path / "out", target)
+    assert loaded.extra["trained_steps"] == 30 and loaded.extra["heldout"]["tau"] == evals[-1]["tau"]
+    drafter = make_drafter(bigram_kind, target, drafter_dir=tmp_path / "out")
+    from jaxdecode.autoregressive import decode
+    from jaxdecode.speculative import speculative_decode
+    from jaxdecode.verifiers import get_verifier
+    lens = np.full(len(prompts), prompts.shape[1], np.int32)
+    spec = speculative_decode(target.config, target.params, drafter, prompts, lens, max_new_tokens=12,
+                              verifier=get_verifier("greedy"))
+    ref = decode(target.config, target.params, prompts, lens, max_new_tokens=12, method="greedy")
+    assert (np.asarray(spec.tokens) == np.asarray(ref.tokens)).all()
+
+
+def test_resume_is_exact(tiny, bigram_kind, tmp_path):
+    target, corpus = tiny
+    kw = dict(batch_size=4, seq_len=16, eval_options=EVAL, plot=False)
+    whole = td.train_drafter(bigram_kind, target, corpus, None, workdir=tmp_path / "a",
+                             train_config=_cfg(12, checkpoint_every=6, eval_every=6), **kw)
+    td.train_drafter(bigram_kind, target, corpus, None, workdir=tmp_path / "b",
+                     train_config=_cfg(6, checkpoint_every=6, eval_every=6, schedule_steps=12), **kw)
+    second = td.train_drafter(bigram_kind, target, corpus, None, workdir=tmp_path / "b",
+                              train_config=_cfg(12, checkpoint_every=6, eval_every=6, schedule_steps=12), **kw)
+    assert second.train.resumed_from == 6
+    np.testing.assert_array_equal(np.asarray(whole.params["table"]), np.asarray(second.params["table"]))
+
+
+# ----------------------------------------------------------------------------- draft LM, on-policy
+def test_draft_lm_on_policy(tiny, tmp_path):
+    target, corpus = tiny
+    opts = DistillOptions(num_prompts=16, prompt_len=8, new_tokens=16, batch_size=8)
+    res = td.train_draft_lm(target.path, corpus, tmp_path / "draft", train_config=_cfg(20, learning_rate=3e-3),
+                            data="self", size="tiny", batch_size=8, seq_len=24, distill=opts,
+                            logit_distill=True, eval_options=EVAL)
+    assert [r["step"] for r in res.heldout] == [10, 20]
+    assert all(r["tau"] >= 1.0 and np.isfinite(r["eval_loss"]) for r in res.heldout)
+    assert res.heldout[-1]["eval_loss"] < res.heldout[0]["eval_loss"]
+    draft = jaxdecode.load(tmp_path / "draft")  # an HF directory with the target's tokenizer
+    assert draft.config.vocab_size == target.config.vocab_size and draft.tokenizer is not None
+    run = json.loads((tmp_path / "draft.train" / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert "tau" in run and "kl" in json.dumps(td.read_metrics_file(tmp_path / "draft.train" / "run" /
+                                                                    "metrics.jsonl"))
