@@ -190,18 +190,55 @@ def test_resume_is_exact(tiny, bigram_kind, tmp_path):
     np.testing.assert_array_equal(np.asarray(whole.params["table"]), np.asarray(second.params["table"]))
 
 
-# ----------------------------------------------------------------------------- draft LM, on-policy
-def test_draft_lm_on_policy(tiny, tmp_path):
+# ----------------------------------------------------------------------------- draft LM, on-policy + CLI
+def _flags(**kw):
+    out = []
+    for k, v in kw.items():
+        out += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
+    return out
+
+
+SMALL = dict(steps=20, eval_every=10, checkpoint_every=10, batch_size=8, seq_len=24, prompt_len=8, prompts=16,
+             gen_batch_size=8, eval_prompts=4, eval_new_tokens=12, warmup=1, no_progress=True)
+
+
+def test_draft_lm_on_policy_cli(tiny, tmp_path, capsys):
+    from jaxdecode.cli import main
     target, corpus = tiny
-    opts = DistillOptions(num_prompts=16, prompt_len=8, new_tokens=16, batch_size=8)
-    res = td.train_draft_lm(target.path, corpus, tmp_path / "draft", train_config=_cfg(20, learning_rate=3e-3),
-                            data="self", size="tiny", batch_size=8, seq_len=24, distill=opts,
-                            logit_distill=True, eval_options=EVAL)
-    assert [r["step"] for r in res.heldout] == [10, 20]
-    assert all(r["tau"] >= 1.0 and np.isfinite(r["eval_loss"]) for r in res.heldout)
-    assert res.heldout[-1]["eval_loss"] < res.heldout[0]["eval_loss"]
-    draft = jaxdecode.load(tmp_path / "draft")  # an HF directory with the target's tokenizer
+    out = tmp_path / "draft"
+    rc = main(["train", "draft-lm", "--target", target.path, "--corpus", str(corpus), "--out", str(out),
+               *_flags(**SMALL, size="tiny", lr=3e-3, logit_distill=True)])
+    assert rc == 0, capsys.readouterr().err
+    assert "held-out tau" in capsys.readouterr().out
+    evals = [r for r in td.read_metrics_file(tmp_path / "draft.train" / "run" / "metrics.jsonl") if "tau" in r]
+    assert [r["step"] for r in evals] == [10, 20]
+    assert all(r["tau"] >= 1.0 for r in evals) and evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    assert (tmp_path / "draft.train" / "data").is_dir()  # --data self is the draft-lm default
+    draft = jaxdecode.load(out)  # an HF directory with the target's tokenizer: usable as --draft
     assert draft.config.vocab_size == target.config.vocab_size and draft.tokenizer is not None
-    run = json.loads((tmp_path / "draft.train" / "run" / "metrics.jsonl").read_text().splitlines()[-1])
-    assert "tau" in run and "kl" in json.dumps(td.read_metrics_file(tmp_path / "draft.train" / "run" /
-                                                                    "metrics.jsonl"))
+
+
+def test_cli_kind_run_errors_and_help(tiny, bigram_kind, tmp_path, capsys, monkeypatch):
+    from jaxdecode.cli import main
+    from jaxdecode.training import cli
+    target, corpus = tiny
+    monkeypatch.setattr(cli, "DRAFTER_COMMANDS", cli.DRAFTER_COMMANDS + ("bigram-test",))
+    args = ["train", "bigram-test", "--target", target.path, "--corpus", str(corpus), "--out",
+            str(tmp_path / "bg"), *_flags(**dict(SMALL, steps=4, eval_every=4, checkpoint_every=4), lr=0.3)]
+    assert main(args) == 0, capsys.readouterr().err
+    assert load_drafter(tmp_path / "bg", target).extra["trained_steps"] == 4
+    capsys.readouterr()
+    assert main([*args[:-len(args) + 8], *_flags(**dict(SMALL, steps=4, seq_len=20), lr=0.3)]) == 2
+    assert "--seq-len" in capsys.readouterr().err  # a changed option is refused by its flag
+    # a kind whose training module is not installed: a clear error, not a traceback
+    monkeypatch.setitem(td.TRAIN_KIND_MODULES, "kangaroo", "jaxdecode.training.ghost_kind_module")
+    monkeypatch.setattr(td, "_TRAIN_KINDS", {k: v for k, v in td._TRAIN_KINDS.items() if k != "kangaroo"})
+    assert main(["train", "kangaroo", "--target", target.path, "--corpus", str(corpus), "--out",
+                 str(tmp_path / "k")]) == 2
+    assert "needs its module jaxdecode.training.ghost_kind_module" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "nope", "--target", "x"])
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "medusa", "--help"])
+    assert "(default: corpus)" in capsys.readouterr().out

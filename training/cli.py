@@ -37,7 +37,7 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
     train = subparsers.add_parser("train", help="train models (causal LMs, draft models)")
-    sub = train.add_subparsers(dest="train_command", metavar="{lm}")
+    sub = train.add_subparsers(dest="train_command", metavar="{lm," + ",".join(DRAFTER_COMMANDS) + "}")
     sub.required = True
     lm = sub.add_parser(
         "lm", help="train a causal LM from scratch or distil one from a teacher; export HF format",
@@ -94,7 +94,162 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                     help="checkpoint every N steps (0: at the end)")
     lm.add_argument("--keep-checkpoints", type=int, default=3, help="checkpoints kept (the newest)")
     lm.add_argument("--no-progress", action="store_true", help="no progress bar")
+    for command in DRAFTER_COMMANDS:
+        add_drafter_parser(sub, command)
     return train
+
+
+# `jaxdecode train KIND`: the trained-drafter kinds (training.drafters) and the on-policy draft LM.
+DRAFTER_COMMANDS = ("medusa", "hydra", "eagle3", "block", "accept-head", "kangaroo", "draft-lm")
+
+
+def add_drafter_parser(sub, command: str) -> argparse.ArgumentParser:
+    is_lm = command == "draft-lm"
+    what = ("a small draft LM on the target's own continuations (on-policy), exported as an HF "
+            "directory for --drafter draft_lm --draft DIR" if is_lm else
+            f"a {command} drafter on a frozen target, exported for --drafter {command.replace('-', '_')} "
+            f"--drafter-dir DIR")
+    p = sub.add_parser(
+        command, help=f"train {what.split(',')[0]}", formatter_class=_DefaultsFormatter,
+        description=f"Train {what}. The target stays frozen. Every --eval-every steps the held-out loss "
+                    f"and the drafter's acceptance (tau and the rate by tree depth, from real greedy "
+                    f"speculative runs on held-out prompts) go to WORKDIR/metrics.jsonl and the plot "
+                    f"WORKDIR/training.png. Rerunning the same command resumes from the last checkpoint; "
+                    f"self-distillation data is generated once and cached in WORKDIR/data.")
+    p.add_argument("--target", required=True, help="the target model's HF directory (with its tokenizer)")
+    p.add_argument("--out", required=True, help="output directory (written whole at the end)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--corpus", help="a corpus directory built with the target's tokenizer (manifest.json)")
+    src.add_argument("--sources", nargs="+",
+                     help="source files/directories, tokenized with the target's tokenizer into WORKDIR/corpus")
+    p.add_argument("--data", choices=("corpus", "self", "mix"), default="self" if is_lm else "corpus",
+                   help="training text: corpus windows, the target's own continuations of corpus prompts "
+                        "(self-distillation), or half of each")
+    p.add_argument("--workdir", default=None, help="checkpoints, logs, data (default: OUT.train)")
+    p.add_argument("--patterns", default=DEFAULT_PATTERNS, help="file globs taken from --sources directories")
+    p.add_argument("--held-out-fraction", type=float, default=0.05, help="files held out (by path hash)")
+    p.add_argument("--steps", type=int, default=2000 if is_lm else 1000, help="optimizer steps to train to")
+    p.add_argument("--batch-size", type=int, default=8 if is_lm else 16, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=96,
+                   help="tokens per training sequence (self data: --prompt-len + the continuation)")
+    p.add_argument("--lr", type=float, default=3e-3 if is_lm else 1e-3, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=50, help="linear warmup steps")
+    p.add_argument("--weight-decay", type=float, default=0.1 if is_lm else 0.0, help="AdamW weight decay")
+    p.add_argument("--seed", type=int, default=0, help="initialisation, data and batch-order seed")
+    g = p.add_argument_group("self-distillation data (--data self|mix)")
+    g.add_argument("--prompts", type=int, default=1024, help="corpus prompts the target continues")
+    g.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt")
+    g.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled continuations")
+    g.add_argument("--greedy-fraction", type=float, default=0.5, help="continuations decoded greedily")
+    g.add_argument("--gen-batch-size", type=int, default=32, help="rows per batched decode call")
+    e = p.add_argument_group("held-out evaluation")
+    e.add_argument("--eval-every", type=int, default=200, help="evaluate every N steps (0: at the end)")
+    e.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts decoded speculatively")
+    e.add_argument("--eval-new-tokens", type=int, default=64, help="tokens decoded per held-out prompt")
+    e.add_argument("--tree", default=None, help="tree of the held-out runs (default: the kind's own)")
+    if is_lm:
+        p.add_argument("--size", default="draft", choices=("tiny", "draft", "small"),
+                       help="draft model size (draft: the shipped draft's recipe, ~2.4 M)")
+        p.add_argument("--logit-distill", action="store_true",
+                       help="add the KL to the target's logits (DistillLoss) to the loss")
+        p.add_argument("--distill-temperature", type=float, default=1.0, help="KL temperature")
+        p.add_argument("--distill-alpha", type=float, default=1.0, help="weight of the KL term (rest: CE)")
+    else:
+        p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                       help="a field of the kind's config (e.g. num_heads=4), value as JSON; repeatable")
+        p.add_argument("--draft", default=None, help="draft model directory, for kinds that draft with one")
+    p.add_argument("--data-parallel", type=int, default=None, help="devices on the data axis (default: all)")
+    p.add_argument("--fsdp", action="store_true", help="shard params and optimizer state over data")
+    p.add_argument("--checkpoint-every", type=int, default=200, help="checkpoint every N steps (0: at the end)")
+    p.add_argument("--keep-checkpoints", type=int, default=3, help="checkpoints kept (the newest)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def _drafter_flag(key: str) -> str:
+    """The flag behind a drafter run's identity key (for ResumeMismatchError)."""
+    if key in FLAG_OF_KEY:
+        return FLAG_OF_KEY[key]
+    table = [("run.cfg.", "--set"), ("run.self.options.num_prompts", "--prompts"),
+             ("run.self.options.prompt_len", "--prompt-len"), ("run.self.options.temperature", "--temperature"),
+             ("run.self.options.greedy_fraction", "--greedy-fraction"),
+             ("run.self.options.batch_size", "--gen-batch-size"), ("run.self.options", "--seq-len"),
+             ("run.self.corpus", "--corpus/--sources"), ("run.self.target", "--target"),
+             ("run.self", "--data"), ("run.data", "--data"), ("run.batch_size", "--batch-size"),
+             ("run.seq_len", "--seq-len"), ("run.target", "--target"), ("run.kind", "the kind")]
+    return next((flag for prefix, flag in table if key.startswith(prefix)), key)
+
+
+def _parse_sets(items) -> dict:
+    import json
+    out = {}
+    for item in items:
+        field, eq, value = item.partition("=")
+        if not eq or not field:
+            raise ValueError(f"--set takes FIELD=VALUE (e.g. num_heads=4), got {item!r}")
+        try:
+            out[field] = json.loads(value)
+        except json.JSONDecodeError:
+            out[field] = value  # a bare string
+    return out
+
+
+def run_train_drafter(args) -> int:
+    """Run `jaxdecode train KIND` (a trained-drafter kind or draft-lm)."""
+    import argparse as _ap
+
+    import jaxdecode
+
+    from .distill_data import DistillOptions
+    from .drafters import EvalOptions, get_train_kind, train_draft_lm, train_drafter
+    from .trainer import ResumeMismatchError, TrainConfig
+
+    command = args.train_command
+    kind = None if command == "draft-lm" else get_train_kind(command.replace("-", "_"))  # clear error first
+    out = Path(args.out)
+    work = Path(args.workdir) if args.workdir else out.with_name(out.name + ".train")
+    work.mkdir(parents=True, exist_ok=True)
+    target = jaxdecode.load(args.target, dtype="float32")
+    if target.tokenizer is None:
+        raise ValueError(f"the target {args.target} has no tokenizer files: training data is tokenized "
+                         f"with the target's tokenizer")
+    ns = _ap.Namespace(corpus=[args.corpus] if args.corpus else args.sources, tokenizer=args.target,
+                       patterns=args.patterns, held_out_fraction=args.held_out_fraction, vocab_size=None)
+    _, corpus_dir = prepare_data(ns, work)
+    tcfg = TrainConfig(steps=args.steps, learning_rate=args.lr, warmup_steps=args.warmup,
+                       weight_decay=args.weight_decay, seed=args.seed, eval_every=args.eval_every,
+                       checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
+                       data_parallel=args.data_parallel, fsdp=args.fsdp, progress=not args.no_progress)
+    distill = DistillOptions(num_prompts=args.prompts, prompt_len=args.prompt_len,
+                             new_tokens=max(args.seq_len - args.prompt_len, 1), temperature=args.temperature,
+                             greedy_fraction=args.greedy_fraction, batch_size=args.gen_batch_size, seed=args.seed)
+    evals = EvalOptions(prompts=args.eval_prompts, prompt_len=args.prompt_len, new_tokens=args.eval_new_tokens,
+                        tree=args.tree, seed=args.seed)
+    try:
+        if kind is None:
+            res = train_draft_lm(target, corpus_dir, out, train_config=tcfg, data=args.data, size=args.size,
+                                 batch_size=args.batch_size, seq_len=args.seq_len, workdir=work,
+                                 distill=distill, logit_distill=args.logit_distill,
+                                 distill_temperature=args.distill_temperature,
+                                 distill_alpha=args.distill_alpha, eval_options=evals)
+            logs = work / "run" / "metrics.jsonl"
+        else:
+            opts = {"draft_model": jaxdecode.load(args.draft, dtype="float32")} if args.draft else None
+            res = train_drafter(kind.name, target, corpus_dir, out, train_config=tcfg, data=args.data,
+                                batch_size=args.batch_size, seq_len=args.seq_len, workdir=work,
+                                config_overrides=_parse_sets(args.set), distill=distill, eval_options=evals,
+                                drafter_options=opts)
+            logs = work / "metrics.jsonl"
+    except ResumeMismatchError as e:
+        raise e.renamed({k: _drafter_flag(k) for k, _, _ in e.changes}) from None
+    last = res.heldout[-1] if res.heldout else {}
+    held = (f"held-out tau {last['tau']:.3f}, acceptance by depth "
+            f"{', '.join(f'{a:.2f}' for a in last['accept_by_depth'])}; " if last else "")
+    use = (f"--drafter draft_lm --draft {out}" if kind is None else
+           f"--drafter {kind.name} --drafter-dir {out}")
+    print(f"trained {command} for {res.train.step} steps on {args.data} data; {held}drafter -> {out} "
+          f"(jaxdecode generate ... {use}); logs -> {logs}, plot -> {work / 'training.png'}")
+    return 0
 
 
 def _is_corpus_dir(paths) -> bool:
@@ -156,8 +311,11 @@ def run_train(args) -> int:
     from .tokenizer import eos_id, load_tokenizer_dir
     from .trainer import ResumeMismatchError, TrainConfig
 
-    if getattr(args, "train_command", "lm") != "lm":
-        raise SystemExit(f"unknown train command {args.train_command!r}")
+    command = getattr(args, "train_command", "lm")
+    if command in DRAFTER_COMMANDS:
+        return run_train_drafter(args)
+    if command != "lm":
+        raise SystemExit(f"unknown train command {command!r}")
     output = Path(args.output)
     work = Path(args.workdir) if args.workdir else output.with_name(output.name + ".train")
     work.mkdir(parents=True, exist_ok=True)

@@ -175,7 +175,10 @@ def _loss_eval_step(loss_fn):
 
 def _data_batches(data, corpus_dir, target, workdir, *, batch_size, seq_len, seed, distill, progress):
     """(batches(step), data record for the run identity and the export) of --data corpus|self|mix."""
+    from .corpus import Corpus
     from .distill_data import DATA_MODES, make_batches, self_distill_data
+    if target.tokenizer is not None:  # the corpus must speak the target's vocabulary
+        Corpus.open(corpus_dir).check_tokenizer(target.tokenizer)
     if data not in DATA_MODES:
         raise ValueError(f"unknown data {data!r}; choose one of {', '.join(DATA_MODES)}")
     shard, info = None, {"data": data}
