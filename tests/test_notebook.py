@@ -1,4 +1,4 @@
-"""The quickstart notebook runs top to bottom on CPU."""
+"""The notebooks run top to bottom on CPU (the training one at tiny sizes)."""
 from pathlib import Path
 
 import nbformat
@@ -14,3 +14,16 @@ def test_quickstart_notebook_runs(tmp_path):
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
                       for o in c.get("outputs", []))
     assert "[greedy]" in outputs and "[beam]" in outputs and "target_calls" in outputs
+
+
+TRAINING = NOTEBOOK.parent / "speculative_training.ipynb"
+
+
+def test_speculative_training_notebook_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXDECODE_NOTEBOOK_TINY", "1")  # the kernel inherits it: tiny target and steps
+    nb = nbformat.read(TRAINING, as_version=4)
+    NotebookClient(nb, timeout=900, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                      for o in c.get("outputs", []))
+    assert "draft_lm (on-policy)" in outputs and "prompt_lookup" in outputs and "tau" in outputs
