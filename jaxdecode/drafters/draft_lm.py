@@ -64,8 +64,9 @@ class DraftLM:
         def expand(scratch, start, tokens, parents_all):
             f = tokens.shape[1]
             # parents_all spans the builder's whole working tree: W = working_size window columns
-            mask = ancestor_mask(parents_all)[:, start:start + f, :]  # [B, F, W]
-            node_depth = depths(parents_all)[:, start:start + f]
+            # dynamic slices: `start` may be traced (a builder whose levels run in a lax.while_loop)
+            mask = jax.lax.dynamic_slice_in_dim(ancestor_mask(parents_all), start, f, axis=1)  # [B, F, W]
+            node_depth = jax.lax.dynamic_slice_in_dim(depths(parents_all), start, f, axis=1)
             lg, _, scratch = forward(cfg, params, tokens, root_pos[:, None] + node_depth, scratch, mask,
                                      write_offset=jnp.full((b,), start, jnp.int32))
             return draft_logprobs(lg, sampler), scratch

@@ -1,0 +1,325 @@
+"""Acceptance head (SpecDec++; DSpark's confidence head): draft, and verify, only what is likely kept.
+
+`AcceptHeadDrafter(inner, params, head_config, threshold)` wraps any chain drafter that gives draft
+probabilities (a draft LM with tree="chain:K"). A tiny MLP predicts, for each draft position i, the
+probability p_i that the target accepts token i given that tokens < i were accepted (the SpecDec++
+convention). Drafting stops after the first position where the risk of a rejection so far,
+1 - prod_{j<=i} p_j, exceeds the threshold h: that position is still verified, the ones after it are
+marked invalid (tree.valid False). Consequences:
+
+- h = 0 verifies one node per step, h = 1 all K.
+- With `stop_drafting` (the default) the draft LM's level loop is a `lax.while_loop` that exits once
+  every row has stopped, so the drafter does not pay for levels nobody verifies; without it the draft
+  LM drafts all K levels and only the verification shrinks.
+- `verify_widths` (1, 2, 4, ..., K) lets the verification forward shrink to what is proposed.
+- Invalid nodes are never accepted, so the output law does not change: greedy equals plain greedy and
+  sampling verifiers stay lossless (tests/test_accept_head.py).
+
+Inputs per position i, all known when token i is drafted: log q_i(token), log max q_i, the entropy of
+q_i (q_i: the inner drafter's distribution the token came from), the depth i (one-hot), and optionally
+the target's last hidden state at the "bonus slot" of the previous verification (the state whose
+logits produced the pending root; `feature_layers=(FINAL,)`), projected to `target_proj` dims.
+
+The params pytree is the training module's `nnx.Param` state as a pure dict (training/accept_head.py):
+{"inp": {"kernel" [Din, H], "bias" [H]}, "out": {"kernel" [H, 1], "bias" [1]},
+ "target": {"kernel" [D, P], "bias" [P]} (only with target_proj = P > 0)}, Din = 3 + max_depth + P.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxdecode.drafters.builders import ChainBuilder
+from jaxdecode.speculative import FINAL, SpeculativeError, accepted_features
+from jaxdecode.tree import Tree
+
+NUM_SCALARS = 3  # log q(token), log max q, entropy of q
+_LOG_FLOOR = -20.0  # log q below this carries no more information (and keeps inputs bounded)
+_P_CLIP = 1e-6  # p_i in [eps, 1 - eps]: h = 0 stops after one node, h = 1 never stops
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceptHeadConfig:
+    hidden: int = 32  # MLP width
+    max_depth: int = 16  # draft positions the head knows (depth one-hot width); K must not exceed it
+    target_proj: int = 0  # width of the projected target bonus-slot feature; 0 = not used
+    threshold: float = 0.5  # default h: stop once 1 - prod p_i > h
+
+    def __post_init__(self):
+        if self.hidden < 1 or self.max_depth < 1 or self.target_proj < 0:
+            raise ValueError(f"AcceptHeadConfig needs hidden >= 1, max_depth >= 1 and target_proj >= 0, "
+                             f"got {self}")
+        check_threshold(self.threshold)
+
+    @property
+    def input_dim(self) -> int:
+        return NUM_SCALARS + self.max_depth + self.target_proj
+
+
+def check_threshold(h) -> float:
+    h = float(h)
+    if not 0.0 <= h <= 1.0:
+        raise ValueError(f"the acceptance-head threshold h is a probability of rejection in [0, 1] "
+                         f"(0: verify one node, 1: all), got {h}")
+    return h
+
+
+# ----------------------------------------------------------------------------- the head (pure)
+def scalar_features(logq, tokens):
+    """Cheap per-position inputs from the drafter's own distribution: logq [..., V] (log-probs the
+    token was drafted from), tokens [...] -> f32[..., 3] = (log q(token), log max q, entropy)."""
+    logq = jnp.maximum(logq.astype(jnp.float32), _LOG_FLOOR)
+    tok = jnp.take_along_axis(logq, tokens[..., None], axis=-1)[..., 0]
+    q = jnp.exp(logq)
+    entropy = -jnp.sum(jnp.where(q > jnp.exp(_LOG_FLOOR), q * logq, 0.0), axis=-1)
+    return jnp.stack([tok, logq.max(-1), entropy], axis=-1)
+
+
+def chain_features(tree: Tree, slots):
+    """scalar_features of every node of a chain: node i was drafted from its parent's slot (= i).
+    tree tokens [B, K], slots f32[B, K+1, V] draft probabilities -> f32[B, K, 3]."""
+    q = jnp.take_along_axis(slots, (tree.parents + 1)[..., None], axis=1)  # [B, K, V]
+    return scalar_features(jnp.log(jnp.maximum(q, 1e-30)), tree.tokens)
+
+
+def head_logits(params, cfg: AcceptHeadConfig, feats, depth, target_feat=None):
+    """Logit of P(accept) per position. feats f32[B, K, 3], depth int32[K] (0 = first draft token),
+    target_feat f32[B, D] (required iff cfg.target_proj) -> f32[B, K]."""
+    b, k, _ = feats.shape
+    parts = [feats, jnp.broadcast_to(jax.nn.one_hot(depth, cfg.max_depth), (b, k, cfg.max_depth))]
+    if cfg.target_proj:
+        t = target_feat.astype(jnp.float32) @ params["target"]["kernel"] + params["target"]["bias"]  # [B, P]
+        parts.append(jnp.broadcast_to(jax.nn.silu(t)[:, None, :], (b, k, cfg.target_proj)))
+    x = jnp.concatenate(parts, axis=-1)  # [B, K, Din]
+    h = jax.nn.silu(x @ params["inp"]["kernel"] + params["inp"]["bias"])  # [B, K, H]
+    return (h @ params["out"]["kernel"] + params["out"]["bias"])[..., 0]
+
+
+def log_accept(logits):
+    """log p_i, with p_i clipped to [eps, 1 - eps] (see _P_CLIP)."""
+    return jnp.log(jnp.clip(jax.nn.sigmoid(logits), _P_CLIP, 1.0 - _P_CLIP))
+
+
+def keep_mask(logits, threshold):
+    """Which positions to verify: bool[B, K]. Position i is kept while the risk before it,
+    1 - prod_{j<i} p_j, is <= h (position 0 always): the position that crosses h is the last one."""
+    risk = 1.0 - jnp.exp(jnp.cumsum(log_accept(logits), axis=1))  # [B, K], non-decreasing in i
+    before = jnp.concatenate([jnp.zeros_like(risk[:, :1]), risk[:, :-1]], axis=1)
+    return before <= threshold
+
+
+def default_widths(k: int) -> tuple:
+    """Verification widths 1, 2, 4, ... and K."""
+    ws, w = [], 1
+    while w < k:
+        ws.append(w)
+        w *= 2
+    return tuple(ws) + (k,)
+
+
+# ----------------------------------------------------------------------------- early-stopping chain
+@dataclasses.dataclass(frozen=True, eq=False)
+class StoppingChainBuilder:
+    """ChainBuilder(depth, rule) whose levels run in a `lax.while_loop` that ends when `stop` says
+    every row is done: the drafter's cost follows the draft length the head picks.
+
+    stop(d, logq [B, V], token [B], carry) -> (keep_next bool[B], carry): called after token d was
+    drafted from logq; keep_next False ends the row's chain after node d. Created per propose call
+    (it closes over the head's params), never hashed as jit static data."""
+    base: ChainBuilder
+    stop: Callable
+    carry0: Any
+
+    num_nodes = property(lambda self: self.base.num_nodes)
+    max_depth = property(lambda self: self.base.max_depth)
+    working_size = property(lambda self: self.base.working_size)
+    static_parents = property(lambda self: self.base.static_parents)
+    rule = property(lambda self: self.base.rule)
+    is_chain = True
+
+    def build(self, scorer_state, logq_root, expand, key):
+        from jaxdecode.drafters.builders import _ranked
+        b, v = logq_root.shape
+        n = self.base.depth
+        parents = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) - 1, (b, n))
+        keys = jax.random.split(key, n)
+
+        def draft(d, logq, st):  # token d from logq; the head decides whether the row goes on
+            tok = _ranked(logq, 1, self.base.rule, keys[d])[:, 0]
+            going, carry = self.stop(d, logq, tok, st["carry"])
+            going = going & st["going"]
+            return tok, going, {**st, "carry": carry,
+                                "tokens": st["tokens"].at[:, d].set(tok),
+                                "valid": st["valid"].at[:, d].set(st["going"]),
+                                "going": going}
+
+        slots = jnp.zeros((b, n + 1, v), jnp.float32).at[:, 0].set(jnp.exp(logq_root))
+        st = {"carry": self.carry0, "tokens": jnp.zeros((b, n), jnp.int32), "valid": jnp.zeros((b, n), bool),
+              "going": jnp.ones((b,), bool), "slots": slots, "scorer": scorer_state, "d": jnp.int32(0)}
+        tok, going, st = draft(0, logq_root, st)
+
+        def cond(st):
+            return (st["d"] + 1 < n) & jnp.any(st["going"])
+
+        def body(st):
+            d = st["d"]
+            tok = st["tokens"][:, d]
+            logq, scorer = expand(st["scorer"], d, tok[:, None], parents)
+            logq = logq[:, 0]
+            st = {**st, "scorer": scorer, "slots": st["slots"].at[:, d + 1].set(jnp.exp(logq)), "d": d + 1}
+            _, _, st = draft(d + 1, logq, st)
+            return st
+
+        st = jax.lax.while_loop(cond, body, st)
+        tree = Tree(tokens=st["tokens"], parents=parents, valid=st["valid"])
+        return tree, st["slots"], st["scorer"]
+
+
+# ----------------------------------------------------------------------------- the drafter
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AcceptHeadDrafter:
+    """A chain drafter whose drafts are cut where the acceptance head's risk exceeds `threshold`."""
+    inner: Any  # a chain drafter with draft probabilities (DraftLM with a ChainBuilder, ...)
+    params: Any  # the head's params pytree
+    threshold: jax.Array  # f32 scalar h (an array leaf: another h does not recompile)
+    head_config: AcceptHeadConfig = dataclasses.field(metadata=dict(static=True))
+    stop_drafting: bool = dataclasses.field(default=True, metadata=dict(static=True))
+
+    num_nodes = property(lambda self: self.inner.num_nodes)
+    max_depth = property(lambda self: self.inner.max_depth)
+    child_rule = property(lambda self: self.inner.child_rule)
+    is_chain = True
+    builder = property(lambda self: getattr(self.inner, "builder", None))
+    verify_widths = property(lambda self: default_widths(self.num_nodes))
+
+    @property
+    def feature_layers(self) -> tuple:
+        return (FINAL,) if self.head_config.target_proj else ()
+
+    @classmethod
+    def wrap(cls, inner, params, head_config: AcceptHeadConfig, threshold=None, stop_drafting: bool = True):
+        """Checked construction: `inner` must propose chains with draft probabilities."""
+        if not getattr(inner, "is_chain", False):
+            raise SpeculativeError("the acceptance head cuts chains: wrap a chain drafter (e.g. draft_lm "
+                                   "with tree='chain:8'), not a branching tree")
+        if inner.child_rule == "point":
+            raise SpeculativeError("the acceptance head reads the drafter's probabilities, but this drafter "
+                                   "proposes point masses: wrap a draft LM (drafter='draft_lm')")
+        if getattr(inner, "feature_layers", ()):
+            raise SpeculativeError("the acceptance head cannot wrap a drafter that reads target features")
+        if inner.num_nodes > head_config.max_depth:
+            raise SpeculativeError(f"this acceptance head knows draft positions 1..{head_config.max_depth}, "
+                                   f"but the chain has {inner.num_nodes}: use tree='chain:"
+                                   f"{head_config.max_depth}' or fewer, or train a head with a larger "
+                                   f"max_depth")
+        h = check_threshold(head_config.threshold if threshold is None else threshold)
+        return cls(inner=inner, params=params, threshold=jnp.float32(h), head_config=head_config,
+                   stop_drafting=stop_drafting)
+
+    def _can_stop_early(self) -> bool:
+        return self.stop_drafting and isinstance(self.builder, ChainBuilder) and hasattr(self.inner, "builder")
+
+    def init(self, prompt_tokens, prompt_lengths, cache_len, key, features=None):
+        inner = self.inner.init(prompt_tokens, prompt_lengths, cache_len, key)
+        if features is None:
+            return inner, jnp.zeros((prompt_tokens.shape[0], 0), jnp.float32)
+        return inner, prefill_bonus_feature(features, prompt_lengths)
+
+    def propose(self, state, ctx, sampler):
+        inner_state, tfeat = state
+        cfg = self.head_config
+        tf = tfeat if cfg.target_proj else None
+        if self._can_stop_early():
+            def stop(d, logq, tok, log_cum):
+                feats = scalar_features(logq, tok)[:, None, :]  # [B, 1, 3]
+                lg = head_logits(self.params, cfg, feats, jnp.full((1,), d, jnp.int32), tf)[:, 0]
+                log_cum = log_cum + log_accept(lg)
+                return 1.0 - jnp.exp(log_cum) <= self.threshold, log_cum
+
+            b = ctx.hist_len.shape[0]
+            builder = StoppingChainBuilder(self.inner.builder, stop, jnp.zeros((b,), jnp.float32))
+            inner = dataclasses.replace(self.inner, builder=builder)
+            tree, slots, inner_state = inner.propose(inner_state, ctx, sampler)
+        else:
+            tree, slots, inner_state = self.inner.propose(inner_state, ctx, sampler)
+            k = tree.tokens.shape[1]
+            lg = head_logits(self.params, cfg, chain_features(tree, slots), jnp.arange(k), tf)
+            tree = tree.replace(valid=tree.valid & keep_mask(lg, self.threshold))
+        return tree, slots, (inner_state, tfeat)
+
+    def observe(self, state, obs):
+        inner_state, tfeat = state
+        inner_state = self.inner.observe(inner_state, obs)
+        if self.head_config.target_proj:
+            tfeat = bonus_slot_feature(obs, tfeat)
+        return inner_state, tfeat
+
+
+def prefill_bonus_feature(features, prompt_lengths):
+    """The state that produced the first pending root (the last prompt token), at position P-2 of the
+    prefill's features f32[F, B, P, D] -> f32[B, D] (zeros for a one-token prompt: there is none)."""
+    pos = jnp.maximum(prompt_lengths - 2, 0)
+    f = jnp.take_along_axis(features[0], pos[:, None, None], axis=1)[:, 0]
+    return jnp.where((prompt_lengths >= 2)[:, None], f, 0.0)
+
+
+def bonus_slot_feature(obs, previous):
+    """The target's FINAL state at the step's bonus slot, f32[B, D]; `previous` for rows that
+    committed nothing (inactive)."""
+    feats, count = accepted_features(obs)  # [F, B, D+1, Dm]
+    last = jnp.take_along_axis(feats[0], jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
+    return jnp.where((count > 0)[:, None], last, previous)
+
+
+# ----------------------------------------------------------------------------- trained kind
+def param_shapes(cfg: AcceptHeadConfig, target_config) -> dict:
+    shapes = {"inp": {"kernel": (cfg.input_dim, cfg.hidden), "bias": (cfg.hidden,)},
+              "out": {"kernel": (cfg.hidden, 1), "bias": (1,)}}
+    if cfg.target_proj:
+        shapes["target"] = {"kernel": (target_config.hidden_size, cfg.target_proj), "bias": (cfg.target_proj,)}
+    return shapes
+
+
+def make(params, cfg: AcceptHeadConfig, target, tree, temperature: float, draft_model=None, threshold=None,
+         stop_drafting: bool = True):
+    """DrafterKind.make: the head over a draft LM chain (tree 'chain:K', default chain:8).
+    draft_model: the draft LM the head was trained with, a Model or its directory (by name:
+    drafter_options={"draft_model": DIR}); default the embedded draft model. threshold: h (default the
+    config's). stop_drafting: end the draft LM's level loop at the cut (default) or only shrink the
+    verification."""
+    from jaxdecode.drafters import tree_from_option
+    from jaxdecode.drafters.draft_lm import DraftLM
+    draft = draft_model
+    if draft is None:
+        from jaxdecode.model import embedded_model_path
+        draft = embedded_model_path("draft")
+        if draft is None:
+            raise ValueError("the acceptance head drafts with a draft LM: pass the one it was trained with "
+                             "as drafter_options={'draft_model': DIR} (or a jaxdecode Model)")
+    if isinstance(draft, (str, bytes)) or hasattr(draft, "__fspath__"):
+        import jaxdecode
+        draft = jaxdecode.load(draft)
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise SpeculativeError(f"the draft model's vocabulary ({draft.config.vocab_size}) differs from the "
+                               f"target's ({target.config.vocab_size})")
+    builder = tree_from_option(tree, f"chain:{min(8, cfg.max_depth)}", temperature)
+    if not isinstance(builder, ChainBuilder):
+        raise SpeculativeError(f"the acceptance head cuts chains: use tree='chain:K' (K <= {cfg.max_depth}), "
+                               f"got {tree!r}")
+    inner = DraftLM(params=draft.params, config=draft.config, builder=builder)
+    return AcceptHeadDrafter.wrap(inner, params, cfg, threshold, stop_drafting)
+
+
+def _register():
+    from jaxdecode.drafters.trained import DrafterKind, register_kind
+    # The head reads the target's hidden states only with target_proj; the vocabulary must match the
+    # draft LM's (checked in make), so the target fields are the ones the projection needs.
+    return register_kind(DrafterKind(name="accept_head", config_cls=AcceptHeadConfig, make=make,
+                                     target_fields=("vocab_size", "hidden_size"), param_shapes=param_shapes))
+
+
+KIND = _register()

@@ -1,0 +1,279 @@
+"""The acceptance head (jaxdecode.drafters.accept_head, training/accept_head.py; issue 10 item 2).
+
+Wrapped around a draft LM chain it only cuts the tail of each draft (invalid nodes), so greedy output
+equals plain greedy and sampling stays lossless (χ² through the model loop, 1e5 rows; a deliberately
+wrong cut that also drops the node whose own confidence crossed the threshold must fail the same test).
+h = 0 verifies one node per step, h = 1 all K. Training on labels from real verification runs lowers
+the held-out BCE, and the head is calibrated on held-out runs (ECE, 10 bins). save -> load -> decode.
+"""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxdecode
+from jaxdecode.autoregressive import decode, pad_prompts
+from jaxdecode.drafters import load_drafter, make_drafter, save_drafter
+from jaxdecode.drafters.accept_head import (AcceptHeadConfig, AcceptHeadDrafter, chain_features, head_logits,
+                                            keep_mask, log_accept)
+from jaxdecode.drafters.builders import ChainBuilder
+from jaxdecode.drafters.draft_lm import DraftLM
+from jaxdecode.models import ModelConfig, init_params
+from jaxdecode.sampling import SamplerConfig
+from jaxdecode.speculative import SpeculativeError, speculative_decode
+from jaxdecode.verifiers import get_verifier
+
+from test_verifier_pairs import chi2_pvalue, exact_joint
+
+V = 64
+K = 4
+GREEDY = SamplerConfig(temperature=0.0)
+HEAD = AcceptHeadConfig(hidden=8, max_depth=8)
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 9, 9, 9, 9, 9, 9], [3]]
+
+
+def _perturbed(params, scale, seed):
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    return jax.tree.unflatten(tree, [a + scale * jax.random.normal(k, a.shape) for a, k in zip(leaves, keys)])
+
+
+def tiny_pair(vocab=V, layers=2, hidden=32, noise=0.03):
+    """A random target and a draft LM = the target with noise (acceptance ~ 0.4-0.6 per position)."""
+    cfg = ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=hidden // 4,
+                      max_position_embeddings=256, sliding_windows=(0,) * layers)
+    target = init_params(cfg, jax.random.PRNGKey(0), std=0.3)
+    return cfg, target, _perturbed(target, noise, 1)
+
+
+def manual_head(cfg: AcceptHeadConfig, slope=3.0, bias=2.0):
+    """Head params with logit ~ bias + slope * log q(token): confident drafts are kept, others cut."""
+    w = np.zeros((cfg.input_dim, cfg.hidden), np.float32)
+    w[0, 0] = -1.0  # hidden unit 0 = silu(-log q(token)): grows as the draft is less sure
+    out = np.zeros((cfg.hidden, 1), np.float32)
+    out[0, 0] = -slope
+    return {"inp": {"kernel": jnp.asarray(w), "bias": jnp.zeros((cfg.hidden,))},
+            "out": {"kernel": jnp.asarray(out), "bias": jnp.full((1,), bias)}}
+
+
+CFG, TARGET, DRAFT = tiny_pair()
+
+
+def wrapped(threshold, stop_drafting=True, rule="argmax", k=K, head=None):
+    inner = DraftLM(params=DRAFT, config=CFG, builder=ChainBuilder(k, rule))
+    return AcceptHeadDrafter.wrap(inner, manual_head(HEAD) if head is None else head, HEAD, threshold,
+                                  stop_drafting)
+
+
+def greedy_reference(prompts, n):
+    toks, lens = pad_prompts(prompts)
+    return decode(CFG, TARGET, toks, lens, max_new_tokens=n, sampler=GREEDY, method="greedy").tokens
+
+
+# ----------------------------------------------------------------------------------------------------
+def test_keep_mask_rule():
+    logits = jnp.asarray([[10.0, 10.0, -10.0, 10.0], [0.0, 0.0, 0.0, 0.0]])
+    p = np.exp(np.cumsum(np.asarray(log_accept(logits)), axis=1))  # prod p so far
+    assert np.allclose(p[1], 0.5 ** np.arange(1, 5), rtol=1e-5)
+    # row 0: risk ~0, ~0, ~1: the node that crosses h (index 2) is still verified, index 3 is not
+    np.testing.assert_array_equal(np.asarray(keep_mask(logits, 0.5)), [[1, 1, 1, 0], [1, 1, 0, 0]])
+    np.testing.assert_array_equal(np.asarray(keep_mask(logits, 0.0)), [[1, 0, 0, 0], [1, 0, 0, 0]])
+    np.testing.assert_array_equal(np.asarray(keep_mask(logits, 1.0)), np.ones((2, 4), bool))
+
+
+def test_greedy_equals_plain_greedy_and_thresholds_bound_the_draft():
+    """Batch 4, ragged prompts; h is an array leaf, so every threshold runs the same compiled loop."""
+    toks, lens = pad_prompts(PROMPTS)
+    ref = np.asarray(greedy_reference(PROMPTS, 24))
+    hists = {}
+    for h in (0.0, 0.3, 1.0):
+        out = speculative_decode(CFG, TARGET, wrapped(h), toks, lens, max_new_tokens=24,
+                                 verifier=get_verifier("greedy"))
+        np.testing.assert_array_equal(np.asarray(out.tokens), ref, err_msg=f"h={h}")
+        hists[h] = np.asarray(out.stats["accept_hist"])
+    assert hists[0.0][2:].sum() == 0 and hists[0.0][1] > 0, "h = 0 verifies exactly one node per step"
+    assert hists[1.0][K] > 0, "h = 1 verifies all K nodes"
+    assert hists[0.3][1:].sum() > 0 and not np.array_equal(hists[0.3], hists[1.0])
+
+
+@functools.partial(jax.jit, static_argnames="temperature")
+def _propose(drafter, toks, lens, key, temperature):
+    from jaxdecode.speculative import DraftContext
+    state = drafter.init(toks, lens, 64, jax.random.PRNGKey(0))
+    ctx = DraftContext(history=toks, hist_len=lens, key=key)
+    tree, slots, _ = drafter.propose(state, ctx, SamplerConfig(temperature=temperature))
+    return tree, slots
+
+
+def test_early_stop_drafts_what_the_tail_cut_keeps(rule="sample", temperature=1.0):
+    """Stopping the draft LM's level loop (a while_loop) proposes exactly the valid nodes (tokens and
+    draft distributions) that drafting all K levels and cutting the tail does, for any h; h = 0 keeps
+    one node, h = 1 all K. So the χ² test of the tail cut covers the early stop too."""
+    toks, lens = map(jnp.asarray, pad_prompts(PROMPTS))
+    for h in (0.0, 0.5, 1.0):
+        (t1, s1), (t0, s0) = [_propose(wrapped(h, stop, rule), toks, lens, jax.random.PRNGKey(1), temperature)
+                              for stop in (True, False)]
+        v = np.asarray(t1.valid)
+        np.testing.assert_array_equal(v, np.asarray(t0.valid))
+        np.testing.assert_array_equal(np.where(v, t1.tokens, -1), np.where(v, t0.tokens, -1))
+        # slot i holds the q node i was drafted from: the verifier reads it only for valid nodes
+        np.testing.assert_allclose(np.asarray(s1)[:, :K][v], np.asarray(s0)[:, :K][v], atol=1e-6)
+        if h == 0.0:
+            assert v.sum(1).tolist() == [1] * len(PROMPTS)
+        if h == 1.0:
+            assert v.all()
+    assert wrapped(0.5).verify_widths == (1, 2, 4)
+
+
+def test_bad_inner_drafters_and_thresholds_are_refused():
+    from jaxdecode.drafters.ngram import PromptLookupDrafter
+    from jaxdecode.drafters.builders import StaticTreeBuilder
+    with pytest.raises(SpeculativeError, match="point masses"):
+        AcceptHeadDrafter.wrap(PromptLookupDrafter(num_nodes=4), manual_head(HEAD), HEAD)
+    with pytest.raises(SpeculativeError, match="chain"):
+        AcceptHeadDrafter.wrap(DraftLM(params=DRAFT, config=CFG, builder=StaticTreeBuilder.full((2, 1))),
+                               manual_head(HEAD), HEAD)
+    with pytest.raises(SpeculativeError, match=r"positions 1..8"):
+        wrapped(0.5, k=9)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        wrapped(1.5)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Lossless sampling through the model loop (the χ² harness of test_verifier_pairs).
+SV = 6
+ROWS = 100_000  # per case
+CHUNKS = 5
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CutRows(AcceptHeadDrafter):
+    """The tail cut (stop_drafting=False) on rows < wrong_from; on the rest a deliberately wrong cut
+    that also drops the node whose OWN confidence pushed the risk over h, so whether token i is
+    proposed depends on token i itself and the verifier's q is not the proposal law."""
+    wrong_from: int = dataclasses.field(default=0, metadata=dict(static=True))
+
+    def propose(self, state, ctx, sampler):
+        inner_state, tfeat = state
+        tree, slots, inner_state = self.inner.propose(inner_state, ctx, sampler)
+        lg = head_logits(self.params, self.head_config, chain_features(tree, slots),
+                         jnp.arange(tree.tokens.shape[1]))
+        own = 1.0 - jnp.exp(jnp.cumsum(log_accept(lg), axis=1)) <= self.threshold
+        wrong = (jnp.arange(tree.tokens.shape[0]) >= self.wrong_from)[:, None]
+        keep = jnp.where(wrong, own, keep_mask(lg, self.threshold))
+        return tree.replace(valid=tree.valid & keep), slots, (inner_state, tfeat)
+
+
+def test_sampling_is_lossless_through_the_model_loop():
+    """One compiled loop: rows verified by the chain verifier, rows by the block verifier, and rows
+    with the wrong cut (chain verifier), 1e5 each; χ² of the first two tokens against the exact law."""
+    from test_verifier_pairs import RowBlocks
+    import jaxdecode.speculative as spec
+    cfg, target, draft = tiny_pair(vocab=SV, layers=1, hidden=8, noise=0.5)
+    prompt = [2, 5]
+    per = ROWS // CHUNKS
+    cases = (("chain", "lossless"), ("block", "lossless"), ("chain", "broken"))
+    inner = DraftLM(params=draft, config=cfg, builder=ChainBuilder(2, "sample"))
+    drafter = CutRows(inner=inner, params=manual_head(HEAD, slope=4.0, bias=3.0), threshold=jnp.float32(0.4),
+                      head_config=HEAD, stop_drafting=False, wrong_from=2 * per)
+    spans = {}
+    for i, (name, _) in enumerate(cases):
+        spans.setdefault(name, []).append((i * per, (i + 1) * per))
+    verifier = RowBlocks(tuple((get_verifier(n), tuple(sp)) for n, sp in spans.items()))
+    toks = np.tile(np.asarray(prompt, np.int32), (len(cases) * per, 1))
+    lens = np.full((len(toks),), len(prompt), np.int32)
+    outs = []
+    with pytest.MonkeyPatch.context() as mp:  # the row-block verifier declares no child rules
+        mp.setattr(spec, "check_combination", lambda *a: None)
+        for chunk in range(CHUNKS):
+            out = speculative_decode(cfg, target, drafter, toks, lens, max_new_tokens=2, verifier=verifier,
+                                     sampler=SamplerConfig(temperature=1.0),
+                                     key=jax.random.key(200 + chunk, impl="rbg"))
+            outs.append(np.asarray(out.tokens))
+    joint = exact_joint(cfg, target, prompt, SV)
+    report = []
+    for i, (name, expect) in enumerate(cases):
+        p = chi2_pvalue(np.concatenate([o[i * per:(i + 1) * per] for o in outs]), joint)
+        report.append((name, expect, p))
+    print(report)
+    for name, expect, p in report:
+        assert (p > 1e-4) if expect == "lossless" else (p < 1e-6), report
+    # the lossless rows are verified as the engine would verify them by name
+    spec.check_combination(cfg, AcceptHeadDrafter.wrap(inner, drafter.params, HEAD), get_verifier("block"),
+                           SamplerConfig(temperature=1.0))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training on real verification runs, calibration, save / load.
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    from jaxdecode.training.accept_head import collect_labels, concat_labels, train_head
+    from jaxdecode.training.trainer import TrainConfig
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(1, V, rng.integers(2, 9))] for _ in range(48)]
+    train_p, held_p = prompts[:32], prompts[32:]
+    sets = {}
+    for name, rule, verifier, t in (("greedy", "argmax", "greedy", 0.0), ("sample", "sample", "chain", 0.7)):
+        inner = DraftLM(params=DRAFT, config=CFG, builder=ChainBuilder(K, rule))
+        for split, ps in (("train", train_p), ("held", held_p)):
+            sets[name, split] = collect_labels(CFG, TARGET, inner, ps, verifier=get_verifier(verifier),
+                                               sampler=SamplerConfig(temperature=t), max_new_tokens=24,
+                                               batch_size=16, key=jax.random.PRNGKey(len(sets)))
+    data = concat_labels(sets["greedy", "train"], sets["sample", "train"])
+    held = concat_labels(sets["greedy", "held"], sets["sample", "held"])
+    tc = TrainConfig(steps=200, learning_rate=1e-2, warmup_steps=10, log_every=50, eval_every=0,
+                     checkpoint_every=0, progress=False, data_parallel=1)
+    res = train_head(data, HEAD, CFG, tc, tmp_path_factory.mktemp("head"), batch_size=128)
+    return data, held, res
+
+
+def test_labels_follow_the_verifier(trained):
+    data, held, _ = trained
+    lab, mask = data["label"], data["mask"]
+    assert data["x"].shape[1:] == (K, 3) and data["tfeat"].shape[1] == CFG.hidden_size
+    # masked positions: accepted ones then the first rejection (conditional convention)
+    first_zero = np.argmax(np.concatenate([lab, np.zeros((len(lab), 1))], axis=1) == 0, axis=1)
+    np.testing.assert_array_equal(mask.sum(1), np.minimum(first_zero + 1, K))
+    assert 0.2 < lab[mask > 0].mean() < 0.8, "the tiny pair should accept some drafts and reject others"
+    assert np.all(data["x"][..., 0] <= data["x"][..., 1] + 1e-6)  # log q(token) <= log max q
+
+
+def test_training_lowers_bce_and_the_head_is_calibrated(trained):
+    from jaxdecode.training.accept_head import AcceptHeadModule, bce, ece, params_of, predict
+    from flax import nnx
+    data, held, res = trained
+    untrained = params_of(AcceptHeadModule(HEAD, CFG, nnx.Rngs(0)))
+    before = bce(predict(untrained, HEAD, held), held["label"], held["mask"])
+    after = bce(predict(res.params, HEAD, held), held["label"], held["mask"])
+    rate = data["label"][data["mask"] > 0].mean()
+    constant = bce(np.full(held["label"].shape, rate), held["label"], held["mask"])
+    p = predict(res.params, HEAD, held)
+    err = ece(p, held["label"], held["mask"])
+    print(f"held-out BCE untrained {before:.3f} -> trained {after:.3f} (constant rate {constant:.3f}); "
+          f"ECE {err:.3f}")
+    assert after < before and after < constant
+    assert err < 0.1
+
+
+def test_save_load_decode_round_trip(trained, tmp_path):
+    _, _, res = trained
+    save_drafter(tmp_path / "head", "accept_head", HEAD, res.params, CFG, extra={"ece": 0.0})
+    target = jaxdecode.Model(config=CFG, params=TARGET)
+    draft = jaxdecode.Model(config=CFG, params=DRAFT)
+    loaded = load_drafter(tmp_path / "head", target)
+    assert loaded.name == "accept_head" and loaded.cfg == HEAD
+    jax.tree.map(np.testing.assert_array_equal, loaded.params, res.params)
+    drafter = make_drafter("accept_head", target, tree=f"chain:{K}", drafter_dir=tmp_path / "head",
+                           draft_model=draft, threshold=0.5)
+    assert isinstance(drafter, AcceptHeadDrafter) and drafter.num_nodes == K
+    toks, lens = pad_prompts(PROMPTS)
+    out = speculative_decode(CFG, TARGET, drafter, toks, lens, max_new_tokens=24, verifier=get_verifier("greedy"))
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(greedy_reference(PROMPTS, 24)))
+    wrong = ModelConfig(**{**dataclasses.asdict(CFG), "hidden_size": 48, "head_dim": 12})
+    with pytest.raises(jaxdecode.drafters.DrafterLoadError, match="hidden_size"):
+        load_drafter(tmp_path / "head", jaxdecode.Model(config=wrong, params=None))

@@ -1,0 +1,239 @@
+"""Training the acceptance head (jaxdecode.drafters.accept_head) on labels from real verification runs.
+
+    data = collect_labels(cfg, params, inner, prompts, sampler=..., verifier=..., max_new_tokens=64)
+    params = train_head(data, head_cfg, target_config, TrainConfig(...), workdir).params
+    ece(predict(params, head_cfg, held_out), held_out["label"], held_out["mask"])
+
+Labels: the engine decodes the training prompts with the inner chain drafter (e.g. a draft LM, chain:K)
+and a `LabelRecorder` wrapped around it hands every verification's per-position inputs to the host:
+x f32[K, 3] (log q(token), log max q, entropy), the target's bonus-slot state f32[D] of the previous
+verification, and the verifier's verdict. Convention (SpecDec++): the head predicts
+P(accept_i | tokens < i accepted), so position i carries label 1 if accepted, 0 at the first
+rejection, and positions after the first rejection are masked out of the BCE (mask 0): their
+verdict was never asked. One example = one active row-step.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxdecode.drafters.accept_head import (AcceptHeadConfig, bonus_slot_feature, chain_features, head_logits,
+                                            prefill_bonus_feature)
+from jaxdecode.speculative import FINAL, speculative_decode
+
+from .trainer import TrainConfig, train
+
+KEYS = ("x", "tfeat", "label", "mask")  # a label set: numpy arrays with N examples each
+
+
+# ----------------------------------------------------------------------------- module and loss
+class AcceptHeadModule(nnx.Module):
+    """The head for training; its nnx.Param state as a pure dict is the decode params pytree."""
+
+    def __init__(self, cfg: AcceptHeadConfig, target_config, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.inp = nnx.Linear(cfg.input_dim, cfg.hidden, rngs=rngs)
+        self.out = nnx.Linear(cfg.hidden, 1, rngs=rngs)
+        if cfg.target_proj:
+            self.target = nnx.Linear(target_config.hidden_size, cfg.target_proj, rngs=rngs)
+
+    def __call__(self, x, tfeat=None):
+        """x f32[B, K, 3], tfeat f32[B, D] -> logits f32[B, K] (the decode function itself)."""
+        params = nnx.to_pure_dict(nnx.state(self, nnx.Param))
+        return head_logits(params, self.cfg, x, jnp.arange(x.shape[1]), tfeat)
+
+
+def params_of(module) -> dict:
+    return nnx.to_pure_dict(nnx.state(module, nnx.Param))
+
+
+def _bce(module, batch):
+    logits = module(batch["x"], batch["tfeat"] if module.cfg.target_proj else None)
+    mask = batch["mask"].astype(jnp.float32)
+    per = optax.sigmoid_binary_cross_entropy(logits, batch["label"].astype(jnp.float32))
+    return (per * mask).sum(), mask.sum()
+
+
+def accept_loss(module, batch, constants=None):
+    """Masked BCE of the head's acceptance logits (trainer form: (loss, aux))."""
+    total, weight = _bce(module, batch)
+    loss = total / jnp.maximum(weight, 1.0)
+    return loss, {"bce": loss, "positions": weight}
+
+
+def accept_eval_step(module, batch, constants=None):
+    return _bce(module, batch)
+
+
+def default_config(target_config=None, **overrides) -> AcceptHeadConfig:
+    return AcceptHeadConfig(**overrides)
+
+
+# ----------------------------------------------------------------------------- labels from the engine
+_SINK: list = []  # host records of the running collect_labels
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LabelRecorder:
+    """The inner chain drafter unchanged, plus a host record of each verification: the head's inputs
+    at proposal time and the verifier's verdict (num_accepted)."""
+    inner: Any
+    feature_layers = (FINAL,)
+
+    num_nodes = property(lambda self: self.inner.num_nodes)
+    max_depth = property(lambda self: self.inner.max_depth)
+    child_rule = property(lambda self: self.inner.child_rule)
+    is_chain = property(lambda self: self.inner.is_chain)
+    builder = property(lambda self: getattr(self.inner, "builder", None))
+
+    def init(self, prompt_tokens, prompt_lengths, cache_len, key, features=None):
+        b, k = prompt_tokens.shape[0], self.num_nodes
+        return (self.inner.init(prompt_tokens, prompt_lengths, cache_len, key),
+                prefill_bonus_feature(features, prompt_lengths), jnp.zeros((b, k, 3), jnp.float32))
+
+    def propose(self, state, ctx, sampler):
+        inner, tfeat, _ = state
+        tree, slots, inner = self.inner.propose(inner, ctx, sampler)
+        return tree, slots, (inner, tfeat, chain_features(tree, slots))
+
+    def observe(self, state, obs):
+        inner, tfeat, x = state
+        jax.debug.callback(lambda *a: _SINK.append(tuple(np.asarray(v) for v in a)),
+                           x, tfeat, obs.num_accepted, obs.active)
+        return self.inner.observe(inner, obs), bonus_slot_feature(obs, tfeat), x
+
+
+def labels_from_records(records, k: int) -> dict:
+    """Host records [(x [B,K,3], tfeat [B,D], num_accepted [B], active [B])] -> a label set."""
+    xs, ts, acc = [], [], []
+    for x, t, n, active in records:
+        xs.append(x[active])
+        ts.append(t[active])
+        acc.append(n[active])
+    acc = np.concatenate(acc)
+    i = np.arange(k)[None, :]
+    return {"x": np.concatenate(xs).astype(np.float32), "tfeat": np.concatenate(ts).astype(np.float32),
+            "label": (i < acc[:, None]).astype(np.float32),
+            "mask": (i <= acc[:, None]).astype(np.float32)}
+
+
+def collect_labels(config, params, inner, prompts, *, verifier, sampler, max_new_tokens: int,
+                   batch_size: int = 8, key=None, eos_ids: tuple = ()) -> dict:
+    """Run the engine with `inner` (a chain drafter with draft probabilities) over `prompts` (lists of
+    token ids) and return the label set of every active row-step."""
+    from jaxdecode.autoregressive import pad_prompts
+    if not getattr(inner, "is_chain", False) or inner.child_rule == "point":
+        raise ValueError("acceptance labels come from a chain drafter with draft probabilities (e.g. a "
+                         "draft LM with tree='chain:K')")
+    key = jax.random.PRNGKey(0) if key is None else key
+    recorder = LabelRecorder(inner)
+    _SINK.clear()
+    for start in range(0, len(prompts), batch_size):
+        chunk = list(prompts[start:start + batch_size])
+        chunk += [chunk[-1]] * (batch_size - len(chunk))  # one compiled shape; repeats are fine data
+        toks, lens = pad_prompts(chunk)
+        key, k = jax.random.split(key)
+        out = speculative_decode(config, params, recorder, toks, lens, max_new_tokens=max_new_tokens,
+                                 verifier=verifier, sampler=sampler, key=k, eos_ids=eos_ids)
+        jax.block_until_ready(out.tokens)
+    jax.effects_barrier()
+    records, _SINK[:] = list(_SINK), []
+    return labels_from_records(records, inner.num_nodes)
+
+
+def concat_labels(*sets) -> dict:
+    return {k: np.concatenate([s[k] for s in sets]) for k in KEYS}
+
+
+def split_labels(data: dict, held_out_fraction: float, seed: int = 0) -> tuple[dict, dict]:
+    n = len(data["x"])
+    perm = np.random.default_rng(seed).permutation(n)
+    cut = int(round(n * (1 - held_out_fraction)))
+    return ({k: v[perm[:cut]] for k, v in data.items()}, {k: v[perm[cut:]] for k, v in data.items()})
+
+
+# ----------------------------------------------------------------------------- training and calibration
+def label_batches(data: dict, batch_size: int, seed: int = 0):
+    """batches(step) -> a random batch of examples: a pure function of the step (exact resume)."""
+    n = len(data["x"])
+    if n == 0:
+        raise ValueError("no acceptance labels: the label runs produced no verification steps")
+
+    def batches(step):
+        idx = np.random.default_rng((seed, step)).integers(0, n, batch_size)
+        return {k: data[k][idx] for k in KEYS}
+    return batches
+
+
+def eval_chunks(data: dict, batch_size: int = 1024):
+    def chunks():
+        for s in range(0, len(data["x"]), batch_size):
+            yield {k: data[k][s:s + batch_size] for k in KEYS}
+    return chunks
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadResult:
+    params: dict
+    module: Any
+    result: Any  # the trainer's TrainResult
+
+
+def train_head(data: dict, cfg: AcceptHeadConfig, target_config, train_config: TrainConfig, workdir, *,
+               eval_data: dict | None = None, batch_size: int = 256, seed: int = 0) -> HeadResult:
+    if data["x"].shape[1] > cfg.max_depth:
+        raise ValueError(f"the labels have {data['x'].shape[1]} draft positions but the head knows "
+                         f"{cfg.max_depth} (AcceptHeadConfig.max_depth)")
+    module = AcceptHeadModule(cfg, target_config, nnx.Rngs(seed))
+    res = train(module, accept_loss, label_batches(data, batch_size, seed), train_config, workdir,
+                eval_step=accept_eval_step if eval_data is not None else None,
+                eval_batches=eval_chunks(eval_data) if eval_data is not None else None,
+                run_info={"kind": "accept_head", "config": dataclasses.asdict(cfg)})
+    return HeadResult(params=params_of(res.module), module=res.module, result=res)
+
+
+def predict(params, cfg: AcceptHeadConfig, data: dict) -> np.ndarray:
+    """P(accept) per example and position: f32[N, K]."""
+    x = jnp.asarray(data["x"])
+    tf = jnp.asarray(data["tfeat"]) if cfg.target_proj else None
+    return np.asarray(jax.nn.sigmoid(head_logits(params, cfg, x, jnp.arange(x.shape[1]), tf)))
+
+
+def bce(p, label, mask) -> float:
+    p = np.clip(p, 1e-7, 1 - 1e-7)
+    w = mask > 0
+    return float(-(label * np.log(p) + (1 - label) * np.log(1 - p))[w].mean())
+
+
+def ece(p, label, mask, bins: int = 10) -> float:
+    """Expected calibration error over the masked positions, `bins` equal-width bins of p."""
+    w = mask > 0
+    p, y = np.asarray(p)[w], np.asarray(label)[w]
+    if p.size == 0:
+        raise ValueError("no labelled positions to measure calibration on")
+    which = np.minimum((p * bins).astype(int), bins - 1)
+    total = 0.0
+    for b in range(bins):
+        sel = which == b
+        if sel.any():
+            total += sel.sum() * abs(p[sel].mean() - y[sel].mean())
+    return float(total / p.size)
+
+
+def _register():
+    try:
+        from .drafters import TrainKind, register_train_kind
+    except ImportError:  # the shared training registry is not there (older checkout): nothing to register
+        return None
+    return register_train_kind(TrainKind(name="accept_head", module=AcceptHeadModule, loss_fn=accept_loss,
+                                         default_config=default_config))
+
+
+TRAIN_KIND = _register()
