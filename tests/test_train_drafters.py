@@ -116,7 +116,7 @@ def test_unknown_and_missing_kinds(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- data
-def test_self_distillation_data(tiny, tmp_path):
+def test_self_distillation_data(tiny, tmp_path, monkeypatch):
     target, corpus = tiny
     opts = DistillOptions(num_prompts=6, prompt_len=8, new_tokens=10, batch_size=4, greedy_fraction=0.5)
     shard = self_distill_data(target, corpus, tmp_path, opts, progress=False)
@@ -139,6 +139,20 @@ def test_self_distillation_data(tiny, tmp_path):
     assert shard.stat().st_mtime_ns == stamp
     other = self_distill_data(target, corpus, tmp_path, dataclasses.replace(opts, seed=1), progress=False)
     assert other != shard
+    # an interrupted generation goes on from its finished chunks and gives the same shard
+    import jaxdecode.autoregressive as ar
+    real, calls = ar.decode, []
+
+    def failing(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    monkeypatch.setattr(ar, "decode", failing)
+    with pytest.raises(KeyboardInterrupt):
+        self_distill_data(target, corpus, tmp_path / "again", opts, progress=False)
+    again = self_distill_data(target, corpus, tmp_path / "again", opts, progress=False)
+    assert (load_shard(again)[0] == tokens).all() and len(calls) == 3  # only the missing chunk was made
     # batches are pure functions of the step; mix = half corpus windows, half continuations
     b = make_batches("mix", corpus, batch_size=4, seq_len=18, seed=3, shard=shard)
     x, y = b(5), b(5)
@@ -151,7 +165,8 @@ def test_self_distillation_data(tiny, tmp_path):
 # ----------------------------------------------------------------------------- train_drafter
 def test_train_drafter_improves_and_exports(tiny, bigram_kind, tmp_path):
     target, corpus = tiny
-    res = td.train_drafter(bigram_kind, target, corpus, tmp_path / "out", train_config=_cfg(30),
+    # data_parallel=None: the trainer's state lives on all 8 devices, the evaluation runs beside the target
+    res = td.train_drafter(bigram_kind, target, corpus, tmp_path / "out", train_config=_cfg(30, data_parallel=None),
                            batch_size=8, seq_len=24, eval_options=EVAL)
     evals = [r for r in td.read_metrics_file(tmp_path / "out.train" / "metrics.jsonl") if "tau" in r]
     assert [r["step"] for r in evals] == [10, 20, 30]

@@ -230,7 +230,8 @@ def train_drafter(kind: str, target, corpus_dir, out_dir=None, *, train_config, 
     options = dict(drafter_options or {})
 
     def on_eval(mod, step):
-        drafter = dk.make(params_of(mod), cfg, target, eval_options.tree, 0.0, **options)
+        # on the host: the trainer's copy is laid out on its data mesh, the target's params are not
+        drafter = dk.make(jax.device_get(params_of(mod)), cfg, target, eval_options.tree, 0.0, **options)
         return measure_acceptance(target, drafter, prompts, new_tokens=eval_options.new_tokens)
 
     run_info = {"kind": tk.name, "cfg": _jsonable(dataclasses.asdict(cfg)),
@@ -285,7 +286,7 @@ def train_draft_lm(target, corpus_dir, out_dir=None, *, train_config, data: str 
     builder = tree_from_option(eval_options.tree, "chain:4", 0.0)
 
     def on_eval(mod, step):
-        drafter = DraftLM(params=mod.raw_params(), config=mod.config, builder=builder)
+        drafter = DraftLM(params=jax.device_get(mod.raw_params()), config=mod.config, builder=builder)
         return measure_acceptance(target, drafter, prompts, new_tokens=eval_options.new_tokens)
 
     result = train_lm(corpus_dir, target.path, config, train_config, Path(workdir) / "run", spec=spec,
