@@ -17,7 +17,7 @@ from jaxdecode.drafters.trained import (BUILTIN_KIND_MODULES, DrafterKind, Draft
                                         find_drafter_dir, is_trained_kind, kind_names, load_drafter,
                                         read_drafter_config, register_kind, save_drafter)
 
-UNTRAINED = ("draft_lm", "prompt_lookup", "aggressive", "token_recycling", "aded")
+UNTRAINED = ("draft_lm", "prompt_lookup", "aggressive", "token_recycling", "aded", "swift", "del")
 DRAFTERS = UNTRAINED + tuple(BUILTIN_KIND_MODULES)  # names built in; registered kinds add to drafter_names()
 
 
@@ -68,6 +68,9 @@ def make_drafter(name, target, draft=None, tree=None, temperature: float = 0.0, 
             kw.setdefault("template", parse_tree_spec(tree).paths if str(tree).startswith("static")
                           else recycling_template(_node_budget(tree, default=48)))
         return TokenRecyclingDrafter(vocab_size=target.config.vocab_size, **kw)
+    if name in ("swift", "del"):  # self-speculation: the target's own layers (jaxdecode.drafters.selfspec)
+        from jaxdecode.drafters.selfspec import make_selfspec
+        return make_selfspec(name, target, tree, temperature, **kw)
     if name == "aded":
         from jaxdecode.drafters.aded import ADEDDrafter
         if tree is not None:
