@@ -166,6 +166,29 @@ def add_drafter_parser(sub, command: str) -> argparse.ArgumentParser:
     return p
 
 
+def _run_accept_head(args, target, corpus_dir, out: Path, work: Path, tcfg) -> int:
+    """`jaxdecode train accept-head`: label runs of the --draft LM's chains on the target, then the head
+    (training.accept_head.train_accept_head); --data does not apply."""
+    import jaxdecode
+
+    from .accept_head import train_accept_head
+    if args.draft is None:
+        raise ValueError("train accept-head learns when the target accepts a draft LM's tokens: pass the "
+                         "draft model with --draft DIR")
+    if args.data != "corpus":
+        raise ValueError(f"train accept-head trains on labels from verification runs on corpus prompts; "
+                         f"--data {args.data} does not apply: drop it")
+    run = train_accept_head(target, jaxdecode.load(args.draft, dtype="float32"), corpus_dir, out,
+                            train_config=tcfg, prompts=args.prompts, heldout=args.eval_prompts,
+                            prompt_len=args.prompt_len, new_tokens=args.eval_new_tokens, workdir=work,
+                            config_overrides=_parse_sets(args.set), seed=args.seed)
+    report = "; ".join(f"{t}: ECE {r['ece']:.3f}, BCE {r['bce']:.3f}" for t, r in run.report.items()
+                       if isinstance(r, dict) and "ece" in r)
+    print(f"trained accept-head; held-out {report}; drafter -> {out} (jaxdecode generate ... --drafter "
+          f"accept_head --drafter-dir {out} --draft {args.draft}); logs -> {work / 'metrics.jsonl'}")
+    return 0
+
+
 def _drafter_flag(key: str) -> str:
     """The flag behind a drafter run's identity key (for ResumeMismatchError)."""
     if key in FLAG_OF_KEY:
@@ -233,6 +256,8 @@ def run_train_drafter(args) -> int:
                                  distill_temperature=args.distill_temperature,
                                  distill_alpha=args.distill_alpha, eval_options=evals)
             logs = work / "run" / "metrics.jsonl"
+        elif kind.name == "accept_head":  # trains on labels of verification runs, not on text windows
+            return _run_accept_head(args, target, corpus_dir, out, work, tcfg)
         else:
             opts = {"draft_model": jaxdecode.load(args.draft, dtype="float32")} if args.draft else None
             res = train_drafter(kind.name, target, corpus_dir, out, train_config=tcfg, data=args.data,
