@@ -15,6 +15,7 @@ verdict was never asked. One example = one active row-step.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -23,6 +24,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxdecode.drafters.builders import ChainBuilder
 from jaxdecode.drafters.accept_head import (AcceptHeadConfig, bonus_slot_feature, chain_features, head_logits,
                                             prefill_bonus_feature)
 from jaxdecode.speculative import FINAL, speculative_decode
@@ -60,14 +62,24 @@ def _bce(module, batch):
     return (per * mask).sum(), mask.sum()
 
 
+def _check_batch(batch):
+    missing = [k for k in KEYS if k not in batch]
+    if missing:
+        raise ValueError(f"the acceptance head trains on labels from verification runs (a batch with "
+                         f"{', '.join(KEYS)}; missing {', '.join(missing)}), not on text windows: use "
+                         f"jaxdecode.training.accept_head.train_accept_head (target, draft LM, corpus)")
+
+
 def accept_loss(module, batch, constants=None):
     """Masked BCE of the head's acceptance logits (trainer form: (loss, aux))."""
+    _check_batch(batch)
     total, weight = _bce(module, batch)
     loss = total / jnp.maximum(weight, 1.0)
     return loss, {"bce": loss, "positions": weight}
 
 
 def accept_eval_step(module, batch, constants=None):
+    _check_batch(batch)
     return _bce(module, batch)
 
 
@@ -227,13 +239,94 @@ def ece(p, label, mask, bins: int = 10) -> float:
     return float(total / p.size)
 
 
+def heldout_report(params, cfg: AcceptHeadConfig, sets: dict, train_data: dict) -> dict:
+    """Per label set (e.g. {"T=0": ..., "T=0.7": ...}): examples, acceptance rate, BCE of the head and of
+    the constant training rate, ECE (10 bins)."""
+    rate = float(train_data["label"][train_data["mask"] > 0].mean())
+    out = {}
+    for name, d in sets.items():
+        p = predict(params, cfg, d)
+        out[name] = {"examples": int(len(d["x"])), "accept_rate": float(d["label"][d["mask"] > 0].mean()),
+                     "bce": bce(p, d["label"], d["mask"]),
+                     "bce_constant": bce(np.full(p.shape, rate), d["label"], d["mask"]),
+                     "ece": ece(p, d["label"], d["mask"])}
+    return out
+
+
+def train_accept_head(target, draft, corpus_dir=None, out_dir=None, *, train_config: TrainConfig, k: int = 8,
+                      temperatures=(0.0, 0.7), train_prompts=None, heldout_prompts=None, prompts: int = 64,
+                      heldout: int = 16, prompt_len: int = 32, new_tokens: int = 64, batch_rows: int = 8,
+                      batch_size: int = 256, workdir=None, config_overrides: dict | None = None, seed: int = 0):
+    """The whole recipe: label runs of the draft LM chain:k on the target (one per temperature: greedy
+    verification at 0, the chain verifier on sampled chains above) over training prompts, the head
+    trained on them, BCE / ECE on label runs over held-out prompts, and the drafter directory written to
+    out_dir (extra: the held-out report). target / draft: Models or directories. Prompts: lists of token
+    ids, or (when None) `prompts` / `heldout` windows of corpus_dir's train / held-out splits.
+    Returns an AcceptHeadRun (head, held-out report, the label sets)."""
+    from jaxdecode.drafters import DraftLM
+    from jaxdecode.drafters.trained import save_drafter
+    from jaxdecode.sampling import SamplerConfig
+    from jaxdecode.verifiers import get_verifier
+
+    from .drafters import _load_target
+
+    target, draft = _load_target(target), _load_target(draft)
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"the draft LM's vocabulary ({draft.config.vocab_size}) differs from the target's "
+                         f"({target.config.vocab_size})")
+    cfg = AcceptHeadConfig(**{"max_depth": max(k, AcceptHeadConfig.max_depth), **(config_overrides or {})})
+    if train_prompts is None or heldout_prompts is None:
+        if corpus_dir is None:
+            raise ValueError("train_accept_head needs a corpus_dir or both train_prompts and heldout_prompts")
+        from .corpus import Corpus
+        from .distill_data import prompt_windows
+        from .drafters import heldout_prompts as corpus_heldout
+        if train_prompts is None:
+            train_prompts = prompt_windows(Corpus.open(corpus_dir).tokens("train"), prompts, prompt_len, seed)
+        if heldout_prompts is None:
+            heldout_prompts = corpus_heldout(corpus_dir, heldout, prompt_len, seed + 1)
+    eos = tuple(getattr(target.config, "eos_token_ids", ()) or ())
+    train_sets, held_sets = [], {}
+    for i, t in enumerate(temperatures):
+        rule, verifier = ("argmax", "greedy") if t == 0 else ("sample", "chain")
+        inner = DraftLM(params=draft.params, config=draft.config, builder=ChainBuilder(k, rule))
+        run = dict(verifier=get_verifier(verifier), sampler=SamplerConfig(temperature=float(t)),
+                   max_new_tokens=new_tokens, batch_size=batch_rows, eos_ids=eos)
+        train_sets.append(collect_labels(target.config, target.params, inner, list(train_prompts),
+                                         key=jax.random.PRNGKey(seed * 100 + 2 * i), **run))
+        held_sets[f"T={t:g}"] = collect_labels(target.config, target.params, inner, list(heldout_prompts),
+                                               key=jax.random.PRNGKey(seed * 100 + 2 * i + 1), **run)
+    data = concat_labels(*train_sets)
+    workdir = workdir or (Path(out_dir).with_name(Path(out_dir).name + ".train") if out_dir else None)
+    if workdir is None:
+        raise ValueError("train_accept_head needs out_dir or workdir (checkpoints and logs)")
+    res = train_head(data, cfg, target.config, train_config, workdir, batch_size=batch_size, seed=seed,
+                     eval_data=concat_labels(*held_sets.values()))
+    report = heldout_report(res.params, cfg, held_sets, data)
+    if out_dir is not None:
+        save_drafter(out_dir, "accept_head", cfg, res.params, target.config,
+                     extra={"k": k, "temperatures": list(temperatures), "train_examples": int(len(data["x"])),
+                            "steps": int(res.result.step), "draft": str(draft.path), "heldout": report})
+    return AcceptHeadRun(head=res, report=report, train_data=data, heldout_data=held_sets,
+                         out_dir=Path(out_dir) if out_dir is not None else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceptHeadRun:
+    head: HeadResult
+    report: dict  # per temperature: examples, accept_rate, bce, bce_constant, ece (held-out label runs)
+    train_data: dict  # the training label set
+    heldout_data: dict  # {"T=..": held-out label set}
+    out_dir: Path | None
+
+
 def _register():
     try:
         from .drafters import TrainKind, register_train_kind
     except ImportError:  # the shared training registry is not there (older checkout): nothing to register
         return None
     return register_train_kind(TrainKind(name="accept_head", module=AcceptHeadModule, loss_fn=accept_loss,
-                                         default_config=default_config))
+                                         default_config=default_config, eval_step=accept_eval_step))
 
 
 TRAIN_KIND = _register()
