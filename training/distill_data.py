@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .corpus import Corpus, CorpusError
+from .corpus import Corpus, CorpusError, WindowSampler
 
 DATA_MODES = ("corpus", "self", "mix")
 MANIFEST = "manifest.json"
@@ -186,21 +186,21 @@ def load_shard(path) -> tuple[np.ndarray, np.ndarray]:
 # ----------------------------------------------------------------------------- batch sources
 @dataclasses.dataclass(frozen=True, eq=False)
 class CorpusBatches:
-    """B random windows of T tokens of a token stream, all real; batch `step` depends on (seed, step)."""
+    """B random windows of T tokens of a token stream, all real: the LM trainer's WindowSampler
+    (batch `step` depends on (seed, step) only) in the drafter batch format."""
     tokens: np.ndarray
     batch_size: int
     seq_len: int
     seed: int = 0
 
     def __post_init__(self):
-        if len(self.tokens) < self.seq_len + 1:
-            raise CorpusError(f"corpus too small: {len(self.tokens)} tokens cannot fill one window of "
-                              f"{self.seq_len}; use a shorter sequence length or more text")
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2, got {self.seq_len}")
+        object.__setattr__(self, "_windows", WindowSampler(self.tokens, self.batch_size, self.seq_len - 1,
+                                                           self.seed))
 
     def __call__(self, step: int) -> dict:
-        rng = np.random.default_rng([self.seed, step, 0])
-        starts = rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
-        toks = self.tokens[starts[:, None] + np.arange(self.seq_len)[None, :]].astype(np.int32)
+        toks = self._windows(step)["tokens"]  # [B, (T - 1) + 1]
         return {"tokens": toks, "mask": np.ones(toks.shape, np.float32)}
 
 
