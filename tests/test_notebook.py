@@ -27,3 +27,4 @@ def test_speculative_training_notebook_runs(tmp_path, monkeypatch):
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
                       for o in c.get("outputs", []))
     assert "draft_lm (on-policy)" in outputs and "prompt_lookup" in outputs and "tau" in outputs
+    assert "medusa " in outputs and "not available" not in outputs  # the heads trained too
