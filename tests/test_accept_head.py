@@ -260,12 +260,26 @@ def test_training_lowers_bce_and_the_head_is_calibrated(trained):
     assert err < 0.1
 
 
+def test_speed_estimate_brackets(trained):
+    """The offline estimate: h = 0 is fixed length 1 and h = 1 fixed length K; the saved threshold is
+    the best of the grid on the training runs."""
+    from jaxdecode.training.accept_head import choose_threshold, speed_estimate
+    est = speed_estimate(trained.head.params, HEAD, trained.train_data, [0.0, 1.0, trained.cfg.threshold])
+    assert est["head"][0.0] == pytest.approx(est["fixed"][1]) and est["head"][1.0] == pytest.approx(est["fixed"][K])
+    grid = [round(x, 2) for x in np.linspace(0.05, 0.95, 19)]
+    assert trained.cfg.threshold == choose_threshold(speed_estimate(trained.head.params, HEAD,
+                                                                    trained.train_data, grid))
+    for r in trained.report.values():
+        assert {"head", "best_fixed", "best_fixed_k", "threshold"} <= set(r["estimate"])
+
+
 def test_save_load_decode_round_trip(trained):
     """train_accept_head's directory -> load_drafter -> make_drafter by name -> greedy == plain greedy."""
     target = jaxdecode.Model(config=CFG, params=TARGET)
     draft = jaxdecode.Model(config=CFG, params=DRAFT)
     loaded = load_drafter(trained.out_dir, target)
-    assert loaded.name == "accept_head" and loaded.cfg == HEAD and "T=0" in loaded.extra["heldout"]
+    assert loaded.name == "accept_head" and loaded.cfg == trained.cfg and "T=0" in loaded.extra["heldout"]
+    assert dataclasses.replace(trained.cfg, threshold=HEAD.threshold) == HEAD
     jax.tree.map(np.testing.assert_array_equal, loaded.params, trained.head.params)
     drafter = make_drafter("accept_head", target, tree=f"chain:{K}", drafter_dir=trained.out_dir,
                            draft_model=draft, threshold=0.5)

@@ -239,6 +239,34 @@ def ece(p, label, mask, bins: int = 10) -> float:
     return float(total / p.size)
 
 
+def speed_estimate(params, cfg: AcceptHeadConfig, data: dict, thresholds, *, draft_cost: float = 0.2,
+                   node_cost: float = 0.05) -> dict:
+    """Offline tokens per unit of cost, from label runs of chain:K: for each threshold h, the head's cut
+    length L per recorded step, and for each fixed length K' <= K, L = K'. A step commits
+    min(accepted, L) + 1 tokens and costs 1 + (draft_cost + node_cost) * L target-step units (L draft
+    forwards, including the catch-up that yields the root distribution; node_cost per verified node).
+    The trajectory is the one chain:K decoded, so this ranks settings; it does not replace timing them.
+    Returns {"head": {h: tokens/cost}, "fixed": {K': tokens/cost}}."""
+    accepted = (data["label"] * data["mask"]).sum(1)  # [N]: the verifier's accepted length
+    k = data["x"].shape[1]
+    tf = jnp.asarray(data["tfeat"]) if cfg.target_proj else None
+    logits = head_logits(params, cfg, jnp.asarray(data["x"]), jnp.arange(k), tf)
+
+    def rate(length):
+        tokens = np.minimum(accepted, length) + 1
+        return float(tokens.sum() / (1.0 + (draft_cost + node_cost) * length).sum())
+
+    from jaxdecode.drafters.accept_head import keep_mask
+    head = {float(h): rate(np.asarray(keep_mask(logits, h)).sum(1)) for h in thresholds}
+    fixed = {kk: rate(np.full(accepted.shape, kk)) for kk in range(1, k + 1)}
+    return {"head": head, "fixed": fixed}
+
+
+def choose_threshold(estimate: dict) -> float:
+    """The threshold of the highest estimated tokens per cost."""
+    return max(estimate["head"], key=estimate["head"].get)
+
+
 def heldout_report(params, cfg: AcceptHeadConfig, sets: dict, train_data: dict) -> dict:
     """Per label set (e.g. {"T=0": ..., "T=0.7": ...}): examples, acceptance rate, BCE of the head and of
     the constant training rate, ECE (10 bins)."""
@@ -256,13 +284,17 @@ def heldout_report(params, cfg: AcceptHeadConfig, sets: dict, train_data: dict) 
 def train_accept_head(target, draft, corpus_dir=None, out_dir=None, *, train_config: TrainConfig, k: int = 8,
                       temperatures=(0.0, 0.7), train_prompts=None, heldout_prompts=None, prompts: int = 64,
                       heldout: int = 16, prompt_len: int = 32, new_tokens: int = 64, batch_rows: int = 8,
-                      batch_size: int = 256, workdir=None, config_overrides: dict | None = None, seed: int = 0):
+                      batch_size: int = 256, workdir=None, config_overrides: dict | None = None, seed: int = 0,
+                      draft_cost: float = 0.2, node_cost: float = 0.05):
     """The whole recipe: label runs of the draft LM chain:k on the target (one per temperature: greedy
     verification at 0, the chain verifier on sampled chains above) over training prompts, the head
     trained on them, BCE / ECE on label runs over held-out prompts, and the drafter directory written to
     out_dir (extra: the held-out report). target / draft: Models or directories. Prompts: lists of token
     ids, or (when None) `prompts` / `heldout` windows of corpus_dir's train / held-out splits.
-    Returns an AcceptHeadRun (head, held-out report, the label sets)."""
+    The saved config's threshold maximises `speed_estimate` (draft_cost: one draft forward / one target
+    step; node_cost: per verified node) on the training runs; the report adds that estimate against
+    the best fixed length on the held-out runs.
+    Returns an AcceptHeadRun (head, held-out report, the label sets, the config saved)."""
     from jaxdecode.drafters import DraftLM
     from jaxdecode.drafters.trained import save_drafter
     from jaxdecode.sampling import SamplerConfig
@@ -303,12 +335,21 @@ def train_accept_head(target, draft, corpus_dir=None, out_dir=None, *, train_con
     res = train_head(data, cfg, target.config, train_config, workdir, batch_size=batch_size, seed=seed,
                      eval_data=concat_labels(*held_sets.values()))
     report = heldout_report(res.params, cfg, held_sets, data)
+    # The saved default threshold: the best estimated tokens per cost on the training label runs.
+    grid = [round(x, 2) for x in np.linspace(0.05, 0.95, 19)]
+    cost = dict(draft_cost=draft_cost, node_cost=node_cost)
+    cfg = dataclasses.replace(cfg, threshold=choose_threshold(speed_estimate(res.params, cfg, data, grid, **cost)))
+    for name, d in held_sets.items():
+        est = speed_estimate(res.params, cfg, d, grid, **cost)
+        best_k = max(est["fixed"], key=est["fixed"].get)
+        report[name]["estimate"] = {"threshold": cfg.threshold, "head": est["head"][cfg.threshold],
+                                    "best_fixed_k": best_k, "best_fixed": est["fixed"][best_k], **cost}
     if out_dir is not None:
         save_drafter(out_dir, "accept_head", cfg, res.params, target.config,
                      extra={"k": k, "temperatures": list(temperatures), "train_examples": int(len(data["x"])),
                             "steps": int(res.result.step), "draft": str(draft.path), "heldout": report})
     return AcceptHeadRun(head=res, report=report, train_data=data, heldout_data=held_sets,
-                         out_dir=Path(out_dir) if out_dir is not None else None)
+                         out_dir=Path(out_dir) if out_dir is not None else None, cfg=cfg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,6 +359,7 @@ class AcceptHeadRun:
     train_data: dict  # the training label set
     heldout_data: dict  # {"T=..": held-out label set}
     out_dir: Path | None
+    cfg: AcceptHeadConfig  # as saved (threshold chosen by speed_estimate)
 
 
 def _register():
