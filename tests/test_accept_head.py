@@ -279,10 +279,11 @@ def test_save_load_decode_round_trip(trained):
     draft = jaxdecode.Model(config=CFG, params=DRAFT)
     loaded = load_drafter(trained.out_dir, target)
     assert loaded.name == "accept_head" and loaded.cfg == trained.cfg and "T=0" in loaded.extra["heldout"]
-    assert dataclasses.replace(trained.cfg, threshold=HEAD.threshold) == HEAD
+    assert dataclasses.replace(trained.cfg, threshold=HEAD.threshold, draft_len=HEAD.draft_len) == HEAD
+    assert trained.cfg.draft_len == K
     jax.tree.map(np.testing.assert_array_equal, loaded.params, trained.head.params)
-    drafter = make_drafter("accept_head", target, tree=f"chain:{K}", drafter_dir=trained.out_dir,
-                           draft_model=draft, threshold=0.5)
+    drafter = make_drafter("accept_head", target, drafter_dir=trained.out_dir, draft=draft,
+                           threshold=0.5)  # tree: chain:K, the length it was trained on
     assert isinstance(drafter, AcceptHeadDrafter) and drafter.num_nodes == K
     toks, lens = pad_prompts(PROMPTS)
     out = speculative_decode(CFG, TARGET, drafter, toks, lens, max_new_tokens=24, verifier=get_verifier("greedy"))

@@ -306,7 +306,8 @@ def train_accept_head(target, draft, corpus_dir=None, out_dir=None, *, train_con
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"the draft LM's vocabulary ({draft.config.vocab_size}) differs from the target's "
                          f"({target.config.vocab_size})")
-    cfg = AcceptHeadConfig(**{"max_depth": max(k, AcceptHeadConfig.max_depth), **(config_overrides or {})})
+    cfg = AcceptHeadConfig(**{"max_depth": max(k, AcceptHeadConfig.max_depth), **(config_overrides or {}),
+                              "draft_len": k})
     if train_prompts is None or heldout_prompts is None:
         if corpus_dir is None:
             raise ValueError("train_accept_head needs a corpus_dir or both train_prompts and heldout_prompts")

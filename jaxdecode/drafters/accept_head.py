@@ -47,11 +47,12 @@ class AcceptHeadConfig:
     max_depth: int = 16  # draft positions the head knows (depth one-hot width); K must not exceed it
     target_proj: int = 0  # width of the projected target bonus-slot feature; 0 = not used
     threshold: float = 0.5  # default h: stop once 1 - prod p_i > h
+    draft_len: int = 8  # K of the chain it was trained on: the default tree chain:K
 
     def __post_init__(self):
-        if self.hidden < 1 or self.max_depth < 1 or self.target_proj < 0:
-            raise ValueError(f"AcceptHeadConfig needs hidden >= 1, max_depth >= 1 and target_proj >= 0, "
-                             f"got {self}")
+        if self.hidden < 1 or self.max_depth < 1 or self.target_proj < 0 or not 1 <= self.draft_len:
+            raise ValueError(f"AcceptHeadConfig needs hidden >= 1, max_depth >= 1, target_proj >= 0 and "
+                             f"draft_len >= 1, got {self}")
         check_threshold(self.threshold)
 
     @property
@@ -286,7 +287,7 @@ def param_shapes(cfg: AcceptHeadConfig, target_config) -> dict:
 
 def make(params, cfg: AcceptHeadConfig, target, tree, temperature: float, draft_model=None, threshold=None,
          stop_drafting: bool = True):
-    """DrafterKind.make: the head over a draft LM chain (tree 'chain:K', default chain:8).
+    """DrafterKind.make: the head over a draft LM chain (tree 'chain:K', default K = cfg.draft_len).
     draft_model: the draft LM the head was trained with, a Model or its directory (by name:
     drafter_options={"draft_model": DIR}); default the embedded draft model. threshold: h (default the
     config's). stop_drafting: end the draft LM's level loop at the cut (default) or only shrink the
@@ -306,7 +307,7 @@ def make(params, cfg: AcceptHeadConfig, target, tree, temperature: float, draft_
     if draft.config.vocab_size != target.config.vocab_size:
         raise SpeculativeError(f"the draft model's vocabulary ({draft.config.vocab_size}) differs from the "
                                f"target's ({target.config.vocab_size})")
-    builder = tree_from_option(tree, f"chain:{min(8, cfg.max_depth)}", temperature)
+    builder = tree_from_option(tree, f"chain:{min(cfg.draft_len, cfg.max_depth)}", temperature)
     if not isinstance(builder, ChainBuilder):
         raise SpeculativeError(f"the acceptance head cuts chains: use tree='chain:K' (K <= {cfg.max_depth}), "
                                f"got {tree!r}")
