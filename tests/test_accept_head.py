@@ -16,7 +16,7 @@ import pytest
 
 import jaxdecode
 from jaxdecode.autoregressive import decode, pad_prompts
-from jaxdecode.drafters import load_drafter, make_drafter, save_drafter
+from jaxdecode.drafters import load_drafter, make_drafter
 from jaxdecode.drafters.accept_head import (AcceptHeadConfig, AcceptHeadDrafter, chain_features, head_logits,
                                             keep_mask, log_accept)
 from jaxdecode.drafters.builders import ChainBuilder
