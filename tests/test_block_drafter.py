@@ -73,7 +73,7 @@ def trained(tmp_path_factory):
     heldout = [list(map(int, held[s:s + 3 + s % 5])) for s in range(0, 400, 100)]  # ragged, 4 prompts
     module = block_module(CFG, target.config, nnx.Rngs(0))
     tau0 = _tau(target, module.params(), heldout)
-    tc = TrainConfig(steps=120, learning_rate=3e-3, warmup_steps=10, log_every=10, eval_every=0,
+    tc = TrainConfig(steps=60, learning_rate=3e-3, warmup_steps=10, log_every=10, eval_every=0,
                      checkpoint_every=0, data_parallel=1, progress=False)
     res = train(module, block_loss, batches, tc, root / "run", constants={"target": target.params})
     params = res.module.params()
@@ -214,8 +214,11 @@ def test_sampling_is_lossless_through_the_model_loop(monkeypatch, tree, names):
     from test_verifier_pairs import P_BROKEN, P_OK, PARAMS, PROMPT, ROWS, RowBlocks, chi2_pvalue, exact_joint
     target = jaxdecode.Model(config=TCFG, params=PARAMS)
     cfg = BlockConfig(block_size=2, num_layers=1)
-    params = init_params(cfg, TCFG, jax.random.PRNGKey(4))
-    params["mask_embed"] = params["mask_embed"] * 50.0  # a confident draft, far from the target
+    params = init_params(cfg, TCFG, jax.random.PRNGKey(0))
+    # Large weights: a confident draft far from the target, and q_1 far from q_2 (total variation 0.5),
+    # so draft probabilities handed to the verifier for the wrong depth would fail the test.
+    params["mask_embed"] = params["mask_embed"] * 50.0
+    params["layers"] = {name: w * 30.0 if name.startswith("w") else w for name, w in params["layers"].items()}
     joint = exact_joint(TCFG, PARAMS, PROMPT, TCFG.vocab_size)
     chunks, per, report = 5, ROWS // 5, []
     drafter = make_block_drafter(params, cfg, target, tree=tree, temperature=1.0)
@@ -241,4 +244,4 @@ def test_sampling_is_lossless_through_the_model_loop(monkeypatch, tree, names):
         report.append((tree, name, p, tau))
         ok = p > P_OK if get_verifier(name).lossless else p < P_BROKEN
         assert ok, report
-    assert min(tau for *_, tau in report) > 1.2, report  # drafts are accepted: the test has teeth
+    assert min(tau for *_, tau in report) > 1.05, report  # drafts are accepted: the test has teeth
