@@ -123,6 +123,19 @@ def test_save_load_round_trip(target, saved):
     assert not list(saved.parent.glob("uni.tmp-*"))  # atomic: no temporary left
 
 
+def test_stored_narrow_computes_as_the_target(target, tmp_path):
+    """dtype="bfloat16" halves the file; loading casts back to the target's compute dtype (f32 here)."""
+    params = unigram_params(target)
+    d = tr.save_drafter(tmp_path / "bf16", "unigram", UnigramConfig(depth=3, widths=(1, 2)), params,
+                        target.config, dtype="bfloat16")
+    meta = json.loads((d / "config.json").read_text())
+    assert {t["dtype"] for t in meta["tensors"].values()} == {"bfloat16"}
+    td = jaxdecode.load_drafter(d, target)
+    got = td.params["head"]["logits"]
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(got, params["head"]["logits"].astype(jnp.bfloat16).astype(jnp.float32))
+
+
 def test_save_is_whole_or_nothing(target, saved):
     def bad_shapes(cfg, tcfg):
         return {"head": {"logits": (V + 1,)}, "layers": {0: {"w": (2, 3)}}}

@@ -28,6 +28,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
+import jax.numpy as jnp
 import numpy as np
 
 FORMAT_VERSION = 1
@@ -248,11 +249,14 @@ def _target_record(kind: DrafterKind, target_config) -> dict:
 
 
 # ----------------------------------------------------------------------------- save
-def save_drafter(out_dir, kind_name: str, cfg, params, target_config, extra: dict | None = None) -> Path:
+def save_drafter(out_dir, kind_name: str, cfg, params, target_config, extra: dict | None = None,
+                 dtype: str | None = None) -> Path:
     """Write a trained drafter to `out_dir` (config.json + model.safetensors), whole or not at all.
 
     `cfg` is an instance of the kind's config_cls, `params` the params pytree (nested dicts of arrays),
-    `target_config` the target's ModelConfig (or Model), `extra` free JSON-able info. Returns out_dir.
+    `target_config` the target's ModelConfig (or Model), `extra` free JSON-able info. `dtype` (e.g.
+    "bfloat16") stores floating tensors in that type (load_drafter casts them to the target's compute
+    dtype); None keeps them as they are. Returns out_dir.
     """
     import jax
     kind = get_kind(kind_name)
@@ -272,6 +276,10 @@ def save_drafter(out_dir, kind_name: str, cfg, params, target_config, extra: dic
     tcfg = _target_config(target_config)
     flat = flatten_params(params)
     host = {name: np.asarray(jax.device_get(x)) for name, (_, x) in flat.items()}
+    if dtype is not None:
+        import jax.numpy as jnp
+        host = {n: np.asarray(jnp.asarray(a, dtype)) if np.issubdtype(a.dtype, np.floating)
+                or a.dtype == jnp.bfloat16 else a for n, a in host.items()}
     if kind.param_shapes is not None:
         _check_shapes(kind.param_shapes(cfg, tcfg), {n: a.shape for n, a in host.items()},
                       f"save_drafter({kind_name!r})", "the params do not fit the config")
@@ -426,8 +434,21 @@ def load_drafter(path, target) -> TrainedDrafter:
     if kind.param_shapes is not None:
         _check_shapes(kind.param_shapes(cfg, _target_config(target)),
                       {n: tuple(info["shape"]) for n, info in manifest.items()}, str(file), _REDO)
+    compute = _compute_dtype(target)
+    if compute is not None:  # weights stored narrower (e.g. bf16 on disk) compute as the target does
+        items = [(p, x.astype(compute) if jnp.issubdtype(x.dtype, jnp.floating) else x) for p, x in items]
     return TrainedDrafter(kind=kind, cfg=cfg, params=unflatten_params(items), extra=meta.get("extra", {}),
                           path=str(path), target=meta["target"])
+
+
+def _compute_dtype(target):
+    """The floating dtype of a Model's params (None for a bare ModelConfig)."""
+    import jax
+    params = getattr(target, "params", None)
+    for leaf in jax.tree_util.tree_leaves(params):
+        if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating):
+            return leaf.dtype
+    return None
 
 
 def find_drafter_dir(target, kind_name: str) -> Path | None:
