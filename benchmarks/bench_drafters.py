@@ -37,6 +37,7 @@ from jaxdecode.verifiers import get_verifier
 CONFIGS = [
     ("draft_lm chain:4", "draft_lm", "chain:4", {}),
     ("draft_lm eagle:6,4,24", "draft_lm", "eagle:depth=6,topk=4,total=24", {}),
+    ("draft_lm (second draft) chain:4", "draft_lm", "chain:4", {"second_draft": True}),
     ("prompt_lookup chain:3", "prompt_lookup", "chain:3", {}),
     ("token_recycling", "token_recycling", None, {}),
     ("medusa chain:4", "medusa", "chain:4", {}),
@@ -83,6 +84,8 @@ def main(argv=None):
     ap.add_argument("--target", default=None, help="target model dir (default: the embedded target)")
     ap.add_argument("--draft", default=None, help="draft model dir (default: the embedded draft)")
     ap.add_argument("--drafters-root", default=None, help="folder of <kind>/ trained drafter dirs")
+    ap.add_argument("--second-draft", default=None,
+                    help="another draft model dir (e.g. one distilled on-policy), measured beside --draft")
     ap.add_argument("--prompts", type=int, default=4, help="prompts per source")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new", type=int, default=96)
@@ -97,6 +100,7 @@ def main(argv=None):
     target_dir = Path(args.target or embedded_model_path("target"))
     target = jaxdecode.load(target_dir, dtype="float32")
     draft = jaxdecode.load(args.draft or embedded_model_path("draft"), dtype="float32")
+    second = jaxdecode.load(args.second_draft, dtype="float32") if args.second_draft else None
     cfg = target.config
     make_prompts = {"heldout": heldout_prompts, "outside": outside_prompts}
     sources = {s: make_prompts[s](target.tokenizer, args.prompts, args.prompt_tokens)
@@ -138,6 +142,12 @@ def main(argv=None):
                     if only and name not in only:
                         continue
                     opts = dict(kw)
+                    use_draft = draft
+                    if opts.pop("second_draft", False):
+                        if second is None:
+                            skipped.append(f"{label}: no --second-draft")
+                            continue
+                        use_draft = second
                     if name in TRAINED:
                         d = drafter_dir(name, target_dir, args.drafters_root)
                         if d is None:
@@ -145,7 +155,7 @@ def main(argv=None):
                             continue
                         opts["drafter_dir"] = str(d)
                     try:
-                        drafter = make_drafter(name, target, draft=draft, tree=tree, temperature=t, **opts)
+                        drafter = make_drafter(name, target, draft=use_draft, tree=tree, temperature=t, **opts)
                         verifier = get_verifier("greedy" if t == 0 else _sampling_verifier(drafter))
                     except (ImportError, ValueError, KeyError) as e:
                         skipped.append(f"{label} (T={t}): {e}")
