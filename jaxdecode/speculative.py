@@ -180,6 +180,23 @@ def _with_root(tree: Tree, pending, prefix_len):
     return tokens, positions, mask
 
 
+def run_if(pred, fn, operand):
+    """`fn(operand)` when the traced bool `pred` holds, else `operand`; fn returns the operand's structure.
+    Unlike lax.cond this updates the operand's buffers in place: XLA copies large operands (a KV cache)
+    into a conditional's branches, but aliases a while loop's carry, so this is a loop of 0 or 1 trips."""
+    return jax.lax.while_loop(lambda c: c[0], lambda c: (jnp.zeros_like(c[0]), fn(c[1])),
+                              (jnp.asarray(pred, bool), operand))[1]
+
+
+def switch_in_place(index, branches, operand):
+    """lax.switch(index, branches, operand) (index clamped) for branches that return the operand's
+    structure, with the operand updated in place (see `run_if`): exactly one branch runs."""
+    index = jnp.clip(index, 0, len(branches) - 1)
+    for i, branch in enumerate(branches):
+        operand = run_if(index == i, branch, operand)
+    return operand
+
+
 def _verify_forward(config, params, tree: Tree, pending, cache, active, widths: tuple, attn_impl: str,
                     mesh=None, feature_layers: tuple = ()):
     """The target over [pending, tree nodes]: logits [B, N+1, V], the drafter's features
@@ -190,11 +207,13 @@ def _verify_forward(config, params, tree: Tree, pending, cache, active, widths: 
     that marks the tail of its proposal invalid (a weak match, a low-confidence draft) pays only for
     what it proposes. Logit rows past the width are zero: they belong to invalid nodes, which no
     verifier accepts and no drafter learns from. Nodes are topologically ordered, so every kept node's
-    ancestors lie inside the width."""
+    ancestors lie inside the width. The switch is `switch_in_place`: the cache is written in place,
+    never copied into a branch."""
     n = tree.tokens.shape[1]
 
     def run(width):
-        def branch(cache):
+        def branch(carry):
+            cache = carry[2]
             t = Tree(tokens=tree.tokens[:, :width], parents=tree.parents[:, :width], valid=tree.valid[:, :width])
             tokens, positions, mask = _with_root(t, pending, cache.lengths)
             logits, hidden, cache = forward(config, params, tokens, positions, cache, mask, attn_impl=attn_impl,
@@ -206,11 +225,15 @@ def _verify_forward(config, params, tree: Tree, pending, cache, active, widths: 
         return branch
 
     if len(widths) == 1:
-        return run(n)(cache)
+        return run(n)((None, None, cache))
     idx = jnp.arange(n)[None, :]
     need = jnp.max(jnp.where(tree.valid & active[:, None], idx + 1, 0))  # nodes the forward must cover
     which = jnp.searchsorted(jnp.asarray(widths), need)  # smallest width >= need
-    return jax.lax.switch(which, [run(w) for w in widths], cache)
+    b = tree.tokens.shape[0]
+    logits0 = jnp.zeros((b, n + 1, config.vocab_size), jnp.float32)
+    feats0 = (jnp.zeros((len(feature_layers), b, n + 1, config.hidden_size), jnp.float32)
+              if feature_layers else None)
+    return switch_in_place(which, [run(w) for w in widths], (logits0, feats0, cache))
 
 
 def check_verify_widths(widths, num_nodes: int) -> tuple:

@@ -191,7 +191,8 @@ def _cached_attention(q, k_all, v_all, layer, window, lengths, mask, q_pos, win_
 @partial(jax.jit, static_argnames=("config", "return_layers", "stop_at_layer", "skip_layers", "attn_impl", "mesh"))
 def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | None, attn_mask,
             *, write_offset=None, key_positions=None, return_layers: tuple = (),
-            stop_at_layer: int | None = None, skip_layers: tuple = (), attn_impl: str = "xla", mesh=None):
+            stop_at_layer: int | None = None, skip_layers: tuple = (), attn_impl: str = "xla", mesh=None,
+            layer_ids=None, num_layers_run=None):
     """Run the model over T new tokens per row. See the module docstring for the contract.
 
     attn_mask is [B, T, T], or with a cache [B, T, W >= T]: then its columns are the W slots after the
@@ -206,6 +207,11 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
     "interpret" (the kernel in Pallas interpret mode, for tests).
     mesh: a (data, model) Mesh when params and cache are sharded on it: the attention op then runs
     under shard_map (rows over data, KV heads over model), as a Pallas kernel must.
+    layer_ids / num_layers_run: a sub-network chosen at run time: int32[K] layer ids (traced), of which
+    the first num_layers_run (traced int32, default K) run in order. One compiled forward then serves
+    every candidate sub-network (self-speculation picks one per step) at the cost of the layers it runs,
+    with no conditional around the cache (XLA copies a conditional's large operands). Exclusive with
+    stop_at_layer / skip_layers / return_layers; a while loop, so not reverse-differentiable.
     """
     if attn_impl not in ATTN_IMPLS:
         raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
@@ -213,7 +219,15 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
     if attn_mask.shape[:2] != (b, t) or attn_mask.shape[2] < t or (cache is None and attn_mask.shape[2] != t):
         raise ValueError(f"attn_mask must be [B, T, T] (or [B, T, W>=T] with a cache) for tokens "
                          f"{tokens.shape}, got {attn_mask.shape}")
-    ids = _layer_ids(config, stop_at_layer, skip_layers, return_layers)
+    if layer_ids is not None:
+        if stop_at_layer is not None or skip_layers or return_layers:
+            raise ValueError("layer_ids (a sub-network chosen at run time) cannot be combined with "
+                             "stop_at_layer, skip_layers or return_layers: give the layers in layer_ids alone")
+        if jnp.ndim(layer_ids) != 1:
+            raise ValueError(f"layer_ids must be a 1-D int array of layer ids, got shape {jnp.shape(layer_ids)}")
+        ids = None
+    else:
+        ids = _layer_ids(config, stop_at_layer, skip_layers, return_layers)
     x = jnp.take(params["embed"], tokens, axis=0)
     if config.is_gpt2:
         x = x + jnp.take(params["pos_embed"], positions, axis=0)
@@ -253,8 +267,13 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
         return (x, k_all, v_all), (x if return_layers else None)
 
     init = (x, None, None) if cache is None else (x, cache.k, cache.v)
-    xs = (jnp.asarray(ids, jnp.int32), layers if full else None)
-    (x, new_k, new_v), per_layer = jax.lax.scan(body, init, xs)
+    if ids is None:  # run-time layer list: a loop of num_layers_run trips, the cache in its carry
+        run_ids = jnp.asarray(layer_ids, jnp.int32)
+        n_run = run_ids.shape[0] if num_layers_run is None else num_layers_run
+        x, new_k, new_v = jax.lax.fori_loop(0, n_run, lambda i, c: body(c, (run_ids[i], None))[0], init)
+    else:
+        xs = (jnp.asarray(ids, jnp.int32), layers if full else None)
+        (x, new_k, new_v), per_layer = jax.lax.scan(body, init, xs)
     h_final = _norm(config, x, params["final_norm"])
     head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
     logits = jnp.einsum("btd,dv->btv", h_final, head, preferred_element_type=jnp.float32)

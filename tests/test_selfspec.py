@@ -40,13 +40,29 @@ def tiny(layers=3, vocab=64, seed=0, identity_layers=()):
 
 
 def greedy_check(target, drafter, prompts, new=16):
+    """Greedy speculative output == plain greedy, and the compiled loop never copies a KV cache."""
     toks, lens = pad_prompts(prompts)
-    out = speculative_decode(target.config, target.params, drafter, toks, lens, max_new_tokens=new,
-                             verifier=get_verifier("greedy"))
+    cfg = target.config
+    compiled = jax.jit(lambda params, d: speculative_decode(cfg, params, d, toks, lens, max_new_tokens=new,
+                                                            verifier=get_verifier("greedy"))
+                       ).lower(target.params, drafter).compile()
+    assert cache_copies(cfg, compiled.as_text()) == []
+    out = compiled(target.params, drafter)
     ref = decode(target.config, target.params, toks, lens, max_new_tokens=new, sampler=GREEDY, method="greedy")
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
     np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(ref.lengths))
     return out
+
+
+def cache_copies(cfg, hlo: str) -> list:
+    """KV-cache-shaped copies in compiled HLO text outside the entry computation (which allocates the
+    caches once), i.e. in the decode loop: XLA copies a cache passed into a conditional on every call,
+    which would cost each step O(cache size). A cache: [layers, B, KV heads, S >= 64 slots, head dim]
+    (the target's, a self-speculation draft's, Kangaroo's l + 1 layers)."""
+    import re
+    body = "\n".join(c for c in re.split(r"\n(?=\S)", hlo) if not c.startswith("ENTRY"))
+    shapes = re.findall(r"= \w+\[(\d+),(\d+),(\d+),(\d+),(\d+)\]\{[\d,]*\} copy\(", body)
+    return [s for s in shapes if int(s[2]) == cfg.num_kv_heads and int(s[3]) >= 64 and int(s[4]) == cfg.head_dim]
 
 
 # ----------------------------------------------------------------------------- greedy == plain greedy
@@ -75,6 +91,34 @@ def test_greedy_speculative_equals_plain_greedy(case):
     make, prompts = CASES[case]
     out = greedy_check(target, make(target), prompts)
     assert np.all(np.asarray(out.stats["verify_calls"]) >= 1)
+
+
+# ----------------------------------------------------------------------------- cost: no cache copies
+def test_run_time_layer_list_and_in_place_switch_compute_what_they_replace():
+    """forward(layer_ids=, num_layers_run=) equals the static sub-network; switch_in_place / run_if equal
+    lax.switch / lax.cond."""
+    from jaxdecode.models import forward, init_cache, padded_causal_mask
+    from jaxdecode.speculative import run_if, switch_in_place
+    target = tiny(layers=4)
+    cfg, params = target.config, target.params
+    toks = jnp.asarray([[3, 9, 27, 4, 5]])
+    pos = jnp.arange(5)[None]
+    mask = padded_causal_mask(jnp.ones((1, 5), bool))
+    cache = init_cache(cfg, 1, 16)
+    run = jax.jit(lambda ids, n: forward(cfg, params, toks, pos, cache, mask, layer_ids=ids, num_layers_run=n))
+    for skip, ids in (((1, 2), [0, 3, 1]), ((), [0, 1, 2, 3])):  # ids past num_layers_run are ignored
+        ref, _, ref_cache = forward(cfg, params, toks, pos, cache, mask, skip_layers=skip)
+        got, _, got_cache = run(jnp.asarray(ids), jnp.int32(4 - len(skip)))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(got_cache.k), np.asarray(ref_cache.k), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        forward(cfg, params, toks, pos, cache, mask, layer_ids=jnp.asarray([0]), skip_layers=(1,))
+    branches = [lambda x: x + 1.0, lambda x: x * 3.0, lambda x: -x]
+    for i in (-1, 0, 1, 2, 5):  # clamped like lax.switch
+        assert float(switch_in_place(jnp.int32(i), branches, jnp.float32(2.0))) == float(
+            jax.lax.switch(i, branches, jnp.float32(2.0)))
+    assert float(run_if(jnp.bool_(False), branches[1], jnp.float32(2.0))) == 2.0
+    assert float(run_if(jnp.bool_(True), branches[1], jnp.float32(2.0))) == 6.0
 
 
 def test_early_stop_marks_the_rest_invalid_and_keeps_drafts_distributions():

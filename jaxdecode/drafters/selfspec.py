@@ -4,8 +4,13 @@ Three drafters share one mechanism, `SelfSpecDrafter`: a draft network over the 
 its own KV cache (like DraftLM: each proposal catches up on the tokens committed since the last one,
 then a tree builder grows the tree level by level beyond the committed prefix), a static list of
 candidate sub-networks (`SubNet`: `stop_at_layer` / `skip_layers` of models.forward, a selection of the
-target's stacked weights, never a copy) chosen per step by `lax.switch` on an index in the drafter
-state, and an optional early stop (`threshold`, `depth limit`) that marks the rest of the tree invalid.
+target's stacked weights, never a copy) chosen per step by an index in the drafter state, and an
+optional early stop (`threshold`, `depth limit`) that marks the rest of the tree invalid.
+
+No conditional ever takes a KV cache as operand (XLA copies a conditional's large operands into its
+branches, every call): the chosen candidate runs as one forward over a run-time layer list
+(models.forward's `layer_ids`, a loop over just its layers), and the skips below are
+`speculative.run_if` / `switch_in_place` (while loops of 0 or 1 trips, whose carry is updated in place).
 
 - **swift** (SWIFT, Xia et al. 2024; LayerSkip-style layer skipping): candidates are skip sets. The
   drafter tracks an EMA of τ per candidate from the verifications, tries each candidate for
@@ -13,8 +18,8 @@ state, and an optional early stop (`threshold`, `depth limit`) that marks the re
   candidate for `explore_steps` steps every `reexplore_every` steps. Cache: a skip set's KV depends on
   the whole sub-network below it, so one candidate's cache is wrong for another. The draft cache always
   holds the *current* candidate's own KV: when the choice changes, the next proposal rebuilds it from
-  the history in one forward (the catch-up over the whole history instead of the last few tokens, a
-  `lax.cond`), so drafts are exact for the sub-network at the price of one prefill per switch (a few
+  the history in one forward (the catch-up over the whole history instead of the last few tokens,
+  chosen by `switch_in_place`), so drafts are exact for the sub-network at the price of one prefill per switch (a few
   per exploration round). No per-candidate caches (memory ×1).
 - **del** (DEL, Zarch et al. 2025: dynamic exit layer): candidates are exit layers E (`stop_at_layer`,
   draft = layer E-1's state through the final norm and the LM head). Exits are nested prefixes of the
@@ -35,7 +40,7 @@ state, and an optional early stop (`threshold`, `depth limit`) that marks the re
 Early stop: a node is kept when its parent is kept and the distribution it was drawn from has top-1
 probability >= threshold (the root's children always), and its depth is within the limit. Its draft
 probabilities are still the distributions the children were drawn from, so every verifier stays
-lossless; levels where no node of the batch is kept skip their forward (`lax.cond`), and the engine's
+lossless; levels where no node of the batch is kept skip their forward (`run_if`), and the engine's
 verification shrinks to the kept nodes (`verify_widths`: one width per tree depth on static trees).
 Any tree builder works (chain, static, EAGLE-2, DySpec); greedy speculative equals plain greedy.
 """
@@ -51,7 +56,7 @@ import numpy as np
 from jaxdecode.drafters.draft_lm import draft_logprobs
 from jaxdecode.models import KVCache, ModelConfig, advance, forward, init_cache, padded_causal_mask
 from jaxdecode.models.transformer import _norm
-from jaxdecode.speculative import FINAL, accepted_features
+from jaxdecode.speculative import FINAL, accepted_features, run_if, switch_in_place
 from jaxdecode.tree import Tree, ancestor_mask, depths
 
 POLICIES = ("fixed", "swift", "del")
@@ -128,19 +133,21 @@ def _head(config, params, h):
 
 
 # ----------------------------------------------------------------------------- drafting pieces
-def catch_up(run, cache, history, hist_len, block: int):
+def catch_up(run, cache, history, hist_len, block: int, head=None):
     """Feed the committed tokens the draft cache lacks (history[cache.lengths:hist_len], at most
-    `block` of them) and commit them. Returns (logits [B, V] after the last one, hidden, index of that
-    token in the block [B], cache). With cache.lengths = 0 and block = the history width this rebuilds
-    the cache from scratch."""
+    `block` of them) and commit them. Returns (head(final state after the last one) [B, V], or None
+    without `head`; hidden, index of that token in the block [B], cache). With cache.lengths = 0 and
+    block = the history width this rebuilds the cache from scratch. The head runs on the last token
+    only: the forward's logits go unused, so XLA drops the LM head over the block (on a rebuild, the
+    whole history)."""
     idx = cache.lengths[:, None] + jnp.arange(block)[None, :]  # [B, C] history positions
     valid = idx < hist_len[:, None]
     toks = jnp.take_along_axis(history, jnp.minimum(idx, history.shape[1] - 1), axis=1)
     pos = jnp.minimum(idx, jnp.maximum(hist_len - 1, 0)[:, None])  # padding stays inside position tables
-    logits, hidden, cache = run(jnp.where(valid, toks, 0), pos, cache, padded_causal_mask(valid))
+    _, hidden, cache = run(jnp.where(valid, toks, 0), pos, cache, padded_causal_mask(valid))
     n_new = valid.sum(axis=1)
     last = jnp.maximum(n_new - 1, 0)
-    root = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+    root = None if head is None else head(jnp.take_along_axis(hidden["final"], last[:, None, None], axis=1)[:, 0])
     return root, hidden, last, advance(cache, n_new)
 
 
@@ -160,7 +167,8 @@ def tree_expand(run, root_pos):
 def stopping_expand(expand, logq_of, threshold: float, limit, working: int, vocab: int):
     """Wrap `expand` with the early stop: scorer state (scratch, alive [B, W], conf [B, W]). A level
     none of whose new nodes is kept (see `stopped_valid`) skips its forward and returns uniform
-    distributions (never drawn from by a kept node)."""
+    distributions (never drawn from by a kept node). The skip is `run_if`, not lax.cond: the draft
+    cache inside `scratch` is written in place, never copied into a conditional."""
     def expand_stop(carry, start, tokens, parents_all):
         scratch, alive, conf = carry
         b, f = tokens.shape
@@ -171,14 +179,12 @@ def stopping_expand(expand, logq_of, threshold: float, limit, working: int, voca
                          & (jnp.take_along_axis(conf, p, axis=1) >= threshold)) & (d <= limit[:, None])
         need = jnp.any(live & (d < limit[:, None]))  # someone may still get a kept child
 
-        def run(s):
-            lg, s = expand(s, start, tokens, parents_all)
+        def run(carry):
+            lg, s = expand(carry[1], start, tokens, parents_all)
             return logq_of(lg), s
 
-        def skip(s):
-            return jnp.full((b, f, vocab), -math.log(vocab), jnp.float32), s
-
-        logq, scratch = jax.lax.cond(need, run, skip, scratch)
+        uniform = jnp.full((b, f, vocab), -math.log(vocab), jnp.float32)
+        logq, scratch = run_if(need, run, (uniform, scratch))
         alive = jax.lax.dynamic_update_slice_in_dim(alive, live, start, axis=1)
         conf = jax.lax.dynamic_update_slice_in_dim(conf, jnp.exp(logq.max(axis=-1)), start, axis=1)
         return logq, (scratch, alive, conf)
@@ -295,14 +301,21 @@ class SelfSpecDrafter:
         return run
 
     def _switch(self, choice):
-        """The draft network of candidate `choice` (traced): one compiled branch per candidate."""
-        runs = [self._run(s) for s in self.candidates]
-        if len(runs) == 1:
-            return runs[0]
+        """The draft network of candidate `choice` (traced): one forward over a run-time layer list
+        (models.forward's layer_ids), costing the chosen candidate's layers. Not a lax.switch over
+        per-candidate forwards: XLA would copy the draft cache into the chosen branch on every call."""
+        if self.num_candidates == 1:
+            return self._run(self.candidates[0])
+        lists = [s.layers(self.config.num_layers) for s in self.candidates]
+        table = np.zeros((len(lists), max(map(len, lists))), np.int32)  # [C, K] layer ids, padded
+        for c, ids in enumerate(lists):
+            table[c, :len(ids)] = ids
+        ids = jnp.asarray(table)[choice]
+        count = jnp.asarray([len(x) for x in lists], jnp.int32)[choice]
 
         def run(tokens, positions, cache, mask, write_offset=None):
-            return jax.lax.switch(choice, [lambda t, p, c, m, w, r=r: r(t, p, c, m, write_offset=w)
-                                           for r in runs], tokens, positions, cache, mask, write_offset)
+            return forward(self.config, self.params, tokens, positions, cache, mask, write_offset=write_offset,
+                           layer_ids=ids, num_layers_run=count)
         return run
 
     def _catch_up(self, state: SelfSpecState, history, hist_len, block: int):
@@ -316,19 +329,22 @@ class SelfSpecDrafter:
             h = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
             return _head(self.config, self.params, _norm(self.config, h, self.params["final_norm"])), cache
         run = self._switch(state.choice)
+        head = lambda h: _head(self.config, self.params, h)  # noqa: E731
         if self.policy != "swift" or self.num_candidates == 1:
-            root, _, _, cache = catch_up(run, state.cache, history, hist_len, block)
+            root, _, _, cache = catch_up(run, state.cache, history, hist_len, block, head)
             return root, cache
 
-        def rebuild(cache):  # the choice changed: recompute every committed token's KV with it
-            cache = cache.replace(lengths=jnp.zeros_like(cache.lengths))
-            root, _, _, cache = catch_up(run, cache, history, hist_len, history.shape[1])
+        def rebuild(carry):  # the choice changed: recompute every committed token's KV with it
+            cache = carry[1].replace(lengths=jnp.zeros_like(carry[1].lengths))
+            root, _, _, cache = catch_up(run, cache, history, hist_len, history.shape[1], head)
             return root, cache
 
-        def update(cache):
-            root, _, _, cache = catch_up(run, cache, history, hist_len, block)
+        def update(carry):
+            root, _, _, cache = catch_up(run, carry[1], history, hist_len, block, head)
             return root, cache
-        return jax.lax.cond(state.choice != state.built, rebuild, update, state.cache)
+        root0 = jnp.zeros((history.shape[0], self.config.vocab_size), jnp.float32)
+        return switch_in_place((state.choice != state.built).astype(jnp.int32), [update, rebuild],
+                               (root0, state.cache))
 
     # -- protocol
     def init(self, prompt_tokens, prompt_lengths, cache_len, key, features=None):
@@ -360,15 +376,19 @@ class SelfSpecDrafter:
             expand, carry = stopping_expand(expand, logq_of, self.threshold, limit,
                                             getattr(self.builder, "working_size", self.num_nodes),
                                             self.config.vocab_size)
-            tree, slots, _ = self.builder.build(carry(cache, b), logq_of(root_logits), expand, ctx.key)
+            tree, slots, (scratch, _, _) = self.builder.build(carry(cache, b), logq_of(root_logits), expand,
+                                                              ctx.key)
             tree = dataclasses.replace(tree, valid=stopped_valid(tree, slots, self.threshold, limit,
                                                                  self.max_depth))
         else:
             def expand_logq(scratch, start, tokens, parents_all):
                 lg, scratch = expand(scratch, start, tokens, parents_all)
                 return logq_of(lg), scratch
-            tree, slots, _ = self.builder.build(cache, logq_of(root_logits), expand_logq, ctx.key)
-        return tree, slots, dataclasses.replace(state, cache=cache, built=state.choice)
+            tree, slots, scratch = self.builder.build(cache, logq_of(root_logits), expand_logq, ctx.key)
+        # Keep the scratch cache: the tree's entries lie beyond `lengths` (never attended, overwritten by
+        # the next catch-up), and keeping `cache` instead would make XLA copy it before the tree writes.
+        return tree, slots, dataclasses.replace(state, cache=scratch.replace(lengths=cache.lengths),
+                                                built=state.choice)
 
     def observe(self, state: SelfSpecState, obs):
         state = dataclasses.replace(state, step=state.step + 1)
