@@ -158,6 +158,9 @@ def add_drafter_parser(sub, command: str) -> argparse.ArgumentParser:
         p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                        help="a field of the kind's config (e.g. num_heads=4), value as JSON; repeatable")
         p.add_argument("--draft", default=None, help="draft model directory, for kinds that draft with one")
+        p.add_argument("--export-dtype", default=None, choices=("float32", "bfloat16"),
+                       help="store the exported weights in this dtype (loading casts them to the target's "
+                            "compute dtype); default: as trained (float32)")
     p.add_argument("--data-parallel", type=int, default=None, help="devices on the data axis (default: all)")
     p.add_argument("--fsdp", action="store_true", help="shard params and optimizer state over data")
     p.add_argument("--checkpoint-every", type=int, default=200, help="checkpoint every N steps (0: at the end)")
@@ -263,7 +266,7 @@ def run_train_drafter(args) -> int:
             res = train_drafter(kind.name, target, corpus_dir, out, train_config=tcfg, data=args.data,
                                 batch_size=args.batch_size, seq_len=args.seq_len, workdir=work,
                                 config_overrides=_parse_sets(args.set), distill=distill, eval_options=evals,
-                                drafter_options=opts)
+                                drafter_options=opts, export_dtype=args.export_dtype)
             logs = work / "metrics.jsonl"
     except ResumeMismatchError as e:
         raise e.renamed({k: _drafter_flag(k) for k, _, _ in e.changes}) from None

@@ -193,7 +193,7 @@ def _data_batches(data, corpus_dir, target, workdir, *, batch_size, seq_len, see
 def train_drafter(kind: str, target, corpus_dir, out_dir=None, *, train_config, data: str = "corpus",
                   batch_size: int = 16, seq_len: int = 96, workdir=None, config_overrides: dict | None = None,
                   distill=None, eval_options: EvalOptions = EvalOptions(), drafter_options: dict | None = None,
-                  plot: bool = True) -> DrafterTrainResult:
+                  plot: bool = True, export_dtype: str | None = None) -> DrafterTrainResult:
     """Train a drafter of a registered kind on a frozen target; export it with save_drafter to out_dir.
 
     target: a jaxdecode.Model or its directory. corpus_dir: a corpus tokenized with the target's
@@ -240,16 +240,19 @@ def train_drafter(kind: str, target, corpus_dir, out_dir=None, *, train_config, 
                    eval_step=tk.eval_step or _loss_eval_step(tk.loss_fn), eval_batches=lambda: eval_set,
                    constants={"target": target.params}, run_info=run_info, on_eval=on_eval)
     params = params_of(result.module)
-    heldout = [r for r in result.history if "tau" in r]
+    # The whole run's log (a resumed run's history holds only its own steps).
+    metrics = read_metrics_file(workdir / "metrics.jsonl")
+    heldout = [r for r in metrics if "tau" in r] or [r for r in result.history if "tau" in r]
     if plot:
-        plot_training(read_metrics_file(workdir / "metrics.jsonl"), workdir / "training.png",
-                      title=f"{tk.name} drafter")
+        plot_training(metrics, workdir / "training.png", title=f"{tk.name} drafter")
     if out_dir is not None:
         last = heldout[-1] if heldout else {}
         save_drafter(out_dir, tk.name, cfg, params, target.config,
                      extra={"trained_steps": result.step, "data": data_info, "batch_size": batch_size,
                             "seq_len": seq_len, "heldout": {k: last[k] for k in ("eval_loss", "tau",
-                                                                               "accept_by_depth") if k in last}})
+                                                                               "accept_by_depth") if k in last},
+                            "heldout_step": last.get("step")},
+                     dtype=export_dtype)
     return DrafterTrainResult(out_dir=Path(out_dir) if out_dir is not None else None, cfg=cfg, params=params,
                               train=result, heldout=heldout)
 
