@@ -71,8 +71,10 @@ class DraftLM:
                                      write_offset=jnp.full((b,), start, jnp.int32))
             return draft_logprobs(lg, sampler), scratch
 
-        tree, slots, _ = self.builder.build(cache, draft_logprobs(root_logits, sampler), expand, ctx.key)
-        return tree, slots, cache
+        tree, slots, scratch = self.builder.build(cache, draft_logprobs(root_logits, sampler), expand, ctx.key)
+        # The scratch cache, not `cache`: the tree's entries lie beyond `lengths` (never attended), and
+        # keeping `cache` would make XLA copy it before the tree writes, every step.
+        return tree, slots, scratch.replace(lengths=cache.lengths)
 
     def observe(self, cache, obs):
         return cache
