@@ -280,5 +280,9 @@ def model_card(r: dict) -> str:
         "Load: `jaxdecode.models.load_params('models/embedded/target', dtype='float32')`, or",
         "`transformers.AutoModelForCausalLM.from_pretrained('models/embedded/target')`.",
         "",
+        "## Trained drafters",
+        "The target ships trained drafters in `target/drafters/<kind>/` (found by `drafter=KIND` without",
+        "`drafter_dir`); their card, with data, steps, time and held-out acceptance: DRAFTERS.md.",
+        "",
     ]
     return "\n".join(lines)
