@@ -43,7 +43,7 @@ CONFIGS = [
     ("medusa chain:4", "medusa", "chain:4", {}),
     ("medusa static:4,2,2,1", "medusa", "static:4,2,2,1", {}),
     ("hydra chain:4", "hydra", "chain:4", {}),
-    ("hydra eagle:4,4,16", "hydra", "eagle:depth=4,topk=4,total=16", {}),
+    ("hydra static:4,2,2,1", "hydra", "static:4,2,2,1", {}),
     ("eagle3 chain:5", "eagle3", "chain:5", {}),
     ("eagle3 eagle:6,4,24", "eagle3", "eagle:depth=6,topk=4,total=24", {}),
     ("block chain:8", "block", "chain:8", {}),
