@@ -1,33 +1,3 @@
-"""Artefacts written whole or not at all: a temporary sibling directory, renamed when complete."""
-from __future__ import annotations
-
-import os
-import shutil
-from pathlib import Path
-from typing import Callable
-
-
-def save_whole(out_dir, write: Callable[[Path], object]) -> Path:
-    """`write(tmp_dir)` into a fresh temporary sibling of `out_dir`, then put it in `out_dir`'s place.
-
-    `out_dir` never holds a half-written result: a failure in `write` leaves it as it was (and no
-    temporary behind). A crash between the two renames leaves no `out_dir` at all, which the next run
-    treats as missing, never as complete.
-    """
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
-    old = out_dir.with_name(f"{out_dir.name}.old-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        write(tmp)
-        if out_dir.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            out_dir.rename(old)
-            tmp.rename(out_dir)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+"""Artefacts written whole or not at all (the implementation lives in jaxdecode.files, which the
+library's own writers — trained-drafter directories — use too)."""
+from jaxdecode.files import save_whole  # noqa: F401

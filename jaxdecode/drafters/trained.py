@@ -23,13 +23,13 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any, Callable
 
 import jax.numpy as jnp
 import numpy as np
+
+from jaxdecode.files import save_whole
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
@@ -295,29 +295,7 @@ def save_drafter(out_dir, kind_name: str, cfg, params, target_config, extra: dic
                   metadata={"format": "jaxdecode_drafter"})
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
 
-    return _save_whole(Path(out_dir), write)
-
-
-def _save_whole(out_dir: Path, write) -> Path:
-    """`write(tmp)` into a fresh temporary sibling, then rename it into `out_dir`'s place: `out_dir`
-    never holds a half-written drafter (a crash between the renames leaves no out_dir, never a
-    partial one)."""
-    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
-    old = out_dir.with_name(f"{out_dir.name}.old-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        write(tmp)
-        if out_dir.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            out_dir.rename(old)
-            tmp.rename(out_dir)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+    return save_whole(Path(out_dir), write)
 
 
 # ----------------------------------------------------------------------------- load
