@@ -285,7 +285,9 @@ def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, *,
     pad = pad_id_for(eos_ids)
     feature_layers = tuple(getattr(drafter, "feature_layers", ()) or ())
     # Prefill all but the last prompt token: it becomes the pending root of the first tree.
-    cache = init_cache(config, b, cache_len)
+    # Lengths derived from an argument, not a constant: XLA would otherwise constant-fold the prefill's
+    # masks over the empty cache at the batch size (minutes of compile for 1e4+ rows).
+    cache = init_cache(config, b, cache_len).replace(lengths=jnp.minimum(prompt_lengths, 0))
     _, cache, hidden = prefill(config, params, prompt_tokens, prompt_lengths - 1, cache,
                                return_layers=feature_request(feature_layers), with_hidden=True)
     history = jnp.full((b, hist_cap), pad, jnp.int32).at[:, :p].set(prompt_tokens)
