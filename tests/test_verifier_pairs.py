@@ -321,7 +321,13 @@ def test_verifier_declarations_are_checked():
         type("Bad", (vf.TopKVerifier,), {"child_rules": {"beam": "tree"}})
 
 
-@pytest.mark.parametrize("num_nodes", sorted({builder_for(r, s).num_nodes for r, s, _ in all_pairs()}))
+# The 4-node size compiles the largest program; under pytest-xdist, after a worker has run many other
+# tests, XLA's CPU compile of it has segfaulted (it passes alone and in this file's own run): it runs
+# with the slow set (`make test-all`) until that is understood.
+_SIZES = sorted({builder_for(r, s).num_nodes for r, s, _ in all_pairs()})
+
+
+@pytest.mark.parametrize("num_nodes", [pytest.param(n, marks=pytest.mark.slow) if n == 4 else n for n in _SIZES])
 def test_every_accepted_pair_matches_the_target(num_nodes):
     """χ² of the first two tokens (1e5 rows per pair) for every accepted lossless pair of this tree
     size; the negative controls in the same run must fail."""
