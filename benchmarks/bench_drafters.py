@@ -155,7 +155,7 @@ def main(argv=None):
                             continue
                         opts["drafter_dir"] = str(d)
                     try:
-                        drafter = make_drafter(name, target, draft=use_draft, tree=tree, temperature=t, **opts)
+                        drafter = make_drafter(name, target, draft=use_draft if name in ("draft_lm", "accept_head") else None, tree=tree, temperature=t, **opts)
                         verifier = get_verifier("greedy" if t == 0 else _sampling_verifier(drafter))
                     except (ImportError, ValueError, KeyError) as e:
                         skipped.append(f"{label} (T={t}): {e}")
