@@ -1,0 +1,400 @@
+"""Tree size and shape from measured acceptance and measured cost: Sequoia's dynamic program and the
+hardware-aware size (`tree="auto"`).
+
+Model (Sequoia, Chen et al. 2024): a node's children are tried in rank order; the child of rank r is
+accepted with probability p[r] given that ranks < r were rejected, whatever the node (positional
+acceptance). So the r-th child is *the* accepted one with probability a[r] = p[r] * prod_{j<r}(1 - p[j]),
+a node with sibling-rank path (r_1..r_d) lies on the accepted path with probability prod_i a[r_i], and
+a tree's expected accepted draft tokens is the sum of that over its nodes. Ranks per node must be
+contiguous (0..k-1): the measured p[r] assumes ranks < r were there and rejected. A per-depth matrix
+p[d][r] (depth d = 1.. of the child) refines it for drafters whose quality falls with depth (Medusa
+heads, block drafters); a vector means the same p at every depth.
+
+- `acceptance_profile`: p measured with the real drafter and verifier: speculative decoding (fixed
+  configuration) with the drafter built on a "comb" tree (`comb_paths`: `width` ranked children at
+  every level of the top-1 path, `depth` levels), counting per depth which rank was accepted.
+- `sequoia_tree` / `sequoia_values`: the dynamic program over (nodes, depth, branching) that maximises
+  the expected accepted tokens; `expected_accepted(paths, p)` scores any static tree.
+- `choose_tree`: for every (node budget, depth limit) the optimal tree, its expected tokens per second
+  (1 + E[accepted]) / (draft cost of its depth + verification cost of its size, from a measured
+  jaxdecode.costmodel.CostTable): the best one (PPD / Sequoia hardware-aware size).
+- `resolve_auto_tree`: what `generate(method="speculative", tree="auto")` runs: profile (cached on
+  disk) + cost table (jaxdecode.costmodel.load_or_calibrate) -> a StaticTreeBuilder (or 'chain:L' for
+  drafters that retrieve chains) and the numbers for the stats.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdecode.tree import TreeError, static_tree_layout
+
+__all__ = ["AcceptanceProfile", "TreeChoice", "comb_paths", "acceptance_profile", "acceptance_matrix",
+           "sequoia_values", "sequoia_tree", "expected_accepted", "choose_tree", "tree_spec",
+           "resolve_auto_tree", "parse_auto", "AUTO_DEFAULTS"]
+
+
+# ----------------------------------------------------------------------------- the acceptance model
+def _check_p(p) -> np.ndarray:
+    """p as float64 [D, K] (a vector is one row, used at every depth); a clear error otherwise."""
+    arr = np.asarray(p, dtype=np.float64)
+    if arr.ndim == 1:
+        arr = arr[None, :]
+    if arr.ndim != 2 or arr.shape[1] == 0 or arr.shape[0] == 0:
+        raise ValueError(f"acceptance p must be a non-empty vector p[rank] or a matrix p[depth][rank], "
+                         f"got shape {np.shape(p)}")
+    if not np.all(np.isfinite(arr)) or np.any(arr < 0) or np.any(arr > 1):
+        raise ValueError(f"acceptance probabilities must lie in [0, 1], got {arr.tolist()}")
+    return arr
+
+
+def acceptance_matrix(p, max_depth: int) -> np.ndarray:
+    """a[d, r] (d = 0..max_depth-1 for depth d+1): probability that the rank-r child of a node at depth
+    d is the accepted one. Depths beyond a measured matrix reuse its last row."""
+    rows = _check_p(p)
+    rows = rows[np.minimum(np.arange(max_depth), len(rows) - 1)]  # [D, K]
+    survive = np.cumprod(np.concatenate([np.ones((max_depth, 1)), 1.0 - rows[:, :-1]], axis=1), axis=1)
+    return rows * survive
+
+
+_EPS = 1e-12  # a node must add more than this to the expected count to be kept (ties: fewer nodes)
+
+
+def _dp(a: np.ndarray, max_nodes: int):
+    """The dynamic program for depth limit a.shape[0]: (F [D+1, N+1], S [D, K, N+1]).
+
+    F[l, n]: the best expected accepted count of the subtree below a node at depth l using at most n
+    nodes (F[D, .] = 0: no deeper level). S[l, r, m]: how many nodes (the child itself + its subtree) the
+    rank-r child of a depth-l node gets when ranks r.. share m nodes (0: no rank-r child, hence none of
+    higher rank). The inner allocation H_r(m) = max(0, max_s a[l, r] (1 + F[l+1, s-1]) + H_{r+1}(m-s))."""
+    depth, k = a.shape
+    n = max_nodes
+    f = np.zeros((depth + 1, n + 1))
+    s_tab = np.zeros((depth, k, n + 1), np.int32)
+    for lvl in range(depth - 1, -1, -1):
+        h = np.zeros(n + 1)  # ranks >= k: nothing
+        for r in range(k - 1, -1, -1):
+            gain = a[lvl, r] * (1.0 + f[lvl + 1, :n])  # gain[s-1]: a rank-r child with s-1 descendants
+            new_h = np.zeros(n + 1)
+            for m in range(1, n + 1):
+                cand = gain[:m] + h[m - 1::-1]  # s = 1..m: gain[s-1] + h[m-s]
+                j = int(np.argmax(cand))  # the first maximum: the smallest subtree among ties
+                if cand[j] > _EPS:
+                    new_h[m], s_tab[lvl, r, m] = cand[j], j + 1
+            h = new_h
+        f[lvl] = h
+    return f, s_tab
+
+
+def _paths_from(s_tab: np.ndarray, budget: int) -> tuple:
+    """The tree of the DP's choices for `budget` nodes below the root, as sibling-rank paths."""
+    depth, k, _ = s_tab.shape
+    paths: list[tuple] = []
+
+    def grow(lvl, prefix, m):
+        for r in range(k):
+            s = int(s_tab[lvl, r, m]) if lvl < depth else 0
+            if s == 0:
+                return
+            child = prefix + (r,)
+            paths.append(child)
+            grow(lvl + 1, child, s - 1)
+            m -= s
+
+    grow(0, (), budget)
+    return tuple(sorted(paths, key=lambda p: (len(p), p)))
+
+
+def sequoia_values(p, max_nodes: int, max_depth: int) -> np.ndarray:
+    """The best expected accepted draft tokens for every node budget 0..max_nodes at depth <= max_depth."""
+    _check_sizes(max_nodes, max_depth)
+    return _dp(acceptance_matrix(p, max_depth), max_nodes)[0][0]
+
+
+def sequoia_tree(p, num_nodes: int, max_depth: int) -> tuple:
+    """Sequoia's optimal tree for at most `num_nodes` nodes of depth <= max_depth under acceptance `p`
+    (vector p[rank] or matrix p[depth][rank]): sibling-rank paths, the format of
+    jaxdecode.drafters.StaticTreeBuilder. Nodes that add nothing (p = 0 beyond some rank, or a chain
+    deeper than max_depth) are left out, so the tree may be smaller than num_nodes; it is never empty
+    (one rank-0 child when nothing is expected to be accepted)."""
+    _check_sizes(num_nodes, max_depth)
+    _, s_tab = _dp(acceptance_matrix(p, max_depth), num_nodes)
+    return _paths_from(s_tab, num_nodes) or ((0,),)
+
+
+def _check_sizes(max_nodes, max_depth):
+    for name, v in (("num_nodes", max_nodes), ("max_depth", max_depth)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+
+
+def expected_accepted(paths, p) -> float:
+    """Expected accepted draft tokens per verification of the static tree `paths` under acceptance `p`
+    (the bonus token not counted: tokens per step = 1 + this). Siblings' ranks must be 0..k-1."""
+    paths = tuple(tuple(int(x) for x in q) for q in paths)
+    static_tree_layout(paths)  # validates: prefixes present, no duplicates
+    have = set(paths)
+    for q in paths:
+        if q[-1] > 0 and q[:-1] + (q[-1] - 1,) not in have:
+            raise TreeError(f"path {q}: its sibling of rank {q[-1] - 1} is missing; the acceptance model "
+                            f"needs every node's children ranked 0..k-1")
+    depth = max(len(q) for q in paths)
+    a = acceptance_matrix(p, depth)
+    k = a.shape[1]
+    total = 0.0
+    for q in paths:
+        total += math.prod(a[d, r] if r < k else 0.0 for d, r in enumerate(q))
+    return float(total)
+
+
+def comb_paths(width: int, depth: int) -> tuple:
+    """The profiling tree: `width` ranked children under the root and under every node of the top-1
+    path, `depth` levels (width * depth nodes). Depth d's ranks are tried whenever the drafts of
+    depths < d were the top-1 ones and were accepted."""
+    _check_sizes(width, depth)
+    return tuple((0,) * d + (r,) for d in range(depth) for r in range(width))
+
+
+def tree_spec(paths, rule: str = "topk") -> str:
+    """A display string of a static tree: 'static:b1,b2,..:rule' when every node of a depth has the same
+    number of children (a full tree), else 'paths:0;1;0.0;...:rule' (ranks joined by '.')."""
+    paths = tuple(tuple(q) for q in paths)
+    depth = max(len(q) for q in paths)
+    branching, level = [], [()]
+    for d in range(depth):
+        counts = {sum(1 for q in paths if len(q) == d + 1 and q[:d] == par) for par in level}
+        if len(counts) != 1:
+            break
+        branching.append(counts.pop())
+        level = [q for q in paths if len(q) == d + 1]
+    else:
+        return f"static:{','.join(map(str, branching))}:{rule}"
+    return f"paths:{';'.join('.'.join(map(str, q)) for q in paths)}:{rule}"
+
+
+# ----------------------------------------------------------------------------- choosing the size
+@dataclasses.dataclass(frozen=True)
+class TreeChoice:
+    """What `choose_tree` picked and why (times in seconds per verification step, whole batch)."""
+    paths: tuple
+    num_nodes: int
+    depth: int
+    expected_accepted: float
+    expected_tau: float  # 1 + expected_accepted: tokens per verification, bonus included
+    step_seconds: float  # draft (depth levels) + verification of num_nodes
+    tokens_per_second: float  # expected_tau / step_seconds (per row)
+    plain_tokens_per_second: float  # 1 / costs.verify_at(0): plain decoding, per row
+    candidates: tuple  # (num_nodes, depth, expected_tau, tokens_per_second) of every distinct tree scored
+
+    @property
+    def speedup(self) -> float:
+        """Expected tokens/s against plain decoding (< 1: speculation does not pay on this cost table)."""
+        return self.tokens_per_second / self.plain_tokens_per_second
+
+    def stats(self) -> dict:
+        return {"tree_nodes": self.num_nodes, "tree_depth": self.depth,
+                "tree_expected_tau": round(self.expected_tau, 4),
+                "tree_expected_speedup": round(self.speedup, 4)}
+
+
+def choose_tree(p, costs, max_nodes: int, max_depth: int, draft_seconds_per_level: float | None = None,
+                *, draft_levels: int = 1) -> TreeChoice:
+    """The hardware-aware tree: over node budgets 1..max_nodes and depth limits 1..max_depth, Sequoia's
+    tree and its expected tokens per second (1 + E[accepted]) / (depth * draft_seconds_per_level +
+    costs.verify_at(nodes)); the fastest (ties: fewer nodes, then shallower).
+
+    costs: a jaxdecode.costmodel.CostTable (verify_at, draft_seconds, widths). draft_seconds_per_level:
+    the drafter's cost per tree level; default costs.draft_seconds / draft_levels, i.e. the table's
+    propose time measured on a tree of `draft_levels` levels. The verification cost of a size beyond the
+    widest measured width is not extrapolated: max_nodes must not exceed it."""
+    _check_sizes(max_nodes, max_depth)
+    widest = max(costs.widths)
+    if max_nodes > widest:
+        raise ValueError(f"max_nodes={max_nodes} exceeds the widest verification the cost table measured "
+                         f"({widest} nodes): measure wider (load_or_calibrate(widths=...)) or choose "
+                         f"max_nodes <= {widest}")
+    if draft_seconds_per_level is None:
+        if isinstance(draft_levels, bool) or not isinstance(draft_levels, int) or draft_levels < 1:
+            raise ValueError(f"draft_levels must be an int >= 1, got {draft_levels!r}")
+        draft_seconds_per_level = float(costs.draft_seconds) / draft_levels
+    if not (math.isfinite(draft_seconds_per_level) and draft_seconds_per_level >= 0):
+        raise ValueError(f"draft_seconds_per_level must be a finite number >= 0, got {draft_seconds_per_level}")
+    plain = 1.0 / float(costs.verify_at(0))
+    seen: dict[tuple, tuple] = {}
+    for depth in range(1, max_depth + 1):
+        a = acceptance_matrix(p, depth)
+        f, s_tab = _dp(a, max_nodes)
+        for n in range(1, max_nodes + 1):
+            paths = _paths_from(s_tab, n) or ((0,),)
+            if paths in seen:
+                continue
+            nodes, d = len(paths), max(len(q) for q in paths)
+            acc = expected_accepted(paths, p)
+            seconds = d * draft_seconds_per_level + float(costs.verify_at(nodes))
+            seen[paths] = (nodes, d, 1.0 + acc, (1.0 + acc) / seconds, seconds, acc)
+    best = max(seen.items(), key=lambda kv: (kv[1][3], -kv[1][0], -kv[1][1]))
+    paths, (nodes, d, tau, rate, seconds, acc) = best
+    cands = tuple(sorted((v[0], v[1], round(v[2], 4), v[3]) for v in seen.values()))
+    return TreeChoice(paths=paths, num_nodes=nodes, depth=d, expected_accepted=acc, expected_tau=tau,
+                      step_seconds=seconds, tokens_per_second=rate, plain_tokens_per_second=plain,
+                      candidates=cands)
+
+
+# ----------------------------------------------------------------------------- measuring p
+@dataclasses.dataclass(frozen=True)
+class AcceptanceProfile:
+    """Counts of a profiling run. tried[d][r]: verifications in which the rank-r child at depth d+1 was
+    tried (its parent on the accepted path, ranks < r rejected); accepted[d][r]: in which it was the
+    accepted one. Invalid (not proposed) nodes count as tried and rejected: the verification paid for
+    them."""
+    width: int
+    depth: int
+    tried: tuple  # int [depth][width]
+    accepted: tuple  # int [depth][width]
+    meta: dict = dataclasses.field(default_factory=dict, compare=False)
+
+    @property
+    def p(self) -> np.ndarray:
+        """Positional acceptance over all depths: p[r] = accepted / tried (0 where never tried)."""
+        t, a = np.asarray(self.tried, float).sum(0), np.asarray(self.accepted, float).sum(0)
+        return np.where(t > 0, a / np.maximum(t, 1), 0.0)
+
+    def p_by_depth(self, prior_weight: float = 8.0) -> np.ndarray:
+        """p[d][r] per depth, each shrunk toward the pooled `p` by `prior_weight` pseudo-observations (deep
+        levels are tried rarely: their raw ratios are noisy)."""
+        t, a = np.asarray(self.tried, float), np.asarray(self.accepted, float)
+        return (a + prior_weight * self.p[None]) / (t + prior_weight)
+
+    @property
+    def verifications(self) -> int:
+        return int(np.asarray(self.tried)[0, 0])
+
+    def to_json(self) -> dict:
+        return {"width": self.width, "depth": self.depth, "tried": [list(map(int, r)) for r in self.tried],
+                "accepted": [list(map(int, r)) for r in self.accepted], "meta": self.meta}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "AcceptanceProfile":
+        width, depth = int(d["width"]), int(d["depth"])
+        tried, accepted = np.asarray(d["tried"], np.int64), np.asarray(d["accepted"], np.int64)
+        if tried.shape != (depth, width) or accepted.shape != (depth, width) or np.any(accepted > tried) \
+                or np.any(accepted < 0):
+            raise ValueError(f"acceptance profile counts do not fit width={width}, depth={depth}")
+        return cls(width, depth, tuple(map(tuple, tried.tolist())), tuple(map(tuple, accepted.tolist())),
+                   dict(d.get("meta", {})))
+
+
+# The recorder reports each step's counts to the host; runs hold this lock so that counts of two
+# profiles never mix (one static callback: repeated profiles reuse the compiled loop).
+_SINK_LOCK = threading.Lock()
+_SINK: dict = {}
+
+
+def _sink(tried, accepted):
+    _SINK["tried"] += np.asarray(tried, np.int64)
+    _SINK["accepted"] += np.asarray(accepted, np.int64)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _RankRecorder:
+    """A drafter that delegates to `inner` (built on a static tree of known layout) and reports, after
+    every verification, which sibling rank was accepted at each depth (jax.debug.callback)."""
+    inner: Any
+    parents: tuple = dataclasses.field(metadata=dict(static=True))  # per node, -1 = root's child
+    ranks: tuple = dataclasses.field(metadata=dict(static=True))
+    width: int = dataclasses.field(metadata=dict(static=True))
+    depth: int = dataclasses.field(metadata=dict(static=True))
+
+    num_nodes = property(lambda self: self.inner.num_nodes)
+    max_depth = property(lambda self: self.inner.max_depth)
+    child_rule = property(lambda self: self.inner.child_rule)
+    is_chain = property(lambda self: bool(getattr(self.inner, "is_chain", False)))
+    feature_layers = property(lambda self: tuple(getattr(self.inner, "feature_layers", ()) or ()))
+    verify_widths = property(lambda self: getattr(self.inner, "verify_widths", None))
+    builder = property(lambda self: getattr(self.inner, "builder", None))
+    config = property(lambda self: getattr(self.inner, "config", None))
+
+    def init(self, prompt_tokens, prompt_lengths, cache_len, key, **kw):
+        return self.inner.init(prompt_tokens, prompt_lengths, cache_len, key, **kw)
+
+    def propose(self, state, ctx, sampler):
+        return self.inner.propose(state, ctx, sampler)
+
+    def observe(self, state, obs):
+        n, k, big_d = len(self.parents), self.width, self.depth
+        # has[s, r]: parent slot s (0 = root, i+1 = node i) has a rank-r child.
+        has = np.zeros((n + 1, k), bool)
+        has[np.asarray(self.parents) + 1, np.asarray(self.ranks)] = True
+        rank_of = jnp.asarray(np.append(np.asarray(self.ranks), k), jnp.int32)  # index -1 -> k ("none")
+        path = obs.path[:, :big_d]  # [B, D] accepted node per depth, -1 padded
+        prev = jnp.concatenate([jnp.zeros_like(path[:, :1]), path[:, :-1] + 1], axis=1)  # parent slot
+        reached = jnp.concatenate([jnp.ones_like(path[:, :1], bool), path[:, :-1] >= 0], axis=1)
+        reached = reached & obs.active[:, None]
+        got = rank_of[jnp.where(path >= 0, path, n)]  # [B, D]: accepted rank, k = none
+        r = jnp.arange(k)[None, None, :]
+        child = jnp.asarray(has)[jnp.maximum(prev, 0)]  # [B, D, K]
+        tried = reached[..., None] & child & (r <= got[..., None])
+        acc = reached[..., None] & (r == got[..., None])
+        jax.debug.callback(_sink, tried.sum(0).astype(jnp.int32), acc.sum(0).astype(jnp.int32))
+        return self.inner.observe(state, obs)
+
+
+def acceptance_profile(model, build_drafter: Callable[[Any], Any], prompt_tokens, prompt_lengths, *,
+                       width: int = 8, depth: int = 6, rule: str = "topk", chain: bool = False,
+                       verifier=None, sampler=None, max_new_tokens: int = 128, eos_ids: tuple = (),
+                       key=None) -> AcceptanceProfile:
+    """Measure the positional acceptance of a drafter with the real verifier.
+
+    build_drafter(tree) -> a Drafter for `model` (a jaxdecode Model) drafting along `tree`: here a
+    StaticTreeBuilder of the comb (`comb_paths(width, depth)`, children by `rule`), or with chain=True
+    the spec string 'chain:{depth}' (drafters that retrieve chains; width is then 1). Speculative
+    decoding of the prompts (fixed configuration, verifier default: greedy at temperature 0, else the
+    lossless one for the rule) records which rank each verification accepted at each depth."""
+    from jaxdecode.decoders import DEFAULT_VERIFIER
+    from jaxdecode.drafters.builders import StaticTreeBuilder
+    from jaxdecode.sampling import SamplerConfig
+    from jaxdecode.speculative import speculative_decode
+    from jaxdecode.verifiers import get_verifier
+
+    sampler = sampler or SamplerConfig(temperature=0.0)
+    if chain:
+        width, tree = 1, f"chain:{depth}"
+        parents, ranks = tuple(range(-1, depth - 1)), (0,) * depth
+    else:
+        paths = comb_paths(width, depth)
+        tree = StaticTreeBuilder(paths, rule)
+        parents_np, ranks_np, _ = static_tree_layout(tree.paths)
+        parents, ranks = tuple(map(int, parents_np)), tuple(map(int, ranks_np))
+    inner = build_drafter(tree)
+    if inner.num_nodes != len(parents) or inner.max_depth != depth:
+        raise ValueError(f"the drafter did not take the profiling tree {tree!r} (it drafts {inner.num_nodes} "
+                         f"nodes, depth {inner.max_depth})")
+    recorder = _RankRecorder(inner, parents, ranks, width, depth)
+    if verifier is None:
+        verifier = "greedy" if sampler.is_greedy else DEFAULT_VERIFIER[inner.child_rule]
+    if isinstance(verifier, str):
+        verifier = get_verifier(verifier)
+    with _SINK_LOCK:
+        _SINK.update(tried=np.zeros((depth, width), np.int64), accepted=np.zeros((depth, width), np.int64))
+        out = speculative_decode(model.config, model.params, recorder, prompt_tokens, prompt_lengths,
+                                 max_new_tokens=max_new_tokens, verifier=verifier, sampler=sampler,
+                                 eos_ids=tuple(eos_ids), key=key if key is not None else jax.random.PRNGKey(0))
+        jax.block_until_ready(out.tokens)
+        jax.effects_barrier()
+        tried, accepted = _SINK.pop("tried"), _SINK.pop("accepted")
+    meta = {"verifier": verifier.name, "rule": "chain" if chain else rule, "temperature": sampler.temperature,
+            "new_tokens": int(np.asarray(out.lengths).sum()), "rows": int(np.asarray(prompt_lengths).shape[0])}
+    return AcceptanceProfile(width, depth, tuple(map(tuple, tried.tolist())),
+                             tuple(map(tuple, accepted.tolist())), meta)
