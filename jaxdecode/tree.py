@@ -76,6 +76,8 @@ def validate_parents(parents, num_nodes: int | None = None) -> np.ndarray:
 def depths(parents: jax.Array) -> jax.Array:
     """Depth of each node (root's children have depth 1). parents: [..., N] -> int32[..., N]."""
     n = parents.shape[-1]
+    if n == 0:  # an empty tree (a verification of the pending token alone)
+        return jnp.zeros(parents.shape, jnp.int32)
 
     def body(i, d):
         par = parents[..., i]
@@ -89,6 +91,8 @@ def ancestor_mask(parents: jax.Array) -> jax.Array:
     """A[..., i, j] = node j is node i or an ancestor of i. parents: [..., N] -> bool[..., N, N]."""
     n = parents.shape[-1]
     eye = jnp.broadcast_to(jnp.eye(n, dtype=bool), parents.shape + (n,))
+    if n == 0:  # an empty tree (a verification of the pending token alone)
+        return eye
 
     def body(i, a):
         par = parents[..., i]

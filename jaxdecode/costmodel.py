@@ -1,0 +1,568 @@
+"""The cost model of speculative decoding: what one step costs on this device, measured, not guessed.
+
+    table = load_or_calibrate(model, drafter, batch_size)   # cached on disk, measured on a miss
+    table.verify_at(6)      # seconds of one target verification over [pending + 6 nodes], whole batch
+    table.draft_seconds     # one drafter.propose;  table.idle_seconds: one drafter.idle (0 without one)
+
+`measure` times, compile excluded, exactly what the engine runs each step: the target's verification
+forward (`speculative._verify_forward`) over [pending + w chain nodes] on a KV cache filled to
+`context_len` tokens, for each width w (w = 0 is the pending token alone: a plain decoding step), and
+the drafter's `propose` / `idle` from its `init` state on the same prompt. Each item runs inside a
+jitted loop, as in the engine's `lax.while_loop` (state updated in place, no dispatch per step); the
+figure is the median over `repeats` timed loops of seconds per trip.
+
+Tables are cached as `<cache_dir>/costs/<sha256 of the key>.json` (cache_dir: $JAXDECODE_CACHE_DIR,
+else $XDG_CACHE_HOME/jaxdecode, else ~/.cache/jaxdecode). The key holds everything the cost depends on:
+the model (config + a content hash of its parameters), the drafter (type, static fields, content hash
+of its arrays), the device (platform, kind, count), the batch size, the widths, the context length
+rounded up to a power of two, and the JAX version; anything changed is a miss. A cache file that cannot
+be read or does not hold a valid table for its key is re-measured with a warning, never an error.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import warnings
+import weakref
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdecode.kernels.common import next_pow2, round_up
+
+SCHEMA = 1  # version of the cache file layout and of the key; bump when either changes meaning
+DEFAULT_CONTEXT_LEN = 256
+# Parameters up to this many bytes are hashed whole; above it every leaf is hashed by shape, dtype and
+# a strided sample of SAMPLE_ELEMENTS elements (hashing gigabytes would cost more than it saves).
+FULL_HASH_BYTES = 64 << 20
+SAMPLE_ELEMENTS = 1 << 16
+
+
+class CostTableError(ValueError):
+    """A cost table (or its JSON form) that is not well formed."""
+
+
+# ----------------------------------------------------------------------------- the table
+@dataclasses.dataclass(frozen=True)
+class CostTable:
+    """Measured seconds per engine step part, for the whole batch. Hashable (meta is left out of
+    equality and hash), so it can be a static argument of a jitted function."""
+    widths: tuple  # ascending verification widths (node counts); widths[0] == 0, the plain step
+    verify_seconds: tuple  # one target verification over [pending + w nodes], per width
+    draft_seconds: float  # one drafter.propose
+    idle_seconds: float  # one drafter.idle (0.0 when the drafter has none)
+    batch_size: int
+    meta: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)  # for display
+
+    def __post_init__(self):
+        w, v = self.widths, self.verify_seconds
+        if not isinstance(w, tuple) or not w or any(type(x) is not int for x in w):
+            raise CostTableError(f"widths must be a non-empty tuple of ints, got {w!r}")
+        if w[0] != 0 or any(a >= b for a, b in zip(w, w[1:])):
+            raise CostTableError(f"widths must be strictly ascending and start at 0 (the plain step), got {w}")
+        if not isinstance(v, tuple) or len(v) != len(w):
+            raise CostTableError(f"verify_seconds must be a tuple with one entry per width ({len(w)}), got {v!r}")
+        for name, x in [("verify_seconds", s) for s in v] + [("draft_seconds", self.draft_seconds),
+                                                             ("idle_seconds", self.idle_seconds)]:
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
+                raise CostTableError(f"{name} must hold finite numbers >= 0, got {x!r}")
+        if type(self.batch_size) is not int or self.batch_size < 1:
+            raise CostTableError(f"batch_size must be an int >= 1, got {self.batch_size!r}")
+        if not isinstance(self.meta, dict):
+            raise CostTableError(f"meta must be a dict, got {type(self.meta).__name__}")
+
+    def verify_at(self, width) -> float:
+        """Seconds of a verification over `width` nodes: linear interpolation between the measured
+        widths; past the last one, the last segment's slope continues (verification cost grows about
+        linearly in the node count once the device is busy)."""
+        if isinstance(width, bool) or not isinstance(width, (int, float, np.integer, np.floating)) \
+                or not width >= 0:
+            raise CostTableError(f"width must be a number >= 0, got {width!r}")
+        w, v = self.widths, self.verify_seconds
+        if width <= w[-1] or len(w) == 1:
+            return float(np.interp(width, w, v))
+        slope = (v[-1] - v[-2]) / (w[-1] - w[-2])
+        return float(v[-1] + max(slope, 0.0) * (width - w[-1]))
+
+    @property
+    def plain_seconds(self) -> float:
+        """One plain decoding step (width 0): the pending token alone."""
+        return self.verify_seconds[0]
+
+    def to_json(self) -> dict:
+        return {"widths": list(self.widths), "verify_seconds": list(self.verify_seconds),
+                "draft_seconds": self.draft_seconds, "idle_seconds": self.idle_seconds,
+                "batch_size": self.batch_size, "meta": self.meta}
+
+    @classmethod
+    def from_json(cls, data) -> "CostTable":
+        """From `to_json()`'s dict (or its JSON text); CostTableError when it is not a valid table."""
+        if isinstance(data, (str, bytes)):
+            try:
+                data = json.loads(data)
+            except json.JSONDecodeError as e:
+                raise CostTableError(f"not JSON: {e}") from None
+        fields = {"widths", "verify_seconds", "draft_seconds", "idle_seconds", "batch_size", "meta"}
+        if not isinstance(data, dict) or set(data) != fields:
+            got = sorted(data) if isinstance(data, dict) else type(data).__name__
+            raise CostTableError(f"a cost table is an object with fields {sorted(fields)}, got {got}")
+        try:
+            return cls(widths=tuple(data["widths"]), verify_seconds=tuple(data["verify_seconds"]),
+                       draft_seconds=data["draft_seconds"], idle_seconds=data["idle_seconds"],
+                       batch_size=data["batch_size"], meta=data["meta"])
+        except TypeError as e:  # e.g. widths not a list
+            raise CostTableError(f"malformed cost table: {e}") from None
+
+
+# ----------------------------------------------------------------------------- fingerprints
+_digests: dict = {}  # id(array) -> (weakref, hex digest): parameters are hashed once per object
+
+
+def array_digest(x, *, sample: bool = False) -> str:
+    """sha256 of an array's shape, dtype and bytes (or of a strided sample of SAMPLE_ELEMENTS
+    elements when `sample`), memoised per array object."""
+    memo = _digests.get(id(x))
+    if memo is not None and memo[0]() is x and memo[1] == sample:
+        return memo[2]
+    h = hashlib.sha256(f"{tuple(x.shape)}|{x.dtype}|{'sample' if sample else 'full'}|".encode())
+    size = int(np.prod(x.shape))
+    if sample and size > SAMPLE_ELEMENTS:
+        step = size // SAMPLE_ELEMENTS
+        flat = jnp.ravel(x)[::step] if isinstance(x, jax.Array) else np.ravel(x)[::step]
+        h.update(np.ascontiguousarray(np.asarray(flat)).tobytes())
+    else:
+        h.update(np.ascontiguousarray(np.asarray(x)).tobytes())
+    digest = h.hexdigest()
+    try:
+        _digests[id(x)] = (weakref.ref(x, lambda _, k=id(x): _digests.pop(k, None)), sample, digest)
+    except TypeError:  # not weak-referenceable: hash again next time
+        pass
+    return digest
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray))
+
+
+def params_digest(params) -> str:
+    """Content hash of a parameter pytree: every leaf's bytes when the pytree holds at most
+    FULL_HASH_BYTES, else each leaf's shape, dtype and a strided sample (a changed checkpoint of the
+    same architecture still changes the sample, unless it differs only between sampled elements)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    arrays = [(jax.tree_util.keystr(p), x) for p, x in flat if _is_array(x)]
+    sample = sum(x.size * x.dtype.itemsize for _, x in arrays) > FULL_HASH_BYTES
+    h = hashlib.sha256(b"sample" if sample else b"full")
+    for path, x in arrays:
+        h.update(f"{path}={array_digest(x, sample=sample)};".encode())
+    for path, x in flat:
+        if not _is_array(x):
+            h.update(f"{jax.tree_util.keystr(path)}={x!r};".encode())
+    return h.hexdigest()
+
+
+def _stable(obj, depth: int = 0):
+    """A JSON-able description of a configuration object that is the same in every process: dataclass
+    fields, containers, scalars; arrays by content hash; functions by qualified name."""
+    if depth > 12:
+        return type(obj).__qualname__
+    if obj is None or isinstance(obj, (bool, int, str)):
+        return obj
+    if isinstance(obj, float):
+        return repr(obj)  # nan / inf stay JSON-able
+    if isinstance(obj, (np.integer, np.floating, np.bool_)):
+        return _stable(obj.item(), depth)
+    if _is_array(obj):
+        return {"array": array_digest(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [_stable(x, depth + 1) for x in obj]
+    if isinstance(obj, dict):
+        return {str(k): _stable(v, depth + 1) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
+    name = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {"type": name, **{f.name: _stable(getattr(obj, f.name), depth + 1)
+                                 for f in dataclasses.fields(obj)}}
+    if callable(obj) and hasattr(obj, "__qualname__"):
+        return f"{getattr(obj, '__module__', '')}.{obj.__qualname__}"
+    if hasattr(obj, "__dict__"):
+        return {"type": name, **{k: _stable(v, depth + 1) for k, v in sorted(vars(obj).items())}}
+    text = repr(obj)
+    return name if " at 0x" in text else text
+
+
+def _config_and_params(model):
+    """(config, params) of a jaxdecode Model (anything with .config and .params) or a pair."""
+    if isinstance(model, tuple) and len(model) == 2:
+        return model
+    if hasattr(model, "config") and hasattr(model, "params"):
+        return model.config, model.params
+    raise TypeError(f"model must be a jaxdecode Model (jaxdecode.load) or a (config, params) pair, got "
+                    f"{type(model).__name__}")
+
+
+def model_fingerprint(model) -> dict:
+    config, params = _config_and_params(model)
+    return {"config": _stable(config), "params": params_digest(params)}
+
+
+def drafter_fingerprint(drafter) -> dict:
+    """Type name, static fields and a content hash of the drafter's arrays (its weights, tables)."""
+    name = f"{type(drafter).__module__}.{type(drafter).__qualname__}"
+    desc = _stable(drafter)
+    return {"type": name, "num_nodes": int(drafter.num_nodes),
+            "digest": hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()}
+
+
+def device_fingerprint() -> dict:
+    """What the timings depend on besides the model: backend, device kind and count."""
+    devices = jax.devices()
+    return {"platform": jax.default_backend(), "device_kind": devices[0].device_kind,
+            "device_count": len(devices)}
+
+
+# ----------------------------------------------------------------------------- measuring
+def default_widths(num_nodes: int) -> tuple:
+    """0, 1, 2, 4, ... (powers of two below N), N."""
+    ws, w = [0], 1
+    while w < num_nodes:
+        ws.append(w)
+        w *= 2
+    return tuple(ws + [num_nodes])
+
+
+def check_widths(widths, num_nodes: int) -> tuple:
+    """Normalise measured widths to an ascending tuple of distinct ints that starts at 0 (the plain
+    step is always measured: the adaptive engine needs it)."""
+    if widths is None:
+        return default_widths(num_nodes)
+    if isinstance(widths, (str, bytes)) or not hasattr(widths, "__iter__"):
+        raise ValueError(f"widths must be a list of node counts, got {widths!r}")
+    widths = list(widths)
+    bad = [w for w in widths if isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 0]
+    if bad:
+        raise ValueError(f"widths must be node counts (ints >= 0), got {bad}")
+    if len(set(widths)) != len(widths):
+        raise ValueError(f"widths {widths} repeat a width: give each once")
+    return tuple(sorted({0, *(int(w) for w in widths)}))
+
+
+def _emit(progress, line: str) -> None:
+    if progress is True:
+        print(line, file=sys.stderr, flush=True)
+    elif callable(progress):
+        progress(line)
+
+
+def _time_steps(step, args, state, repeats: int, target_seconds: float, max_trips: int = 256) -> float:
+    """Median seconds of one `step(args, state, trip) -> (state, outputs)` inside a jitted loop,
+    compile excluded.
+
+    The loop carries the state (a KV cache, a drafter state) and the step's outputs (kept so XLA cannot
+    drop the work that makes them) and is donated, so the state is updated in place as in the engine's
+    while loop. The trip count is traced (one compile) and chosen so each timed loop lasts about
+    `target_seconds`."""
+    def body(a, i, carry):
+        return step(a, carry[0], i)
+
+    out0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                  jax.eval_shape(lambda a, s: step(a, s, jnp.int32(0))[1], args, state))
+    run = jax.jit(lambda a, c, n: jax.lax.fori_loop(0, n, partial(body, a), c), donate_argnums=1)
+    # A private copy: the donated state must not share buffers with anything the caller still uses.
+    carry = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), (state, out0))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*[Dd]onat")  # backends without donation
+        carry = jax.block_until_ready(run(args, carry, 1))  # compile + warm-up
+        t0 = time.perf_counter()
+        carry = jax.block_until_ready(run(args, carry, 1))
+        first = time.perf_counter() - t0
+        trips = int(min(max_trips, max(1, target_seconds // max(first, 1e-9))))
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            carry = jax.block_until_ready(run(args, carry, trips))
+            times.append((time.perf_counter() - t0) / trips)
+    return float(statistics.median(times))
+
+
+def resolve_context(config, drafter, context_len) -> int:
+    """The context length to measure at: `context_len`, or min(256, the limit) when None. The limit is
+    what the engine allows: the deepest tree node's position must fit max_position_embeddings."""
+    limit = config.max_position_embeddings - drafter.max_depth - 1
+    if context_len is None:
+        context_len = min(DEFAULT_CONTEXT_LEN, limit)
+    if isinstance(context_len, bool) or not isinstance(context_len, (int, np.integer)) \
+            or not 2 <= context_len <= limit:
+        raise ValueError(f"context_len must be an int in 2..{limit} (the model's max_position_embeddings "
+                         f"{config.max_position_embeddings} minus the drafter's tree depth "
+                         f"{drafter.max_depth} and the pending token), got {context_len!r}")
+    return int(context_len)
+
+
+def measurement_tree(tokens, max_depth: int):
+    """w valid nodes as chains of at most `max_depth` nodes (w <= max_depth: one chain), so every node's
+    position stays where the engine's trees put theirs. Attention cost does not depend on the shape."""
+    from jaxdecode.tree import Tree
+    b, w = tokens.shape
+    i = jnp.arange(w, dtype=jnp.int32)
+    parents = jnp.broadcast_to(jnp.where(i % max_depth == 0, -1, i - 1), (b, w))
+    return Tree(tokens=tokens, parents=parents, valid=jnp.ones((b, w), bool))
+
+
+def measure(model, drafter, batch_size: int, *, widths=None, context_len: int | None = None,
+            repeats: int = 5, target_seconds: float = 0.02, sampler=None, attn_impl: str | None = None,
+            mesh=None, seed: int = 0, progress=True) -> CostTable:
+    """Measure a CostTable for `drafter` on `model` (a jaxdecode Model or (config, params)) at
+    `batch_size` rows over a cache holding `context_len` tokens (default min(256, the model's limit)).
+
+    widths: the verification widths (node counts) to time; default `default_widths(drafter.num_nodes)`;
+    0 is always included. repeats: timed loops per item (median); target_seconds: length of each loop.
+    sampler: the SamplerConfig `propose` gets (default greedy). attn_impl / mesh: as speculative_decode.
+    progress: True = one line per measured item on stderr, False = silent, a callable gets the lines.
+    """
+    from jaxdecode.models import init_cache
+    from jaxdecode.sampling import SamplerConfig
+    from jaxdecode.speculative import (DraftContext, _verify_forward, check_feature_layers,
+                                       feature_request, select_features)
+
+    config, params = _config_and_params(model)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    b = int(batch_size)
+    widths = check_widths(widths, drafter.num_nodes)
+    context_len = resolve_context(config, drafter, context_len)
+    sampler = sampler or SamplerConfig(temperature=0.0)
+    if attn_impl is None:
+        attn_impl = "xla" if jax.default_backend() == "cpu" else "tree"
+    feature_layers = check_feature_layers(config, getattr(drafter, "feature_layers", ()))
+    n = drafter.num_nodes
+    # Room as the engine leaves it: the context, the widest tree (+ the pending root), a catch-up block.
+    cache_len = round_up(context_len + max(max(widths), n) + drafter.max_depth + 2, 64)
+    hist_cap = context_len + drafter.max_depth + 2
+
+    key = jax.random.PRNGKey(seed)
+    k_prompt, k_tree, k_init, k_draft = jax.random.split(key, 4)
+    prompt = jax.random.randint(k_prompt, (b, context_len), 0, config.vocab_size, jnp.int32)
+    lengths = jnp.full((b,), context_len, jnp.int32)
+    # The engine's state before a step: the cache holds all but the last prompt token (the pending one).
+    _, cache, hidden = jax.jit(_prefill, static_argnums=(0, 5))(
+        config, params, prompt, lengths - 1, init_cache(config, b, cache_len), feature_request(feature_layers))
+    pending = prompt[:, -1]
+    active = jnp.ones((b,), bool)
+    meta = {"model": model_fingerprint((config, params))["params"][:12],
+            "model_type": config.model_type, "num_parameters": config.num_parameters(),
+            "dtype": config.dtype, "drafter": type(drafter).__name__, "num_nodes": n,
+            "device": device_fingerprint(), "jax": jax.__version__, "context_len": context_len,
+            "attn_impl": attn_impl, "repeats": repeats, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    where = f"batch {b}, context {context_len}"
+
+    # (a) the target verification forward per width: the engine's _verify_forward at that one width.
+    def verify_step(w):
+        def step(a, cache_, i):
+            p, toks, pend, act = a
+            # Tokens change with the trip, so XLA cannot hoist the forward out of the loop.
+            tree = measurement_tree((toks + i) % config.vocab_size, max(1, drafter.max_depth))
+            logits, feats, cache_ = _verify_forward(config, p, tree, pend, cache_, act, (w,), attn_impl, mesh,
+                                                    feature_layers)  # [B, w+1, V]
+            return cache_, (logits, feats)
+        return step
+
+    verify = []
+    for w in widths:
+        tokens = jax.random.randint(jax.random.fold_in(k_tree, w), (b, w), 0, config.vocab_size, jnp.int32)
+        secs = _time_steps(verify_step(w), (params, tokens, pending, active), cache, repeats, target_seconds)
+        verify.append(secs)
+        _emit(progress, f"calibrate: verify {w:4d} nodes ({where}): {secs * 1e3:9.3f} ms")
+
+    # (b) drafter.propose from its init state on the same prompt, as the engine calls it (inside jit).
+    feats = select_features(hidden, feature_layers)
+    init_fn = jax.jit(lambda d, p, l, k, f: d.init(p, l, cache_len, k, **({"features": f} if feature_layers
+                                                                          else {})))
+
+    def init(d, f):
+        return init_fn(d, prompt, lengths, k_init, f)
+
+    history = jnp.zeros((b, hist_cap), jnp.int32).at[:, :context_len].set(prompt)
+    ctx_args = (drafter, history, lengths, k_draft)
+
+    def ctx_at(a, i):
+        return DraftContext(history=a[1], hist_len=a[2], key=jax.random.fold_in(a[3], i))
+
+    def draft_step(a, state, i):
+        tree, probs, state = a[0].propose(state, ctx_at(a, i), sampler)
+        return state, (tree, probs)
+
+    draft = _time_steps(draft_step, ctx_args, init(drafter, feats), repeats, target_seconds)
+    name = type(drafter).__name__
+    _emit(progress, f"calibrate: draft  ({name}, {where}): {draft * 1e3:9.3f} ms")
+
+    # (c) drafter.idle, when the drafter has one (what it does on a step the engine drafts nothing).
+    idle = 0.0
+    if callable(getattr(drafter, "idle", None)):
+        idle = _time_steps(lambda a, state, i: (a[0].idle(state, ctx_at(a, i)), ()), ctx_args, init(drafter, feats),
+                           repeats, target_seconds)
+        _emit(progress, f"calibrate: idle   ({name}, {where}): {idle * 1e3:9.3f} ms")
+    return CostTable(widths=widths, verify_seconds=tuple(verify), draft_seconds=draft, idle_seconds=idle,
+                     batch_size=b, meta=meta)
+
+
+def _prefill(config, params, prompt, lengths, cache, return_layers):
+    from jaxdecode.autoregressive import prefill
+    return prefill(config, params, prompt, lengths, cache, return_layers=return_layers, with_hidden=True)
+
+
+# ----------------------------------------------------------------------------- the cache on disk
+def default_cache_dir() -> Path:
+    """$JAXDECODE_CACHE_DIR, else $XDG_CACHE_HOME/jaxdecode, else ~/.cache/jaxdecode."""
+    if os.environ.get("JAXDECODE_CACHE_DIR"):
+        return Path(os.environ["JAXDECODE_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "jaxdecode"
+
+
+def context_bucket(context_len: int, limit: int) -> int:
+    """The context a table is measured (and keyed) at: context_len rounded up to a power of two, within
+    the model's limit (attention cost grows with the context; a bucket shares one table)."""
+    return min(next_pow2(int(context_len)), limit)
+
+
+def cache_key(model, drafter, batch_size: int, *, widths=None, context_len: int | None = None,
+              attn_impl: str | None = None, mesh=None) -> dict:
+    """Everything a table depends on (the file name is the sha256 of its JSON). widths / context_len as
+    in `load_or_calibrate`; the context is already bucketed here."""
+    config, params = _config_and_params(model)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    widths = check_widths(widths, drafter.num_nodes)
+    context_len = resolve_context(config, drafter, context_len)
+    if attn_impl is None:
+        attn_impl = "xla" if jax.default_backend() == "cpu" else "tree"
+    return {"schema": SCHEMA, "model": model_fingerprint((config, params)),
+            "drafter": drafter_fingerprint(drafter), "device": device_fingerprint(),
+            "batch_size": int(batch_size), "widths": list(widths),
+            "context_len": context_bucket(context_len, config.max_position_embeddings - drafter.max_depth - 1),
+            "attn_impl": attn_impl,
+            "mesh": None if mesh is None else {str(k): int(v) for k, v in mesh.shape.items()},
+            "jax": jax.__version__}
+
+
+def cache_file(key: dict, cache_dir=None) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    return Path(cache_dir or default_cache_dir()) / "costs" / f"{digest}.json"
+
+
+def read_cached(path: Path, key: dict) -> CostTable | None:
+    """The table cached at `path` for `key`; None when there is none. A file that cannot be read or
+    does not hold a valid table for this key gives a warning (it is then re-measured), never an error."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        warnings.warn(f"cost cache file {path} cannot be read ({e}); the costs are measured again and "
+                      f"the file replaced", stacklevel=3)
+        return None
+    try:
+        data = json.loads(text)
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA or set(data) != {"schema", "key", "table"}:
+            raise CostTableError(f"not a jaxdecode cost cache file of schema {SCHEMA}")
+        if data["key"] != json.loads(json.dumps(key)):
+            raise CostTableError("it was written for another model / drafter / device / batch size")
+        table = CostTable.from_json(data["table"])
+        if table.batch_size != key["batch_size"] or list(table.widths) != key["widths"]:
+            raise CostTableError("its table does not match its key")
+        return table
+    except (json.JSONDecodeError, CostTableError) as e:
+        warnings.warn(f"cost cache file {path} is not a valid cost table ({e}); the costs are measured "
+                      f"again and the file replaced", stacklevel=3)
+        return None
+
+
+def write_cached(path: Path, key: dict, table: CostTable) -> None:
+    """Write atomically: a temporary sibling, then os.replace (readers never see half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps({"schema": SCHEMA, "key": key, "table": table.to_json()}, indent=1))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def calibrate(model, drafter, batch_size: int, *, widths=None, context_len: int | None = None,
+              cache_dir=None, progress=True, refresh: bool = False, attn_impl: str | None = None,
+              mesh=None, **measure_kw) -> tuple[CostTable, Path, bool]:
+    """`load_or_calibrate`, also returning the cache file and whether the table was measured now."""
+    key = cache_key(model, drafter, batch_size, widths=widths, context_len=context_len,
+                    attn_impl=attn_impl, mesh=mesh)
+    path = cache_file(key, cache_dir)
+    table = None if refresh else read_cached(path, key)
+    if table is not None:
+        return table, path, False
+    _emit(progress, f"calibrate: measuring step costs of {type(drafter).__name__} at batch {batch_size} "
+                    f"(once; cached in {path})")
+    table = measure(model, drafter, batch_size, widths=tuple(key["widths"]), context_len=key["context_len"],
+                    attn_impl=key["attn_impl"], mesh=mesh, progress=progress, **measure_kw)
+    try:
+        write_cached(path, key, table)
+    except OSError as e:  # a read-only home must not stop decoding: the table is still good
+        warnings.warn(f"cannot write the cost cache {path} ({e}); the costs will be measured again next "
+                      f"time (set JAXDECODE_CACHE_DIR to a writable directory)", stacklevel=2)
+    return table, path, True
+
+
+def load_or_calibrate(model, drafter, batch_size: int, *, widths=None, context_len: int | None = None,
+                      cache_dir=None, progress=True, refresh: bool = False, **kw) -> CostTable:
+    """The CostTable of `drafter` on `model` at `batch_size` on this device: from the cache when one was
+    measured for the same key (module docstring), else measured now (`measure`) and cached.
+
+    model: a jaxdecode Model or (config, params). widths: default 0, powers of two, N. context_len:
+    the context decoding runs at (default 256), rounded up to a power of two within the model's
+    positions. cache_dir: default `default_cache_dir()`. progress: as `measure` (one line per measured
+    item; nothing on a hit). refresh: measure again even when cached. Other keywords (repeats,
+    target_seconds, sampler, attn_impl, mesh) go to `measure`."""
+    return calibrate(model, drafter, batch_size, widths=widths, context_len=context_len, cache_dir=cache_dir,
+                     progress=progress, refresh=refresh, **kw)[0]
+
+
+# ----------------------------------------------------------------------------- command line helpers
+def parse_batch_sizes(text: str) -> tuple:
+    """'1,4,16' -> (1, 4, 16): distinct ints >= 1; ValueError saying what is wrong otherwise."""
+    parts = [p.strip() for p in str(text).split(",")]
+    if not all(p.lstrip("+").isdigit() for p in parts):
+        raise ValueError(f"--batch-size {text!r}: give ints >= 1 separated by commas, e.g. 1,4,16")
+    sizes = tuple(int(p) for p in parts)
+    if any(s < 1 for s in sizes):
+        raise ValueError(f"--batch-size {text!r}: every batch size must be >= 1")
+    if len(set(sizes)) != len(sizes):
+        raise ValueError(f"--batch-size {text!r} repeats a batch size: give each once")
+    return sizes
+
+
+def format_tables(rows) -> str:
+    """A text table of (CostTable, cache file, measured now) rows: milliseconds per step, whole batch."""
+    widths = sorted({w for t, _, _ in rows for w in t.widths})
+    head = ["batch"] + [f"verify@{w}" for w in widths] + ["draft", "idle", "source"]
+    body = []
+    for table, path, measured in rows:
+        verify = [f"{table.verify_at(w) * 1e3:.3f}" for w in widths]
+        body.append([str(table.batch_size)] + verify + [f"{table.draft_seconds * 1e3:.3f}",
+                                                         f"{table.idle_seconds * 1e3:.3f}",
+                                                         "measured" if measured else "cached"])
+    cols = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(n) for c, n in zip(r, cols)) for r in [head] + body]
+    meta = rows[0][0].meta if rows else {}
+    lines.insert(0, f"step costs in ms (whole batch): drafter {meta.get('drafter')} ({meta.get('num_nodes')} "
+                    f"nodes), {meta.get('model_type')} {meta.get('dtype')}, context {meta.get('context_len')}, "
+                    f"{meta.get('device', {}).get('device_kind')} x{meta.get('device', {}).get('device_count')}")
+    lines += [f"batch {t.batch_size}: {p}" for t, p, _ in rows]
+    return "\n".join(lines)

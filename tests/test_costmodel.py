@@ -1,0 +1,243 @@
+"""The cost model (jaxdecode.costmodel): tables, measuring, the on-disk cache and `jaxdecode calibrate`.
+
+Cache tests replace `measure` by a counting fake, so a hit is "the fake was not called"; one test
+measures for real on a tiny model (a few compiles)."""
+import functools
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdecode import costmodel
+from jaxdecode.costmodel import CostTable, CostTableError
+from jaxdecode.drafters import DraftLM, parse_tree_spec
+from jaxdecode.drafters.ngram import PromptLookupDrafter
+from jaxdecode.models import ModelConfig, param_shapes
+
+V = 64
+
+
+@functools.lru_cache(maxsize=None)
+def tiny(seed=0, layers=2):
+    """A tiny random model; weights drawn with numpy (init_params' compile costs seconds)."""
+    cfg = ModelConfig(model_type="llama", vocab_size=V, hidden_size=32, intermediate_size=64,
+                      num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=8,
+                      max_position_embeddings=256, sliding_windows=(0,) * layers)
+    rng = np.random.default_rng(seed)
+    params = jax.tree.map(lambda shape: jnp.asarray(rng.normal(0, 0.3, shape), jnp.float32), param_shapes(cfg),
+                          is_leaf=lambda x: isinstance(x, tuple))
+    return cfg, params
+
+
+def table(widths=(0, 1, 2, 4), batch_size=1, **kw):
+    return CostTable(widths=widths, verify_seconds=tuple(1e-3 * (1 + w) for w in widths),
+                     draft_seconds=kw.get("draft", 5e-4), idle_seconds=kw.get("idle", 0.0),
+                     batch_size=batch_size, meta=kw.get("meta", {"note": "test"}))
+
+
+# ----------------------------------------------------------------------------- the table
+def test_table_round_trip_and_interpolation():
+    t = table(meta={"device": {"platform": "cpu"}, "context_len": 64})
+    again = CostTable.from_json(json.loads(json.dumps(t.to_json())))
+    assert again == t and again.meta == t.meta and hash(again) == hash(t)
+    assert CostTable.from_json(json.dumps(t.to_json())) == t  # from the JSON text too
+    assert t.verify_at(2) == pytest.approx(3e-3)
+    assert t.verify_at(3) == pytest.approx(4e-3)  # between 2 and 4
+    assert t.verify_at(0.5) == pytest.approx(1.5e-3)
+    assert t.verify_at(8) == pytest.approx(9e-3)  # past the last width: the last slope continues
+    assert t.plain_seconds == pytest.approx(1e-3)
+    with pytest.raises(CostTableError, match="width must be a number >= 0"):
+        t.verify_at(-1)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(widths=(1, 2)), "start at 0"),
+    (dict(widths=(0, 2, 1)), "ascending"),
+    (dict(verify_seconds=(1e-3,)), "one entry per width"),
+    (dict(verify_seconds=(1e-3, -1.0, 1e-3, 1e-3)), "finite numbers >= 0"),
+    (dict(draft_seconds=math.nan), "finite numbers >= 0"),
+    (dict(batch_size=0), "batch_size"),
+])
+def test_bad_tables_are_refused(bad, match):
+    fields = dict(table().to_json(), **bad)
+    fields["widths"], fields["verify_seconds"] = tuple(fields["widths"]), tuple(fields["verify_seconds"])
+    with pytest.raises(CostTableError, match=match):
+        CostTable(**fields)
+
+
+def test_default_widths():
+    assert costmodel.default_widths(8) == (0, 1, 2, 4, 8)
+    assert costmodel.default_widths(6) == (0, 1, 2, 4, 6)
+    assert costmodel.default_widths(1) == (0, 1)
+    assert costmodel.check_widths([4, 1], 4) == (0, 1, 4)
+    with pytest.raises(ValueError, match="repeat"):
+        costmodel.check_widths([1, 1], 4)
+    with pytest.raises(ValueError, match="ints >= 0"):
+        costmodel.check_widths([-1], 4)
+
+
+# ----------------------------------------------------------------------------- measuring
+def test_measure_times_every_item(tmp_path, monkeypatch):
+    """Measured for real (through load_or_calibrate, which shows progress), then read from the cache."""
+    lines = []
+    real = costmodel.measure
+    monkeypatch.setattr(costmodel, "measure", lambda *a, **kw: real(*a, **dict(kw, repeats=1, target_seconds=0.0)))
+    cfg, params = tiny(layers=1)
+    dcfg, dparams = tiny(1, layers=1)
+    drafter = DraftLM(params=dparams, config=dcfg, builder=parse_tree_spec("chain:2"))
+    t = costmodel.load_or_calibrate((cfg, params), drafter, 2, widths=(0,), context_len=8, cache_dir=tmp_path,
+                                    progress=lines.append)
+    assert t.widths == (0,) and t.batch_size == 2 and len(t.verify_seconds) == 1
+    assert t.verify_seconds[0] > 0 and t.draft_seconds > 0
+    assert t.idle_seconds > 0  # DraftLM has idle (catch up on committed tokens without drafting)
+    assert t.meta["context_len"] == 8 and t.meta["drafter"] == "DraftLM"
+    assert lines[0].startswith("calibrate: measuring") and str(tmp_path) in lines[0]
+    assert ["verify" in lines[1], "draft" in lines[2], "idle" in lines[3], len(lines)] == [True, True, True, 4]
+    lines.clear()
+    again = costmodel.load_or_calibrate((cfg, params), drafter, 2, widths=(0,), context_len=8, cache_dir=tmp_path,
+                                        progress=lines.append)
+    assert again == t and lines == []  # a hit measures nothing and says nothing
+
+
+def test_idle_only_when_the_drafter_has_one(monkeypatch):
+    timed = []
+    monkeypatch.setattr(costmodel, "_time_steps", lambda step, args, state, *a: timed.append(step) or 1e-3)
+    t = costmodel.measure(tiny(layers=1), PromptLookupDrafter(num_nodes=2), 1, context_len=8, progress=False)
+    assert t.widths == (0, 1, 2) and len(timed) == 4 and t.idle_seconds == 0.0  # 3 widths + propose
+
+
+def test_measure_refuses_bad_requests():
+    cfg, params = tiny()
+    d = PromptLookupDrafter(num_nodes=4)
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
+        costmodel.measure((cfg, params), d, 0)
+    with pytest.raises(ValueError, match=r"context_len must be an int in 2\.\.251"):
+        costmodel.measure((cfg, params), d, 1, context_len=300)
+    with pytest.raises(TypeError, match="jaxdecode Model"):
+        costmodel.measure("model", d, 1)
+
+
+# ----------------------------------------------------------------------------- the cache
+@pytest.fixture
+def counted(monkeypatch):
+    """Replace measure by a fake that records its calls and returns a table for the asked widths."""
+    calls = []
+
+    def fake(model, drafter, batch_size, *, widths, context_len, progress=True, **kw):
+        calls.append(dict(batch_size=batch_size, widths=widths, context_len=context_len))
+        return table(widths=tuple(widths), batch_size=batch_size, meta={"context_len": context_len})
+
+    monkeypatch.setattr(costmodel, "measure", fake)
+    return calls
+
+
+def test_second_call_is_a_hit(tmp_path, counted):
+    model, d = tiny(), PromptLookupDrafter(num_nodes=4)
+    first = costmodel.load_or_calibrate(model, d, 2, cache_dir=tmp_path, progress=False)
+    assert len(counted) == 1 and counted[0]["widths"] == (0, 1, 2, 4)
+    files = list((tmp_path / "costs").glob("*.json"))
+    assert len(files) == 1
+    second = costmodel.load_or_calibrate(model, d, 2, cache_dir=tmp_path, progress=False)
+    assert len(counted) == 1 and second == first
+    # Same context bucket (100 and 128 round up to 128): a hit; another bucket: a miss.
+    costmodel.load_or_calibrate(model, d, 2, cache_dir=tmp_path, context_len=100, progress=False)
+    costmodel.load_or_calibrate(model, d, 2, cache_dir=tmp_path, context_len=128, progress=False)
+    assert len(counted) == 2 and counted[1]["context_len"] == 128
+    costmodel.load_or_calibrate(model, d, 2, cache_dir=tmp_path, refresh=True, progress=False)
+    assert len(counted) == 3
+
+
+def test_cache_dir_from_the_environment(tmp_path, monkeypatch, counted):
+    monkeypatch.setenv("JAXDECODE_CACHE_DIR", str(tmp_path / "jd"))
+    costmodel.load_or_calibrate(tiny(), PromptLookupDrafter(num_nodes=2), 1, progress=False)
+    assert len(list((tmp_path / "jd" / "costs").glob("*.json"))) == 1
+    monkeypatch.delenv("JAXDECODE_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert costmodel.default_cache_dir() == tmp_path / "xdg" / "jaxdecode"
+
+
+def test_changes_are_misses(tmp_path, monkeypatch, counted):
+    model, d = tiny(), PromptLookupDrafter(num_nodes=4)
+
+    def get(m=model, drafter=d, b=1):
+        costmodel.load_or_calibrate(m, drafter, b, cache_dir=tmp_path, progress=False)
+        return len(counted)
+
+    assert get() == 1 and get() == 1
+    cfg, params = model
+    assert get(m=(cfg, jax.tree.map(lambda x: x * 1.5, params))) == 2  # other parameters, same config
+    assert get(m=tiny(layers=3)) == 3  # another config
+    assert get(drafter=PromptLookupDrafter(num_nodes=8)) == 4  # another tree size
+    assert get(drafter=PromptLookupDrafter(num_nodes=4, max_ngram=2)) == 5  # another static field
+    assert get(b=4) == 6  # another batch size
+    real = costmodel.device_fingerprint()
+    monkeypatch.setattr(costmodel, "device_fingerprint", lambda: dict(real, device_kind="NVIDIA H200"))
+    assert get() == 7  # another device
+    monkeypatch.setattr(costmodel, "device_fingerprint", lambda: real)
+    assert get() == 7 and get(b=4) == 7  # each one cached on its own
+
+
+def test_draft_model_weights_are_part_of_the_key(tmp_path, counted):
+    dcfg, p1 = tiny(1, layers=1)
+    _, p2 = tiny(2, layers=1)
+    for p in (p1, p2, p1):
+        costmodel.load_or_calibrate(tiny(), DraftLM(params=p, config=dcfg, builder=parse_tree_spec("chain:2")),
+                                    1, cache_dir=tmp_path, progress=False)
+    assert len(counted) == 2
+
+
+@pytest.mark.parametrize("content", [
+    b"\x00\xff garbage \x80",
+    b'{"schema": 1, "key": {}, "table": {}}',  # valid JSON, another key
+    b"[1, 2, 3]",
+    b"",
+])
+def test_corrupt_cache_file_is_rebuilt_with_a_warning(tmp_path, counted, content):
+    model, d = tiny(), PromptLookupDrafter(num_nodes=4)
+    first = costmodel.load_or_calibrate(model, d, 1, cache_dir=tmp_path, progress=False)
+    (path,) = (tmp_path / "costs").glob("*.json")
+    path.write_bytes(content)
+    with pytest.warns(UserWarning, match="measured again"):
+        again = costmodel.load_or_calibrate(model, d, 1, cache_dir=tmp_path, progress=False)
+    assert again == first and len(counted) == 2
+    assert CostTable.from_json(json.loads(path.read_text())["table"]) == first  # the file is whole again
+    assert costmodel.load_or_calibrate(model, d, 1, cache_dir=tmp_path, progress=False) == first
+    assert len(counted) == 2
+
+
+def test_wrong_schema_table_is_rebuilt(tmp_path, counted):
+    model, d = tiny(), PromptLookupDrafter(num_nodes=4)
+    costmodel.load_or_calibrate(model, d, 1, cache_dir=tmp_path, progress=False)
+    (path,) = (tmp_path / "costs").glob("*.json")
+    data = json.loads(path.read_text())
+    data["table"]["widths"] = "0,1,2,4"  # right key, a table of the wrong shape
+    path.write_text(json.dumps(data))
+    with pytest.warns(UserWarning, match="not a valid cost table"):
+        costmodel.load_or_calibrate(model, d, 1, cache_dir=tmp_path, progress=False)
+    assert len(counted) == 2
+
+
+# ----------------------------------------------------------------------------- the command
+def test_cli_calibrate_prints_a_table(tiny_llama_dir, tmp_path, capsys, counted):
+    from jaxdecode.cli import main
+    argv = ["calibrate", "--model", str(tiny_llama_dir), "--drafter", "prompt_lookup", "--tree", "chain:4",
+            "--batch-size", "1,2", "--context-len", "32", "--cache-dir", str(tmp_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "verify@0" in out and "verify@4" in out and "draft" in out and "measured" in out
+    assert str(tmp_path / "costs") in out and [c["batch_size"] for c in counted] == [1, 2]
+    assert main(argv + ["--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["batch_size"] for r in rows] == [1, 2] and not any(r["measured"] for r in rows)
+    assert rows[0]["widths"] == [0, 1, 2, 4] and rows[0]["cache_file"].startswith(str(tmp_path))
+    assert len(counted) == 2  # the second run read the cache
+
+
+@pytest.mark.parametrize("sizes, match", [("0", ">= 1"), ("1,x", "ints >= 1"), ("4,4", "repeats"), ("", "ints")])
+def test_cli_bad_batch_sizes(sizes, match, capsys):
+    from jaxdecode.cli import main
+    assert main(["calibrate", "--model", "unused", "--batch-size", sizes]) == 2
+    assert match in capsys.readouterr().err
