@@ -53,8 +53,9 @@ class Option:
     min_len: int = 0  # lists: at least this many entries
 
     def __post_init__(self):
-        if self.cli == "":
-            object.__setattr__(self, "cli", "--" + self.name.replace("_", "-"))
+        if self.cli == "":  # a switch that is on by default is turned off by its flag: --no-NAME
+            off = self.kind == "bool" and self.default is True
+            object.__setattr__(self, "cli", ("--no-" if off else "--") + self.name.replace("_", "-"))
 
     def takes(self, method: str) -> bool:
         return ALL in self.methods or method in self.methods
@@ -185,6 +186,13 @@ _TABLE = (
            default_doc="none", cli=None),
     Option("verify_widths", "ids", "node counts a verification may shrink to (<= the tree size)",
            ("speculative",), default_doc="the drafter's own, else all nodes", low=1, min_len=1, cli=None),
+    Option("adaptive", "bool", "adaptive speculation: each step, per row, draft only as deep as pays, down "
+           "to plain decoding, from measured costs and running acceptance (false: verify every proposal "
+           "whole)", ("speculative",), True,
+           default_doc="true"),
+    Option("costs", "str", "the cost table of adaptive speculation: a JSON file written by `jaxdecode "
+           "calibrate --json`", ("speculative",), cli=None, objects="a jaxdecode.costmodel.CostTable",
+           default_doc="measured once per model, drafter, device and batch size, then cached"),
     # ------------------------------------------------------------------ constrained
     Option("index", "str", "item index: .npz (jaxdecode index build) or an item file", CONSTRAINED,
            required=True, default_doc="required", objects="a TrieIndex, DynamicIndex or TrieConstraint"),

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
+from jaxdecode import adaptive as adaptive_mod
 from jaxdecode.autoregressive import (default_cache_len, is_eos, nonfinite_rows, pad_id_for, prefill,
                                       validate_eos_ids, validate_prompts)
 from jaxdecode.models import commit, forward, init_cache
@@ -161,6 +162,11 @@ class _SpecState:
     depth_tried: jax.Array  # int32[D]: row-steps whose node at depth d-1 had a child (_acceptance_stats)
     depth_accepted: jax.Array  # int32[D]: row-steps that committed a node at depth d
     nonfinite: jax.Array  # bool[B]: target logits NaN/inf at the root or a valid node while active
+    # Adaptive speculation only (None otherwise): the policy's estimates and what it chose.
+    policy_state: Any = None  # adaptive.PolicyState
+    drafted_nodes: jax.Array | None = None  # int32[B]: draft nodes verified while active
+    speculative_steps: jax.Array | None = None  # int32[B]: active steps that verified >= 1 node
+    width_hist: jax.Array | None = None  # int32[W]: steps per verification width (policy.widths)
 
     def replace(self, **kw):
         return dataclasses.replace(self, **kw)
@@ -169,6 +175,8 @@ class _SpecState:
 def _with_root(tree: Tree, pending, prefix_len):
     """Verification inputs over [pending, nodes]: tokens, positions, mask [B, N+1, N+1]."""
     b, n = tree.tokens.shape
+    if n == 0:  # a plain decoding step (adaptive speculation off): the pending token alone
+        return pending[:, None], prefix_len[:, None], jnp.ones((b, 1, 1), bool)
     tokens = jnp.concatenate([pending[:, None], tree.tokens], axis=1)
     node_mask = ancestor_mask(tree.parents) & tree.valid[:, None, :] & tree.valid[:, :, None]
     mask = jnp.zeros((b, n + 1, n + 1), bool)
@@ -253,8 +261,8 @@ def check_verify_widths(widths, num_nodes: int) -> tuple:
 
 
 def _acceptance_stats(tree: Tree, path, num_accepted, committed, active, max_depth: int):
-    """One step's acceptance counts over the active rows: (hist int32[D+1], tried int32[D],
-    accepted int32[D]).
+    """One step's acceptance over the active rows: (hist int32[D+1], tried bool[B, D], accepted bool[B, D];
+    summed over rows they are the per-depth counts).
 
     path int32[B, N] / num_accepted int32[B]: the verifier's accepted nodes; committed int32[B]: how many
     of them were committed (fewer when an EOS or max_new_tokens ends the row inside the path). Counted is
@@ -273,13 +281,30 @@ def _acceptance_stats(tree: Tree, path, num_accepted, committed, active, max_dep
     tried = accepted | ((d == committed[:, None] + 1) & uncut & active[:, None]
                         & jnp.take_along_axis(has_child, parent_slot, axis=1))
     hist = (jax.nn.one_hot(committed, max_depth + 1, dtype=jnp.int32) * active[:, None]).sum(0)
-    return hist, tried.sum(0).astype(jnp.int32), accepted.sum(0).astype(jnp.int32)
+    return hist, tried, accepted
+
+
+def _propose_or_idle(drafter, drafting, state, ctx, sampler):
+    """drafter.propose when `drafting` (a traced bool), else an all-invalid tree and the drafter's
+    optional `idle(state, ctx)` (keeps e.g. a draft LM's cache current without drafting)."""
+    shapes = jax.eval_shape(lambda s: drafter.propose(s, ctx, sampler), state)
+    empty_tree, empty_probs, _ = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+    empty_tree = empty_tree.replace(parents=jnp.full_like(empty_tree.parents, -1))
+    idle = getattr(drafter, "idle", None)
+
+    def skip(carry):
+        return empty_tree, empty_probs, (carry[2] if idle is None else idle(carry[2], ctx))
+
+    return switch_in_place(drafting.astype(jnp.int32),
+                           [skip, lambda carry: drafter.propose(carry[2], ctx, sampler)],
+                           (empty_tree, empty_probs, state))
 
 
 @partial(jax.jit, static_argnames=("config", "verifier", "sampler", "max_new_tokens", "eos_ids",
-                                   "cache_len", "hist_cap", "attn_impl", "verify_widths", "mesh"))
-def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, *, verifier, sampler,
-                 max_new_tokens, eos_ids, cache_len, hist_cap, attn_impl, verify_widths, mesh=None):
+                                   "cache_len", "hist_cap", "attn_impl", "verify_widths", "mesh", "policy"))
+def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, costs=None, *, verifier, sampler,
+                 max_new_tokens, eos_ids, cache_len, hist_cap, attn_impl, verify_widths, mesh=None,
+                 policy=None):
     b, p = prompt_tokens.shape
     n, max_d = drafter.num_nodes, drafter.max_depth
     pad = pad_id_for(eos_ids)
@@ -303,13 +328,27 @@ def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, *,
         done=jnp.zeros((b,), bool), key=key, target_calls=jnp.int32(1), steps=jnp.zeros((b,), jnp.int32),
         accept_hist=jnp.zeros((max_d + 1,), jnp.int32), depth_tried=jnp.zeros((max_d,), jnp.int32),
         depth_accepted=jnp.zeros((max_d,), jnp.int32), nonfinite=jnp.zeros((b,), bool))
+    if policy is not None:
+        builder = getattr(drafter, "builder", None)
+        state = state.replace(
+            policy_state=adaptive_mod.init_state(policy, b, max_d, n, getattr(builder, "static_parents", None)),
+            drafted_nodes=jnp.zeros((b,), jnp.int32), speculative_steps=jnp.zeros((b,), jnp.int32),
+            width_hist=jnp.zeros((len(policy.widths),), jnp.int32))
     rows = jnp.arange(b)
 
     def body(st: _SpecState) -> _SpecState:
         key, k_draft, k_verify = jax.random.split(st.key, 3)
         active = ~st.done
         ctx = DraftContext(history=st.history, hist_len=st.hist_len, key=k_draft)
-        tree, draft_probs, dstate = drafter.propose(st.drafter_state, ctx, sampler)
+        if policy is None:
+            tree, draft_probs, dstate = drafter.propose(st.drafter_state, ctx, sampler)
+        else:
+            pstate = st.policy_state
+            drafting = adaptive_mod.should_draft(policy, pstate, costs, active)
+            tree, draft_probs, dstate = _propose_or_idle(drafter, drafting, st.drafter_state, ctx, sampler)
+            tree, _, shaped = adaptive_mod.truncate(policy, pstate, costs, tree, active)
+            # A step that did not draft says nothing about the proposals' shape: keep the last one.
+            pstate = jax.tree.map(lambda new, old: jnp.where(drafting, new, old), shaped, pstate)
         pending = st.history[rows, st.hist_len - 1]
         logits, feats, cache = _verify_forward(config, params, tree, pending, st.cache, active, verify_widths,
                                                attn_impl, mesh, feature_layers)  # [B, N+1, V]
@@ -346,11 +385,22 @@ def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, *,
         committed = jnp.minimum(res.num_accepted, count)
         hist, tried, accepted = _acceptance_stats(tree, res.path, res.num_accepted, committed, active, max_d)
         acc_hist = st.accept_hist + hist
+        policy_stats = {}
+        if policy is not None:
+            pstate = adaptive_mod.update(policy, pstate, tried, accepted, active)
+            kept = jnp.sum(tree.valid, axis=1).astype(jnp.int32)
+            chosen = jnp.max(jnp.where(active, kept, 0))
+            width_at = jnp.searchsorted(jnp.asarray(policy.widths), chosen)  # the forward's width index
+            policy_stats = dict(
+                policy_state=pstate, drafted_nodes=st.drafted_nodes + kept,
+                speculative_steps=st.speculative_steps + ((kept > 0) & active).astype(jnp.int32),
+                width_hist=st.width_hist.at[width_at].add(1))
         return st.replace(cache=cache, drafter_state=dstate, history=history, hist_len=hist_len,
                           num_new=num_new, done=done, key=key, target_calls=st.target_calls + 1,
                           steps=st.steps + active.astype(jnp.int32), accept_hist=acc_hist,
-                          depth_tried=st.depth_tried + tried, depth_accepted=st.depth_accepted + accepted,
-                          nonfinite=nonfinite)
+                          depth_tried=st.depth_tried + tried.sum(0).astype(jnp.int32),
+                          depth_accepted=st.depth_accepted + accepted.sum(0).astype(jnp.int32),
+                          nonfinite=nonfinite, **policy_stats)
 
     st = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
     cols = prompt_lengths[:, None] + jnp.arange(max_new_tokens)[None, :]
@@ -361,6 +411,9 @@ def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, *,
              "accept_hist": st.accept_hist,
              "accept_rate_by_depth": st.depth_accepted / jnp.maximum(st.depth_tried, 1),
              "nonfinite_logits": st.nonfinite}
+    if policy is not None:
+        stats.update(drafted_nodes=st.drafted_nodes, speculative_steps=st.speculative_steps,
+                     width_hist=st.width_hist, policy_widths=jnp.asarray(policy.widths, jnp.int32))
     return SpecOutput(tokens=out, lengths=st.num_new, stats=stats)
 
 
@@ -430,7 +483,8 @@ def check_combination(config, drafter, verifier, sampler: SamplerConfig) -> None
 def speculative_decode(config, params, drafter, prompt_tokens, prompt_lengths, *, max_new_tokens: int,
                        verifier, sampler: SamplerConfig = SamplerConfig(temperature=0.0),
                        eos_ids: tuple = (), key=None, cache_len: int | None = None,
-                       attn_impl: str | None = None, verify_widths=None, mesh=None) -> SpecOutput:
+                       attn_impl: str | None = None, verify_widths=None, mesh=None,
+                       adaptive: "adaptive_mod.AdaptivePolicy | None" = None, costs=None) -> SpecOutput:
     """Speculative decoding of up to max_new_tokens per row (see the module docstring).
 
     attn_impl: attention of the verification forward; default "tree" (the Pallas tree-attention
@@ -441,6 +495,11 @@ def speculative_decode(config, params, drafter, prompt_tokens, prompt_lengths, *
     Default: the drafter's `verify_widths` attribute if it has one, else always all N nodes.
     mesh: the (data, model) Mesh params and prompts are sharded on: the verification forward then runs
     its attention kernel under shard_map on each device's shard (models.forward's `mesh`).
+    adaptive: an AdaptivePolicy (`policy_for(drafter, sampler)`): each step decides per row how deep to
+    draft, down to zero, from `costs` (a jaxdecode.costmodel.CostTable measured for this model,
+    drafter and batch size) and the rows' running acceptance (jaxdecode.adaptive); None: every step
+    verifies the drafter's whole proposal. Stats then add drafted_nodes, speculative_steps (per row),
+    width_hist and policy_widths.
     """
     if attn_impl is None:
         attn_impl = "xla" if jax.default_backend() == "cpu" else "tree"
@@ -471,7 +530,36 @@ def speculative_decode(config, params, drafter, prompt_tokens, prompt_lengths, *
     if verify_widths is None:
         verify_widths = getattr(drafter, "verify_widths", None)
     widths = check_verify_widths(verify_widths, n)
-    return _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, verifier=verifier,
+    cost_vec = None
+    if adaptive is not None:
+        if not isinstance(adaptive, adaptive_mod.AdaptivePolicy):
+            raise SpeculativeError(f"adaptive must be an AdaptivePolicy (policy_for(drafter, sampler)) or None, "
+                                   f"got {type(adaptive).__name__}")
+        if adaptive.widths[-1] != n:
+            raise SpeculativeError(f"the adaptive policy's widths {adaptive.widths} must end at the drafter's "
+                                   f"tree size {n}: build it with policy_for(drafter, sampler)")
+        if costs is None:
+            raise SpeculativeError("adaptive speculation needs the measured costs: pass costs="
+                                   "jaxdecode.costmodel.load_or_calibrate(model, drafter, batch_size)")
+        cost_vec = adaptive_mod.cost_vector(adaptive, costs)
+        widths = adaptive.widths
+    return _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, cost_vec, verifier=verifier,
                         sampler=sampler, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                         cache_len=cache_len, hist_cap=hist_cap, attn_impl=attn_impl, verify_widths=widths,
-                        mesh=mesh)
+                        mesh=mesh, policy=adaptive)
+
+
+def policy_for(drafter, sampler: SamplerConfig, **overrides) -> "adaptive_mod.AdaptivePolicy":
+    """The adaptive policy for this drafter: widths 0, powers of two, N (and the drafter's own
+    verify_widths); `need` from the proposal when decoding greedily, from the tree's fixed structure
+    when sampling with a static shape, all-or-nothing when sampling with a shape that follows the
+    sampled tokens (jaxdecode.adaptive, "Lossless")."""
+    static = getattr(getattr(drafter, "builder", None), "static_parents", None) is not None
+    # Children that are a function of q (top-k, argmax, point masses) make the whole proposal a
+    # function of the past: any truncation of it is too. Sampled children: only the fixed shape.
+    deterministic = sampler.is_greedy or drafter.child_rule in ("point", "topk", "argmax")
+    shape = ("proposal" if deterministic
+             else "structure" if static or getattr(drafter, "is_chain", False) else "none")
+    overrides.setdefault("widths", adaptive_mod.default_widths(drafter.num_nodes,
+                                                               getattr(drafter, "verify_widths", None)))
+    return adaptive_mod.AdaptivePolicy(**dict(dict(shape=shape), **overrides))

@@ -5,6 +5,10 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Cost tables measured by adaptive speculation go to a fresh directory per test process, not ~/.cache.
+import tempfile  # noqa: E402
+
+os.environ.setdefault("JAXDECODE_CACHE_DIR", tempfile.mkdtemp(prefix="jaxdecode-test-cache-"))
 
 import jax  # noqa: E402
 

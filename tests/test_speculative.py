@@ -145,6 +145,7 @@ def test_acceptance_stats_hand_built_trees():
         p = jnp.asarray([path + [-1] * (5 - len(path))], jnp.int32)
         got = _acceptance_stats(_tree(parents, valid), p, jnp.asarray([num]), jnp.asarray([committed]),
                                 jnp.asarray([active]), 3)
+        got = (got[0], got[1].sum(0), got[2].sum(0))  # per row -> counts
         assert [np.asarray(g).tolist() for g in got] == [hist, tried, accepted], (valid, path, committed)
 
 

@@ -30,6 +30,7 @@ from scipy import stats as sps
 
 import jaxdecode.speculative as spec
 from jaxdecode import verifiers as vf
+from jaxdecode.adaptive import AdaptivePolicy, default_widths
 from jaxdecode.decoders import DEFAULT_VERIFIER
 from jaxdecode.drafters.builders import RULES as BUILDER_RULES
 from jaxdecode.drafters.builders import ChainBuilder, DynamicTreeBuilder, StaticTreeBuilder
@@ -230,9 +231,29 @@ def chi2_pvalue(first_two, joint):
     return sps.chi2.sf(stat, keep.sum() - 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class StepCosts:
+    """A synthetic cost table for the adaptive runs: verify(w) = 1 + per_node * w; a draft costs `draft`."""
+    per_node: float
+    draft: float
+    idle_seconds: float = 0.0
+
+    def verify_at(self, width):
+        return 1.0 + self.per_node * width
+
+    draft_seconds = property(lambda self: self.draft)
+
+
+# Adaptive runs on 2-node chains (prior 0.6, decay 0.8; jaxdecode.adaptive): step 1 verifies both
+# depths; a row whose first draft was rejected then verifies depth 1 only ("partial") or, its
+# estimate below what pays, drafts nothing and decodes plainly ("off"). Worked out from E(k) / cost.
+ADAPTIVE_COSTS = {"partial": StepCosts(per_node=0.29, draft=0.1), "off": StepCosts(per_node=0.28, draft=0.3)}
+
+
 @functools.lru_cache(maxsize=None)
-def run_size(num_nodes: int):
-    """Run every block of one tree size through speculative_decode; [(block, p-value, tau)]."""
+def run_size(num_nodes: int, adaptive: str | None = None):
+    """Run every block of one tree size through speculative_decode; [(block, p-value, tau)]; with
+    `adaptive` (a key of ADAPTIVE_COSTS), under the adaptive policy with those costs."""
     blocks = matrix_plan()[num_nodes]
     per = ROWS // CHUNKS
     builders = list(dict.fromkeys(b[1] for b in blocks))
@@ -255,10 +276,16 @@ def run_size(num_nodes: int):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(spec, "check_combination", lambda *a: None)
         for chunk in range(CHUNKS):
+            policy = None if adaptive is None else AdaptivePolicy(widths=default_widths(num_nodes),
+                                                                  shape="structure")
             out = speculative_decode(CFG, PARAMS, drafter, prompts, lengths, max_new_tokens=2,
                                      verifier=verifier, sampler=T1, cache_len=need,
-                                     key=jax.random.key(100 + chunk, impl="rbg"))  # rbg: faster bits on CPU
+                                     key=jax.random.key(100 + chunk, impl="rbg"),  # rbg: faster bits on CPU
+                                     adaptive=policy, costs=ADAPTIVE_COSTS.get(adaptive))
             assert np.all(np.asarray(out.lengths) == 2)
+            if adaptive is not None:  # the policy did what the costs were picked for
+                hist = np.asarray(out.stats["width_hist"])
+                assert hist[-1] > 0 and hist[{"partial": 1, "off": 0}[adaptive]] > 0, hist
             outs.append((np.asarray(out.tokens), np.asarray(out.stats["verify_calls"])))
     joint = exact_joint(CFG, PARAMS, PROMPT, V)
     results = []
@@ -335,6 +362,21 @@ def test_every_accepted_pair_matches_the_target(num_nodes):
     for (name, _, pairs, expect), p, tau in run_size(num_nodes):
         report.append(f"{name:10s} {expect:8s} p={p:.3g} tau={tau:.2f} {pairs}")
         if (expect == "lossless") != (p > P_OK) or (expect == "broken" and p > P_BROKEN):
+            failures.append(report[-1])
+    print("\n" + "\n".join(report))
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("adaptive", list(ADAPTIVE_COSTS))
+def test_adaptive_policy_keeps_chains_lossless(adaptive):
+    """The adaptive policy changes the draft depth between steps (both depths, then one or none for a
+    row whose draft was rejected): every accepted chain pair stays lossless."""
+    size = min(_SIZES)
+    assert size == 2
+    failures, report = [], []
+    for (name, _, pairs, expect), p, tau in run_size(size, adaptive):
+        report.append(f"{name:10s} {expect:8s} p={p:.3g} tau={tau:.2f} {pairs}")
+        if (expect == "lossless") != (p > P_OK):
             failures.append(report[-1])
     print("\n" + "\n".join(report))
     assert not failures, "\n".join(failures)

@@ -252,6 +252,12 @@ class AcceptHeadDrafter:
             tree = tree.replace(valid=tree.valid & keep_mask(lg, self.threshold))
         return tree, slots, (inner_state, tfeat)
 
+    def idle(self, state, ctx):
+        """A step without a proposal: the inner drafter's idle (a draft LM keeps its cache current)."""
+        inner_state, tfeat = state
+        inner_idle = getattr(self.inner, "idle", None)
+        return (inner_state if inner_idle is None else inner_idle(inner_state, ctx)), tfeat
+
     def observe(self, state, obs):
         inner_state, tfeat = state
         inner_state = self.inner.observe(inner_state, obs)

@@ -47,17 +47,26 @@ class DraftLM:
         _, cache = prefill(self.config, self.params, prompt_tokens, prompt_lengths - 1, cache)
         return cache
 
-    def propose(self, cache, ctx, sampler: SamplerConfig):
-        cfg, params = self.config, self.params
+    def _catch_up(self, cache, ctx):
+        """Run the draft LM over the tokens committed since the last step (at most max_depth + 1, one
+        padded forward): (the root's logits [B, V], the cache holding every committed token)."""
         catch = self.max_depth + 1
         idx = cache.lengths[:, None] + jnp.arange(catch)[None, :]  # [B, C] history positions
         valid = idx < ctx.hist_len[:, None]
         toks = jnp.take_along_axis(ctx.history, jnp.minimum(idx, ctx.history.shape[1] - 1), axis=1)
-        logits, _, cache = forward(cfg, params, jnp.where(valid, toks, 0), idx, cache,
+        logits, _, cache = forward(self.config, self.params, jnp.where(valid, toks, 0), idx, cache,
                                    padded_causal_mask(valid))
         n_new = valid.sum(axis=1)
         root_logits = jnp.take_along_axis(logits, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
-        cache = advance(cache, n_new)  # now holds every committed token, pending included
+        return root_logits, advance(cache, n_new)
+
+    def idle(self, cache, ctx):
+        """A step without a proposal (adaptive speculation off): keep the cache current, draft nothing."""
+        return self._catch_up(cache, ctx)[1]
+
+    def propose(self, cache, ctx, sampler: SamplerConfig):
+        cfg, params = self.config, self.params
+        root_logits, cache = self._catch_up(cache, ctx)  # now holds every committed token, pending included
         root_pos = ctx.hist_len - 1
         b = root_pos.shape[0]
 

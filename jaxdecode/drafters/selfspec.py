@@ -364,6 +364,11 @@ class SelfSpecDrafter:
         _, cache = self._catch_up(state, prompt_tokens, prompt_lengths - 1, prompt_tokens.shape[1])
         return dataclasses.replace(state, cache=cache)
 
+    def idle(self, state: SelfSpecState, ctx):
+        """A step without a proposal (adaptive speculation off): keep the cache current, draft nothing."""
+        _, cache = self._catch_up(state, ctx.history, ctx.hist_len, self.max_depth + 1)
+        return dataclasses.replace(state, cache=cache, built=state.choice)
+
     def propose(self, state: SelfSpecState, ctx, sampler):
         root_logits, cache = self._catch_up(state, ctx.history, ctx.hist_len, self.max_depth + 1)
         b = root_logits.shape[0]

@@ -1,0 +1,163 @@
+"""Adaptive speculation (jaxdecode.adaptive): greedy exactness and sampling losslessness while the draft
+depth changes between steps and rows; the policy stops drafting for a drafter that is never right and
+drafts to the maximum for one that always is (asserted on the stats, not on time)."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdecode import adaptive
+from jaxdecode.autoregressive import decode, pad_prompts
+from jaxdecode.drafters import DraftLM, parse_tree_spec
+from jaxdecode.sampling import SamplerConfig
+from jaxdecode.speculative import SpeculativeError, policy_for, speculative_decode
+from jaxdecode.tree import Tree
+from jaxdecode.verifiers import get_verifier
+from test_speculative import PROMPTS_4, tiny
+
+GREEDY = SamplerConfig(temperature=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """A synthetic cost table: a plain step costs 1, each verified node `per_node`, a draft `draft`."""
+    per_node: float = 0.05
+    draft: float = 0.3
+    idle: float = 0.0
+
+    def verify_at(self, width):
+        return 1.0 + self.per_node * width
+
+    draft_seconds = property(lambda self: self.draft)
+    idle_seconds = property(lambda self: self.idle)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class OracleDrafter:
+    """Proposes a chain of the next K tokens of a known continuation, shifted by `shift` (0: always
+    right, 1: always wrong)."""
+    continuation: jax.Array  # int32[B, T]
+    prompt_lengths: jax.Array  # int32[B]
+    depth: int = dataclasses.field(metadata=dict(static=True))
+    shift: int = dataclasses.field(metadata=dict(static=True))
+    vocab: int = dataclasses.field(metadata=dict(static=True))
+    child_rule = "point"
+    is_chain = True
+    num_nodes = property(lambda self: self.depth)
+    max_depth = property(lambda self: self.depth)
+
+    def init(self, prompt_tokens, prompt_lengths, cache_len, key):
+        return jnp.zeros((), jnp.int32)
+
+    def propose(self, state, ctx, sampler):
+        b = ctx.hist_len.shape[0]
+        j = (ctx.hist_len - self.prompt_lengths)[:, None] + jnp.arange(self.depth)[None, :]
+        t = self.continuation.shape[1]
+        toks = jnp.take_along_axis(self.continuation, jnp.clip(j, 0, t - 1), axis=1)
+        toks = (toks + self.shift) % self.vocab
+        parents = jnp.broadcast_to(jnp.arange(self.depth, dtype=jnp.int32) - 1, (b, self.depth))
+        return Tree(tokens=toks, parents=parents, valid=j < t), None, state
+
+    def observe(self, state, obs):
+        return state
+
+
+@pytest.fixture(scope="module")
+def models():
+    return tiny(), tiny(layers=1, seed=1)
+
+
+def _greedy(cfg, params, prompts, lengths, n):
+    return decode(cfg, params, prompts, lengths, max_new_tokens=n, sampler=GREEDY, method="greedy")
+
+
+def _run(cfg, params, drafter, prompts, lengths, n, costs=Costs(), sampler=GREEDY, verifier="greedy", **kw):
+    policy = policy_for(drafter, sampler, **kw)
+    return speculative_decode(cfg, params, drafter, prompts, lengths, max_new_tokens=n,
+                              verifier=get_verifier(verifier), sampler=sampler, adaptive=policy, costs=costs)
+
+
+def test_never_accepted_drafts_stop_within_a_few_steps(models):
+    (cfg, params), _ = models
+    prompts, lengths = pad_prompts(PROMPTS_4[:1])
+    n = 48
+    ref = _greedy(cfg, params, prompts, lengths, n)
+    drafter = OracleDrafter(continuation=ref.tokens, prompt_lengths=lengths, depth=4, shift=1, vocab=64)
+    out = _run(cfg, params, drafter, prompts, lengths, n)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    s = jax.tree.map(np.asarray, out.stats)
+    steps, drafting = int(s["verify_calls"][0]), int(s["speculative_steps"][0])
+    assert steps == n  # nothing is ever accepted: one token per step
+    # A few steps to learn, then only rare probes (untried estimates drift back slowly).
+    assert drafting <= 4 + steps // 8, (drafting, steps, s["width_hist"])
+    assert s["width_hist"][0] >= steps - drafting  # the other steps verified no draft token at all
+
+
+def test_always_right_drafts_grow_to_the_maximum(models):
+    (cfg, params), _ = models
+    prompts, lengths = pad_prompts(PROMPTS_4)
+    n = 40
+    ref = _greedy(cfg, params, prompts, lengths, n)
+    drafter = OracleDrafter(continuation=ref.tokens, prompt_lengths=lengths, depth=4, shift=0, vocab=64)
+    out = _run(cfg, params, drafter, prompts, lengths, n)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    s = jax.tree.map(np.asarray, out.stats)
+    widths = list(s["policy_widths"])
+    assert widths == [0, 1, 2, 4]
+    # Every step after the first verifies the whole chain (4 nodes): tau = 5 but for the row ends.
+    assert s["width_hist"][widths.index(4)] >= s["width_hist"].sum() - 1, s["width_hist"]
+    assert np.all(s["tau"] > 4.0), s["tau"]
+
+
+def test_greedy_exact_while_depth_changes_between_steps_and_rows(models):
+    """A real (weak) draft LM: rows accept differently, the policy's depths differ by row and step."""
+    (cfg, params), (dcfg, dparams) = models
+    prompts, lengths = pad_prompts(PROMPTS_4)
+    n = 24
+    ref = _greedy(cfg, params, prompts, lengths, n)
+    for tree in ("chain:4", "static:2,2,1", "eagle:depth=3,topk=2,total=5"):
+        drafter = DraftLM(params=dparams, config=dcfg, builder=parse_tree_spec(tree))
+        # Verification nearly free, drafting cheap: the policy keeps drafting but trims by row.
+        out = _run(cfg, params, drafter, prompts, lengths, n, costs=Costs(per_node=0.01, draft=0.05))
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens), err_msg=tree)
+        np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(ref.lengths), err_msg=tree)
+        s = jax.tree.map(np.asarray, out.stats)
+        assert (s["width_hist"] > 0).sum() >= 2, (tree, s["width_hist"])  # the width changed between steps
+
+
+def test_idle_keeps_a_draft_lm_current(models):
+    """With drafting off for stretches (expensive drafts), a self-draft LM must still draft the right
+    tokens whenever the policy probes: its cache catches up while idle."""
+    (cfg, params), _ = models
+    prompts, lengths = pad_prompts(PROMPTS_4)
+    n = 32
+    ref = _greedy(cfg, params, prompts, lengths, n)
+    drafter = DraftLM(params=params, config=cfg, builder=parse_tree_spec("chain:3"))
+    # Drafting does not pay at the prior; the estimate drifts up (explore) until the policy probes.
+    out = _run(cfg, params, drafter, prompts, lengths, n, costs=Costs(draft=0.6), prior=0.3, explore=0.1)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    s = jax.tree.map(np.asarray, out.stats)
+    assert s["width_hist"][0] > 0  # some steps did not draft
+    assert np.all(s["speculative_steps"] > 0)
+    # Every drafted step of a self-draft is fully accepted when the cache is current.
+    assert np.all(s["accept_rate_by_depth"][:1] > 0.95), s["accept_rate_by_depth"]
+
+
+def test_bad_adaptive_arguments(models):
+    (cfg, params), (dcfg, dparams) = models
+    prompts, lengths = pad_prompts(PROMPTS_4[:1])
+    drafter = DraftLM(params=dparams, config=dcfg, builder=parse_tree_spec("chain:4"))
+    with pytest.raises(SpeculativeError, match="needs the measured costs"):
+        speculative_decode(cfg, params, drafter, prompts, lengths, max_new_tokens=4,
+                           verifier=get_verifier("greedy"), adaptive=policy_for(drafter, GREEDY))
+    with pytest.raises(SpeculativeError, match="must end at the drafter's tree size"):
+        speculative_decode(cfg, params, drafter, prompts, lengths, max_new_tokens=4,
+                           verifier=get_verifier("greedy"), costs=Costs(),
+                           adaptive=adaptive.AdaptivePolicy(widths=(0, 1, 2)))
+    with pytest.raises(ValueError, match="starting at 0"):
+        adaptive.AdaptivePolicy(widths=(1, 4))
+    with pytest.raises(ValueError, match="unusable seconds"):
+        adaptive.cost_vector(adaptive.AdaptivePolicy(widths=(0, 4)), Costs(draft=float("nan")))
