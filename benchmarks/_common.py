@@ -10,6 +10,8 @@ import time
 
 import numpy as np
 
+from jaxdecode.training.compression import OUTSIDE_PACKAGES  # noqa: F401 (one list: prompts, bench_compression)
+
 
 def median_seconds(fn, repeats: int, warmup: int = 0) -> float:
     """Median wall time of `fn()` over `repeats` calls after `warmup` untimed ones."""
@@ -59,9 +61,6 @@ def heldout_prompts(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> lis
     texts = [t for t in iter_texts([sysconfig.get_paths()["stdlib"]], held_out_fraction=HELD_OUT_FRACTION,
                                    split="heldout") if len(t) > 4000]
     return _windows(texts, tokenizer, n, prompt_tokens, seed)
-
-
-OUTSIDE_PACKAGES = ("optax", "flax", "safetensors", "tqdm")
 
 
 def outside_prompts(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> list[list[int]]:

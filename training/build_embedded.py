@@ -72,6 +72,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="models/embedded", help="where the shipped models and card go")
     ap.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {STAGES}")
     ap.add_argument("--no-progress", action="store_true", help="no tqdm bar (for logs)")
+    ap.add_argument("--refresh", action="store_true",
+                    help="report: rewrite the card and metrics.json of the models already in --out (their "
+                         "training run gone): keeps the recorded training facts, measures the compression "
+                         "comparison anew; no export, the weights stay as they are")
     ap.add_argument("--eval-windows", type=int, default=256,
                     help="report: held-out windows of 256 tokens to score, spread evenly (0: all)")
     args = ap.parse_args(argv)
@@ -90,10 +94,13 @@ def main(argv=None) -> int:
         elif s in ("target", "draft"):
             stage_train(work, s, not args.no_progress)
         elif s == "report":
-            from .report import build_report
+            from .report import build_report, refresh_report
             cmd = " ".join(["python -m jaxdecode.training.build_embedded"]
                            + (argv if argv is not None else sys.argv[1:]))
-            build_report(work, Path(args.out), command=cmd, eval_windows=args.eval_windows)
+            if args.refresh:
+                refresh_report(Path(args.out), command=cmd)
+            else:
+                build_report(work, Path(args.out), command=cmd, eval_windows=args.eval_windows)
         print(f"[build_embedded] stage {s} done in {time.time() - t0:.0f} s", flush=True)
     return 0
 

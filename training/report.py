@@ -136,6 +136,46 @@ def plot_curves(curves: dict, baselines: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def compression_report(out: Path, names, context: int = SEQ_LEN, progress=None) -> dict:
+    """Bits/byte of the shipped models in `out` (scored per file, training.compression) against bz2,
+    gzip and xz, on the held-out stdlib files and on a fixed sample of sources outside the corpus."""
+    from jaxdecode.models import load_params
+
+    from .compression import compressor_bits_per_byte, heldout_stdlib_files, model_bits_per_byte, outside_files
+    outside, versions = outside_files()
+    splits = {"heldout": heldout_stdlib_files(), "outside": outside}
+    res = {"context": context, "stride": context // 2, "outside_packages": versions, "splits": {}}
+    for split, files in splits.items():
+        row = {"files": len(files), "bytes": sum(len(f.data) for f in files),
+               "compressors": compressor_bits_per_byte(files), "models": {}}
+        for name in names:
+            config, params = load_params(out / name, dtype="float32")
+            row["models"][name] = model_bits_per_byte(config, params, load_tokenizer_dir(out / name), files,
+                                                      context, progress=progress)
+        res["splits"][split] = row
+    return res
+
+
+def _portable(command: str) -> str:
+    """The command line with absolute paths cut to their last part (the card names no machine paths)."""
+    return " ".join(f"<{Path(a).name or 'root'}>" if Path(a).is_absolute() else a for a in command.split())
+
+
+def refresh_report(out: Path, command: str) -> dict:
+    """Rewrite the card and metrics.json of models already in `out` without their training run (its
+    checkpoints and logs gone): the recorded training facts are kept, the compression comparison is
+    measured anew on the shipped weights; the weights and loss_curves.png are left as they are."""
+    with open(out / "metrics.json") as f:
+        report = json.load(f)
+    report.pop("corpus_root", None)  # older reports held the build machine's stdlib path
+    report.update(command=_portable(command), refreshed=time.strftime("%Y-%m-%d"),
+                  compression=compression_report(out, [n for n in NAMES if n in report["models"]]))
+    with open(out / "metrics.json", "w") as f:
+        json.dump(report, f, indent=1)
+    (out / "MODEL_CARD.md").write_text(model_card(report))
+    return report
+
+
 def build_report(work: Path, out: Path, command: str, eval_windows: int = 256) -> dict:
     """Export, evaluate and document both models. eval_windows: held-out windows scored, spread
     evenly over the split (0: every held-out token)."""
@@ -150,8 +190,8 @@ def build_report(work: Path, out: Path, command: str, eval_windows: int = 256) -
                          for s in ("train", "heldout")},
               "skipped_files": [r for r in corpus.manifest["files"] if "skipped" in r],
               "held_out_fraction": corpus.manifest["held_out_fraction"],
-              "corpus_root": corpus.manifest["roots"], "vocab_size": len(tokenizer),
-              "python": platform.python_version(), "command": command,
+              "vocab_size": len(tokenizer),
+              "python": platform.python_version(), "command": _portable(command),
               "date": time.strftime("%Y-%m-%d"), "models": {}}
     report["baselines"] = ngram_baselines(train_tokens, batches, len(tokenizer), byte_lengths)
     report["eval"] = {"windows": eval_windows or "all", "seq_len": SEQ_LEN}
@@ -172,6 +212,7 @@ def build_report(work: Path, out: Path, command: str, eval_windows: int = 256) -
         curves[name] = (info["batch_size"] * info["seq_len"], metrics,
                         [int(b) for b in starts if b < info["step"]])
     plot_curves(curves, report["baselines"], out / "loss_curves.png")
+    report["compression"] = compression_report(out, list(report["models"]))
     with open(out / "metrics.json", "w") as f:
         json.dump(report, f, indent=1)
     (out / "MODEL_CARD.md").write_text(model_card(report))
@@ -184,6 +225,52 @@ def _scored_line(r: dict, h: dict) -> str:
              else f"{w} windows of {r['eval']['seq_len']} tokens spread evenly over the held-out split")
     return (f"Scored: {h['tokens']:,} held-out tokens ({h['bytes']:,} bytes; {where}; EOS separators "
             f"included; each token conditioned on the tokens before it in its window).")
+
+
+def compression_section(c: dict | None) -> list[str]:
+    """The card's comparison with general-purpose compressors (nothing when it was not measured)."""
+    if not c:
+        return []
+    where = {"heldout": "held-out stdlib", "outside": "outside the corpus"}
+    splits = list(c["splits"])
+    cols = [c["splits"][s] for s in splits]
+    models = list(cols[0]["models"])
+    lines = [
+        "## Compression: bits per byte against bz2, gzip and xz",
+        "| bits/byte | " + " | ".join(f"{where.get(s, s)} ({col['files']} files, {col['bytes'] / 1e3:.0f} KB)"
+                                    for s, col in zip(splits, cols)) + " |",
+        "|---" * (len(splits) + 1) + "|",
+    ]
+    for m in models:
+        lines.append(f"| **{m}** (each file on its own, context <= {c['context']} tokens) | "
+                     + " | ".join(f"**{col['models'][m]['bits_per_byte']:.3f}**" for col in cols) + " |")
+    for k in cols[0]["compressors"]:
+        label = k.replace(" whole", " (whole split as one stream)")
+        lines.append(f"| {label} | " + " | ".join(f"{col['compressors'][k]:.3f}" for col in cols) + " |")
+    if models:
+        m = models[0]
+
+        def gap(col, k):
+            return f"{col['models'][m]['bits_per_byte'] - col['compressors'][k]:+.3f}"
+        lines.append("")
+        lines.append(f"{m} minus bz2 -9: " + "; ".join(
+            f"{where.get(s, s)}: {gap(col, 'bz2 -9 per file')} bits/byte per file, "
+            f"{gap(col, 'bz2 -9 whole')} against the whole split" for s, col in zip(splits, cols))
+            + " (negative: the model compresses better).")
+    pkgs = ", ".join(f"{k} {v}" for k, v in c.get("outside_packages", {}).items())
+    lines += [
+        "",
+        f"The model scores each file alone with a sliding window ({c['context']} tokens, stride {c['stride']}, every",
+        "token scored once; the first token is conditioned on `<|endoftext|>`, which is itself not scored): the file's",
+        "nats / ln 2 / its UTF-8 bytes, summed over the split, i.e. what an arithmetic coder driven by the model would",
+        "need to within a few bits per file. The compressors code the same files one by one (sizes summed, headers",
+        "included) and as one stream of the whole split (they then reuse earlier files' text; the model does not).",
+        "Outside the corpus: a fixed ~300 KB sample of installed packages' sources, chosen by a salted hash of each",
+        f"path (`jaxdecode.training.compression.outside_files`; here {pkgs}).",
+        "Reproduce: `python benchmarks/bench_compression.py [--model DIR]`.",
+        "",
+    ]
+    return lines
 
 
 def model_card(r: dict) -> str:
@@ -199,8 +286,8 @@ def model_card(r: dict) -> str:
         "agree often), not as code assistants.",
         "",
         "## Corpus and split",
-        f"- Source: every `*.py` file under `sysconfig.get_paths()[\"stdlib\"]` of Python {r['python']}",
-        f"  (`{r['corpus_root'][0]}`), `site-packages` excluded. Documents are joined with `<|endoftext|>`.",
+        f"- Source: every `*.py` file of the CPython {r['python']} standard library (the `sysconfig` stdlib path,",
+        "  `sysconfig.get_paths()[\"stdlib\"]`), `site-packages` excluded. Documents are joined with `<|endoftext|>`.",
         f"- Split by file: a file is held out when `sha256('jaxdecode-split:' + relative_path)` falls in",
         f"  the first {r['held_out_fraction']:.0%} of the hash range; the tokenizer saw only training files.",
         f"- Train: {c['train']['documents']} files, {c['train']['bytes']:,} bytes, {c['train']['tokens']:,} tokens.",
@@ -258,6 +345,9 @@ def model_card(r: dict) -> str:
         "256 tokens spread over the held-out split, for speed) against tokens seen; grey lines: the baselines on the",
         "tokens scored above; dotted verticals: a new training phase starts.",
         "",
+    ]
+    lines += compression_section(r.get("compression"))
+    lines += [
         "## Training",
         "AdamW (b1 0.9, b2 0.95, weight decay 0.1 on matrices), linear warmup then cosine decay to 10% of the peak,",
         "global-norm clipping at 1.0, float32 on CPU, random windows of the training stream (batch order a pure",
@@ -275,8 +365,11 @@ def model_card(r: dict) -> str:
         "Stages (`--stages tokenizer,corpus,target,draft,report`) resume from `runs/embedded/`; `report` re-exports the",
         "latest checkpoints into `models/embedded/` and rewrites this card and `metrics.json`. This card was written by:",
         "```",
-        r["command"],
+        _portable(r["command"]),
         "```",
+        *([f"(`--refresh`, {r['refreshed']}: the training facts above are those recorded by the report that exported",
+           "the weights; the compression comparison was measured anew on the shipped weights.)"]
+          if r.get("refreshed") else []),
         "Load: `jaxdecode.models.load_params('models/embedded/target', dtype='float32')`, or",
         "`transformers.AutoModelForCausalLM.from_pretrained('models/embedded/target')`.",
         "",
