@@ -40,7 +40,7 @@ import numpy as np
 
 from jaxdecode.tree import TreeError, static_tree_layout
 
-__all__ = ["AcceptanceProfile", "TreeChoice", "comb_paths", "acceptance_profile", "acceptance_matrix",
+__all__ = ["AcceptanceProfile", "TreeChoice", "comb_paths", "acceptance_profile", "acceptance_matrix", "is_auto",
            "sequoia_values", "sequoia_tree", "expected_accepted", "choose_tree", "tree_spec",
            "resolve_auto_tree", "parse_auto", "AUTO_DEFAULTS"]
 
@@ -398,3 +398,185 @@ def acceptance_profile(model, build_drafter: Callable[[Any], Any], prompt_tokens
             "new_tokens": int(np.asarray(out.lengths).sum()), "rows": int(np.asarray(prompt_lengths).shape[0])}
     return AcceptanceProfile(width, depth, tuple(map(tuple, tried.tolist())),
                              tuple(map(tuple, accepted.tolist())), meta)
+
+
+# ----------------------------------------------------------------------------- tree="auto"
+# Settings of tree="auto" ("auto:width=4,depth=4" overrides them): the profiling comb's ranks per node
+# and depth, the largest tree considered (default: the comb's size, the widest verification the cost
+# table measures), and new tokens per prompt of the profiling run.
+AUTO_DEFAULTS = {"width": 8, "depth": 6, "max_nodes": None, "tokens": 128}
+PROFILE_SCHEMA = 1
+_PROFILE_ROWS = 16  # prompts the profiling run decodes at most (the first ones)
+
+
+def is_auto(tree) -> bool:
+    return isinstance(tree, str) and tree.partition(":")[0] == "auto"
+
+
+def parse_auto(spec: str) -> dict:
+    """'auto' or 'auto:width=8,depth=6,max_nodes=32,tokens=128' -> settings (AUTO_DEFAULTS filled in)."""
+    kind, _, rest = spec.partition(":")
+    if kind != "auto":
+        raise ValueError(f"not an auto tree spec: {spec!r}")
+    out = dict(AUTO_DEFAULTS)
+    for item in filter(None, rest.split(",")):
+        name, eq, value = item.partition("=")
+        if name not in AUTO_DEFAULTS or not eq or not value.strip().isdigit() or int(value) < 1:
+            raise ValueError(f"bad tree spec {spec!r}: 'auto' takes width=, depth=, max_nodes=, tokens= "
+                             f"(ints >= 1), e.g. 'auto:width=4,depth=5', got {item!r}")
+        out[name] = int(value)
+    return out
+
+
+def _sampling_rule(sampler, verifier) -> str:
+    """How the profiled (and the chosen) tree picks children: top-k at temperature 0; when sampling,
+    without replacement (Gumbel-top-k, verified by RSD: Sequoia's robust choice), or the first rule the
+    user's verifier is lossless for on a tree."""
+    from jaxdecode.verifiers import get_verifier
+    if sampler.is_greedy:
+        return "topk"
+    if verifier is None:
+        return "gumbel"
+    v = get_verifier(verifier) if isinstance(verifier, str) else verifier
+    for rule in ("gumbel", "iid", "topk"):
+        if v.accepts_children(rule, False):
+            return rule
+    raise ValueError(f"tree='auto' drafts a branching tree, but verifier {v.name!r} is lossless for no "
+                     f"branching child rule: use another verifier, or a chain (tree='chain:N')")
+
+
+def _profile_drafter(build_drafter, settings: dict, rule: str):
+    """(drafter, chain?, depth): the drafter on the deepest profiling comb it takes; drafters that
+    take no tree builder (retrieval of chains) on 'chain:depth'. A ValueError naming why otherwise."""
+    from jaxdecode.drafters.builders import StaticTreeBuilder
+    width, depth = settings["width"], settings["depth"]
+    errors = []
+    for chain in (False, True):
+        for d in range(depth, 0, -1):  # trained heads draft to a fixed depth: the deepest they take
+            tree = f"chain:{d}" if chain else StaticTreeBuilder(comb_paths(width, d), rule)
+            try:
+                drafter = build_drafter(tree)
+            except (ValueError, TypeError) as e:
+                errors.append(str(e))
+                continue
+            want = d if chain else width * d
+            if drafter.num_nodes == want and drafter.max_depth == d:
+                return drafter, chain, d
+            errors.append(f"the drafter drafts {drafter.num_nodes} nodes of depth {drafter.max_depth} on "
+                          f"the profiling tree {tree!r}")
+    raise ValueError(f"tree='auto' needs a drafter that drafts along a tree builder (draft_lm, medusa, "
+                     f"hydra, eagle3, block, ...) or retrieves chains (prompt_lookup, aggressive); this one "
+                     f"takes neither: {errors[0]}. Give the tree explicitly (e.g. tree='chain:4' or "
+                     f"'nodes:16')")
+
+
+def _profile_key(model, drafter, verifier_name: str, sampler, settings: dict, chain: bool, rule: str) -> dict:
+    from jaxdecode.costmodel import drafter_fingerprint, model_fingerprint
+    return {"schema": PROFILE_SCHEMA, "model": model_fingerprint(model), "drafter": drafter_fingerprint(drafter),
+            "verifier": verifier_name, "rule": "chain" if chain else rule,
+            "sampler": [float(sampler.temperature), int(sampler.top_k), float(sampler.top_p), float(sampler.min_p)],
+            "width": 1 if chain else settings["width"], "depth": drafter.max_depth, "tokens": settings["tokens"]}
+
+
+def _profile_file(key: dict, cache_dir=None) -> Path:
+    from jaxdecode.costmodel import default_cache_dir
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    return Path(cache_dir or default_cache_dir()) / "profiles" / f"{digest}.json"
+
+
+def _read_profile(path: Path, key: dict) -> AcceptanceProfile | None:
+    """The profile cached at `path` for `key`, None when absent; a file that is unreadable or holds no
+    valid profile for this key is measured again with a warning, never an error."""
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or data.get("key") != json.loads(json.dumps(key)):
+            raise ValueError("it was written for another model / drafter / verifier / sampler")
+        return AcceptanceProfile.from_json(data["profile"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+        warnings.warn(f"acceptance profile cache file {path} is not a valid profile ({e}); it is measured "
+                      f"again and the file replaced", stacklevel=3)
+        return None
+
+
+def _write_profile(path: Path, key: dict, profile: AcceptanceProfile) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"key": key, "profile": profile.to_json()}, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache must not stop decoding
+        warnings.warn(f"cannot write the acceptance profile cache {path} ({e}); set JAXDECODE_CACHE_DIR to "
+                      f"a writable directory", stacklevel=3)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _emit(progress, line: str) -> None:
+    if progress is True:
+        import sys
+        print(line, file=sys.stderr, flush=True)
+    elif callable(progress):
+        progress(line)
+
+
+def resolve_auto_tree(model, build_drafter: Callable[[Any], Any], prompt_tokens, prompt_lengths, *,
+                      spec: str = "auto", sampler=None, verifier=None, eos_ids: tuple = (),
+                      max_new_tokens: int | None = None, cache_dir=None, progress=True, key=None):
+    """What tree='auto' becomes for this drafter, model, batch and sampler: (tree, stats).
+
+    build_drafter(tree) builds the drafter on a tree option (a builder or a spec string). The acceptance
+    profile (`acceptance_profile` over the first prompts; cached as <cache_dir>/profiles/<sha256>.json,
+    keyed by model, drafter, verifier, sampler and the settings) and the cost table of this batch size
+    (jaxdecode.costmodel.load_or_calibrate, same cache dir) feed `choose_tree`. tree is a
+    StaticTreeBuilder(paths, rule) for drafters that take builders, 'chain:L' for drafters that
+    retrieve chains; stats: tree (spec string), tree_parents, tree_expected_tau, tree_expected_speedup."""
+    from jaxdecode.costmodel import load_or_calibrate, resolve_context
+    from jaxdecode.decoders import DEFAULT_VERIFIER
+    from jaxdecode.drafters.builders import StaticTreeBuilder
+    from jaxdecode.sampling import SamplerConfig
+    from jaxdecode.verifiers import get_verifier
+
+    settings = parse_auto(spec)
+    sampler = sampler or SamplerConfig(temperature=0.0)
+    rule = _sampling_rule(sampler, verifier)
+    drafter, chain, depth = _profile_drafter(build_drafter, settings, rule)
+    width = 1 if chain else settings["width"]
+    if verifier is None:
+        verifier = "greedy" if sampler.is_greedy else DEFAULT_VERIFIER[drafter.child_rule]
+    verifier = get_verifier(verifier) if isinstance(verifier, str) else verifier
+
+    pkey = _profile_key(model, drafter, verifier.name, sampler, settings, chain, rule)
+    path = _profile_file(pkey, cache_dir)
+    profile = _read_profile(path, pkey)
+    toks = np.asarray(prompt_tokens)[:_PROFILE_ROWS]
+    lens = np.asarray(prompt_lengths)[:_PROFILE_ROWS]
+    if profile is None:
+        room = model.config.max_position_embeddings - toks.shape[1] - depth - 1
+        tokens = min(settings["tokens"], room)
+        if tokens < 1:
+            raise ValueError(f"tree='auto' measures acceptance by decoding the prompts, but the prompts "
+                             f"({toks.shape[1]} tokens) leave no room below max_position_embeddings "
+                             f"({model.config.max_position_embeddings}): give the tree explicitly")
+        _emit(progress, f"tree=auto: measuring acceptance by rank and depth ({len(toks)} prompts x "
+                        f"{tokens} tokens; once, cached in {path})")
+        profile = acceptance_profile(model, build_drafter, jnp.asarray(toks), jnp.asarray(lens), width=width,
+                                     depth=depth, rule=rule, chain=chain, verifier=verifier, sampler=sampler,
+                                     max_new_tokens=tokens, eos_ids=eos_ids, key=key)
+        _write_profile(path, pkey, profile)
+
+    batch = int(np.asarray(prompt_tokens).shape[0])
+    context = int(np.max(np.asarray(prompt_lengths))) + (max_new_tokens or settings["tokens"]) // 2
+    limit = model.config.max_position_embeddings - drafter.max_depth - 1
+    costs = load_or_calibrate(model, drafter, batch, context_len=max(2, min(context, limit)), sampler=sampler,
+                              cache_dir=cache_dir, progress=progress)
+    max_nodes = min(settings["max_nodes"] or drafter.num_nodes, max(costs.widths))
+    choice = choose_tree(profile.p_by_depth(), costs, max_nodes, depth, draft_levels=depth)
+    parents, _, _ = static_tree_layout(choice.paths)
+    if chain:
+        tree, spec_str = f"chain:{choice.num_nodes}", f"chain:{choice.num_nodes}"
+    else:
+        tree, spec_str = StaticTreeBuilder(choice.paths, rule), tree_spec(choice.paths, rule)
+    stats = {"tree": spec_str, "tree_parents": [int(x) for x in parents], **choice.stats()}
+    return tree, stats

@@ -124,3 +124,104 @@ def test_profile_json_and_estimates():
     with pytest.raises(ValueError, match="do not fit"):
         AcceptanceProfile.from_json(dict(prof.to_json(), width=3))
     assert len(comb_paths(3, 2)) == 6
+
+
+# ----------------------------------------------------------------------------- through the engine
+@pytest.fixture(scope="module")
+def pair():
+    """A 1-layer target and a draft near it (its weights plus noise: top-1 agreement about one half, so
+    lower ranks are accepted too)."""
+    import jax
+    from jaxdecode.model import Model
+    from test_speculative import tiny
+    cfg, params = tiny(layers=1)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.PRNGKey(5), len(leaves))
+    near = [x + 0.03 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    return Model(cfg, params), Model(cfg, jax.tree.unflatten(treedef, near))
+
+
+PROMPTS = [[3, 9, 27, 4, 1, 7, 7], [8, 2], [5, 5, 5], [60, 1, 33, 7]]
+
+
+def test_profile_counts_ranks_through_the_engine(pair):
+    from jaxdecode.autoregressive import pad_prompts
+    from jaxdecode.drafters import DraftLM
+    from jaxdecode.treeopt import acceptance_profile
+    target, _ = pair
+    toks, lens = pad_prompts(PROMPTS)
+    # the settings of the auto test below (one compiled loop for both)
+    prof = acceptance_profile(target, lambda t: DraftLM(params=target.params, config=target.config, builder=t),
+                              toks, lens, width=3, depth=3, max_new_tokens=12)
+    # a perfect drafter: every top-1 child is accepted, ranks 1, 2 are never tried; 4 rows x 3 steps
+    # (4 tokens each)
+    assert prof.tried == ((12, 0, 0),) * 3 and prof.accepted == ((12, 0, 0),) * 3
+    assert prof.p.tolist() == [1.0, 0.0, 0.0] and prof.meta["verifier"] == "greedy"
+    assert sequoia_tree(prof.p_by_depth(), 9, 3) == ((0,), (0, 0), (0, 0, 0))
+
+
+@pytest.fixture
+def flat_costs(monkeypatch, tmp_path):
+    """Profiles cached under tmp_path; every verification width costs the same and drafting nothing, so
+    every node that may be accepted pays (the real calibration is tests/test_costmodel.py's)."""
+    import jaxdecode.costmodel as cm
+    monkeypatch.setenv("JAXDECODE_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def fake(model, drafter, batch_size, **kw):
+        calls.append(batch_size)
+        widths = cm.default_widths(drafter.num_nodes)
+        return cm.CostTable(widths=widths, verify_seconds=(1e-3,) * len(widths), draft_seconds=0.0,
+                            idle_seconds=0.0, batch_size=batch_size)
+    monkeypatch.setattr(cm, "load_or_calibrate", fake)
+    return calls
+
+
+def test_generate_auto_tree_greedy_exact(pair, flat_costs, monkeypatch):
+    import jaxdecode
+    import jaxdecode.treeopt as to
+    target, other = pair
+    plain = jaxdecode.generate(target, PROMPTS, method="greedy", max_new_tokens=10, eos_ids=())
+    kw = dict(method="speculative", draft=other, tree="auto:width=3,depth=3,tokens=12", max_new_tokens=10,
+              eos_ids=())
+    out = jaxdecode.generate(target, PROMPTS, **kw)
+    assert [r.tokens for r in out] == [r.tokens for r in plain]
+    s = out[0].stats
+    # flat costs: the whole budget (3 x 3 comb = 9 nodes) is worth verifying, as a tree of depth <= 3
+    assert s["tree_nodes"] == 9 and s["tree_depth"] <= 3 and len(s["tree_parents"]) == 9
+    assert s["tree"].endswith(":topk") and s["tree_expected_tau"] >= 1.0
+    assert set(flat_costs) == {4}  # the batch size (the adaptive policy may ask for its own table)
+    # a second call reads the cached profile: nothing is measured again
+    monkeypatch.setattr(to, "acceptance_profile", lambda *a, **k: pytest.fail("profile not cached"))
+    again = jaxdecode.generate(target, PROMPTS, **kw)
+    assert again[0].stats["tree"] == s["tree"] and [r.tokens for r in again] == [r.tokens for r in plain]
+
+
+def test_generate_auto_chain_for_retrieval_drafters(pair, flat_costs):
+    import jaxdecode
+    target, _ = pair
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 1, 2, 1]]
+    plain = jaxdecode.generate(target, prompts, method="greedy", max_new_tokens=8, eos_ids=())
+    out = jaxdecode.generate(target, prompts, method="speculative", drafter="prompt_lookup",
+                             tree="auto:depth=3,tokens=8", max_new_tokens=8, eos_ids=())
+    assert [r.tokens for r in out] == [r.tokens for r in plain]
+    assert out[0].stats["tree"].startswith("chain:")
+
+
+def test_auto_tree_errors(pair, flat_costs):
+    import jaxdecode
+    from jaxdecode.drafters import DraftLM, parse_tree_spec
+    from jaxdecode.treeopt import parse_auto
+    target, other = pair
+    with pytest.raises(ValueError, match="tree='auto' builds the drafter"):
+        jaxdecode.generate(target, PROMPTS, method="speculative", tree="auto", max_new_tokens=4,
+                           drafter=DraftLM(params=other.params, config=other.config,
+                                           builder=parse_tree_spec("chain:2")))
+    with pytest.raises(ValueError, match="width=, depth="):
+        parse_auto("auto:widht=3")
+    with pytest.raises(ValueError, match="ints >= 1"):
+        parse_auto("auto:depth=0")
+    assert parse_auto("auto:depth=4")["depth"] == 4
+    with pytest.raises(ValueError, match="needs a draft model"):  # the drafter's own error, passed on
+        jaxdecode.generate(target, PROMPTS, method="speculative", drafter="draft_lm", tree="auto",
+                           max_new_tokens=4)
