@@ -30,8 +30,8 @@ import sys
 import time
 import warnings
 import weakref
-from functools import partial
 from pathlib import Path
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -135,7 +135,9 @@ def array_digest(x, *, sample: bool = False) -> str:
         return memo[2]
     h = hashlib.sha256(f"{tuple(x.shape)}|{x.dtype}|{'sample' if sample else 'full'}|".encode())
     size = int(np.prod(x.shape))
-    if sample and size > SAMPLE_ELEMENTS:
+    if not getattr(x, "is_fully_addressable", True):  # spans other hosts: its layout stands for it
+        h.update(f"sharded|{x.sharding}".encode())
+    elif sample and size > SAMPLE_ELEMENTS:
         step = size // SAMPLE_ELEMENTS
         flat = jnp.ravel(x)[::step] if isinstance(x, jax.Array) else np.ravel(x)[::step]
         h.update(np.ascontiguousarray(np.asarray(flat)).tobytes())
@@ -261,35 +263,50 @@ def _emit(progress, line: str) -> None:
         progress(line)
 
 
-def _time_steps(step, args, state, repeats: int, target_seconds: float, max_trips: int = 256) -> float:
-    """Median seconds of one `step(args, state, trip) -> (state, outputs)` inside a jitted loop,
-    compile excluded.
+@dataclasses.dataclass
+class _Loop:
+    """One timed item: `step(args, state, trip) -> (state, outputs)` run `trips` times inside a jitted
+    loop, as in the engine's while loop: the state (a KV cache, a drafter state) is donated and updated
+    in place, no dispatch per step, and the last trip's outputs are returned so XLA cannot drop the work
+    that makes them. The trip count is traced: one compile per item."""
+    step: Callable
+    args: Any
+    trips: int = 1
+    times: list = dataclasses.field(default_factory=list)
 
-    The loop carries the state (a KV cache, a drafter state) and the step's outputs (kept so XLA cannot
-    drop the work that makes them) and is donated, so the state is updated in place as in the engine's
-    while loop. The trip count is traced (one compile) and chosen so each timed loop lasts about
-    `target_seconds`."""
-    def body(a, i, carry):
-        return step(a, carry[0], i)
+    def __post_init__(self):
+        step = self.step
 
-    out0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
-                                  jax.eval_shape(lambda a, s: step(a, s, jnp.int32(0))[1], args, state))
-    run = jax.jit(lambda a, c, n: jax.lax.fori_loop(0, n, partial(body, a), c), donate_argnums=1)
-    # A private copy: the donated state must not share buffers with anything the caller still uses.
-    carry = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), (state, out0))
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*[Dd]onat")  # backends without donation
-        carry = jax.block_until_ready(run(args, carry, 1))  # compile + warm-up
-        t0 = time.perf_counter()
-        carry = jax.block_until_ready(run(args, carry, 1))
-        first = time.perf_counter() - t0
-        trips = int(min(max_trips, max(1, target_seconds // max(first, 1e-9))))
-        times = []
-        for _ in range(repeats):
+        def run(a, state, n):
+            shapes = jax.eval_shape(lambda s: step(a, s, jnp.int32(0))[1], state)
+            out0 = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+            return jax.lax.fori_loop(0, n, lambda i, c: step(a, c[0], i), (state, out0))
+        self._run = jax.jit(run, donate_argnums=1)
+
+    def __call__(self, state, trips: int):
+        """Run `trips` trips; (state, seconds per trip)."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*[Dd]onat")  # backends without donation
             t0 = time.perf_counter()
-            carry = jax.block_until_ready(run(args, carry, trips))
-            times.append((time.perf_counter() - t0) / trips)
-    return float(statistics.median(times))
+            state, out = self._run(self.args, state, trips)
+            jax.block_until_ready((state, out))
+        return state, (time.perf_counter() - t0) / trips
+
+
+def _time_loops(loops: list, state, repeats: int, target_seconds: float, max_trips: int = 256):
+    """Median seconds per trip of each loop, compile excluded; `state` is handed from loop to loop (one
+    KV cache for every width). The loops are timed round-robin, so a slow spell of a busy machine
+    spreads over all of them instead of bending the curve."""
+    state = jax.tree.map(lambda x: jnp.array(x, copy=True), state)  # private: it is donated
+    for loop in loops:
+        state, _ = loop(state, 1)  # compile + warm up
+        state, first = loop(state, 1)
+        loop.trips = int(min(max_trips, max(1, target_seconds // max(first, 1e-9))))
+    for _ in range(repeats):
+        for loop in loops:
+            state, secs = loop(state, loop.trips)
+            loop.times.append(secs)
+    return [float(statistics.median(loop.times)) for loop in loops]
 
 
 def resolve_context(config, drafter, context_len) -> int:
@@ -353,6 +370,9 @@ def measure(model, drafter, batch_size: int, *, widths=None, context_len: int | 
     k_prompt, k_tree, k_init, k_draft = jax.random.split(key, 4)
     prompt = jax.random.randint(k_prompt, (b, context_len), 0, config.vocab_size, jnp.int32)
     lengths = jnp.full((b,), context_len, jnp.int32)
+    if mesh is not None:  # placed as generate places them: parameters over 'model', rows over 'data'
+        from jaxdecode.sharding import shard_batch, shard_params
+        params, prompt, lengths = shard_params(params, mesh), shard_batch(prompt, mesh), shard_batch(lengths, mesh)
     # The engine's state before a step: the cache holds all but the last prompt token (the pending one).
     _, cache, hidden = jax.jit(_prefill, static_argnums=(0, 5))(
         config, params, prompt, lengths - 1, init_cache(config, b, cache_len), feature_request(feature_layers))
@@ -376,20 +396,18 @@ def measure(model, drafter, batch_size: int, *, widths=None, context_len: int | 
             return cache_, (logits, feats)
         return step
 
-    verify = []
+    loops = []
     for w in widths:
         tokens = jax.random.randint(jax.random.fold_in(k_tree, w), (b, w), 0, config.vocab_size, jnp.int32)
-        secs = _time_steps(verify_step(w), (params, tokens, pending, active), cache, repeats, target_seconds)
-        verify.append(secs)
+        loops.append(_Loop(verify_step(w), (params, tokens, pending, active)))
+    verify = _time_loops(loops, cache, repeats, target_seconds)
+    for w, secs in zip(widths, verify):
         _emit(progress, f"calibrate: verify {w:4d} nodes ({where}): {secs * 1e3:9.3f} ms")
 
-    # (b) drafter.propose from its init state on the same prompt, as the engine calls it (inside jit).
+    # (b) drafter.propose (and idle) from its init state on the same prompt, as the engine calls them.
     feats = select_features(hidden, feature_layers)
-    init_fn = jax.jit(lambda d, p, l, k, f: d.init(p, l, cache_len, k, **({"features": f} if feature_layers
-                                                                          else {})))
-
-    def init(d, f):
-        return init_fn(d, prompt, lengths, k_init, f)
+    init = jax.jit(lambda d, p, l, k, f: d.init(p, l, cache_len, k, **({"features": f} if feature_layers else {})))
+    state0 = init(drafter, prompt, lengths, k_init, feats)
 
     history = jnp.zeros((b, hist_cap), jnp.int32).at[:, :context_len].set(prompt)
     ctx_args = (drafter, history, lengths, k_draft)
@@ -401,15 +419,13 @@ def measure(model, drafter, batch_size: int, *, widths=None, context_len: int | 
         tree, probs, state = a[0].propose(state, ctx_at(a, i), sampler)
         return state, (tree, probs)
 
-    draft = _time_steps(draft_step, ctx_args, init(drafter, feats), repeats, target_seconds)
+    loops = [_Loop(draft_step, ctx_args)]
+    if callable(getattr(drafter, "idle", None)):  # what the drafter does on a step that drafts nothing
+        loops.append(_Loop(lambda a, state, i: (a[0].idle(state, ctx_at(a, i)), ()), ctx_args))
+    draft, idle = (_time_loops(loops, state0, repeats, target_seconds) + [0.0])[:2]
     name = type(drafter).__name__
     _emit(progress, f"calibrate: draft  ({name}, {where}): {draft * 1e3:9.3f} ms")
-
-    # (c) drafter.idle, when the drafter has one (what it does on a step the engine drafts nothing).
-    idle = 0.0
-    if callable(getattr(drafter, "idle", None)):
-        idle = _time_steps(lambda a, state, i: (a[0].idle(state, ctx_at(a, i)), ()), ctx_args, init(drafter, feats),
-                           repeats, target_seconds)
+    if len(loops) > 1:
         _emit(progress, f"calibrate: idle   ({name}, {where}): {idle * 1e3:9.3f} ms")
     return CostTable(widths=widths, verify_seconds=tuple(verify), draft_seconds=draft, idle_seconds=idle,
                      batch_size=b, meta=meta)

@@ -104,9 +104,14 @@ def test_measure_times_every_item(tmp_path, monkeypatch):
 
 def test_idle_only_when_the_drafter_has_one(monkeypatch):
     timed = []
-    monkeypatch.setattr(costmodel, "_time_steps", lambda step, args, state, *a: timed.append(step) or 1e-3)
+
+    def fake(loops, state, *a):
+        timed.append(len(loops))
+        return [1e-3] * len(loops)
+
+    monkeypatch.setattr(costmodel, "_time_loops", fake)
     t = costmodel.measure(tiny(layers=1), PromptLookupDrafter(num_nodes=2), 1, context_len=8, progress=False)
-    assert t.widths == (0, 1, 2) and len(timed) == 4 and t.idle_seconds == 0.0  # 3 widths + propose
+    assert t.widths == (0, 1, 2) and timed == [3, 1] and t.idle_seconds == 0.0  # 3 widths, then propose only
 
 
 def test_measure_refuses_bad_requests():
@@ -178,6 +183,10 @@ def test_changes_are_misses(tmp_path, monkeypatch, counted):
     assert get() == 7  # another device
     monkeypatch.setattr(costmodel, "device_fingerprint", lambda: real)
     assert get() == 7 and get(b=4) == 7  # each one cached on its own
+    from jaxdecode.sharding import make_mesh
+    mesh = make_mesh(data=2, model=1, devices=jax.devices()[:2])
+    costmodel.load_or_calibrate(model, d, 2, cache_dir=tmp_path, progress=False, mesh=mesh)
+    assert len(counted) == 8  # sharded over a mesh
 
 
 def test_draft_model_weights_are_part_of_the_key(tmp_path, counted):
