@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 
 import jaxdecode.decoders  # noqa: F401  (registers the built-in methods)
+from jaxdecode.bench import CompileClock
 from jaxdecode.model import EMBEDDED_DIR, Model, embedded_model_path, load  # noqa: F401  (public names)
 from jaxdecode.options import OPTIONS, OptionError  # noqa: F401  (public names)
 from jaxdecode.registry import get_method, methods, register_method  # noqa: F401
@@ -69,7 +70,9 @@ def generate(model: Model, prompts, method: str = "greedy", max_new_tokens: int 
     option, what it accepts and its default are in `jaxdecode.options.OPTIONS` (README, "Options").
     All are checked before anything decodes; None means "the method's default". EOS defaults to the
     model's eos ids. Returns one `Generation` per prompt, with stats new_tokens, target_calls,
-    seconds, nonfinite_logits, and the method's own.
+    seconds (the call's wall time without compilation), compile_seconds (JAX tracing + compiling
+    during the call: ~0 on a repeated call at the same shapes; None when this JAX cannot report it,
+    then seconds includes it), nonfinite_logits, and the method's own.
 
     If the model's logits were NaN/inf at a step where a row was decoding, raises
     NonFiniteLogitsError naming the rows (its `.results` holds the outputs) unless
@@ -88,15 +91,21 @@ def generate(model: Model, prompts, method: str = "greedy", max_new_tokens: int 
     opts["eos_ids"] = tuple(int(e) for e in opts["eos_ids"])  # validated ints: exact
     max_new_tokens = opts.pop("max_new_tokens")
     allow_nonfinite = opts.pop("allow_nonfinite")
-    start = time.perf_counter()
-    tokens, lengths, stats = spec.run(model, prompt_tokens, prompt_lengths, max_new_tokens, opts)
-    tokens, lengths, stats = to_host((tokens, lengths, stats))  # also gathers what spans processes
-    seconds = time.perf_counter() - start
+    # seconds = the call's wall time minus JAX's tracing / lowering / compiling, reported apart as
+    # compile_seconds (None when this JAX cannot report it: then seconds includes it).
+    with CompileClock() as compiling:
+        start = time.perf_counter()
+        tokens, lengths, stats = spec.run(model, prompt_tokens, prompt_lengths, max_new_tokens, opts)
+        tokens, lengths, stats = to_host((tokens, lengths, stats))  # also gathers what spans processes
+        wall = time.perf_counter() - start
+    compile_seconds = compiling.seconds
+    seconds = wall if compile_seconds is None else max(wall - compile_seconds, 0.0)
+    compile_seconds = None if compile_seconds is None else round(compile_seconds, 4)
     per_row = set(spec.per_row_stats) | {NONFINITE_STAT}
     out = []
     for b, prompt in enumerate(raw_prompts):
         new = [int(t) for t in np.asarray(tokens[b])[: int(lengths[b])]]
-        row_stats = {"new_tokens": len(new), "seconds": round(seconds, 4)}
+        row_stats = {"new_tokens": len(new), "seconds": round(seconds, 4), "compile_seconds": compile_seconds}
         for k, v in stats.items():
             row_stats[k] = _jsonable(np.asarray(v)[b] if k in per_row else v)
         out.append(Generation(prompt=prompt if isinstance(prompt, str) else list(map(int, prompt)),
