@@ -37,6 +37,14 @@ def test_compile_clock_counts_overlapping_events_once():
     assert 50.0 <= clock.seconds < 50.5
 
 
+def test_compile_clock_without_jax_listeners_says_unknown(monkeypatch):
+    from jax import monitoring
+    monkeypatch.delattr(monitoring, "register_event_duration_secs_listener")  # another JAX line
+    with CompileClock() as clock:
+        pass
+    assert clock.seconds is None  # unknown, never a silent 0
+
+
 def test_python_dash_m_jaxdecode():
     out = subprocess.run([sys.executable, "-m", "jaxdecode", "methods"], capture_output=True, text=True,
                          timeout=300)
