@@ -452,7 +452,7 @@ def context_bucket(context_len: int, limit: int) -> int:
 
 
 def cache_key(model, drafter, batch_size: int, *, widths=None, context_len: int | None = None,
-              attn_impl: str | None = None, mesh=None) -> dict:
+              attn_impl: str | None = None, mesh=None, sampler=None) -> dict:
     """Everything a table depends on (the file name is the sha256 of its JSON). widths / context_len as
     in `load_or_calibrate`; the context is already bucketed here."""
     config, params = _config_and_params(model)
@@ -468,7 +468,8 @@ def cache_key(model, drafter, batch_size: int, *, widths=None, context_len: int 
             "context_len": context_bucket(context_len, config.max_position_embeddings - drafter.max_depth - 1),
             "attn_impl": attn_impl,
             "mesh": None if mesh is None else {str(k): int(v) for k, v in mesh.shape.items()},
-            "jax": jax.__version__}
+            # drafting greedily (argmax children) or sampling them costs a little differently
+            "sampling": sampler is not None and not sampler.is_greedy, "jax": jax.__version__}
 
 
 def cache_file(key: dict, cache_dir=None) -> Path:
@@ -516,10 +517,10 @@ def write_cached(path: Path, key: dict, table: CostTable) -> None:
 
 def calibrate(model, drafter, batch_size: int, *, widths=None, context_len: int | None = None,
               cache_dir=None, progress=True, refresh: bool = False, attn_impl: str | None = None,
-              mesh=None, **measure_kw) -> tuple[CostTable, Path, bool]:
+              mesh=None, sampler=None, **measure_kw) -> tuple[CostTable, Path, bool]:
     """`load_or_calibrate`, also returning the cache file and whether the table was measured now."""
     key = cache_key(model, drafter, batch_size, widths=widths, context_len=context_len,
-                    attn_impl=attn_impl, mesh=mesh)
+                    attn_impl=attn_impl, mesh=mesh, sampler=sampler)
     path = cache_file(key, cache_dir)
     table = None if refresh else read_cached(path, key)
     if table is not None:
@@ -527,7 +528,7 @@ def calibrate(model, drafter, batch_size: int, *, widths=None, context_len: int 
     _emit(progress, f"calibrate: measuring step costs of {type(drafter).__name__} at batch {batch_size} "
                     f"(once; cached in {path})")
     table = measure(model, drafter, batch_size, widths=tuple(key["widths"]), context_len=key["context_len"],
-                    attn_impl=key["attn_impl"], mesh=mesh, progress=progress, **measure_kw)
+                    attn_impl=key["attn_impl"], mesh=mesh, sampler=sampler, progress=progress, **measure_kw)
     try:
         write_cached(path, key, table)
     except OSError as e:  # a read-only home must not stop decoding: the table is still good
@@ -544,8 +545,9 @@ def load_or_calibrate(model, drafter, batch_size: int, *, widths=None, context_l
     model: a jaxdecode Model or (config, params). widths: default 0, powers of two, N. context_len:
     the context decoding runs at (default 256), rounded up to a power of two within the model's
     positions. cache_dir: default `default_cache_dir()`. progress: as `measure` (one line per measured
-    item; nothing on a hit). refresh: measure again even when cached. Other keywords (repeats,
-    target_seconds, sampler, attn_impl, mesh) go to `measure`."""
+    item; nothing on a hit). refresh: measure again even when cached. sampler (greedy or
+    not is part of the key), attn_impl, mesh and the other keywords (repeats, target_seconds) go to
+    `measure`."""
     return calibrate(model, drafter, batch_size, widths=widths, context_len=context_len, cache_dir=cache_dir,
                      progress=progress, refresh=refresh, **kw)[0]
 

@@ -187,6 +187,11 @@ def test_changes_are_misses(tmp_path, monkeypatch, counted):
     mesh = make_mesh(data=2, model=1, devices=jax.devices()[:2])
     costmodel.load_or_calibrate(model, d, 2, cache_dir=tmp_path, progress=False, mesh=mesh)
     assert len(counted) == 8  # sharded over a mesh
+    from jaxdecode.sampling import SamplerConfig
+    costmodel.load_or_calibrate(model, d, 1, cache_dir=tmp_path, progress=False, sampler=SamplerConfig(0.0))
+    assert len(counted) == 8  # greedy: as without a sampler
+    costmodel.load_or_calibrate(model, d, 1, cache_dir=tmp_path, progress=False, sampler=SamplerConfig(0.7))
+    assert len(counted) == 9  # sampled drafts
 
 
 def test_draft_model_weights_are_part_of_the_key(tmp_path, counted):
