@@ -30,6 +30,7 @@ import json
 import math
 import os
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -40,8 +41,8 @@ import numpy as np
 
 from jaxdecode.tree import TreeError, static_tree_layout
 
-__all__ = ["AcceptanceProfile", "TreeChoice", "comb_paths", "acceptance_profile", "acceptance_matrix", "is_auto",
-           "sequoia_values", "sequoia_tree", "expected_accepted", "choose_tree", "tree_spec",
+__all__ = ["AcceptanceProfile", "TreeChoice", "comb_paths", "acceptance_profile", "acceptance_matrix",
+           "is_auto", "sequoia_values", "sequoia_tree", "expected_accepted", "choose_tree", "tree_spec",
            "resolve_auto_tree", "parse_auto", "AUTO_DEFAULTS"]
 
 
@@ -234,7 +235,7 @@ def choose_tree(p, costs, max_nodes: int, max_depth: int, draft_seconds_per_leve
     seen: dict[tuple, tuple] = {}
     for depth in range(1, max_depth + 1):
         a = acceptance_matrix(p, depth)
-        f, s_tab = _dp(a, max_nodes)
+        _, s_tab = _dp(a, max_nodes)
         for n in range(1, max_nodes + 1):
             paths = _paths_from(s_tab, n) or ((0,),)
             if paths in seen:
@@ -531,13 +532,16 @@ def resolve_auto_tree(model, build_drafter: Callable[[Any], Any], prompt_tokens,
     keyed by model, drafter, verifier, sampler and the settings) and the cost table of this batch size
     (jaxdecode.costmodel.load_or_calibrate, same cache dir) feed `choose_tree`. tree is a
     StaticTreeBuilder(paths, rule) for drafters that take builders, 'chain:L' for drafters that
-    retrieve chains; stats: tree (spec string), tree_parents, tree_expected_tau, tree_expected_speedup."""
-    from jaxdecode.costmodel import load_or_calibrate, resolve_context
+    retrieve chains; stats: tree (spec string), tree_parents, tree_nodes, tree_depth, tree_expected_tau,
+    tree_expected_speedup (against plain decoding, from the cost table) and tree_auto_seconds (the time
+    this took: profiling and calibrating on a cache miss, reading the caches on a hit)."""
+    from jaxdecode.costmodel import load_or_calibrate
     from jaxdecode.decoders import DEFAULT_VERIFIER
     from jaxdecode.drafters.builders import StaticTreeBuilder
     from jaxdecode.sampling import SamplerConfig
     from jaxdecode.verifiers import get_verifier
 
+    start = time.perf_counter()
     settings = parse_auto(spec)
     sampler = sampler or SamplerConfig(temperature=0.0)
     rule = _sampling_rule(sampler, verifier)
@@ -578,5 +582,6 @@ def resolve_auto_tree(model, build_drafter: Callable[[Any], Any], prompt_tokens,
         tree, spec_str = f"chain:{choice.num_nodes}", f"chain:{choice.num_nodes}"
     else:
         tree, spec_str = StaticTreeBuilder(choice.paths, rule), tree_spec(choice.paths, rule)
-    stats = {"tree": spec_str, "tree_parents": [int(x) for x in parents], **choice.stats()}
+    stats = {"tree": spec_str, "tree_parents": [int(x) for x in parents], **choice.stats(),
+             "tree_auto_seconds": round(time.perf_counter() - start, 4)}  # profiling + calibration
     return tree, stats
