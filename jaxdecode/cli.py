@@ -5,8 +5,12 @@
     jaxdecode generate --method constrained_beam --index items.npz [--set-id S ...] ...
     jaxdecode index build ITEMS_FILE --vocab-size V --out items.npz   (one item per line, ids by spaces)
     jaxdecode index info items.npz
+    jaxdecode bench --model DIR --prompts-file F --method greedy --method 'speculative:tree=chain:4'
+                    [--batch-size 1,4] [--max-new-tokens N] [--json]   (jaxdecode.bench: the row fields)
+    jaxdecode calibrate --model DIR [--draft DIR] [--drafter NAME] [--tree SPEC] --batch-size 1,4,16
+                        (step costs for adaptive speculation, cached; jaxdecode.costmodel)
     (the constrained-decoding benchmark is `python benchmarks/bench_constrained.py` in a checkout;
-     `jaxdecode index bench` only says so: the library holds no benchmark code)
+     `jaxdecode index bench` only says so)
 
 With --json, one JSON object per prompt per line: {"prompt", "text", "tokens", "stats"}.
 """
@@ -35,9 +39,9 @@ def _add_generate(sub):
         if opt.cli is None:
             continue
         kw = dict(dest=name, default=None, help=cli_help(opt).replace("%", "%%"))
-        if opt.kind == "bool":
+        if opt.kind == "bool":  # a switch on by default has the flag --no-NAME (Option.cli)
             kw["action"] = "store_const"
-            kw["const"] = True
+            kw["const"] = opt.default is not True
         else:
             kw["type"] = {"int": int, "float": float, "ids": int, "int_or_ids": int}.get(opt.kind, str)
             if opt.objects and opt.kind == "str" and opt.low is not None:
@@ -151,6 +155,100 @@ def cmd_index(args) -> int:
                      "benchmarks/bench_constrained.py` from a jaxdecode checkout (same options, --help)")
 
 
+def _add_bench(sub):
+    b = sub.add_parser("bench", help="measure methods on your model and prompts: tokens/s, speedup, tau",
+                       description="Each --method is NAME or NAME:KEY=VALUE,KEY=VALUE (options of `jaxdecode "
+                                   "generate`, values JSON when they parse, e.g. "
+                                   "'speculative:drafter=prompt_lookup,tree=static:3,2,1'; a comma starts a new "
+                                   "KEY= only before WORD=, and inside tree= only before an option name). "
+                                   "Speedup is against the first --method "
+                                   "at the same batch size; tokens/s excludes compilation (compile_seconds). "
+                                   "Row fields: see jaxdecode.bench.")
+    b.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: the embedded target)")
+    b.add_argument("--draft", default=None, help="draft model directory, for the methods whose drafter uses one")
+    b.add_argument("--drafter-dir", default=None,
+                   help="trained drafter directory, for the methods with a trained drafter (or none named)")
+    b.add_argument("--prompts-file", required=True, help="a text file with one prompt per line")
+    b.add_argument("--method", action="append", required=True, metavar="NAME[:KEY=VALUE,...]",
+                   help="a method to measure (repeatable; the first is the baseline)")
+    b.add_argument("--batch-size", default="1", help="batch sizes, comma-separated (default 1)")
+    b.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per prompt at most (default 32)")
+    b.add_argument("--temperature", type=float, default=None, help="for the methods that take it, unless set in --method")
+    b.add_argument("--seed", type=int, default=None, help="for the methods that take it, unless set in --method")
+    b.add_argument("--repeats", type=int, default=1, help="timed passes over the prompts (default 1)")
+    b.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="parameter dtype of the target (and draft) model")
+    b.add_argument("--json", action="store_true", help="one JSON object per (method, batch size) row")
+
+
+def cmd_bench(args) -> int:
+    import jaxdecode
+    from jaxdecode.bench import format_table, main_progress, parse_batch_sizes, parse_method, read_prompts, run_bench
+    prompts = read_prompts(args.prompts_file)  # bad requests fail before any model loads
+    sizes = parse_batch_sizes(args.batch_size)
+    for text in args.method:
+        parse_method(text)
+    model = jaxdecode.load(args.model, dtype=args.dtype)
+    draft = jaxdecode.load(args.draft, dtype=args.dtype) if args.draft else None
+    rows = run_bench(model, prompts, args.method, sizes, max_new_tokens=args.max_new_tokens,
+                     temperature=args.temperature, seed=args.seed, draft=draft, drafter_dir=args.drafter_dir,
+                     repeats=args.repeats, progress=main_progress)
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+    else:
+        print(format_table(rows))
+    return 0
+
+
+def _add_calibrate(sub):
+    c = sub.add_parser("calibrate", help="measure (or show the cached) step costs of speculative decoding",
+                       description="Times, on this device, the target's verification forward per tree width and "
+                                   "the drafter's step, for each batch size, and caches the tables (the adaptive "
+                                   "speculation of method='speculative' reads them; jaxdecode.costmodel). The "
+                                   "drafter is built as `jaxdecode generate` builds it.")
+    c.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: the embedded target)")
+    c.add_argument("--draft", default=None, help="draft model directory (drafter draft_lm)")
+    c.add_argument("--drafter", default=None, help="drafter name (default: draft_lm with --draft, else "
+                                                   "prompt_lookup; the kind in --drafter-dir)")
+    c.add_argument("--drafter-dir", default=None, help="trained drafter directory")
+    c.add_argument("--tree", default=None, type=_str_or_int, help="tree spec, as `jaxdecode generate --tree`")
+    c.add_argument("--batch-size", default="1", help="batch sizes, comma-separated (default 1), e.g. 1,4,16")
+    c.add_argument("--context-len", type=int, default=None,
+                   help="tokens in the KV cache while timing (default 256, within the model's positions); "
+                        "rounded up to a power of two")
+    c.add_argument("--widths", default=None, help="verification widths to time, comma-separated (default 0, "
+                                                  "powers of two, the tree size)")
+    c.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="parameter dtype")
+    c.add_argument("--cache-dir", default=None, help="default $JAXDECODE_CACHE_DIR or ~/.cache/jaxdecode")
+    c.add_argument("--refresh", action="store_true", help="measure again even when a table is cached")
+    c.add_argument("--json", action="store_true", help="one JSON object per batch size")
+
+
+def cmd_calibrate(args) -> int:
+    import jaxdecode
+    from jaxdecode.costmodel import calibrate, format_tables, parse_batch_sizes
+    from jaxdecode.drafters import make_drafter
+    sizes = parse_batch_sizes(args.batch_size)  # bad requests fail before any model loads
+    widths = None
+    if args.widths is not None:
+        try:
+            widths = [int(w) for w in args.widths.split(",")]
+        except ValueError:
+            raise ValueError(f"--widths {args.widths!r}: give node counts separated by commas, e.g. 0,1,2,4") from None
+    model = jaxdecode.load(args.model, dtype=args.dtype)
+    draft = jaxdecode.load(args.draft, dtype=args.dtype) if args.draft else None
+    drafter = make_drafter(args.drafter, model, draft=draft, tree=args.tree, drafter_dir=args.drafter_dir)
+    rows = [calibrate(model, drafter, b, widths=widths, context_len=args.context_len, cache_dir=args.cache_dir,
+                      refresh=args.refresh) for b in sizes]
+    if args.json:
+        for table, path, measured in rows:
+            print(json.dumps(dict(table.to_json(), cache_file=str(path), measured=measured)))
+    else:
+        print(format_tables(rows))
+    return 0
+
+
 def build_parser(with_train: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxdecode", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -160,6 +258,8 @@ def build_parser(with_train: bool = True) -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the main job: generate with the default model and report speed")
     d.add_argument("--max-new-tokens", type=int, default=64)
     _add_index(sub)
+    _add_bench(sub)
+    _add_calibrate(sub)
     if with_train:  # imported only when asked for: decoding never imports the training module
         from jaxdecode.training.cli import add_train_parser
         add_train_parser(sub)
@@ -180,6 +280,10 @@ def main(argv=None) -> int:
             return cmd_demo(args)
         if args.command == "index":
             return cmd_index(args)
+        if args.command == "bench":
+            return cmd_bench(args)
+        if args.command == "calibrate":
+            return cmd_calibrate(args)
         if args.command == "train":
             from jaxdecode.training.cli import run_train
             return run_train(args)

@@ -8,6 +8,8 @@ decoders themselves stay plain jit-able functions.
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 
 import jax
 
@@ -95,6 +97,7 @@ def _speculative(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
     from jaxdecode.model import Model, load
     from jaxdecode.drafters import TrainedDrafter, make_drafter
     from jaxdecode.speculative import speculative_decode
+    from jaxdecode.treeopt import is_auto, resolve_auto_tree
     from jaxdecode.verifiers import get_verifier
 
     sampler = sampler_from_options(opts)
@@ -104,11 +107,19 @@ def _speculative(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
     if draft is not None and opts.get("mesh") is not None:  # the draft model on the target's mesh
         from jaxdecode.sharding import shard_params
         draft = dataclasses.replace(draft, params=shard_params(draft.params, opts["mesh"]))
-    drafter = opts["drafter"]
+    drafter, tree, tree_stats = opts["drafter"], opts["tree"], {}
     if drafter is None or isinstance(drafter, (str, TrainedDrafter)):  # built here, trained ones loaded
-        drafter = make_drafter(drafter, model, draft=draft, tree=opts["tree"],
-                               temperature=sampler.temperature, drafter_dir=opts["drafter_dir"],
-                               **(opts["drafter_options"] or {}))
+        def build(tree, name=drafter):
+            return make_drafter(name, model, draft=draft, tree=tree, temperature=sampler.temperature,
+                                drafter_dir=opts["drafter_dir"], **(opts["drafter_options"] or {}))
+        if is_auto(tree):  # tree="auto": shape and size from measured acceptance and costs (treeopt)
+            tree, tree_stats = resolve_auto_tree(model, build, prompt_tokens, prompt_lengths, spec=tree,
+                                                 sampler=sampler, verifier=opts["verifier"],
+                                                 eos_ids=opts["eos_ids"], max_new_tokens=max_new_tokens)
+        drafter = build(tree)
+    elif is_auto(tree):
+        raise ValueError("tree='auto' builds the drafter on the tree it chooses: name the drafter "
+                         "(drafter='draft_lm', 'medusa', ...) instead of passing a Drafter object")
     elif opts["drafter_options"] is not None:
         raise ValueError("drafter_options configure a drafter built by name; a drafter object is already "
                          "configured: drop drafter_options")
@@ -117,12 +128,45 @@ def _speculative(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
         verifier = "greedy" if sampler.is_greedy else DEFAULT_VERIFIER[drafter.child_rule]
     if isinstance(verifier, str):
         verifier = get_verifier(verifier)
+    policy, costs = _adaptive_policy(model, drafter, sampler, prompt_tokens, max_new_tokens, opts)
     params, toks, lens = place_inputs(model, prompt_tokens, prompt_lengths, opts)
     out = speculative_decode(model.config, params, drafter, toks, lens, max_new_tokens=max_new_tokens,
                              verifier=verifier, sampler=sampler, eos_ids=opts["eos_ids"],
                              key=_key(opts), cache_len=opts["cache_len"],
-                             verify_widths=opts["verify_widths"], mesh=opts.get("mesh"))
-    return out.tokens, out.lengths, out.stats
+                             verify_widths=None if policy else opts["verify_widths"], mesh=opts.get("mesh"),
+                             adaptive=policy, costs=costs)
+    if policy is not None:
+        tree_stats["calibrate_seconds"] = float(opts.get("calibrate_seconds", 0.0))
+    return out.tokens, out.lengths, {**out.stats, **tree_stats}
+
+
+def _adaptive_policy(model, drafter, sampler, prompt_tokens, max_new_tokens, opts):
+    """(AdaptivePolicy, CostTable) of the `adaptive` / `costs` options, or (None, None) when off.
+    Costs: given, or measured for this model, drafter, device and batch size on first use and cached
+    (jaxdecode.costmodel; progress on stderr), on the mesh when one is given."""
+    costs = opts["costs"]
+    if not opts["adaptive"]:
+        return None, None
+    from jaxdecode import costmodel
+    from jaxdecode.adaptive import default_widths
+    from jaxdecode.speculative import policy_for
+    widths = default_widths(drafter.num_nodes, tuple(opts["verify_widths"] or ())
+                            + tuple(getattr(drafter, "verify_widths", None) or ()))
+    policy = policy_for(drafter, sampler, widths=widths)
+    if isinstance(costs, (str, os.PathLike)):
+        import json
+        try:
+            costs = costmodel.CostTable.from_json(json.loads(open(costs).read()))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"costs={str(costs)!r} is not a readable cost table ({e}); write one with "
+                             f"`jaxdecode calibrate --json`, or leave costs unset to measure them") from None
+    elif costs is None:
+        start = time.perf_counter()
+        costs = costmodel.load_or_calibrate(model, drafter, int(prompt_tokens.shape[0]), widths=widths,
+                                            context_len=int(prompt_tokens.shape[1]) + max_new_tokens // 2,
+                                            mesh=opts.get("mesh"))
+        opts["calibrate_seconds"] = time.perf_counter() - start  # reported apart (stats), like compile time
+    return policy, costs
 
 
 register_method("speculative", _speculative, method_options("speculative"), aliases=("spec",),

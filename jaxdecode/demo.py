@@ -12,7 +12,13 @@ import numpy as np
 
 from jaxdecode.api import Model, embedded_model_path, generate, load
 
-PROMPTS = ["import os\nimport sys\n\ndef main(", "class Config:\n    def __init__(self", "for i in range("]
+# Openings of functions from files of the CPython standard library that the embedded models never
+# trained on (held out by the corpus split: heapq.py, genericpath.py, subprocess.py).
+PROMPTS = ["def heappush(heap, item):\n    \"\"\"Push item onto heap, maintaining the heap invariant.\"\"\"\n",
+           "def exists(path):\n    \"\"\"Test whether a path exists.  Returns False for broken symbolic links\"\"\"\n"
+           "    try:\n",
+           "def check_call(*popenargs, **kwargs):\n    \"\"\"Run command with arguments.  Wait for command to "
+           "complete.\n"]
 
 
 def _random_model() -> Model:
@@ -56,22 +62,26 @@ def run_demo(max_new_tokens: int = 64) -> int:
         print("speculative decoding needs the embedded draft model (`make models`); skipped")
         return 0
     draft = load("draft")
-    print(f"\nspeculative decoding, draft: embedded draft ({draft.config.num_parameters() / 1e6:.1f} M "
-          f"parameters); same prompts, greedy, measured side by side with the run above")
-    for label, opts in SPEC_CONFIGS:
-        spec, spec_secs = _timed(model, prompts, "speculative", max_new_tokens, eos_ids=(),
-                                 **({"draft": draft} if opts.get("drafter", "draft_lm") == "draft_lm" else {}),
-                                 **opts)
-        same = [g.tokens for g in spec] == [g.tokens for g in out]
+    print(f"\nspeculative decoding (greedy, lossless), measured side by side with plain greedy; the "
+          f"default is adaptive: each step drafts only as deep as pays, from costs measured once on this "
+          f"machine (cached) and the rows' acceptance so far")
+    one, one_secs = _timed(model, prompts[:1], "greedy", max_new_tokens, eos_ids=())
+    one_new = one[0].stats["new_tokens"]
+    for label, batch, opts in SPEC_CONFIGS:
+        ref, ref_secs, n = (one, one_secs, one_new) if batch == 1 else (out, secs, n_new)
+        spec, spec_secs = _timed(model, prompts[:batch], "speculative", max_new_tokens, eos_ids=(),
+                                 **({"draft": draft} if opts.get("drafter") == "draft_lm" else {}), **opts)
+        same = [g.tokens for g in spec] == [g.tokens for g in ref]
         tau = sum(g.stats["tau"] for g in spec) / len(spec)
-        print(f"  {label:36s} tau {tau:4.2f}  {n_new / spec_secs:7.1f} tokens/s  speedup "
-              f"{secs / spec_secs:4.2f}x  {'output == greedy' if same else 'OUTPUT DIFFERS'}")
+        print(f"  batch {batch}  {label:40s} tau {tau:4.2f}  {n / spec_secs:7.1f} tokens/s  speedup "
+              f"{ref_secs / spec_secs:4.2f}x  {'output == greedy' if same else 'OUTPUT DIFFERS'}")
     return 0
 
 
-# The speculative configurations the main job shows (drafter x tree; greedy verification).
+# The speculative configurations the main job shows: (label, batch size, options); greedy verification.
 SPEC_CONFIGS = [
-    ("draft LM, chain of 4", {"tree": "chain:4"}),
-    ("draft LM, EAGLE-2 dynamic tree", {"tree": "eagle:depth=5,topk=4,total=16"}),
-    ("prompt lookup (no draft model)", {"drafter": "prompt_lookup", "tree": "chain:3"}),
+    ("default (prompt lookup, adaptive)", 1, {}),
+    ("draft LM, chain of 4, adaptive", 1, {"drafter": "draft_lm", "tree": "chain:4"}),
+    ("default (prompt lookup, adaptive)", len(PROMPTS), {}),
+    ("draft LM, chain of 4, adaptive", len(PROMPTS), {"drafter": "draft_lm", "tree": "chain:4"}),
 ]
