@@ -439,6 +439,8 @@ def _sampling_rule(sampler, verifier) -> str:
     if verifier is None:
         return "gumbel"
     v = get_verifier(verifier) if isinstance(verifier, str) else verifier
+    if v.tree_kind == "chain":
+        return "sample"  # chains only: the chain's own rule (resolve_auto_tree profiles chains)
     for rule in ("gumbel", "iid", "topk"):
         if v.accepts_children(rule, False):
             return rule
@@ -446,13 +448,14 @@ def _sampling_rule(sampler, verifier) -> str:
                      f"branching child rule: use another verifier, or a chain (tree='chain:N')")
 
 
-def _profile_drafter(build_drafter, settings: dict, rule: str):
+def _profile_drafter(build_drafter, settings: dict, rule: str, chains_only: bool = False):
     """(drafter, chain?, depth): the drafter on the deepest profiling comb it takes; drafters that
-    take no tree builder (retrieval of chains) on 'chain:depth'. A ValueError naming why otherwise."""
+    take no tree builder (retrieval of chains), or all with chains_only, on 'chain:depth'. A ValueError
+    naming why otherwise."""
     from jaxdecode.drafters.builders import StaticTreeBuilder
     width, depth = settings["width"], settings["depth"]
     errors = []
-    for chain in (False, True):
+    for chain in (True,) if chains_only else (False, True):
         for d in range(depth, 0, -1):  # trained heads draft to a fixed depth: the deepest they take
             tree = f"chain:{d}" if chain else StaticTreeBuilder(comb_paths(width, d), rule)
             try:
@@ -545,7 +548,9 @@ def resolve_auto_tree(model, build_drafter: Callable[[Any], Any], prompt_tokens,
     settings = parse_auto(spec)
     sampler = sampler or SamplerConfig(temperature=0.0)
     rule = _sampling_rule(sampler, verifier)
-    drafter, chain, depth = _profile_drafter(build_drafter, settings, rule)
+    given = get_verifier(verifier) if isinstance(verifier, str) else verifier
+    chains_only = given is not None and given.tree_kind == "chain"  # e.g. verifier='chain' or 'block'
+    drafter, chain, depth = _profile_drafter(build_drafter, settings, rule, chains_only)
     width = 1 if chain else settings["width"]
     if verifier is None:
         verifier = "greedy" if sampler.is_greedy else DEFAULT_VERIFIER[drafter.child_rule]

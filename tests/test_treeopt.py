@@ -225,3 +225,18 @@ def test_auto_tree_errors(pair, flat_costs):
     with pytest.raises(ValueError, match="needs a draft model"):  # the drafter's own error, passed on
         jaxdecode.generate(target, PROMPTS, method="speculative", drafter="draft_lm", tree="auto",
                            max_new_tokens=4)
+
+
+@pytest.mark.slow
+def test_generate_auto_tree_sampling(pair, flat_costs):
+    """At T > 0 the auto tree draws children without replacement (verified by RSD) and decodes."""
+    import jaxdecode
+    target, near = pair
+    out = jaxdecode.generate(target, PROMPTS, method="speculative", draft=near, temperature=0.7, seed=3,
+                             tree="auto:width=3,depth=3,tokens=12", max_new_tokens=10, eos_ids=())
+    assert all(len(r.tokens) == 10 for r in out)
+    assert out[0].stats["tree"].endswith(":gumbel") and out[0].stats["tree_nodes"] >= 2
+    # a verifier of chains: the chain length is chosen
+    out = jaxdecode.generate(target, PROMPTS, method="speculative", draft=near, temperature=0.7, seed=3,
+                             verifier="chain", tree="auto:depth=3,tokens=12", max_new_tokens=10, eos_ids=())
+    assert out[0].stats["tree"].startswith("chain:")
