@@ -156,7 +156,11 @@ def truncate(policy: AdaptivePolicy, state: PolicyState, costs, tree, active):
         inside = shaped[:, :, None] & (node_depth[:, :, None] <= k[None, None, :])  # [B, N, D+1]
         need = jnp.max(jnp.where(inside, jnp.arange(1, n + 1)[None, :, None], 0), axis=1).astype(jnp.int32)
         deepest = jnp.max(jnp.where(shaped, node_depth, 0), axis=1).astype(jnp.int32)
-    state = dataclasses.replace(state, need=need, max_depth=deepest)
+    # A row whose proposal is empty this step (e.g. no n-gram match) says nothing about the shape of
+    # its next one: keep its last shape, or it would judge every later step undraftable and stop.
+    has = jnp.any(valid, axis=1)
+    state = dataclasses.replace(state, need=jnp.where(has[:, None], need, state.need),
+                                max_depth=jnp.where(has, deepest, state.max_depth))
     best, depth_at = _best_width(policy, state, costs, active, drafted=True)
     depth = depth_at[best]
     tree = tree.replace(valid=valid & (node_depth <= depth[:, None]) & active[:, None])

@@ -32,7 +32,7 @@ from jaxdecode.autoregressive import (default_cache_len, is_eos, nonfinite_rows,
 from jaxdecode.models import commit, forward, init_cache
 from jaxdecode.sampling import SamplerConfig, process_logits
 from jaxdecode.tree import Tree, ancestor_mask, depths, path_to_keep
-from jaxdecode.verifiers import CHILD_RULES, VERIFIERS, check_tree_kind, get_verifier
+from jaxdecode.verifiers import CHILD_RULES, VERIFIERS, VerifyResult, check_tree_kind, get_verifier
 
 
 class SpeculativeError(ValueError):
@@ -284,20 +284,11 @@ def _acceptance_stats(tree: Tree, path, num_accepted, committed, active, max_dep
     return hist, tried, accepted
 
 
-def _propose_or_idle(drafter, drafting, state, ctx, sampler):
-    """drafter.propose when `drafting` (a traced bool), else an all-invalid tree and the drafter's
-    optional `idle(state, ctx)` (keeps e.g. a draft LM's cache current without drafting)."""
+def _empty_proposal(drafter, state, ctx, sampler):
+    """An all-invalid tree and zero draft probabilities shaped like the drafter's proposals."""
     shapes = jax.eval_shape(lambda s: drafter.propose(s, ctx, sampler), state)
-    empty_tree, empty_probs, _ = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
-    empty_tree = empty_tree.replace(parents=jnp.full_like(empty_tree.parents, -1))
-    idle = getattr(drafter, "idle", None)
-
-    def skip(carry):
-        return empty_tree, empty_probs, (carry[2] if idle is None else idle(carry[2], ctx))
-
-    return switch_in_place(drafting.astype(jnp.int32),
-                           [skip, lambda carry: drafter.propose(carry[2], ctx, sampler)],
-                           (empty_tree, empty_probs, state))
+    tree, probs, _ = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+    return tree.replace(parents=jnp.full_like(tree.parents, -1)), probs
 
 
 @partial(jax.jit, static_argnames=("config", "verifier", "sampler", "max_new_tokens", "eos_ids",
@@ -336,26 +327,39 @@ def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, co
             width_hist=jnp.zeros((len(policy.widths),), jnp.int32))
     rows = jnp.arange(b)
 
-    def body(st: _SpecState) -> _SpecState:
-        key, k_draft, k_verify = jax.random.split(st.key, 3)
-        active = ~st.done
-        ctx = DraftContext(history=st.history, hist_len=st.hist_len, key=k_draft)
-        if policy is None:
-            tree, draft_probs, dstate = drafter.propose(st.drafter_state, ctx, sampler)
-        else:
-            pstate = st.policy_state
-            drafting = adaptive_mod.should_draft(policy, pstate, costs, active)
-            tree, draft_probs, dstate = _propose_or_idle(drafter, drafting, st.drafter_state, ctx, sampler)
-            tree, _, shaped = adaptive_mod.truncate(policy, pstate, costs, tree, active)
-            # A step that did not draft says nothing about the proposals' shape: keep the last one.
-            pstate = jax.tree.map(lambda new, old: jnp.where(drafting, new, old), shaped, pstate)
+    def verify(st, tree, draft_probs, active, k_verify):
+        """The target over [pending, tree] and the verifier's verdict: (logits [B, N+1, V], features,
+        cache, VerifyResult, nonfinite)."""
         pending = st.history[rows, st.hist_len - 1]
         logits, feats, cache = _verify_forward(config, params, tree, pending, st.cache, active, verify_widths,
                                                attn_impl, mesh, feature_layers)  # [B, N+1, V]
         nodes = jnp.concatenate([jnp.ones((b, 1), bool), tree.valid], axis=1)  # [B, N+1]: root + valid
         nonfinite = st.nonfinite | nonfinite_rows(logits, active, nodes)
         target_probs = jnp.exp(process_logits(logits, sampler))
-        res = verifier(target_probs, draft_probs, tree, k_verify)
+        return logits, feats, cache, verifier(target_probs, draft_probs, tree, k_verify), nonfinite
+
+    def verify_nothing(st, tree, active, k_verify):
+        """`verify` for a step that drafted nothing, done as a plain decoding step: the target over the
+        pending token alone (no tree forward, no verifier), the next token drawn from its processed
+        distribution — exactly what every verifier does for an empty tree (greedy: the argmax)."""
+        pending = st.history[rows, st.hist_len - 1]
+        no_nodes = Tree(tokens=tree.tokens[:, :0], parents=tree.parents[:, :0], valid=tree.valid[:, :0])
+        logits, feats, cache = _verify_forward(config, params, no_nodes, pending, st.cache, active, (0,),
+                                               attn_impl, mesh, feature_layers)  # [B, 1, V]
+        nonfinite = st.nonfinite | nonfinite_rows(logits, active, jnp.ones((b, 1), bool))
+        logp = process_logits(logits[:, 0], sampler)
+        bonus = (jnp.argmax(logp, axis=-1) if sampler.is_greedy
+                 else jax.random.categorical(k_verify, logp, axis=-1)).astype(jnp.int32)
+        res = VerifyResult(path=jnp.full((b, n), -1, jnp.int32), num_accepted=jnp.zeros((b,), jnp.int32),
+                           bonus=bonus)
+        logits = jnp.pad(logits, ((0, 0), (0, n), (0, 0)))  # slots of the (absent) nodes: zeros
+        if feats is not None:
+            feats = jnp.pad(feats, ((0, 0), (0, 0), (0, n), (0, 0)))
+        return logits, feats, cache, res, nonfinite
+
+    def finish(st, tree, dstate, pstate, key, active, verified):
+        """Commit a verification's accepted path and bonus; observe; statistics."""
+        logits, feats, cache, res, nonfinite = verified
         keep = jnp.concatenate([active[:, None], path_to_keep(res.path, n) & active[:, None]], axis=1)
         cache = commit(cache, keep)
 
@@ -401,6 +405,42 @@ def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, co
                           depth_tried=st.depth_tried + tried.sum(0).astype(jnp.int32),
                           depth_accepted=st.depth_accepted + accepted.sum(0).astype(jnp.int32),
                           nonfinite=nonfinite, **policy_stats)
+
+    def body(st: _SpecState) -> _SpecState:
+        key, k_draft, k_verify = jax.random.split(st.key, 3)
+        active = ~st.done
+        ctx = DraftContext(history=st.history, hist_len=st.hist_len, key=k_draft)
+        if policy is None:
+            tree, draft_probs, dstate = drafter.propose(st.drafter_state, ctx, sampler)
+            return finish(st, tree, dstate, None, key, active, verify(st, tree, draft_probs, active, k_verify))
+        drafting = adaptive_mod.should_draft(policy, st.policy_state, costs, active)
+        empty_tree, empty_probs = _empty_proposal(drafter, st.drafter_state, ctx, sampler)
+
+        def draft_and_verify(st):
+            tree, draft_probs, dstate = drafter.propose(st.drafter_state, ctx, sampler)
+            tree, _, pstate = adaptive_mod.truncate(policy, st.policy_state, costs, tree, active)
+            # Nothing kept (the proposal was empty or not worth its forward): a plain step after all.
+            # The branches read the target cache from the switch's operand, so it is updated in place.
+            verified = switch_in_place(
+                jnp.any(tree.valid & active[:, None]).astype(jnp.int32),
+                [lambda c: verify_nothing(st.replace(cache=c[2]), tree, active, k_verify),
+                 lambda c: verify(st.replace(cache=c[2]), tree, draft_probs, active, k_verify)],
+                _verified_shapes(st, tree, active, k_verify))
+            return finish(st, tree, dstate, pstate, key, active, verified)
+
+        def plain(st):  # drafting does not pay this step: the drafter only keeps its state current
+            idle = getattr(drafter, "idle", None)
+            dstate = st.drafter_state if idle is None else idle(st.drafter_state, ctx)
+            return finish(st, empty_tree, dstate, st.policy_state, key, active,
+                          verify_nothing(st, empty_tree, active, k_verify))
+
+        return switch_in_place(drafting.astype(jnp.int32), [plain, draft_and_verify], st)
+
+    def _verified_shapes(st, tree, active, k_verify):
+        """Zeros shaped like `verify`'s result (the operand of the switch between the two)."""
+        shapes = jax.eval_shape(lambda: verify_nothing(st, tree, active, k_verify))
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+        return zeros[:2] + (st.cache,) + zeros[3:]
 
     st = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
     cols = prompt_lengths[:, None] + jnp.arange(max_new_tokens)[None, :]
