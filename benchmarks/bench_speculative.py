@@ -135,7 +135,7 @@ def bench_transformers(args, prompts, results):
     """transformers greedy / assisted / prompt-lookup generation on the same weights (batch 1)."""
     import torch
     import transformers as tf
-    torch.set_num_threads(os.cpu_count())
+    torch.set_num_threads(getattr(args, "torch_threads", None) or os.cpu_count())
     tgt = tf.AutoModelForCausalLM.from_pretrained(args.target or embedded_model_path("target"),
                                                   dtype=torch.float32).eval()
     dft = tf.AutoModelForCausalLM.from_pretrained(args.draft or embedded_model_path("draft"),

@@ -1,0 +1,233 @@
+"""Does `method="speculative"` pay at every batch size? Plain decoding vs the default speculative
+method (adaptive), the same with adaptive=False, and trained drafters, side by side in one run.
+
+    python benchmarks/bench_adaptive.py [--batch-sizes 1,4,16 --temperatures 0,0.7 --max-new-tokens 128
+                                         --prompts 16 --sources heldout,outside --drafter medusa,hydra,eagle3
+                                         --json-out FILE]
+    python benchmarks/bench_adaptive.py --quick       # tiny sizes: a smoke run of a couple of minutes
+
+Everything goes through `jaxdecode.generate` as a user calls it, on the embedded target (float32) and
+prompts no model trained on (held-out stdlib files; `--sources heldout,outside` adds installed packages
+outside the corpus). Per (temperature, batch size, source) the rows are:
+
+- plain decoding (`greedy`, or `sample` at T > 0): the baseline, timed before and after the other rows
+  (their mean is the ratio's denominator, so load drifting during the run shows up on both sides);
+- `speculative (default)`: method="speculative" with no drafter / tree / verifier options (with
+  `--draft DIR` the draft model is passed too, as a user with one would);
+- `speculative adaptive=False`: the same, fixed configuration (only once generate has the option);
+- `speculative drafter=KIND`: each trained drafter shipped in `<target>/drafters/KIND`, its own default
+  tree (or `--drafter-tree`), adaptive when generate has the option.
+
+Each configuration is called once untimed first (compile, and a cost-table calibration if one runs),
+then every batch is timed (median of --repeats). Rows generate exactly --max-new-tokens tokens (no EOS,
+unless --eos) so every method does the same work. Columns: tokens/s, ratio to plain, tau (new tokens
+per verification call), and at T=0 whether the output equals plain greedy token for token. Exit status
+1 when a greedy row differs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+from _common import heldout_prompts, median_seconds, outside_prompts, write_result
+
+import jaxdecode
+from jaxdecode.api import embedded_model_path
+
+FULL = dict(prompts=16, prompt_tokens=128, max_new_tokens=128, batch_sizes="1,4,16", temperatures="0,0.7")
+QUICK = dict(prompts=4, prompt_tokens=32, max_new_tokens=16, batch_sizes="1,4", temperatures="0,0.7")
+KNOWN_STATS = {"new_tokens", "seconds", "compile_seconds", "nonfinite_logits", "target_calls", "tau",
+               "verify_calls", "accept_hist", "accept_rate_by_depth"}
+
+
+def has_option(name: str, method: str = "speculative") -> bool:
+    """Whether generate(method=...) takes option `name` (so the script runs before and after it lands)."""
+    from jaxdecode.options import OPTIONS
+    return name in OPTIONS and OPTIONS[name].takes(method)
+
+
+def cost_cache_dir() -> str:
+    """Where the engine keeps its measured cost tables (reused across runs), for the record."""
+    try:
+        from jaxdecode.costmodel import default_cache_dir
+    except ImportError:  # an engine without cost tables
+        return "none"
+    return str(default_cache_dir() / "costs")
+
+
+def run_config(model, batches: list, kw: dict, repeats: int) -> dict:
+    """generate(model, batch, **kw) over every batch: one untimed call first (compile, calibration), then
+    the median of `repeats` timed calls per batch. Returns outputs (token lists, prompt order), seconds
+    (summed over batches), warmup_seconds, and tau / calls per token / extra stats over all rows."""
+    import time
+    t0 = time.perf_counter()
+    jaxdecode.generate(model, batches[0], **kw)
+    warmup = time.perf_counter() - t0
+    outs, secs, new, verify, calls, extra = [], 0.0, 0, 0, 0, {}
+    for batch in batches:
+        holder = []
+        secs += median_seconds(lambda h=holder, b=batch: h.append(jaxdecode.generate(model, b, **kw)), repeats)
+        res = holder[-1]
+        outs += [r.tokens for r in res]
+        new += sum(r.stats["new_tokens"] for r in res)
+        # verify_calls is per row (the steps the row took part in); plain decoding: one call per token
+        verify += sum(int(r.stats.get("verify_calls", r.stats["new_tokens"])) for r in res)
+        calls += int(res[0].stats["target_calls"]) * len(res)  # one batched call serves every row
+        for r in res:  # stats a newer engine adds (e.g. the adaptive policy's): their mean over rows
+            for k, v in r.stats.items():
+                if k not in KNOWN_STATS and isinstance(v, (int, float, bool)):
+                    extra.setdefault(k, []).append(float(v))
+    return dict(outs=outs, seconds=secs, warmup_seconds=warmup, new_tokens=new, tau=new / max(verify, 1),
+                calls_per_token=calls / max(new, 1), extra={k: float(np.mean(v)) for k, v in extra.items()})
+
+
+def configs(target_dir: Path, target, draft, kinds: list[str], drafter_tree, skipped: list) -> list:
+    """(label, generate options) of the speculative rows."""
+    adaptive = has_option("adaptive")
+    base = dict(method="speculative") | ({"draft": draft} if draft is not None else {})
+    rows = [("speculative (default" + (": adaptive)" if adaptive else ")"), base)]
+    if adaptive:
+        rows.append(("speculative adaptive=False", base | {"adaptive": False}))
+    else:
+        skipped.append("speculative adaptive=False: this jaxdecode's generate has no `adaptive` option yet")
+    for kind in kinds:
+        d = target_dir / "drafters" / kind
+        if not (d / "config.json").exists():
+            skipped.append(f"drafter={kind}: no trained drafter in {d}")
+            continue
+        # loaded once, so the timed calls measure decoding, not reading the weights
+        kw = dict(method="speculative", drafter=jaxdecode.load_drafter(d, target))
+        if drafter_tree:
+            kw["tree"] = drafter_tree
+        if adaptive:
+            kw["adaptive"] = True
+        label = f"speculative drafter={kind}" + (f" tree={drafter_tree}" if drafter_tree else "")
+        rows.append((label + (" (adaptive)" if adaptive else ""), kw))
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default=None, help="target model dir (default: the embedded target)")
+    ap.add_argument("--draft", default=None,
+                    help="draft model dir passed to the default speculative rows (default: none)")
+    ap.add_argument("--drafter", default="medusa,hydra,eagle3",
+                    help="comma list of trained drafter kinds (from <target>/drafters/KIND); '' = none")
+    ap.add_argument("--drafter-tree", default=None, help="tree= for the trained drafters (default: their own)")
+    ap.add_argument("--prompts", type=int, default=None, help=f"prompts per source ({FULL['prompts']})")
+    ap.add_argument("--prompt-tokens", type=int, default=None, help=f"({FULL['prompt_tokens']})")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help=f"({FULL['max_new_tokens']})")
+    ap.add_argument("--batch-sizes", default=None, help=f"({FULL['batch_sizes']})")
+    ap.add_argument("--temperatures", default=None, help=f"({FULL['temperatures']})")
+    ap.add_argument("--sources", default="heldout", help="heldout and/or outside, comma separated")
+    ap.add_argument("--repeats", type=int, default=1, help="timed calls per batch (median)")
+    ap.add_argument("--eos", action="store_true", help="stop rows at the model's EOS (default: fixed length)")
+    ap.add_argument("--cost-cache", default=None,
+                    help="directory of the measured cost tables (sets JAXDECODE_CACHE_DIR; a fresh directory "
+                         "makes the adaptive rows calibrate on this machine now, not reuse tables measured "
+                         "under other load)")
+    ap.add_argument("--quick", action="store_true", help=f"tiny sizes for a smoke run: {QUICK}")
+    ap.add_argument("--json-out", default=None, help="write all rows as JSON here")
+    args = ap.parse_args(argv)
+    for k, v in (QUICK if args.quick else FULL).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.cost_cache:
+        os.environ["JAXDECODE_CACHE_DIR"] = args.cost_cache
+    batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    temperatures = [float(x) for x in args.temperatures.split(",")]
+    bad = [b for b in batch_sizes if b < 1 or args.prompts % b]
+    if bad:
+        ap.error(f"--prompts {args.prompts} must be a multiple of every batch size (not of {bad}), so every "
+                 f"batch has the same shape and no timed call compiles")
+    make_prompts = {"heldout": heldout_prompts, "outside": outside_prompts}
+    unknown = set(args.sources.split(",")) - set(make_prompts)
+    if unknown:
+        ap.error(f"--sources: unknown {sorted(unknown)}; choose from {sorted(make_prompts)}")
+
+    target_dir = Path(args.target or embedded_model_path("target"))
+    target = jaxdecode.load(target_dir, dtype="float32")
+    draft = jaxdecode.load(args.draft, dtype="float32") if args.draft else None
+    sources = {s: make_prompts[s](target.tokenizer, args.prompts, args.prompt_tokens)
+               for s in args.sources.split(",")}
+    skipped: list[str] = []
+    kinds = [k for k in args.drafter.split(",") if k]
+    spec_rows = configs(target_dir, target, draft, kinds, args.drafter_tree, skipped)
+    common = dict(max_new_tokens=args.max_new_tokens) | ({} if args.eos else {"eos_ids": []})
+    print(f"target {target.config.num_parameters() / 1e6:.1f} M float32; {args.prompts} prompts x "
+          f"{args.prompt_tokens} tokens per source ({', '.join(sources)}), {args.max_new_tokens} new; "
+          f"adaptive option: {has_option('adaptive')} (cost tables: {cost_cache_dir()}); jax {jax.__version__} "
+          f"on {jax.devices()[0].platform}, {os.cpu_count()} cores, {platform.machine()}", flush=True)
+
+    rows = []
+    for t in temperatures:
+        plain_kw = (dict(method="greedy") if t == 0 else dict(method="sample", temperature=t, seed=0)) | common
+        sampling = {} if t == 0 else dict(temperature=t, seed=0)
+        for bs in batch_sizes:
+            for source, prompts in sources.items():
+                batches = [prompts[i:i + bs] for i in range(0, len(prompts), bs)]
+                head = dict(temperature=t, batch=bs, source=source)
+                plain = run_config(target, batches, plain_kw, args.repeats)
+                print(f"\nT={t} batch {bs} {source}: plain {plain['new_tokens'] / plain['seconds']:.1f} tok/s "
+                      f"(compile {plain['warmup_seconds']:.1f} s)", flush=True)
+                measured = []
+                for label, kw in spec_rows:
+                    try:
+                        m = run_config(target, batches, kw | sampling | common, args.repeats)
+                    except (ValueError, KeyError) as e:  # e.g. an option pair the engine refuses
+                        skipped.append(f"{label} (T={t}, batch {bs}): {type(e).__name__}: {e}")
+                        print(f"  skip {label}: {e}", flush=True)
+                        continue
+                    measured.append((label, m))
+                # plain again, compiled already: load that drifted during the rows weighs on both sides
+                again = run_config(target, batches, plain_kw, args.repeats)
+                plain_s = (plain["seconds"] + again["seconds"]) / 2
+                n_tok = plain["new_tokens"]
+                rows.append(dict(head, method=f"plain ({plain_kw['method']})", tok_s=n_tok / plain_s, ratio=1.0,
+                                 tau=1.0, calls_per_token=plain["calls_per_token"], equal=True if t == 0 else None,
+                                 compile_seconds=plain["warmup_seconds"],
+                                 plain_tok_s_before_after=[n_tok / plain["seconds"], n_tok / again["seconds"]]))
+                for label, m in measured:
+                    same = m["outs"] == plain["outs"] if t == 0 else None  # sampled rows: other draws
+                    row = dict(head, method=label, tok_s=m["new_tokens"] / m["seconds"], ratio=plain_s / m["seconds"],
+                               tau=m["tau"], calls_per_token=m["calls_per_token"], equal=same,
+                               compile_seconds=m["warmup_seconds"], stats=m["extra"])
+                    rows.append(row)
+                    print(f"  {label:44s} tau {row['tau']:.2f}  {row['tok_s']:.1f} tok/s  {row['ratio']:.2f}x plain  "
+                          f"{('same tokens' if same else 'DIFFERS') if t == 0 else 'sampled'}"
+                          f"{'  ' + str(m['extra']) if m['extra'] else ''}", flush=True)
+                print(f"  plain again {n_tok / again['seconds']:.1f} tok/s", flush=True)
+
+    print_table(rows, skipped)
+    write_result(dict(jax=jax.__version__, platform=jax.devices()[0].platform, cpu_count=os.cpu_count(),
+                      adaptive_option=has_option("adaptive"), cost_tables=cost_cache_dir(), args=vars(args),
+                      rows=rows, skipped=list(dict.fromkeys(skipped))), args.json_out)
+    return all(r["equal"] for r in rows if r["temperature"] == 0)
+
+
+def print_table(rows: list, skipped: list) -> None:
+    print("\n| T | batch | prompts | method | tok/s | vs plain | tau | greedy == plain |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        eq = ("yes" if r["equal"] else "NO") if r["temperature"] == 0 else "n/a"
+        print(f"| {r['temperature']} | {r['batch']} | {r['source']} | {r['method']} | {r['tok_s']:.1f} | "
+              f"{r['ratio']:.2f}x | {r['tau']:.2f} | {eq} |")
+    best = {}
+    for r in rows:  # the best trained drafter of each (T, batch, prompts)
+        if "drafter=" in r["method"]:
+            k = (r["temperature"], r["batch"], r["source"])
+            if k not in best or r["ratio"] > best[k]["ratio"]:
+                best[k] = r
+    for (t, bs, src), r in best.items():
+        print(f"best trained drafter at T={t}, batch {bs}, {src}: {r['method']} {r['ratio']:.2f}x (tau {r['tau']:.2f})")
+    for s in dict.fromkeys(skipped):
+        print(f"skipped: {s}")
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
