@@ -63,12 +63,14 @@ def cost_cache_dir() -> str:
 def run_config(model, batches: list, kw: dict, repeats: int) -> dict:
     """generate(model, batch, **kw) over every batch: one untimed call first (compile, calibration), then
     the median of `repeats` timed calls per batch. Returns outputs (token lists, prompt order), seconds
-    (summed over batches), warmup_seconds, and tau / calls per token / extra stats over all rows."""
+    (summed over batches), warmup_seconds, tau and calls per token over all rows, and the stats this
+    script does not know: scalars averaged over rows and `*_hist` lists summed (extra), every list
+    stat per batch (batch_stats)."""
     import time
     t0 = time.perf_counter()
     jaxdecode.generate(model, batches[0], **kw)
     warmup = time.perf_counter() - t0
-    outs, secs, new, verify, calls, extra = [], 0.0, 0, 0, 0, {}
+    outs, secs, new, verify, calls, extra, batch_stats = [], 0.0, 0, 0, 0, {}, {}
     for batch in batches:
         holder = []
         secs += median_seconds(lambda h=holder, b=batch: h.append(jaxdecode.generate(model, b, **kw)), repeats)
@@ -78,12 +80,19 @@ def run_config(model, batches: list, kw: dict, repeats: int) -> dict:
         # verify_calls is per row (the steps the row took part in); plain decoding: one call per token
         verify += sum(int(r.stats.get("verify_calls", r.stats["new_tokens"])) for r in res)
         calls += int(res[0].stats["target_calls"]) * len(res)  # one batched call serves every row
-        for r in res:  # stats a newer engine adds (e.g. the adaptive policy's): their mean over rows
-            for k, v in r.stats.items():
-                if k not in KNOWN_STATS and isinstance(v, (int, float, bool)):
-                    extra.setdefault(k, []).append(float(v))
+        for k, v in res[0].stats.items():  # stats a newer engine adds (e.g. the adaptive policy's)
+            if k in KNOWN_STATS:
+                continue
+            if isinstance(v, (int, float, bool)):  # per row: their mean over rows
+                extra.setdefault(k, []).extend(float(r.stats[k]) for r in res)
+            else:  # lists (per batch or per row): kept per batch
+                batch_stats.setdefault(k, []).append(v)
+    extra = {k: float(np.mean(v)) for k, v in extra.items()}
+    for k, v in batch_stats.items():  # histograms (e.g. verify widths chosen) summed over batches
+        if k.endswith("_hist") and len({len(x) for x in v}) == 1:
+            extra[k] = np.sum(np.asarray(v, float), axis=0).astype(int).tolist()
     return dict(outs=outs, seconds=secs, warmup_seconds=warmup, new_tokens=new, tau=new / max(verify, 1),
-                calls_per_token=calls / max(new, 1), extra={k: float(np.mean(v)) for k, v in extra.items()})
+                calls_per_token=calls / max(new, 1), extra=extra, batch_stats=batch_stats)
 
 
 def configs(target_dir: Path, target, draft, kinds: list[str], drafter_tree, skipped: list) -> list:
@@ -196,11 +205,14 @@ def main(argv=None):
                     same = m["outs"] == plain["outs"] if t == 0 else None  # sampled rows: other draws
                     row = dict(head, method=label, tok_s=m["new_tokens"] / m["seconds"], ratio=plain_s / m["seconds"],
                                tau=m["tau"], calls_per_token=m["calls_per_token"], equal=same,
-                               compile_seconds=m["warmup_seconds"], stats=m["extra"])
+                               compile_seconds=m["warmup_seconds"], stats=m["extra"],
+                               batch_stats=m["batch_stats"])
                     rows.append(row)
                     print(f"  {label:44s} tau {row['tau']:.2f}  {row['tok_s']:.1f} tok/s  {row['ratio']:.2f}x plain  "
                           f"{('same tokens' if same else 'DIFFERS') if t == 0 else 'sampled'}"
-                          f"{'  ' + str(m['extra']) if m['extra'] else ''}", flush=True)
+                          f"{'  ' + str(m['extra']) if m['extra'] else ''}"
+                          f"{''.join(f'  {k} {v[0]}' for k, v in m['batch_stats'].items() if k.endswith('_widths'))}",
+                          flush=True)
                 print(f"  plain again {n_tok / again['seconds']:.1f} tok/s", flush=True)
 
     print_table(rows, skipped)
