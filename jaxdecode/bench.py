@@ -198,15 +198,12 @@ def _value(text: str):
 
 
 def parse_batch_sizes(text) -> tuple[int, ...]:
-    """'1,4' (or ints) -> (1, 4); each an int >= 1, no repeats."""
-    parts = text.split(",") if isinstance(text, str) else list(text)
+    """'1,4' (or ints) -> (1, 4); each an int >= 1, no repeats (costmodel's rule, as a BenchError)."""
+    from jaxdecode.costmodel import parse_batch_sizes as parse
     try:
-        sizes = tuple(int(str(p).strip()) for p in parts)
-    except ValueError:
-        sizes = ()
-    if not sizes or any(s < 1 for s in sizes) or len(set(sizes)) != len(sizes):
-        raise BenchError(f"--batch-size {text!r}: give distinct ints >= 1 separated by commas, e.g. 1,4,16")
-    return sizes
+        return parse(text if isinstance(text, str) else ",".join(str(p) for p in text))
+    except ValueError as e:
+        raise BenchError(str(e)) from None
 
 
 def read_prompts(path) -> list[str]:

@@ -232,12 +232,9 @@ def device_fingerprint() -> dict:
 
 # ----------------------------------------------------------------------------- measuring
 def default_widths(num_nodes: int) -> tuple:
-    """0, 1, 2, 4, ... (powers of two below N), N."""
-    ws, w = [0], 1
-    while w < num_nodes:
-        ws.append(w)
-        w *= 2
-    return tuple(ws + [num_nodes])
+    """0, 1, 2, 4, ... (powers of two below N), N: the widths the adaptive policy verifies over."""
+    from jaxdecode.adaptive import default_widths as policy_widths
+    return policy_widths(num_nodes)
 
 
 def check_widths(widths, num_nodes: int) -> tuple:
