@@ -288,7 +288,7 @@ def model_card(r: dict) -> str:
         "## Corpus and split",
         f"- Source: every `*.py` file of the CPython {r['python']} standard library (the `sysconfig` stdlib path,",
         "  `sysconfig.get_paths()[\"stdlib\"]`), `site-packages` excluded. Documents are joined with `<|endoftext|>`.",
-        f"- Split by file: a file is held out when `sha256('jaxdecode-split:' + relative_path)` falls in",
+        "- Split by file: a file is held out when `sha256('jaxdecode-split:' + relative_path)` falls in",
         f"  the first {r['held_out_fraction']:.0%} of the hash range; the tokenizer saw only training files.",
         f"- Train: {c['train']['documents']} files, {c['train']['bytes']:,} bytes, {c['train']['tokens']:,} tokens.",
         f"  Held-out: {c['heldout']['documents']} files, {c['heldout']['bytes']:,} bytes, {c['heldout']['tokens']:,} tokens.",
