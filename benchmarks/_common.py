@@ -81,3 +81,25 @@ def outside_prompts(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> lis
     if not texts:
         raise RuntimeError(f"none of {OUTSIDE_PACKAGES} is installed: no outside-corpus prompts")
     return _windows(texts, tokenizer, n, prompt_tokens, seed)
+
+
+def finish_args(args, presets: dict) -> None:
+    """Unset arguments from `presets` (a script's QUICK or FULL sizes); `--cost-cache` becomes
+    JAXDECODE_CACHE_DIR (where adaptive speculation keeps its measured cost tables)."""
+    import os
+    for k, v in presets.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if getattr(args, "cost_cache", None):
+        os.environ["JAXDECODE_CACHE_DIR"] = args.cost_cache
+
+
+def load_target_and_draft(args):
+    """(target dir, target, draft) in float32: --target / --draft, else the embedded models."""
+    from pathlib import Path
+
+    import jaxdecode
+    from jaxdecode.model import embedded_model_path
+    target_dir = Path(args.target or embedded_model_path("target"))
+    return (target_dir, jaxdecode.load(target_dir, dtype="float32"),
+            jaxdecode.load(args.draft or embedded_model_path("draft"), dtype="float32"))

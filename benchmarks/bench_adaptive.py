@@ -34,7 +34,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from _common import heldout_prompts, median_seconds, outside_prompts, write_result
+from _common import finish_args, heldout_prompts, median_seconds, outside_prompts, write_result
 
 import jaxdecode
 from jaxdecode.api import embedded_model_path
@@ -143,11 +143,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help=f"tiny sizes for a smoke run: {QUICK}")
     ap.add_argument("--json-out", default=None, help="write all rows as JSON here")
     args = ap.parse_args(argv)
-    for k, v in (QUICK if args.quick else FULL).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    if args.cost_cache:
-        os.environ["JAXDECODE_CACHE_DIR"] = args.cost_cache
+    finish_args(args, QUICK if args.quick else FULL)
     batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
     temperatures = [float(x) for x in args.temperatures.split(",")]
     bad = [b for b in batch_sizes if b < 1 or args.prompts % b]

@@ -17,14 +17,11 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-from pathlib import Path
 
 import jax
 import numpy as np
-from _common import heldout_prompts, timed, write_result
+from _common import heldout_prompts, load_target_and_draft, timed, write_result
 
-import jaxdecode
-from jaxdecode.api import embedded_model_path
 from jaxdecode.autoregressive import decode, pad_prompts
 from jaxdecode.decoders import DEFAULT_VERIFIER
 from jaxdecode.drafters import make_drafter
@@ -55,9 +52,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
-    target_dir = Path(args.target or embedded_model_path("target"))
-    target = jaxdecode.load(target_dir, dtype="float32")
-    draft = jaxdecode.load(args.draft or embedded_model_path("draft"), dtype="float32")
+    target_dir, target, draft = load_target_and_draft(args)
     cfg = target.config
     prompts = heldout_prompts(target.tokenizer, args.prompts, args.prompt_tokens, seed=0)
     calib = heldout_prompts(target.tokenizer, args.prompts, args.prompt_tokens, seed=1)

@@ -22,10 +22,9 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from _common import heldout_prompts, median_seconds, outside_prompts, timed, write_result
+from _common import heldout_prompts, load_target_and_draft, median_seconds, outside_prompts, timed, write_result
 
 import jaxdecode
-from jaxdecode.api import embedded_model_path
 from jaxdecode.autoregressive import decode, pad_prompts, prefill
 from jaxdecode.drafters import make_drafter
 from jaxdecode.models import init_cache
@@ -97,9 +96,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
-    target_dir = Path(args.target or embedded_model_path("target"))
-    target = jaxdecode.load(target_dir, dtype="float32")
-    draft = jaxdecode.load(args.draft or embedded_model_path("draft"), dtype="float32")
+    target_dir, target, draft = load_target_and_draft(args)
     second = jaxdecode.load(args.second_draft, dtype="float32") if args.second_draft else None
     cfg = target.config
     make_prompts = {"heldout": heldout_prompts, "outside": outside_prompts}

@@ -24,7 +24,7 @@ import platform
 import sys
 
 import jax
-from _common import heldout_prompts, write_result
+from _common import finish_args, heldout_prompts, write_result
 from bench_adaptive import cost_cache_dir, has_option, run_config
 from bench_speculative import bench_transformers
 
@@ -65,11 +65,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help=f"tiny sizes for a smoke run: {QUICK}")
     ap.add_argument("--json-out", default=None, help="write all rows as JSON here")
     args = ap.parse_args(argv)
-    for k, v in (QUICK if args.quick else FULL).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    if args.cost_cache:
-        os.environ["JAXDECODE_CACHE_DIR"] = args.cost_cache
+    finish_args(args, QUICK if args.quick else FULL)
     target_dir = args.target or embedded_model_path("target")
     draft_dir = args.draft or embedded_model_path("draft")
     target = jaxdecode.load(target_dir, dtype="float32")
