@@ -22,9 +22,10 @@ $(VENV)/.installed-test: pyproject.toml setup.py | $(BIN)/python
 run: $(VENV)/.installed
 	$(BIN)/jaxdecode demo
 
-# XLA's CPU compiler has segfaulted a worker process a few times in ~800 tests (a different test each
-# time; each passes alone). A test whose worker *crashes* runs once more on a fresh worker; an ordinary
-# failure is never rerun (--only-rerun matches no error).
+# XLA's CPU compiler segfaulted worker processes that had compiled ~10k programs (each holds memory
+# mappings up to vm.max_map_count; tests/conftest.py now drops JAX's caches before that). As a guard, a
+# test whose worker *crashes* runs once more on a fresh worker; an ordinary failure is never rerun
+# (--only-rerun matches no error).
 RERUN_CRASHED := --reruns 1 --only-rerun '(?!)'
 
 test: $(VENV)/.installed-test

@@ -8,7 +8,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Cost tables measured by adaptive speculation go to a fresh directory per test process, not ~/.cache.
 import tempfile  # noqa: E402
 
-os.environ.setdefault("JAXDECODE_CACHE_DIR", tempfile.mkdtemp(prefix="jaxdecode-test-cache-"))
+# One directory per test run, shared by its xdist workers (tables are written atomically), so a table
+# is measured once per run, not once per worker.
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+os.environ.setdefault("JAXDECODE_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"jaxdecode-test-cache-{_RUN}")
+                      if _RUN else tempfile.mkdtemp(prefix="jaxdecode-test-cache-"))
 
 import jax  # noqa: E402
 
@@ -31,3 +35,34 @@ def tiny_llama_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_gpt2_dir(tmp_path_factory):
     return make_checkpoint("gpt2", tmp_path_factory.mktemp("tiny_gpt2"))
+
+
+# Every executable XLA compiles on CPU holds ~6 memory mappings until JAX's caches drop it, and a
+# process may hold at most vm.max_map_count (65530 by default) mappings: a test worker that compiles
+# ~10k programs then gets a failed mmap inside XLA's compiler, which segfaults the worker (seen in CI,
+# always in backend_compile, late in a worker's life, a different test each time). Drop the caches
+# when a worker nears the limit.
+def _map_count() -> int:
+    try:
+        with open(f"/proc/{os.getpid()}/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux: no such limit to watch
+        return 0
+
+
+def _map_limit() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530
+
+
+_MAP_BUDGET = _map_limit() // 2
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs():
+    yield
+    if _map_count() > _MAP_BUDGET:
+        jax.clear_caches()
