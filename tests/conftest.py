@@ -66,3 +66,21 @@ def _release_compiled_programs():
     yield
     if _map_count() > _MAP_BUDGET:
         jax.clear_caches()
+
+
+# Adaptive speculation (the default of method="speculative") measures a cost table on first use per
+# model, drafter and batch size: ~5-10 s of compiling per tiny test model, ~40 times over the suite.
+# Tests about other things get a synthetic table; measuring itself is tested in test_costmodel.py and,
+# end to end through generate, by tests marked `real_costs`.
+@pytest.fixture(autouse=True)
+def _synthetic_cost_tables(request, monkeypatch):
+    if request.node.get_closest_marker("real_costs") is None:
+        from jaxdecode import costmodel
+
+        def synthetic(model, drafter, batch_size, *, widths=None, **kw):
+            ws = tuple(widths) if widths is not None else costmodel.default_widths(drafter.num_nodes)
+            return costmodel.CostTable(widths=ws, verify_seconds=tuple(1e-3 * (1 + 0.05 * w) for w in ws),
+                                       draft_seconds=2e-4, idle_seconds=0.0, batch_size=int(batch_size),
+                                       meta={"synthetic": "tests/conftest.py"})
+        monkeypatch.setattr(costmodel, "load_or_calibrate", synthetic)
+    yield

@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.real_costs  # the real measurement and cache, not the synthetic table
+
 from jaxdecode import costmodel
 from jaxdecode.costmodel import CostTable, CostTableError
 from jaxdecode.drafters import DraftLM, parse_tree_spec

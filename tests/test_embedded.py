@@ -23,6 +23,7 @@ def test_embedded_models_share_a_tokenizer(embedded):
     assert target.decode(target.encode(PROMPTS[1])) == PROMPTS[1]
 
 
+@pytest.mark.real_costs  # batch 4: the default measures its cost table on the embedded models
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("opts", [dict(tree="chain:4"), dict(tree="eagle:depth=4,topk=3,total=10"),
                                   dict(drafter="prompt_lookup", tree="chain:5")],
