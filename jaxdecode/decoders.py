@@ -166,7 +166,20 @@ def _adaptive_policy(model, drafter, sampler, prompt_tokens, max_new_tokens, opt
                                             context_len=int(prompt_tokens.shape[1]) + max_new_tokens // 2,
                                             mesh=opts.get("mesh"))
         opts["calibrate_seconds"] = time.perf_counter() - start  # reported apart (stats), like compile time
+    if jax.process_count() > 1:  # every process must decide alike: all use process 0's measurements
+        costs = _same_costs_everywhere(costs)
     return policy, costs
+
+
+def _same_costs_everywhere(costs):
+    """Process 0's cost table on every process (each measured its own; timings differ between hosts,
+    and processes that decided differently whether to draft would run different programs)."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+    vec = np.asarray(list(costs.verify_seconds) + [costs.draft_seconds, costs.idle_seconds], np.float64)
+    vec = np.asarray(multihost_utils.broadcast_one_to_all(vec), np.float64)
+    return dataclasses.replace(costs, verify_seconds=tuple(float(x) for x in vec[:-2]),
+                               draft_seconds=float(vec[-2]), idle_seconds=float(vec[-1]))
 
 
 register_method("speculative", _speculative, method_options("speculative"), aliases=("spec",),
