@@ -80,15 +80,20 @@ def _run(cfg, params, drafter, prompts, lengths, n, costs=Costs(), sampler=GREED
                               verifier=get_verifier(verifier), sampler=sampler, adaptive=policy, costs=costs)
 
 
-def test_never_accepted_drafts_stop_within_a_few_steps(models):
+def _oracle_stats(models, prompts, n, shift):
+    """Stats of an adaptive run with an OracleDrafter (chain of 4) over `prompts`; greedy-exact."""
     (cfg, params), _ = models
-    prompts, lengths = pad_prompts(PROMPTS_4[:1])
-    n = 48
+    prompts, lengths = pad_prompts(prompts)
     ref = _greedy(cfg, params, prompts, lengths, n)
-    drafter = OracleDrafter(continuation=ref.tokens, prompt_lengths=lengths, depth=4, shift=1, vocab=64)
+    drafter = OracleDrafter(continuation=ref.tokens, prompt_lengths=lengths, depth=4, shift=shift, vocab=64)
     out = _run(cfg, params, drafter, prompts, lengths, n)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
-    s = jax.tree.map(np.asarray, out.stats)
+    return jax.tree.map(np.asarray, out.stats)
+
+
+def test_never_accepted_drafts_stop_within_a_few_steps(models):
+    n = 48
+    s = _oracle_stats(models, PROMPTS_4[:1], n, shift=1)
     steps, drafting = int(s["verify_calls"][0]), int(s["speculative_steps"][0])
     assert steps == n  # nothing is ever accepted: one token per step
     # A few steps to learn, then only rare probes (untried estimates drift back slowly).
@@ -97,14 +102,7 @@ def test_never_accepted_drafts_stop_within_a_few_steps(models):
 
 
 def test_always_right_drafts_grow_to_the_maximum(models):
-    (cfg, params), _ = models
-    prompts, lengths = pad_prompts(PROMPTS_4)
-    n = 40
-    ref = _greedy(cfg, params, prompts, lengths, n)
-    drafter = OracleDrafter(continuation=ref.tokens, prompt_lengths=lengths, depth=4, shift=0, vocab=64)
-    out = _run(cfg, params, drafter, prompts, lengths, n)
-    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
-    s = jax.tree.map(np.asarray, out.stats)
+    s = _oracle_stats(models, PROMPTS_4, 40, shift=0)
     widths = list(s["policy_widths"])
     assert widths == [0, 1, 2, 4]
     # Every step after the first verifies the whole chain (4 nodes): tau = 5 but for the row ends.
