@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from pathlib import Path
 
 import jax
 
@@ -156,7 +157,7 @@ def _adaptive_policy(model, drafter, sampler, prompt_tokens, max_new_tokens, opt
     if isinstance(costs, (str, os.PathLike)):
         import json
         try:
-            costs = costmodel.CostTable.from_json(json.loads(open(costs).read()))
+            costs = costmodel.CostTable.from_json(json.loads(Path(costs).read_text()))
         except (OSError, ValueError) as e:
             raise ValueError(f"costs={str(costs)!r} is not a readable cost table ({e}); write one with "
                              f"`jaxdecode calibrate --json`, or leave costs unset to measure them") from None
