@@ -14,7 +14,18 @@ import numpy as np
 
 # model_type values handled by the llama-family forward (pre-norm, RMSNorm, RoPE, gated SiLU MLP).
 LLAMA_FAMILY = ("llama", "qwen2", "mistral", "smollm", "smollm3_llama")
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "gpt2")
+# Masked-diffusion LM layouts (llama-family networks without the causal mask), by config.json
+# model_type: LLaDA (GSAI-ML/LLaDA-8B-*: its own keys and weight names), Dream (Dream-org/Dream-v0-*:
+# Qwen2 keys and weight names, logits shifted by one) and Fast-dLLM v2 (Efficient-Large-Model/
+# Fast_dLLM_v2_*: a Qwen2 checkpoint plus `bd_size`, block diffusion with the same shift).
+LLADA_TYPE, DREAM_TYPE, FAST_DLLM_TYPE = "llada", "Dream", "Fast_dLLM_Qwen"
+DIFFUSION_MODEL_TYPES = (LLADA_TYPE, DREAM_TYPE, FAST_DLLM_TYPE)
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "gpt2") + DIFFUSION_MODEL_TYPES
+ATTENTIONS = ("causal", "bidirectional", "block")
+# What each diffusion layout implies when its config.json does not say otherwise:
+# (attention, logits_shift). Fast-dLLM v2's block size is its config's `bd_size`.
+_LAYOUT_DEFAULTS = {LLADA_TYPE: ("bidirectional", 0), DREAM_TYPE: ("bidirectional", 1),
+                    FAST_DLLM_TYPE: ("block", 1)}
 
 
 class ConfigError(ValueError):
@@ -50,6 +61,13 @@ class ModelConfig:
     pad_token_id: int | None = None
     # Anything else from config.json we keep for a faithful save (sorted (key, json-string) pairs).
     extra: tuple = ()
+    # Masked-diffusion LMs (defaults = a causal LM). The forward itself does not read these: the
+    # attention mask is its argument; decoders and trainers build it from `attention`/`block_size`.
+    mask_token_id: int | None = None  # the MASK token of a diffusion LM
+    attention: str = "causal"  # "causal" | "bidirectional" (LLaDA, Dream) | "block" (block diffusion:
+    #                            causal across blocks of block_size tokens, bidirectional inside)
+    block_size: int = 0  # attention == "block": tokens per block (> 0); 0 otherwise
+    logits_shift: int = 0  # 1 (Dream, Fast-dLLM v2): the logit at position i predicts token i + 1
 
     def __post_init__(self):
         if not self.sliding_windows:
@@ -62,6 +80,35 @@ class ModelConfig:
             raise ConfigError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
                 f"({self.num_kv_heads})")
+        self._check_diffusion_fields()
+
+    def _check_diffusion_fields(self):
+        if self.attention not in ATTENTIONS:
+            raise ConfigError(f"attention={self.attention!r} is not one of {ATTENTIONS}")
+        if not isinstance(self.block_size, (int, np.integer)) or isinstance(self.block_size, bool):
+            raise ConfigError(f"block_size must be an int, got {self.block_size!r}")
+        if self.attention == "block" and self.block_size <= 0:
+            raise ConfigError(f"attention='block' (block diffusion) needs block_size > 0 tokens per block, "
+                              f"got block_size={self.block_size} (config.json: set bd_size)")
+        if self.attention != "block" and self.block_size != 0:
+            raise ConfigError(f"block_size={self.block_size} is only meaningful with attention='block'; "
+                              f"this config has attention={self.attention!r} (set block_size=0 or "
+                              f"attention='block')")
+        if self.logits_shift not in (0, 1):
+            raise ConfigError(f"logits_shift must be 0 or 1, got {self.logits_shift!r}")
+        if self.logits_shift and not self.is_diffusion:
+            raise ConfigError("logits_shift=1 is for diffusion LMs (attention 'bidirectional' or 'block'); "
+                              "a causal LM's logits always predict the next token")
+        m = self.mask_token_id
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, np.integer))
+                              or not 0 <= m < self.vocab_size):
+            raise ConfigError(f"mask_token_id={m!r} is not a token id of this model's vocabulary "
+                              f"(0 .. {self.vocab_size - 1})")
+
+    @property
+    def is_diffusion(self) -> bool:
+        """A masked-diffusion LM (bidirectional or block attention), not a causal one."""
+        return self.attention != "causal"
 
     @property
     def is_gpt2(self) -> bool:
@@ -101,6 +148,21 @@ class ModelConfig:
             raise ConfigError(
                 f"unsupported architecture: config.json has model_type={model_type!r} "
                 f"(architectures={archs}); jaxdecode supports model_type in {SUPPORTED_MODEL_TYPES}")
+        if model_type == LLADA_TYPE:
+            base = cls._from_hf_standard(_llada_as_llama(cfg), dtype).replace(extra=_llada_extra(cfg))
+        elif model_type in (DREAM_TYPE, FAST_DLLM_TYPE):  # Qwen2 networks and keys
+            base = cls._from_hf_standard(dict(cfg, model_type="qwen2"), dtype)
+        else:
+            base = cls._from_hf_standard(cfg, dtype)
+        attention, shift = _LAYOUT_DEFAULTS.get(model_type, ("causal", 0))
+        return base.replace(model_type=model_type, mask_token_id=cfg.get("mask_token_id"),
+                            attention=cfg.get("diffusion_attention", attention),
+                            block_size=cfg.get("bd_size") or 0, logits_shift=cfg.get("logits_shift", shift))
+
+    @classmethod
+    def _from_hf_standard(cls, cfg: dict[str, Any], dtype: str | None) -> "ModelConfig":
+        """A config.json in the transformers form of one of the causal model types."""
+        model_type = cfg.get("model_type")
         src_dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
         dtype = _normalize_dtype(dtype or src_dtype)
         eos = cfg.get("eos_token_id")
@@ -161,7 +223,23 @@ class ModelConfig:
             pad_token_id=cfg.get("pad_token_id"), extra=_extra(cfg))
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """config.json in the transformers 5.x form (4.x readers accept it too: it also has rope_theta)."""
+        """config.json in the transformers 5.x form (4.x readers accept it too: it also has rope_theta);
+        a diffusion layout in its own form (LLaDA's keys; Dream / Fast-dLLM v2: Qwen2's plus theirs)."""
+        import json
+        out = self._to_hf_standard() if self.model_type != LLADA_TYPE else _llada_dict(self)
+        # The diffusion fields, where the layout does not already imply them.
+        attention, shift = _LAYOUT_DEFAULTS.get(self.model_type, ("causal", 0))
+        if self.attention != attention:
+            out["diffusion_attention"] = self.attention
+        if self.logits_shift != shift:
+            out["logits_shift"] = self.logits_shift
+        if self.block_size:
+            out["bd_size"] = self.block_size
+        if self.mask_token_id is not None:
+            out["mask_token_id"] = self.mask_token_id
+        return json.loads(json.dumps(out))  # plain JSON types (no numpy ints)
+
+    def _to_hf_standard(self) -> dict[str, Any]:
         import json
         out: dict[str, Any] = {k: json.loads(v) for k, v in self.extra}
         eos = (list(self.eos_token_ids) if len(self.eos_token_ids) > 1
@@ -175,8 +253,8 @@ class ModelConfig:
                        n_positions=self.max_position_embeddings, layer_norm_epsilon=self.norm_eps,
                        activation_function="gelu_new")
             return out
-        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "mistral": "MistralForCausalLM"}[self.model_type]
+        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                DREAM_TYPE: "DreamModel", FAST_DLLM_TYPE: "Fast_dLLM_QwenForCausalLM"}[self.model_type]
         rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope_scaling is not None:
             rope.update(dict(self.rope_scaling))
@@ -186,8 +264,10 @@ class ModelConfig:
                    head_dim=self.head_dim, max_position_embeddings=self.max_position_embeddings,
                    rms_norm_eps=self.norm_eps, hidden_act="silu", rope_parameters=rope,
                    rope_theta=self.rope_theta, mlp_bias=self.mlp_bias)
-        if self.model_type != "qwen2":
+        if self.model_type not in _QWEN2_TYPES:
             out["attention_bias"] = self.qkv_bias
+        elif not self.qkv_bias:  # a Qwen2-form layout without q/k/v biases must say so
+            out["attention_bias"] = False
         windows = set(self.sliding_windows)
         if windows != {0}:
             if self.model_type == "mistral" and len(windows) == 1:
@@ -201,6 +281,9 @@ class ModelConfig:
         elif self.model_type == "mistral":
             out["sliding_window"] = None
         return out
+
+
+_QWEN2_TYPES = ("qwen2", DREAM_TYPE, FAST_DLLM_TYPE)
 
 
 def _normalize_dtype(name: str) -> str:
@@ -236,13 +319,98 @@ _KNOWN_KEYS = {
     "sliding_window", "use_sliding_window", "layer_types", "max_window_layers", "tie_word_embeddings",
     "hidden_act", "dtype", "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id",
     "architectures", "n_embd", "n_head", "n_layer", "n_inner", "n_positions", "layer_norm_epsilon",
-    "activation_function", "transformers_version",
+    "activation_function", "transformers_version", "mask_token_id", "diffusion_attention", "bd_size",
+    "logits_shift",
 }
 
 
-def _extra(cfg: dict) -> tuple:
+def _extra(cfg: dict, known=_KNOWN_KEYS) -> tuple:
     import json
-    return tuple(sorted((k, json.dumps(v)) for k, v in cfg.items() if k not in _KNOWN_KEYS))
+    return tuple(sorted((k, json.dumps(v)) for k, v in cfg.items() if k not in known))
+
+
+# ----------------------------------------------------------------------------- LLaDA's config.json
+# LLaDA (GSAI-ML/LLaDA-8B-Base / -Instruct, configuration_llada.py) keeps OLMo's config keys. Its
+# forward is the llama family's when these options hold (they do in the released checkpoints); a
+# config.json that lacks one or sets it otherwise is refused, since its network would differ.
+_LLADA_REQUIRED = {"block_type": "llama", "activation_type": "silu", "layer_norm_type": "rms", "rope": True,
+                   "include_bias": False}
+# Options that must be off (or at their neutral value) when present.
+_LLADA_NEUTRAL = {"alibi": False, "input_emb_norm": False, "scale_logits": False, "attention_layer_norm": False,
+                  "block_group_size": 1, "layer_norm_with_affine": True, "bias_for_layer_norm": False}
+# Keys whose meaning the ModelConfig fields carry (the others round-trip through `extra`; so does
+# vocab_size, the tokenizer's size, which may be below embedding_size = our vocab_size).
+_LLADA_KEYS = {"model_type", "architectures", "d_model", "n_heads", "n_kv_heads", "n_layers", "mlp_ratio",
+               "mlp_hidden_size", "max_sequence_length", "embedding_size", "weight_tying",
+               "include_qkv_bias", "multi_query_attention", "rms_norm_eps", "rope_theta", "eos_token_id",
+               "pad_token_id", "bos_token_id", "torch_dtype", "dtype", "mask_token_id", "diffusion_attention",
+               "bd_size", "logits_shift", "transformers_version", *_LLADA_REQUIRED, *_LLADA_NEUTRAL}
+
+
+def _llada_extra(cfg: dict) -> tuple:
+    # vocab_size is kept only where it differs from embedding_size (our vocab_size).
+    same = cfg.get("embedding_size") in (None, cfg.get("vocab_size"))
+    return _extra(cfg, _LLADA_KEYS | ({"vocab_size"} if same else set()))
+
+
+def _llada_as_llama(cfg: dict) -> dict:
+    """LLaDA's config.json -> the llama form `_from_hf_standard` reads (errors name LLaDA's keys)."""
+    for key, want in _LLADA_REQUIRED.items():
+        if key not in cfg:
+            raise ConfigError(f"a LLaDA config.json must set {key!r} (jaxdecode's LLaDA forward is the one "
+                              f"with {key}={want!r}, as in GSAI-ML/LLaDA-8B)")
+        if cfg[key] != want:
+            raise ConfigError(f"unsupported LLaDA option {key}={cfg[key]!r}; jaxdecode's LLaDA forward "
+                              f"implements {key}={want!r} (as in GSAI-ML/LLaDA-8B)")
+    for key, want in _LLADA_NEUTRAL.items():
+        if cfg.get(key) not in (None, want):
+            raise ConfigError(f"unsupported LLaDA option {key}={cfg[key]!r}; jaxdecode's LLaDA forward "
+                              f"implements {key}={want!r} (or the key absent)")
+    for key in ("d_model", "n_heads", "n_layers", "vocab_size", "weight_tying"):
+        if key not in cfg:
+            raise KeyError(key)
+    d, n_heads = cfg["d_model"], cfg["n_heads"]
+    if d % n_heads:
+        raise ConfigError(f"LLaDA d_model ({d}) must be a multiple of n_heads ({n_heads})")
+    n_kv = cfg.get("n_kv_heads") or (1 if cfg.get("multi_query_attention") else n_heads)
+    vocab = cfg["vocab_size"]
+    emb = cfg.get("embedding_size") or vocab
+    if emb < vocab:
+        raise ConfigError(f"LLaDA embedding_size ({emb}) must be >= vocab_size ({vocab})")
+    return dict(
+        model_type="llama", hidden_size=d, num_attention_heads=n_heads, num_key_value_heads=n_kv,
+        head_dim=d // n_heads, num_hidden_layers=cfg["n_layers"],
+        intermediate_size=cfg.get("mlp_hidden_size") or int(cfg.get("mlp_ratio", 4) * d),
+        vocab_size=emb,  # the logits (and wte / ff_out rows) span embedding_size ids
+        max_position_embeddings=cfg.get("max_sequence_length", 2048),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=cfg.get("rope_theta", 10000.0),
+        attention_bias=bool(cfg.get("include_qkv_bias", False)), tie_word_embeddings=bool(cfg["weight_tying"]),
+        **{k: cfg[k] for k in ("dtype", "torch_dtype", "eos_token_id", "pad_token_id", "bos_token_id") if k in cfg})
+
+
+def _llada_dict(c: ModelConfig) -> dict:
+    """A ModelConfig of model_type 'llada' -> LLaDA's config.json (its other keys from `extra`)."""
+    import json
+    if c.o_bias or c.mlp_bias or c.rope_scaling is not None or set(c.sliding_windows) != {0}:
+        raise ConfigError("a LLaDA config.json cannot express o/MLP biases, rope scaling or sliding windows; "
+                          "save this model with model_type 'llama' instead")
+    out: dict[str, Any] = {k: json.loads(v) for k, v in c.extra}
+    eos = (list(c.eos_token_ids) if len(c.eos_token_ids) > 1
+           else (c.eos_token_ids[0] if c.eos_token_ids else None))
+    out.update(_LLADA_REQUIRED)
+    out.update({k: v for k, v in _LLADA_NEUTRAL.items() if k in out})
+    if c.head_dim * c.num_heads != c.hidden_size:
+        raise ConfigError(f"LLaDA's head_dim is d_model // n_heads; this config has head_dim={c.head_dim}, "
+                          f"hidden_size={c.hidden_size}, num_heads={c.num_heads}")
+    out.update(model_type=LLADA_TYPE, architectures=["LLaDAModelLM"], d_model=c.hidden_size,
+               n_heads=c.num_heads, n_kv_heads=c.num_kv_heads, n_layers=c.num_layers,
+               mlp_hidden_size=c.intermediate_size, max_sequence_length=c.max_position_embeddings,
+               embedding_size=c.vocab_size, vocab_size=min(out.get("vocab_size", c.vocab_size), c.vocab_size),
+               weight_tying=c.tie_word_embeddings, include_qkv_bias=c.qkv_bias, rms_norm_eps=c.norm_eps,
+               rope_theta=c.rope_theta, torch_dtype=c.dtype, eos_token_id=eos, pad_token_id=c.pad_token_id)
+    if c.bos_token_id is not None:
+        out["bos_token_id"] = c.bos_token_id
+    return out
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:

@@ -297,6 +297,30 @@ def padded_causal_mask(valid: jax.Array) -> jax.Array:
     return causal_mask(b, t) & valid[:, None, :]
 
 
+def bidirectional_mask(valid: jax.Array) -> jax.Array:
+    """Masked-diffusion LM mask among new tokens: every token sees every valid (non-padding) token.
+    valid: bool[B, T] -> bool[B, T, T]."""
+    b, t = valid.shape
+    return jnp.broadcast_to(valid.astype(bool)[:, None, :], (b, t, t))
+
+
+def block_causal_mask(valid: jax.Array, block_size: int, offset=0) -> jax.Array:
+    """Block-diffusion mask among new tokens (BD3-LM, Fast-dLLM v2): causal across blocks of
+    `block_size` positions, bidirectional inside one; only valid keys are visible.
+
+    valid: bool[B, T]; offset: int or int[B], the position of new token 0, so blocks are aligned to
+    absolute positions (k * block_size) whatever the window's start (with a cache: its lengths).
+    Returns bool[B, T, T]: token i sees token j iff block(offset + j) <= block(offset + i).
+    """
+    if not isinstance(block_size, (int, np.integer)) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive int (tokens per block), got {block_size!r}")
+    b, t = valid.shape
+    pos = jnp.asarray(offset, jnp.int32).reshape(-1, 1) + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B|1, T]
+    blk = pos // block_size
+    sees = blk[:, None, :] <= blk[:, :, None]  # [B|1, T(query), T(key)]
+    return jnp.broadcast_to(sees, (b, t, t)) & valid.astype(bool)[:, None, :]
+
+
 # ----------------------------------------------------------------------------- init
 @partial(jax.jit, static_argnames=("config", "std"))
 def init_params(config: ModelConfig, key, std: float = 0.02):
