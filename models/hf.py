@@ -3,6 +3,24 @@
 Weights are validated on load: a missing tensor, a tensor of the wrong shape, or an unexpected
 tensor is an error that names it. Saving writes config.json in the transformers 5.x form plus the
 4.x keys (`rope_theta`, `torch_dtype`), so both lines of transformers read what we write.
+
+Masked-diffusion LM layouts (config.model_type; the network is the llama family's, the attention
+mask the decoder's business, see ModelConfig.attention):
+  - "llada": LLaDA-8B-Base/-Instruct (GSAI-ML; modeling_llada.py). Its own config.json keys (d_model,
+    n_heads, n_kv_heads, n_layers, mlp_hidden_size, embedding_size, weight_tying, mask_token_id, ...)
+    and tensor names model.transformer.{wte, blocks.N.{attn_norm, q_proj, k_proj, v_proj, attn_out,
+    ff_norm, ff_proj (the SiLU-gated one), up_proj, ff_out}, ln_f, ff_out}. Bidirectional.
+  - "Dream": Dream-v0-Base/-Instruct-7B (Dream-org): Qwen2's keys and tensor names (q/k/v biases) plus
+    mask_token_id; bidirectional, logits shifted by one (logits_shift=1: trained from Qwen2.5).
+  - "Fast_dLLM_Qwen": Fast-dLLM v2 (Efficient-Large-Model/Fast_dLLM_v2_1.5B/7B): a Qwen2.5 checkpoint
+    plus `bd_size`; block diffusion (attention="block", block_size=bd_size), logits shifted by one.
+    Its config.json has no mask id (the tokenizer's "|<MASK>|" token is the MASK): `load_params` takes
+    it from the tokenizer files in the directory when config.json has no mask_token_id.
+  - a transformers layout (llama, qwen2, mistral, gpt2) whose config.json says `diffusion_attention`
+    ("bidirectional" | "block"), `bd_size`, `mask_token_id`, `logits_shift`: what `save_params` writes
+    for a diffusion model of those types (e.g. one trained by jaxdecode.training).
+BD3-LM (kuleshov-group/bd3lm-*) is a DiT with timestep conditioning and its own names: not a llama
+network, so not loadable here; its block-causal attention is what attention="block" computes.
 """
 from __future__ import annotations
 
@@ -14,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import ConfigError, ModelConfig
+from .config import LLADA_TYPE, ConfigError, ModelConfig
 from .transformer import param_shapes
 
 
@@ -179,6 +197,32 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
+# LLaDA (modeling_llada.py: LLaDAModelLM.model.transformer) names the llama-family tensors its own way.
+_LLADA_LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ff_norm",
+                      "self_attn.q_proj": "q_proj", "self_attn.k_proj": "k_proj", "self_attn.v_proj": "v_proj",
+                      "self_attn.o_proj": "attn_out", "mlp.gate_proj": "ff_proj", "mlp.up_proj": "up_proj",
+                      "mlp.down_proj": "ff_out"}
+_LLADA_GLOBAL_NAMES = {"model.embed_tokens.weight": "model.transformer.wte.weight",
+                       "model.norm.weight": "model.transformer.ln_f.weight",
+                       "lm_head.weight": "model.transformer.ff_out.weight"}
+
+
+def layout_name(config: ModelConfig, name: str) -> str:
+    """A llama-family tensor name ("model.layers.3.mlp.up_proj.weight", "lm_head.weight") in the
+    checkpoint layout of config.model_type: itself for the transformers layouts (llama, qwen2, mistral,
+    and Dream / Fast-dLLM v2, which keep Qwen2's names), LLaDA's name for a LLaDA model
+    ("model.transformer.blocks.3.up_proj.weight", "model.transformer.ff_out.weight")."""
+    if config.model_type != LLADA_TYPE:
+        return name
+    if name in _LLADA_GLOBAL_NAMES:
+        return _LLADA_GLOBAL_NAMES[name]
+    parts = name.split(".")  # model.layers.{i}.{module...}.{weight|bias}
+    module = ".".join(parts[3:-1])
+    if parts[:2] != ["model", "layers"] or module not in _LLADA_LAYER_NAMES:
+        raise KeyError(f"no LLaDA name for tensor {name!r}")
+    return f"model.transformer.blocks.{parts[2]}.{_LLADA_LAYER_NAMES[module]}.{parts[-1]}"
+
+
 def _hf_layer_map(config: ModelConfig, i: int) -> dict[str, tuple[str, callable, tuple]]:
     """HF tensor name -> (our layer param path, conversion from the HF tensor, HF shape) for layer i.
 
@@ -209,7 +253,7 @@ def _hf_layer_map(config: ModelConfig, i: int) -> dict[str, tuple[str, callable,
         m[p + "mlp.gate_proj.bias"] = ("b_gate", lambda b: b, (f,))
         m[p + "mlp.up_proj.bias"] = ("b_up", lambda b: b, (f,))
         m[p + "mlp.down_proj.bias"] = ("b_down", lambda b: b, (d,))
-    return m
+    return {layout_name(config, k): v for k, v in m.items()}
 
 
 def _gpt2_prefix(tensors: dict) -> str:
@@ -269,14 +313,15 @@ def _convert_gpt2(config: ModelConfig, tensors: dict, expect):
 
 
 def get_head(tensors, config, used):
-    if "lm_head.weight" not in tensors:
-        raise CheckpointError("missing weight tensor 'lm_head.weight' (the config says "
+    name = layout_name(config, "lm_head.weight")
+    if name not in tensors:
+        raise CheckpointError(f"missing weight tensor {name!r} (the config says "
                               "tie_word_embeddings=false, so the LM head must be stored)")
-    w = tensors["lm_head.weight"]
+    w = tensors[name]
     if tuple(w.shape) != (config.vocab_size, config.hidden_size):
-        raise CheckpointError(f"weight tensor 'lm_head.weight' has shape {tuple(w.shape)}, expected "
+        raise CheckpointError(f"weight tensor {name!r} has shape {tuple(w.shape)}, expected "
                               f"{(config.vocab_size, config.hidden_size)}")
-    used.add("lm_head.weight")
+    used.add(name)
     return w.T
 
 
@@ -310,12 +355,12 @@ def _convert_llama(config: ModelConfig, tensors: dict, expect: dict):
         return _take_checked(tensors, name, shape, used)
 
     params = {
-        "embed": get("model.embed_tokens.weight", (v, d)),
-        "final_norm": {"scale": get("model.norm.weight", (d,))},
+        "embed": get(layout_name(config, "model.embed_tokens.weight"), (v, d)),
+        "final_norm": {"scale": get(layout_name(config, "model.norm.weight"), (d,))},
         "layers": _nest({k: jnp.stack(x) for k, x in per_layer.items()}),
     }
     if config.tie_word_embeddings:
-        used.add("lm_head.weight")  # some tied checkpoints store a copy; it is the embedding
+        used.add(layout_name(config, "lm_head.weight"))  # some tied checkpoints store a copy; it is the embedding
     else:
         params["lm_head"] = get_head(tensors, config, used)
     return params, used
@@ -352,6 +397,13 @@ def load_params(path, dtype: str | None = None) -> tuple[ModelConfig, dict]:
     except (TypeError, AttributeError) as e:
         raise ConfigError(f"{path / 'config.json'} holds a value of the wrong type "
                           f"({_one_line(e)})") from None
+    if config.is_diffusion and config.mask_token_id is None:
+        mask_id = tokenizer_mask_id(path)
+        if mask_id is not None:
+            try:
+                config = config.replace(mask_token_id=mask_id)
+            except ConfigError as e:
+                raise ConfigError(f"the MASK token of the tokenizer in {path}: {e}") from None
     tensors = _read_tensors(path)
     expect = param_shapes(config)
     if config.is_gpt2:
@@ -422,6 +474,8 @@ def to_hf_tensors(config: ModelConfig, params) -> dict[str, jax.Array]:
         out["model.norm.weight"] = params["final_norm"]["scale"]
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = params["lm_head"].T
+    if not config.is_gpt2:
+        out = {layout_name(config, k): v for k, v in out.items()}
     return out
 
 
@@ -462,6 +516,31 @@ def save_params(config: ModelConfig, params, path, *, max_shard_bytes: int | Non
             json.dump({"metadata": {"total_size": int(total)}, "weight_map": weight_map}, f, indent=2)
     with open(path / "config.json", "w") as f:
         json.dump(config.to_hf_dict(), f, indent=2, sort_keys=True)
+
+
+# MASK tokens of the diffusion LMs' tokenizers: Fast-dLLM v2 "|<MASK>|", LLaDA "<|mdm_mask|>", Dream "<|mask|>".
+MASK_TOKENS = ("|<MASK>|", "<|mdm_mask|>", "<|mask|>")
+
+
+def tokenizer_mask_id(path) -> int | None:
+    """The id of a MASK token (MASK_TOKENS) among the added tokens of the tokenizer files in `path`
+    (tokenizer.json "added_tokens", tokenizer_config.json "added_tokens_decoder"), or None."""
+    path = Path(path)
+    found: dict[str, int] = {}
+    if (path / "tokenizer.json").exists():
+        for t in read_json_object(path / "tokenizer.json").get("added_tokens") or ():
+            if isinstance(t, dict) and t.get("content") in MASK_TOKENS and isinstance(t.get("id"), int):
+                found.setdefault(t["content"], t["id"])
+    if (path / "tokenizer_config.json").exists():
+        decoder = read_json_object(path / "tokenizer_config.json").get("added_tokens_decoder") or {}
+        for k, t in (decoder.items() if isinstance(decoder, dict) else ()):
+            if isinstance(t, dict) and t.get("content") in MASK_TOKENS and str(k).isdigit():
+                found.setdefault(t["content"], int(k))
+    ids = {found[m] for m in MASK_TOKENS if m in found}
+    if len(ids) > 1:
+        raise CheckpointError(f"the tokenizer in {path} has several MASK tokens ({found}); set mask_token_id "
+                              f"in config.json to the one the model was trained with")
+    return ids.pop() if ids else None
 
 
 # The tokenizer files that are JSON: checked first, so a damaged one is named.
