@@ -48,6 +48,8 @@ def test_config_bad_diffusion_fields(kw, match):
     dict(model_type="Fast_dLLM_Qwen", qkv_bias=True, attention="block", block_size=8, mask_token_id=2,
          logits_shift=1),
     dict(model_type="Dream", qkv_bias=True, attention="bidirectional", mask_token_id=3),  # no shift: said
+    dict(model_type="gpt2", num_kv_heads=4, head_dim=4, qkv_bias=True, o_bias=True, mlp_bias=True,
+         tie_word_embeddings=True, activation="gelu_new", attention="bidirectional", mask_token_id=1),
 ])
 def test_config_json_round_trip(kw):
     c = _tiny(**kw)
@@ -55,6 +57,20 @@ def test_config_json_round_trip(kw):
     back = ModelConfig.from_hf_dict(json.loads(text))
     assert back == c
     assert back.is_diffusion
+
+
+def test_qwen2_without_qkv_bias_round_trips():  # Qwen2's default is biases on: saying none is kept
+    c = _tiny(model_type="qwen2", qkv_bias=False)
+    assert ModelConfig.from_hf_dict(json.loads(json.dumps(c.to_hf_dict()))) == c
+
+
+def test_llada_config_defaults():
+    cfg = _config_json("llada", n_kv_heads=None, mlp_hidden_size=None, embedding_size=None, mask_token_id=5)
+    c = ModelConfig.from_hf_dict(cfg)
+    assert (c.num_kv_heads, c.intermediate_size, c.vocab_size, c.head_dim) == (H, 4 * D, TOK_VOCAB, D // H)
+    assert c.is_diffusion and c.attention == "bidirectional" and c.logits_shift == 0
+    out = c.to_hf_dict()
+    assert out["auto_map"] == cfg["auto_map"] and out["rope"] is True and out["n_kv_heads"] == H
 
 
 # ----------------------------------------------------------------------------- masks
