@@ -377,8 +377,8 @@ def _llada_as_llama(cfg: dict) -> dict:
     emb = cfg.get("embedding_size") or vocab
     if emb < vocab:
         raise ConfigError(f"LLaDA embedding_size ({emb}) must be >= vocab_size ({vocab})")
-    return dict(
-        model_type="llama", hidden_size=d, num_attention_heads=n_heads, num_key_value_heads=n_kv,
+    return dict(  # the qwen2 form: attention_bias means q/k/v biases only, as include_qkv_bias does
+        model_type="qwen2", hidden_size=d, num_attention_heads=n_heads, num_key_value_heads=n_kv,
         head_dim=d // n_heads, num_hidden_layers=cfg["n_layers"],
         intermediate_size=cfg.get("mlp_hidden_size") or int(cfg.get("mlp_ratio", 4) * d),
         vocab_size=emb,  # the logits (and wte / ff_out rows) span embedding_size ids

@@ -154,15 +154,14 @@ def _config_json(layout: str, **over) -> dict:
     return cfg
 
 
-def _random_tensors(layout: str, rng) -> dict:
+def _random_tensors(layout: str, rng, bias: bool, tied: bool, kv: int) -> dict:
     form = "llada" if layout == "llada" else "qwen2"
     names, glob = _NAMES[form], _GLOBALS[form]
-    bias = layout != "llada"  # Qwen2's q/k/v biases
     t = {}
     for i in range(L):
         n = names(i)
         t[n["n1"]], t[n["n2"]] = 1 + 0.2 * rng.standard_normal(D), 1 + 0.2 * rng.standard_normal(D)
-        for key, out in (("q", H * HD), ("k", KV * HD), ("v", KV * HD)):
+        for key, out in (("q", H * HD), ("k", kv * HD), ("v", kv * HD)):
             t[n[key] + ".weight"] = 0.4 * rng.standard_normal((out, D))
             if bias:
                 t[n[key] + ".bias"] = 0.3 * rng.standard_normal(out)
@@ -172,7 +171,8 @@ def _random_tensors(layout: str, rng) -> dict:
         t[n["down"] + ".weight"] = 0.3 * rng.standard_normal((D, F))
     t[glob["emb"]] = rng.standard_normal((V, D))
     t[glob["norm"]] = 1 + 0.2 * rng.standard_normal(D)
-    t[glob["head"]] = 0.3 * rng.standard_normal((V, D))
+    if not tied:
+        t[glob["head"]] = 0.3 * rng.standard_normal((V, D))
     return {k: np.asarray(v, np.float32) for k, v in t.items()}
 
 
@@ -187,9 +187,13 @@ def _tokenizer(out_dir):
 def _write(out_dir, layout: str, seed: int = 0, tokenizer: bool = False, **over):
     from safetensors.numpy import save_file
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = _random_tensors(layout, np.random.default_rng(seed))
+    cfg = _config_json(layout, **over)
+    bias = cfg.get("include_qkv_bias", layout != "llada")  # Qwen2's q/k/v biases
+    tensors = _random_tensors(layout, np.random.default_rng(seed), bias,
+                              cfg.get("weight_tying", cfg.get("tie_word_embeddings")),
+                              cfg.get("n_kv_heads", cfg.get("num_key_value_heads")))
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(_config_json(layout, **over)))
+    (out_dir / "config.json").write_text(json.dumps(cfg))
     if tokenizer:
         _tokenizer(out_dir)
     return tensors
@@ -221,8 +225,9 @@ def _np_forward(layout: str, t: dict, tokens, mask):
         def proj(key, heads):
             y = h @ t[n[key] + ".weight"].T + t.get(n[key] + ".bias", 0.0)
             return y.reshape(b, n_tok, heads, HD)
-        q, k, v = rope(proj("q", H)), rope(proj("k", KV)), proj("v", KV)
-        k, v = np.repeat(k, H // KV, axis=2), np.repeat(v, H // KV, axis=2)
+        kv = t[n["k"] + ".weight"].shape[0] // HD
+        q, k, v = rope(proj("q", H)), rope(proj("k", kv)), proj("v", kv)
+        k, v = np.repeat(k, H // kv, axis=2), np.repeat(v, H // kv, axis=2)
         s = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(HD)
         s = np.where(mask[:, None], s, -np.inf)
         p = np.exp(s - s.max(-1, keepdims=True))
@@ -231,7 +236,7 @@ def _np_forward(layout: str, t: dict, tokens, mask):
         h = rms(x, t[n["n2"]])
         g = h @ t[n["gate"] + ".weight"].T
         x = x + (g / (1 + np.exp(-g)) * (h @ t[n["up"] + ".weight"].T)) @ t[n["down"] + ".weight"].T
-    return rms(x, t[glob["norm"]]) @ t[glob["head"]].T
+    return rms(x, t[glob["norm"]]) @ t.get(glob["head"], t[glob["emb"]]).T
 
 
 def _our_forward(config, params, tokens, mask):
@@ -246,10 +251,12 @@ def _our_forward(config, params, tokens, mask):
 LAYOUTS = ("llada", "Dream", "Fast_dLLM_Qwen")
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_layout_loads_and_matches_numpy_forward(tmp_path, layout):
+@pytest.mark.parametrize("layout, over", [(x, {}) for x in LAYOUTS] + [
+    ("llada", dict(include_qkv_bias=True, weight_tying=True, n_kv_heads=H)),
+    ("Dream", dict(tie_word_embeddings=True, num_key_value_heads=1))])
+def test_layout_loads_and_matches_numpy_forward(tmp_path, layout, over):
     from jaxdecode.models import load_params
-    tensors = _write(tmp_path, layout, tokenizer=layout == "Fast_dLLM_Qwen")
+    tensors = _write(tmp_path, layout, tokenizer=layout == "Fast_dLLM_Qwen", **over)
     config, params = load_params(tmp_path)
     assert config.model_type == layout and config.is_diffusion and config.vocab_size == V
     want = {"llada": ("bidirectional", 0, 0, V - 48), "Dream": ("bidirectional", 0, 1, V - 1),
