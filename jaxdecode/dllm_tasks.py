@@ -1,0 +1,389 @@
+"""Synthetic tasks with known dependence structure for diffusion LMs (ParallelBench-style).
+
+    task = make_task("sort", length=6, num_values=6)
+    prompts, answers = task.sample(np.random.default_rng(0), 32)   # int32[B, P], int32[B, A]
+    task.validate(prompts[0], answers[0])                           # True
+    task.expected(prompts[0])                                       # the answer (deterministic tasks)
+
+Deterministic tasks (one correct answer): copy, sort, reverse, addition. Many-answer tasks:
+permutation (any ordering of the prompt's set), latin_square (any k x k grid whose rows and columns
+are each an ordering of the prompt's k symbols). In a many-answer task every answer position is
+uncertain on its own (the marginals are near uniform) but the positions are tightly coupled, so a
+decoder that commits several positions from their marginals in one step (fixed top-k, no dependence
+awareness) writes duplicates, while one token per step stays valid.
+
+All tasks share one small vocabulary (`TaskVocab`): EOS, SEP, PLUS, MASK, one tag per task (the
+prompt's first token says which task it is, so one model can learn several) and `num_values` value
+tokens. A prompt is [TAG, body..., SEP]; an answer is exactly `answer_length` value tokens (no EOS).
+Training data draws a uniformly random valid answer for many-answer tasks.
+
+Everything here is NumPy (evaluation runs at decode time; nothing imports jaxdecode.training).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import ClassVar
+
+import numpy as np
+
+EOS, SEP, PLUS, MASK = 0, 1, 2, 3
+TASK_NAMES = ("copy", "sort", "reverse", "addition", "permutation", "latin_square")
+FIRST_VALUE = 4 + len(TASK_NAMES)
+
+
+class TaskError(ValueError):
+    """A task built with parameters it cannot use, or a malformed prompt."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskVocab:
+    """The token ids of every task: 0 EOS, 1 SEP, 2 PLUS, 3 MASK, 4.. task tags, then the values."""
+    num_values: int = 6
+
+    @property
+    def size(self) -> int:
+        return FIRST_VALUE + self.num_values
+
+    @property
+    def mask_id(self) -> int:
+        return MASK
+
+    @property
+    def eos_id(self) -> int:
+        return EOS
+
+    def tag(self, name: str) -> int:
+        return 4 + TASK_NAMES.index(name)
+
+    def token_strings(self) -> list[str]:
+        """One printable string per id (for a word-level tokenizer and for messages)."""
+        return (["<eos>", "<sep>", "+", "<mask>"] + [f"<{n}>" for n in TASK_NAMES]
+                + [f"v{i}" for i in range(self.num_values)])
+
+    def decode(self, ids) -> str:
+        names = self.token_strings()
+        return " ".join(names[int(i)] if 0 <= int(i) < len(names) else f"?{int(i)}" for i in ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """A task over `length` items (latin_square: the order k) and `num_values` value tokens."""
+    name: ClassVar[str] = ""
+    deterministic: ClassVar[bool] = True
+    length: int = 6
+    num_values: int = 6
+
+    def __post_init__(self):
+        if self.length < 1:
+            raise TaskError(f"{self.name}: length must be >= 1, got {self.length}")
+        if self.num_values < 2:
+            raise TaskError(f"{self.name}: num_values must be >= 2, got {self.num_values}")
+
+    # ------------------------------------------------------------------ what each task defines
+    @property
+    def body_length(self) -> int:
+        return self.length
+
+    @property
+    def answer_length(self) -> int:
+        return self.length
+
+    def sample_body(self, rng: np.random.Generator) -> np.ndarray:
+        """A prompt body as values (0 .. num_values-1)."""
+        return rng.integers(0, self.num_values, self.length)
+
+    def sample_answer(self, rng: np.random.Generator, body: np.ndarray) -> np.ndarray:
+        """A valid answer (values) to `body`: the answer, or a uniformly random one."""
+        return self.solve(body)
+
+    def solve(self, body: np.ndarray) -> np.ndarray | None:
+        """The one answer (values) of a deterministic task; None for many-answer tasks."""
+        return None
+
+    def accepts(self, body: np.ndarray, answer: np.ndarray) -> bool:
+        """Is `answer` (values, the right length) a correct answer to `body`?"""
+        return bool(np.array_equal(answer, self.solve(body)))
+
+    def check_body(self, body: np.ndarray) -> str | None:
+        """Why `body` is not a prompt of this task (None: it is)."""
+        return None
+
+    # ------------------------------------------------------------------ shared
+    @property
+    def vocab(self) -> TaskVocab:
+        return TaskVocab(self.num_values)
+
+    @property
+    def prompt_length(self) -> int:
+        return self.body_length + 2
+
+    def _prompt(self, body_tokens: np.ndarray) -> np.ndarray:
+        return np.concatenate([[self.vocab.tag(self.name)], body_tokens, [SEP]]).astype(np.int32)
+
+    def encode_body(self, body: np.ndarray) -> np.ndarray:
+        """Prompt tokens [TAG, body..., SEP] of a body of values."""
+        return self._prompt(np.asarray(body) + FIRST_VALUE)
+
+    def parse_prompt(self, prompt) -> np.ndarray:
+        """The body (values) of a prompt; a TaskError says what is wrong with a malformed one."""
+        p = np.asarray(prompt).reshape(-1)
+        if p.shape[0] != self.prompt_length:
+            raise TaskError(f"{self.name} prompt must have {self.prompt_length} tokens, got {p.shape[0]}")
+        if p[0] != self.vocab.tag(self.name) or p[-1] != SEP:
+            raise TaskError(f"not a {self.name} prompt (expected [<{self.name}>, ..., <sep>]): "
+                            f"{self.vocab.decode(p)}")
+        body = self._parse_body_tokens(p[1:-1])
+        why = self.check_body(body)
+        if why is not None:
+            raise TaskError(f"malformed {self.name} prompt ({why}): {self.vocab.decode(p)}")
+        return body
+
+    def _parse_body_tokens(self, tokens: np.ndarray) -> np.ndarray:
+        vals = tokens.astype(np.int64) - FIRST_VALUE
+        if np.any(vals < 0) or np.any(vals >= self.num_values):
+            raise TaskError(f"{self.name} prompt body holds non-value tokens: {self.vocab.decode(tokens)}")
+        return vals
+
+    def sample(self, rng: np.random.Generator, batch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(prompts int32[batch, prompt_length], answers int32[batch, answer_length]) as token ids."""
+        prompts, answers = [], []
+        for _ in range(batch):
+            body = self.sample_body(rng)
+            prompts.append(self.encode_body(body))
+            answers.append(np.asarray(self.sample_answer(rng, body)) + FIRST_VALUE)
+        return np.stack(prompts).astype(np.int32), np.stack(answers).astype(np.int32)
+
+    def expected(self, prompt) -> np.ndarray | None:
+        """The answer tokens of a deterministic task's prompt; None for many-answer tasks."""
+        sol = self.solve(self.parse_prompt(prompt))
+        return None if sol is None else (np.asarray(sol) + FIRST_VALUE).astype(np.int32)
+
+    def validate(self, prompt, answer) -> bool:
+        """True when `answer` (token ids; trailing EOS tokens are ignored) correctly answers `prompt`.
+
+        A malformed prompt raises a TaskError; a wrong, short, long or non-value answer is False.
+        """
+        body = self.parse_prompt(prompt)
+        a = strip_eos(answer).astype(np.int64) - FIRST_VALUE
+        if a.shape[0] != self.answer_length or np.any(a < 0) or np.any(a >= self.num_values):
+            return False
+        return self.accepts(body, a)
+
+
+# ----------------------------------------------------------------------------- deterministic tasks
+@dataclasses.dataclass(frozen=True)
+class CopyTask(Task):
+    name: ClassVar[str] = "copy"
+
+    def solve(self, body):
+        return np.asarray(body)
+
+
+@dataclasses.dataclass(frozen=True)
+class SortTask(Task):
+    name: ClassVar[str] = "sort"
+
+    def solve(self, body):
+        return np.sort(body)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReverseTask(Task):
+    name: ClassVar[str] = "reverse"
+
+    def solve(self, body):
+        return np.asarray(body)[::-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class AdditionTask(Task):
+    """Two `length`-digit numbers in base `num_values`, most significant digit first; the answer is
+    their sum in `length + 1` digits (leading zeros kept). Prompt: [TAG, a..., PLUS, b..., SEP]."""
+    name: ClassVar[str] = "addition"
+
+    @property
+    def body_length(self):
+        return 2 * self.length + 1
+
+    @property
+    def answer_length(self):
+        return self.length + 1
+
+    def sample_body(self, rng):
+        return rng.integers(0, self.num_values, 2 * self.length)
+
+    def encode_body(self, body):
+        body = np.asarray(body)
+        a, b = body[: self.length], body[self.length:]
+        return self._prompt(np.concatenate([a + FIRST_VALUE, [PLUS], b + FIRST_VALUE]))
+
+    def _parse_body_tokens(self, tokens):
+        if tokens[self.length] != PLUS:
+            raise TaskError(f"addition prompt needs '+' after {self.length} digits: {self.vocab.decode(tokens)}")
+        return super()._parse_body_tokens(np.concatenate([tokens[: self.length], tokens[self.length + 1:]]))
+
+    def solve(self, body):
+        base, n = self.num_values, self.length
+        weights = base ** np.arange(n - 1, -1, -1, dtype=object)
+        total = int(np.dot(body[:n].astype(object), weights) + np.dot(body[n:].astype(object), weights))
+        digits = [(total // base ** i) % base for i in range(n, -1, -1)]
+        return np.asarray(digits, np.int64)
+
+
+# ----------------------------------------------------------------------------- many-answer tasks
+@dataclasses.dataclass(frozen=True)
+class PermutationTask(Task):
+    """Prompt: `length` distinct values in increasing order; answer: any ordering of them."""
+    name: ClassVar[str] = "permutation"
+    deterministic: ClassVar[bool] = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.length > self.num_values:
+            raise TaskError(f"permutation needs length <= num_values (distinct values), got "
+                            f"length={self.length}, num_values={self.num_values}")
+
+    def sample_body(self, rng):
+        return np.sort(rng.choice(self.num_values, self.length, replace=False))
+
+    def check_body(self, body):
+        if np.any(np.diff(body) <= 0):
+            return "the values must be distinct and increasing"
+        return None
+
+    def sample_answer(self, rng, body):
+        return rng.permutation(body)
+
+    def accepts(self, body, answer):
+        return bool(np.array_equal(np.sort(answer), np.sort(body)))
+
+
+@dataclasses.dataclass(frozen=True)
+class LatinSquareTask(Task):
+    """Prompt: k = `length` distinct symbols in increasing order; answer: a k x k grid, row-major,
+    whose every row and column is an ordering of them (any Latin square over those symbols)."""
+    name: ClassVar[str] = "latin_square"
+    deterministic: ClassVar[bool] = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.length > self.num_values:
+            raise TaskError(f"latin_square needs length (the order k) <= num_values, got "
+                            f"length={self.length}, num_values={self.num_values}")
+        if self.length > 6:
+            raise TaskError(f"latin_square supports orders k <= 6 (answers of k*k tokens), got {self.length}")
+
+    @property
+    def answer_length(self):
+        return self.length * self.length
+
+    def sample_body(self, rng):
+        return np.sort(rng.choice(self.num_values, self.length, replace=False))
+
+    check_body = PermutationTask.check_body
+
+    def sample_answer(self, rng, body):
+        """Uniform over all Latin squares of order k <= 4 (listed once); for k = 5, 6 a random
+        row/column/symbol shuffle of a random reduced-form search result (not exactly uniform)."""
+        k = self.length
+        squares = _latin_squares(k) if k <= 4 else None
+        if squares is not None:
+            grid = squares[rng.integers(len(squares))]
+        else:
+            grid = _random_latin_square(rng, k)
+            grid = grid[rng.permutation(k)][:, rng.permutation(k)]
+        return np.asarray(body)[grid].reshape(-1)
+
+    def accepts(self, body, answer):
+        k = self.length
+        grid = np.asarray(answer).reshape(k, k)
+        want = np.sort(body)
+        return all(np.array_equal(np.sort(grid[i]), want) and np.array_equal(np.sort(grid[:, i]), want)
+                   for i in range(k))
+
+
+_SQUARES: dict[int, np.ndarray] = {}
+
+
+def _latin_squares(k: int) -> np.ndarray:
+    """Every Latin square of order k over 0..k-1: int[n, k, k] (k <= 4: at most 576)."""
+    if k not in _SQUARES:
+        rows = list(itertools.permutations(range(k)))
+        found = []
+
+        def extend(grid):
+            if len(grid) == k:
+                found.append(grid)
+                return
+            for r in rows:
+                if all(r[c] != g[c] for g in grid for c in range(k)):
+                    extend(grid + [r])
+        extend([])
+        _SQUARES[k] = np.asarray(found, np.int64)
+    return _SQUARES[k]
+
+
+def _random_latin_square(rng: np.random.Generator, k: int) -> np.ndarray:
+    """A Latin square of order k by randomised backtracking (cells in order, symbols shuffled)."""
+    grid = -np.ones((k, k), np.int64)
+
+    def fill(cell):
+        if cell == k * k:
+            return True
+        i, j = divmod(cell, k)
+        for s in rng.permutation(k):
+            if s not in grid[i, :j] and s not in grid[:i, j]:
+                grid[i, j] = s
+                if fill(cell + 1):
+                    return True
+        grid[i, j] = -1
+        return False
+    fill(0)
+    return grid
+
+
+TASKS: dict[str, type[Task]] = {c.name: c for c in (CopyTask, SortTask, ReverseTask, AdditionTask,
+                                                     PermutationTask, LatinSquareTask)}
+assert tuple(TASKS) == TASK_NAMES
+
+
+def make_task(name: str, length: int = 6, num_values: int = 6) -> Task:
+    """The task called `name` (one of TASK_NAMES) over `length` items and `num_values` values."""
+    if name not in TASKS:
+        raise TaskError(f"unknown task {name!r}; choose one of {', '.join(TASK_NAMES)}")
+    return TASKS[name](length=length, num_values=num_values)
+
+
+def strip_eos(tokens) -> np.ndarray:
+    """A 1-D answer without its trailing EOS tokens (a decoder's padding after the answer ends)."""
+    a = np.asarray(tokens).reshape(-1)
+    end = len(a)
+    while end > 0 and a[end - 1] == EOS:
+        end -= 1
+    return a[:end]
+
+
+def evaluate_answers(task: Task, prompts, answers, lengths=None, reference=None) -> dict:
+    """Task figures of decoded answers: `validity` (fraction the task accepts), `exact_match` (fraction
+    equal to `reference` answers, e.g. one-token-per-step greedy; deterministic tasks without a
+    reference: equal to the expected answer) and `n`. Trailing EOS tokens are ignored.
+
+    answers: int[B, A] token ids; lengths: int[B] answer lengths (default: all of A).
+    """
+    prompts, answers = np.asarray(prompts), np.asarray(answers)
+    if prompts.ndim != 2 or answers.ndim != 2 or prompts.shape[0] != answers.shape[0]:
+        raise TaskError(f"prompts and answers must be [B, P] and [B, A] with the same B, got "
+                        f"{prompts.shape} and {answers.shape}")
+    n = prompts.shape[0]
+    lengths = np.full(n, answers.shape[1]) if lengths is None else np.asarray(lengths)
+    cut = [answers[i, : int(lengths[i])] for i in range(n)]
+    valid = [task.validate(prompts[i], cut[i]) for i in range(n)]
+    out = {"n": n, "validity": float(np.mean(valid)) if n else 0.0}
+    if reference is not None:
+        reference = np.asarray(reference)
+        out["exact_match"] = float(np.mean([np.array_equal(strip_eos(cut[i]), strip_eos(reference[i]))
+                                            for i in range(n)])) if n else 0.0
+    elif task.deterministic:
+        out["exact_match"] = out["validity"]
+    return out
