@@ -359,8 +359,12 @@ def _convert_llama(config: ModelConfig, tensors: dict, expect: dict):
         "final_norm": {"scale": get(layout_name(config, "model.norm.weight"), (d,))},
         "layers": _nest({k: jnp.stack(x) for k, x in per_layer.items()}),
     }
-    if config.tie_word_embeddings:
-        used.add(layout_name(config, "lm_head.weight"))  # some tied checkpoints store a copy; it is the embedding
+    if config.tie_word_embeddings:  # some tied checkpoints store a copy of the embedding as the head
+        head = layout_name(config, "lm_head.weight")
+        if head in tensors and not np.array_equal(np.asarray(tensors[head]), np.asarray(params["embed"])):
+            raise CheckpointError(f"{head!r} is stored but differs from the embedding, while config.json ties "
+                                  f"them (tie_word_embeddings / weight_tying = true): fix config.json")
+        used.add(head)
     else:
         params["lm_head"] = get_head(tensors, config, used)
     return params, used

@@ -355,6 +355,19 @@ def test_llada_missing_tensor_named_in_its_layout(tmp_path):
         load_params(tmp_path)
 
 
+def test_tied_config_with_a_different_stored_head_errors(tmp_path):
+    from safetensors.numpy import save_file
+    from jaxdecode.models import CheckpointError as CE, load_params
+    tensors = _write(tmp_path, "llada", weight_tying=True)
+    tensors["model.transformer.ff_out.weight"] = tensors["model.transformer.wte.weight"].copy()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    load_params(tmp_path)  # a stored copy of the embedding is fine
+    tensors["model.transformer.ff_out.weight"][0, 0] += 1
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CE, match="'model.transformer.ff_out.weight' is stored but differs from the embedding"):
+        load_params(tmp_path)
+
+
 def test_llada_missing_key_names_it(tmp_path):
     from jaxdecode.models import ConfigError as CE, load_params
     _write(tmp_path, "llada")
