@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 
 import jaxdecode.decoders  # noqa: F401  (registers the built-in methods)
+import jaxdecode.diffusion  # noqa: F401  (registers diffusion / block_diffusion)
 from jaxdecode.bench import CompileClock
 from jaxdecode.model import EMBEDDED_DIR, Model, embedded_model_path, load  # noqa: F401  (public names)
 from jaxdecode.options import OPTIONS, OptionError  # noqa: F401  (public names)
@@ -81,6 +82,7 @@ def generate(model: Model, prompts, method: str = "greedy", max_new_tokens: int 
     from jaxdecode.autoregressive import pad_prompts
     from jaxdecode.options import resolve
     spec = get_method(method)
+    _check_model_kind(model, spec.name)
     given = dict(options, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                  eos_ids=eos_ids)
     raw_prompts, token_lists = _tokenize(model, prompts)
@@ -121,6 +123,19 @@ def generate(model: Model, prompts, method: str = "greedy", max_new_tokens: int 
             f"their output is garbage. Likely cause: {cause}. Pass allow_nonfinite=True (CLI: "
             f"--allow-nonfinite) to get the outputs anyway.", out)
     return out
+
+
+def _check_model_kind(model: Model, method: str) -> None:
+    """A masked-diffusion checkpoint decodes only with the diffusion methods, and they only decode it."""
+    from jaxdecode.diffusion import DIFFUSION_METHODS
+    diffusion = bool(getattr(model.config, "is_diffusion", False))
+    if diffusion and method not in DIFFUSION_METHODS:
+        raise ValueError(f"this checkpoint is a masked-diffusion LM (attention={model.config.attention!r}): "
+                         f"method {method!r} decodes causal LMs token by token; use method='diffusion'"
+                         + (" or 'block_diffusion'" if model.config.attention == "block" else ""))
+    if not diffusion and method in DIFFUSION_METHODS:
+        raise ValueError(f"method {method!r} decodes masked-diffusion LMs, but this checkpoint is a causal LM; "
+                         f"use method='greedy', 'sample' or 'speculative'")
 
 
 def _jsonable(v):

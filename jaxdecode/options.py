@@ -24,6 +24,7 @@ ALL = "*"  # Option.methods: every method (including methods registered by users
 SAMPLING = ("sample", "mirostat", "speculative", "constrained_sample")
 BEAMS = ("beam", "diverse_beam", "constrained_beam")
 CONSTRAINED = ("constrained_beam", "constrained_greedy", "constrained_sample")
+DIFFUSION = ("diffusion", "block_diffusion")
 SEED_MAX = 2**32 - 1  # jax.random.PRNGKey wraps larger seeds onto smaller ones
 
 
@@ -129,6 +130,11 @@ def _verifiers() -> tuple:
     return tuple(VERIFIERS)
 
 
+def _diffusion_rules() -> tuple:
+    from jaxdecode.diffusion import RULES
+    return tuple(RULES)
+
+
 def _impls() -> tuple:
     from jaxdecode.kernels.constrained import _IMPLS
     return tuple(_IMPLS)
@@ -155,7 +161,7 @@ _TABLE = (
     Option("repetition_penalty", "float", "CTRL penalty on tokens already in the prompt or output; 1 = off",
            ("greedy", "sample", "mirostat", "constrained_greedy", "constrained_sample"), 1.0,
            low=0, low_open=True),
-    Option("seed", "int", "PRNG seed of the draws", SAMPLING, 0, low=0, high=SEED_MAX),
+    Option("seed", "int", "PRNG seed of the draws", SAMPLING + DIFFUSION, 0, low=0, high=SEED_MAX),
     Option("tau", "float", "Mirostat target surprise (bits)", ("mirostat",), 5.0, low=0, low_open=True),
     Option("eta", "float", "Mirostat learning rate", ("mirostat",), 0.1, low=0, low_open=True),
     # ------------------------------------------------------------------ beams
@@ -200,6 +206,29 @@ _TABLE = (
     Option("set_ids", "int_or_ids", "item set of each prompt (one int: every prompt)", CONSTRAINED,
            default_doc="set 0", low=0, cli="--set-id", cli_repeat=True),
     Option("impl", "str", "constrained top-k implementation", CONSTRAINED, "auto", choices=_impls),
+    # ------------------------------------------------------------------ diffusion LMs
+    Option("rule", "str", "which masked slots a forward commits (ALGORITHMS.md §5; greedy1 = one token per "
+           "forward, the reference)", DIFFUSION, "greedy1", choices=_diffusion_rules,
+           objects="a jaxdecode.diffusion.Rule"),
+    Option("answer_length", "int", "answer slots per prompt (all start as MASK)", DIFFUSION, low=1,
+           default_doc="max_new_tokens"),
+    Option("block_length", "int", "slots per semi-autoregressive block (decoded left to right, block by "
+           "block)", DIFFUSION, low=1, default_doc="the model's block_size (block attention), else answer_length"),
+    Option("threshold", "float", "confidence threshold of the rules that have one (threshold, credit, ccd, "
+           "window, r2, ...; learn2pd: the filter's score)", DIFFUSION, low=0, high=1,
+           default_doc="the rule's own (0.9; learn2pd 0.5)"),
+    Option("tokens_per_step", "int", "slots committed per forward by rules llada and random", DIFFUSION, low=1,
+           default_doc="1"),
+    Option("filter", "str", "Learn2PD filter directory (config.json + model.safetensors, `jaxdecode train "
+           "filter`); rule learn2pd", DIFFUSION, default_doc="required by rule learn2pd",
+           objects="a pathlib.Path"),
+    Option("rule_options", "dict", "the rule's other parameters (e.g. freedave {\"draft\": 4}, factor "
+           "{\"factor\": 1.0}; see jaxdecode.diffusion)", DIFFUSION, default_doc="none", cli=None),
+    Option("diffusion_cache", "str", "KV cache of method diffusion: none (exact), prefix / dual (Fast-dLLM's "
+           "approximate caches, refreshed at block boundaries)", ("diffusion",), "none",
+           choices=("none", "prefix", "dual")),
+    Option("max_forwards", "int", "loop steps at most (rows still masked then: stats['unfinished'])", DIFFUSION,
+           low=1, default_doc="answer_length + 1"),
 )
 OPTIONS: dict[str, Option] = {o.name: o for o in _TABLE}
 

@@ -41,6 +41,9 @@ GOOD = [
     ("index", "items.npz"), ("index", "items.txt"),
     ("set_ids", 0), ("set_ids", 3), ("set_ids", [0, 1]), ("set_ids", np.array([2, 0])),
     ("impl", "auto"), ("impl", "reference"), ("impl", "interpret"),
+    ("rule", "greedy1"), ("rule", "freedave"), ("answer_length", 1), ("block_length", 32),
+    ("threshold", 0), ("threshold", 0.9), ("threshold", 1), ("tokens_per_step", 2), ("filter", "path/to/filter"),
+    ("rule_options", {"draft": 4}), ("diffusion_cache", "dual"), ("max_forwards", 1),
 ]
 
 # (option, value) pairs that must be refused with an OptionError naming the option.
@@ -74,6 +77,9 @@ BAD = [
     ("index", 5),
     ("set_ids", -1), ("set_ids", [0, -1]), ("set_ids", 1.5), ("set_ids", "0"), ("set_ids", [[0]]),
     ("impl", "fast"), ("impl", 1),
+    ("rule", "nope"), ("rule", 3), ("answer_length", 0), ("block_length", 0), ("block_length", 2.0),
+    ("threshold", -0.1), ("threshold", 1.5), ("threshold", NAN), ("tokens_per_step", 0), ("filter", 5),
+    ("rule_options", [1]), ("diffusion_cache", "exact"), ("max_forwards", 0),
 ]
 
 

@@ -1,0 +1,1127 @@
+"""Masked-diffusion decoding: one jit-compiled `lax.while_loop` over answer slots, one commit rule per paper.
+
+    diffusion_decode(config, params, prompt_tokens[B,P], prompt_lengths[B], *, answer_length=A,
+                     rule=Greedy1(), block_length=..., eos_ids=(), ...) -> DiffusionOutput
+
+Layout. Row b's prompt (right-padded input, as everywhere in jaxdecode) is followed directly by its A_b
+answer slots (A_b = answer_lengths[b] <= A), so slot j sits at position P_b + j; columns past
+P_b + A_b are padding nobody attends to. The slots start as the MASK id and are filled ("committed")
+in place; a committed token is never changed again.
+
+One iteration: a model forward gives, per answer slot, the logits of its token (with `logits_shift`
+1, Dream / Fast-dLLM v2, the logit at position i predicts token i + 1, so slot j reads column
+P_b + j - 1); the rule decides which *eligible* slots to commit and with which token. Eligible slots
+are the masked slots of the row's current semi-autoregressive block (the first block of
+`block_length` slots that still has a masked slot), before the row's first committed EOS. Every
+rule commits at least one eligible slot per forward (the loop adds the most confident one if a rule
+chose none), so the loop ends after at most A forwards per row.
+
+EOS: a row's answer ends at its first committed EOS; the slots after it are padding — set to the pad
+id (eos_ids[0]) at once, never decoded, and the model sees them as that id (the padding of LLaDA-style
+training). A row is finished when no masked slot is left before its end.
+
+Stats: "nfe" int32[B] (forwards the row took part in while live), "tokens_per_forward" f32[B]
+(committed answer tokens / nfe), "steps" int32 (loop iterations of the batch), "unfinished" bool[B]
+(max_forwards ran out while the row still had masked slots: those slots hold the MASK id).
+
+KV caches (`cache=`):
+- "none": every forward runs over prompt + whole answer (exact).
+- "prefix" / "dual" (Fast-dLLM's approximate caches, bidirectional models): when a row enters a new
+  block, one forward over everything refreshes the KV cache; inside the block, forwards run over the
+  block's slots only and attend to the cached prefix ("prefix") or prefix and suffix ("dual") as
+  computed at the refresh. A refresh runs for the whole batch when any live row needs one.
+- "exact" (`block_diffusion_decode`, attention="block" models): causal across blocks, so the cache of
+  finished blocks is exact; forwards run over the current block only (plus, once, the block just
+  finished, to write its clean keys and values into the cache).
+
+Rules are small frozen dataclasses (ALGORITHMS.md §5): `select(ctx) -> (commit bool[B,A], tokens
+int32[B,A], rule_state)`; FreeDave, which verifies several drafts in one batched forward, brings its
+own step over the same loop (`lookahead`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import numbers
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdecode.autoregressive import (
+    _concrete,
+    is_eos,
+    nonfinite_rows,
+    pad_id_for,
+    validate_eos_ids,
+    validate_prompts,
+)
+from jaxdecode.models import advance, forward, init_cache
+
+CACHE_MODES = ("none", "prefix", "dual", "exact")
+_NEG = -1e30
+
+
+class DiffusionError(ValueError):
+    """Inputs a diffusion decoder cannot decode as given (with what to fix)."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DiffusionOutput:
+    tokens: jax.Array  # int32[B, A]; after a row's length: the pad id
+    lengths: jax.Array  # int32[B]: answer tokens per row, EOS included
+    stats: dict
+
+
+# ----------------------------------------------------------------------------- shared math
+def confidence(logits):
+    """(probs [..., V] f32, confidence = max prob [...], argmax [...] int32)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    return probs, jnp.max(probs, axis=-1), jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def entropy(probs):
+    return -jnp.sum(jnp.where(probs > 0, probs * jnp.log(jnp.maximum(probs, 1e-30)), 0.0), axis=-1)
+
+
+def rank_desc(score, eligible):
+    """int32[B, A]: rank of each eligible slot by score, highest first (ties: lower slot); ineligible
+    slots rank after every eligible one."""
+    s = jnp.where(eligible, score, -jnp.inf)
+    order = jnp.argsort(-s, axis=-1, stable=True)
+    return jnp.argsort(order, axis=-1, stable=True).astype(jnp.int32)
+
+
+def top_n(score, eligible, n):
+    """bool[B, A]: the n (int or int[B]) highest-scoring eligible slots of each row."""
+    n = jnp.broadcast_to(jnp.asarray(n, jnp.int32), score.shape[:1])
+    return eligible & (rank_desc(score, eligible) < n[:, None])
+
+
+def with_top1(commit, conf, eligible):
+    """commit plus each row's most confident eligible slot (every rule commits >= 1 per forward)."""
+    return (commit & eligible) | top_n(conf, eligible, 1)
+
+
+# ----------------------------------------------------------------------------- rules
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    """What a rule sees at one forward (all in the answer frame, [B, A, ...])."""
+    logits: jax.Array  # f32[B, A, V]: the prediction for each answer slot
+    eligible: jax.Array  # bool[B, A]: masked slots of the current block, before the row's end
+    committed: jax.Array  # bool[B, A]: slots already holding their final token (padding included)
+    answer: jax.Array  # int32[B, A]
+    key: jax.Array
+    state: object  # the rule's own state (rule.init)
+    eos_ids: tuple
+
+
+class Rule:
+    """A commit rule. Subclasses are frozen dataclasses (hashable: a static argument of the jit)."""
+    name = "rule"
+    lookahead = 0  # > 0: the rule drafts and verifies in one batched forward (FreeDave)
+
+    def init(self, batch: int, answer_length: int, vocab: int):
+        return None
+
+    def select(self, ctx: StepContext):
+        raise NotImplementedError
+
+    def check(self, config, eos_ids: tuple) -> None:
+        """Raise DiffusionError for parameters this rule cannot run with."""
+
+
+def _unit(name, x, *, low_open=False):
+    if not isinstance(x, numbers.Real) or isinstance(x, bool) or not (0 < x <= 1 if low_open else 0 <= x <= 1):
+        raise DiffusionError(f"{name} must be a number in {'(0' if low_open else '[0'}, 1], got {x!r}")
+
+
+def _count(name, x, low=1):
+    if not isinstance(x, numbers.Integral) or isinstance(x, bool) or x < low:
+        raise DiffusionError(f"{name} must be an int >= {low}, got {x!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Greedy1(Rule):
+    """One token per forward: the most confident eligible slot, its argmax (ties: lower slot). The
+    reference every lossless decoder (FreeDave) must reproduce."""
+    name = "greedy1"
+
+    def select(self, ctx):
+        _, conf, x = confidence(ctx.logits)
+        return top_n(conf, ctx.eligible, 1), x, ctx.state
+
+
+@dataclasses.dataclass(frozen=True)
+class LLaDA(Rule):
+    """LLaDA low-confidence remasking: commit the `tokens_per_step` most confident eligible slots (their
+    argmax); the rest stay masked. tokens_per_step=1 is Greedy1."""
+    tokens_per_step: int = 1
+    name = "llada"
+
+    def check(self, config, eos_ids):
+        _count("tokens_per_step", self.tokens_per_step)
+
+    def select(self, ctx):
+        _, conf, x = confidence(ctx.logits)
+        return top_n(conf, ctx.eligible, self.tokens_per_step), x, ctx.state
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomRemask(Rule):
+    """Random remasking (LLaDA's baseline): `tokens_per_step` eligible slots chosen uniformly at random,
+    each committed with its argmax."""
+    tokens_per_step: int = 1
+    name = "random"
+
+    def check(self, config, eos_ids):
+        _count("tokens_per_step", self.tokens_per_step)
+
+    def select(self, ctx):
+        _, _, x = confidence(ctx.logits)
+        score = jax.random.uniform(ctx.key, ctx.eligible.shape)
+        return top_n(score, ctx.eligible, self.tokens_per_step), x, ctx.state
+
+
+@dataclasses.dataclass(frozen=True)
+class Threshold(Rule):
+    """Fast-dLLM confidence threshold: commit every eligible slot with max prob >= threshold, at least
+    the most confident one. threshold 1.0 commits one token per forward (Greedy1) unless a prob is
+    exactly 1."""
+    threshold: float = 0.9
+    name = "threshold"
+
+    def check(self, config, eos_ids):
+        _unit("threshold", self.threshold)
+
+    def select(self, ctx):
+        _, conf, x = confidence(ctx.logits)
+        return with_top1(conf >= self.threshold, conf, ctx.eligible), x, ctx.state
+
+
+@dataclasses.dataclass(frozen=True)
+class Factor(Rule):
+    """Fast-dLLM factor rule: with the eligible confidences sorted c_(1) >= c_(2) >= ..., commit the top n
+    for the largest n with (n + 1) * (1 - c_(n)) < factor (at least one)."""
+    factor: float = 1.0
+    name = "factor"
+
+    def check(self, config, eos_ids):
+        if not isinstance(self.factor, numbers.Real) or isinstance(self.factor, bool) or self.factor <= 0:
+            raise DiffusionError(f"factor must be a number > 0, got {self.factor!r}")
+
+    def select(self, ctx):
+        _, conf, x = confidence(ctx.logits)
+        rank = rank_desc(conf, ctx.eligible)  # 0-based: slot of rank r is c_(r+1)
+        ok = ctx.eligible & ((rank + 2).astype(jnp.float32) * (1.0 - conf) < self.factor)
+        # largest n such that the condition holds at c_(n): the sorted c are decreasing, so (n+1)(1-c_(n))
+        # increases with n and the satisfied ranks form a prefix.
+        n = jnp.max(jnp.where(ok, rank + 1, 0), axis=-1)
+        return with_top1(rank < n[:, None], conf, ctx.eligible), x, ctx.state
+
+
+@dataclasses.dataclass(frozen=True)
+class Credit(Rule):
+    """CreditDecoding: per slot a credit over the vocabulary, C <- decay * C, C[i, x_i] += c_i ** power
+    for every masked slot (x_i, c_i from the model's logits); decode from logits + alpha * log(1 + C)
+    under the confidence threshold (at least one per forward)."""
+    threshold: float = 0.9
+    decay: float = 0.8
+    power: float = 0.2
+    alpha: float = 0.7
+    name = "credit"
+
+    def check(self, config, eos_ids):
+        _unit("threshold", self.threshold)
+        _unit("decay", self.decay)
+
+    def init(self, batch, answer_length, vocab):
+        return jnp.zeros((batch, answer_length, vocab), jnp.float32)
+
+    def select(self, ctx):
+        _, conf, x = confidence(ctx.logits)
+        masked = ~ctx.committed
+        add = jax.nn.one_hot(x, ctx.logits.shape[-1], dtype=jnp.float32) * (conf ** self.power)[..., None]
+        credit = self.decay * ctx.state + jnp.where(masked[..., None], add, 0.0)
+        _, conf2, x2 = confidence(ctx.logits + self.alpha * jnp.log1p(credit))
+        return with_top1(conf2 >= self.threshold, conf2, ctx.eligible), x2, credit
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalLeap(Rule):
+    """LocalLeap: anchors are eligible slots with confidence >= anchor; also commit eligible slots within
+    `radius` slots of an anchor whose confidence is >= near. At least one per forward."""
+    anchor: float = 0.9
+    near: float = 0.75
+    radius: int = 4
+    name = "localleap"
+
+    def check(self, config, eos_ids):
+        _unit("anchor", self.anchor)
+        _unit("near", self.near)
+        _count("radius", self.radius, 0)
+
+    def select(self, ctx):
+        _, conf, x = confidence(ctx.logits)
+        anchors = ctx.eligible & (conf >= self.anchor)
+        a = anchors.shape[1]
+        pos = jnp.arange(a)
+        close = jnp.abs(pos[:, None] - pos[None, :]) <= self.radius  # [A, A]
+        near_anchor = jnp.any(anchors[:, None, :] & close[None], axis=-1)
+        return with_top1(anchors | (near_anchor & (conf >= self.near)), conf, ctx.eligible), x, ctx.state
+
+
+@dataclasses.dataclass(frozen=True)
+class EntropyBounded(Rule):
+    """EB-sampler: sort eligible slots by confidence; commit the longest prefix whose summed entropy
+    minus the largest entropy in it stays <= gamma (so the most confident slot is always committed)."""
+    gamma: float = 0.1
+    name = "eb"
+
+    def check(self, config, eos_ids):
+        if not isinstance(self.gamma, numbers.Real) or isinstance(self.gamma, bool) or self.gamma < 0:
+            raise DiffusionError(f"gamma must be a number >= 0, got {self.gamma!r}")
+
+    def select(self, ctx):
+        probs, conf, x = confidence(ctx.logits)
+        h = jnp.where(ctx.eligible, entropy(probs), 0.0)
+        rank = rank_desc(conf, ctx.eligible)
+        order = jnp.argsort(rank, axis=-1)  # slots by rank
+        hs = jnp.take_along_axis(h, order, axis=-1)
+        cum, run_max = jnp.cumsum(hs, axis=-1), jax.lax.cummax(hs, axis=hs.ndim - 1)
+        ok_sorted = (cum - run_max) <= self.gamma
+        n = jnp.sum(jnp.cumprod(ok_sorted.astype(jnp.int32), axis=-1), axis=-1)  # leading prefix
+        return with_top1(rank < n[:, None], conf, ctx.eligible), x, ctx.state
+
+
+@dataclasses.dataclass(frozen=True)
+class InfoGain(Rule):
+    """Information-gain selection: score each eligible slot by confidence minus `beta` times its entropy
+    (the information it leaves unresolved); commit the slots scoring >= the threshold, at least the
+    best one."""
+    threshold: float = 0.7
+    beta: float = 0.1
+    name = "infogain"
+
+    def check(self, config, eos_ids):
+        _unit("threshold", self.threshold)
+
+    def select(self, ctx):
+        probs, conf, x = confidence(ctx.logits)
+        score = conf - self.beta * entropy(probs)
+        return with_top1(score >= self.threshold, score, ctx.eligible), x, ctx.state
+
+
+@dataclasses.dataclass(frozen=True)
+class CCD(Rule):
+    """CCD (history-averaged distributions): per slot an exponential average of the model's
+    distributions over the forwards, pbar <- mix * pbar + (1 - mix) * p (pbar = p at the first
+    forward); commit eligible slots whose averaged confidence is >= threshold (token: argmax of pbar),
+    at least the most confident."""
+    threshold: float = 0.9
+    mix: float = 0.5
+    name = "ccd"
+
+    def check(self, config, eos_ids):
+        _unit("threshold", self.threshold)
+        _unit("mix", self.mix)
+
+    def init(self, batch, answer_length, vocab):
+        return jnp.zeros((batch, answer_length, vocab), jnp.float32)
+
+    def select(self, ctx):
+        probs, _, _ = confidence(ctx.logits)
+        fresh = jnp.sum(ctx.state, axis=-1, keepdims=True) == 0
+        pbar = jnp.where(fresh, probs, self.mix * ctx.state + (1 - self.mix) * probs)
+        conf, x = jnp.max(pbar, axis=-1), jnp.argmax(pbar, axis=-1).astype(jnp.int32)
+        return with_top1(conf >= self.threshold, conf, ctx.eligible), x, pbar
+
+
+@dataclasses.dataclass(frozen=True)
+class ETE(Rule):
+    """ETE (explore then exploit): exploit — commit every eligible slot with confidence >= threshold;
+    when none is that sure, explore — commit the `explore` most confident slots among those whose
+    entropy is <= max_entropy (nats). At least one per forward."""
+    threshold: float = 0.9
+    explore: int = 2
+    max_entropy: float = 1.0
+    name = "ete"
+
+    def check(self, config, eos_ids):
+        _unit("threshold", self.threshold)
+        _count("explore", self.explore)
+
+    def select(self, ctx):
+        probs, conf, x = confidence(ctx.logits)
+        sure = ctx.eligible & (conf >= self.threshold)
+        calm = top_n(conf, ctx.eligible & (entropy(probs) <= self.max_entropy), self.explore)
+        pick = jnp.where(jnp.any(sure, axis=-1, keepdims=True), sure, calm)
+        return with_top1(pick, conf, ctx.eligible), x, ctx.state
+
+
+@dataclasses.dataclass(frozen=True)
+class Window(Rule):
+    """Window-Diffusion: only the `window` leftmost masked slots of the block are candidates (a sliding
+    window over the masked frontier); inside it, the confidence threshold (at least one)."""
+    window: int = 8
+    threshold: float = 0.9
+    name = "window"
+
+    def check(self, config, eos_ids):
+        _count("window", self.window)
+        _unit("threshold", self.threshold)
+
+    def select(self, ctx):
+        _, conf, x = confidence(ctx.logits)
+        left = jnp.cumsum(ctx.eligible.astype(jnp.int32), axis=-1) <= self.window
+        cand = ctx.eligible & left
+        return with_top1(conf >= self.threshold, conf, cand), x, ctx.state
+
+
+@dataclasses.dataclass(frozen=True)
+class R2(Rule):
+    """R^2-dLLM (training-free rules): spatial — a slot also commits when the mean confidence of its
+    +-1 neighbourhood (eligible or committed neighbours count as 1) is >= threshold; temporal — a slot
+    whose argmax has been the same for `stable` consecutive forwards commits. Plus the threshold rule
+    and at least one per forward."""
+    threshold: float = 0.9
+    stable: int = 3
+    name = "r2"
+
+    def check(self, config, eos_ids):
+        _unit("threshold", self.threshold)
+        _count("stable", self.stable)
+
+    def init(self, batch, answer_length, vocab):
+        return (jnp.full((batch, answer_length), -1, jnp.int32), jnp.zeros((batch, answer_length), jnp.int32))
+
+    def select(self, ctx):
+        _, conf, x = confidence(ctx.logits)
+        last, run = ctx.state
+        run = jnp.where(x == last, run + 1, 1)
+        c = jnp.where(ctx.committed, 1.0, conf)
+        padded = jnp.pad(c, ((0, 0), (1, 1)), constant_values=1.0)
+        local = (padded[:, :-2] + padded[:, 1:-1] + padded[:, 2:]) / 3.0
+        pick = (conf >= self.threshold) | (local >= self.threshold) | (run >= self.stable)
+        return with_top1(pick, conf, ctx.eligible), x, (x, run)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dystruct(Rule):
+    """Dystruct (dynamic structure): commit the eligible slots whose confidence is >= threshold, and
+    extend each committed run to its right neighbour while that neighbour's confidence is >= the
+    relaxed `follow` threshold (structure grows from sure tokens). At least one per forward."""
+    threshold: float = 0.9
+    follow: float = 0.7
+    name = "dystruct"
+
+    def check(self, config, eos_ids):
+        _unit("threshold", self.threshold)
+        _unit("follow", self.follow)
+
+    def select(self, ctx):
+        _, conf, x = confidence(ctx.logits)
+        sure = ctx.eligible & (conf >= self.threshold)
+        follow = ctx.eligible & (conf >= self.follow)
+
+        def grow(c, _):
+            left = jnp.pad(c, ((0, 0), (1, 0)))[:, :-1]
+            return c | (left & follow), None
+        pick, _ = jax.lax.scan(grow, sure, None, length=min(conf.shape[1], 64))
+        return with_top1(pick, conf, ctx.eligible), x, ctx.state
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaBlock(Rule):
+    """AdaBlock: the block ends early at the first eligible slot predicting a delimiter (ids
+    `delimiters`, default the EOS ids) with confidence >= delimiter_threshold; inside the shortened
+    block, the confidence threshold (at least one)."""
+    threshold: float = 0.9
+    delimiter_threshold: float = 0.5
+    delimiters: tuple = ()
+    name = "adablock"
+
+    def check(self, config, eos_ids):
+        _unit("threshold", self.threshold)
+        _unit("delimiter_threshold", self.delimiter_threshold)
+
+    def select(self, ctx):
+        _, conf, x = confidence(ctx.logits)
+        delims = self.delimiters or ctx.eos_ids
+        is_delim = is_eos(x, tuple(delims)) & ctx.eligible & (conf >= self.delimiter_threshold)
+        a = x.shape[1]
+        pos = jnp.arange(a)[None, :]
+        end = jnp.min(jnp.where(is_delim, pos, a), axis=-1, keepdims=True)
+        cand = ctx.eligible & (pos <= end)
+        return with_top1(conf >= self.threshold, conf, cand), x, ctx.state
+
+
+@dataclasses.dataclass(frozen=True)
+class Learn2PD(Rule):
+    """Learn2PD: a small filter network (filter_apply over filter_features) scores every slot; commit the
+    eligible slots with sigmoid(score) > threshold plus the most confident one. End-of-Text
+    Prediction (eot_threshold < 1): the first eligible slot predicting an EOS id with confidence >=
+    eot_threshold commits too, which ends the answer there (the rest is padding, never decoded).
+    `params` is the filter's dict pytree (load_filter); it is hashed by identity as a static argument,
+    so keep one object per filter."""
+    params: dict = dataclasses.field(default=None, hash=False, compare=False)
+    threshold: float = 0.5
+    eot_threshold: float = 0.9
+    name = "learn2pd"
+
+    def check(self, config, eos_ids):
+        if self.params is None:
+            raise DiffusionError("rule learn2pd needs a trained filter: Learn2PD(params=load_filter(dir)[0]) "
+                                 "(generate: filter=DIR, written by `jaxdecode train filter`)")
+        _unit("threshold", self.threshold)
+        _unit("eot_threshold", self.eot_threshold)
+
+    def __hash__(self):
+        return hash((self.name, id(self.params), self.threshold, self.eot_threshold))
+
+    def __eq__(self, other):
+        return (type(other) is type(self) and other.params is self.params and other.threshold == self.threshold
+                and other.eot_threshold == self.eot_threshold)
+
+    def select(self, ctx):
+        _, conf, x = confidence(ctx.logits)
+        score = jax.nn.sigmoid(filter_apply(self.params, filter_features(conf, ctx.committed)))
+        pick = score > self.threshold
+        eot = ctx.eligible & is_eos(x, ctx.eos_ids) & (conf >= self.eot_threshold)
+        pos = jnp.arange(x.shape[1])[None, :]
+        first_eot = eot & (pos == jnp.min(jnp.where(eot, pos, x.shape[1]), axis=-1, keepdims=True))
+        return with_top1(pick | first_eot, conf, ctx.eligible), x, ctx.state
+
+
+@dataclasses.dataclass(frozen=True)
+class FreeDave(Rule):
+    """FreeDave (lossless w.r.t. Greedy1): from the current forward, draft D_j = the j most confident
+    eligible slots with their argmax, j = 1..draft; run the model on all drafts in ONE batched forward;
+    D_{j+1} is consistent when Greedy1's pick after D_j is exactly its (j+1)-th element; commit the
+    longest consistent draft, whose forward is the next step's current forward. Output equals
+    Greedy1's token for token; each loop step costs one (draft-times-wider) forward."""
+    draft: int = 4
+    name = "freedave"
+
+    @property
+    def lookahead(self):
+        return self.draft
+
+    def check(self, config, eos_ids):
+        _count("draft", self.draft)
+
+
+RULES = {"greedy1": Greedy1, "llada": LLaDA, "random": RandomRemask, "threshold": Threshold,
+         "factor": Factor, "learn2pd": Learn2PD, "credit": Credit, "localleap": LocalLeap,
+         "freedave": FreeDave, "adablock": AdaBlock, "ccd": CCD, "ete": ETE, "window": Window,
+         "r2": R2, "dystruct": Dystruct, "eb": EntropyBounded, "infogain": InfoGain}
+
+
+def make_rule(name: str, **kw) -> Rule:
+    """The rule called `name` (RULES) with its parameters; unknown names / parameters are errors."""
+    if isinstance(name, Rule):
+        return name
+    if name not in RULES:
+        raise DiffusionError(f"unknown diffusion rule {name!r}; choose one of {', '.join(RULES)}")
+    cls = RULES[name]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    bad = sorted(set(kw) - fields)
+    if bad:
+        raise DiffusionError(f"rule {name!r} takes no parameter(s) {bad}; it takes {sorted(fields)}")
+    return cls(**kw)
+
+
+# ----------------------------------------------------------------------------- Learn2PD filter
+FILTER_WINDOW = 2  # neighbours on each side the filter sees
+FILTER_FEATURES = 2 * (2 * FILTER_WINDOW + 1) + 3
+
+
+def filter_features(confidence, committed):
+    """Per-slot features of the Learn2PD filter: float32[B, L, F], F = FILTER_FEATURES.
+
+    confidence: f32[B, L], the model's max prob at every slot (committed slots included); committed:
+    bool[B, L]. Per slot: the confidences and committed flags of the slots at offsets -2..+2 (0 past
+    the ends), the mean confidence of the row's masked slots, the row's committed fraction, and the
+    slot's relative position j / L."""
+    c = confidence.astype(jnp.float32)
+    m = committed.astype(jnp.float32)
+    b, n = c.shape
+    w = FILTER_WINDOW
+    cp, mp = jnp.pad(c, ((0, 0), (w, w))), jnp.pad(m, ((0, 0), (w, w)))
+    neigh_c = [cp[:, i:i + n] for i in range(2 * w + 1)]
+    neigh_m = [mp[:, i:i + n] for i in range(2 * w + 1)]
+    masked = 1.0 - m
+    mean_c = jnp.sum(c * masked, axis=-1, keepdims=True) / jnp.maximum(jnp.sum(masked, axis=-1, keepdims=True), 1.0)
+    frac = jnp.mean(m, axis=-1, keepdims=True)
+    rel = jnp.broadcast_to(jnp.arange(n, dtype=jnp.float32)[None, :] / max(n, 1), (b, n))
+    extra = [jnp.broadcast_to(mean_c, (b, n)), jnp.broadcast_to(frac, (b, n)), rel]
+    return jnp.stack(neigh_c + neigh_m + extra, axis=-1)
+
+
+def init_filter(key, hidden: int = 32, num_features: int = FILTER_FEATURES) -> dict:
+    """Random filter parameters: {"w1": [F, H], "b1": [H], "w2": [H], "b2": []}."""
+    k1, k2 = jax.random.split(key)
+    return {"w1": jax.random.normal(k1, (num_features, hidden), jnp.float32) / math.sqrt(num_features),
+            "b1": jnp.zeros((hidden,), jnp.float32),
+            "w2": jax.random.normal(k2, (hidden,), jnp.float32) / math.sqrt(hidden),
+            "b2": jnp.zeros((), jnp.float32)}
+
+
+def filter_apply(params: dict, features):
+    """The filter's logits [B, L] (sigmoid = P(the slot's current argmax is its final token)): a 2-layer
+    MLP, gelu(features @ w1 + b1) @ w2 + b2."""
+    h = jax.nn.gelu(jnp.einsum("blf,fh->blh", features, params["w1"]) + params["b1"])  # [B, L, H]
+    return jnp.einsum("blh,h->bl", h, params["w2"]) + params["b2"]
+
+
+FILTER_KIND = "learn2pd_filter"
+
+
+def save_filter(out_dir, params: dict, meta: dict | None = None) -> Path:
+    """Write the filter to out_dir: config.json ({"kind", "num_features", "hidden", **meta}) and
+    model.safetensors (one tensor per key)."""
+    from safetensors.numpy import save_file
+    missing = {"w1", "b1", "w2", "b2"} - set(params)
+    if missing:
+        raise DiffusionError(f"filter params lack {sorted(missing)}; expected keys w1, b1, w2, b2 "
+                             "(init_filter's layout)")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    arrays = {k: np.asarray(v, np.float32) for k, v in params.items()}
+    f, h = arrays["w1"].shape
+    cfg = {**(meta or {}), "kind": FILTER_KIND, "num_features": int(f), "hidden": int(h)}
+    save_file(arrays, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    return out
+
+
+def load_filter(path) -> tuple[dict, dict]:
+    """(params, meta) of a filter written by save_filter; clear errors for anything else."""
+    from safetensors.numpy import load_file
+    path = Path(path)
+    cfg_file, tensor_file = path / "config.json", path / "model.safetensors"
+    if not cfg_file.is_file() or not tensor_file.is_file():
+        raise DiffusionError(f"{path} is not a Learn2PD filter directory: it needs config.json and "
+                             "model.safetensors (written by save_filter / `jaxdecode train filter`)")
+    meta = json.loads(cfg_file.read_text())
+    if meta.get("kind") != FILTER_KIND:
+        raise DiffusionError(f"{cfg_file} has kind {meta.get('kind')!r}, not {FILTER_KIND!r}")
+    arrays = load_file(str(tensor_file))
+    params = {k: jnp.asarray(v) for k, v in arrays.items()}
+    shapes = {"w1": (meta["num_features"], meta["hidden"]), "b1": (meta["hidden"],), "w2": (meta["hidden"],),
+              "b2": ()}
+    for k, s in shapes.items():
+        if k not in params or tuple(params[k].shape) != s:
+            raise DiffusionError(f"filter tensor {k!r} in {tensor_file} should have shape {s}, got "
+                                 f"{None if k not in params else tuple(params[k].shape)}")
+    if meta["num_features"] != FILTER_FEATURES:
+        raise DiffusionError(f"the filter in {path} takes {meta['num_features']} features but "
+                             f"filter_features makes {FILTER_FEATURES}; retrain it with this jaxdecode")
+    return params, meta
+
+
+# ----------------------------------------------------------------------------- the loop
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _State:
+    answer: jax.Array  # int32[B, A]
+    nfe: jax.Array  # int32[B]
+    steps: jax.Array  # int32
+    key: jax.Array
+    rule_state: object
+    cache: object  # KVCache or None
+    carry: object  # mode-specific: FreeDave's current logits [B, A, V]; exact: [B, V] logits of the slot
+    #                before the current block (logits_shift); prefix/dual: int32[B] block of the last refresh
+    nonfinite: jax.Array  # bool[B]
+
+    def replace(self, **kw):
+        return dataclasses.replace(self, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything static about one decode (hashable)."""
+    config: object
+    rule: Rule
+    answer_length: int
+    block_length: int
+    eos_ids: tuple
+    mask_id: int
+    shift: int
+    mode: str
+    max_forwards: int
+    cache_len: int
+
+
+def _frame(s: _Static, answer, answer_lengths):
+    """Per slot: (masked, eligible, row_done, first_eos): the eligible slots are the masked ones of the
+    row's current block before its end (answer_lengths, first committed EOS)."""
+    a = s.answer_length
+    pos = jnp.arange(a, dtype=jnp.int32)[None, :]
+    committed = answer != s.mask_id
+    eos_here = committed & is_eos(answer, s.eos_ids) & (pos < answer_lengths[:, None])
+    first_eos = jnp.min(jnp.where(eos_here, pos, a), axis=-1)
+    end = jnp.minimum(answer_lengths, first_eos + 1)  # slots < end belong to the answer
+    masked = ~committed & (pos < end[:, None])
+    blk = pos // s.block_length
+    cur = jnp.min(jnp.where(masked, blk, a), axis=-1)
+    eligible = masked & (blk == cur[:, None])
+    return masked, eligible, ~jnp.any(masked, axis=-1), end, cur
+
+
+def _apply(s: _Static, answer, commit, tokens, answer_lengths):
+    """Commit tokens at the chosen slots; slots after a committed EOS (or past the row's answer length)
+    become padding."""
+    answer = jnp.where(commit, tokens, answer)
+    _, _, _, end, _ = _frame(s, answer, answer_lengths)
+    pos = jnp.arange(s.answer_length, dtype=jnp.int32)[None, :]
+    return jnp.where(pos >= end[:, None], pad_id_for(s.eos_ids), answer)
+
+
+def _layout(prompt_tokens, prompt_lengths, answer, answer_lengths):
+    """Full sequences [B, P + A]: tokens, positions, valid, answer-slot index of each column."""
+    b, p = prompt_tokens.shape
+    a = answer.shape[1]
+    cols = jnp.arange(p + a, dtype=jnp.int32)[None, :]
+    ans_idx = cols - prompt_lengths[:, None]
+    is_prompt = cols < prompt_lengths[:, None]
+    is_ans = (ans_idx >= 0) & (ans_idx < answer_lengths[:, None])
+    ptok = jnp.take_along_axis(prompt_tokens, jnp.clip(cols, 0, p - 1).repeat(b, 0), axis=1)
+    atok = jnp.take_along_axis(answer, jnp.clip(ans_idx, 0, a - 1), axis=1)
+    tokens = jnp.where(is_prompt, ptok, jnp.where(is_ans, atok, 0))
+    valid = is_prompt | is_ans
+    last = prompt_lengths + answer_lengths - 1
+    positions = jnp.minimum(cols, last[:, None])
+    return tokens, positions, valid, ans_idx
+
+
+def _block_ids(s: _Static, ans_idx):
+    """Attention block of each column (block attention): blocks of block_size aligned to the answer
+    start, so the prompt's last block ends where the answer begins."""
+    bs = s.config.block_size
+    return jnp.floor_divide(ans_idx, bs)
+
+
+def _mask(s: _Static, valid, ans_idx):
+    """[B, T, T] attention among the columns: bidirectional, or block-causal (blocks aligned to the
+    answer start) for attention='block'."""
+    vis = jnp.broadcast_to(valid[:, None, :], valid.shape + valid.shape[1:])
+    if getattr(s.config, "attention", "bidirectional") == "block":
+        bid = _block_ids(s, ans_idx)
+        vis = vis & (bid[:, None, :] <= bid[:, :, None])
+    return vis
+
+
+def _answer_logits(s: _Static, logits, prompt_lengths):
+    """[B, A, V]: the logits predicting each answer slot (column P_b + j - shift)."""
+    a = s.answer_length
+    cols = prompt_lengths[:, None] + jnp.arange(a, dtype=jnp.int32)[None, :] - s.shift
+    cols = jnp.clip(cols, 0, logits.shape[1] - 1)
+    return _never_mask(s, jnp.take_along_axis(logits, cols[..., None], axis=1))
+
+
+def _never_mask(s: _Static, logits):
+    """The MASK id is never a prediction (committing it would leave the slot masked)."""
+    return logits.at[..., s.mask_id].set(_NEG)
+
+
+def _full_forward(s: _Static, params, prompt_tokens, prompt_lengths, answer, answer_lengths):
+    tokens, positions, valid, ans_idx = _layout(prompt_tokens, prompt_lengths, answer, answer_lengths)
+    logits, _, _ = forward(s.config, params, tokens, positions, None, _mask(s, valid, ans_idx))
+    return _answer_logits(s, logits, prompt_lengths)
+
+
+def _commit_step(s: _Static, state: _State, logits, answer_lengths, live):
+    """The rule's commits from one forward's answer-frame logits."""
+    _, eligible, _, _, _ = _frame(s, state.answer, answer_lengths)
+    key, sub = jax.random.split(state.key)
+    ctx = StepContext(logits=logits, eligible=eligible, committed=state.answer != s.mask_id,
+                      answer=state.answer, key=sub, state=state.rule_state, eos_ids=s.eos_ids)
+    commit, tokens, rstate = s.rule.select(ctx)
+    _, conf, _ = confidence(logits)
+    commit = with_top1(commit, conf, eligible) & live[:, None]
+    answer = _apply(s, state.answer, commit, tokens.astype(jnp.int32), answer_lengths)
+    bad = nonfinite_rows(logits, live, eligible)
+    return state.replace(answer=answer, key=key, rule_state=rstate, nfe=state.nfe + live.astype(jnp.int32),
+                         nonfinite=state.nonfinite | bad)
+
+
+def _block_slots(s: _Static, cur):
+    """int32[B, Lb]: the answer slots of each row's current block."""
+    return cur[:, None] * s.block_length + jnp.arange(s.block_length, dtype=jnp.int32)[None, :]
+
+
+def _scatter_block(s: _Static, block_logits, slots):
+    """Logits of T slots [B, T, V] into the answer frame [B, A, V] (other slots: 0, never eligible)."""
+    b, lb, v = block_logits.shape
+    out = jnp.zeros((b, s.answer_length + lb, v), block_logits.dtype)  # room for a block past the end
+    out = jax.vmap(lambda o, x, i: o.at[i].set(x))(out, block_logits, slots)
+    return _never_mask(s, out[:, :s.answer_length])
+
+
+def _block_forward(s: _Static, params, cache, prompt_lengths, answer, answer_lengths, cur, first_logits, kind):
+    """Forward over each row's current block, attending to the cache's committed prefix. kind "exact" /
+    "dual": the block's slots are the new tokens ("dual": they also see the slots after the block as
+    cached at the last refresh); "prefix": the block and every slot after it are new tokens (Fast-dLLM's
+    prefix cache recomputes the suffix). Returns answer-frame logits and the cache."""
+    lb, a = s.block_length, s.answer_length
+    t = a if kind == "prefix" else lb
+    slots = cur[:, None] * lb + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+    valid = slots < answer_lengths[:, None]
+    tokens = jnp.where(valid, jnp.take_along_axis(answer, jnp.clip(slots, 0, a - 1), axis=1), 0)
+    positions = prompt_lengths[:, None] + jnp.minimum(slots, answer_lengths[:, None] - 1)
+    if kind == "dual":  # columns: the block, then the slots after it (their keys from the last refresh)
+        col_slot = cur[:, None] * lb + jnp.arange(lb + a, dtype=jnp.int32)[None, :]
+        col_valid = col_slot < answer_lengths[:, None]
+    else:
+        col_valid = valid
+    mask = jnp.broadcast_to(col_valid[:, None, :], (valid.shape[0], t, col_valid.shape[1]))
+    logits, _, cache = forward(s.config, params, tokens, positions, cache, mask)
+    if s.shift:  # slot j of the block reads column j - 1; the first slot reads the carried logits
+        logits = jnp.concatenate([first_logits[:, None], logits[:, :-1]], axis=1)
+    return _scatter_block(s, logits, slots), cache
+
+
+def _refresh(s: _Static, params, prompt_tokens, prompt_lengths, answer, answer_lengths, cache, cur):
+    """Fast-dLLM refresh: one forward over everything writes every column's keys and values; the cache
+    then holds prompt + the slots before the current block as its committed prefix."""
+    tokens, positions, valid, ans_idx = _layout(prompt_tokens, prompt_lengths, answer, answer_lengths)
+    cache = cache.replace(lengths=jnp.zeros_like(cache.lengths))
+    logits, _, cache = forward(s.config, params, tokens, positions, cache, _mask(s, valid, ans_idx))
+    cache = advance(cache, prompt_lengths + jnp.minimum(cur * s.block_length, answer_lengths))
+    return _answer_logits(s, logits, prompt_lengths), cache
+
+
+def _exact_step(s: _Static, params, state: _State, prompt_lengths, answer_lengths, cur, done):
+    """Block diffusion with the exact cache: forward over the current block; when a row's previous block
+    is finished but not yet cached, the forward also runs over it first (written and committed)."""
+    lb = s.block_length
+    cache = state.cache
+    cached_blk = (cache.lengths - prompt_lengths) // lb
+    pending = ~done & (cached_blk < cur)
+
+    def plain(_):
+        return _block_forward(s, params, cache, prompt_lengths, state.answer, answer_lengths, cur, state.carry,
+                              "exact") + (state.carry,)
+
+    def with_pending(_):
+        prev = jnp.where(pending, cur - 1, cur)
+        prev_slots = _block_slots(s, prev)
+        cur_slots = _block_slots(s, cur)
+        pv = (prev_slots < answer_lengths[:, None]) & pending[:, None]
+        cv = cur_slots < answer_lengths[:, None]
+        a = s.answer_length
+        take = lambda sl: jnp.take_along_axis(state.answer, jnp.clip(sl, 0, a - 1), axis=1)
+        tokens = jnp.concatenate([jnp.where(pv, take(prev_slots), 0), jnp.where(cv, take(cur_slots), 0)], axis=1)
+        last = answer_lengths[:, None] - 1
+        positions = prompt_lengths[:, None] + jnp.concatenate(
+            [jnp.minimum(prev_slots, last), jnp.minimum(cur_slots, last)], axis=1)
+        kv = jnp.concatenate([pv, cv], axis=1)  # [B, 2Lb]
+        q_second = jnp.arange(2 * lb)[None, :, None] >= lb
+        k_second = jnp.arange(2 * lb)[None, None, :] >= lb
+        mask = kv[:, None, :] & ~(k_second & ~q_second)  # the finished block does not see the current one
+        logits, _, c2 = forward(s.config, params, tokens, positions, cache, mask)
+        n_prev = jnp.sum(pv, axis=-1).astype(jnp.int32)
+        # carried logits for the current block's first slot: the finished block's last valid column
+        first = jnp.take_along_axis(logits, jnp.clip(n_prev - 1, 0)[:, None, None], axis=1)[:, 0]
+        first = jnp.where(pending[:, None], first, state.carry)
+        cur_logits = logits[:, lb:]
+        if s.shift:
+            cur_logits = jnp.concatenate([first[:, None], cur_logits[:, :-1]], axis=1)
+        # The current block was written after a full block of slots; rows whose finished block was
+        # shorter (answer end) are done, so its uncommitted slots never matter.
+        return _scatter_block(s, cur_logits, cur_slots), advance(c2, n_prev), first
+
+    logits, cache, carry = jax.lax.cond(jnp.any(pending), with_pending, plain, None)
+    return logits, cache, carry
+
+
+def _freedave_step(s: _Static, params, state: _State, prompt_tokens, prompt_lengths, answer_lengths, live):
+    """One FreeDave step: drafts of 1..K slots from the current logits, one batched forward, the longest
+    draft consistent with Greedy1 committed; its forward's logits become the next current logits."""
+    k = s.rule.draft
+    b, a = state.answer.shape
+    cur_logits = state.carry
+    _, eligible, _, _, _ = _frame(s, state.answer, answer_lengths)
+    _, conf, x = confidence(cur_logits)
+    rank = rank_desc(conf, eligible)
+    n_elig = jnp.sum(eligible, axis=-1)
+    js = jnp.arange(1, k + 1, dtype=jnp.int32)  # draft sizes
+    drafts = jax.vmap(lambda j: _apply(s, state.answer, eligible & (rank < j) & live[:, None], x,
+                                       answer_lengths))(js)  # [K, B, A]
+    rep = lambda t: jnp.broadcast_to(t, (k,) + t.shape).reshape((k * b,) + t.shape[1:])
+    logits = _full_forward(s, params, rep(prompt_tokens), rep(prompt_lengths), drafts.reshape(k * b, a),
+                           rep(answer_lengths))
+    logits = logits.reshape(k, b, a, -1)
+    # Greedy1's pick after each draft D_j
+    elig_j = jax.vmap(lambda d: _frame(s, d, answer_lengths)[1])(drafts)  # [K, B, A]
+    _, conf_j, x_j = confidence(logits)
+    pick_slot = jnp.argmax(jnp.where(elig_j, conf_j, -jnp.inf), axis=-1)  # [K, B] (ties: lower slot)
+    has = jnp.any(elig_j, axis=-1)
+    pick_tok = jnp.take_along_axis(x_j, pick_slot[..., None], axis=-1)[..., 0]
+    # the (j+1)-th draft element: the slot of rank j, with its argmax from the current logits
+    want_slot = jnp.argmax(rank[None] == js[:, None, None], axis=-1)  # [K, B]
+    want_tok = jnp.take_along_axis(x, want_slot.T, axis=-1).T
+    ok = has & (js[:, None] < n_elig[None]) & (pick_slot == want_slot) & (pick_tok == want_tok)  # D_{j+1} ok
+    accepted = 1 + jnp.sum(jnp.cumprod(ok[:-1].astype(jnp.int32), axis=0), axis=0)  # [B] in 1..K
+    idx = (accepted - 1)[None, :, None]
+    answer = jnp.take_along_axis(drafts, jnp.broadcast_to(idx, (1, b, a)), axis=0)[0]
+    new_logits = jnp.take_along_axis(logits, idx[..., None], axis=0)[0]
+    answer = jnp.where(live[:, None], answer, state.answer)
+    bad = nonfinite_rows(cur_logits, live, eligible)
+    return state.replace(answer=answer, carry=jnp.where(live[:, None, None], new_logits, cur_logits),
+                         nfe=state.nfe + live.astype(jnp.int32), nonfinite=state.nonfinite | bad)
+
+
+@partial(jax.jit, static_argnames=("s",))
+def _decode(s: _Static, params, prompt_tokens, prompt_lengths, answer_lengths, key):
+    b = prompt_tokens.shape[0]
+    a, v = s.answer_length, s.config.vocab_size
+    pos = jnp.arange(a, dtype=jnp.int32)[None, :]
+    answer = jnp.where(pos < answer_lengths[:, None], s.mask_id, pad_id_for(s.eos_ids)).astype(jnp.int32)
+    state = _State(answer=answer, nfe=jnp.zeros((b,), jnp.int32), steps=jnp.int32(0), key=key,
+                   rule_state=s.rule.init(b, a, v), cache=None, carry=None, nonfinite=jnp.zeros((b,), bool))
+    if s.rule.lookahead:  # FreeDave: the current forward comes before the loop
+        live0 = ~_frame(s, answer, answer_lengths)[2]
+        state = state.replace(carry=_full_forward(s, params, prompt_tokens, prompt_lengths, answer, answer_lengths),
+                              nfe=state.nfe + live0.astype(jnp.int32))
+    elif s.mode in ("prefix", "dual"):
+        state = state.replace(cache=init_cache(s.config, b, s.cache_len), carry=jnp.full((b,), -1, jnp.int32))
+    elif s.mode == "exact":  # prefill the prompt (its blocks aligned to end at the answer start)
+        cache = init_cache(s.config, b, s.cache_len)
+        p = prompt_tokens.shape[1]
+        cols = jnp.arange(p, dtype=jnp.int32)[None, :]
+        valid = cols < prompt_lengths[:, None]
+        ans_idx = cols - prompt_lengths[:, None]
+        logits, _, cache = forward(s.config, params, jnp.where(valid, prompt_tokens, 0),
+                                   jnp.minimum(cols, prompt_lengths[:, None] - 1), cache, _mask(s, valid, ans_idx))
+        first = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
+        state = state.replace(cache=advance(cache, prompt_lengths), carry=first, nfe=state.nfe + 1)
+
+    def cond(st):
+        done = _frame(s, st.answer, answer_lengths)[2]
+        return ~jnp.all(done) & (st.steps < s.max_forwards)
+
+    def body(st):
+        _, _, done, _, cur = _frame(s, st.answer, answer_lengths)
+        cur = jnp.minimum(cur, -(-a // s.block_length))  # finished rows: one past the last block
+        live = ~done
+        st = st.replace(steps=st.steps + 1)
+        if s.rule.lookahead:
+            return _freedave_step(s, params, st, prompt_tokens, prompt_lengths, answer_lengths, live)
+        if s.mode == "none":
+            logits = _full_forward(s, params, prompt_tokens, prompt_lengths, st.answer, answer_lengths)
+        elif s.mode == "exact":
+            logits, cache, carry = _exact_step(s, params, st, prompt_lengths, answer_lengths, cur, done)
+            st = st.replace(cache=cache, carry=carry)
+        else:
+            need = jnp.any(live & (cur != st.carry))
+
+            def refresh(_):
+                lg, c = _refresh(s, params, prompt_tokens, prompt_lengths, st.answer, answer_lengths, st.cache, cur)
+                return lg, c
+
+            def inside(_):
+                first = jnp.zeros((b, v), jnp.float32)  # prefix/dual need logits_shift 0 (checked)
+                return _block_forward(s, params, st.cache, prompt_lengths, st.answer, answer_lengths, cur, first,
+                                      s.mode)
+            logits, cache = jax.lax.cond(need, refresh, inside, None)
+            st = st.replace(cache=cache, carry=jnp.where(need, cur, st.carry))
+        return _commit_step(s, st, logits, answer_lengths, live)
+
+    state = jax.lax.while_loop(cond, body, state)
+    _, _, done, end, _ = _frame(s, state.answer, answer_lengths)
+    tokens = jnp.where(pos < end[:, None], state.answer, pad_id_for(s.eos_ids))
+    decoded = jnp.sum((pos < end[:, None]) & (state.answer != s.mask_id), axis=-1)
+    stats = {"nfe": state.nfe, "steps": state.steps, "unfinished": ~done,
+             "tokens_per_forward": decoded.astype(jnp.float32) / jnp.maximum(state.nfe, 1).astype(jnp.float32),
+             "nonfinite_logits": state.nonfinite}
+    return DiffusionOutput(tokens=tokens, lengths=end.astype(jnp.int32), stats=stats)
+
+
+# ----------------------------------------------------------------------------- public entry points
+def _check_model(config, mask_id, logits_shift, method: str):
+    attention = getattr(config, "attention", "causal")
+    if attention == "causal" and mask_id is None:
+        raise DiffusionError(f"{method} decodes masked-diffusion LMs, but this checkpoint is a causal LM "
+                             "(config attention='causal', no mask_token_id); use method='greedy' / "
+                             "'speculative' for it, or load a diffusion checkpoint (LLaDA, Dream, "
+                             "Fast-dLLM v2)")
+    if mask_id is None:
+        mask_id = getattr(config, "mask_token_id", None)
+    if mask_id is None:
+        raise DiffusionError("the model's config has no mask_token_id: pass mask_id=<the MASK token id>")
+    if isinstance(mask_id, bool) or not isinstance(mask_id, numbers.Integral) or not 0 <= mask_id < config.vocab_size:
+        raise DiffusionError(f"mask_id must be a token id in [0, {config.vocab_size}), got {mask_id!r}")
+    shift = getattr(config, "logits_shift", 0) if logits_shift is None else logits_shift
+    if shift not in (0, 1):
+        raise DiffusionError(f"logits_shift must be 0 or 1, got {logits_shift!r}")
+    return int(mask_id), int(shift)
+
+
+def _check_inputs(config, prompt_tokens, prompt_lengths, answer_length, answer_lengths, mask_id, eos_ids):
+    if isinstance(answer_length, bool) or not isinstance(answer_length, numbers.Integral) or answer_length < 1:
+        raise DiffusionError(f"answer_length must be an int >= 1 (answer slots per prompt), got {answer_length!r}")
+    prompt_tokens, prompt_lengths = validate_prompts(config, prompt_tokens, prompt_lengths, int(answer_length))
+    toks, lens = _concrete("prompt_tokens", prompt_tokens), _concrete("prompt_lengths", prompt_lengths)
+    if toks is not None and lens is not None:
+        valid = np.arange(toks.shape[1])[None, :] < lens[:, None]
+        hit = np.argwhere(valid & (toks == mask_id))
+        if hit.size:
+            i, j = (int(t) for t in hit[0])
+            raise DiffusionError(f"prompt {i} contains the MASK id {mask_id} at position {j}: the decoder "
+                                 "could not tell it from an answer slot; remove it from the prompt")
+    if mask_id in eos_ids:
+        raise DiffusionError(f"the MASK id {mask_id} is also an EOS id {eos_ids}; they must differ")
+    b = prompt_tokens.shape[0]
+    if answer_lengths is None:
+        answer_lengths = jnp.full((b,), answer_length, jnp.int32)
+    else:
+        al = _concrete("answer_lengths", answer_lengths)
+        if np.shape(answer_lengths) != (b,):
+            raise DiffusionError(f"answer_lengths must have shape [batch] = ({b},), got {np.shape(answer_lengths)}")
+        if al is not None and (np.any(al < 1) or np.any(al > answer_length)):
+            raise DiffusionError(f"answer_lengths must be in 1..answer_length ({answer_length}), got {al.tolist()}")
+        answer_lengths = jnp.asarray(answer_lengths, jnp.int32)
+    return prompt_tokens, prompt_lengths, answer_lengths
+
+
+def diffusion_decode(config, params, prompt_tokens, prompt_lengths, *, answer_length: int, rule=None,
+                     block_length: int | None = None, eos_ids=(), key=None, mask_id=None, logits_shift=None,
+                     max_forwards: int | None = None, answer_lengths=None, cache: str = "none",
+                     cache_len: int | None = None) -> DiffusionOutput:
+    """Decode `answer_length` masked slots per prompt with a commit rule. See the module docstring.
+
+    rule: a Rule (or a name in RULES; default Greedy1). block_length: slots per semi-autoregressive
+    block (default: the model's block_size for block attention, else answer_length); it must divide
+    nothing — the last block may be short. answer_lengths: int[B] per-row answer lengths (<=
+    answer_length; default all answer_length). mask_id / logits_shift: override the config's.
+    max_forwards: stop after this many loop steps (rows left with masked slots are reported in
+    stats["unfinished"]). cache: "none" | "prefix" | "dual" (Fast-dLLM's approximate caches,
+    bidirectional models) | "exact" (block-attention models: see block_diffusion_decode).
+    """
+    mask_id, shift = _check_model(config, mask_id, logits_shift, "diffusion decoding")
+    rule = make_rule(rule) if isinstance(rule, str) else (rule or Greedy1())
+    if not isinstance(rule, Rule):
+        raise DiffusionError(f"rule must be a Rule or one of {', '.join(RULES)}, got {rule!r}")
+    eos_ids = validate_eos_ids(config, eos_ids)
+    rule.check(config, eos_ids)
+    prompt_tokens, prompt_lengths, answer_lengths = _check_inputs(
+        config, prompt_tokens, prompt_lengths, answer_length, answer_lengths, mask_id, eos_ids)
+    attention = getattr(config, "attention", "bidirectional")
+    if block_length is None:
+        block_length = config.block_size if attention == "block" else answer_length
+    if isinstance(block_length, bool) or not isinstance(block_length, numbers.Integral) or block_length < 1:
+        raise DiffusionError(f"block_length must be an int >= 1, got {block_length!r}")
+    block_length = min(int(block_length), int(answer_length))
+    if cache not in CACHE_MODES:
+        raise DiffusionError(f"cache must be one of {CACHE_MODES}, got {cache!r}")
+    if cache != "none" and rule.lookahead:
+        raise DiffusionError("FreeDave verifies drafts with full forwards: use cache='none' with rule freedave")
+    if cache in ("prefix", "dual") and (attention == "block" or shift):
+        raise DiffusionError(f"cache={cache!r} is Fast-dLLM's approximate cache for bidirectional models "
+                             "without a logits shift; block-attention models take cache='exact' "
+                             "(method block_diffusion), shifted ones cache='none'")
+    if cache == "exact":
+        if attention != "block":
+            raise DiffusionError(f"cache='exact' needs a block-diffusion model (attention='block'); this one has "
+                                 f"attention={attention!r}: use cache='none', 'prefix' or 'dual'")
+        if block_length != config.block_size and block_length != answer_length:
+            raise DiffusionError(f"block_diffusion decodes one attention block at a time: block_length must be "
+                                 f"the model's block_size ({config.block_size}), got {block_length}")
+        block_length = config.block_size
+    if max_forwards is None:
+        max_forwards = int(answer_length) + 1
+    _count("max_forwards", max_forwards)
+    p = prompt_tokens.shape[1]
+    need = p + 2 * int(answer_length) + block_length
+    cache_len = int(cache_len or (-(-need // 64) * 64))
+    if key is None:
+        if isinstance(rule, RandomRemask):
+            raise DiffusionError("rule random draws slots at random: pass key=jax.random.key(seed)")
+        key = jax.random.PRNGKey(0)
+    s = _Static(config=config, rule=rule, answer_length=int(answer_length), block_length=block_length,
+                eos_ids=eos_ids, mask_id=mask_id, shift=shift, mode=cache, max_forwards=int(max_forwards),
+                cache_len=cache_len)
+    return _decode(s, params, prompt_tokens, prompt_lengths, answer_lengths, key)
+
+
+def block_diffusion_decode(config, params, prompt_tokens, prompt_lengths, *, answer_length: int, rule=None,
+                           use_cache: bool = True, **kw) -> DiffusionOutput:
+    """Exact block-diffusion decoding (BD3-LM / Fast-dLLM v2, attention='block'): block after block, each
+    block's slots decoded by `rule` while attending to the exact KV cache of the prompt and the finished
+    blocks (forwards over the current block only). use_cache=False recomputes everything each forward
+    (same output)."""
+    if getattr(config, "attention", "causal") != "block":
+        raise DiffusionError(f"block_diffusion needs a block-diffusion model (attention='block', block_size > 0); "
+                             f"this one has attention={getattr(config, 'attention', 'causal')!r}"
+                             + (": use method='diffusion'" if getattr(config, "attention", "causal") != "causal"
+                                else ": it is a causal LM, use method='greedy'"))
+    kw.setdefault("block_length", config.block_size)
+    return diffusion_decode(config, params, prompt_tokens, prompt_lengths, answer_length=answer_length, rule=rule,
+                            cache="exact" if use_cache else "none", **kw)
+
+
+# ----------------------------------------------------------------------------- generate / CLI
+DIFFUSION_METHODS = ("diffusion", "block_diffusion")
+
+
+def rule_from_options(opts: dict) -> Rule:
+    """The Rule of generate's options: rule (a name or a Rule), threshold, tokens_per_step, filter (a
+    Learn2PD filter directory) and rule_options (the rule's other parameters)."""
+    rule = opts.get("rule") or "greedy1"
+    given = {k: opts.get(k) for k in ("threshold", "tokens_per_step") if opts.get(k) is not None}
+    given.update(opts.get("rule_options") or {})
+    if opts.get("filter") is not None:
+        if rule != "learn2pd":
+            raise DiffusionError(f"option filter is the Learn2PD filter: it needs rule='learn2pd', not {rule!r}")
+        given["params"] = load_filter(opts["filter"])[0]
+    if isinstance(rule, Rule):
+        if given:
+            raise DiffusionError(f"options {sorted(given)} configure a rule built by name; the Rule object "
+                                 f"{rule!r} is already configured: drop them")
+        return rule
+    if rule == "learn2pd" and "params" not in given:
+        raise DiffusionError("rule learn2pd needs option filter=DIR (a filter written by `jaxdecode train filter`)")
+    return make_rule(rule, **given)
+
+
+def _run(method: str):
+    def run(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
+        from jaxdecode.decoders import place_inputs
+        config = model.config
+        if not getattr(config, "is_diffusion", False):
+            raise DiffusionError(f"method {method!r} decodes masked-diffusion LMs, but this checkpoint is a "
+                                 f"causal LM (attention='causal'); use method='greedy' or 'speculative'")
+        answer_length = opts["answer_length"] or max_new_tokens
+        params, toks, lens = place_inputs(model, prompt_tokens, prompt_lengths, opts)
+        kw = {"answer_length": answer_length, "rule": rule_from_options(opts), "block_length": opts["block_length"],
+              "eos_ids": opts["eos_ids"], "key": jax.random.PRNGKey(opts.get("seed") or 0),
+              "max_forwards": opts["max_forwards"], "cache_len": opts["cache_len"]}
+        if method == "block_diffusion":
+            out = block_diffusion_decode(config, params, toks, lens, **kw)
+        else:
+            out = diffusion_decode(config, params, toks, lens, cache=opts["diffusion_cache"], **kw)
+        return out.tokens, out.lengths, dict(out.stats, target_calls=jnp.max(out.stats["nfe"]))
+    return run
+
+
+def _register():
+    from jaxdecode.options import method_options
+    from jaxdecode.registry import register_method
+    rows = ("nfe", "tokens_per_forward", "unfinished")
+    register_method("diffusion", _run("diffusion"), method_options("diffusion"), per_row_stats=rows,
+                    aliases=("dllm",),
+                    description="masked-diffusion LM decoding: answer slots start as MASK, a commit rule "
+                                "(rule=) fills several per forward, semi-autoregressive blocks")
+    register_method("block_diffusion", _run("block_diffusion"), method_options("block_diffusion"),
+                    per_row_stats=rows,
+                    description="block-diffusion LM decoding (attention='block'): block after block with the "
+                                "exact KV cache of finished blocks")
+
+
+_register()

@@ -1,0 +1,181 @@
+"""Diffusion decoders (jaxdecode.diffusion) on tiny random models with an explicit MASK id."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jaxdecode.models import ModelConfig, init_params
+
+import jaxdecode
+from jaxdecode import diffusion as D
+from jaxdecode.model import Model
+
+MASK, EOS = 31, 5
+ANSWER, BLOCK = 10, 4
+
+
+def _config(**kw):
+    base = {"model_type": "llama", "vocab_size": 32, "hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
+            "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "max_position_embeddings": 64}
+    try:
+        return ModelConfig(**base, attention=kw.pop("attention", "bidirectional"), mask_token_id=MASK, **kw)
+    except TypeError:  # a ModelConfig without the diffusion fields: the decoders take mask_id= explicitly
+        return ModelConfig(**base)
+
+
+CFG = _config()
+# std 0.3 spreads the logits: greedy picks are not near-ties, confidences vary
+PARAMS = init_params(CFG, jax.random.PRNGKey(0), std=0.3)
+PROMPTS = jnp.array([[1, 2, 3, 4, 6], [7, 8, 0, 0, 0], [9, 10, 11, 12, 0]], jnp.int32)
+LENGTHS = jnp.array([5, 2, 4], jnp.int32)
+ANSWER_LENGTHS = jnp.array([10, 7, 9], jnp.int32)
+
+
+def _run(rule=None, config=CFG, **kw):
+    kw = {"answer_length": ANSWER, "block_length": BLOCK, "eos_ids": (EOS,), "mask_id": MASK,
+          "answer_lengths": ANSWER_LENGTHS, **kw}
+    return D.diffusion_decode(config, PARAMS, PROMPTS, LENGTHS, rule=rule, **kw)
+
+
+@pytest.fixture(scope="module")
+def greedy():
+    return _run(D.Greedy1())
+
+
+def _check_layout(out):
+    """Tokens after each row's length are padding; an EOS ends the row; no MASK is left."""
+    tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+    for b in range(tokens.shape[0]):
+        n = int(lengths[b])
+        assert 1 <= n <= int(ANSWER_LENGTHS[b])
+        assert (tokens[b, n:] == EOS).all()
+        assert MASK not in tokens[b, :n]
+        eos_at = np.flatnonzero(tokens[b, :n] == EOS)
+        assert eos_at.size == 0 or eos_at[0] == n - 1
+    assert not np.asarray(out.stats["unfinished"]).any()
+
+
+def test_greedy1_one_token_per_forward_and_eos(greedy):
+    _check_layout(greedy)
+    nfe, lengths = np.asarray(greedy.stats["nfe"]), np.asarray(greedy.lengths)
+    assert (nfe >= lengths).all()  # one slot per forward (a slot after a later EOS is dropped)
+    # an EOS the model commits ends the row: with EOS = a token greedy produces, rows end early
+    tok = int(np.asarray(greedy.tokens)[0, 3])
+    out = _run(D.Greedy1(), eos_ids=(tok,))
+    t, n = np.asarray(out.tokens), np.asarray(out.lengths)
+    assert int(n[0]) <= 4 and t[0, int(n[0]) - 1] == tok and (t[0, int(n[0]):] == tok).all()
+    assert int(np.asarray(out.stats["nfe"])[0]) < int(np.asarray(greedy.stats["nfe"])[0])
+
+
+def test_freedave_equals_greedy1(greedy):
+    out = _run(D.FreeDave(draft=4))
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(greedy.tokens))
+    np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(greedy.lengths))
+    nfe = np.asarray(out.stats["nfe"])
+    assert (nfe <= np.asarray(greedy.stats["nfe"]) + 1).all() and nfe.sum() < np.asarray(greedy.stats["nfe"]).sum()
+
+
+def test_threshold_one_and_llada_n1_reduce_to_greedy1(greedy):
+    for rule in (D.Threshold(1.0), D.LLaDA(tokens_per_step=1)):
+        out = _run(rule)
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(greedy.tokens))
+        np.testing.assert_array_equal(np.asarray(out.stats["nfe"]), np.asarray(greedy.stats["nfe"]))
+
+
+def test_parallel_rules_commit_more_per_forward(greedy):
+    out = _run(D.LLaDA(tokens_per_step=2))
+    _check_layout(out)
+    assert (np.asarray(out.stats["nfe"]) <= (np.asarray(greedy.stats["nfe"]) + 1) // 2 + 1).all()
+    low = _run(D.Threshold(0.0))  # every eligible slot at once: one forward per block
+    assert (np.asarray(low.stats["nfe"]) <= -(-ANSWER_LENGTHS // BLOCK)).all()
+
+
+@pytest.mark.parametrize("names", [("llada", "random", "threshold", "factor", "credit", "localleap"),
+                                   ("adablock", "ccd", "ete", "window", "r2", "dystruct", "eb", "infogain")])
+def test_every_rule_runs_inside_a_user_jit(names):
+    rules = [D.make_rule(n) for n in names]
+
+    @jax.jit
+    def run_all(prompts, lengths, key):
+        outs = [D.diffusion_decode(CFG, PARAMS, prompts, lengths, answer_length=ANSWER, block_length=BLOCK,
+                                   eos_ids=(EOS,), mask_id=MASK, rule=r, key=key, answer_lengths=ANSWER_LENGTHS)
+                for r in rules]
+        return [(o.tokens, o.lengths, o.stats) for o in outs]
+
+    for tokens, lengths, stats in run_all(PROMPTS, LENGTHS, jax.random.PRNGKey(1)):
+        _check_layout(D.DiffusionOutput(tokens, lengths, stats))
+
+
+def test_learn2pd_filter_roundtrip_and_decode(tmp_path, greedy):
+    params = D.init_filter(jax.random.PRNGKey(0), hidden=8)
+    conf = jax.random.uniform(jax.random.PRNGKey(1), (2, 6))
+    feats = D.filter_features(conf, jnp.array([[1, 0, 0, 1, 0, 0]] * 2, bool))
+    assert feats.shape == (2, 6, D.FILTER_FEATURES) and feats.dtype == jnp.float32
+    assert D.filter_apply(params, feats).shape == (2, 6)
+    D.save_filter(tmp_path / "f", params, {"task": "copy"})
+    loaded, meta = D.load_filter(tmp_path / "f")
+    assert meta["task"] == "copy" and meta["hidden"] == 8
+    for k in params:
+        np.testing.assert_array_equal(np.asarray(loaded[k]), np.asarray(params[k]))
+    with pytest.raises(D.DiffusionError, match="not a Learn2PD filter directory"):
+        D.load_filter(tmp_path)
+    # a filter that never fires is Greedy1 (top-1 per forward); EoTP off
+    never = dict(loaded, b2=jnp.float32(-1e4))
+    out = _run(D.Learn2PD(params=never, eot_threshold=1.0))
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(greedy.tokens))
+
+
+def test_fast_dllm_caches_run(greedy):
+    for cache in ("prefix", "dual"):
+        out = _run(D.Threshold(0.9), cache=cache)
+        _check_layout(out)
+        # the first forward of each block is a full refresh: the first committed slot matches greedy1's
+        assert np.asarray(out.stats["nfe"]).min() >= 1
+
+
+@pytest.mark.parametrize("shift", [pytest.param(0, marks=pytest.mark.slow), 1])
+def test_block_diffusion_cache_equals_recomputation(shift):
+    cfg = _config(attention="block", block_size=BLOCK)
+    if not hasattr(cfg, "block_size"):
+        pytest.skip("ModelConfig has no block attention fields yet")
+    params = init_params(cfg, jax.random.PRNGKey(2), std=0.3)
+    kw = {"answer_length": ANSWER, "eos_ids": (EOS,), "mask_id": MASK, "logits_shift": shift,
+          "answer_lengths": ANSWER_LENGTHS, "rule": D.Threshold(0.3)}
+    cached = D.block_diffusion_decode(cfg, params, PROMPTS, LENGTHS, **kw)
+    plain = D.block_diffusion_decode(cfg, params, PROMPTS, LENGTHS, use_cache=False, **kw)
+    np.testing.assert_array_equal(np.asarray(cached.tokens), np.asarray(plain.tokens))
+    np.testing.assert_array_equal(np.asarray(cached.lengths), np.asarray(plain.lengths))
+    _check_layout(cached)
+
+
+def test_bad_input_is_a_clear_error():
+    with pytest.raises(D.DiffusionError, match="answer_length must be an int >= 1"):
+        _run(answer_length=0)
+    bad = PROMPTS.at[1, 1].set(MASK)
+    with pytest.raises(D.DiffusionError, match="contains the MASK id"):
+        D.diffusion_decode(CFG, PARAMS, bad, LENGTHS, answer_length=4, mask_id=MASK)
+    with pytest.raises(D.DiffusionError, match="unknown diffusion rule"):
+        D.make_rule("nope")
+    with pytest.raises(D.DiffusionError, match="takes no parameter"):
+        D.make_rule("llada", threshold=0.5)
+    with pytest.raises(D.DiffusionError, match="block-diffusion model"):
+        D.block_diffusion_decode(CFG, PARAMS, PROMPTS, LENGTHS, answer_length=4, mask_id=MASK)
+
+
+def test_generate_checks_the_model_kind():
+    if not hasattr(CFG, "is_diffusion"):
+        pytest.skip("ModelConfig has no diffusion fields yet")
+    dllm = Model(config=CFG, params=PARAMS)
+    causal = Model(config=dataclasses.replace(CFG, attention="causal", mask_token_id=None), params=PARAMS)
+    with pytest.raises(ValueError, match="causal LM"):
+        jaxdecode.generate(causal, [[1, 2]], method="diffusion", max_new_tokens=4)
+    with pytest.raises(ValueError, match="masked-diffusion LM"):
+        jaxdecode.generate(dllm, [[1, 2]], method="greedy", max_new_tokens=4)
+    out = jaxdecode.generate(dllm, [[1, 2, 3, 4, 6], [7, 8]], method="diffusion", max_new_tokens=ANSWER,
+                             rule="freedave", rule_options={"draft": 3}, block_length=BLOCK, eos_ids=[EOS])
+    ref = _run(D.Greedy1(), answer_lengths=None)
+    for b in range(2):
+        n = int(ref.lengths[b])
+        assert out[b].tokens == [int(t) for t in np.asarray(ref.tokens)[b, :n]]
+        assert out[b].stats["nfe"] >= 1 and out[b].stats["tokens_per_forward"] > 0
