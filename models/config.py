@@ -266,6 +266,9 @@ class ModelConfig:
                    rope_theta=self.rope_theta, mlp_bias=self.mlp_bias)
         if self.model_type not in _QWEN2_TYPES:
             out["attention_bias"] = self.qkv_bias
+        elif self.o_bias:
+            raise ConfigError(f"a {self.model_type} config.json cannot express an o_proj bias (Qwen2's "
+                              f"attention_bias means q/k/v biases); save this model with model_type 'llama'")
         elif not self.qkv_bias:  # a Qwen2-form layout without q/k/v biases must say so
             out["attention_bias"] = False
         windows = set(self.sliding_windows)
