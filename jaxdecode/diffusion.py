@@ -59,7 +59,13 @@ from jaxdecode.autoregressive import (
     validate_eos_ids,
     validate_prompts,
 )
-from jaxdecode.models import advance, forward, init_cache
+from jaxdecode.models import (
+    advance,
+    bidirectional_mask,
+    block_causal_mask,
+    forward,
+    init_cache,
+)
 
 CACHE_MODES = ("none", "prefix", "dual", "exact")
 _NEG = -1e30
@@ -699,21 +705,13 @@ def _layout(prompt_tokens, prompt_lengths, answer, answer_lengths):
     return tokens, positions, valid, ans_idx
 
 
-def _block_ids(s: _Static, ans_idx):
-    """Attention block of each column (block attention): blocks of block_size aligned to the answer
-    start, so the prompt's last block ends where the answer begins."""
-    bs = s.config.block_size
-    return jnp.floor_divide(ans_idx, bs)
-
-
 def _mask(s: _Static, valid, ans_idx):
-    """[B, T, T] attention among the columns: bidirectional, or block-causal (blocks aligned to the
-    answer start) for attention='block'."""
-    vis = jnp.broadcast_to(valid[:, None, :], valid.shape + valid.shape[1:])
+    """[B, T, T] attention among the columns: bidirectional, or block-causal for attention='block' with
+    blocks of block_size aligned to the answer start (as the dLLM trainer aligns them), so the prompt's
+    last block ends where the answer begins."""
     if getattr(s.config, "attention", "bidirectional") == "block":
-        bid = _block_ids(s, ans_idx)
-        vis = vis & (bid[:, None, :] <= bid[:, :, None])
-    return vis
+        return block_causal_mask(valid, s.config.block_size, offset=ans_idx[:, 0])
+    return bidirectional_mask(valid)
 
 
 def _answer_logits(s: _Static, logits, prompt_lengths):

@@ -43,15 +43,16 @@ def greedy():
     return _run(D.Greedy1())
 
 
-def _check_layout(out):
+def _check_layout(out, eos=EOS):
     """Tokens after each row's length are padding; an EOS ends the row; no MASK is left."""
     tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+    pad = eos
     for b in range(tokens.shape[0]):
         n = int(lengths[b])
         assert 1 <= n <= int(ANSWER_LENGTHS[b])
-        assert (tokens[b, n:] == EOS).all()
+        assert (tokens[b, n:] == pad).all()
         assert MASK not in tokens[b, :n]
-        eos_at = np.flatnonzero(tokens[b, :n] == EOS)
+        eos_at = np.flatnonzero(tokens[b, :n] == eos)
         assert eos_at.size == 0 or eos_at[0] == n - 1
     assert not np.asarray(out.stats["unfinished"]).any()
 
@@ -124,6 +125,14 @@ def test_learn2pd_filter_roundtrip_and_decode(tmp_path, greedy):
     never = dict(loaded, b2=jnp.float32(-1e4))
     out = _run(D.Learn2PD(params=never, eot_threshold=1.0))
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(greedy.tokens))
+    # End-of-Text Prediction: a slot predicting EOS (any confidence at eot_threshold 0) commits with the
+    # top-1 and ends the answer, so rows whose greedy output has that token stop earlier
+    eos = int(np.asarray(greedy.tokens)[0, 3])
+    plain = _run(D.Learn2PD(params=never, eot_threshold=1.0), eos_ids=(eos,))
+    eot = _run(D.Learn2PD(params=never, eot_threshold=0.0), eos_ids=(eos,))
+    _check_layout(eot, eos)
+    assert (np.asarray(eot.stats["nfe"]) <= np.asarray(plain.stats["nfe"])).all()
+    assert np.asarray(eot.stats["nfe"]).sum() < np.asarray(plain.stats["nfe"]).sum()
 
 
 def test_fast_dllm_caches_run(greedy):
