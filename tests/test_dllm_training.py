@@ -193,3 +193,38 @@ def test_export_loads_as_a_diffusion_model(tmp_path):
     assert model.config.mask_token_id == MASK and model.config.block_size == 2
     assert model.tokenizer.convert_tokens_to_ids("<mask>") == MASK
     assert model.tokenizer.decode([4, 10, 11]).split() == ["<copy>", "v0", "v1"]
+
+
+@pytest.mark.slow
+def test_cli_task_dllm_and_filter(tmp_path, capsys):
+    """`jaxdecode train dllm --task` then `jaxdecode train filter` on it; the filter loads in generate."""
+    import jaxdecode
+    from jaxdecode.cli import main
+    model, filt = tmp_path / "m", tmp_path / "f"
+    assert main(["train", "dllm", "--task", "copy", "--task-length", "3", "--output", str(model), "--steps", "60",
+                 "--warmup", "5", "--no-progress"]) == 0
+    assert main(["train", "filter", "--model", str(model), "--task", "copy", "--task-length", "3", "--out", str(filt),
+                 "--steps", "50", "--prompts", "32", "--eval-prompts", "16", "--no-progress"]) == 0
+    assert "trained a Learn2PD filter" in capsys.readouterr().out
+    m = jaxdecode.load(model)
+    res = jaxdecode.generate(m, ["<copy> v1 v0 v2 <sep>"], method="diffusion", answer_length=3, rule="learn2pd",
+                             filter=str(filt))
+    assert res[0].stats["nfe"] >= 1
+
+
+@pytest.mark.slow
+def test_cli_continued_training_of_a_causal_lm(tmp_path, capsys):
+    """Dream-style adaptation: a causal tiny LM (no MASK token) -> a dLLM with <|mask|> added, shift 1."""
+    import jaxdecode
+    from jaxdecode.cli import main
+    from jaxdecode.training.fixtures import build_tiny_lm
+    lm = build_tiny_lm(tmp_path / "lm", steps=5)
+    out = tmp_path / "dllm"
+    assert main(["train", "dllm", "--corpus", str(tmp_path / "lm" / "src"), "--init-from", str(lm), "--output",
+                 str(out), "--steps", "5", "--warmup", "1", "--batch-size", "8", "--seq-len", "32", "--eval-every",
+                 "5", "--no-progress"]) == 0
+    assert "dLLM" in capsys.readouterr().out
+    model, causal = jaxdecode.load(out), jaxdecode.load(lm)
+    assert model.config.is_diffusion and model.config.logits_shift == 1
+    assert model.config.vocab_size == causal.config.vocab_size + 1 == model.config.mask_token_id + 1
+    assert model.tokenizer.mask_token == "<|mask|>" and model.tokenizer.mask_token_id == model.config.mask_token_id

@@ -37,7 +37,8 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
     train = subparsers.add_parser("train", help="train models (causal LMs, draft models)")
-    sub = train.add_subparsers(dest="train_command", metavar="{lm," + ",".join(DRAFTER_COMMANDS) + "}")
+    sub = train.add_subparsers(dest="train_command",
+                               metavar="{lm," + ",".join(DRAFTER_COMMANDS + DLLM_COMMANDS) + "}")
     sub.required = True
     lm = sub.add_parser(
         "lm", help="train a causal LM from scratch or distil one from a teacher; export HF format",
@@ -96,6 +97,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     lm.add_argument("--no-progress", action="store_true", help="no progress bar")
     for command in DRAFTER_COMMANDS:
         add_drafter_parser(sub, command)
+    add_dllm_parsers(sub)
     return train
 
 
@@ -167,6 +169,171 @@ def add_drafter_parser(sub, command: str) -> argparse.ArgumentParser:
     p.add_argument("--keep-checkpoints", type=int, default=3, help="checkpoints kept (the newest)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
+
+
+# `jaxdecode train dllm | filter`: diffusion LMs (training.dllm) and their Learn2PD filter (training.filter).
+DLLM_COMMANDS = ("dllm", "filter")
+
+
+def _add_common(p, steps: int, batch: int, lr: float, warmup: int):
+    p.add_argument("--workdir", default=None, help="checkpoints, metrics.jsonl, data (default: OUTPUT.train)")
+    p.add_argument("--steps", type=int, default=steps, help="optimizer steps to train to")
+    p.add_argument("--batch-size", type=int, default=batch, help="rows per step")
+    p.add_argument("--lr", type=float, default=lr, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=warmup, help="linear warmup steps")
+    p.add_argument("--seed", type=int, default=0, help="initialisation, data and batch-order seed")
+    p.add_argument("--checkpoint-every", type=int, default=200, help="checkpoint every N steps (0: at the end)")
+    p.add_argument("--keep-checkpoints", type=int, default=3, help="checkpoints kept (the newest)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_task_args(p, group=None, required: bool = False):
+    from jaxdecode.dllm_tasks import TASK_NAMES
+    (group or p).add_argument("--task", choices=TASK_NAMES, required=required, default=None,
+                              help="a synthetic task (jaxdecode.dllm_tasks), generated in code")
+    p.add_argument("--task-length", type=int, default=6, help="task items (latin_square: the order k)")
+    p.add_argument("--num-values", type=int, default=6, help="value tokens of the task vocabulary")
+
+
+def add_dllm_parsers(sub) -> None:
+    d = sub.add_parser(
+        "dllm", formatter_class=_DefaultsFormatter,
+        help="train a masked-diffusion LM (LLaDA objective) on a task or a corpus; export HF format",
+        description="Train a masked-diffusion LM with the LLaDA objective (t ~ U(eps, 1), each maskable "
+                    "token masked with probability t, CE on masked tokens / t): on a synthetic --task "
+                    "(SFT: the prompt is never masked) or on a --corpus (every token maskable), from "
+                    "scratch or continued from a causal LM (--init-from; Dream style: --attention "
+                    "bidirectional --logits-shift 1; Fast-dLLM v2 style: --attention block --block-size N). "
+                    "A tokenizer without a MASK token gets <|mask|> (one new embedding row). The export's "
+                    "config.json carries mask_token_id, attention, block_size and logits_shift. Rerunning "
+                    "the same command resumes.")
+    src = d.add_mutually_exclusive_group(required=True)
+    src.add_argument("--corpus", nargs="+", help="source files/directories, or a corpus directory (manifest.json)")
+    _add_task_args(d, group=src)
+    d.add_argument("--output", required=True, help="directory for the exported HF model (written whole)")
+    d.add_argument("--tokenizer", default=None, help="--corpus: tokenizer directory (default: --init-from's, "
+                                                     "else a new BPE trained on the corpus)")
+    d.add_argument("--vocab-size", type=int, default=4096, help="size of a newly trained tokenizer")
+    d.add_argument("--patterns", default=DEFAULT_PATTERNS, help="file globs taken from corpus directories")
+    d.add_argument("--held-out-fraction", type=float, default=0.05, help="files held out (by path hash)")
+    d.add_argument("--init-from", default=None, help="a causal LM's HF directory to adapt (default: random init)")
+    d.add_argument("--size", default="small", choices=("tiny", "draft", "small", "base"),
+                   help="model size without --init-from (--task: the task model's own small shape)")
+    d.add_argument("--max-positions", type=int, default=512, help="max_position_embeddings of a new model")
+    d.add_argument("--attention", default="bidirectional", choices=("bidirectional", "block"),
+                   help="bidirectional (LLaDA, Dream) or block (block diffusion: causal across blocks)")
+    d.add_argument("--block-size", type=int, default=0, help="tokens per block (--attention block)")
+    d.add_argument("--logits-shift", type=int, default=None, choices=(0, 1),
+                   help="1: the logit at i predicts token i+1 (default: 1 with --init-from, else 0)")
+    d.add_argument("--eps", type=float, default=1e-3, help="smallest masking rate t")
+    d.add_argument("--seq-len", type=int, default=256, help="--corpus: tokens per training window")
+    d.add_argument("--bf16", action="store_true", help="bfloat16 compute (float32 master weights)")
+    d.add_argument("--export-dtype", default="float32", choices=("float32", "bfloat16"), help="exported weights")
+    d.add_argument("--eval-every", type=int, default=200, help="--corpus: held-out loss every N steps (0: at the end)")
+    d.add_argument("--data-parallel", type=int, default=None, help="devices on the data axis (default: all)")
+    d.add_argument("--fsdp", action="store_true", help="shard params and optimizer state over data")
+    _add_common(d, steps=2000, batch=32, lr=1e-3, warmup=100)
+
+    f = sub.add_parser(
+        "filter", formatter_class=_DefaultsFormatter,
+        help="train a Learn2PD unmasking filter for a diffusion LM (rule learn2pd, option filter=DIR)",
+        description="Decode task prompts with the dLLM one token per step (greedy1), label every masked "
+                    "slot at every step final (its argmax already equals greedy1's final token) or not, "
+                    "and train the small filter MLP the learn2pd rule runs on those labels. Reports "
+                    "forwards and validity of greedy1 vs learn2pd on held-out prompts.")
+    f.add_argument("--model", required=True, help="the dLLM's HF directory")
+    f.add_argument("--out", required=True, help="filter directory (config.json + model.safetensors)")
+    _add_task_args(f, required=True)
+    f.add_argument("--prompts", type=int, default=256, help="prompts whose greedy1 trajectories label the data")
+    f.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts of the final report")
+    f.add_argument("--hidden", type=int, default=32, help="hidden units of the filter MLP")
+    f.add_argument("--pos-weight", type=float, default=1.0, help="loss weight of the 'final' label")
+    f.add_argument("--threshold", type=float, default=0.9, help="learn2pd threshold of the final report")
+    _add_common(f, steps=300, batch=256, lr=3e-3, warmup=10)
+
+
+def _dllm_train_config(args, eval_every: int = 0):
+    from .trainer import TrainConfig
+    return TrainConfig(steps=args.steps, learning_rate=args.lr, warmup_steps=args.warmup, weight_decay=0.0
+                       if getattr(args, "task", None) or args.train_command == "filter" else 0.1, seed=args.seed,
+                       eval_every=eval_every, checkpoint_every=args.checkpoint_every,
+                       keep_checkpoints=args.keep_checkpoints, data_parallel=getattr(args, "data_parallel", None),
+                       fsdp=getattr(args, "fsdp", False), progress=not args.no_progress)
+
+
+def run_train_dllm(args) -> int:
+    """Run `jaxdecode train dllm` / `jaxdecode train filter`."""
+    from jaxdecode.dllm_tasks import make_task
+
+    from .trainer import ResumeMismatchError
+    out = Path(args.output if args.train_command == "dllm" else args.out)
+    work = Path(args.workdir) if args.workdir else out.with_name(out.name + ".train")
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        if args.train_command == "filter":
+            return _run_filter(args, make_task(args.task, args.task_length, args.num_values), out, work)
+        from .dllm import DLLMSpec, train_corpus_dllm, train_task_dllm
+        shift = args.logits_shift if args.logits_shift is not None else int(args.init_from is not None)
+        spec = DLLMSpec(attention=args.attention, block_size=args.block_size, logits_shift=shift, eps=args.eps,
+                        batch_size=args.batch_size, compute_dtype="bfloat16" if args.bf16 else "float32")
+        if args.task:
+            if args.init_from:
+                raise ValueError("--init-from adapts a causal LM on a --corpus; a --task model trains from scratch "
+                                 "on the task vocabulary: drop --init-from")
+            task = make_task(args.task, args.task_length, args.num_values)
+            tcfg = _dllm_train_config(args)
+            train_task_dllm(task, work / "run", spec=spec, export_dir=out, train_config=tcfg)
+            print(f"trained a {args.task} dLLM for {args.steps} steps; model -> {out} (jaxdecode generate --model "
+                  f"{out} --method diffusion ...); logs -> {work / 'run' / 'metrics.jsonl'}")
+            return 0
+        import argparse as _ap
+        ns = _ap.Namespace(corpus=args.corpus, tokenizer=args.tokenizer or args.init_from, patterns=args.patterns,
+                           held_out_fraction=args.held_out_fraction, vocab_size=args.vocab_size)
+        tok_dir, corpus_dir = prepare_data(ns, work)
+        result, config = train_corpus_dllm(corpus_dir, tok_dir, _dllm_train_config(args, args.eval_every),
+                                           work / "run", spec=spec, seq_len=args.seq_len, size=args.size,
+                                           max_positions=args.max_positions, init_from=args.init_from,
+                                           export_dir=out, export_dtype=args.export_dtype)
+    except ResumeMismatchError as e:
+        raise e.renamed(FLAG_OF_KEY) from None
+    loss = f"{result.eval_loss:.4f}" if result.eval_loss is not None else "n/a"
+    print(f"trained a {config.attention} dLLM ({config.num_parameters() / 1e6:.2f} M params, MASK id "
+          f"{config.mask_token_id}) for {result.step} steps; held-out masked-diffusion loss {loss}; model -> {out}; "
+          f"logs -> {work / 'run' / 'metrics.jsonl'}")
+    return 0
+
+
+def _run_filter(args, task, out: Path, work: Path) -> int:
+    import numpy as np
+
+    import jaxdecode
+
+    from .filter import compare_nfe, export_filter, filter_data, train_filter
+    model = jaxdecode.load(args.model, dtype="float32")
+    if not getattr(model.config, "is_diffusion", False):
+        raise ValueError(f"{args.model} is a causal LM; train filter needs a diffusion LM (jaxdecode train dllm)")
+    if model.config.vocab_size < task.vocab.size:
+        raise ValueError(f"{args.model} has {model.config.vocab_size} tokens, the {task.name} task needs "
+                         f"{task.vocab.size}: train the model on that task (jaxdecode train dllm --task ...)")
+    rng = np.random.default_rng(args.seed)
+    prompts, _ = task.sample(rng, args.prompts + args.eval_prompts)
+    lens = np.full(len(prompts), prompts.shape[1], np.int32)
+    n = args.prompts
+    data = filter_data(model.config, model.params, prompts[:n], lens[:n], answer_length=task.answer_length)
+    res = train_filter(data, _dllm_train_config(args), work / "run", hidden=args.hidden, batch_size=args.batch_size,
+                       pos_weight=args.pos_weight, run_info={"model": str(Path(args.model).resolve()),
+                                                             "task": [task.name, task.length, task.num_values],
+                                                             "prompts": n})
+    report = compare_nfe(model.config, model.params, res.params, prompts[n:], lens[n:],
+                         answer_length=task.answer_length, threshold=args.threshold, validate=task.validate)
+    export_filter(out, res, {"model": str(Path(args.model).resolve()), "task": task.name,
+                             "threshold": args.threshold, "heldout": report})
+    print(f"trained a Learn2PD filter on {len(data)} labelled steps ({data.positive_fraction:.0%} final); held-out "
+          f"{task.name}: forwards {report['nfe_greedy1']:.2f} (greedy1) -> {report['nfe_learn2pd']:.2f} (learn2pd, "
+          f"threshold {args.threshold}), validity {report['valid_greedy1']:.3f} -> {report['valid_learn2pd']:.3f}; "
+          f"filter -> {out} (jaxdecode generate --model {args.model} --method diffusion --option rule=learn2pd "
+          f"--option filter={out})")
+    return 0
 
 
 def _run_accept_head(args, target, corpus_dir, out: Path, work: Path, tcfg) -> int:
@@ -342,6 +509,8 @@ def run_train(args) -> int:
     command = getattr(args, "train_command", "lm")
     if command in DRAFTER_COMMANDS:
         return run_train_drafter(args)
+    if command in DLLM_COMMANDS:
+        return run_train_dllm(args)
     if command != "lm":
         raise SystemExit(f"unknown train command {command!r}")
     output = Path(args.output)

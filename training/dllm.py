@@ -355,20 +355,23 @@ def task_model_config(task: Task, **shape) -> ModelConfig:
     return base.replace(**{**TASK_MODEL_SHAPE, **shape})
 
 
-def train_task_dllm(tasks: Task | tuple, workdir, *, steps: int = 250, batch_size: int = 64,
+def train_task_dllm(tasks: Task | tuple, workdir, *, steps: int = 300, batch_size: int = 32,
                     learning_rate: float = 3e-3, seed: int = 0, spec: DLLMSpec | None = None, export_dir=None,
-                    progress: bool = False, **shape):
+                    progress: bool = False, train_config: TrainConfig | None = None, **shape):
     """Train a small dLLM on a task or a mix of tasks (SFT: the prompt is never masked); returns
     (config, params). Rerunning with the same `workdir` resumes (or just reloads a finished run).
+    `train_config` replaces the one built from steps / learning_rate / seed / progress; `spec`'s
+    batch_size replaces `batch_size`.
 
     `export_dir`: also write an HF directory (config.json with the dLLM fields, safetensors and a
     word-level tokenizer of the task vocabulary)."""
-    data = TaskBatches(tasks, batch_size, seed)
     spec = spec or DLLMSpec(batch_size=batch_size)
+    tcfg = train_config or TrainConfig(steps=steps, learning_rate=learning_rate, warmup_steps=min(20, steps - 1),
+                                       weight_decay=0.0, seed=seed, log_every=max(steps // 10, 1), eval_every=0,
+                                       checkpoint_every=0, keep_checkpoints=1, data_parallel=1, progress=progress)
+    seed = tcfg.seed
+    data = TaskBatches(tasks, spec.batch_size, seed)
     config = task_model_config(data.tasks[0], **shape)
-    tcfg = TrainConfig(steps=steps, learning_rate=learning_rate, warmup_steps=min(20, steps - 1),
-                       weight_decay=0.0, seed=seed, log_every=max(steps // 10, 1), eval_every=0,
-                       checkpoint_every=0, keep_checkpoints=1, data_parallel=1, progress=progress)
     from jaxdecode.models import init_params
     params = init_params(config, jax.random.PRNGKey(seed))
     result, out_config = train_dllm(config, params, data, tcfg, workdir, mask_id=data.tasks[0].vocab.mask_id,
@@ -393,3 +396,43 @@ def tiny_task_dllm(names: str | tuple = "permutation", length: int = 6, num_valu
     with tempfile.TemporaryDirectory() as tmp:
         return train_task_dllm(tuple(make_task(n, length, num_values) for n in names), Path(tmp), steps=steps,
                                batch_size=batch_size, seed=seed)
+
+
+def train_corpus_dllm(corpus_dir, tokenizer_dir, train_config: TrainConfig, workdir, *, spec: DLLMSpec = DLLMSpec(),
+                      seq_len: int = 256, size: str = "small", max_positions: int = 512, init_from=None,
+                      export_dir=None, export_dtype: str | None = None, eval_max_batches: int | None = 8):
+    """Pre-train a dLLM on a corpus (every token maskable: continuation and infilling), from scratch or
+    continued from a causal LM (`init_from`: an HF directory with the corpus's tokenizer; its
+    architecture is kept, `size` / `max_positions` then do not apply). The tokenizer gets a MASK token
+    when it has none (add_mask_token). Returns (TrainResult, the dLLM's ModelConfig)."""
+    from jaxdecode.models import init_params, load_params
+
+    from .corpus import Corpus, WindowSampler, eval_batches
+    from .tokenizer import check_vocab, eos_id, load_tokenizer_dir
+    corpus = Corpus.open(corpus_dir)
+    tokenizer = load_tokenizer_dir(tokenizer_dir)
+    corpus.check_tokenizer(tokenizer)  # before the MASK token changes its fingerprint
+    if init_from is not None:
+        config, params = load_params(init_from, dtype="float32")
+        if getattr(config, "is_diffusion", False):
+            raise TrainConfigError(f"--init-from {init_from} is already a diffusion LM; continued training "
+                                   f"starts from a causal LM")
+        init_info = str(Path(init_from).resolve())
+    else:
+        config = model_config(size, len(tokenizer), max_positions, eos_id(tokenizer))
+        params, init_info = init_params(config, jax.random.PRNGKey(train_config.seed)), None
+    check_vocab(tokenizer, config.vocab_size)
+    if seq_len > config.max_position_embeddings:
+        raise TrainConfigError(f"seq_len={seq_len} exceeds the model's max_position_embeddings="
+                               f"{config.max_position_embeddings}")
+    tokenizer, config, params, mask_id = add_mask_token(tokenizer, config.replace(dtype="float32"), params)
+    sampler = WindowSampler(corpus.tokens("train"), spec.batch_size, seq_len, train_config.seed)
+    held = [to_dllm_batch(b, i) for i, b in enumerate(
+        eval_batches(corpus.tokens("heldout"), spec.batch_size, seq_len, eval_max_batches))]
+    info = {"corpus": corpus.manifest["tokenizer_fingerprint"] + f":{len(sampler.tokens)}", "seq_len": seq_len,
+            "init": init_info}
+    result, out_config = train_dllm(config, params, CorpusBatches(sampler), train_config, workdir, mask_id=mask_id,
+                                    spec=spec, eval_batches=held, run_info=info)
+    if export_dir is not None:
+        export_lm(out_config, result.module.raw_params(), tokenizer, export_dir, dtype=export_dtype)
+    return result, out_config
