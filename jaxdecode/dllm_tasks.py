@@ -387,3 +387,33 @@ def evaluate_answers(task: Task, prompts, answers, lengths=None, reference=None)
     elif task.deterministic:
         out["exact_match"] = out["validity"]
     return out
+
+
+def evaluate_decoder(task: Task, config, params, rule, prompts, *, reference=None, **decode_kw) -> dict:
+    """Decode a task's prompts with a diffusion rule (jaxdecode.diffusion.diffusion_decode) and report
+    `validity`, `exact_match` (against `reference` answers, e.g. greedy1's, else the expected answer
+    of a deterministic task), mean `nfe`, `tokens_per_forward`, `seconds` (wall time of a second,
+    compiled run) and the decoded `tokens`."""
+    import time
+
+    import jax
+
+    from jaxdecode.diffusion import diffusion_decode
+    prompts = np.asarray(prompts, np.int32)
+    lengths = np.full(len(prompts), prompts.shape[1], np.int32)
+
+    def run():
+        out = diffusion_decode(config, params, prompts, lengths, answer_length=task.answer_length, rule=rule,
+                               **decode_kw)
+        jax.block_until_ready(out.tokens)
+        return out
+    run()
+    start = time.perf_counter()
+    out = run()
+    seconds = time.perf_counter() - start
+    tokens, lens = np.asarray(out.tokens), np.asarray(out.lengths)
+    report = evaluate_answers(task, prompts, tokens, lens, reference=reference)
+    nfe = np.asarray(out.stats["nfe"], np.float64)
+    report.update(nfe=float(nfe.mean()), tokens_per_forward=float(np.mean(out.stats["tokens_per_forward"])),
+                  seconds=seconds, tokens=tokens)
+    return report

@@ -136,16 +136,17 @@ def permutation_model():
 def test_topk_parallel_fails_permutation_while_greedy1_passes(permutation_model):
     """The many-answer task: one token per step (greedy1) stays valid; committing 2 or 3 tokens per
     forward from their marginals (llada, no dependence awareness) writes duplicates."""
-    from jaxdecode.diffusion import Greedy1, LLaDA, diffusion_decode
-    from jaxdecode.dllm_tasks import evaluate_answers
+    from jaxdecode.diffusion import Greedy1, LLaDA
+    from jaxdecode.dllm_tasks import evaluate_decoder
     config, params = permutation_model
     task = make_task("permutation", ANSWER, 6)
-    prompts, lens, _ = _prompts(task, 32, 11)
-    valid = {}
-    for name, rule in (("greedy1", Greedy1()), ("top2", LLaDA(tokens_per_step=2)), ("top3", LLaDA(tokens_per_step=3))):
-        out = diffusion_decode(config, params, prompts, lens, answer_length=ANSWER, rule=rule)
-        valid[name] = evaluate_answers(task, prompts, np.asarray(out.tokens), np.asarray(out.lengths))["validity"]
-        assert int(out.stats["nfe"][0]) == {"greedy1": 6, "top2": 3, "top3": 2}[name]
+    prompts, _, _ = _prompts(task, 32, 11)
+    r = {name: evaluate_decoder(task, config, params, rule, prompts)
+         for name, rule in (("greedy1", Greedy1()), ("top2", LLaDA(tokens_per_step=2)),
+                            ("top3", LLaDA(tokens_per_step=3)))}
+    assert {k: v["nfe"] for k, v in r.items()} == {"greedy1": 6, "top2": 3, "top3": 2}
+    assert r["top3"]["tokens_per_forward"] == 3 and r["greedy1"]["tokens"].shape == (32, ANSWER)
+    valid = {k: v["validity"] for k, v in r.items()}
     assert valid["greedy1"] >= 0.95, valid
     assert valid["top2"] <= 0.25 and valid["top3"] <= 0.25, valid
 
