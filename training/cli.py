@@ -173,6 +173,12 @@ def add_drafter_parser(sub, command: str) -> argparse.ArgumentParser:
 
 # `jaxdecode train dllm | filter`: diffusion LMs (training.dllm) and their Learn2PD filter (training.filter).
 DLLM_COMMANDS = ("dllm", "filter")
+DLLM_FLAG_OF_KEY = {"run.dllm.attention": "--attention", "run.dllm.block_size": "--block-size",
+                    "run.dllm.logits_shift": "--logits-shift", "run.dllm.eps": "--eps",
+                    "run.dllm.batch_size": "--batch-size", "run.dllm.compute_dtype": "--bf16",
+                    "run.seq_len": "--seq-len", "run.init": "--init-from", "run.tasks": "--task/--task-length",
+                    "run.hidden": "--hidden", "run.pos_weight": "--pos-weight", "run.prompts": "--prompts",
+                    "run.model": "--model"}
 
 
 def _add_common(p, steps: int, batch: int, lr: float, warmup: int):
@@ -295,7 +301,7 @@ def run_train_dllm(args) -> int:
                                            max_positions=args.max_positions, init_from=args.init_from,
                                            export_dir=out, export_dtype=args.export_dtype)
     except ResumeMismatchError as e:
-        raise e.renamed(FLAG_OF_KEY) from None
+        raise e.renamed({**FLAG_OF_KEY, **DLLM_FLAG_OF_KEY}) from None
     loss = f"{result.eval_loss:.4f}" if result.eval_loss is not None else "n/a"
     print(f"trained a {config.attention} dLLM ({config.num_parameters() / 1e6:.2f} M params, MASK id "
           f"{config.mask_token_id}) for {result.step} steps; held-out masked-diffusion loss {loss}; model -> {out}; "
