@@ -177,6 +177,25 @@ def test_learn2pd_filter_trains_and_reduces_nfe(tmp_path):
     assert report["valid_learn2pd"] >= report["valid_greedy1"] - 1 / 32, report
 
 
+def test_learn2pd_filter_abstains_on_a_many_answer_task(permutation_model, tmp_path):
+    """On permutation no slot is final until its neighbours are chosen: the filter trained on greedy1's
+    trajectories learns that and keeps validity (committing several slots at once scores ~0%, above)."""
+    from jaxdecode.training.filter import compare_nfe, filter_data, train_filter
+    from jaxdecode.training.fixtures import tiny_setup
+    config, params = permutation_model
+    task = make_task("permutation", ANSWER, 6)
+    prompts, lens, _ = _prompts(task, 64, 7)
+    data = filter_data(config, params, prompts, lens, answer_length=ANSWER)
+    assert data.positive_fraction < 0.6  # early slots are rarely final
+    tcfg, _ = tiny_setup(steps=200, learning_rate=3e-3, warmup_steps=10, weight_decay=0.0, eval_every=0,
+                         checkpoint_every=0)
+    filt = train_filter(data, tcfg, tmp_path / "run").params
+    test_prompts, test_lens, _ = _prompts(task, 32, 8)
+    report = compare_nfe(config, params, filt, test_prompts, test_lens, answer_length=ANSWER, threshold=0.9,
+                         validate=task.validate)
+    assert report["valid_greedy1"] >= 0.95 and report["valid_learn2pd"] >= 0.9, report
+
+
 def test_export_loads_as_a_diffusion_model(tmp_path):
     """A task dLLM exports as an HF directory whose config.json carries the dLLM fields (contract 1) and
     whose word-level tokenizer holds the task vocabulary; jaxdecode.load reads it back."""
