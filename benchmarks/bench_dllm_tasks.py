@@ -3,7 +3,7 @@ per answer (NFE), tokens per forward, validity, exact match against one token pe
 and wall time, with task dLLMs trained here (cached in --workdir) and a Learn2PD filter per task.
 
     python benchmarks/bench_dllm_tasks.py                                    # small: answers of 6 tokens
-    python benchmarks/bench_dllm_tasks.py --task-length 16 --steps 1500 --tasks copy,reverse,sort,permutation
+    python benchmarks/bench_dllm_tasks.py --task-length 16 --num-values 8 --steps 1500   # 16-token answers
 
 Prints one JSON line per (task, rule). Times exclude compilation.
 """
@@ -35,7 +35,9 @@ def _rule(spec: str, threshold: float, filter_params):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", default="copy,sort,reverse,addition,permutation,latin_square")
-    ap.add_argument("--task-length", type=int, default=6, help="items per task (latin_square: min(3, this))")
+    ap.add_argument("--task-length", type=int, default=6, help="items of the deterministic tasks")
+    ap.add_argument("--many-length", type=int, default=6,
+                    help="items of permutation (<= --num-values); latin_square's order is min(3, this)")
     ap.add_argument("--num-values", type=int, default=6)
     ap.add_argument("--steps", type=int, default=600, help="training steps of each task model")
     ap.add_argument("--rules", default=",".join(RULES))
@@ -48,7 +50,7 @@ def main(argv=None):
     from jaxdecode.training.trainer import TrainConfig
     work = Path(args.workdir)
     for name in args.tasks.split(","):
-        length = min(args.task_length, 3) if name == "latin_square" else args.task_length
+        length = {"latin_square": min(args.many_length, 3), "permutation": args.many_length}.get(name, args.task_length)
         task = make_task(name, length, args.num_values)
         tag = f"{name}-{length}-{args.num_values}-{args.steps}"
         config, params = train_task_dllm(task, work / tag, steps=args.steps)
