@@ -43,6 +43,13 @@ def greedy():
     return _run(D.Greedy1())
 
 
+@pytest.fixture(scope="module")
+def greedy_eos(greedy):
+    """(eos, Greedy1 output) with an EOS id the model does produce (row 0's fourth token)."""
+    eos = int(np.asarray(greedy.tokens)[0, 3])
+    return eos, _run(D.Greedy1(), eos_ids=(eos,))
+
+
 def _check_layout(out, eos=EOS):
     """Tokens after each row's length are padding; an EOS ends the row; no MASK is left."""
     tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
@@ -57,24 +64,26 @@ def _check_layout(out, eos=EOS):
     assert not np.asarray(out.stats["unfinished"]).any()
 
 
-def test_greedy1_one_token_per_forward_and_eos(greedy):
+def test_greedy1_one_token_per_forward_and_eos(greedy, greedy_eos):
     _check_layout(greedy)
     nfe, lengths = np.asarray(greedy.stats["nfe"]), np.asarray(greedy.lengths)
     assert (nfe >= lengths).all()  # one slot per forward (a slot after a later EOS is dropped)
     # an EOS the model commits ends the row: with EOS = a token greedy produces, rows end early
-    tok = int(np.asarray(greedy.tokens)[0, 3])
-    out = _run(D.Greedy1(), eos_ids=(tok,))
+    tok, out = greedy_eos
+    _check_layout(out, tok)
     t, n = np.asarray(out.tokens), np.asarray(out.lengths)
     assert int(n[0]) <= 4 and t[0, int(n[0]) - 1] == tok and (t[0, int(n[0]):] == tok).all()
     assert int(np.asarray(out.stats["nfe"])[0]) < int(np.asarray(greedy.stats["nfe"])[0])
 
 
-def test_freedave_equals_greedy1(greedy):
-    out = _run(D.FreeDave(draft=4))
-    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(greedy.tokens))
-    np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(greedy.lengths))
-    nfe = np.asarray(out.stats["nfe"])
-    assert (nfe <= np.asarray(greedy.stats["nfe"]) + 1).all() and nfe.sum() < np.asarray(greedy.stats["nfe"]).sum()
+def test_freedave_equals_greedy1(greedy, greedy_eos):
+    eos, greedy_with_eos = greedy_eos
+    for ref, eos_ids in ((greedy, (EOS,)), (greedy_with_eos, (eos,))):  # the second: rows end at EOS
+        out = _run(D.FreeDave(draft=4), eos_ids=eos_ids)
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+        np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(ref.lengths))
+        nfe = np.asarray(out.stats["nfe"])
+        assert (nfe <= np.asarray(ref.stats["nfe"]) + 1).all() and nfe.sum() < np.asarray(ref.stats["nfe"]).sum()
 
 
 def test_threshold_one_and_llada_n1_reduce_to_greedy1(greedy):
@@ -127,7 +136,7 @@ def test_learn2pd_filter_roundtrip_and_decode(tmp_path, greedy):
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(greedy.tokens))
     # End-of-Text Prediction: a slot predicting EOS (any confidence at eot_threshold 0) commits with the
     # top-1 and ends the answer, so rows whose greedy output has that token stop earlier
-    eos = int(np.asarray(greedy.tokens)[0, 3])
+    eos = int(np.asarray(greedy.tokens)[0, 3])  # as in greedy_eos
     plain = _run(D.Learn2PD(params=never, eot_threshold=1.0), eos_ids=(eos,))
     eot = _run(D.Learn2PD(params=never, eot_threshold=0.0), eos_ids=(eos,))
     _check_layout(eot, eos)
