@@ -49,6 +49,9 @@ class AdaptivePolicy:
     prior: float = 0.6  # every depth's estimate before evidence
     explore: float = 0.005  # per-step drift of an untried depth's estimate (see `update`)
     min_reach: float = 0.02  # a row verifies depth d only while P_b(d) >= this
+    # A width that drafts must beat the plain step's tokens per second by this fraction: measured costs
+    # carry noise, and a tie must not buy a slowdown.
+    margin: float = 0.05
     # Where `need` comes from: "proposal" (the proposed valid nodes: greedy decoding), "structure" (the
     # tree's parents, validity ignored: sampling with a fixed shape), "none" (all nodes or none:
     # sampling with a shape that follows the sampled tokens). See the module docstring.
@@ -58,7 +61,7 @@ class AdaptivePolicy:
         ws = tuple(int(w) for w in self.widths)
         if not ws or ws[0] != 0 or list(ws) != sorted(set(ws)):
             raise ValueError(f"adaptive widths must be ascending node counts starting at 0, got {self.widths}")
-        for name in ("decay", "prior", "explore", "min_reach"):
+        for name in ("decay", "prior", "explore", "min_reach", "margin"):
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"AdaptivePolicy.{name} must lie in [0, 1], got {v}")
@@ -76,11 +79,14 @@ def default_widths(num_nodes: int, extra=()) -> tuple:
 
 
 def cost_vector(policy: AdaptivePolicy, costs) -> jnp.ndarray:
-    """f32[W + 2]: verify seconds per policy width, then the drafter's propose and idle seconds.
-    `costs`: a jaxdecode.costmodel.CostTable (anything with verify_at / draft_seconds / idle_seconds)."""
+    """f32[W + 2]: seconds of an engine step per policy width with drafting excluded (the table's
+    `step_at`: the forward, the verifier, the commit, ...), then the drafter's propose and idle seconds.
+    `costs`: a jaxdecode.costmodel.CostTable (anything with step_at or verify_at / draft_seconds /
+    idle_seconds)."""
+    at = getattr(costs, "step_at", None) or costs.verify_at
     # A wider verification never costs less than a narrower one: a table measured under noise (other
     # jobs on the machine) is made monotone, so noise cannot make a wide tree look free.
-    verify = np.maximum.accumulate([float(costs.verify_at(w)) for w in policy.widths]).tolist()
+    verify = np.maximum.accumulate([float(at(w)) for w in policy.widths]).tolist()
     vec = np.asarray(verify + [float(costs.draft_seconds), float(getattr(costs, "idle_seconds", 0.0))],
                      np.float32)
     if not np.all(np.isfinite(vec)) or np.any(vec < 0) or vec[0] <= 0:
@@ -130,7 +136,8 @@ def _best_width(policy, state: PolicyState, costs, active, drafted: bool):
     w = len(policy.widths)
     verify, draft, idle = costs[:w], costs[w], costs[w + 1]
     step = verify + jnp.where(drafted | (widths > 0), draft, idle)
-    return jnp.argmax(gain / step), depth
+    rate = gain / step / jnp.where(widths > 0, 1.0 + policy.margin, 1.0)
+    return jnp.argmax(rate), depth
 
 
 def should_draft(policy: AdaptivePolicy, state: PolicyState, costs, active):

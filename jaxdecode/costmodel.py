@@ -3,19 +3,25 @@
     table = load_or_calibrate(model, drafter, batch_size)   # cached on disk, measured on a miss
     table.verify_at(6)      # seconds of one target verification over [pending + 6 nodes], whole batch
     table.draft_seconds     # one drafter.propose;  table.idle_seconds: one drafter.idle (0 without one)
+    table.step_at(6)        # seconds of a whole engine step verifying 6 nodes, drafting excluded
 
 `measure` times, compile excluded, exactly what the engine runs each step: the target's verification
 forward (`speculative._verify_forward`) over [pending + w chain nodes] on a KV cache filled to
 `context_len` tokens, for each width w (w = 0 is the pending token alone: a plain decoding step), and
-the drafter's `propose` / `idle` from its `init` state on the same prompt. Each item runs inside a
-jitted loop, as in the engine's `lax.while_loop` (state updated in place, no dispatch per step); the
-figure is the median over `repeats` timed loops of seconds per trip.
+the drafter's `propose` / `idle` from its `init` state on the same prompt, and the engine's whole step
+(`speculative._engine(...).step`: draft, verification forward, the verifier over the processed
+target distribution, commit, the drafter's observe, the policy's bookkeeping) with each width forced.
+The adaptive policy prices a step with the whole-step figure (`step_at`): on a small model the parts
+around the forward are a large share of a step, and a policy that counted only the forward overrated
+drafting. Each item runs inside a jitted loop, as in the engine's `lax.while_loop` (state updated in
+place, no dispatch per step); the figure is the median over `repeats` timed loops of seconds per trip.
 
 Tables are cached as `<cache_dir>/costs/<sha256 of the key>.json` (cache_dir: $JAXDECODE_CACHE_DIR,
 else $XDG_CACHE_HOME/jaxdecode, else ~/.cache/jaxdecode). The key holds everything the cost depends on:
 the model (config + a content hash of its parameters), the drafter (type, static fields, content hash
 of its arrays), the device (platform, kind, count), the batch size, the widths, the context length
-rounded up to a power of two, and the JAX version; anything changed is a miss. A cache file that cannot
+rounded up to a power of two, the verifier, greedy or sampled, and the JAX version; anything changed is
+a miss. A cache file that cannot
 be read or does not hold a valid table for its key is re-measured with a warning, never an error.
 """
 from __future__ import annotations
@@ -39,7 +45,7 @@ import numpy as np
 
 from jaxdecode.kernels.common import next_pow2, round_up
 
-SCHEMA = 1  # version of the cache file layout and of the key; bump when either changes meaning
+SCHEMA = 2  # version of the cache file layout and of the key; bump when either changes meaning
 DEFAULT_CONTEXT_LEN = 256
 # Parameters up to this many bytes are hashed whole; above it every leaf is hashed by shape, dtype and
 # a strided sample of SAMPLE_ELEMENTS elements (hashing gigabytes would cost more than it saves).
@@ -61,6 +67,9 @@ class CostTable:
     draft_seconds: float  # one drafter.propose
     idle_seconds: float  # one drafter.idle (0.0 when the drafter has none)
     batch_size: int
+    # The engine's whole step with each width forced, drafting (w > 0) or idling (w = 0) included; ()
+    # when not measured (a table written by hand): the policy then prices a step by its forward alone.
+    step_seconds: tuple = ()
     meta: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)  # for display
 
     def __post_init__(self):
@@ -71,8 +80,11 @@ class CostTable:
             raise CostTableError(f"widths must be strictly ascending and start at 0 (the plain step), got {w}")
         if not isinstance(v, tuple) or len(v) != len(w):
             raise CostTableError(f"verify_seconds must be a tuple with one entry per width ({len(w)}), got {v!r}")
-        for name, x in [("verify_seconds", s) for s in v] + [("draft_seconds", self.draft_seconds),
-                                                             ("idle_seconds", self.idle_seconds)]:
+        if not isinstance(self.step_seconds, tuple) or len(self.step_seconds) not in (0, len(w)):
+            raise CostTableError(f"step_seconds must be () or a tuple with one entry per width ({len(w)}), "
+                                 f"got {self.step_seconds!r}")
+        for name, x in ([("verify_seconds", s) for s in v] + [("step_seconds", s) for s in self.step_seconds]
+                        + [("draft_seconds", self.draft_seconds), ("idle_seconds", self.idle_seconds)]):
             if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
                 raise CostTableError(f"{name} must hold finite numbers >= 0, got {x!r}")
         if type(self.batch_size) is not int or self.batch_size < 1:
@@ -81,27 +93,30 @@ class CostTable:
             raise CostTableError(f"meta must be a dict, got {type(self.meta).__name__}")
 
     def verify_at(self, width) -> float:
-        """Seconds of a verification over `width` nodes: linear interpolation between the measured
-        widths; past the last one, the last segment's slope continues (verification cost grows about
-        linearly in the node count once the device is busy)."""
-        if isinstance(width, bool) or not isinstance(width, (int, float, np.integer, np.floating)) \
-                or not width >= 0:
-            raise CostTableError(f"width must be a number >= 0, got {width!r}")
-        w, v = self.widths, self.verify_seconds
-        if width <= w[-1] or len(w) == 1:
-            return float(np.interp(width, w, v))
-        slope = (v[-1] - v[-2]) / (w[-1] - w[-2])
-        return float(v[-1] + max(slope, 0.0) * (width - w[-1]))
+        """Seconds of a verification forward over `width` nodes: linear interpolation between the
+        measured widths; past the last one, the last segment's slope continues (verification cost grows
+        about linearly in the node count once the device is busy)."""
+        return _interpolate(self.widths, self.verify_seconds, width)
+
+    def step_at(self, width) -> float:
+        """Seconds of a whole engine step that verifies `width` nodes (0: a plain decoding step),
+        drafting excluded (the policy adds draft_seconds or idle_seconds): the measured step less the
+        drafter's part, never below the forward alone. Tables without step_seconds: `verify_at`."""
+        forward = self.verify_at(width)
+        if not self.step_seconds:
+            return forward
+        drafter = self.draft_seconds if width > 0 else self.idle_seconds
+        return max(forward, _interpolate(self.widths, self.step_seconds, width) - drafter)
 
     @property
     def plain_seconds(self) -> float:
         """One plain decoding step (width 0): the pending token alone."""
-        return self.verify_seconds[0]
+        return self.step_at(0)
 
     def to_json(self) -> dict:
         return {"widths": list(self.widths), "verify_seconds": list(self.verify_seconds),
-                "draft_seconds": self.draft_seconds, "idle_seconds": self.idle_seconds,
-                "batch_size": self.batch_size, "meta": self.meta}
+                "step_seconds": list(self.step_seconds), "draft_seconds": self.draft_seconds,
+                "idle_seconds": self.idle_seconds, "batch_size": self.batch_size, "meta": self.meta}
 
     @classmethod
     def from_json(cls, data) -> "CostTable":
@@ -112,15 +127,28 @@ class CostTable:
             except json.JSONDecodeError as e:
                 raise CostTableError(f"not JSON: {e}") from None
         fields = {"widths", "verify_seconds", "draft_seconds", "idle_seconds", "batch_size", "meta"}
-        if not isinstance(data, dict) or set(data) != fields:
+        optional = {"step_seconds"}  # absent in tables written before it was measured
+        if not isinstance(data, dict) or not fields <= set(data) <= fields | optional:
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
-            raise CostTableError(f"a cost table is an object with fields {sorted(fields)}, got {got}")
+            raise CostTableError(f"a cost table is an object with fields {sorted(fields)} (and optionally "
+                                 f"{sorted(optional)}), got {got}")
         try:
             return cls(widths=tuple(data["widths"]), verify_seconds=tuple(data["verify_seconds"]),
+                       step_seconds=tuple(data.get("step_seconds", ())),
                        draft_seconds=data["draft_seconds"], idle_seconds=data["idle_seconds"],
                        batch_size=data["batch_size"], meta=data["meta"])
         except TypeError as e:  # e.g. widths not a list
             raise CostTableError(f"malformed cost table: {e}") from None
+
+
+def _interpolate(widths, seconds, width) -> float:
+    if isinstance(width, bool) or not isinstance(width, (int, float, np.integer, np.floating)) or not width >= 0:
+        raise CostTableError(f"width must be a number >= 0, got {width!r}")
+    w, v = widths, seconds
+    if width <= w[-1] or len(w) == 1:
+        return float(np.interp(width, w, v))
+    slope = (v[-1] - v[-2]) / (w[-1] - w[-2])
+    return float(v[-1] + max(slope, 0.0) * (width - w[-1]))
 
 
 # ----------------------------------------------------------------------------- fingerprints
@@ -270,8 +298,12 @@ class _Loop:
     args: Any
     trips: int = 1
     times: list = dataclasses.field(default_factory=list)
+    same_as: "_Loop | None" = None  # a loop with the same step and args of the same shapes: one compile
 
     def __post_init__(self):
+        if self.same_as is not None:
+            self._run = self.same_as._run
+            return
         step = self.step
 
         def run(a, state, n):
@@ -290,18 +322,29 @@ class _Loop:
         return state, (time.perf_counter() - t0) / trips
 
 
-def _time_loops(loops: list, state, repeats: int, target_seconds: float, max_trips: int = 256):
+def _time_loops(loops: list, state, repeats: int, target_seconds: float, max_trips: int = 256,
+                fresh: bool = False):
     """Median seconds per trip of each loop, compile excluded; `state` is handed from loop to loop (one
-    KV cache for every width). The loops are timed round-robin, so a slow spell of a busy machine
-    spreads over all of them instead of bending the curve."""
-    state = jax.tree.map(lambda x: jnp.array(x, copy=True), state)  # private: it is donated
+    KV cache for every width), or with `fresh` every call starts from a copy of it (made untimed: loops
+    whose state grows, like the engine's, then stay within the room they were given). The loops are
+    timed round-robin, so a slow spell of a busy machine spreads over all of them instead of bending
+    the curve."""
+    def copy(s):  # private: it is donated
+        return jax.block_until_ready(jax.tree.map(lambda x: jnp.array(x, copy=True), s))
+
+    base = copy(state) if fresh else None
+    state = copy(state)
+
+    def run(loop, state, trips):
+        return loop(copy(base) if fresh else state, trips)
+
     for loop in loops:
-        state, _ = loop(state, 1)  # compile + warm up
-        state, first = loop(state, 1)
+        state, _ = run(loop, state, 1)  # compile + warm up
+        state, first = run(loop, state, 1)
         loop.trips = int(min(max_trips, max(1, target_seconds // max(first, 1e-9))))
     for _ in range(repeats):
         for loop in loops:
-            state, secs = loop(state, loop.trips)
+            state, secs = run(loop, state, loop.trips)
             loop.times.append(secs)
     return [float(statistics.median(loop.times)) for loop in loops]
 
@@ -330,17 +373,47 @@ def measurement_tree(tokens, max_depth: int):
     return Tree(tokens=tokens, parents=parents, valid=jnp.ones((b, w), bool))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _FirstNodes:
+    """`inner`'s drafting with only the first `width` nodes of each proposal valid (nodes are
+    topologically ordered, so they form a tree): the cost model runs the engine's step at a forced
+    width with it. The width is traced: one compile serves every width."""
+    inner: Any
+    width: jax.Array  # int32 scalar
+
+    def __getattr__(self, name):  # everything but propose is the inner drafter's
+        if name in ("inner", "width"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def propose(self, state, ctx, sampler):
+        tree, probs, state = self.inner.propose(state, ctx, sampler)
+        first = jnp.arange(tree.tokens.shape[1])[None, :] < self.width
+        return tree.replace(valid=jnp.broadcast_to(first, tree.valid.shape)), probs, state
+
+
+def _forcing_costs(widths: tuple, index: int) -> jnp.ndarray:
+    """A policy cost vector under which width `index` is always the best choice (engine timing only)."""
+    vec = np.ones(len(widths) + 2, np.float32)
+    vec[index] = 1e-9
+    vec[len(widths):] = 0.0  # drafting and idling free: the width alone decides
+    return jnp.asarray(vec)
+
+
 def measure(model, drafter, batch_size: int, *, widths=None, context_len: int | None = None,
-            repeats: int = 5, target_seconds: float = 0.02, sampler=None, attn_impl: str | None = None,
-            mesh=None, seed: int = 0, progress=True) -> CostTable:
+            repeats: int = 5, target_seconds: float = 0.02, sampler=None, verifier=None,
+            attn_impl: str | None = None, mesh=None, seed: int = 0, progress=True,
+            whole_step: bool = True) -> CostTable:
     """Measure a CostTable for `drafter` on `model` (a jaxdecode Model or (config, params)) at
     `batch_size` rows over a cache holding `context_len` tokens (default min(256, the model's limit)).
 
     widths: the verification widths (node counts) to time; default `default_widths(drafter.num_nodes)`;
     0 is always included. repeats: timed loops per item (median); target_seconds: length of each loop.
-    sampler: the SamplerConfig `propose` gets (default greedy). attn_impl / mesh: as speculative_decode.
-    progress: True = one line per measured item on stderr, False = silent, a callable gets the lines.
-    """
+    sampler: the SamplerConfig `propose` gets (default greedy). verifier: the engine step's verifier
+    (a Verifier or a name; default: what generate uses, `verifiers.default_verifier`). attn_impl /
+    mesh: as speculative_decode. progress: True = one line per measured item on stderr, False =
+    silent, a callable gets the lines. whole_step=False skips the whole-step timing (step_seconds ())."""
     from jaxdecode.models import init_cache
     from jaxdecode.sampling import SamplerConfig
     from jaxdecode.speculative import (DraftContext, _verify_forward, check_feature_layers,
@@ -424,8 +497,70 @@ def measure(model, drafter, batch_size: int, *, widths=None, context_len: int | 
     _emit(progress, f"calibrate: draft  ({name}, {where}): {draft * 1e3:9.3f} ms")
     if len(loops) > 1:
         _emit(progress, f"calibrate: idle   ({name}, {where}): {idle * 1e3:9.3f} ms")
-    return CostTable(widths=widths, verify_seconds=tuple(verify), draft_seconds=draft, idle_seconds=idle,
-                     batch_size=b, meta=meta)
+    steps = ()
+    if whole_step:
+        steps = _measure_steps(config, params, drafter, prompt, lengths, widths, sampler, verifier, attn_impl,
+                               mesh, repeats, target_seconds, jax.random.fold_in(key, 1))
+        for w, secs in zip(widths, steps):
+            _emit(progress, f"calibrate: step   {w:4d} nodes ({where}): {secs * 1e3:9.3f} ms")
+    meta["verifier"] = getattr(_verifier(drafter, sampler, verifier), "name", "?")
+    return CostTable(widths=widths, verify_seconds=tuple(verify), step_seconds=tuple(steps), draft_seconds=draft,
+                     idle_seconds=idle, batch_size=b, meta=meta)
+
+
+def _verifier(drafter, sampler, verifier):
+    from jaxdecode.sampling import SamplerConfig
+    from jaxdecode.verifiers import default_verifier, get_verifier
+    if verifier is None:
+        verifier = default_verifier(drafter, sampler or SamplerConfig(temperature=0.0))
+    return get_verifier(verifier) if isinstance(verifier, str) else verifier
+
+
+def _measure_steps(config, params, drafter, prompt, lengths, widths, sampler, verifier, attn_impl, mesh,
+                   repeats, target_seconds, key, max_trips: int = 32) -> list:
+    """Seconds of the engine's whole step at each width (speculative._engine's step, the very function
+    the decoding loop runs), each width forced (`_forced_steps`). Every timed loop starts from the same
+    prefilled state, and the room for `max_trips` steps is reserved in the cache and history."""
+    loops, state0 = _forced_steps(config, params, drafter, prompt, lengths, widths, sampler, verifier,
+                                  attn_impl, mesh, key, max_trips)
+    return _time_loops(loops, state0, repeats, target_seconds, max_trips=max_trips, fresh=True)
+
+
+def _forced_steps(config, params, drafter, prompt, lengths, widths, sampler, verifier, attn_impl, mesh, key,
+                  max_trips: int):
+    """(one _Loop per width running the engine's step with that width forced, the prefilled state they
+    start from). A width is forced by the policy's costs and by a drafter whose proposals keep exactly
+    that many nodes; each trip returns the policy's width histogram (which width the step verified)."""
+    from jaxdecode.adaptive import AdaptivePolicy
+    from jaxdecode.speculative import _engine
+
+    b, context_len = prompt.shape
+    grow = drafter.max_depth + 1  # most tokens a step commits
+    max_new = max_trips * grow + 1  # rows never finish inside a timed loop
+    cache_len = round_up(context_len + max_new + drafter.num_nodes + grow + 1, 64)
+    # Estimates fixed at 1 (decay 1, no drift, no reach limit): every kept node stays verifiable.
+    policy = AdaptivePolicy(widths=widths, decay=1.0, prior=1.0, explore=0.0, min_reach=0.0, margin=0.0,
+                            shape="proposal")
+    static = dict(verifier=_verifier(drafter, sampler, verifier), sampler=sampler, max_new_tokens=max_new,
+                  eos_ids=(), cache_len=cache_len, hist_cap=context_len + max_new + grow + 1,
+                  attn_impl=attn_impl, verify_widths=widths, mesh=mesh, policy=policy)
+
+    def engine(p, d, costs):
+        return _engine(config, p, d, costs, **static)
+
+    start = jax.jit(lambda p, d, toks, lens, k: engine(p, d, None).start(toks, lens, k))
+    state0 = start(params, drafter, prompt, lengths, key)
+
+    def step(a, st, i):
+        p, d, costs = a
+        st = engine(p, d, costs).step(st)
+        return st, st.width_hist
+
+    loops = []
+    for i, w in enumerate(widths):
+        args = (params, _FirstNodes(drafter, jnp.int32(w)), _forcing_costs(widths, i))
+        loops.append(_Loop(step, args, same_as=loops[0] if loops else None))
+    return loops, state0
 
 
 def _prefill(config, params, prompt, lengths, cache, return_layers):
@@ -449,7 +584,7 @@ def context_bucket(context_len: int, limit: int) -> int:
 
 
 def cache_key(model, drafter, batch_size: int, *, widths=None, context_len: int | None = None,
-              attn_impl: str | None = None, mesh=None, sampler=None) -> dict:
+              attn_impl: str | None = None, mesh=None, sampler=None, verifier=None) -> dict:
     """Everything a table depends on (the file name is the sha256 of its JSON). widths / context_len as
     in `load_or_calibrate`; the context is already bucketed here."""
     config, params = _config_and_params(model)
@@ -466,7 +601,8 @@ def cache_key(model, drafter, batch_size: int, *, widths=None, context_len: int 
             "attn_impl": attn_impl,
             "mesh": None if mesh is None else {str(k): int(v) for k, v in mesh.shape.items()},
             # drafting greedily (argmax children) or sampling them costs a little differently
-            "sampling": sampler is not None and not sampler.is_greedy, "jax": jax.__version__}
+            "sampling": sampler is not None and not sampler.is_greedy,
+            "verifier": _stable(_verifier(drafter, sampler, verifier)), "jax": jax.__version__}
 
 
 def cache_file(key: dict, cache_dir=None) -> Path:
@@ -514,10 +650,10 @@ def write_cached(path: Path, key: dict, table: CostTable) -> None:
 
 def calibrate(model, drafter, batch_size: int, *, widths=None, context_len: int | None = None,
               cache_dir=None, progress=True, refresh: bool = False, attn_impl: str | None = None,
-              mesh=None, sampler=None, **measure_kw) -> tuple[CostTable, Path, bool]:
+              mesh=None, sampler=None, verifier=None, **measure_kw) -> tuple[CostTable, Path, bool]:
     """`load_or_calibrate`, also returning the cache file and whether the table was measured now."""
     key = cache_key(model, drafter, batch_size, widths=widths, context_len=context_len,
-                    attn_impl=attn_impl, mesh=mesh, sampler=sampler)
+                    attn_impl=attn_impl, mesh=mesh, sampler=sampler, verifier=verifier)
     path = cache_file(key, cache_dir)
     table = None if refresh else read_cached(path, key)
     if table is not None:
@@ -525,7 +661,8 @@ def calibrate(model, drafter, batch_size: int, *, widths=None, context_len: int 
     _emit(progress, f"calibrate: measuring step costs of {type(drafter).__name__} at batch {batch_size} "
                     f"(once; cached in {path})")
     table = measure(model, drafter, batch_size, widths=tuple(key["widths"]), context_len=key["context_len"],
-                    attn_impl=key["attn_impl"], mesh=mesh, sampler=sampler, progress=progress, **measure_kw)
+                    attn_impl=key["attn_impl"], mesh=mesh, sampler=sampler, verifier=verifier, progress=progress,
+                    **measure_kw)
     try:
         write_cached(path, key, table)
     except OSError as e:  # a read-only home must not stop decoding: the table is still good
@@ -543,8 +680,8 @@ def load_or_calibrate(model, drafter, batch_size: int, *, widths=None, context_l
     the context decoding runs at (default 256), rounded up to a power of two within the model's
     positions. cache_dir: default `default_cache_dir()`. progress: as `measure` (one line per measured
     item; nothing on a hit). refresh: measure again even when cached. sampler (greedy or
-    not is part of the key), attn_impl, mesh and the other keywords (repeats, target_seconds) go to
-    `measure`."""
+    not is part of the key), verifier (part of the key; default as generate chooses), attn_impl, mesh
+    and the other keywords (repeats, target_seconds, whole_step) go to `measure`."""
     return calibrate(model, drafter, batch_size, widths=widths, context_len=context_len, cache_dir=cache_dir,
                      progress=progress, refresh=refresh, **kw)[0]
 

@@ -88,10 +88,7 @@ register_method("diverse_beam", _beam(True), method_options("diverse_beam"), per
 
 
 # ----------------------------------------------------------------------------- speculative
-# The verifier used when none is named, per child rule (jaxdecode.verifiers.CHILD_RULES): each is lossless
-# for its rule on chains and trees alike (tests/test_verifier_pairs.py checks it against the declarations).
-DEFAULT_VERIFIER = {"point": "point_mass", "sample": "specinfer", "argmax": "topk", "topk": "topk",
-                    "iid": "specinfer", "gumbel": "rsd"}
+from jaxdecode.verifiers import DEFAULT_VERIFIER  # noqa: F401  (re-exported: it used to live here)
 
 
 def _speculative(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
@@ -99,7 +96,7 @@ def _speculative(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
     from jaxdecode.drafters import TrainedDrafter, make_drafter
     from jaxdecode.speculative import speculative_decode
     from jaxdecode.treeopt import is_auto, resolve_auto_tree
-    from jaxdecode.verifiers import get_verifier
+    from jaxdecode.verifiers import default_verifier, get_verifier
 
     sampler = sampler_from_options(opts)
     draft = opts["draft"]
@@ -126,10 +123,10 @@ def _speculative(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
                          "configured: drop drafter_options")
     verifier = opts["verifier"]
     if verifier is None:
-        verifier = "greedy" if sampler.is_greedy else DEFAULT_VERIFIER[drafter.child_rule]
+        verifier = default_verifier(drafter, sampler)
     if isinstance(verifier, str):
         verifier = get_verifier(verifier)
-    policy, costs = _adaptive_policy(model, drafter, sampler, prompt_tokens, max_new_tokens, opts)
+    policy, costs = _adaptive_policy(model, drafter, sampler, verifier, prompt_tokens, max_new_tokens, opts)
     params, toks, lens = place_inputs(model, prompt_tokens, prompt_lengths, opts)
     out = speculative_decode(model.config, params, drafter, toks, lens, max_new_tokens=max_new_tokens,
                              verifier=verifier, sampler=sampler, eos_ids=opts["eos_ids"],
@@ -141,7 +138,7 @@ def _speculative(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
     return out.tokens, out.lengths, {**out.stats, **tree_stats}
 
 
-def _adaptive_policy(model, drafter, sampler, prompt_tokens, max_new_tokens, opts):
+def _adaptive_policy(model, drafter, sampler, verifier, prompt_tokens, max_new_tokens, opts):
     """(AdaptivePolicy, CostTable) of the `adaptive` / `costs` options, or (None, None) when off.
     Costs: given, or measured for this model, drafter, device and batch size on first use and cached
     (jaxdecode.costmodel; progress on stderr), on the mesh when one is given."""
@@ -165,7 +162,7 @@ def _adaptive_policy(model, drafter, sampler, prompt_tokens, max_new_tokens, opt
         start = time.perf_counter()
         costs = costmodel.load_or_calibrate(model, drafter, int(prompt_tokens.shape[0]), widths=widths,
                                             context_len=int(prompt_tokens.shape[1]) + max_new_tokens // 2,
-                                            mesh=opts.get("mesh"))
+                                            mesh=opts.get("mesh"), sampler=sampler, verifier=verifier)
         opts["calibrate_seconds"] = time.perf_counter() - start  # reported apart (stats), like compile time
     if jax.process_count() > 1:  # every process must decide alike: all use process 0's measurements
         costs = _same_costs_everywhere(costs)
@@ -177,10 +174,12 @@ def _same_costs_everywhere(costs):
     and processes that decided differently whether to draft would run different programs)."""
     import numpy as np
     from jax.experimental import multihost_utils
-    vec = np.asarray(list(costs.verify_seconds) + [costs.draft_seconds, costs.idle_seconds], np.float64)
-    vec = np.asarray(multihost_utils.broadcast_one_to_all(vec), np.float64)
-    return dataclasses.replace(costs, verify_seconds=tuple(float(x) for x in vec[:-2]),
-                               draft_seconds=float(vec[-2]), idle_seconds=float(vec[-1]))
+    n = len(costs.widths)
+    vec = np.asarray(list(costs.verify_seconds) + list(costs.step_seconds) + [costs.draft_seconds,
+                                                                               costs.idle_seconds], np.float64)
+    vec = np.asarray(multihost_utils.broadcast_one_to_all(vec), np.float64).tolist()
+    return dataclasses.replace(costs, verify_seconds=tuple(vec[:n]), step_seconds=tuple(vec[n:-2]),
+                               draft_seconds=vec[-2], idle_seconds=vec[-1])
 
 
 register_method("speculative", _speculative, method_options("speculative"), aliases=("spec",),

@@ -206,9 +206,10 @@ def switch_in_place(index, branches, operand):
 
 
 def _verify_forward(config, params, tree: Tree, pending, cache, active, widths: tuple, attn_impl: str,
-                    mesh=None, feature_layers: tuple = ()):
+                    mesh=None, feature_layers: tuple = (), judge=None):
     """The target over [pending, tree nodes]: logits [B, N+1, V], the drafter's features
-    [F, B, N+1, D] (None without feature_layers) and the cache with them written.
+    [F, B, N+1, D] (None without feature_layers) and the cache with them written; with `judge`, also
+    its verdict.
 
     widths: ascending static node counts, the last = N. The forward runs over the smallest width that
     holds every valid node of the active rows (a `lax.switch`, each branch compiled once), so a drafter
@@ -216,7 +217,10 @@ def _verify_forward(config, params, tree: Tree, pending, cache, active, widths: 
     what it proposes. Logit rows past the width are zero: they belong to invalid nodes, which no
     verifier accepts and no drafter learns from. Nodes are topologically ordered, so every kept node's
     ancestors lie inside the width. The switch is `switch_in_place`: the cache is written in place,
-    never copied into a branch."""
+    never copied into a branch.
+    judge(logits [B, w+1, V], nodes): the verdict (a VerifyResult over those w nodes) on the branch's
+    own width, so what follows the forward (processing the target's distribution, the verifier) also
+    costs only what was verified; its path is padded to N with -1."""
     n = tree.tokens.shape[1]
 
     def run(width):
@@ -229,7 +233,12 @@ def _verify_forward(config, params, tree: Tree, pending, cache, active, widths: 
             feats = select_features(hidden, feature_layers)
             if feats is not None:
                 feats = jnp.pad(feats, ((0, 0), (0, 0), (0, n - width), (0, 0)))
-            return jnp.pad(logits, ((0, 0), (0, n - width), (0, 0))), feats, cache
+            out = (jnp.pad(logits, ((0, 0), (0, n - width), (0, 0))), feats, cache)
+            if judge is None:
+                return out
+            res = judge(logits, t)
+            path = jnp.pad(res.path, ((0, 0), (0, n - width)), constant_values=-1)
+            return out + (dataclasses.replace(res, path=path),)
         return branch
 
     if len(widths) == 1:
@@ -241,7 +250,11 @@ def _verify_forward(config, params, tree: Tree, pending, cache, active, widths: 
     logits0 = jnp.zeros((b, n + 1, config.vocab_size), jnp.float32)
     feats0 = (jnp.zeros((len(feature_layers), b, n + 1, config.hidden_size), jnp.float32)
               if feature_layers else None)
-    return switch_in_place(which, [run(w) for w in widths], (logits0, feats0, cache))
+    operand = (logits0, feats0, cache)
+    if judge is not None:
+        operand += (VerifyResult(path=jnp.full((b, n), -1, jnp.int32), num_accepted=jnp.zeros((b,), jnp.int32),
+                                 bonus=jnp.zeros((b,), jnp.int32)),)
+    return switch_in_place(which, [run(w) for w in widths], operand)
 
 
 def check_verify_widths(widths, num_nodes: int) -> tuple:
@@ -291,67 +304,69 @@ def _empty_proposal(drafter, state, ctx, sampler):
     return tree.replace(parents=jnp.full_like(tree.parents, -1)), probs
 
 
-@partial(jax.jit, static_argnames=("config", "verifier", "sampler", "max_new_tokens", "eos_ids",
-                                   "cache_len", "hist_cap", "attn_impl", "verify_widths", "mesh", "policy"))
-def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, costs=None, *, verifier, sampler,
-                 max_new_tokens, eos_ids, cache_len, hist_cap, attn_impl, verify_widths, mesh=None,
-                 policy=None):
-    b, p = prompt_tokens.shape
+@dataclasses.dataclass(frozen=True)
+class _Engine:
+    """The speculative engine's three parts: `start` (prefill, drafter init: the loop's first state),
+    `step` (one draft -> verify -> commit step, the while loop's body) and `finish` (the output).
+    `_speculative` runs them; the cost model (jaxdecode.costmodel) times `step` alone, so the policy's
+    costs are those of exactly what a step runs."""
+    start: Any
+    step: Any
+    finish: Any
+
+
+def _engine(config, params, drafter, costs=None, *, verifier, sampler, max_new_tokens, eos_ids, cache_len,
+            hist_cap, attn_impl, verify_widths, mesh=None, policy=None) -> _Engine:
     n, max_d = drafter.num_nodes, drafter.max_depth
     pad = pad_id_for(eos_ids)
     feature_layers = tuple(getattr(drafter, "feature_layers", ()) or ())
-    # Prefill all but the last prompt token: it becomes the pending root of the first tree.
-    # Lengths derived from an argument, not a constant: XLA would otherwise constant-fold the prefill's
-    # masks over the empty cache at the batch size (minutes of compile for 1e4+ rows).
-    cache = init_cache(config, b, cache_len).replace(lengths=jnp.minimum(prompt_lengths, 0))
-    _, cache, hidden = prefill(config, params, prompt_tokens, prompt_lengths - 1, cache,
-                               return_layers=feature_request(feature_layers), with_hidden=True)
-    history = jnp.full((b, hist_cap), pad, jnp.int32).at[:, :p].set(prompt_tokens)
-    key, dkey = jax.random.split(key)
-    if feature_layers:
-        dstate0 = drafter.init(prompt_tokens, prompt_lengths, cache_len, dkey,
-                               features=select_features(hidden, feature_layers))
-    else:
-        dstate0 = drafter.init(prompt_tokens, prompt_lengths, cache_len, dkey)
-    state = _SpecState(
-        cache=cache, drafter_state=dstate0,
-        history=history, hist_len=prompt_lengths, num_new=jnp.zeros((b,), jnp.int32),
-        done=jnp.zeros((b,), bool), key=key, target_calls=jnp.int32(1), steps=jnp.zeros((b,), jnp.int32),
-        accept_hist=jnp.zeros((max_d + 1,), jnp.int32), depth_tried=jnp.zeros((max_d,), jnp.int32),
-        depth_accepted=jnp.zeros((max_d,), jnp.int32), nonfinite=jnp.zeros((b,), bool))
-    if policy is not None:
-        builder = getattr(drafter, "builder", None)
-        state = state.replace(
-            policy_state=adaptive_mod.init_state(policy, b, max_d, n, getattr(builder, "static_parents", None)),
-            drafted_nodes=jnp.zeros((b,), jnp.int32), speculative_steps=jnp.zeros((b,), jnp.int32),
-            width_hist=jnp.zeros((len(policy.widths),), jnp.int32))
-    rows = jnp.arange(b)
+    # Greedy decoding with a verifier that reads only the target's argmax: no [B, N+1, V] distribution.
+    argmax_only = sampler.is_greedy and callable(getattr(verifier, "verify_argmax", None))
+
+    def start(prompt_tokens, prompt_lengths, key) -> _SpecState:
+        return _start(config, params, drafter, prompt_tokens, prompt_lengths, key, cache_len=cache_len,
+                      hist_cap=hist_cap, pad=pad, feature_layers=feature_layers, policy=policy)
+
+    def next_token(logits, key):
+        """The token after the pending one with no draft: [B, V] logits -> int32[B]."""
+        if sampler.is_greedy:  # the processed distribution's argmax is the raw logits' argmax
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return jax.random.categorical(key, process_logits(logits, sampler), axis=-1).astype(jnp.int32)
 
     def verify(st, tree, draft_probs, active, k_verify):
         """The target over [pending, tree] and the verifier's verdict: (logits [B, N+1, V], features,
         cache, VerifyResult, nonfinite)."""
-        pending = st.history[rows, st.hist_len - 1]
-        logits, feats, cache = _verify_forward(config, params, tree, pending, st.cache, active, verify_widths,
-                                               attn_impl, mesh, feature_layers)  # [B, N+1, V]
+        b = st.history.shape[0]
+        pending = st.history[jnp.arange(b), st.hist_len - 1]
+
+        def judge(logits, nodes):  # logits [B, w+1, V] over the w nodes the forward ran
+            if nodes.tokens.shape[1] == 0:  # the width-0 branch (traced, never taken: a node is valid)
+                return VerifyResult(path=jnp.zeros((b, 0), jnp.int32), num_accepted=jnp.zeros((b,), jnp.int32),
+                                    bonus=next_token(logits[:, 0], k_verify))
+            if argmax_only:  # greedy: the argmax is all the verdict reads
+                return verifier.verify_argmax(jnp.argmax(logits, axis=-1), nodes)
+            w = nodes.tokens.shape[1]
+            probs = None if draft_probs is None else draft_probs[:, :w + 1]  # [B, w+1, V]: per parent slot
+            return verifier(jnp.exp(process_logits(logits, sampler)), probs, nodes, k_verify)
+
+        logits, feats, cache, res = _verify_forward(config, params, tree, pending, st.cache, active, verify_widths,
+                                                    attn_impl, mesh, feature_layers, judge)  # [B, N+1, V]
         nodes = jnp.concatenate([jnp.ones((b, 1), bool), tree.valid], axis=1)  # [B, N+1]: root + valid
         nonfinite = st.nonfinite | nonfinite_rows(logits, active, nodes)
-        target_probs = jnp.exp(process_logits(logits, sampler))
-        return logits, feats, cache, verifier(target_probs, draft_probs, tree, k_verify), nonfinite
+        return logits, feats, cache, res, nonfinite
 
     def verify_nothing(st, tree, active, k_verify):
         """`verify` for a step that drafted nothing, done as a plain decoding step: the target over the
         pending token alone (no tree forward, no verifier), the next token drawn from its processed
         distribution — exactly what every verifier does for an empty tree (greedy: the argmax)."""
-        pending = st.history[rows, st.hist_len - 1]
+        b = st.history.shape[0]
+        pending = st.history[jnp.arange(b), st.hist_len - 1]
         no_nodes = Tree(tokens=tree.tokens[:, :0], parents=tree.parents[:, :0], valid=tree.valid[:, :0])
         logits, feats, cache = _verify_forward(config, params, no_nodes, pending, st.cache, active, (0,),
                                                attn_impl, mesh, feature_layers)  # [B, 1, V]
         nonfinite = st.nonfinite | nonfinite_rows(logits, active, jnp.ones((b, 1), bool))
-        logp = process_logits(logits[:, 0], sampler)
-        bonus = (jnp.argmax(logp, axis=-1) if sampler.is_greedy
-                 else jax.random.categorical(k_verify, logp, axis=-1)).astype(jnp.int32)
         res = VerifyResult(path=jnp.full((b, n), -1, jnp.int32), num_accepted=jnp.zeros((b,), jnp.int32),
-                           bonus=bonus)
+                           bonus=next_token(logits[:, 0], k_verify))
         logits = jnp.pad(logits, ((0, 0), (0, n), (0, 0)))  # slots of the (absent) nodes: zeros
         if feats is not None:
             feats = jnp.pad(feats, ((0, 0), (0, 0), (0, n), (0, 0)))
@@ -442,19 +457,67 @@ def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, co
         zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
         return zeros[:2] + (st.cache,) + zeros[3:]
 
-    st = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
-    cols = prompt_lengths[:, None] + jnp.arange(max_new_tokens)[None, :]
-    out = jnp.take_along_axis(st.history, jnp.minimum(cols, hist_cap - 1), axis=1)
-    out = jnp.where(jnp.arange(max_new_tokens)[None, :] < st.num_new[:, None], out, pad)
-    stats = {"target_calls": st.target_calls, "verify_calls": st.steps,
-             "tau": st.num_new / jnp.maximum(st.steps, 1),
-             "accept_hist": st.accept_hist,
-             "accept_rate_by_depth": st.depth_accepted / jnp.maximum(st.depth_tried, 1),
-             "nonfinite_logits": st.nonfinite}
+    def output(st: _SpecState, prompt_lengths) -> SpecOutput:
+        cols = prompt_lengths[:, None] + jnp.arange(max_new_tokens)[None, :]
+        out = jnp.take_along_axis(st.history, jnp.minimum(cols, hist_cap - 1), axis=1)
+        out = jnp.where(jnp.arange(max_new_tokens)[None, :] < st.num_new[:, None], out, pad)
+        stats = {"target_calls": st.target_calls, "verify_calls": st.steps,
+                 "tau": st.num_new / jnp.maximum(st.steps, 1),
+                 "accept_hist": st.accept_hist,
+                 "accept_rate_by_depth": st.depth_accepted / jnp.maximum(st.depth_tried, 1),
+                 "nonfinite_logits": st.nonfinite}
+        if policy is not None:
+            stats.update(drafted_nodes=st.drafted_nodes, speculative_steps=st.speculative_steps,
+                         width_hist=st.width_hist, policy_widths=jnp.asarray(policy.widths, jnp.int32))
+        return SpecOutput(tokens=out, lengths=st.num_new, stats=stats)
+
+    return _Engine(start=start, step=body, finish=output)
+
+
+def _start(config, params, drafter, prompt_tokens, prompt_lengths, key, *, cache_len, hist_cap, pad,
+           feature_layers, policy) -> _SpecState:
+    """The engine's first state: the prompt prefilled but for its last token (the pending root of the
+    first tree), the drafter initialised, statistics at zero."""
+    b, p = prompt_tokens.shape
+    n, max_d = drafter.num_nodes, drafter.max_depth
+    # Lengths derived from an argument, not a constant: XLA would otherwise constant-fold the prefill's
+    # masks over the empty cache at the batch size (minutes of compile for 1e4+ rows).
+    cache = init_cache(config, b, cache_len).replace(lengths=jnp.minimum(prompt_lengths, 0))
+    _, cache, hidden = prefill(config, params, prompt_tokens, prompt_lengths - 1, cache,
+                               return_layers=feature_request(feature_layers), with_hidden=True)
+    history = jnp.full((b, hist_cap), pad, jnp.int32).at[:, :p].set(prompt_tokens)
+    key, dkey = jax.random.split(key)
+    if feature_layers:
+        dstate0 = drafter.init(prompt_tokens, prompt_lengths, cache_len, dkey,
+                               features=select_features(hidden, feature_layers))
+    else:
+        dstate0 = drafter.init(prompt_tokens, prompt_lengths, cache_len, dkey)
+    state = _SpecState(
+        cache=cache, drafter_state=dstate0,
+        history=history, hist_len=prompt_lengths, num_new=jnp.zeros((b,), jnp.int32),
+        done=jnp.zeros((b,), bool), key=key, target_calls=jnp.int32(1), steps=jnp.zeros((b,), jnp.int32),
+        accept_hist=jnp.zeros((max_d + 1,), jnp.int32), depth_tried=jnp.zeros((max_d,), jnp.int32),
+        depth_accepted=jnp.zeros((max_d,), jnp.int32), nonfinite=jnp.zeros((b,), bool))
     if policy is not None:
-        stats.update(drafted_nodes=st.drafted_nodes, speculative_steps=st.speculative_steps,
-                     width_hist=st.width_hist, policy_widths=jnp.asarray(policy.widths, jnp.int32))
-    return SpecOutput(tokens=out, lengths=st.num_new, stats=stats)
+        builder = getattr(drafter, "builder", None)
+        state = state.replace(
+            policy_state=adaptive_mod.init_state(policy, b, max_d, n, getattr(builder, "static_parents", None)),
+            drafted_nodes=jnp.zeros((b,), jnp.int32), speculative_steps=jnp.zeros((b,), jnp.int32),
+            width_hist=jnp.zeros((len(policy.widths),), jnp.int32))
+    return state
+
+
+@partial(jax.jit, static_argnames=("config", "verifier", "sampler", "max_new_tokens", "eos_ids",
+                                   "cache_len", "hist_cap", "attn_impl", "verify_widths", "mesh", "policy"))
+def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, costs=None, *, verifier, sampler,
+                 max_new_tokens, eos_ids, cache_len, hist_cap, attn_impl, verify_widths, mesh=None,
+                 policy=None):
+    engine = _engine(config, params, drafter, costs, verifier=verifier, sampler=sampler,
+                     max_new_tokens=max_new_tokens, eos_ids=eos_ids, cache_len=cache_len, hist_cap=hist_cap,
+                     attn_impl=attn_impl, verify_widths=verify_widths, mesh=mesh, policy=policy)
+    st = jax.lax.while_loop(lambda s: ~jnp.all(s.done), engine.step,
+                            engine.start(prompt_tokens, prompt_lengths, key))
+    return engine.finish(st, prompt_lengths)
 
 
 def _structure_error(drafter, verifier) -> str | None:

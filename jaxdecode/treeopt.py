@@ -195,7 +195,7 @@ class TreeChoice:
     expected_tau: float  # 1 + expected_accepted: tokens per verification, bonus included
     step_seconds: float  # draft (depth levels) + verification of num_nodes
     tokens_per_second: float  # expected_tau / step_seconds (per row)
-    plain_tokens_per_second: float  # 1 / costs.verify_at(0): plain decoding, per row
+    plain_tokens_per_second: float  # 1 / the plain step's seconds (costs.step_at(0)), per row
     candidates: tuple  # (num_nodes, depth, expected_tau, tokens_per_second) of every distinct tree scored
 
     @property
@@ -213,9 +213,10 @@ def choose_tree(p, costs, max_nodes: int, max_depth: int, draft_seconds_per_leve
                 *, draft_levels: int = 1) -> TreeChoice:
     """The hardware-aware tree: over node budgets 1..max_nodes and depth limits 1..max_depth, Sequoia's
     tree and its expected tokens per second (1 + E[accepted]) / (depth * draft_seconds_per_level +
-    costs.verify_at(nodes)); the fastest (ties: fewer nodes, then shallower).
+    costs.step_at(nodes)); the fastest (ties: fewer nodes, then shallower).
 
-    costs: a jaxdecode.costmodel.CostTable (verify_at, draft_seconds, widths). draft_seconds_per_level:
+    costs: a jaxdecode.costmodel.CostTable (step_at (or verify_at), draft_seconds, widths): step_at is
+    the engine's whole step without the drafter, as the adaptive policy prices it. draft_seconds_per_level:
     the drafter's cost per tree level; default costs.draft_seconds / draft_levels, i.e. the table's
     propose time measured on a tree of `draft_levels` levels. The verification cost of a size beyond the
     widest measured width is not extrapolated: max_nodes must not exceed it."""
@@ -231,7 +232,8 @@ def choose_tree(p, costs, max_nodes: int, max_depth: int, draft_seconds_per_leve
         draft_seconds_per_level = float(costs.draft_seconds) / draft_levels
     if not (math.isfinite(draft_seconds_per_level) and draft_seconds_per_level >= 0):
         raise ValueError(f"draft_seconds_per_level must be a finite number >= 0, got {draft_seconds_per_level}")
-    plain = 1.0 / float(costs.verify_at(0))
+    step_at = getattr(costs, "step_at", None) or costs.verify_at
+    plain = 1.0 / float(step_at(0))
     seen: dict[tuple, tuple] = {}
     for depth in range(1, max_depth + 1):
         a = acceptance_matrix(p, depth)
@@ -242,7 +244,7 @@ def choose_tree(p, costs, max_nodes: int, max_depth: int, draft_seconds_per_leve
                 continue
             nodes, d = len(paths), max(len(q) for q in paths)
             acc = expected_accepted(paths, p)
-            seconds = d * draft_seconds_per_level + float(costs.verify_at(nodes))
+            seconds = d * draft_seconds_per_level + float(step_at(nodes))
             seen[paths] = (nodes, d, 1.0 + acc, (1.0 + acc) / seconds, seconds, acc)
     best = max(seen.items(), key=lambda kv: (kv[1][3], -kv[1][0], -kv[1][1]))
     paths, (nodes, d, tau, rate, seconds, acc) = best
@@ -363,11 +365,10 @@ def acceptance_profile(model, build_drafter: Callable[[Any], Any], prompt_tokens
     the spec string 'chain:{depth}' (drafters that retrieve chains; width is then 1). Speculative
     decoding of the prompts (fixed configuration, verifier default: greedy at temperature 0, else the
     lossless one for the rule) records which rank each verification accepted at each depth."""
-    from jaxdecode.decoders import DEFAULT_VERIFIER
     from jaxdecode.drafters.builders import StaticTreeBuilder
     from jaxdecode.sampling import SamplerConfig
     from jaxdecode.speculative import speculative_decode
-    from jaxdecode.verifiers import get_verifier
+    from jaxdecode.verifiers import default_verifier, get_verifier
 
     sampler = sampler or SamplerConfig(temperature=0.0)
     if chain:
@@ -384,7 +385,7 @@ def acceptance_profile(model, build_drafter: Callable[[Any], Any], prompt_tokens
                          f"nodes, depth {inner.max_depth})")
     recorder = _RankRecorder(inner, parents, ranks, width, depth)
     if verifier is None:
-        verifier = "greedy" if sampler.is_greedy else DEFAULT_VERIFIER[inner.child_rule]
+        verifier = default_verifier(inner, sampler)
     if isinstance(verifier, str):
         verifier = get_verifier(verifier)
     with _SINK_LOCK:
@@ -539,10 +540,9 @@ def resolve_auto_tree(model, build_drafter: Callable[[Any], Any], prompt_tokens,
     tree_expected_speedup (against plain decoding, from the cost table) and tree_auto_seconds (the time
     this took: profiling and calibrating on a cache miss, reading the caches on a hit)."""
     from jaxdecode.costmodel import load_or_calibrate
-    from jaxdecode.decoders import DEFAULT_VERIFIER
     from jaxdecode.drafters.builders import StaticTreeBuilder
     from jaxdecode.sampling import SamplerConfig
-    from jaxdecode.verifiers import get_verifier
+    from jaxdecode.verifiers import default_verifier, get_verifier
 
     start = time.perf_counter()
     settings = parse_auto(spec)
@@ -553,7 +553,7 @@ def resolve_auto_tree(model, build_drafter: Callable[[Any], Any], prompt_tokens,
     drafter, chain, depth = _profile_drafter(build_drafter, settings, rule, chains_only)
     width = 1 if chain else settings["width"]
     if verifier is None:
-        verifier = "greedy" if sampler.is_greedy else DEFAULT_VERIFIER[drafter.child_rule]
+        verifier = default_verifier(drafter, sampler)
     verifier = get_verifier(verifier) if isinstance(verifier, str) else verifier
 
     pkey = _profile_key(model, drafter, verifier.name, sampler, settings, chain, rule)
@@ -579,7 +579,7 @@ def resolve_auto_tree(model, build_drafter: Callable[[Any], Any], prompt_tokens,
     context = int(np.max(np.asarray(prompt_lengths))) + (max_new_tokens or settings["tokens"]) // 2
     limit = model.config.max_position_embeddings - drafter.max_depth - 1
     costs = load_or_calibrate(model, drafter, batch, context_len=max(2, min(context, limit)), sampler=sampler,
-                              cache_dir=cache_dir, progress=progress)
+                              verifier=verifier, cache_dir=cache_dir, progress=progress)
     max_nodes = min(settings["max_nodes"] or drafter.num_nodes, max(costs.widths))
     choice = choose_tree(profile.p_by_depth(), costs, max_nodes, depth, draft_levels=depth)
     parents, _, _ = static_tree_layout(choice.paths)

@@ -308,10 +308,28 @@ class GreedyVerifier(_SequentialVerifier):
     child_rules: ClassVar = ANY_CHILDREN
 
     def _prepare(self, row):
-        return {"argmax": jnp.argmax(row["p"], axis=-1).astype(jnp.int32)}
+        p = row["p"]  # [N+1, V] probabilities, or [N+1] argmax tokens (verify_argmax)
+        return {"argmax": (p if p.ndim == 1 else jnp.argmax(p, axis=-1)).astype(jnp.int32)}
 
     def _accept_prob(self, row, info, state, cur, i):
         return (row["tokens"][i] == info["argmax"][cur]).astype(jnp.float32)
+
+    def verify_argmax(self, target_argmax, tree: Tree) -> VerifyResult:
+        """The same verdict from the target's argmax per slot, int32[B, N+1], alone: greedy decoding
+        needs no [B, N+1, V] distribution (the speculative engine calls this when decoding greedily)."""
+        b, n = tree.tokens.shape
+        if target_argmax.shape != (b, n + 1):
+            raise VerifierInputError(f"greedy: target_argmax has shape {target_argmax.shape}, expected "
+                                     f"{(b, n + 1)} (the root + {n} nodes per row)")
+        parents = concrete(tree.parents)
+        if parents is not None:
+            check_tree_kind(self, parents)
+        u = jnp.zeros((b, self._num_uniforms(n)), jnp.float32)  # greedy draws nothing
+        path, num, bonus = jax.vmap(self._verify_row)(
+            target_argmax.astype(jnp.int32), jnp.zeros((b, 1), jnp.float32), tree.tokens.astype(jnp.int32),
+            tree.parents.astype(jnp.int32), tree.valid.astype(bool), u)
+        return VerifyResult(path=path.astype(jnp.int32), num_accepted=num.astype(jnp.int32),
+                            bonus=bonus.astype(jnp.int32))
 
     def _emit(self, row, info, state, cur, u):
         return info["argmax"][cur]
@@ -717,6 +735,18 @@ _REGISTRY: dict[str, type[Verifier]] = {
         RSDVerifier, TopKVerifier, SpecTrVerifier, GreedyBlockVerifier, LossyTypicalVerifier)
 }
 VERIFIERS: tuple[str, ...] = tuple(_REGISTRY)
+
+
+# The verifier used when none is named, per child rule (CHILD_RULES): each is lossless for its rule on
+# chains and trees alike (tests/test_verifier_pairs.py checks it against the declarations).
+DEFAULT_VERIFIER = {"point": "point_mass", "sample": "specinfer", "argmax": "topk", "topk": "topk",
+                    "iid": "specinfer", "gumbel": "rsd"}
+
+
+def default_verifier(drafter, sampler) -> str:
+    """The verifier's name when the user names none: greedy when decoding greedily, else the lossless
+    verifier of the drafter's child rule."""
+    return "greedy" if sampler.is_greedy else DEFAULT_VERIFIER[drafter.child_rule]
 
 
 def get_verifier(name: str, **kw) -> Verifier:

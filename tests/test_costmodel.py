@@ -3,6 +3,7 @@
 Cache tests replace `measure` by a counting fake, so a hit is "the fake was not called"; one test
 measures for real on a tiny model (a few compiles)."""
 import functools
+import dataclasses
 import json
 import math
 
@@ -55,6 +56,23 @@ def test_table_round_trip_and_interpolation():
         t.verify_at(-1)
 
 
+def test_a_step_is_priced_by_the_whole_engine_step():
+    """step_at: the measured engine step less the drafter's part (propose when drafting, idle on a
+    plain step), never below the forward; without step_seconds, the forward; the policy's costs use it
+    and keep a wider step from costing less than a narrower one."""
+    from jaxdecode.adaptive import AdaptivePolicy, cost_vector
+    t = dataclasses.replace(table(draft=5e-4, idle=2e-4), step_seconds=(3e-3, 5e-3, 4e-3, 9e-3))
+    assert t.step_at(0) == pytest.approx(3e-3 - 2e-4) and t.plain_seconds == pytest.approx(2.8e-3)
+    assert t.step_at(1) == pytest.approx(5e-3 - 5e-4)
+    assert t.step_at(2) == pytest.approx(max(4e-3 - 5e-4, t.verify_at(2)))
+    assert CostTable.from_json(t.to_json()) == t
+    vec = cost_vector(AdaptivePolicy(widths=(0, 1, 2, 4)), t).tolist()
+    assert vec[:4] == pytest.approx([2.8e-3, 4.5e-3, 4.5e-3, 8.5e-3]) and vec[4:] == pytest.approx([5e-4, 2e-4])
+    assert table().step_at(2) == table().verify_at(2)  # nothing measured but the forward
+    old = {k: v for k, v in table().to_json().items() if k != "step_seconds"}  # a table from before
+    assert CostTable.from_json(old) == table()
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(widths=(1, 2)), "start at 0"),
     (dict(widths=(0, 2, 1)), "ascending"),
@@ -65,7 +83,8 @@ def test_table_round_trip_and_interpolation():
 ])
 def test_bad_tables_are_refused(bad, match):
     fields = dict(table().to_json(), **bad)
-    fields["widths"], fields["verify_seconds"] = tuple(fields["widths"]), tuple(fields["verify_seconds"])
+    for name in ("widths", "verify_seconds", "step_seconds"):
+        fields[name] = tuple(fields[name])
     with pytest.raises(CostTableError, match=match):
         CostTable(**fields)
 
@@ -90,30 +109,50 @@ def test_measure_times_every_item(tmp_path, monkeypatch):
     cfg, params = tiny(layers=1)
     dcfg, dparams = tiny(1, layers=1)
     drafter = DraftLM(params=dparams, config=dcfg, builder=parse_tree_spec("chain:2"))
-    t = costmodel.load_or_calibrate((cfg, params), drafter, 2, widths=(0,), context_len=8, cache_dir=tmp_path,
+    t = costmodel.load_or_calibrate((cfg, params), drafter, 2, widths=(0, 2), context_len=8, cache_dir=tmp_path,
                                     progress=lines.append)
-    assert t.widths == (0,) and t.batch_size == 2 and len(t.verify_seconds) == 1
-    assert t.verify_seconds[0] > 0 and t.draft_seconds > 0
+    assert t.widths == (0, 2) and t.batch_size == 2 and len(t.verify_seconds) == len(t.step_seconds) == 2
+    assert min(t.verify_seconds) > 0 and t.draft_seconds > 0
     assert t.idle_seconds > 0  # DraftLM has idle (catch up on committed tokens without drafting)
-    assert t.meta["context_len"] == 8 and t.meta["drafter"] == "DraftLM"
+    assert t.meta["context_len"] == 8 and t.meta["drafter"] == "DraftLM" and t.meta["verifier"] == "greedy"
     assert lines[0].startswith("calibrate: measuring") and str(tmp_path) in lines[0]
-    assert ["verify" in lines[1], "draft" in lines[2], "idle" in lines[3], len(lines)] == [True, True, True, 4]
+    kinds = [line.split()[1] for line in lines[1:]]
+    assert kinds == ["verify", "verify", "draft", "idle", "step", "step"], lines
     lines.clear()
-    again = costmodel.load_or_calibrate((cfg, params), drafter, 2, widths=(0,), context_len=8, cache_dir=tmp_path,
-                                        progress=lines.append)
+    again = costmodel.load_or_calibrate((cfg, params), drafter, 2, widths=(0, 2), context_len=8,
+                                        cache_dir=tmp_path, progress=lines.append)
     assert again == t and lines == []  # a hit measures nothing and says nothing
 
 
 def test_idle_only_when_the_drafter_has_one(monkeypatch):
     timed = []
 
-    def fake(loops, state, *a):
+    def fake(loops, state, *a, **kw):
         timed.append(len(loops))
         return [1e-3] * len(loops)
 
     monkeypatch.setattr(costmodel, "_time_loops", fake)
     t = costmodel.measure(tiny(layers=1), PromptLookupDrafter(num_nodes=2), 1, context_len=8, progress=False)
-    assert t.widths == (0, 1, 2) and timed == [3, 1] and t.idle_seconds == 0.0  # 3 widths, then propose only
+    # 3 forward widths, then propose only, then the engine step at the 3 widths
+    assert t.widths == (0, 1, 2) and timed == [3, 1, 3] and t.idle_seconds == 0.0
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_the_step_timing_runs_the_engine_at_each_forced_width(sampled):
+    """Each whole-step loop verifies exactly its width, whatever the drafter proposed (prompt lookup on
+    a random prompt finds nothing to propose), greedy or sampled with the default verifier."""
+    from jaxdecode.sampling import SamplerConfig
+    cfg, params = tiny(layers=1)
+    widths = (0, 1, 2, 4)
+    prompt = jax.random.randint(jax.random.PRNGKey(0), (2, 8), 0, cfg.vocab_size, jnp.int32)
+    loops, state0 = costmodel._forced_steps(
+        cfg, params, PromptLookupDrafter(num_nodes=4), prompt, jnp.full((2,), 8, jnp.int32), widths,
+        SamplerConfig(temperature=0.7 if sampled else 0.0), None, "xla", None, jax.random.PRNGKey(1), max_trips=2)
+    for i, loop in enumerate(loops):
+        _, hist = loop._run(loop.args, jax.tree.map(lambda x: jnp.array(x, copy=True), state0), 2)
+        assert np.asarray(hist).tolist() == [2 if j == i else 0 for j in range(len(widths))], (i, hist)
+    assert costmodel.cache_key((cfg, params), PromptLookupDrafter(num_nodes=4), 1)["verifier"] != \
+        costmodel.cache_key((cfg, params), PromptLookupDrafter(num_nodes=4), 1, verifier="point_mass")["verifier"]
 
 
 def test_measure_refuses_bad_requests():

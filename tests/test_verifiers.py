@@ -618,3 +618,24 @@ def test_edge_cases_are_well_formed_under_vmap(name):
             one = jax.jit(verifier)(p, q, tree, keys[s])
             for a, c in zip(jax.tree_util.tree_leaves(one), jax.tree_util.tree_leaves(res)):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(c)[s])
+
+
+def test_greedy_verdict_from_the_argmax_alone_is_the_full_verdict():
+    """verify_argmax (what the engine calls when decoding greedily) gives the verdict the verifier gives
+    from the whole [B, N+1, V] distribution, on random trees whose tokens often match the argmax."""
+    from jaxdecode.tree import Tree
+    from jaxdecode.verifiers import get_verifier
+    b, n, v = 6, 7, 5
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(3), 3)
+    probs = jax.nn.softmax(3 * jax.random.normal(k1, (b, n + 1, v)), axis=-1)
+    parents = jnp.asarray([[-1, 0, 1, 0, 3, -1, 5]] * b, jnp.int32)
+    tokens = jax.random.randint(k2, (b, n), 0, v, jnp.int32)
+    valid = jax.random.uniform(k3, (b, n)) < 0.9
+    valid = valid & jnp.where(parents >= 0, jnp.take_along_axis(valid, jnp.maximum(parents, 0), axis=1), True)
+    tree = Tree(tokens=tokens, parents=parents, valid=valid)
+    ver = get_verifier("greedy")
+    full = ver(probs, None, tree, jax.random.PRNGKey(0))
+    fast = ver.verify_argmax(jnp.argmax(probs, axis=-1), tree)
+    for a, c in zip(jax.tree.leaves(full), jax.tree.leaves(fast)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+    assert int(jnp.sum(full.num_accepted)) > 0  # the test sees acceptances, not only empty paths
