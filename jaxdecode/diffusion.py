@@ -127,11 +127,14 @@ def _apply(s: _Static, answer, commit, tokens, answer_lengths):
     return jnp.where(pos >= end[:, None], pad_id_for(s.eos_ids), answer)
 
 
-def _layout(prompt_tokens, prompt_lengths, answer, answer_lengths):
-    """Full sequences [B, P + A]: tokens, positions, valid, answer-slot index of each column."""
+def _layout(prompt_tokens, prompt_lengths, answer, answer_lengths, suffix=None):
+    """Full sequences [B, P + A (+ S)]: tokens, positions, valid, answer-slot index of each column.
+    suffix: None, or (suffix_tokens int32[B, S], suffix_lengths int32[B]): row b's suffix sits right
+    after its A_b answer slots (columns P_b + A_b ..), so the slots are a gap to infill."""
     b, p = prompt_tokens.shape
     a = answer.shape[1]
-    cols = jnp.arange(p + a, dtype=jnp.int32)[None, :]
+    sw = 0 if suffix is None else suffix[0].shape[1]
+    cols = jnp.arange(p + a + sw, dtype=jnp.int32)[None, :]
     ans_idx = cols - prompt_lengths[:, None]
     is_prompt = cols < prompt_lengths[:, None]
     is_ans = (ans_idx >= 0) & (ans_idx < answer_lengths[:, None])
@@ -140,6 +143,14 @@ def _layout(prompt_tokens, prompt_lengths, answer, answer_lengths):
     tokens = jnp.where(is_prompt, ptok, jnp.where(is_ans, atok, 0))
     valid = is_prompt | is_ans
     last = prompt_lengths + answer_lengths - 1
+    if suffix is not None:
+        suffix_tokens, suffix_lengths = suffix
+        suf_idx = ans_idx - answer_lengths[:, None]  # [B, T]: index into the row's suffix
+        is_suf = (suf_idx >= 0) & (suf_idx < suffix_lengths[:, None])
+        stok = jnp.take_along_axis(suffix_tokens, jnp.clip(suf_idx, 0, max(sw - 1, 0)), axis=1)
+        tokens = jnp.where(is_suf, stok, tokens)
+        valid = valid | is_suf
+        last = last + suffix_lengths
     positions = jnp.minimum(cols, last[:, None])
     return tokens, positions, valid, ans_idx
 
@@ -166,8 +177,8 @@ def _never_mask(s: _Static, logits):
     return logits.at[..., s.mask_id].set(_NEG)
 
 
-def _full_forward(s: _Static, params, prompt_tokens, prompt_lengths, answer, answer_lengths):
-    tokens, positions, valid, ans_idx = _layout(prompt_tokens, prompt_lengths, answer, answer_lengths)
+def _full_forward(s: _Static, params, prompt_tokens, prompt_lengths, answer, answer_lengths, suffix=None):
+    tokens, positions, valid, ans_idx = _layout(prompt_tokens, prompt_lengths, answer, answer_lengths, suffix)
     logits, _, _ = forward(s.config, params, tokens, positions, None, _mask(s, valid, ans_idx))
     return _answer_logits(s, logits, prompt_lengths)
 
@@ -277,7 +288,8 @@ def _exact_step(s: _Static, params, state: _State, prompt_lengths, answer_length
     return logits, cache, carry
 
 
-def _freedave_step(s: _Static, params, state: _State, prompt_tokens, prompt_lengths, answer_lengths, live):
+def _freedave_step(s: _Static, params, state: _State, prompt_tokens, prompt_lengths, answer_lengths, live,
+                   suffix=None):
     """One FreeDave step: drafts of 1..K slots from the current logits, one batched forward, the longest
     draft consistent with Greedy1 committed; its forward's logits become the next current logits."""
     k = s.rule.draft
@@ -292,7 +304,7 @@ def _freedave_step(s: _Static, params, state: _State, prompt_tokens, prompt_leng
                                        answer_lengths))(js)  # [K, B, A]
     rep = lambda t: jnp.broadcast_to(t, (k,) + t.shape).reshape((k * b,) + t.shape[1:])
     logits = _full_forward(s, params, rep(prompt_tokens), rep(prompt_lengths), drafts.reshape(k * b, a),
-                           rep(answer_lengths))
+                           rep(answer_lengths), None if suffix is None else tuple(map(rep, suffix)))
     logits = logits.reshape(k, b, a, -1)
     # Greedy1's pick after each draft D_j
     elig_j = jax.vmap(lambda d: _frame(s, d, answer_lengths)[1])(drafts)  # [K, B, A]
@@ -315,7 +327,7 @@ def _freedave_step(s: _Static, params, state: _State, prompt_tokens, prompt_leng
 
 
 @partial(jax.jit, static_argnames=("s",))
-def _decode(s: _Static, params, prompt_tokens, prompt_lengths, answer_lengths, key):
+def _decode(s: _Static, params, prompt_tokens, prompt_lengths, answer_lengths, key, suffix=None):
     b = prompt_tokens.shape[0]
     a, v = s.answer_length, s.config.vocab_size
     pos = jnp.arange(a, dtype=jnp.int32)[None, :]
@@ -324,7 +336,8 @@ def _decode(s: _Static, params, prompt_tokens, prompt_lengths, answer_lengths, k
                    rule_state=s.rule.init(b, a, v), cache=None, carry=None, nonfinite=jnp.zeros((b,), bool))
     if s.rule.lookahead:  # FreeDave: the current forward comes before the loop
         live0 = ~_frame(s, answer, answer_lengths)[2]
-        state = state.replace(carry=_full_forward(s, params, prompt_tokens, prompt_lengths, answer, answer_lengths),
+        state = state.replace(carry=_full_forward(s, params, prompt_tokens, prompt_lengths, answer, answer_lengths,
+                                                  suffix),
                               nfe=state.nfe + live0.astype(jnp.int32))
     elif s.mode in ("prefix", "dual"):
         state = state.replace(cache=init_cache(s.config, b, s.cache_len), carry=jnp.full((b,), -1, jnp.int32))
@@ -349,9 +362,9 @@ def _decode(s: _Static, params, prompt_tokens, prompt_lengths, answer_lengths, k
         live = ~done
         st = st.replace(steps=st.steps + 1)
         if s.rule.lookahead:
-            return _freedave_step(s, params, st, prompt_tokens, prompt_lengths, answer_lengths, live)
+            return _freedave_step(s, params, st, prompt_tokens, prompt_lengths, answer_lengths, live, suffix)
         if s.mode == "none":
-            logits = _full_forward(s, params, prompt_tokens, prompt_lengths, st.answer, answer_lengths)
+            logits = _full_forward(s, params, prompt_tokens, prompt_lengths, st.answer, answer_lengths, suffix)
         elif s.mode == "exact":
             logits, cache, carry = _exact_step(s, params, st, prompt_lengths, answer_lengths, cur, done)
             st = st.replace(cache=cache, carry=carry)
@@ -427,10 +440,63 @@ def _check_inputs(config, prompt_tokens, prompt_lengths, answer_length, answer_l
     return prompt_tokens, prompt_lengths, answer_lengths
 
 
+def _check_suffix(config, suffix_tokens, suffix_lengths, prompt_tokens, prompt_lengths, answer_length, mask_id,
+                  attention, cache):
+    """(suffix_tokens int32[B, S], suffix_lengths int32[B]) checked, or None when there is no suffix."""
+    if suffix_tokens is None:
+        if suffix_lengths is not None:
+            raise DiffusionError("suffix_lengths was given without suffix_tokens: pass both (infilling) or neither")
+        return None
+    if attention == "block":
+        raise DiffusionError("infilling (suffix_tokens) needs a model that attends both ways: this block-diffusion "
+                             "model (attention='block') is causal across blocks, so the answer slots would never "
+                             "see a suffix after them; use a bidirectional model (LLaDA, Dream) or drop the suffix")
+    if cache != "none":
+        raise DiffusionError(f"infilling (suffix_tokens) runs with cache='none'; cache={cache!r} caches a layout "
+                             "without a suffix")
+    b = prompt_lengths.shape[0]
+    if np.ndim(suffix_tokens) != 2 or np.shape(suffix_tokens)[0] != b:
+        raise DiffusionError(f"suffix_tokens must be 2-D [batch, suffix_len] = ({b}, S) (right-padded), got shape "
+                             f"{np.shape(suffix_tokens)}")
+    sw = np.shape(suffix_tokens)[1]
+    if suffix_lengths is None:
+        suffix_lengths = np.full((b,), sw, np.int32)
+    if np.shape(suffix_lengths) != (b,):
+        raise DiffusionError(f"suffix_lengths must have shape [batch] = ({b},), got {np.shape(suffix_lengths)}")
+    toks, lens = _concrete("suffix_tokens", suffix_tokens), _concrete("suffix_lengths", suffix_lengths)
+    for name, x, arr in (("suffix_tokens", suffix_tokens, toks), ("suffix_lengths", suffix_lengths, lens)):
+        dtype = (x if arr is None else arr).dtype
+        if not np.issubdtype(dtype, np.integer):
+            raise DiffusionError(f"{name} must hold integer token ids / lengths, got dtype {dtype}")
+    longest = sw
+    if lens is not None:
+        if np.any(lens < 0) or np.any(lens > sw):
+            raise DiffusionError(f"suffix_lengths must be in 0..{sw} (the width of suffix_tokens), got {lens.tolist()}")
+        longest = int(lens.max(initial=0))
+        if toks is not None:
+            valid = np.arange(sw)[None, :] < lens[:, None]
+            for what, bad in (("is the MASK id", toks == mask_id),
+                              (f"is outside the vocabulary [0, {config.vocab_size})",
+                               (toks < 0) | (toks >= config.vocab_size))):
+                hit = np.argwhere(valid & bad)
+                if hit.size:
+                    i, j = (int(t) for t in hit[0])
+                    raise DiffusionError(f"suffix {i} token {j} (id {int(toks[i, j])}) {what}: a suffix holds "
+                                         "known tokens only (to leave a gap, make answer_length longer)")
+    plen = _concrete("prompt_lengths", prompt_lengths)
+    total = (int(plen.max()) if plen is not None else prompt_tokens.shape[1]) + int(answer_length) + longest
+    if total > config.max_position_embeddings:
+        raise DiffusionError(f"prompt + answer_length ({answer_length}) + suffix = {total} positions exceed the "
+                             f"model's max_position_embeddings ({config.max_position_embeddings}); shorten one")
+    if sw == 0:  # an empty suffix is no suffix
+        return None
+    return jnp.asarray(suffix_tokens, jnp.int32), jnp.asarray(suffix_lengths, jnp.int32)
+
+
 def diffusion_decode(config, params, prompt_tokens, prompt_lengths, *, answer_length: int, rule=None,
                      block_length: int | None = None, eos_ids=(), key=None, mask_id=None, logits_shift=None,
                      max_forwards: int | None = None, answer_lengths=None, cache: str = "none",
-                     cache_len: int | None = None) -> DiffusionOutput:
+                     cache_len: int | None = None, suffix_tokens=None, suffix_lengths=None) -> DiffusionOutput:
     """Decode `answer_length` masked slots per prompt with a commit rule. See the module docstring.
 
     rule: a Rule (or a name in RULES; default Greedy1). block_length: slots per semi-autoregressive
@@ -440,6 +506,13 @@ def diffusion_decode(config, params, prompt_tokens, prompt_lengths, *, answer_le
     max_forwards: stop after this many loop steps (rows left with masked slots are reported in
     stats["unfinished"]). cache: "none" | "prefix" | "dual" (Fast-dLLM's approximate caches,
     bidirectional models) | "exact" (block-attention models: see block_diffusion_decode).
+
+    Infilling: suffix_tokens int[B, S] (right-padded) and suffix_lengths int[B] (0..S; default all S) put
+    a known suffix right after each row's answer slots (after its answer_lengths[b] slots), so the
+    slots fill the gap between prompt and suffix. The model sees the suffix through its bidirectional
+    attention; rules, blocks and EOS work as without one (an EOS ends the gap early: the slots after it
+    become padding, the suffix keeps its positions). Only cache='none' and bidirectional models
+    (attention='block' never lets a slot see what comes after its block).
     """
     mask_id, shift = _check_model(config, mask_id, logits_shift, "diffusion decoding")
     rule = make_rule(rule) if isinstance(rule, str) else (rule or Greedy1())
@@ -450,6 +523,8 @@ def diffusion_decode(config, params, prompt_tokens, prompt_lengths, *, answer_le
     prompt_tokens, prompt_lengths, answer_lengths = _check_inputs(
         config, prompt_tokens, prompt_lengths, answer_length, answer_lengths, mask_id, eos_ids)
     attention = getattr(config, "attention", "bidirectional")
+    suffix = _check_suffix(config, suffix_tokens, suffix_lengths, prompt_tokens, prompt_lengths, answer_length,
+                           mask_id, attention, cache)
     if block_length is None:
         block_length = config.block_size if attention == "block" else answer_length
     if isinstance(block_length, bool) or not isinstance(block_length, numbers.Integral) or block_length < 1:
@@ -484,7 +559,7 @@ def diffusion_decode(config, params, prompt_tokens, prompt_lengths, *, answer_le
     s = _Static(config=config, rule=rule, answer_length=int(answer_length), block_length=block_length,
                 eos_ids=eos_ids, mask_id=mask_id, shift=shift, mode=cache, max_forwards=int(max_forwards),
                 cache_len=cache_len)
-    return _decode(s, params, prompt_tokens, prompt_lengths, answer_lengths, key)
+    return _decode(s, params, prompt_tokens, prompt_lengths, answer_lengths, key, suffix)
 
 
 def block_diffusion_decode(config, params, prompt_tokens, prompt_lengths, *, answer_length: int, rule=None,

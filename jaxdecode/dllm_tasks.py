@@ -417,3 +417,103 @@ def evaluate_decoder(task: Task, config, params, rule, prompts, *, reference=Non
     report.update(nfe=float(nfe.mean()), tokens_per_forward=float(np.mean(out.stats["tokens_per_forward"])),
                   seconds=seconds, tokens=tokens)
     return report
+
+
+# ----------------------------------------------------------------------------- infilling
+@dataclasses.dataclass(frozen=True)
+class InfillBatch:
+    """Infilling inputs cut from task answers (token ids; rows right-padded with EOS)."""
+    prompts: np.ndarray  # int32[B, P]: the task prompts
+    prefix: np.ndarray  # int32[B, P + A - span]: prompt + the answer before the gap
+    prefix_lengths: np.ndarray  # int32[B]
+    span: np.ndarray  # int32[B, span]: the tokens cut out
+    suffix: np.ndarray  # int32[B, A - span]: the answer after the gap
+    suffix_lengths: np.ndarray  # int32[B]
+
+
+@dataclasses.dataclass(frozen=True)
+class InfillTask:
+    """Infilling over a task's answers: `span` consecutive answer tokens are cut out at a random start;
+    the decoder gets the prompt + the answer before the gap as its prompt and the answer after it as
+    its suffix (diffusion_decode(..., suffix_tokens=batch.suffix, suffix_lengths=batch.suffix_lengths)).
+    A filling is valid when the answer put back together is valid for the task. In a many-answer task
+    the suffix decides the filling (a permutation's gap holds exactly the values missing on both
+    sides), so a decoder that ignored the suffix would fail it. A model trained on the task (SFT: any
+    subset of answer tokens masked) has seen such gaps."""
+    task: Task
+    span: int = 2
+
+    def __post_init__(self):
+        if not 1 <= self.span <= self.task.answer_length:
+            raise TaskError(f"infill span must be in 1..{self.task.answer_length} (the {self.task.name} answer "
+                            f"length), got {self.span}")
+
+    def split(self, prompts, answers, starts) -> InfillBatch:
+        """Cut answers[b, starts[b] : starts[b] + span] out of each row."""
+        prompts, answers = np.asarray(prompts, np.int32), np.asarray(answers, np.int32)
+        starts = np.asarray(starts)
+        a, n, p = self.task.answer_length, self.span, prompts.shape[1]
+        if answers.shape != (len(prompts), a) or np.any(starts < 0) or np.any(starts > a - n):
+            raise TaskError(f"split needs answers [B, {a}] and starts in 0..{a - n}, got answers {answers.shape} "
+                            f"and starts {starts.tolist()}")
+        prefix = np.full((len(prompts), p + a - n), EOS, np.int32)
+        suffix = np.full((len(prompts), a - n), EOS, np.int32)
+        for b, s in enumerate(starts.tolist()):
+            prefix[b, :p + s] = np.concatenate([prompts[b], answers[b, :s]])
+            suffix[b, :a - n - s] = answers[b, s + n:]
+        return InfillBatch(prompts=prompts, prefix=prefix, prefix_lengths=(p + starts).astype(np.int32),
+                           span=np.stack([answers[b, s:s + n] for b, s in enumerate(starts.tolist())]),
+                           suffix=suffix, suffix_lengths=(a - n - starts).astype(np.int32))
+
+    def sample(self, rng: np.random.Generator, batch: int) -> InfillBatch:
+        prompts, answers = self.task.sample(rng, batch)
+        return self.split(prompts, answers, rng.integers(0, self.task.answer_length - self.span + 1, batch))
+
+    def answers(self, batch: InfillBatch, fillings) -> list[np.ndarray]:
+        """The whole answers: the answer before the gap, the filling, the answer after it."""
+        p = batch.prompts.shape[1]
+        return [np.concatenate([batch.prefix[b, p:batch.prefix_lengths[b]], np.asarray(fillings[b]),
+                                batch.suffix[b, :batch.suffix_lengths[b]]]) for b in range(len(batch.prompts))]
+
+    def validate(self, batch: InfillBatch, fillings) -> np.ndarray:
+        """bool[B]: the answer with each row's filling (int[B, span]) in its gap is valid."""
+        return np.array([self.task.validate(batch.prompts[b], ans)
+                         for b, ans in enumerate(self.answers(batch, fillings))], bool)
+
+
+def evaluate_infill_answers(infill: InfillTask, batch: InfillBatch, fillings, reference=None) -> dict:
+    """`validity` (the answer with the filling is valid), `exact_match` (the filling equals `reference`,
+    default the span cut out) and `n` of fillings int[B, span]."""
+    fillings = np.asarray(fillings)
+    reference = batch.span if reference is None else np.asarray(reference)
+    n = len(fillings)
+    return {"n": n, "validity": float(np.mean(infill.validate(batch, fillings))) if n else 0.0,
+            "exact_match": float(np.mean(np.all(fillings == reference, axis=1))) if n else 0.0}
+
+
+def evaluate_infill(infill: InfillTask, config, params, rule, batch: InfillBatch, *, reference=None,
+                    **decode_kw) -> dict:
+    """Fill a batch's gaps with a diffusion rule: evaluate_infill_answers plus mean `nfe`,
+    `tokens_per_forward`, `seconds` (a second, compiled run) and the `tokens` (no EOS: every gap slot
+    is filled)."""
+    import time
+
+    import jax
+
+    from jaxdecode.diffusion import diffusion_decode
+
+    def run():
+        out = diffusion_decode(config, params, batch.prefix, batch.prefix_lengths, answer_length=infill.span,
+                               rule=rule, suffix_tokens=batch.suffix, suffix_lengths=batch.suffix_lengths,
+                               **{"eos_ids": (), **decode_kw})
+        jax.block_until_ready(out.tokens)
+        return out
+    run()
+    start = time.perf_counter()
+    out = run()
+    seconds = time.perf_counter() - start
+    tokens = np.asarray(out.tokens)
+    report = evaluate_infill_answers(infill, batch, tokens, reference)
+    report.update(nfe=float(np.mean(out.stats["nfe"])), tokens_per_forward=float(np.mean(out.stats["tokens_per_forward"])),
+                  seconds=seconds, tokens=tokens)
+    return report
