@@ -171,14 +171,14 @@ _TABLE = (
     Option("diversity_penalty", "float", "Hamming diversity penalty between groups", ("diverse_beam",), 0.5,
            low=0),
     # ------------------------------------------------------------------ speculative
-    Option("draft", "str", "draft model directory (drafter draft_lm; trained drafters over a draft LM, "
-           "e.g. accept_head)", ("speculative",),
+    Option("draft", "str", "draft model directory (drafter draft_lm; dllm: a masked-diffusion LM; trained "
+           "drafters over a draft LM, e.g. accept_head)", ("speculative",),
            default_doc="none", objects="a jaxdecode Model"),
     Option("drafter", "str", "who proposes the draft tree (trained kinds: medusa .. kangaroo, and kinds "
            "registered with jaxdecode.drafters.trained.register_kind, load their weights from drafter_dir)",
            ("speculative",), choices=_drafters, more_choices=_registered_drafters,
-           default_doc="draft_lm with a draft model, else prompt_lookup; the kind in drafter_dir's "
-           "config.json with drafter_dir", objects="a Drafter object or a TrainedDrafter (load_drafter)"),
+           default_doc="draft_lm with a draft model (dllm with a diffusion one), else prompt_lookup; the kind in "
+           "drafter_dir's config.json with drafter_dir", objects="a Drafter object or a TrainedDrafter (load_drafter)"),
     Option("drafter_dir", "str", "trained drafter directory (config.json + model.safetensors, written by "
            "`jaxdecode train KIND` / save_drafter)", ("speculative",), objects="a pathlib.Path",
            default_doc="<target_dir>/drafters/<kind> when the target ships one"),
@@ -345,9 +345,9 @@ def _cross_checks(method: str, opts: dict, batch: int | None) -> None:
         raise OptionError(f"num_beams ({opts['num_beams']}) must be a multiple of num_groups "
                           f"({opts['num_groups']}): each group holds num_beams / num_groups beams")
     drafter = opts.get("drafter")
-    if (opts.get("draft") is not None and drafter is not None and drafter != "draft_lm"
+    if (opts.get("draft") is not None and drafter is not None and drafter not in ("draft_lm", "dllm")
             and not _takes_drafter_dir(drafter)):  # trained kinds that draft with an LM take it too
-        raise OptionError(f"draft is used only by drafter 'draft_lm' (and trained drafters over a draft "
+        raise OptionError(f"draft is used only by drafter 'draft_lm' or 'dllm' (and trained drafters over a draft "
                           f"LM, e.g. accept_head), but the drafter is "
                           f"{drafter if isinstance(drafter, str) else type(drafter).__name__!r}: drop draft "
                           f"or use drafter='draft_lm'")

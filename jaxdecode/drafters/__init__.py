@@ -1,6 +1,7 @@
 """Drafters for speculative decoding, and `make_drafter` to build one by name.
 
-Names: "draft_lm" (any jaxdecode model as a draft LM, with any tree builder), "prompt_lookup",
+Names: "draft_lm" (any jaxdecode model as a draft LM, with any tree builder), "dllm" (a masked-diffusion
+LM drafting a chain in one forward: drafters.diffusion), "prompt_lookup",
 "aggressive", "token_recycling", "aded", and the trained kinds ("medusa", "hydra", "eagle3", "block",
 "accept_head", "kangaroo", and any kind registered with `trained.register_kind`), whose weights come
 from a drafter directory (`drafter_dir=`, or `<target_dir>/drafters/<kind>` when the target ships one).
@@ -17,7 +18,7 @@ from jaxdecode.drafters.trained import (BUILTIN_KIND_MODULES, DrafterKind, Draft
                                         find_drafter_dir, is_trained_kind, kind_names, load_drafter,
                                         read_drafter_config, register_kind, save_drafter)
 
-UNTRAINED = ("draft_lm", "prompt_lookup", "aggressive", "token_recycling", "aded", "swift", "del")
+UNTRAINED = ("draft_lm", "dllm", "prompt_lookup", "aggressive", "token_recycling", "aded", "swift", "del")
 DRAFTERS = UNTRAINED + tuple(BUILTIN_KIND_MODULES)  # names built in; registered kinds add to drafter_names()
 
 
@@ -54,11 +55,18 @@ def make_drafter(name, target, draft=None, tree=None, temperature: float = 0.0, 
     if drafter_dir is not None:
         raise ValueError(f"drafter_dir is for trained drafters ({', '.join(kind_names())}), but the drafter "
                          f"is {name!r}: drop drafter_dir (CLI: --drafter-dir) or name a trained kind")
-    name = name or ("draft_lm" if draft is not None else "prompt_lookup")
+    diffusion_draft = bool(getattr(getattr(draft, "config", None), "is_diffusion", False))
+    name = name or (("dllm" if diffusion_draft else "draft_lm") if draft is not None else "prompt_lookup")
+    if name == "dllm":  # a masked-diffusion LM drafting a chain in one forward (drafters.diffusion)
+        from jaxdecode.drafters.diffusion import make_dllm_drafter
+        return make_dllm_drafter(target, draft, tree, temperature, **kw)
     if name in ("draft_lm", "draft", "model"):
         if draft is None:
             raise ValueError("drafter 'draft_lm' needs a draft model: pass draft=jaxdecode.load(DIR) "
                              "(CLI: --draft DIR)")
+        if diffusion_draft:
+            raise ValueError("the draft model is a masked-diffusion LM, which drafter 'draft_lm' would run as a "
+                             "causal one: use drafter='dllm' (CLI: --drafter dllm)")
         return DraftLM(params=draft.params, config=draft.config,
                        builder=_tree_or_default(tree, "chain:4", temperature))
     if name == "token_recycling":
