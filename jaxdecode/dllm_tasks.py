@@ -514,6 +514,6 @@ def evaluate_infill(infill: InfillTask, config, params, rule, batch: InfillBatch
     seconds = time.perf_counter() - start
     tokens = np.asarray(out.tokens)
     report = evaluate_infill_answers(infill, batch, tokens, reference)
-    report.update(nfe=float(np.mean(out.stats["nfe"])), tokens_per_forward=float(np.mean(out.stats["tokens_per_forward"])),
-                  seconds=seconds, tokens=tokens)
+    report.update(nfe=float(np.mean(out.stats["nfe"])), seconds=seconds, tokens=tokens,
+                  tokens_per_forward=float(np.mean(out.stats["tokens_per_forward"])))
     return report

@@ -122,3 +122,32 @@ def test_infill_task_split_and_validate():
     assert report["validity"] == 0.0 and report["exact_match"] == 0.0 and report["n"] == 8
     with pytest.raises(T.TaskError, match="span"):
         T.InfillTask(task, span=6)
+
+
+# ----------------------------------------------------------------------------- the code-infilling benchmark
+@pytest.mark.slow  # ~15 s on a quiet CPU (tokenizer load, held-out windows, four compiles)
+def test_bench_dllm_infill_runs_on_a_saved_random_dllm(tmp_path, monkeypatch, capsys):
+    import json
+    import shutil
+    from pathlib import Path
+
+    from jaxdecode.models.hf import save_params
+    root = Path(__file__).resolve().parents[1]
+    tok_dir = root / "models" / "embedded" / "target"
+    if not (tok_dir / "tokenizer.json").exists():
+        pytest.skip("no embedded tokenizer")
+    cfg = ModelConfig(**{**BASE, "vocab_size": 4097, "max_position_embeddings": 64}, attention="bidirectional",
+                      mask_token_id=4096)
+    save_params(cfg, init_params(cfg, jax.random.PRNGKey(0), std=0.3), tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok_dir / name, tmp_path / name)
+    monkeypatch.syspath_prepend(str(root / "benchmarks"))
+    import bench_dllm_infill
+    bench_dllm_infill.main(["--model", str(tmp_path), "--windows", "3", "--batch", "2", "--prefix", "8", "--span", "4",
+                            "--suffix", "4", "--rules", "greedy1,llada:2,freedave", "--without-suffix"])
+    rows = {r["rule"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert set(rows) == {"greedy1", "llada:2", "freedave", "greedy1 (no suffix)"}
+    assert rows["greedy1"]["nfe"] == 4 and rows["llada:2"]["nfe"] == 2 and rows["greedy1"]["windows"] == 3
+    assert rows["freedave"]["match_greedy1"] == 1.0  # lossless
+    assert rows["greedy1 (no suffix)"]["match_greedy1"] < 1.0  # the suffix is seen
+    assert 0 <= rows["greedy1"]["token_accuracy"] <= 1

@@ -1,4 +1,4 @@
-"""The notebooks run top to bottom on CPU (the training one at tiny sizes)."""
+"""The notebooks run top to bottom on CPU (the training ones at tiny sizes)."""
 from pathlib import Path
 
 import nbformat
@@ -28,3 +28,21 @@ def test_speculative_training_notebook_runs(tmp_path, monkeypatch):
                       for o in c.get("outputs", []))
     assert "draft_lm (on-policy)" in outputs and "prompt_lookup" in outputs and "tau" in outputs
     assert "medusa " in outputs and "not available" not in outputs  # the heads trained too
+
+
+DIFFUSION = NOTEBOOK.parent / "diffusion.ipynb"
+
+
+def test_diffusion_notebook_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXDECODE_NOTEBOOK_TINY", "1")  # one tiny task dLLM, a few steps and prompts
+    nb = nbformat.read(DIFFUSION, as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                      for o in c.get("outputs", []))
+    for rule in ("greedy1", "llada:2", "threshold:0.9", "learn2pd", "freedave"):
+        assert f"permutation  {rule}" in outputs, rule  # a row of the rules table
+    assert "tok/fwd" in outputs and "seen" in outputs and "none" in outputs
+    figures = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+               if "image/png" in o.get("data", {})]
+    assert figures  # validity against forwards per token
