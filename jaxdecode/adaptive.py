@@ -10,8 +10,12 @@ paths). A step that verifies row b's depths <= k is expected to commit
 
 tokens. A verification over width w (a node count; 0 = the pending token alone, a plain decoding
 step) lets row b verify depths k_b(w) = max{k : need_b(k) <= w, P_b(k) >= min_reach}, and costs
-`verify[w]` plus the drafter's step; the policy picks the width with the most expected tokens per
-second, twice a step:
+`step[w]` (the engine's whole step, measured: jaxdecode.costmodel) plus the drafter's step. A batch
+decodes until its last row is done, so the policy picks the width that finishes the batch soonest
+if it were kept: step[w] * max_b remaining_b / E_b(k_b(w)), remaining_b = the row's tokens still to
+go (its max_new_tokens budget; 0 once done). At batch 1 that is the most expected tokens per second;
+in a batch, rows that speculate well cannot make up for one that does not (they would finish early
+and wait). A drafting width must beat the plain step by `margin`. The choice is made twice a step:
   1. before drafting, from the previous proposal's `need` (`should_draft`): when the best width is 0
      the drafter does not draft (its optional `idle` keeps its state current) and every row decodes
      plainly: speculation is off for the whole batch while it does not pay;
@@ -123,8 +127,10 @@ def _reach(accept):
     return jnp.concatenate([jnp.ones_like(accept[:, :1]), jnp.cumprod(accept, axis=1)], axis=1)
 
 
-def _best_width(policy, state: PolicyState, costs, active, drafted: bool):
-    """(index of the best width, depth per row at each width int32[W, B])."""
+def _best_width(policy, state: PolicyState, costs, remaining, drafted: bool):
+    """(index of the best width, depth per row at each width int32[W, B]). remaining: int32[B], the
+    tokens each row still has to go (0: done)."""
+    active = remaining > 0
     reach = _reach(state.accept)  # [B, D+1]
     expected = jnp.cumsum(reach, axis=1)  # E_b(k) = 1 + sum_{d<=k} P_b(d): [B, D+1]
     k = jnp.arange(reach.shape[1])[None, :]
@@ -132,23 +138,26 @@ def _best_width(policy, state: PolicyState, costs, active, drafted: bool):
     widths = jnp.asarray(policy.widths, jnp.int32)  # [W]
     fits = ok[None] & (state.need[None] <= widths[:, None, None])  # [W, B, D+1]
     depth = jnp.sum(fits[:, :, 1:], axis=2).astype(jnp.int32)  # [W, B]: fits is prefix-closed too
-    gain = jnp.sum(jnp.take_along_axis(expected[None], depth[..., None], axis=2)[..., 0] * active[None], axis=1)
+    gain = jnp.take_along_axis(expected[None], depth[..., None], axis=2)[..., 0]  # [W, B]: E_b at each width
+    steps_left = jnp.max(jnp.where(active[None], remaining[None].astype(jnp.float32) / gain, 0.0), axis=1)  # [W]
     w = len(policy.widths)
     verify, draft, idle = costs[:w], costs[w], costs[w + 1]
     step = verify + jnp.where(drafted | (widths > 0), draft, idle)
-    rate = gain / step / jnp.where(widths > 0, 1.0 + policy.margin, 1.0)
-    return jnp.argmax(rate), depth
+    finish = step * steps_left * jnp.where(widths > 0, 1.0 + policy.margin, 1.0)  # seconds to finish the batch
+    return jnp.argmin(finish), depth
 
 
-def should_draft(policy: AdaptivePolicy, state: PolicyState, costs, active):
-    """bool[]: does drafting pay this step (judged on the previous proposal's shape)?"""
-    best, _ = _best_width(policy, state, costs, active, drafted=False)
+def should_draft(policy: AdaptivePolicy, state: PolicyState, costs, remaining):
+    """bool[]: does drafting pay this step (judged on the previous proposal's shape)? remaining:
+    int32[B], tokens each row still has to go (0: done)."""
+    best, _ = _best_width(policy, state, costs, remaining, drafted=False)
     return best > 0
 
 
-def truncate(policy: AdaptivePolicy, state: PolicyState, costs, tree, active):
+def truncate(policy: AdaptivePolicy, state: PolicyState, costs, tree, remaining):
     """Keep each row's nodes of depth <= its chosen depth: (tree, depth int32[B], state with this
-    proposal's shape)."""
+    proposal's shape). remaining: as in `should_draft`."""
+    active = remaining > 0
     n = tree.tokens.shape[1]
     d_max = state.need.shape[1] - 1
     node_depth = depths(tree.parents)  # [B, N]
@@ -168,7 +177,7 @@ def truncate(policy: AdaptivePolicy, state: PolicyState, costs, tree, active):
     has = jnp.any(valid, axis=1)
     state = dataclasses.replace(state, need=jnp.where(has[:, None], need, state.need),
                                 max_depth=jnp.where(has, deepest, state.max_depth))
-    best, depth_at = _best_width(policy, state, costs, active, drafted=True)
+    best, depth_at = _best_width(policy, state, costs, remaining, drafted=True)
     depth = depth_at[best]
     tree = tree.replace(valid=valid & (node_depth <= depth[:, None]) & active[:, None])
     return tree, depth, state

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jaxdecode import adaptive as adaptive_mod
 from jaxdecode.autoregressive import (default_cache_len, is_eos, nonfinite_rows, pad_id_for, prefill,
                                       validate_eos_ids, validate_prompts)
-from jaxdecode.models import commit, forward, init_cache
+from jaxdecode.models import advance, commit, forward, init_cache
 from jaxdecode.sampling import SamplerConfig, process_logits
 from jaxdecode.tree import Tree, ancestor_mask, depths, path_to_keep
 from jaxdecode.verifiers import CHILD_RULES, VERIFIERS, VerifyResult, check_tree_kind, get_verifier
@@ -372,11 +372,15 @@ def _engine(config, params, drafter, costs=None, *, verifier, sampler, max_new_t
             feats = jnp.pad(feats, ((0, 0), (0, 0), (0, n), (0, 0)))
         return logits, feats, cache, res, nonfinite
 
-    def finish(st, tree, dstate, pstate, key, active, verified):
-        """Commit a verification's accepted path and bonus; observe; statistics."""
+    def finish(st, tree, dstate, pstate, key, active, verified, plain: bool = False):
+        """Commit a verification's accepted path and bonus; observe; statistics. plain: nothing was
+        drafted (the pending token alone was run: it stays where it was written)."""
         logits, feats, cache, res, nonfinite = verified
-        keep = jnp.concatenate([active[:, None], path_to_keep(res.path, n) & active[:, None]], axis=1)
-        cache = commit(cache, keep)
+        if plain:
+            cache = advance(cache, active.astype(jnp.int32))
+        else:
+            keep = jnp.concatenate([active[:, None], path_to_keep(res.path, n) & active[:, None]], axis=1)
+            cache = commit(cache, keep)
 
         # New tokens: the accepted path, then the bonus; cut at the first EOS and at max_new_tokens.
         path_tokens = jnp.take_along_axis(tree.tokens, jnp.maximum(res.path, 0), axis=1)  # [B, N]
@@ -428,12 +432,13 @@ def _engine(config, params, drafter, costs=None, *, verifier, sampler, max_new_t
         if policy is None:
             tree, draft_probs, dstate = drafter.propose(st.drafter_state, ctx, sampler)
             return finish(st, tree, dstate, None, key, active, verify(st, tree, draft_probs, active, k_verify))
-        drafting = adaptive_mod.should_draft(policy, st.policy_state, costs, active)
+        remaining = jnp.where(active, max_new_tokens - st.num_new, 0)  # tokens each row still has to go
+        drafting = adaptive_mod.should_draft(policy, st.policy_state, costs, remaining)
         empty_tree, empty_probs = _empty_proposal(drafter, st.drafter_state, ctx, sampler)
 
         def draft_and_verify(st):
             tree, draft_probs, dstate = drafter.propose(st.drafter_state, ctx, sampler)
-            tree, _, pstate = adaptive_mod.truncate(policy, st.policy_state, costs, tree, active)
+            tree, _, pstate = adaptive_mod.truncate(policy, st.policy_state, costs, tree, remaining)
             # Nothing kept (the proposal was empty or not worth its forward): a plain step after all.
             # The branches read the target cache from the switch's operand, so it is updated in place.
             verified = switch_in_place(
@@ -447,7 +452,7 @@ def _engine(config, params, drafter, costs=None, *, verifier, sampler, max_new_t
             idle = getattr(drafter, "idle", None)
             dstate = st.drafter_state if idle is None else idle(st.drafter_state, ctx)
             return finish(st, empty_tree, dstate, st.policy_state, key, active,
-                          verify_nothing(st, empty_tree, active, k_verify))
+                          verify_nothing(st, empty_tree, active, k_verify), plain=True)
 
         return switch_in_place(drafting.astype(jnp.int32), [plain, draft_and_verify], st)
 
