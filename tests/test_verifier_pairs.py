@@ -250,6 +250,32 @@ class StepCosts:
 ADAPTIVE_COSTS = {"partial": StepCosts(per_node=0.29, draft=0.1), "off": StepCosts(per_node=0.28, draft=0.3)}
 
 
+def decode_chunks(drafter, verifier, rows: int, adaptive: str | None = None):
+    """`rows` copies of PROMPT decoded for 2 tokens in CHUNKS runs of one compiled loop: per run the
+    tokens [rows, 2] and verify calls [rows]."""
+    prompts = np.tile(np.asarray(PROMPT, np.int32), (rows, 1))
+    lengths = np.full((rows,), len(PROMPT), np.int32)
+    need = len(PROMPT) + 2 + drafter.num_nodes + 1 + drafter.max_depth + 1
+    outs = []
+    # Each pair was judged by check_combination above; the composite drafter / verifier are not
+    # drafts of one rule, so the engine's host check is skipped for this run only.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(spec, "check_combination", lambda *a: None)
+        for chunk in range(CHUNKS):
+            policy = None if adaptive is None else AdaptivePolicy(widths=default_widths(drafter.num_nodes),
+                                                                  shape="structure")
+            out = speculative_decode(CFG, PARAMS, drafter, prompts, lengths, max_new_tokens=2,
+                                     verifier=verifier, sampler=T1, cache_len=need,
+                                     key=jax.random.key(100 + chunk, impl="rbg"),  # rbg: faster bits on CPU
+                                     adaptive=policy, costs=ADAPTIVE_COSTS.get(adaptive))
+            assert np.all(np.asarray(out.lengths) == 2)
+            if adaptive is not None:  # the policy did what the costs were picked for
+                hist = np.asarray(out.stats["width_hist"])
+                assert hist[-1] > 0 and hist[{"partial": 1, "off": 0}[adaptive]] > 0, hist
+            outs.append((np.asarray(out.tokens), np.asarray(out.stats["verify_calls"])))
+    return outs
+
+
 @functools.lru_cache(maxsize=None)
 def run_size(num_nodes: int, adaptive: str | None = None):
     """Run every block of one tree size through speculative_decode; [(block, p-value, tau)]; with
@@ -269,24 +295,7 @@ def run_size(num_nodes: int, adaptive: str | None = None):
     verifier = RowBlocks(tuple((vf.get_verifier(n), tuple(sp)) for n, sp in spans.items()))
     prompts = np.tile(np.asarray(PROMPT, np.int32), (start, 1))
     lengths = np.full((start,), len(PROMPT), np.int32)
-    need = len(PROMPT) + 2 + num_nodes + 1 + drafter.max_depth + 1
-    outs = []
-    # Each pair was judged by check_combination above; the composite drafter / verifier are not
-    # drafts of one rule, so the engine's host check is skipped for this run only.
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(spec, "check_combination", lambda *a: None)
-        for chunk in range(CHUNKS):
-            policy = None if adaptive is None else AdaptivePolicy(widths=default_widths(num_nodes),
-                                                                  shape="structure")
-            out = speculative_decode(CFG, PARAMS, drafter, prompts, lengths, max_new_tokens=2,
-                                     verifier=verifier, sampler=T1, cache_len=need,
-                                     key=jax.random.key(100 + chunk, impl="rbg"),  # rbg: faster bits on CPU
-                                     adaptive=policy, costs=ADAPTIVE_COSTS.get(adaptive))
-            assert np.all(np.asarray(out.lengths) == 2)
-            if adaptive is not None:  # the policy did what the costs were picked for
-                hist = np.asarray(out.stats["width_hist"])
-                assert hist[-1] > 0 and hist[{"partial": 1, "off": 0}[adaptive]] > 0, hist
-            outs.append((np.asarray(out.tokens), np.asarray(out.stats["verify_calls"])))
+    outs = decode_chunks(drafter, verifier, start, adaptive)
     joint = exact_joint(CFG, PARAMS, PROMPT, V)
     results = []
     for k, block in enumerate(blocks):
@@ -389,3 +398,88 @@ def test_matrix_covers_every_accepted_lossless_pair():
     assert covered == accepted
     assert {n for _, _, n in accepted} == {n for n in vf.VERIFIERS if vf.get_verifier(n).lossless
                                            and not vf.get_verifier(n).greedy_decoding}
+
+
+# ----------------------------------------------------------------------------------------------------
+# The dLLM drafter (jaxdecode.drafters.diffusion): chain node i is a draw from the slot marginal q_i of
+# one dLLM forward, independent of the draft tokens before it (left-to-right chunks with steps > 1).
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DrafterRows:
+    """Rows [start, stop) drafted by drafters[i] (static, contiguous ranges covering the batch)."""
+    drafters: tuple
+    ranges: tuple = dataclasses.field(metadata=dict(static=True))  # ((start, stop), ...)
+
+    num_nodes = property(lambda self: self.drafters[0].num_nodes)
+    max_depth = property(lambda self: self.drafters[0].max_depth)
+    init = TableDrafter.init
+    observe = TableDrafter.observe
+
+    def propose(self, state, ctx, sampler):
+        parts = [d.propose(state, DraftContext(history=ctx.history[a:z], hist_len=ctx.hist_len[a:z],
+                                               key=jax.random.fold_in(ctx.key, k)), sampler)[:2]
+                 for k, (d, (a, z)) in enumerate(zip(self.drafters, self.ranges))]
+        tree, slots = jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
+        return tree, slots, state
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotZeroForAll:
+    """A deliberately wrong rule (negative control): `inner` is handed slot 0's draft distribution for
+    every node, as if the slots were identically distributed."""
+    inner: object
+    name = "slot0_for_all"
+    needs_draft_probs = True
+
+    def __call__(self, target_probs, draft_probs, tree, key):
+        return self.inner(target_probs, jnp.broadcast_to(draft_probs[:, :1], draft_probs.shape), tree, key)
+
+
+@functools.lru_cache(maxsize=None)
+def dllm_drafter(steps: int = 1):
+    """A random bidirectional dLLM of the harness's vocabulary + its MASK (id V), drafting chain:2."""
+    from jaxdecode.drafters.diffusion import make_dllm_drafter
+    from jaxdecode.model import Model
+    dcfg = CFG.replace(vocab_size=V + 1, attention="bidirectional", mask_token_id=V)
+    return make_dllm_drafter(Model(CFG, PARAMS), Model(dcfg, init_params(dcfg, jax.random.PRNGKey(11), std=0.6)),
+                             "chain:2", 1.0, window=4, steps=steps)
+
+
+def test_dllm_drafter_is_lossless_with_every_accepted_verifier():
+    """χ² (1e5 rows each) for every lossless verifier the engine accepts for the dLLM drafter, and for
+    its 2-forward refinement under the chain verifier; the lossy typical verifier and a verifier handed
+    the wrong slot distributions must fail in the same run."""
+    drafter = dllm_drafter()
+    accepted = []
+    for name in vf.VERIFIERS:
+        v = vf.get_verifier(name)
+        try:
+            check_combination(CFG, drafter, v, T1)
+        except SpeculativeError:
+            continue
+        if v.lossless:
+            accepted.append(v)
+    assert {"chain", "specinfer", "block", DEFAULT_VERIFIER[drafter.child_rule]} <= {v.name for v in accepted}
+    blocks = ([(v, "lossless", 1) for v in accepted] + [(vf.get_verifier("chain"), "lossless", 2)]
+              + [(vf.get_verifier("typical"), "broken", 1), (SlotZeroForAll(vf.get_verifier("chain")), "broken", 1)])
+    per = ROWS // CHUNKS
+    rows1 = per * sum(steps == 1 for _, _, steps in blocks)  # steps-1 rows first, then the steps-2 ones
+    order = sorted(range(len(blocks)), key=lambda i: blocks[i][2])
+    spans = {i: (k * per, (k + 1) * per) for k, i in enumerate(order)}
+    rows = per * len(blocks)
+    rows_drafter = DrafterRows((drafter, dllm_drafter(2)), ((0, rows1), (rows1, rows)))
+    verifier = RowBlocks(tuple((blocks[i][0], (spans[i],)) for i in order))
+    outs = decode_chunks(rows_drafter, verifier, rows)
+    joint = exact_joint(CFG, PARAMS, PROMPT, V)
+    failures, report = [], []
+    for i, (v, expect, steps) in enumerate(blocks):
+        a, z = spans[i]
+        toks = np.concatenate([t[a:z] for t, _ in outs])
+        calls = np.concatenate([c[a:z] for _, c in outs])
+        p = chi2_pvalue(toks, joint)
+        report.append(f"{v.name:14s} steps={steps} {expect:8s} p={p:.3g} tau={2.0 / calls.mean():.2f}")
+        if (expect == "lossless") != (p > P_OK) or (expect == "broken" and p > P_BROKEN):
+            failures.append(report[-1])
+    print("\n" + "\n".join(report))
+    assert not failures, "\n".join(failures)
