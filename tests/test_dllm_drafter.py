@@ -120,6 +120,13 @@ def test_slot_logits_follow_the_layout(models):
     want = np.asarray(tl)[[0, 1], [3, 2]]
     np.testing.assert_allclose(np.asarray(lg[:, 0, 1:]), want[:, 1:], rtol=1e-4, atol=1e-4)  # id 0 = MASK
     assert np.all(np.asarray(lg[:, :, 0]) < -1e29)
+    # More MASK columns (blocks of 1: causal) change nothing before them.
+    d5 = make_drafter("dllm", target, draft=self_dllm, tree="chain:2", window=8, slots=5)
+    assert d5.mask_slots == 5 and d.mask_slots == 2
+    lg5 = jax.jit(d5.slot_logits, static_argnums=3)(hist, hl, jnp.zeros((2, 2), jnp.int32), 0)
+    np.testing.assert_allclose(np.asarray(lg5), np.asarray(lg), rtol=1e-5, atol=1e-5)
+    blocks3 = Model(self_dllm.config.replace(block_size=3), None)
+    assert make_drafter("dllm", target, draft=blocks3, tree="chain:4").mask_slots == 6  # whole blocks
     r = make_drafter("dllm", target, draft=dllm, tree="chain:3", temperature=1.0)
     assert r.child_rule == "sample"
     ctx = DraftContext(history=hist, hist_len=hl, key=jax.random.PRNGKey(0))
@@ -144,6 +151,8 @@ def test_bad_inputs(models):
             make_drafter("dllm", target, draft=dllm, tree=tree)
     with pytest.raises(DiffusionDrafterError, match="steps must be an int in 1..3"):
         make_drafter("dllm", target, draft=dllm, tree="chain:3", steps=4)
+    with pytest.raises(DiffusionDrafterError, match="slots must be an int >= 3"):
+        make_drafter("dllm", target, draft=dllm, tree="chain:3", slots=2)
     with pytest.raises(DiffusionDrafterError, match="window must be"):
         make_drafter("dllm", target, draft=dllm, window=0)
     with pytest.raises(DiffusionDrafterError, match="max_position_embeddings"):

@@ -1,7 +1,8 @@
 """A masked-diffusion LM (LLaDA, Dream, Fast-dLLM v2, `jaxdecode train dllm`) as a parallel drafter: a
 chain of k tokens per step from ONE forward of the dLLM.
 
-Input per row: the last `window` committed tokens (the pending one last), then k MASK slots:
+Input per row: the last `window` committed tokens (the pending one last), then k MASK slots (or
+`slots` >= k; a block-diffusion model gets whole blocks of MASK, as it was trained on):
 
     [h_{t-W+1} .. h_t ; MASK x k]      positions 0 .. W+k-1 from the window's first token
 
@@ -69,11 +70,17 @@ class DiffusionDrafter:
     logits_shift: int = dataclasses.field(default=0, metadata=dict(static=True))
     window: int = dataclasses.field(default=DEFAULT_WINDOW, metadata=dict(static=True))
     steps: int = dataclasses.field(default=1, metadata=dict(static=True))
+    slots: int = dataclasses.field(default=0, metadata=dict(static=True))  # MASK slots per forward (>= k); 0 = k
 
     num_nodes = property(lambda self: self.builder.num_nodes)
     max_depth = property(lambda self: self.builder.max_depth)
     child_rule = property(lambda self: self.builder.rule)
     is_chain = True
+
+    @property
+    def mask_slots(self) -> int:
+        """MASK columns of a forward: `slots`, or k (the chain depth) when 0."""
+        return self.slots or self.builder.depth
 
     @property
     def chunk_starts(self) -> tuple:
@@ -89,18 +96,18 @@ class DiffusionDrafter:
         """The dLLM's logits of the k slots after each row's pending token: f32[B, k, V_target].
 
         history int32[B, H], hist_len int32[B] (DraftContext); drafted int32[B, k]: slots < `fixed`
-        (static) hold these tokens, the others MASK."""
-        k, w = self.builder.depth, self.window
+        (static) hold these tokens, the others MASK (as do the mask_slots - k columns after them)."""
+        k, m, w = self.builder.depth, self.mask_slots, self.window
         b = history.shape[0]
         idx = hist_len[:, None] - w + jnp.arange(w, dtype=jnp.int32)[None, :]  # [B, W] history columns
         valid_ctx = idx >= 0
         ctx_tok = jnp.take_along_axis(history, jnp.clip(idx, 0, history.shape[1] - 1), axis=1)
-        slot_tok = jnp.where(jnp.arange(k)[None, :] < fixed, drafted, self.mask_id)
-        tokens = jnp.concatenate([jnp.where(valid_ctx, ctx_tok, 0), slot_tok], axis=1)  # [B, W+k]
-        valid = jnp.concatenate([valid_ctx, jnp.ones((b, k), bool)], axis=1)
+        slot_tok = jnp.where(jnp.arange(m)[None, :] < fixed, jnp.pad(drafted, ((0, 0), (0, m - k))), self.mask_id)
+        tokens = jnp.concatenate([jnp.where(valid_ctx, ctx_tok, 0), slot_tok], axis=1)  # [B, W+m]
+        valid = jnp.concatenate([valid_ctx, jnp.ones((b, m), bool)], axis=1)
         # Window-relative positions: the first valid column is position 0.
         first = jnp.maximum(w - hist_len, 0)[:, None]
-        positions = jnp.maximum(jnp.arange(w + k, dtype=jnp.int32)[None, :] - first, 0)
+        positions = jnp.maximum(jnp.arange(w + m, dtype=jnp.int32)[None, :] - first, 0)
         cfg = self.dllm_config
         if cfg.attention == "block":  # blocks aligned so the first MASK slot (column W) starts one
             mask = block_causal_mask(valid, cfg.block_size, offset=-w)
@@ -155,12 +162,13 @@ def check_tokenizers(target, draft) -> None:
 
 
 def make_dllm_drafter(target, draft, tree=None, temperature: float = 0.0, *, window: int = DEFAULT_WINDOW,
-                      steps: int = 1, mask_id=None, logits_shift=None) -> DiffusionDrafter:
+                      steps: int = 1, slots=None, mask_id=None, logits_shift=None) -> DiffusionDrafter:
     """The dLLM drafter for `target` (a jaxdecode Model) with the diffusion LM `draft` (a Model).
 
     tree: 'chain:K' (default chain:4; sampled children at temperature > 0) or a ChainBuilder.
     window: committed tokens the dLLM sees per step; steps: forwards per draft (1..K, left-to-right
-    chunks). mask_id / logits_shift: override the dLLM config's."""
+    chunks); slots: MASK columns per forward (>= K; default K, or whole blocks of a block-diffusion
+    model, which was trained on full blocks). mask_id / logits_shift: override the dLLM config's."""
     from jaxdecode.drafters import tree_from_option
 
     if draft is None:
@@ -192,12 +200,17 @@ def make_dllm_drafter(target, draft, tree=None, temperature: float = 0.0, *, win
             f"use tree='chain:K', got {tree!r}")
     window = _int("window", window, 1)
     steps = _int("steps", steps, 1, builder.depth)
-    if window + builder.depth > dcfg.max_position_embeddings:
+    k = builder.depth
+    if slots is None:  # a block model sees whole MASK blocks, as in its training
+        slots = -(-k // dcfg.block_size) * dcfg.block_size if dcfg.attention == "block" else k
+    slots = _int("slots", slots, k)
+    if window + slots > dcfg.max_position_embeddings:
         raise DiffusionDrafterError(
-            f"window ({window}) + chain depth ({builder.depth}) exceeds the dLLM's max_position_embeddings "
+            f"window ({window}) + MASK slots ({slots}) exceeds the dLLM's max_position_embeddings "
             f"({dcfg.max_position_embeddings}): use a smaller window")
     return DiffusionDrafter(params=draft.params, dllm_config=dcfg, builder=builder, vocab_size=vt,
-                            mask_id=mask_id, logits_shift=shift, window=window, steps=steps)
+                            mask_id=mask_id, logits_shift=shift, window=window, steps=steps,
+                            slots=0 if slots == k else slots)
 
 
 __all__ = ["DiffusionDrafter", "DiffusionDrafterError", "make_dllm_drafter", "check_tokenizers",
