@@ -55,7 +55,7 @@ class AdaptivePolicy:
     min_reach: float = 0.02  # a row verifies depth d only while P_b(d) >= this
     # A width that drafts must beat the plain step's tokens per second by this fraction: measured costs
     # carry noise, and a tie must not buy a slowdown.
-    margin: float = 0.05
+    margin: float = 0.15
     # Where `need` comes from: "proposal" (the proposed valid nodes: greedy decoding), "structure" (the
     # tree's parents, validity ignored: sampling with a fixed shape), "none" (all nodes or none:
     # sampling with a shape that follows the sampled tokens). See the module docstring.
@@ -139,6 +139,9 @@ def _best_width(policy, state: PolicyState, costs, remaining, drafted: bool):
     fits = ok[None] & (state.need[None] <= widths[:, None, None])  # [W, B, D+1]
     depth = jnp.sum(fits[:, :, 1:], axis=2).astype(jnp.int32)  # [W, B]: fits is prefix-closed too
     gain = jnp.take_along_axis(expected[None], depth[..., None], axis=2)[..., 0]  # [W, B]: E_b at each width
+    # Tokens past a row's budget are dropped: a row with r tokens to go gains at most r (its last
+    # token needs one step however deep it drafts).
+    gain = jnp.minimum(gain, jnp.maximum(remaining, 1)[None].astype(jnp.float32))
     steps_left = jnp.max(jnp.where(active[None], remaining[None].astype(jnp.float32) / gain, 0.0), axis=1)  # [W]
     w = len(policy.widths)
     verify, draft, idle = costs[:w], costs[w], costs[w + 1]

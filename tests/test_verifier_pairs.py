@@ -244,18 +244,21 @@ class StepCosts:
     draft_seconds = property(lambda self: self.draft)
 
 
-# Adaptive runs on 2-node chains (prior 0.6, decay 0.8; jaxdecode.adaptive): step 1 verifies both
-# depths; a row whose first draft was rejected then verifies depth 1 only ("partial") or, its
-# estimate below what pays, drafts nothing and decodes plainly ("off"). Worked out from E(k) / cost.
+# Adaptive runs on 2-node chains (prior 0.6, decay 0.8, no margin; jaxdecode.adaptive), 3 new tokens
+# (the policy never drafts for a last token: it cannot save a step), the first two tested: step 1
+# verifies both depths; a row whose first draft was rejected then verifies depth 1 only ("partial")
+# or, its estimate below what pays, drafts nothing and decodes plainly ("off"). Worked out from the
+# finish time step(w) * remaining / E(w).
 ADAPTIVE_COSTS = {"partial": StepCosts(per_node=0.29, draft=0.1), "off": StepCosts(per_node=0.28, draft=0.3)}
 
 
 def decode_chunks(drafter, verifier, rows: int, adaptive: str | None = None):
-    """`rows` copies of PROMPT decoded for 2 tokens in CHUNKS runs of one compiled loop: per run the
-    tokens [rows, 2] and verify calls [rows]."""
+    """`rows` copies of PROMPT decoded for 2 tokens (3 under the adaptive policy) in CHUNKS runs of one
+    compiled loop: per run the first two tokens [rows, 2] and verify calls [rows]."""
+    new = 2 if adaptive is None else 3
     prompts = np.tile(np.asarray(PROMPT, np.int32), (rows, 1))
     lengths = np.full((rows,), len(PROMPT), np.int32)
-    need = len(PROMPT) + 2 + drafter.num_nodes + 1 + drafter.max_depth + 1
+    need = len(PROMPT) + new + drafter.num_nodes + 1 + drafter.max_depth + 1
     outs = []
     # Each pair was judged by check_combination above; the composite drafter / verifier are not
     # drafts of one rule, so the engine's host check is skipped for this run only.
@@ -263,16 +266,16 @@ def decode_chunks(drafter, verifier, rows: int, adaptive: str | None = None):
         mp.setattr(spec, "check_combination", lambda *a: None)
         for chunk in range(CHUNKS):
             policy = None if adaptive is None else AdaptivePolicy(widths=default_widths(drafter.num_nodes),
-                                                                  shape="structure")
-            out = speculative_decode(CFG, PARAMS, drafter, prompts, lengths, max_new_tokens=2,
+                                                                  shape="structure", margin=0.0)
+            out = speculative_decode(CFG, PARAMS, drafter, prompts, lengths, max_new_tokens=new,
                                      verifier=verifier, sampler=T1, cache_len=need,
                                      key=jax.random.key(100 + chunk, impl="rbg"),  # rbg: faster bits on CPU
                                      adaptive=policy, costs=ADAPTIVE_COSTS.get(adaptive))
-            assert np.all(np.asarray(out.lengths) == 2)
+            assert np.all(np.asarray(out.lengths) == new)
             if adaptive is not None:  # the policy did what the costs were picked for
                 hist = np.asarray(out.stats["width_hist"])
                 assert hist[-1] > 0 and hist[{"partial": 1, "off": 0}[adaptive]] > 0, hist
-            outs.append((np.asarray(out.tokens), np.asarray(out.stats["verify_calls"])))
+            outs.append((np.asarray(out.tokens)[:, :2], np.asarray(out.stats["verify_calls"])))
     return outs
 
 
@@ -302,7 +305,7 @@ def run_size(num_nodes: int, adaptive: str | None = None):
         rows = slice(k * per, (k + 1) * per)
         toks = np.concatenate([t[rows] for t, _ in outs])
         calls = np.concatenate([c[rows] for _, c in outs])
-        results.append((block, chi2_pvalue(toks, joint), 2.0 / calls.mean()))
+        results.append((block, chi2_pvalue(toks, joint), (2.0 if adaptive is None else 3.0) / calls.mean()))
     return results
 
 
