@@ -80,6 +80,12 @@ class Task:
         if self.num_values < 2:
             raise TaskError(f"{self.name}: num_values must be >= 2, got {self.num_values}")
 
+    def need_distinct(self, what: str) -> None:
+        """Tasks whose prompt holds `length` distinct values need length <= num_values."""
+        if self.length > self.num_values:
+            raise TaskError(f"{self.name} needs {what} <= num_values (distinct values), got "
+                            f"length={self.length}, num_values={self.num_values}")
+
     # ------------------------------------------------------------------ what each task defines
     @property
     def body_length(self) -> int:
@@ -240,9 +246,7 @@ class PermutationTask(Task):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.length > self.num_values:
-            raise TaskError(f"permutation needs length <= num_values (distinct values), got "
-                            f"length={self.length}, num_values={self.num_values}")
+        self.need_distinct("length")
 
     def sample_body(self, rng):
         return np.sort(rng.choice(self.num_values, self.length, replace=False))
@@ -268,9 +272,7 @@ class LatinSquareTask(Task):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.length > self.num_values:
-            raise TaskError(f"latin_square needs length (the order k) <= num_values, got "
-                            f"length={self.length}, num_values={self.num_values}")
+        self.need_distinct("length (the order k)")
         if self.length > 6:
             raise TaskError(f"latin_square supports orders k <= 6 (answers of k*k tokens), got {self.length}")
 
