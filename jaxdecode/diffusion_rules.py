@@ -77,7 +77,10 @@ class Rule:
         return None
 
     def select(self, ctx: StepContext):
-        raise NotImplementedError
+        """(commit bool[B, A], tokens int32[B, A], new rule state). Every rule but the lookahead ones
+        (FreeDave: the loop runs its draft-and-verify step instead) defines it."""
+        raise DiffusionError(f"rule {self.name!r} ({type(self).__name__}) does not define select(): a commit rule "
+                             f"returns which eligible slots to commit each forward (see jaxdecode.diffusion_rules)")
 
     def check(self, config, eos_ids: tuple) -> None:
         """Raise DiffusionError for parameters this rule cannot run with."""

@@ -396,23 +396,10 @@ def evaluate_decoder(task: Task, config, params, rule, prompts, *, reference=Non
     `validity`, `exact_match` (against `reference` answers, e.g. greedy1's, else the expected answer
     of a deterministic task), mean `nfe`, `tokens_per_forward`, `seconds` (wall time of a second,
     compiled run) and the decoded `tokens`."""
-    import time
-
-    import jax
-
-    from jaxdecode.diffusion import diffusion_decode
     prompts = np.asarray(prompts, np.int32)
     lengths = np.full(len(prompts), prompts.shape[1], np.int32)
-
-    def run():
-        out = diffusion_decode(config, params, prompts, lengths, answer_length=task.answer_length, rule=rule,
-                               **decode_kw)
-        jax.block_until_ready(out.tokens)
-        return out
-    run()
-    start = time.perf_counter()
-    out = run()
-    seconds = time.perf_counter() - start
+    out, seconds = _timed_decode(config, params, prompts, lengths, answer_length=task.answer_length, rule=rule,
+                                 **decode_kw)
     tokens, lens = np.asarray(out.tokens), np.asarray(out.lengths)
     report = evaluate_answers(task, prompts, tokens, lens, reference=reference)
     nfe = np.asarray(out.stats["nfe"], np.float64)
@@ -498,24 +485,25 @@ def evaluate_infill(infill: InfillTask, config, params, rule, batch: InfillBatch
     """Fill a batch's gaps with a diffusion rule: evaluate_infill_answers plus mean `nfe`,
     `tokens_per_forward`, `seconds` (a second, compiled run) and the `tokens` (no EOS: every gap slot
     is filled)."""
-    import time
-
-    import jax
-
-    from jaxdecode.diffusion import diffusion_decode
-
-    def run():
-        out = diffusion_decode(config, params, batch.prefix, batch.prefix_lengths, answer_length=infill.span,
-                               rule=rule, suffix_tokens=batch.suffix, suffix_lengths=batch.suffix_lengths,
-                               **{"eos_ids": (), **decode_kw})
-        jax.block_until_ready(out.tokens)
-        return out
-    run()
-    start = time.perf_counter()
-    out = run()
-    seconds = time.perf_counter() - start
+    out, seconds = _timed_decode(config, params, batch.prefix, batch.prefix_lengths, answer_length=infill.span,
+                                 rule=rule, suffix_tokens=batch.suffix, suffix_lengths=batch.suffix_lengths,
+                                 **{"eos_ids": (), **decode_kw})
     tokens = np.asarray(out.tokens)
     report = evaluate_infill_answers(infill, batch, tokens, reference)
     report.update(nfe=float(np.mean(out.stats["nfe"])), seconds=seconds, tokens=tokens,
                   tokens_per_forward=float(np.mean(out.stats["tokens_per_forward"])))
     return report
+
+
+def _timed_decode(*args, **kw):
+    """(output, seconds) of `diffusion_decode(*args, **kw)`, timed on a second call (compile excluded)."""
+    import time
+
+    import jax
+
+    from jaxdecode.diffusion import diffusion_decode
+    jax.block_until_ready(diffusion_decode(*args, **kw).tokens)
+    start = time.perf_counter()
+    out = diffusion_decode(*args, **kw)
+    jax.block_until_ready(out.tokens)
+    return out, time.perf_counter() - start

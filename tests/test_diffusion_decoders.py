@@ -155,8 +155,6 @@ def test_fast_dllm_caches_run(greedy):
 @pytest.mark.parametrize("shift", [pytest.param(0, marks=pytest.mark.slow), 1])
 def test_block_diffusion_cache_equals_recomputation(shift):
     cfg = _config(attention="block", block_size=BLOCK)
-    if not hasattr(cfg, "block_size"):
-        pytest.skip("ModelConfig has no block attention fields yet")
     params = init_params(cfg, jax.random.PRNGKey(2), std=0.3)
     kw = {"answer_length": ANSWER, "eos_ids": (EOS,), "mask_id": MASK, "logits_shift": shift,
           "answer_lengths": ANSWER_LENGTHS, "rule": D.Threshold(0.3)}
@@ -182,8 +180,6 @@ def test_bad_input_is_a_clear_error():
 
 
 def test_generate_checks_the_model_kind():
-    if not hasattr(CFG, "is_diffusion"):
-        pytest.skip("ModelConfig has no diffusion fields yet")
     dllm = Model(config=CFG, params=PARAMS)
     causal = Model(config=dataclasses.replace(CFG, attention="causal", mask_token_id=None), params=PARAMS)
     with pytest.raises(ValueError, match="causal LM"):
