@@ -244,6 +244,7 @@ def test_cli_continued_training_of_a_causal_lm(tmp_path, capsys):
                  str(out), "--steps", "5", "--warmup", "1", "--batch-size", "8", "--seq-len", "32", "--eval-every",
                  "5", "--no-progress"]) == 0
     assert "dLLM" in capsys.readouterr().out
+    assert (tmp_path / "dllm.train" / "training.png").stat().st_size > 0  # the trainer's loss plot
     model, causal = jaxdecode.load(out), jaxdecode.load(lm)
     assert model.config.is_diffusion and model.config.logits_shift == 1
     assert model.config.vocab_size == causal.config.vocab_size + 1 == model.config.mask_token_id + 1

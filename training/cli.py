@@ -289,8 +289,9 @@ def run_train_dllm(args) -> int:
             task = make_task(args.task, args.task_length, args.num_values)
             tcfg = _dllm_train_config(args)
             train_task_dllm(task, work / "run", spec=spec, export_dir=out, train_config=tcfg)
+            plot = _plot_dllm(work, f"{args.task} dLLM")
             print(f"trained a {args.task} dLLM for {args.steps} steps; model -> {out} (jaxdecode generate --model "
-                  f"{out} --method diffusion ...); logs -> {work / 'run' / 'metrics.jsonl'}")
+                  f"{out} --method diffusion ...); logs -> {work / 'run' / 'metrics.jsonl'}, plot -> {plot}")
             return 0
         import argparse as _ap
         ns = _ap.Namespace(corpus=args.corpus, tokenizer=args.tokenizer or args.init_from, patterns=args.patterns,
@@ -303,10 +304,17 @@ def run_train_dllm(args) -> int:
     except ResumeMismatchError as e:
         raise e.renamed({**FLAG_OF_KEY, **DLLM_FLAG_OF_KEY}) from None
     loss = f"{result.eval_loss:.4f}" if result.eval_loss is not None else "n/a"
+    plot = _plot_dllm(work, f"{config.attention} dLLM")
     print(f"trained a {config.attention} dLLM ({config.num_parameters() / 1e6:.2f} M params, MASK id "
           f"{config.mask_token_id}) for {result.step} steps; held-out masked-diffusion loss {loss}; model -> {out}; "
-          f"logs -> {work / 'run' / 'metrics.jsonl'}")
+          f"logs -> {work / 'run' / 'metrics.jsonl'}, plot -> {plot}")
     return 0
+
+
+def _plot_dllm(work: Path, title: str) -> Path | None:
+    from .dllm import plot_dllm_training
+    from .drafters import read_metrics_file
+    return plot_dllm_training(read_metrics_file(work / "run" / "metrics.jsonl"), work / "training.png", title)
 
 
 def _run_filter(args, task, out: Path, work: Path) -> int:

@@ -436,3 +436,26 @@ def train_corpus_dllm(corpus_dir, tokenizer_dir, train_config: TrainConfig, work
     if export_dir is not None:
         export_lm(out_config, result.module.raw_params(), tokenizer, export_dir, dtype=export_dtype)
     return result, out_config
+
+
+def plot_dllm_training(metrics: list[dict], path, title: str = "dLLM"):
+    """The masked-diffusion loss (train, held-out) and the masked-token accuracy over steps, one figure."""
+    if not metrics:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .drafters import plot_loss
+    fig, (ax_l, ax_a) = plt.subplots(1, 2, figsize=(10, 4))
+    plot_loss(ax_l, metrics, title)
+    acc = [(m["step"], m["masked_accuracy"]) for m in metrics if "masked_accuracy" in m]
+    if acc:
+        ax_a.plot(*zip(*acc), color="tab:green", lw=1)
+    ax_a.set(xlabel="step", ylabel="accuracy", title="masked-token accuracy (train batches)", ylim=(0, 1.02))
+    for ax in (ax_l, ax_a):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)

@@ -320,6 +320,18 @@ def read_metrics_file(path) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- plot
+def plot_loss(ax, metrics: list[dict], title: str) -> None:
+    """Train loss (thin) and held-out loss (dots) over steps on one matplotlib axis."""
+    tr = [(m["step"], m["loss"]) for m in metrics if "loss" in m]
+    ev = [(m["step"], m["eval_loss"]) for m in metrics if "eval_loss" in m]
+    if tr:
+        ax.plot(*zip(*tr), color="tab:blue", alpha=0.35, lw=1, label="train")
+    if ev:
+        ax.plot(*zip(*ev), "o-", color="tab:blue", lw=2, ms=3, label="held-out")
+    ax.set(xlabel="step", ylabel="loss", title=f"{title}: loss")
+    ax.legend()
+
+
 def plot_training(metrics: list[dict], path, title: str = "drafter") -> Path | None:
     """Loss (train, held-out), tau and acceptance by depth over training steps, one figure."""
     if not metrics:
@@ -328,15 +340,8 @@ def plot_training(metrics: list[dict], path, title: str = "drafter") -> Path | N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax_l, ax_t, ax_d) = plt.subplots(1, 3, figsize=(14, 4))
-    tr = [(m["step"], m["loss"]) for m in metrics if "loss" in m]
-    ev = [(m["step"], m["eval_loss"]) for m in metrics if "eval_loss" in m]
+    plot_loss(ax_l, metrics, title)
     acc = [m for m in metrics if "tau" in m]
-    if tr:
-        ax_l.plot(*zip(*tr), color="tab:blue", alpha=0.35, lw=1, label="train")
-    if ev:
-        ax_l.plot(*zip(*ev), "o-", color="tab:blue", lw=2, ms=3, label="held-out")
-    ax_l.set(xlabel="step", ylabel="loss", title=f"{title}: loss")
-    ax_l.legend()
     if acc:
         ax_t.plot([m["step"] for m in acc], [m["tau"] for m in acc], "o-", color="tab:green", lw=2, ms=3)
         depth = max(len(m["accept_by_depth"]) for m in acc)
