@@ -41,12 +41,16 @@ class TrainKind:
     default_config: (target_config, **overrides) -> the kind's config dataclass.
     eval_step: optional (module, batch, constants) -> (loss_sum, weight_sum) for the held-out loss;
         None: the held-out loss is loss_fn's loss weighted by aux["tokens"] (1 per batch without it).
+    resolve_overrides: optional (overrides dict, target Model, corpus_dir) -> overrides, for config
+        fields whose CLI value is computed from the training text (eagle3: `draft_vocab=M`, an int, ->
+        the M most frequent ids of the corpus's training split).
     """
     name: str
     module: Callable
     loss_fn: Callable
     default_config: Callable
     eval_step: Callable | None = None
+    resolve_overrides: Callable | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -217,7 +221,10 @@ def train_drafter(kind: str, target, corpus_dir, out_dir=None, *, train_config, 
         raise ValueError(f"seq_len={seq_len} exceeds the target's max_position_embeddings "
                          f"{target.config.max_position_embeddings}")
     workdir = Path(workdir) if workdir is not None else Path(out_dir).with_name(Path(out_dir).name + ".train")
-    cfg = tk.default_config(target.config, **(config_overrides or {}))
+    overrides = dict(config_overrides or {})
+    if tk.resolve_overrides is not None:
+        overrides = tk.resolve_overrides(overrides, target, corpus_dir)
+    cfg = tk.default_config(target.config, **overrides)
     module = tk.module(cfg, target.config, _nnx.Rngs(train_config.seed))
     batches, data_info = _data_batches(data, corpus_dir, target, workdir, batch_size=batch_size,
                                        seq_len=seq_len, seed=train_config.seed,

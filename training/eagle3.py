@@ -174,13 +174,30 @@ def eagle3_default_config(target_config, **overrides) -> Eagle3Config:
     return default_config(target_config, **overrides)
 
 
+def resolve_draft_vocab(overrides: dict, target, corpus_dir) -> dict:
+    """`draft_vocab=M` (an int, e.g. `jaxdecode train eagle3 --set draft_vocab=1024`) -> the M most frequent
+    ids of the corpus's training split plus the target's EOS ids; a list of ids passes unchanged."""
+    m = overrides.get("draft_vocab")
+    if isinstance(m, bool) or not isinstance(m, int):
+        return overrides
+    vocab = target.config.vocab_size
+    if not 1 <= m <= vocab:
+        raise ValueError(f"draft_vocab={m}: a trimmed draft vocabulary holds 1..{vocab} ids (the target's "
+                         f"vocabulary); give a size in that range, or a list of ids")
+    from .corpus import Corpus
+    keep = list(target.config.eos_token_ids)
+    return {**overrides, "draft_vocab": draft_vocab_from(Corpus.open(corpus_dir).tokens("train"), m, keep=keep)}
+
+
 def _register():
     from .drafters import TrainKind, register_train_kind
     register_train_kind(TrainKind(name="eagle3", module=eagle3_module, loss_fn=eagle3_loss,
-                                  default_config=eagle3_default_config, eval_step=eagle3_eval_step))
+                                  default_config=eagle3_default_config, eval_step=eagle3_eval_step,
+                                  resolve_overrides=resolve_draft_vocab))
 
 
 _register()
 
 __all__ = ["Eagle3Module", "eagle3_module", "eagle3_loss", "eagle3_eval_step", "eagle3_outputs", "ttt_hidden",
-           "ttt_visible", "ttt_weights", "target_to_draft", "draft_vocab_from", "eagle3_default_config"]
+           "ttt_visible", "ttt_weights", "target_to_draft", "draft_vocab_from", "eagle3_default_config",
+           "resolve_draft_vocab"]
