@@ -3,7 +3,7 @@
 
 A rule sees one forward's predictions for the answer slots (`StepContext`, all [B, A, ...]) and returns
 `(commit bool[B, A], tokens int32[B, A], rule_state)`; the loop commits only eligible slots and adds
-the most confident one when a rule chose none. Rules are static arguments of the decoder's jit, so
+the most confident one when a rule chose none (`at_least_one`). Rules are static arguments of the decoder's jit, so
 they are hashable (frozen dataclasses of numbers; Learn2PD hashes its filter by identity).
 """
 from __future__ import annotations
@@ -55,6 +55,13 @@ def with_top1(commit, conf, eligible):
     return (commit & eligible) | top_n(conf, eligible, 1)
 
 
+def at_least_one(commit, conf, eligible):
+    """commit's eligible slots; a row that chose none gets its most confident eligible slot instead (the
+    loop's guarantee of progress, for rules whose picks need not include the most confident slot)."""
+    commit = commit & eligible
+    return jnp.where(jnp.any(commit, axis=-1, keepdims=True), commit, top_n(conf, eligible, 1))
+
+
 # ----------------------------------------------------------------------------- rules
 @dataclasses.dataclass(frozen=True)
 class StepContext:
@@ -66,6 +73,17 @@ class StepContext:
     key: jax.Array
     state: object  # the rule's own state (rule.init)
     eos_ids: tuple
+    block_start: jax.Array = None  # int32[B]: first slot of the row's current block (None: 0)
+    block_end: jax.Array = None  # int32[B]: one past its last slot, the row's end included (None: A)
+
+
+def block_bounds(ctx: StepContext):
+    """(start, end) int32[B, 1] of each row's current semi-autoregressive block ([0, A) when the loop
+    did not say)."""
+    b, a = ctx.eligible.shape
+    start = jnp.zeros((b,), jnp.int32) if ctx.block_start is None else ctx.block_start
+    end = jnp.full((b,), a, jnp.int32) if ctx.block_end is None else ctx.block_end
+    return start[:, None], end[:, None]
 
 
 class Rule:
@@ -226,34 +244,66 @@ class LocalLeap(Rule):
         return with_top1(anchors | (near_anchor & (conf >= self.near)), conf, ctx.eligible), x, ctx.state
 
 
+def _check_nonneg(name, x):
+    if not isinstance(x, numbers.Real) or isinstance(x, bool) or not math.isfinite(x) or x < 0:
+        raise DiffusionError(f"{name} must be a finite number >= 0, got {x!r}")
+
+
+EB_PROXIES = ("entropy", "confidence", "margin")
+
+
 @dataclasses.dataclass(frozen=True)
 class EntropyBounded(Rule):
-    """EB-sampler: sort eligible slots by confidence; commit the longest prefix whose summed entropy
-    minus the largest entropy in it stays <= gamma (so the most confident slot is always committed)."""
+    """EB-sampler: Ben-Hamu et al., "Accelerated Sampling from Masked Diffusion Models via Entropy Bounded
+    Unmasking" (arXiv 2505.24857). Sort the eligible slots by an error proxy, most reliable first, and
+    commit the largest prefix U of that order (each slot with its argmax) such that
+
+        sum_{i in U} H(p_i) - max_{i in U} H(p_i) <= gamma
+
+    (the first slot alone always satisfies it). `proxy`: "entropy" (lowest first: the public EB-sampler
+    implementations' choice, the default), "confidence" or "margin" (top-1 minus top-2 probability,
+    highest first), the paper's three proxies. gamma: the paper sweeps 1e-3 .. 1; 0.1 is the public
+    code's default. Nothing simplified: the rule needs only the current forward."""
     gamma: float = 0.1
+    proxy: str = "entropy"
     name = "eb"
 
     def check(self, config, eos_ids):
-        if not isinstance(self.gamma, numbers.Real) or isinstance(self.gamma, bool) or self.gamma < 0:
-            raise DiffusionError(f"gamma must be a number >= 0, got {self.gamma!r}")
+        _check_nonneg("gamma", self.gamma)
+        if self.proxy not in EB_PROXIES:
+            raise DiffusionError(f"proxy must be one of {EB_PROXIES} (the EB-sampler's error proxies), got "
+                                 f"{self.proxy!r}")
 
     def select(self, ctx):
         probs, conf, x = confidence(ctx.logits)
-        h = jnp.where(ctx.eligible, entropy(probs), 0.0)
-        rank = rank_desc(conf, ctx.eligible)
-        order = jnp.argsort(rank, axis=-1)  # slots by rank
-        hs = jnp.take_along_axis(h, order, axis=-1)
-        cum, run_max = jnp.cumsum(hs, axis=-1), jax.lax.cummax(hs, axis=hs.ndim - 1)
-        ok_sorted = (cum - run_max) <= self.gamma
-        n = jnp.sum(jnp.cumprod(ok_sorted.astype(jnp.int32), axis=-1), axis=-1)  # leading prefix
-        return with_top1(rank < n[:, None], conf, ctx.eligible), x, ctx.state
+        h = entropy(probs)
+        if self.proxy == "entropy":
+            score = -h
+        elif self.proxy == "confidence":
+            score = conf
+        else:
+            top2 = jax.lax.top_k(probs, 2)[0]  # [B, A, 2]
+            score = top2[..., 0] - top2[..., 1]
+        rank = rank_desc(score, ctx.eligible)
+        hs = jnp.take_along_axis(jnp.where(ctx.eligible, h, 0.0), jnp.argsort(rank, axis=-1), axis=-1)
+        bound = jnp.cumsum(hs, axis=-1) - jax.lax.cummax(hs, axis=hs.ndim - 1)  # non-decreasing along the order
+        n = jnp.sum(jnp.cumprod((bound <= self.gamma).astype(jnp.int32), axis=-1), axis=-1)
+        return at_least_one(ctx.eligible & (rank < n[:, None]), conf, ctx.eligible), x, ctx.state
 
 
 @dataclasses.dataclass(frozen=True)
 class InfoGain(Rule):
     """Information-gain selection: score each eligible slot by confidence minus `beta` times its entropy
     (the information it leaves unresolved); commit the slots scoring >= the threshold, at least the
-    best one."""
+    best one.
+
+    NOT the paper's rule. The Info-Gain Sampler (Yang et al., "Improving Sampling for Masked Diffusion
+    Models via Information Gain", arXiv 2602.18176; github.com/yks23/Information-Gain-Sampler) draws N
+    candidate actions (the top-k slots, and Gumbel-perturbed position choices), runs one lookahead
+    forward per candidate, and keeps the one maximising J(a) = -sum_{i in a} H(p_i) - mean_{j masked
+    after a} H(p'_j) (p': the lookahead's distributions). That needs a batched lookahead forward per
+    step, which the shared loop gives only to FreeDave; this rule keeps the previous wave's one-forward
+    heuristic (kept so that rule="infogain" still runs) until the loop grows a candidate-lookahead hook."""
     threshold: float = 0.7
     beta: float = 0.1
     name = "infogain"
@@ -269,37 +319,69 @@ class InfoGain(Rule):
 
 @dataclasses.dataclass(frozen=True)
 class CCD(Rule):
-    """CCD (history-averaged distributions): per slot an exponential average of the model's
-    distributions over the forwards, pbar <- mix * pbar + (1 - mix) * p (pbar = p at the first
-    forward); commit eligible slots whose averaged confidence is >= threshold (token: argmax of pbar),
-    at least the most confident."""
-    threshold: float = 0.9
-    mix: float = 0.5
+    """CCD, Coherent Contextual Decoding, adaptive-budget form (CCD-DS): Chen et al., "Beyond Confidence:
+    Adaptive and Coherent Decoding for Diffusion Language Models" (arXiv 2512.02044), as the authors'
+    released sampler (github.com/tonyckc/CCD-DLM-code, `seek_mode`) implements it. Slots are ranked by
+    negative entropy. Each forward keeps a verification buffer V: the n_v best-ranked slots left masked,
+    with their argmax. At the next forward, with T = the k best-ranked slots and C = the n_v best,
+
+        M = {i in C ∩ V : argmax_t(i) = argmax_{t-1}(i)}   (predictions consistent across forwards)
+        commit M  if t >= warmup, T ∩ V != {} and |M| >= k;   else commit T
+
+    so the budget grows to |M| when the history agrees. n_v = 1 for the first warmup-1 forwards, then
+    grows by one per forward up to k + floor(k * expand_ratio). Defaults are the authors' (k =
+    tokens_per_step 1, i.e. steps = answer length; expand_ratio 4; warmup 5). Simplified: the released
+    code's late-stage reset of n_v (when < 10% of the slots are masked) is left out; the forward count
+    is per row."""
+    tokens_per_step: int = 1
+    expand_ratio: float = 4.0
+    warmup: int = 5
     name = "ccd"
 
     def check(self, config, eos_ids):
-        check_unit("threshold", self.threshold)
-        check_unit("mix", self.mix)
+        check_int("tokens_per_step", self.tokens_per_step)
+        _check_nonneg("expand_ratio", self.expand_ratio)
+        check_int("warmup", self.warmup)
 
     def init(self, batch, answer_length, vocab):
-        return jnp.zeros((batch, answer_length, vocab), jnp.float32)
+        return (jnp.zeros((batch, answer_length), bool), jnp.full((batch, answer_length), -1, jnp.int32),
+                jnp.zeros((batch,), jnp.int32))
 
     def select(self, ctx):
-        probs, _, _ = confidence(ctx.logits)
-        fresh = jnp.sum(ctx.state, axis=-1, keepdims=True) == 0
-        pbar = jnp.where(fresh, probs, self.mix * ctx.state + (1 - self.mix) * probs)
-        conf, x = jnp.max(pbar, axis=-1), jnp.argmax(pbar, axis=-1).astype(jnp.int32)
-        return with_top1(conf >= self.threshold, conf, ctx.eligible), x, pbar
+        probs, _, x = confidence(ctx.logits)
+        verify, prev_x, t = ctx.state
+        k = self.tokens_per_step
+        n_max = k + int(k * self.expand_ratio)
+        n_v = jnp.where(t < self.warmup - 1, 1, jnp.minimum(t - self.warmup + 3, n_max))[:, None]
+        score = -entropy(probs)
+        rank = rank_desc(score, ctx.eligible)
+        top = ctx.eligible & (rank < k)
+        matched = ctx.eligible & (rank < n_v) & verify & (x == prev_x)
+        use = ((t >= self.warmup)[:, None] & jnp.any(top & verify, axis=-1, keepdims=True)
+               & (jnp.sum(matched, axis=-1, keepdims=True) >= k))
+        commit = jnp.where(use, matched, top)
+        left = ctx.eligible & ~commit
+        verify = left & (rank_desc(score, left) < n_v)
+        return commit, x, (verify, x, t + 1)
 
 
 @dataclasses.dataclass(frozen=True)
 class ETE(Rule):
-    """ETE (explore then exploit): exploit — commit every eligible slot with confidence >= threshold;
-    when none is that sure, explore — commit the `explore` most confident slots among those whose
-    entropy is <= max_entropy (nats). At least one per forward."""
+    """ETE, Explore-Then-Exploit: Fu et al., "From Bits to Rounds: Parallel Decoding with Exploration for
+    Diffusion Language Models" (arXiv 2511.21103). Only the abstract could be found (no method text, no
+    code): ETE "combines cross-block decoding with targeted exploration of high-uncertainty tokens to
+    reshape the conditional distribution and trigger cascades of confident predictions". This rule does
+    only what that sentence states:
+
+        exploit: commit {i : c_i >= threshold};  if that is empty, explore: commit the `explore`
+        eligible slots of highest entropy H(p_i) (their argmax)
+
+    Defaults are not from the paper (threshold 0.9 as Fast-dLLM, explore 1). Simplified / unknown: the
+    paper's exploration budget and how it picks explored tokens beyond "high uncertainty"; cross-block
+    decoding is whatever the loop's blocks allow (block_length = answer_length lets confident slots
+    anywhere commit)."""
     threshold: float = 0.9
-    explore: int = 2
-    max_entropy: float = 1.0
+    explore: int = 1
     name = "ete"
 
     def check(self, config, eos_ids):
@@ -309,63 +391,145 @@ class ETE(Rule):
     def select(self, ctx):
         probs, conf, x = confidence(ctx.logits)
         sure = ctx.eligible & (conf >= self.threshold)
-        calm = top_n(conf, ctx.eligible & (entropy(probs) <= self.max_entropy), self.explore)
-        pick = jnp.where(jnp.any(sure, axis=-1, keepdims=True), sure, calm)
-        return with_top1(pick, conf, ctx.eligible), x, ctx.state
+        uncertain = top_n(entropy(probs), ctx.eligible, self.explore)
+        pick = jnp.where(jnp.any(sure, axis=-1, keepdims=True), sure, uncertain)
+        return at_least_one(pick, conf, ctx.eligible), x, ctx.state
 
 
 @dataclasses.dataclass(frozen=True)
 class Window(Rule):
-    """Window-Diffusion: only the `window` leftmost masked slots of the block are candidates (a sliding
-    window over the masked frontier); inside it, the confidence threshold (at least one)."""
-    window: int = 8
-    threshold: float = 0.9
+    """Window-Diffusion: Zuo et al., "Window-Diffusion: Accelerating Diffusion Language Model Inference
+    with Windowed Token Pruning and Caching" (arXiv 2601.20332; github.com/vhicrgit/Window-Diffusion).
+    Every `refresh` forwards one full forward, whose candidates are all masked slots; in between, only
+    the `active` leftmost masked slots (the window's active tokens) are computed and are candidates.
+    Each forward commits the `tokens_per_step` most confident candidates (the authors' sampler keeps
+    LLaDA's fixed count):
+
+        C_t = E_t  if t mod refresh = 0,  else {i in E_t : #(masked slots left of i) < active};
+        commit top_k(c, C_t)
+
+    Defaults: the authors' example (active 16, refresh 32, one token per step). Simplified: the loop's
+    forwards are exact (every slot sees every slot); the paper's speed comes from pruning far-field
+    slots (past `window_tokens` = 64 masked slots) and reusing buffer keys between refreshes, which also
+    perturbs the logits slightly. Only the commit schedule is the paper's here; the forward count t is
+    per row."""
+    tokens_per_step: int = 1
+    active: int = 16
+    refresh: int = 32
     name = "window"
 
     def check(self, config, eos_ids):
-        check_int("window", self.window)
-        check_unit("threshold", self.threshold)
+        check_int("tokens_per_step", self.tokens_per_step)
+        check_int("active", self.active)
+        check_int("refresh", self.refresh)
+
+    def init(self, batch, answer_length, vocab):
+        return jnp.zeros((batch,), jnp.int32)
 
     def select(self, ctx):
         _, conf, x = confidence(ctx.logits)
-        left = jnp.cumsum(ctx.eligible.astype(jnp.int32), axis=-1) <= self.window
-        cand = ctx.eligible & left
-        return with_top1(conf >= self.threshold, conf, cand), x, ctx.state
+        left = jnp.cumsum((~ctx.committed).astype(jnp.int32), axis=-1) - 1  # masked slots before each slot
+        full = (ctx.state % self.refresh == 0)[:, None]
+        cand = ctx.eligible & (full | (left < self.active))
+        return top_n(conf, cand, self.tokens_per_step), x, ctx.state + 1
 
 
 @dataclasses.dataclass(frozen=True)
 class R2(Rule):
-    """R^2-dLLM (training-free rules): spatial — a slot also commits when the mean confidence of its
-    +-1 neighbourhood (eligible or committed neighbours count as 1) is >= threshold; temporal — a slot
-    whose argmax has been the same for `stable` consecutive forwards commits. Plus the threshold rule
-    and at least one per forward."""
+    """R²-dLLM's training-free decoding rules: Du et al., "R²-dLLM: Accelerating Diffusion Large Language
+    Models via Spatio-Temporal Redundancy Reduction" (arXiv 2604.18995), as the authors' sampler
+    (github.com/GATECH-EIC/R2-dLLM, llada/generate.py) applies them, in order, to one forward of the
+    current block (c_i, x_i: confidence and argmax):
+
+    1. threshold: i commits if c_i >= threshold (at least the most confident slot);
+    2. confidence clusters: every window of `cluster_size` consecutive block slots holding at most
+       `cluster_unmasked` unmasked slots (after 1) whose masked slots have mean c >= spatial_threshold
+       commits all of them;
+    3. token clusters: each maximal run (>= 2) of consecutive still-masked slots with the same x_i whose
+       max c > spatial_threshold commits its most confident slot (mode "confidence");
+    4. temporal: a still-masked slot whose argmax has been the same for `temporal_steps` consecutive
+       forwards (counted while it is in the current block) commits if c_i >= temporal_threshold
+       (evaluation "last").
+
+    Defaults are the authors' GSM8K script (threshold 0.9, cluster 3, spatial 0.8, at most 1 unmasked,
+    token clusters on, temporal 3 steps at 0.8). Nothing simplified beyond: the authors pair the rules
+    with Fast-dLLM's dual cache (here any cache mode), and its redundancy-aware fine-tuning is not part of
+    a decoder."""
     threshold: float = 0.9
-    stable: int = 3
+    cluster_size: int = 3
+    spatial_threshold: float = 0.8
+    cluster_unmasked: int = 1
+    token_clusters: bool = True
+    temporal_steps: int = 3
+    temporal_threshold: float = 0.8
     name = "r2"
 
     def check(self, config, eos_ids):
         check_unit("threshold", self.threshold)
-        check_int("stable", self.stable)
+        check_int("cluster_size", self.cluster_size)
+        check_unit("spatial_threshold", self.spatial_threshold)
+        check_int("cluster_unmasked", self.cluster_unmasked, 0)
+        if not isinstance(self.token_clusters, bool):
+            raise DiffusionError(f"token_clusters must be True or False, got {self.token_clusters!r}")
+        check_int("temporal_steps", self.temporal_steps)
+        check_unit("temporal_threshold", self.temporal_threshold)
 
     def init(self, batch, answer_length, vocab):
-        return (jnp.full((batch, answer_length), -1, jnp.int32), jnp.zeros((batch, answer_length), jnp.int32))
+        return jnp.full((batch, answer_length), -1, jnp.int32), jnp.zeros((batch, answer_length), jnp.int32)
+
+    def _clusters(self, masked, conf, start, end):
+        """bool[B, A]: masked slots inside a window of cluster_size block slots with <= cluster_unmasked
+        unmasked ones and mean masked confidence >= spatial_threshold."""
+        w, a = self.cluster_size, masked.shape[1]
+        if w > a:
+            return jnp.zeros_like(masked)
+        m = jnp.pad(masked, ((0, 0), (0, w - 1)))
+        c = jnp.pad(jnp.where(masked, conf, 0.0), ((0, 0), (0, w - 1)))
+        n = sum(m[:, o:o + a].astype(jnp.int32) for o in range(w))  # [B, A]: masked slots of window j..j+w-1
+        tot = sum(c[:, o:o + a] for o in range(w))
+        j = jnp.arange(a)[None, :]
+        ok = ((j >= start) & (j + w <= end) & (n > 0) & (w - n <= self.cluster_unmasked)
+              & (tot >= self.spatial_threshold * jnp.maximum(n, 1)))
+        ok = jnp.pad(ok, ((0, 0), (w - 1, 0)))
+        return masked & jnp.any(jnp.stack([ok[:, w - 1 - o:w - 1 - o + a] for o in range(w)]), axis=0)
+
+    def _token_clusters(self, masked, conf, x):
+        """bool[B, A]: the most confident slot (first on ties) of each run >= 2 of consecutive masked slots
+        sharing the argmax, when that confidence > spatial_threshold."""
+        a = masked.shape[1]
+        prev_same = jnp.pad(masked[:, :-1] & (x[:, :-1] == x[:, 1:]), ((0, 0), (1, 0)))
+        run = jnp.cumsum((masked & ~prev_same).astype(jnp.int32), axis=-1)  # run id of each masked slot
+        same = masked[:, :, None] & masked[:, None, :] & (run[:, :, None] == run[:, None, :])  # [B, A, A]
+        length = jnp.sum(same, axis=-1)
+        best = jnp.max(jnp.where(same, conf[:, None, :], -jnp.inf), axis=-1)
+        first = jnp.min(jnp.where(same & (conf[:, None, :] == best[..., None]), jnp.arange(a), a), axis=-1)
+        return masked & (length >= 2) & (best > self.spatial_threshold) & (first == jnp.arange(a))
 
     def select(self, ctx):
         _, conf, x = confidence(ctx.logits)
+        start, end = block_bounds(ctx)
+        commit = at_least_one(conf >= self.threshold, conf, ctx.eligible)
+        commit = commit | self._clusters(ctx.eligible & ~commit, conf, start, end)
+        if self.token_clusters:
+            commit = commit | self._token_clusters(ctx.eligible & ~commit, conf, x)
         last, run = ctx.state
-        run = jnp.where(x == last, run + 1, 1)
-        c = jnp.where(ctx.committed, 1.0, conf)
-        padded = jnp.pad(c, ((0, 0), (1, 1)), constant_values=1.0)
-        local = (padded[:, :-2] + padded[:, 1:-1] + padded[:, 2:]) / 3.0
-        pick = (conf >= self.threshold) | (local >= self.threshold) | (run >= self.stable)
-        return with_top1(pick, conf, ctx.eligible), x, (x, run)
+        active = ctx.eligible & ~commit
+        run = jnp.where(active, jnp.where(x == last, run + 1, 1), jnp.where(ctx.eligible, 0, run))
+        last = jnp.where(active, x, jnp.where(ctx.eligible, -1, last))
+        commit = commit | (active & (run >= self.temporal_steps) & (conf >= self.temporal_threshold))
+        return commit, x, (jnp.where(commit, -1, last), jnp.where(commit, 0, run))
 
 
 @dataclasses.dataclass(frozen=True)
 class Dystruct(Rule):
-    """Dystruct (dynamic structure): commit the eligible slots whose confidence is >= threshold, and
-    extend each committed run to its right neighbour while that neighbour's confidence is >= the
-    relaxed `follow` threshold (structure grows from sure tokens). At least one per forward."""
+    """Commit the eligible slots whose confidence is >= threshold, and extend each committed run to its
+    right neighbour while that neighbour's confidence is >= the relaxed `follow` threshold. At least one
+    per forward.
+
+    NOT verified against the paper. Only the title and id were found: "Dystruct: Dynamically Structured
+    Diffusion Language Model Decoding via Bayesian Inference" (arXiv 2605.09820); neither its text nor
+    code could be read, so its (Bayesian) rule is unknown. This is the previous wave's reading of the
+    name, kept so that rule="dystruct" still runs; do not cite it as the paper's method."""
     threshold: float = 0.9
     follow: float = 0.7
     name = "dystruct"
@@ -388,27 +552,58 @@ class Dystruct(Rule):
 
 @dataclasses.dataclass(frozen=True)
 class AdaBlock(Rule):
-    """AdaBlock: the block ends early at the first eligible slot predicting a delimiter (ids
-    `delimiters`, default the EOS ids) with confidence >= delimiter_threshold; inside the shortened
-    block, the confidence threshold (at least one)."""
+    """AdaBlock-dLLM: Lu et al., "AdaBlock-dLLM: Semantic-Aware Diffusion LLM Inference via Adaptive Block
+    Size" (arXiv 2509.26432; github.com/lgxi24/AdaBlock-dLLM). Semi-autoregressive blocks whose size is
+    chosen when a block starts, from that forward: with s the first masked slot and W = floor(window
+    * answer_length) slots from s, let d = the slot in [s, s + W) whose argmax is a delimiter with the
+    highest confidence c_d;
+
+        block = [s, d]  if c_d >= delimiter_threshold,  else [s, s + block_length)
+
+    and inside the block the Fast-dLLM threshold (c_i >= threshold, at least the most confident slot).
+    Defaults are the authors' scripts (threshold 0.9, delimiter_threshold 0.3, block_length 32 =
+    init_block_length, window 0.25). `delimiters`: the authors use the newline token of their tokenizer
+    (LLaDA's 198); jaxdecode does not know the tokenizer, so the default is the EOS ids: pass the newline
+    id(s) for the paper's setting. Use the loop's block_length = answer_length (the default for
+    bidirectional models) so the adaptive blocks replace the fixed ones; a smaller loop block cuts them."""
     threshold: float = 0.9
-    delimiter_threshold: float = 0.5
+    delimiter_threshold: float = 0.3
+    block_length: int = 32
+    window: float = 0.25
     delimiters: tuple = ()
     name = "adablock"
 
     def check(self, config, eos_ids):
         check_unit("threshold", self.threshold)
         check_unit("delimiter_threshold", self.delimiter_threshold)
+        check_int("block_length", self.block_length)
+        check_unit("window", self.window)
+        if not (self.delimiters or eos_ids):
+            raise DiffusionError("rule adablock needs delimiter token ids: pass delimiters=(newline id, ...) "
+                                 "(the paper uses the newline token) or eos_ids")
+        for d in self.delimiters:
+            if isinstance(d, bool) or not isinstance(d, numbers.Integral) or not 0 <= d < config.vocab_size:
+                raise DiffusionError(f"delimiters must be token ids in [0, {config.vocab_size}), got "
+                                     f"{self.delimiters!r}")
+
+    def init(self, batch, answer_length, vocab):
+        return jnp.zeros((batch,), jnp.int32)  # one past the current adaptive block's last slot
 
     def select(self, ctx):
         _, conf, x = confidence(ctx.logits)
-        delims = self.delimiters or ctx.eos_ids
-        is_delim = is_eos(x, tuple(delims)) & ctx.eligible & (conf >= self.delimiter_threshold)
         a = x.shape[1]
-        pos = jnp.arange(a)[None, :]
-        end = jnp.min(jnp.where(is_delim, pos, a), axis=-1, keepdims=True)
-        cand = ctx.eligible & (pos <= end)
-        return with_top1(conf >= self.threshold, conf, cand), x, ctx.state
+        pos = jnp.arange(a, dtype=jnp.int32)[None, :]
+        masked = ~ctx.committed
+        start = jnp.min(jnp.where(masked, pos, a), axis=-1)  # [B]
+        span = int(self.window * a)
+        delim = masked & is_eos(x, tuple(self.delimiters or ctx.eos_ids)) & (pos < (start + span)[:, None])
+        dconf = jnp.where(delim, conf, -1.0)
+        d = jnp.argmax(dconf, axis=-1).astype(jnp.int32)
+        found = jnp.max(dconf, axis=-1) >= self.delimiter_threshold
+        new_end = jnp.where(found, d + 1, jnp.minimum(start + self.block_length, a))
+        end = jnp.where(start >= ctx.state, new_end, ctx.state)  # a new block starts when the last one is done
+        cand = ctx.eligible & (pos < end[:, None])
+        return at_least_one(conf >= self.threshold, conf, cand), x, end
 
 
 @dataclasses.dataclass(frozen=True)
