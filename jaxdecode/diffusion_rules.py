@@ -103,6 +103,16 @@ class Rule:
     def check(self, config, eos_ids: tuple) -> None:
         """Raise DiffusionError for parameters this rule cannot run with."""
 
+    # Lookahead rules (lookahead = K > 0) replace select by two steps around one batched forward:
+    def propose(self, ctx: StepContext):
+        """(commit bool[K, B, A], tokens int32[B, A]): K candidate commit sets from ctx.logits."""
+        raise DiffusionError(f"rule {self.name!r} has lookahead > 0 but does not define propose()")
+
+    def choose(self, ctx: StepContext, commits, masked, eligible, logits):
+        """(int32[B] index of the candidate each row keeps, new rule state), given each candidate's
+        frame after its commits (masked / eligible bool[K, B, A]) and its forward's logits [K, B, A, V]."""
+        raise DiffusionError(f"rule {self.name!r} has lookahead > 0 but does not define choose()")
+
 
 def check_unit(name, x, *, low_open=False):
     if not isinstance(x, numbers.Real) or isinstance(x, bool) or not (0 < x <= 1 if low_open else 0 <= x <= 1):
@@ -293,28 +303,48 @@ class EntropyBounded(Rule):
 
 @dataclasses.dataclass(frozen=True)
 class InfoGain(Rule):
-    """Information-gain selection: score each eligible slot by confidence minus `beta` times its entropy
-    (the information it leaves unresolved); commit the slots scoring >= the threshold, at least the
-    best one.
+    """Info-Gain Sampler: Yang et al., "Improving Sampling for Masked Diffusion Models via Information
+    Gain" (arXiv 2602.18176; github.com/yks23/Information-Gain-Sampler). Each step draws `candidates`
+    actions a (sets of `tokens_per_step` eligible slots, with their argmax): a_0 = the most confident
+    slots, a_c = the top slots of c_i / position_temperature + Gumbel noise; ONE batched lookahead
+    forward runs the model on every candidate's next state, and the row keeps
 
-    NOT the paper's rule. The Info-Gain Sampler (Yang et al., "Improving Sampling for Masked Diffusion
-    Models via Information Gain", arXiv 2602.18176; github.com/yks23/Information-Gain-Sampler) draws N
-    candidate actions (the top-k slots, and Gumbel-perturbed position choices), runs one lookahead
-    forward per candidate, and keeps the one maximising J(a) = -sum_{i in a} H(p_i) - mean_{j masked
-    after a} H(p'_j) (p': the lookahead's distributions). That needs a batched lookahead forward per
-    step, which the shared loop gives only to FreeDave; this rule keeps the previous wave's one-forward
-    heuristic (kept so that rule="infogain" still runs) until the loop grows a candidate-lookahead hook."""
-    threshold: float = 0.7
-    beta: float = 0.1
+        a* = argmax_a J(a),  J(a) = -sum_{i in a} H(p_i) - mean_{j masked after a} H(p'_j)
+
+    (p': the lookahead's distributions; the information gain over the remaining slots minus the
+    uncertainty committed now). The kept candidate's lookahead logits are the next step's current
+    logits, so each step costs one (candidates-times-wider) forward, like FreeDave. Defaults are the
+    authors' (8 candidates, position temperature 0.1, one token per step). Simplified: greedy tokens
+    (the authors' temperature-0 setting); duplicate candidates are scored twice instead of dropped
+    (same choice); the beam (beam_size > 1) and KV-cache variants are not implemented (cache='none')."""
+    tokens_per_step: int = 1
+    candidates: int = 8
+    position_temperature: float = 0.1
     name = "infogain"
 
-    def check(self, config, eos_ids):
-        check_unit("threshold", self.threshold)
+    @property
+    def lookahead(self):
+        return self.candidates
 
-    def select(self, ctx):
-        probs, conf, x = confidence(ctx.logits)
-        score = conf - self.beta * entropy(probs)
-        return with_top1(score >= self.threshold, score, ctx.eligible), x, ctx.state
+    def check(self, config, eos_ids):
+        check_int("tokens_per_step", self.tokens_per_step)
+        check_int("candidates", self.candidates)
+        if (not isinstance(self.position_temperature, numbers.Real) or isinstance(self.position_temperature, bool)
+                or not self.position_temperature > 0):
+            raise DiffusionError(f"position_temperature must be a number > 0, got {self.position_temperature!r}")
+
+    def propose(self, ctx):
+        _, conf, x = confidence(ctx.logits)
+        noise = jax.random.gumbel(ctx.key, (self.candidates - 1,) + conf.shape)  # [N-1, B, A]
+        scores = jnp.concatenate([conf[None], conf[None] / self.position_temperature + noise])
+        return jax.vmap(lambda sc: top_n(sc, ctx.eligible, self.tokens_per_step))(scores), x
+
+    def choose(self, ctx, commits, masked, eligible, logits):
+        probs, _, _ = confidence(ctx.logits)
+        cost = jnp.sum(jnp.where(commits & ctx.eligible, entropy(probs)[None], 0.0), axis=-1)  # [N, B]
+        h_next = entropy(jax.nn.softmax(logits.astype(jnp.float32), axis=-1))  # [N, B, A]
+        mean_next = jnp.sum(jnp.where(masked, h_next, 0.0), axis=-1) / jnp.maximum(jnp.sum(masked, axis=-1), 1)
+        return jnp.argmax(-cost - mean_next, axis=0).astype(jnp.int32), ctx.state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -564,8 +594,9 @@ class AdaBlock(Rule):
     Defaults are the authors' scripts (threshold 0.9, delimiter_threshold 0.3, block_length 32 =
     init_block_length, window 0.25). `delimiters`: the authors use the newline token of their tokenizer
     (LLaDA's 198); jaxdecode does not know the tokenizer, so the default is the EOS ids: pass the newline
-    id(s) for the paper's setting. Use the loop's block_length = answer_length (the default for
-    bidirectional models) so the adaptive blocks replace the fixed ones; a smaller loop block cuts them."""
+    id(s) for the paper's setting; with neither, every block has block_length slots (the paper's
+    fixed-size baseline). Use the loop's block_length = answer_length (the default for bidirectional
+    models) so the adaptive blocks replace the fixed ones; a smaller loop block cuts them."""
     threshold: float = 0.9
     delimiter_threshold: float = 0.3
     block_length: int = 32
@@ -578,9 +609,6 @@ class AdaBlock(Rule):
         check_unit("delimiter_threshold", self.delimiter_threshold)
         check_int("block_length", self.block_length)
         check_unit("window", self.window)
-        if not (self.delimiters or eos_ids):
-            raise DiffusionError("rule adablock needs delimiter token ids: pass delimiters=(newline id, ...) "
-                                 "(the paper uses the newline token) or eos_ids")
         for d in self.delimiters:
             if isinstance(d, bool) or not isinstance(d, numbers.Integral) or not 0 <= d < config.vocab_size:
                 raise DiffusionError(f"delimiters must be token ids in [0, {config.vocab_size}), got "
@@ -659,6 +687,28 @@ class FreeDave(Rule):
 
     def check(self, config, eos_ids):
         check_int("draft", self.draft)
+
+    def propose(self, ctx):
+        _, conf, x = confidence(ctx.logits)
+        rank = rank_desc(conf, ctx.eligible)
+        js = jnp.arange(1, self.draft + 1, dtype=jnp.int32)  # draft sizes
+        return ctx.eligible[None] & (rank[None] < js[:, None, None]), x
+
+    def choose(self, ctx, commits, masked, eligible, logits):
+        _, conf, x = confidence(ctx.logits)
+        rank = rank_desc(conf, ctx.eligible)
+        js = jnp.arange(1, self.draft + 1, dtype=jnp.int32)
+        # Greedy1's pick after each draft D_j
+        _, conf_j, x_j = confidence(logits)
+        pick_slot = jnp.argmax(jnp.where(eligible, conf_j, -jnp.inf), axis=-1)  # [K, B] (ties: lower slot)
+        pick_tok = jnp.take_along_axis(x_j, pick_slot[..., None], axis=-1)[..., 0]
+        # the (j+1)-th draft element: the slot of rank j, with its argmax from the current logits
+        want_slot = jnp.argmax(rank[None] == js[:, None, None], axis=-1)  # [K, B]
+        want_tok = jnp.take_along_axis(x, want_slot.T, axis=-1).T
+        n_elig = jnp.sum(ctx.eligible, axis=-1)
+        ok = (jnp.any(eligible, axis=-1) & (js[:, None] < n_elig[None]) & (pick_slot == want_slot)
+              & (pick_tok == want_tok))  # D_{j+1} is consistent
+        return jnp.sum(jnp.cumprod(ok[:-1].astype(jnp.int32), axis=0), axis=0), ctx.state
 
 
 RULES = {"greedy1": Greedy1, "llada": LLaDA, "random": RandomRemask, "threshold": Threshold,

@@ -95,6 +95,8 @@ def test_adablock_ends_the_block_at_a_confident_delimiter():
     rows[0][2] = dist(delim, 0.2)
     commit, _, end = picks(rule, ctx(rows), state=jnp.array([0]))
     assert commit == [[1]] and int(end[0]) == 4
+    # no delimiter ids at all: fixed blocks of block_length
+    assert picks(R.AdaBlock(block_length=2), ctx(rows, eos_ids=()), state=jnp.array([0]))[2].tolist() == [2]
     # inside an unfinished block the boundary is kept
     commit, _, end = picks(rule, ctx(rows, committed=[[False, True] + [False] * 6]), state=jnp.array([3]))
     assert int(end[0]) == 3 and commit == [[0]]
@@ -135,6 +137,7 @@ def test_ccd_commits_the_history_consistent_slots():
     prev = jnp.array([[0, 1, 2, 3, 4]])
     commit, _, (v2, x2, t2) = picks(rule, c, state=(verify, prev, jnp.array([5])))
     assert commit == [[2, 3]] and int(t2[0]) == 6  # both verified slots kept their argmax
+    assert np.asarray(x2)[0].tolist() == [0, 1, 2, 3, 4]  # this forward's argmax, for the next check
     assert picks(R.LLaDA(1), c)[0] == [[1]] and threshold_picks(c) == [[1]]  # most confident: slot 1
     assert np.asarray(v2)[0].tolist() == [False, True, False, False, True]  # n_v = 3 best of the rest
     # warm-up, or an argmax that changed: one slot, the best ranked
@@ -163,16 +166,33 @@ def test_localleap_and_credit_follow_algorithms_md():
     np.testing.assert_array_equal(tokens, np.asarray(boosted.argmax(-1)))
 
 
+def test_infogain_keeps_the_candidate_with_the_best_information_gain():
+    # current forward: slot 0 most confident but uncertain (flat rest), slot 1 a little less confident, certain
+    c = ctx([[dist(1, 0.6), dist(2, 0.55, "one"), dist(3, 0.3)]])
+    rule = R.InfoGain(candidates=3)
+    commits, tokens = rule.propose(c)
+    assert commits.shape == (3, 1, 3) and np.asarray(commits[0])[0].tolist() == [True, False, False]
+    assert np.asarray(commits).sum(-1).tolist() == [[1], [1], [1]] and np.asarray(tokens)[0].tolist() == [1, 2, 3]
+    # lookahead forwards: committing slot 1 leaves the rest certain; committing slot 0 leaves it uncertain
+    commits = jnp.array([[[True, False, False]], [[False, True, False]], [[False, False, True]]])
+    masked = jnp.asarray(~np.asarray(commits))
+    logp = lambda rows: np.log(np.maximum(np.asarray(rows), 1e-12))
+    after = np.stack([logp([[dist(1, 0.6), dist(2, 0.5), dist(3, 0.4)]]),  # a = {0}: remaining stay flat
+                      logp([[dist(1, 0.99, "one"), dist(2, 0.5), dist(3, 0.99, "one")]]),  # a = {1}: the rest resolve
+                      logp([[dist(1, 0.6), dist(2, 0.5), dist(3, 0.3)]])])
+    idx, _ = rule.choose(c, commits, masked, masked, jnp.asarray(after, jnp.float32))
+    assert np.asarray(idx).tolist() == [1]  # not the most confident slot (what greedy1 / top-k would commit)
+
+
 def test_rule_parameters_are_checked():
     cfg = ModelConfig(model_type="llama", vocab_size=16, hidden_size=16, intermediate_size=32, num_layers=1,
                       num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=64)
     for rule, msg in ((R.EntropyBounded(proxy="margins"), "proxy"), (R.EntropyBounded(gamma=-1), "gamma"),
                       (R.Window(active=0), "active"), (R.CCD(expand_ratio=-1.0), "expand_ratio"),
-                      (R.AdaBlock(delimiters=(99,)), "delimiters"), (R.R2(cluster_unmasked=-1), "cluster_unmasked")):
+                      (R.AdaBlock(delimiters=(99,)), "delimiters"), (R.R2(cluster_unmasked=-1), "cluster_unmasked"),
+                      (R.InfoGain(position_temperature=0.0), "position_temperature")):
         with pytest.raises(R.DiffusionError, match=msg):
             rule.check(cfg, (5,))
-    with pytest.raises(R.DiffusionError, match="delimiter"):
-        R.AdaBlock().check(cfg, ())
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -187,7 +207,8 @@ ANSWER_LENGTHS = jnp.array([8, 6], jnp.int32)
 
 def test_each_rule_decodes_a_random_model():
     rules = [R.EntropyBounded(gamma=0.5), R.ETE(threshold=0.5), R.Window(active=3, refresh=2), R.R2(),
-             R.CCD(warmup=1), R.AdaBlock(delimiters=(3,), block_length=3), R.RandomRemask(1)]
+             R.CCD(warmup=1), R.AdaBlock(delimiters=(3,), block_length=3), R.InfoGain(candidates=3),
+             R.RandomRemask(1)]
 
     @jax.jit
     def run_all(prompts, lengths, key):
