@@ -205,9 +205,11 @@ class Factor(Rule):
 
 @dataclasses.dataclass(frozen=True)
 class Credit(Rule):
-    """CreditDecoding: per slot a credit over the vocabulary, C <- decay * C, C[i, x_i] += c_i ** power
-    for every masked slot (x_i, c_i from the model's logits); decode from logits + alpha * log(1 + C)
-    under the confidence threshold (at least one per forward)."""
+    """CreditDecoding (Wang et al., "CreditDecoding: Accelerating Parallel Decoding in Diffusion Large
+    Language Models with Trace Credits", arXiv 2510.06133), as ALGORITHMS.md §5 states it: per slot a
+    credit over the vocabulary, C <- decay * C, C[i, x_i] += c_i ** power for every masked slot (x_i, c_i
+    from the model's logits); decode from logits + alpha * log(1 + C) under the confidence threshold (at
+    least one per forward). Defaults: ALGORITHMS.md's (decay 0.8, power 0.2, alpha 0.7, threshold 0.9)."""
     threshold: float = 0.9
     decay: float = 0.8
     power: float = 0.2
