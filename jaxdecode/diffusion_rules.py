@@ -103,6 +103,11 @@ class Rule:
     def check(self, config, eos_ids: tuple) -> None:
         """Raise DiffusionError for parameters this rule cannot run with."""
 
+    def visible(self, state, committed):
+        """None, or bool[B, A]: the answer slots the next forward attends to (cache='none'); a rule that
+        prunes the far field (Window-Diffusion) says which. Decided before the forward, from the rule's
+        state and the committed slots."""
+
     # Lookahead rules (lookahead = K > 0) replace select by two steps around one batched forward:
     def propose(self, ctx: StepContext):
         """(commit bool[K, B, A], tokens int32[B, A]): K candidate commit sets from ctx.logits."""
@@ -432,38 +437,48 @@ class ETE(Rule):
 class Window(Rule):
     """Window-Diffusion: Zuo et al., "Window-Diffusion: Accelerating Diffusion Language Model Inference
     with Windowed Token Pruning and Caching" (arXiv 2601.20332; github.com/vhicrgit/Window-Diffusion).
-    Every `refresh` forwards one full forward, whose candidates are all masked slots; in between, only
-    the `active` leftmost masked slots (the window's active tokens) are computed and are candidates.
-    Each forward commits the `tokens_per_step` most confident candidates (the authors' sampler keeps
-    LLaDA's fixed count):
+    Every `refresh` forwards one full forward, whose candidates are all masked slots; it fixes the
+    window: the decoded slots and the `window_tokens` leftmost slots still masked. In between, the
+    forwards leave the far field (masked slots outside the window) out of attention, and only the
+    `active` leftmost masked slots are candidates. Each forward commits the `tokens_per_step` most
+    confident candidates (the authors' sampler keeps LLaDA's fixed count):
 
         C_t = E_t  if t mod refresh = 0,  else {i in E_t : #(masked slots left of i) < active};
         commit top_k(c, C_t)
 
-    Defaults: the authors' example (active 16, refresh 32, one token per step). Simplified: the loop's
-    forwards are exact (every slot sees every slot); the paper's speed comes from pruning far-field
-    slots (past `window_tokens` = 64 masked slots) and reusing buffer keys between refreshes, which also
-    perturbs the logits slightly. Only the commit schedule is the paper's here; the forward count t is
-    per row."""
+    Defaults: the authors' example (active 16, window 64, refresh 32, one token per step). Simplified:
+    between refreshes the paper reuses the buffer slots' keys and values from the refresh (computing
+    only the active slots); here every kept slot is recomputed each forward (exact within the window),
+    so the commit schedule and the pruning are the paper's and the cache reuse is not. The pruning
+    applies with cache='none'; the forward count t is per row."""
     tokens_per_step: int = 1
     active: int = 16
+    window_tokens: int = 64
     refresh: int = 32
     name = "window"
 
     def check(self, config, eos_ids):
         check_int("tokens_per_step", self.tokens_per_step)
         check_int("active", self.active)
+        check_int("window_tokens", self.window_tokens)
         check_int("refresh", self.refresh)
 
     def init(self, batch, answer_length, vocab):
-        return jnp.zeros((batch,), jnp.int32)
+        return jnp.zeros((batch,), jnp.int32), jnp.ones((batch, answer_length), bool)  # (forwards, window)
+
+    def visible(self, state, committed):
+        t, window = state
+        return (t % self.refresh == 0)[:, None] | window | committed
 
     def select(self, ctx):
         _, conf, x = confidence(ctx.logits)
+        t, window = ctx.state
         left = jnp.cumsum((~ctx.committed).astype(jnp.int32), axis=-1) - 1  # masked slots before each slot
-        full = (ctx.state % self.refresh == 0)[:, None]
-        cand = ctx.eligible & (full | (left < self.active))
-        return top_n(conf, cand, self.tokens_per_step), x, ctx.state + 1
+        full = (t % self.refresh == 0)[:, None]
+        commit = top_n(conf, ctx.eligible & (full | (left < self.active)), self.tokens_per_step)
+        masked = ~ctx.committed & ~commit
+        fresh = masked & (jnp.cumsum(masked.astype(jnp.int32), axis=-1) <= self.window_tokens)
+        return commit, x, (t + 1, jnp.where(full, fresh, window))
 
 
 @dataclasses.dataclass(frozen=True)

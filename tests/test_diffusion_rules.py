@@ -76,10 +76,18 @@ def test_ete_explores_the_most_uncertain_slot_when_nothing_is_sure():
 def test_window_commits_inside_the_active_window_between_refreshes():
     rows = [[dist(1, 0.5), dist(2, 0.6), dist(3, 0.4), dist(4, 0.7), dist(5, 0.99), dist(6, 0.3)]]
     c = ctx(rows, committed=[[True, False, False, False, False, False]])
-    rule = R.Window(active=2, refresh=3)
-    commit, _, st = picks(rule, c, state=jnp.array([1]))
-    assert commit == [[1]] and int(st[0]) == 2  # active = the 2 leftmost masked slots (1, 2)
-    assert picks(rule, c, state=jnp.array([3]))[0] == [[4]] == threshold_picks(c)  # a refresh: every slot
+    rule = R.Window(active=2, window_tokens=3, refresh=3)
+    window = jnp.array([[False, True, True, True, False, False]])
+    commit, _, (t, win) = picks(rule, c, state=(jnp.array([1]), window))
+    assert commit == [[1]] and int(t[0]) == 2  # active = the 2 leftmost masked slots (1, 2)
+    assert np.asarray(win).tolist() == np.asarray(window).tolist()  # kept until the next refresh
+    # a refresh: every slot is a candidate, and the window becomes the 3 leftmost slots still masked
+    commit, _, (t, win) = picks(rule, c, state=(jnp.array([3]), window))
+    assert commit == [[4]] == threshold_picks(c) and np.asarray(win)[0].tolist() == [0, 1, 1, 1, 0, 0]
+    # the forward before a pruned step sees the window and the decoded slots only; before a refresh, all
+    committed = jnp.array([[True, False, False, False, True, False]])
+    assert np.asarray(rule.visible((jnp.array([4]), win), committed))[0].tolist() == [1, 1, 1, 1, 1, 0]
+    assert np.asarray(rule.visible((jnp.array([6]), win), committed)).all()
 
 
 def test_adablock_ends_the_block_at_a_confident_delimiter():
@@ -225,3 +233,15 @@ def test_each_rule_decodes_a_random_model():
         tpf = np.asarray(stats["tokens_per_forward"])
         if rule.name == "random":  # the loop adds the most confident slot only when a rule chose none
             assert (tpf <= 1.0).all(), tpf
+
+
+def test_a_pruned_forward_ignores_the_far_field():
+    """The loop's visibility hook (Window-Diffusion's far field): slots outside `visible` change nothing."""
+    s = D._Static(config=CFG, rule=R.Window(), answer_length=8, block_length=8, eos_ids=(7,), mask_id=MASK, shift=0,
+                  mode="none", max_forwards=9, cache_len=64)
+    answer = jnp.array([[3, 4, MASK, MASK, MASK, MASK, MASK, MASK]] * 2, jnp.int32)
+    other = answer.at[:, 6].set(9)  # a far-field slot holds another token
+    visible = jnp.array([[1, 1, 1, 1, 0, 0, 0, 0]] * 2, bool)
+    run = lambda ans, vis: D._full_forward(s, PARAMS, PROMPTS, LENGTHS, ans, ANSWER_LENGTHS, None, vis)[:, :4]
+    np.testing.assert_allclose(run(answer, visible), run(other, visible), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(run(answer, None), run(other, None), atol=1e-4)
