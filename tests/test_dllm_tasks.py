@@ -92,3 +92,31 @@ def test_evaluate_answers():
     assert r == {"n": 4, "validity": 0.75, "exact_match": 0.75}
     r = evaluate_answers(task, prompts, wrong, lengths=[4, 4, 3, 4], reference=answers)
     assert r["validity"] == 0.5 and r["exact_match"] == 0.5
+
+
+def test_addition_digit_orders_and_operand_sizes():
+    v = lambda *xs: np.asarray(xs) + FIRST_VALUE
+    msd, lsd = make_task("addition", 3, 10), make_task("addition", 3, 10, digit_order="lsd")
+    np.testing.assert_array_equal(lsd.expected(lsd.encode_body([5, 9, 9, 7, 0, 0])), v(2, 0, 0, 1))  # 995 + 7
+    prompts, answers = msd.sample(np.random.default_rng(0), 16)
+    for p, a in zip(prompts, answers):  # the same sums, every number mirrored
+        a_digits, b_digits = p[1:4], p[5:8]
+        mirrored = lsd.encode_body(np.concatenate([a_digits[::-1], b_digits[::-1]]) - FIRST_VALUE)
+        assert lsd.validate(mirrored, a[::-1])
+        np.testing.assert_array_equal(lsd.expected(mirrored), a[::-1])
+    # mixed operand sizes: a training curriculum whose prompts are prompts of the full task
+    for order in ("msd", "lsd"):
+        mixed, full = (make_task("addition", 6, 8, digit_order=order, operand_sizes=s) for s in ("mixed", "full"))
+        prompts, answers = mixed.sample(np.random.default_rng(1), 400)
+        assert all(full.validate(p, a) for p, a in zip(prompts, answers))
+        ops = np.stack([prompts[:, 1:7], prompts[:, 8:14]], 1) - FIRST_VALUE  # [B, 2 operands, 6 digits]
+        top = ops[..., 0] if order == "msd" else ops[..., -1]  # each operand's most significant digit
+        assert 0.4 < np.mean(top == 0) < 0.6  # P = 1/2 * 5/6 short + 7/12 * 1/8 a drawn zero ~ 0.49 ...
+        assert np.mean(top > 0) > 0.4  # ... and full-size operands still occur
+    assert msd.options == {} and lsd.options == {"digit_order": "lsd"}  # a run's identity (train_task_dllm)
+    with pytest.raises(TaskError, match="digit_order must be one of"):
+        make_task("addition", 3, 10, digit_order="reversed")
+    with pytest.raises(TaskError, match="operand_sizes must be one of"):
+        make_task("addition", 3, 10, operand_sizes="small")
+    with pytest.raises(TaskError, match="copy has no option 'digit_order'; its options: none"):
+        make_task("copy", 3, 10, digit_order="lsd")
