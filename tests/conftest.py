@@ -84,3 +84,15 @@ def _synthetic_cost_tables(request, monkeypatch):
                                        meta={"synthetic": "tests/conftest.py"})
         monkeypatch.setattr(costmodel, "load_or_calibrate", synthetic)
     yield
+
+
+# The longest modules first: pytest-xdist (--dist load) hands out tests in collection order, in chunks that
+# shrink toward the end, so a run that ended on a minute-long test (the wheel build was last) kept one core
+# idle while the other finished it; now it ends on short ones. (--dist worksteal would also keep modules
+# on one worker, but a worker crash while it steals aborts the whole run: the crash rerun needs load.)
+_LONG_MODULES = ("test_multihost.py", "test_notebook.py", "test_wheel.py", "test_embedded.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(_LONG_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
