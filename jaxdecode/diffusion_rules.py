@@ -499,9 +499,9 @@ class R2(Rule):
        (evaluation "last").
 
     Defaults are the authors' GSM8K script (threshold 0.9, cluster 3, spatial 0.8, at most 1 unmasked,
-    token clusters on, temporal 3 steps at 0.8). Nothing simplified beyond: the authors pair the rules
-    with Fast-dLLM's dual cache (here any cache mode), and its redundancy-aware fine-tuning is not part of
-    a decoder."""
+    token clusters on, temporal 3 steps at 0.8). No committed token is remasked (the authors' sampler
+    never does). Nothing simplified beyond: the authors pair the rules with Fast-dLLM's dual cache (here
+    any cache mode), and the paper's redundancy-aware fine-tuning is not part of a decoder."""
     threshold: float = 0.9
     cluster_size: int = 3
     spatial_threshold: float = 0.8
