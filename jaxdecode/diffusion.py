@@ -35,8 +35,8 @@ KV caches (`cache=`):
   finished, to write its clean keys and values into the cache).
 
 Rules are small frozen dataclasses (ALGORITHMS.md §5): `select(ctx) -> (commit bool[B,A], tokens
-int32[B,A], rule_state)`; FreeDave, which verifies several drafts in one batched forward, brings its
-own step over the same loop (`lookahead`).
+int32[B,A], rule_state)`; lookahead rules (FreeDave, InfoGain), which run several candidate answers
+through one batched forward, propose / choose around the loop's lookahead step (`lookahead`).
 """
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ from jaxdecode.autoregressive import (_concrete, is_eos, nonfinite_rows, pad_id_
 from jaxdecode.diffusion_rules import (  # noqa: F401  (the rules and the filter are public here too)
     CCD, ETE, FILTER_FEATURES, FILTER_KIND, FILTER_WINDOW, R2, RULES, AdaBlock, Credit, DiffusionError,
     Dystruct, EntropyBounded, Factor, FreeDave, Greedy1, InfoGain, LLaDA, Learn2PD, LocalLeap, RandomRemask,
-    Rule, StepContext, Threshold, Window, check_int, confidence, entropy, filter_apply, filter_features, init_filter,
-    load_filter, make_rule, rank_desc, save_filter, top_n, with_top1)
+    Rule, StepContext, Threshold, Window, at_least_one, check_int, confidence, entropy, filter_apply, filter_features,
+    init_filter, load_filter, make_rule, rank_desc, save_filter, top_n, with_top1)
 from jaxdecode.models import advance, bidirectional_mask, block_causal_mask, forward, init_cache
 
 CACHE_MODES = ("none", "prefix", "dual", "exact")
@@ -79,7 +79,7 @@ class _State:
     key: jax.Array
     rule_state: object
     cache: object  # KVCache or None
-    carry: object  # mode-specific: FreeDave's current logits [B, A, V]; exact: [B, V] logits of the slot
+    carry: object  # mode-specific: a lookahead rule's current logits [B, A, V]; exact: [B, V] logits of the slot
     #                before the current block (logits_shift); prefix/dual: int32[B] block of the last refresh
     nonfinite: jax.Array  # bool[B]
 
@@ -177,21 +177,36 @@ def _never_mask(s: _Static, logits):
     return logits.at[..., s.mask_id].set(_NEG)
 
 
-def _full_forward(s: _Static, params, prompt_tokens, prompt_lengths, answer, answer_lengths, suffix=None):
+def _full_forward(s: _Static, params, prompt_tokens, prompt_lengths, answer, answer_lengths, suffix=None,
+                  visible=None):
+    """visible: None, or bool[B, A]: the answer slots the forward keeps as keys (a rule's pruning, e.g.
+    Window-Diffusion's far field); the others keep their positions but nobody attends to them."""
     tokens, positions, valid, ans_idx = _layout(prompt_tokens, prompt_lengths, answer, answer_lengths, suffix)
+    if visible is not None:
+        is_ans = (ans_idx >= 0) & (ans_idx < answer_lengths[:, None])
+        vis = jnp.take_along_axis(visible, jnp.clip(ans_idx, 0, answer.shape[1] - 1), axis=1)
+        valid = valid & (~is_ans | vis)
     logits, _, _ = forward(s.config, params, tokens, positions, None, _mask(s, valid, ans_idx))
     return _answer_logits(s, logits, prompt_lengths)
 
 
+def _context(s: _Static, state: _State, logits, answer_lengths):
+    """(StepContext of one forward's answer-frame logits, eligible bool[B, A], the loop's next key)."""
+    _, eligible, _, end, cur = _frame(s, state.answer, answer_lengths)
+    key, sub = jax.random.split(state.key)
+    start = jnp.minimum(cur * s.block_length, s.answer_length)  # finished rows: past the end
+    ctx = StepContext(logits=logits, eligible=eligible, committed=state.answer != s.mask_id,
+                      answer=state.answer, key=sub, state=state.rule_state, eos_ids=s.eos_ids,
+                      block_start=start, block_end=jnp.minimum(start + s.block_length, end))
+    return ctx, eligible, key
+
+
 def _commit_step(s: _Static, state: _State, logits, answer_lengths, live):
     """The rule's commits from one forward's answer-frame logits."""
-    _, eligible, _, _, _ = _frame(s, state.answer, answer_lengths)
-    key, sub = jax.random.split(state.key)
-    ctx = StepContext(logits=logits, eligible=eligible, committed=state.answer != s.mask_id,
-                      answer=state.answer, key=sub, state=state.rule_state, eos_ids=s.eos_ids)
+    ctx, eligible, key = _context(s, state, logits, answer_lengths)
     commit, tokens, rstate = s.rule.select(ctx)
     _, conf, _ = confidence(logits)
-    commit = with_top1(commit, conf, eligible) & live[:, None]
+    commit = at_least_one(commit, conf, eligible) & live[:, None]
     answer = _apply(s, state.answer, commit, tokens.astype(jnp.int32), answer_lengths)
     bad = nonfinite_rows(logits, live, eligible)
     return state.replace(answer=answer, key=key, rule_state=rstate, nfe=state.nfe + live.astype(jnp.int32),
@@ -288,42 +303,31 @@ def _exact_step(s: _Static, params, state: _State, prompt_lengths, answer_length
     return logits, cache, carry
 
 
-def _freedave_step(s: _Static, params, state: _State, prompt_tokens, prompt_lengths, answer_lengths, live,
-                   suffix=None):
-    """One FreeDave step: drafts of 1..K slots from the current logits, one batched forward, the longest
-    draft consistent with Greedy1 committed; its forward's logits become the next current logits."""
-    k = s.rule.draft
+def _lookahead_step(s: _Static, params, state: _State, prompt_tokens, prompt_lengths, answer_lengths, live,
+                    suffix=None):
+    """One step of a lookahead rule (FreeDave, InfoGain): the rule proposes K commit sets from the current
+    logits, ONE batched forward runs the model on the K resulting answers, the rule keeps one per row;
+    the kept answer's forward gives the next step's current logits."""
     b, a = state.answer.shape
     cur_logits = state.carry
-    _, eligible, _, _, _ = _frame(s, state.answer, answer_lengths)
-    _, conf, x = confidence(cur_logits)
-    rank = rank_desc(conf, eligible)
-    n_elig = jnp.sum(eligible, axis=-1)
-    js = jnp.arange(1, k + 1, dtype=jnp.int32)  # draft sizes
-    drafts = jax.vmap(lambda j: _apply(s, state.answer, eligible & (rank < j) & live[:, None], x,
-                                       answer_lengths))(js)  # [K, B, A]
+    ctx, eligible, key = _context(s, state, cur_logits, answer_lengths)
+    commits, tokens = s.rule.propose(ctx)  # [K, B, A], [B, A]
+    k = commits.shape[0]
+    drafts = jax.vmap(lambda c: _apply(s, state.answer, c & eligible & live[:, None], tokens.astype(jnp.int32),
+                                       answer_lengths))(commits)  # [K, B, A]
     rep = lambda t: jnp.broadcast_to(t, (k,) + t.shape).reshape((k * b,) + t.shape[1:])
     logits = _full_forward(s, params, rep(prompt_tokens), rep(prompt_lengths), drafts.reshape(k * b, a),
                            rep(answer_lengths), None if suffix is None else tuple(map(rep, suffix)))
     logits = logits.reshape(k, b, a, -1)
-    # Greedy1's pick after each draft D_j
-    elig_j = jax.vmap(lambda d: _frame(s, d, answer_lengths)[1])(drafts)  # [K, B, A]
-    _, conf_j, x_j = confidence(logits)
-    pick_slot = jnp.argmax(jnp.where(elig_j, conf_j, -jnp.inf), axis=-1)  # [K, B] (ties: lower slot)
-    has = jnp.any(elig_j, axis=-1)
-    pick_tok = jnp.take_along_axis(x_j, pick_slot[..., None], axis=-1)[..., 0]
-    # the (j+1)-th draft element: the slot of rank j, with its argmax from the current logits
-    want_slot = jnp.argmax(rank[None] == js[:, None, None], axis=-1)  # [K, B]
-    want_tok = jnp.take_along_axis(x, want_slot.T, axis=-1).T
-    ok = has & (js[:, None] < n_elig[None]) & (pick_slot == want_slot) & (pick_tok == want_tok)  # D_{j+1} ok
-    accepted = 1 + jnp.sum(jnp.cumprod(ok[:-1].astype(jnp.int32), axis=0), axis=0)  # [B] in 1..K
-    idx = (accepted - 1)[None, :, None]
+    masked_j, elig_j = jax.vmap(lambda d: _frame(s, d, answer_lengths)[:2])(drafts)  # [K, B, A] each
+    idx, rstate = s.rule.choose(ctx, commits, masked_j, elig_j, logits)  # idx int32[B] in 0..K-1
+    idx = idx[None, :, None]
     answer = jnp.take_along_axis(drafts, jnp.broadcast_to(idx, (1, b, a)), axis=0)[0]
     new_logits = jnp.take_along_axis(logits, idx[..., None], axis=0)[0]
     answer = jnp.where(live[:, None], answer, state.answer)
     bad = nonfinite_rows(cur_logits, live, eligible)
-    return state.replace(answer=answer, carry=jnp.where(live[:, None, None], new_logits, cur_logits),
-                         nfe=state.nfe + live.astype(jnp.int32), nonfinite=state.nonfinite | bad)
+    return state.replace(answer=answer, carry=jnp.where(live[:, None, None], new_logits, cur_logits), key=key,
+                         rule_state=rstate, nfe=state.nfe + live.astype(jnp.int32), nonfinite=state.nonfinite | bad)
 
 
 @partial(jax.jit, static_argnames=("s",))
@@ -334,7 +338,7 @@ def _decode(s: _Static, params, prompt_tokens, prompt_lengths, answer_lengths, k
     answer = jnp.where(pos < answer_lengths[:, None], s.mask_id, pad_id_for(s.eos_ids)).astype(jnp.int32)
     state = _State(answer=answer, nfe=jnp.zeros((b,), jnp.int32), steps=jnp.int32(0), key=key,
                    rule_state=s.rule.init(b, a, v), cache=None, carry=None, nonfinite=jnp.zeros((b,), bool))
-    if s.rule.lookahead:  # FreeDave: the current forward comes before the loop
+    if s.rule.lookahead:  # FreeDave, InfoGain: the current forward comes before the loop
         live0 = ~_frame(s, answer, answer_lengths)[2]
         state = state.replace(carry=_full_forward(s, params, prompt_tokens, prompt_lengths, answer, answer_lengths,
                                                   suffix),
@@ -362,9 +366,10 @@ def _decode(s: _Static, params, prompt_tokens, prompt_lengths, answer_lengths, k
         live = ~done
         st = st.replace(steps=st.steps + 1)
         if s.rule.lookahead:
-            return _freedave_step(s, params, st, prompt_tokens, prompt_lengths, answer_lengths, live, suffix)
+            return _lookahead_step(s, params, st, prompt_tokens, prompt_lengths, answer_lengths, live, suffix)
         if s.mode == "none":
-            logits = _full_forward(s, params, prompt_tokens, prompt_lengths, st.answer, answer_lengths, suffix)
+            logits = _full_forward(s, params, prompt_tokens, prompt_lengths, st.answer, answer_lengths, suffix,
+                                   s.rule.visible(st.rule_state, st.answer != s.mask_id))
         elif s.mode == "exact":
             logits, cache, carry = _exact_step(s, params, st, prompt_lengths, answer_lengths, cur, done)
             st = st.replace(cache=cache, carry=carry)
@@ -533,7 +538,8 @@ def diffusion_decode(config, params, prompt_tokens, prompt_lengths, *, answer_le
     if cache not in CACHE_MODES:
         raise DiffusionError(f"cache must be one of {CACHE_MODES}, got {cache!r}")
     if cache != "none" and rule.lookahead:
-        raise DiffusionError("FreeDave verifies drafts with full forwards: use cache='none' with rule freedave")
+        raise DiffusionError(f"rule {rule.name!r} runs its candidates through full forwards (lookahead): use "
+                             f"cache='none' with it")
     if cache in ("prefix", "dual") and (attention == "block" or shift):
         raise DiffusionError(f"cache={cache!r} is Fast-dLLM's approximate cache for bidirectional models "
                              "without a logits shift; block-attention models take cache='exact' "
