@@ -1,38 +1,53 @@
-"""Adaptive speculation: each step, how deep each row drafts (down to zero), from measured costs and
-the rows' running acceptance.
+"""Adaptive speculation: each step, which draft nodes each row verifies (down to none), from measured
+costs and the rows' running acceptance.
 
-Per row the policy keeps `accept` f32[B, D], a running estimate of a_d = P(depth d is accepted | depth
-d-1 was), and `need` int32[B, D+1]: how many leading nodes of the row's latest proposal hold every node
-of depth <= k (nodes are topologically ordered, so a verification over the first w nodes holds whole
-paths). A step that verifies row b's depths <= k is expected to commit
+Per row the policy keeps `accept` f32[B, K], a running estimate per node *key* of a_k = P(a node of key
+k is accepted | its parent was). A key names the same draft position from step to step: for a
+drafter with a static tree (or a chain) the node itself (node i always has the same path of sibling
+ranks); for a tree whose shape changes (EAGLE-2, ...) the pair (depth, sibling rank). A node's reach
+is the product of the estimates along its path, P_b(i) = prod_{j on root..i} a_key(j), and a step
+that verifies the node set S of row b is expected to commit
 
-    E_b(k) = 1 + sum_{d <= k} P_b(d),   P_b(d) = a_1 a_2 ... a_d      (the bonus, plus each depth reached)
+    E_b(S) = 1 + sum_{i in S} P_b(i)      (the bonus, plus each node reached: accepted nodes form one path)
 
-tokens. A verification over width w (a node count; 0 = the pending token alone, a plain decoding
-step) lets row b verify depths k_b(w) = max{k : need_b(k) <= w, P_b(k) >= min_reach}, and costs
-`step[w]` (the engine's whole step, measured: jaxdecode.costmodel) plus the drafter's step. A batch
-decodes until its last row is done, so the policy picks the width that finishes the batch soonest
-if it were kept: step[w] * max_b remaining_b / E_b(k_b(w)), remaining_b = the row's tokens still to
-go (its max_new_tokens budget; 0 once done). At batch 1 that is the most expected tokens per second;
-in a batch, rows that speculate well cannot make up for one that does not (they would finish early
-and wait). A drafting width must beat the plain step by `margin`. The choice is made twice a step:
-  1. before drafting, from the previous proposal's `need` (`should_draft`): when the best width is 0
+tokens. For a verification over width w (a node count; 0 = the pending token alone, a plain
+decoding step) each row keeps its w nodes of highest reach (`_node_values`): the set is closed under
+parents (reach never grows along a path; ties go to the parent, the lower index) and under earlier
+siblings (a node is ranked no higher than its previous sibling), so every kept node's children are
+its first children by rank. A width costs `step[w]` (the engine's whole step, measured:
+jaxdecode.costmodel) plus the drafter's step. A batch decodes until its last row is done, so the
+policy picks the width that finishes the batch soonest if it were kept:
+step[w] * max_b remaining_b / E_b(w), remaining_b = the row's tokens still to go (0 once done). At
+batch 1 that is the most expected tokens per second; in a batch, rows that speculate well cannot
+make up for one that does not. A drafting width must beat the plain step by `margin`. The choice is
+made twice a step:
+  1. before drafting, from the previous proposal's shape (`should_draft`): when the best width is 0
      the drafter does not draft (its optional `idle` keeps its state current) and every row decodes
      plainly: speculation is off for the whole batch while it does not pay;
-  2. after drafting, from this proposal (`truncate`): each row keeps its nodes of depth <= k_b(w*), so
-     rows differ in how many draft tokens they verify, and the forward runs over the smallest width
-     that holds them.
+  2. after drafting, from this proposal (`truncate`): each row keeps its best nodes for the chosen
+     width. The kept nodes are usually not the first nodes of the tree (a wide tree's best chain is
+     nodes 0, 4, 12, ... of `static:4,2,2,1`), so `compact` gathers them into the first slots
+     (parents remapped, topological order kept) and the forward runs over the smallest width that
+     holds them; `expand` maps the verdict back to the drafter's node indices.
 
 Lossless: which nodes are kept depends on past acceptance and on the tree's *shape* — never on this
-step's sampled tokens: when sampling, `need` comes from the tree's fixed structure (`shape`
-"structure"), or the width is all or nothing ("none") for trees whose shape follows their tokens;
-only greedy decoding reads it from the proposal's valid nodes ("proposal"). Dropping whole deeper levels leaves a tree drafted by the same child rule, so every
-verifier's guarantee holds for what is verified.
+step's sampled tokens: when sampling, the shape comes from the tree's fixed structure (`shape`
+"structure"), or the width is all or nothing, judged on the previous proposal ("none"), for trees
+whose shape follows their tokens; only decoding greedily or with children that are a function of
+the past (top-k, point masses) reads it from the proposal's valid nodes ("proposal"). What is kept is
+then a tree drafted by the same child rule with fewer nodes, for every rule of
+jaxdecode.verifiers.CHILD_RULES: "point" / "argmax" / "topk" children are a function of the past, any
+sub-tree of them is too; "iid" / "sample" siblings are independent draws, and a subset chosen without
+looking at them is still i.i.d.; "gumbel" siblings are a draw without replacement in draw order, and
+its first m (the kept siblings are always the first by rank) are a draw of m without replacement.
+Chain verifiers see a prefix of the chain; GBV ("paths") sees the first K' paths, which it truncates
+to the shortest kept one, as it does any proposal.
 
-Estimates: a depth tried this step (the node committed above it had a kept child) moves toward 1 if
-committed, else 0 (weight 1 - decay); an untried depth drifts by `explore` toward the estimate of the
-depth above it (depth 1: toward `prior`), so a row that stopped speculating probes again now and
-then, and a drafter that is always right grows its depth until the cost says stop.
+Estimates: a key tried this step (a kept node whose parent was committed, or a kept child of the
+root) moves toward 1 if its node was committed, else 0 (weight 1 - decay); an untried key drifts by
+`explore` toward the estimate of the key above it (its parent node; depth 1: toward 1), so a row that
+stopped speculating probes again now and then, and a drafter that is always right grows its tree
+until the cost says stop.
 """
 from __future__ import annotations
 
@@ -42,23 +57,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode.tree import depths
+from jaxdecode.tree import Tree
+
+MAX_RANK_KEYS = 16  # sibling ranks told apart in a changing tree's (depth, rank) keys; later ones share
 
 
 @dataclasses.dataclass(frozen=True)
 class AdaptivePolicy:
     """Static configuration of adaptive speculation (hashable: part of the jit key)."""
     widths: tuple  # ascending verify widths, widths[0] == 0 (plain step), widths[-1] == N
-    decay: float = 0.8  # weight of the past in a tried depth's estimate
-    prior: float = 0.6  # every depth's estimate before evidence
-    explore: float = 0.005  # per-step drift of an untried depth's estimate (see `update`)
-    min_reach: float = 0.02  # a row verifies depth d only while P_b(d) >= this
+    decay: float = 0.8  # weight of the past in a tried key's estimate
+    prior: float = 0.6  # every key's estimate before evidence
+    explore: float = 0.005  # per-step drift of an untried key's estimate (see `update`)
+    min_reach: float = 0.02  # a row verifies node i only while its reach P_b(i) >= this
     # A width that drafts must beat the plain step's tokens per second by this fraction: measured costs
     # carry noise, and a tie must not buy a slowdown.
     margin: float = 0.15
-    # Where `need` comes from: "proposal" (the proposed valid nodes: greedy decoding), "structure" (the
-    # tree's parents, validity ignored: sampling with a fixed shape), "none" (all nodes or none:
-    # sampling with a shape that follows the sampled tokens). See the module docstring.
+    # Where the shape comes from: "proposal" (the proposed valid nodes: greedy decoding), "structure"
+    # (the tree's parents, validity ignored: sampling with a fixed shape), "none" (all nodes or none,
+    # judged on the previous proposal: sampling with a shape that follows the sampled tokens). See the
+    # module docstring.
     shape: str = "proposal"
 
     def __post_init__(self):
@@ -102,98 +120,209 @@ def cost_vector(policy: AdaptivePolicy, costs) -> jnp.ndarray:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PolicyState:
-    accept: jax.Array  # f32[B, D]: estimate of P(depth d accepted | depth d-1 accepted)
-    need: jax.Array  # int32[B, D+1]: leading nodes holding depths <= k in the latest proposal
-    max_depth: jax.Array  # int32[B]: deepest valid node of the latest proposal
+    accept: jax.Array  # f32[B, K]: estimate of P(a node of key k accepted | its parent accepted)
+    above: jax.Array  # int32[K]: the key an untried key's estimate drifts toward (-1: toward 1)
+    parents: jax.Array  # int32[B, N]: the latest proposal's shape (parents) ...
+    shaped: jax.Array  # bool[B, N]: ... and its nodes (the valid ones, or all of a fixed structure)
+    # 0: keys are node indices (a fixed structure); R > 0: key = (depth - 1) * R + min(sibling rank, R - 1).
+    ranks: int = dataclasses.field(default=0, metadata=dict(static=True))
+    depth: int = dataclasses.field(default=1, metadata=dict(static=True))  # the drafter's max_depth
 
 
-def init_state(policy: AdaptivePolicy, batch: int, max_depth: int, num_nodes: int, static_parents=None):
-    """Estimates at the prior; `need` from the drafter's static shape when it has one, else spread evenly."""
+def init_state(policy: AdaptivePolicy, batch: int, max_depth: int, num_nodes: int, static_parents=None,
+               is_chain: bool = False) -> PolicyState:
+    """Estimates at the prior. A drafter with a static shape (`static_parents`, [N]) gets one key per
+    node and that shape; any other gets (depth, sibling rank) keys (depth alone for chains) and, until
+    its first proposal, the shape of a chain of max_depth nodes."""
+    n = num_nodes
     if static_parents is not None:
-        parents = np.asarray(static_parents)
-        d = np.zeros(len(parents), np.int64)
-        for i, p in enumerate(parents):  # host side, once: parents[i] < i
-            d[i] = 1 if p < 0 else d[p] + 1
-        need = np.array([int(np.max(np.where(d <= k, np.arange(len(d)) + 1, 0))) for k in range(max_depth + 1)])
+        parents = np.asarray(static_parents, np.int32)
+        shaped, ranks, above = np.ones(n, bool), 0, parents
     else:
-        need = np.minimum(np.ceil(np.arange(max_depth + 1) * num_nodes / max(max_depth, 1)), num_nodes)
-    return PolicyState(accept=jnp.full((batch, max_depth), policy.prior, jnp.float32),
-                       need=jnp.broadcast_to(jnp.asarray(need, jnp.int32), (batch, max_depth + 1)),
-                       max_depth=jnp.full((batch,), max_depth, jnp.int32))
+        ranks = 1 if is_chain else min(n, MAX_RANK_KEYS)
+        idx = np.arange(n)
+        parents = np.where(idx < max_depth, idx - 1, -1).astype(np.int32)
+        shaped = idx < max_depth
+        k = np.arange(max_depth * ranks)
+        above = np.where(k >= ranks, (k // ranks - 1) * ranks, -1)  # (d, r) -> (d - 1, 0)
+    return PolicyState(accept=jnp.full((batch, len(above)), policy.prior, jnp.float32),
+                       above=jnp.asarray(above, jnp.int32),
+                       parents=jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (batch, n)),
+                       shaped=jnp.broadcast_to(jnp.asarray(shaped), (batch, n)), ranks=ranks, depth=max_depth)
 
 
-def _reach(accept):
-    """P_b(d) for d = 0..D: f32[B, D+1] (P_b(0) = 1)."""
-    return jnp.concatenate([jnp.ones_like(accept[:, :1]), jnp.cumprod(accept, axis=1)], axis=1)
+def _down(parents, own, root, combine, steps: int):
+    """x_i = combine(own_i, x_parent(i)), x of the root's children's parent = `root`, for every node of
+    depth <= steps: `steps` vectorised passes over all nodes (a tree is shallow; N may not be)."""
+    p = jnp.maximum(parents, 0)
+    top = parents < 0
+    x = combine(own, jnp.broadcast_to(root, own.shape))
+    for _ in range(steps - 1):
+        x = combine(own, jnp.where(top, root, jnp.take_along_axis(x, p, axis=1)))
+    return x
 
 
-def _best_width(policy, state: PolicyState, costs, remaining, drafted: bool):
-    """(index of the best width, depth per row at each width int32[W, B]). remaining: int32[B], the
-    tokens each row still has to go (0: done)."""
+def _depths(parents, steps: int):
+    """Each node's depth (the root's children: 1), for trees at most `steps` deep: int32[B, N]."""
+    return _down(parents, jnp.ones_like(parents), 0, jnp.add, steps)
+
+
+def _siblings(parents):
+    """(sibling rank int32[B, N], earlier bool[B, N, N]: [b, i, j] = j is an earlier sibling of i)."""
+    n = parents.shape[1]
+    idx = jnp.arange(n)
+    earlier = (parents[:, :, None] == parents[:, None, :]) & (idx[None, None, :] < idx[None, :, None])  # [B, i, j]
+    return jnp.sum(earlier, axis=2).astype(jnp.int32), earlier
+
+
+def node_keys(state: PolicyState, parents, rank=None):
+    """int32[B, N]: each node's key (see PolicyState.ranks); K (one past the last) for nodes deeper
+    than the estimates reach."""
+    b, n = parents.shape
+    k = state.accept.shape[1]
+    if state.ranks == 0:
+        return jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+    if rank is None:
+        rank = _siblings(parents)[0]
+    key = (_depths(parents, state.depth) - 1) * state.ranks + jnp.minimum(rank, state.ranks - 1)
+    return jnp.where(key < k, key, k).astype(jnp.int32)
+
+
+def _node_values(policy: AdaptivePolicy, state: PolicyState, parents, shaped):
+    """For each node of a shape: (reach f32[B, N], order int32[B, N], eligible count int32[B]).
+    order lists the eligible nodes best first by a score: the product along the node's path of the
+    estimates made non-increasing in sibling rank, so a node never scores above its parent nor its
+    previous sibling; ties go to the lower index, so every leading part of `order` is closed under
+    parents and earlier siblings. Eligible: a node of the shape whose earlier siblings and ancestors
+    (and theirs) are of the shape too, with a score >= min_reach."""
+    rank, earlier = _siblings(parents)
+    est = jnp.concatenate([state.accept, jnp.zeros_like(state.accept[:, :1])], axis=1)
+    est = jnp.take_along_axis(est, node_keys(state, parents, rank), axis=1)  # [B, N]
+    # At most one child of a node is accepted: siblings' estimates sum to <= 1, earlier ranks first
+    # (at the prior, 0.6 each, only two siblings would count; a rank-0 child right 90% of the time
+    # leaves its siblings 10% between them).
+    before = jnp.einsum("bij,bj->bi", earlier.astype(est.dtype), est)  # [B, N]: earlier siblings' sum
+    est = jnp.minimum(est, jnp.maximum(1.0 - before, 0.0))
+    capped = jnp.minimum(est, jnp.min(jnp.where(earlier, est[:, None, :], 1.0), axis=2))  # <= earlier siblings'
+    own_ok = shaped & ~jnp.any(earlier & ~shaped[:, None, :], axis=2)
+    reach = _down(parents, est, 1.0, jnp.multiply, state.depth)
+    score = _down(parents, capped, 1.0, jnp.multiply, state.depth)
+    ok = _down(parents, own_ok, True, jnp.logical_and, state.depth) & (score >= policy.min_reach)
+    order = jnp.argsort(jnp.where(ok, -score, 1.0), axis=1, stable=True).astype(jnp.int32)  # ties: lower index
+    return jnp.where(ok, reach, 0.0), order, jnp.sum(ok, axis=1).astype(jnp.int32)
+
+
+def _best_width(policy, reach, order, eligible, costs, remaining, drafted: bool):
+    """(index of the best width, nodes each row keeps at each width int32[W, B]). remaining: int32[B],
+    the tokens each row still has to go (0: done)."""
     active = remaining > 0
-    reach = _reach(state.accept)  # [B, D+1]
-    expected = jnp.cumsum(reach, axis=1)  # E_b(k) = 1 + sum_{d<=k} P_b(d): [B, D+1]
-    k = jnp.arange(reach.shape[1])[None, :]
-    ok = (reach >= policy.min_reach) & (k <= state.max_depth[:, None])  # prefix-closed in k
     widths = jnp.asarray(policy.widths, jnp.int32)  # [W]
-    fits = ok[None] & (state.need[None] <= widths[:, None, None])  # [W, B, D+1]
-    depth = jnp.sum(fits[:, :, 1:], axis=2).astype(jnp.int32)  # [W, B]: fits is prefix-closed too
-    gain = jnp.take_along_axis(expected[None], depth[..., None], axis=2)[..., 0]  # [W, B]: E_b at each width
+    if policy.shape == "none":  # all or nothing
+        count = jnp.where(widths[:, None] >= widths[-1], eligible[None], 0)
+    else:
+        count = jnp.minimum(widths[:, None], eligible[None])  # [W, B]
+    best_first = jnp.take_along_axis(reach, order, axis=1)  # [B, N]: 0 past the eligible ones
+    expected = 1.0 + jnp.concatenate([jnp.zeros_like(best_first[:, :1]), jnp.cumsum(best_first, axis=1)], axis=1)
+    gain = jnp.take_along_axis(expected, count.T, axis=1).T  # [W, B]: E_b at each width
     # Tokens past a row's budget are dropped: a row with r tokens to go gains at most r (its last
-    # token needs one step however deep it drafts).
+    # token needs one step however many nodes it verifies).
     gain = jnp.minimum(gain, jnp.maximum(remaining, 1)[None].astype(jnp.float32))
     steps_left = jnp.max(jnp.where(active[None], remaining[None].astype(jnp.float32) / gain, 0.0), axis=1)  # [W]
     w = len(policy.widths)
     verify, draft, idle = costs[:w], costs[w], costs[w + 1]
     step = verify + jnp.where(drafted | (widths > 0), draft, idle)
     finish = step * steps_left * jnp.where(widths > 0, 1.0 + policy.margin, 1.0)  # seconds to finish the batch
-    return jnp.argmin(finish), depth
+    return jnp.argmin(finish), count
 
 
 def should_draft(policy: AdaptivePolicy, state: PolicyState, costs, remaining):
     """bool[]: does drafting pay this step (judged on the previous proposal's shape)? remaining:
     int32[B], tokens each row still has to go (0: done)."""
-    best, _ = _best_width(policy, state, costs, remaining, drafted=False)
+    values = _node_values(policy, state, state.parents, state.shaped)
+    best, _ = _best_width(policy, *values, costs, remaining, drafted=False)
     return best > 0
 
 
-def truncate(policy: AdaptivePolicy, state: PolicyState, costs, tree, remaining):
-    """Keep each row's nodes of depth <= its chosen depth: (tree, depth int32[B], state with this
-    proposal's shape). remaining: as in `should_draft`."""
+def truncate(policy: AdaptivePolicy, state: PolicyState, costs, tree: Tree, remaining):
+    """Keep each row's best nodes for the chosen width: (tree with only they valid, nodes kept int32[B],
+    state with this proposal's shape). remaining: as in `should_draft`."""
     active = remaining > 0
-    n = tree.tokens.shape[1]
-    d_max = state.need.shape[1] - 1
-    node_depth = depths(tree.parents)  # [B, N]
     valid = tree.valid
-    shaped = valid if policy.shape == "proposal" else jnp.ones_like(valid)  # "structure": parents only
-    if policy.shape == "none":  # the shape follows the sampled tokens: all nodes or none
-        need = jnp.where(jnp.arange(d_max + 1)[None, :] > 0, n, 0).astype(jnp.int32)
-        need = jnp.broadcast_to(need, (valid.shape[0], d_max + 1))
-        deepest = jnp.full((valid.shape[0],), d_max, jnp.int32)
-    else:
-        k = jnp.arange(d_max + 1)
-        inside = shaped[:, :, None] & (node_depth[:, :, None] <= k[None, None, :])  # [B, N, D+1]
-        need = jnp.max(jnp.where(inside, jnp.arange(1, n + 1)[None, :, None], 0), axis=1).astype(jnp.int32)
-        deepest = jnp.max(jnp.where(shaped, node_depth, 0), axis=1).astype(jnp.int32)
     # A row whose proposal is empty this step (e.g. no n-gram match) says nothing about the shape of
     # its next one: keep its last shape, or it would judge every later step undraftable and stop.
-    has = jnp.any(valid, axis=1)
-    state = dataclasses.replace(state, need=jnp.where(has[:, None], need, state.need),
-                                max_depth=jnp.where(has, deepest, state.max_depth))
-    best, depth_at = _best_width(policy, state, costs, remaining, drafted=True)
-    depth = depth_at[best]
-    tree = tree.replace(valid=valid & (node_depth <= depth[:, None]) & active[:, None])
-    return tree, depth, state
+    has = jnp.any(valid, axis=1)[:, None]
+    shaped = valid if policy.shape == "proposal" else jnp.ones_like(valid)  # "structure": parents only
+    new = dataclasses.replace(state, parents=jnp.where(has, tree.parents, state.parents),
+                              shaped=jnp.where(has, shaped, state.shaped))
+    # "none": the shape follows this step's sampled tokens, so the choice is made on the previous one.
+    judged = state if policy.shape == "none" else new
+    reach, order, eligible = _node_values(policy, judged, judged.parents, judged.shaped)
+    best, count = _best_width(policy, reach, order, eligible, costs, remaining, drafted=True)
+    if policy.shape == "none":
+        keep = jnp.broadcast_to(best == len(policy.widths) - 1, valid.shape)
+    else:
+        pos = jnp.argsort(order, axis=1)  # each node's place in the best-first order
+        keep = pos < count[best][:, None]
+    keep = keep & valid & active[:, None]
+    return tree.replace(valid=keep), jnp.sum(keep, axis=1).astype(jnp.int32), new
 
 
-def update(policy: AdaptivePolicy, state: PolicyState, tried, accepted, active):
-    """Fold one verification's per-row outcome (tried / accepted bool[B, D]) into the estimates."""
+def compact(tree: Tree, draft_probs=None):
+    """Gather each row's valid nodes into its first slots, in their order (topological: parents stay
+    before children), so a forward over the first w slots holds them: (tree, draft_probs per parent
+    slot [B, N+1, V] or None, perm int32[B, N]: slot j holds node perm[j]). Invalid nodes follow as
+    children of the root."""
+    perm = jnp.argsort(~tree.valid, axis=1, stable=True).astype(jnp.int32)
+    inv = jnp.argsort(perm, axis=1).astype(jnp.int32)
+    par = jnp.take_along_axis(tree.parents, perm, axis=1)
+    valid = jnp.take_along_axis(tree.valid, perm, axis=1)
+    parents = jnp.where(valid & (par >= 0), jnp.take_along_axis(inv, jnp.maximum(par, 0), axis=1), -1)
+    out = Tree(tokens=jnp.take_along_axis(tree.tokens, perm, axis=1), parents=parents.astype(jnp.int32),
+               valid=valid)
+    if draft_probs is not None:
+        slots = jnp.concatenate([jnp.zeros_like(perm[:, :1]), perm + 1], axis=1)  # [B, N+1]
+        draft_probs = jnp.take_along_axis(draft_probs, slots[:, :, None], axis=1)
+    return out, draft_probs, perm
+
+
+def expand(perm, path, logits=None, features=None):
+    """Undo `compact` on a verdict: (path with the drafter's node indices, logits, features). path
+    int32[B, N] (-1 padded) holds compact slots' nodes; logits [B, N+1, V] and features [F, B, N+1, D]
+    (None passes) are over compact parent slots. The slots of nodes that were not kept get some slot's
+    values: those nodes were invalid, and nothing reads them."""
+    path = jnp.where(path >= 0, jnp.take_along_axis(perm, jnp.maximum(path, 0), axis=1), -1)
+    inv = jnp.argsort(perm, axis=1).astype(jnp.int32)
+    slots = jnp.concatenate([jnp.zeros_like(inv[:, :1]), inv + 1], axis=1)  # [B, N+1]: compact slot of each
+    if logits is not None:
+        logits = jnp.take_along_axis(logits, slots[:, :, None], axis=1)
+    if features is not None:
+        features = jnp.take_along_axis(features, slots[None, :, :, None], axis=2)
+    return path, logits, features
+
+
+def update(policy: AdaptivePolicy, state: PolicyState, tree: Tree, path, committed, num_accepted, active):
+    """Fold one verification into the estimates. tree: the verified proposal (valid = the kept nodes);
+    path int32[B, N] / num_accepted int32[B]: the verifier's accepted nodes, committed int32[B] how
+    many of them were committed (fewer when EOS or max_new_tokens cut the row; the verdict past the
+    cut is discarded)."""
+    b, n = tree.parents.shape
+    rows = jnp.arange(b)[:, None]
+    d = _depths(tree.parents, state.depth)
+    on_path = jnp.zeros((b, n + 1), bool).at[rows, jnp.where(path >= 0, path, n)].set(
+        jnp.arange(n)[None, :] < committed[:, None])[:, :n]
+    parent_in = (tree.parents < 0) | jnp.take_along_axis(on_path, jnp.maximum(tree.parents, 0), axis=1)
+    uncut = (committed == num_accepted)[:, None]
+    tried = tree.valid & parent_in & ((d <= committed[:, None]) | uncut) & active[:, None]
+    k = state.accept.shape[1]
+    keys = node_keys(state, tree.parents)
+    tried_k = jnp.zeros((b, k + 1), bool).at[rows, keys].max(tried)[:, :k]
+    accepted_k = jnp.zeros((b, k + 1), bool).at[rows, keys].max(tried & on_path)[:, :k]
     a = state.accept
-    seen = policy.decay * a + (1.0 - policy.decay) * accepted.astype(jnp.float32)
-    # Untried depths drift up: depth 1 toward 1 (optimism: a row that stopped drafting probes again
+    seen = policy.decay * a + (1.0 - policy.decay) * accepted_k.astype(jnp.float32)
+    # Untried keys drift up: depth 1 toward 1 (optimism: a row that stopped drafting probes again
     # once its estimate crosses what pays; the cheaper the draft, the sooner, and the cheaper the probe),
-    # a deeper one toward the depth above (a drafter that is always right grows its depth).
-    above = jnp.concatenate([jnp.ones_like(a[:, :1]), a[:, :-1]], axis=1)
+    # a deeper one toward the key above (a drafter that is always right grows its tree).
+    above = jnp.where(state.above[None] >= 0, a[:, jnp.maximum(state.above, 0)], 1.0)
     drift = a + policy.explore * (above - a)
-    new = jnp.where(tried, seen, drift)
+    new = jnp.where(tried_k, seen, drift)
     return dataclasses.replace(state, accept=jnp.where(active[:, None], new, a))

@@ -372,14 +372,17 @@ def _engine(config, params, drafter, costs=None, *, verifier, sampler, max_new_t
             feats = jnp.pad(feats, ((0, 0), (0, 0), (0, n), (0, 0)))
         return logits, feats, cache, res, nonfinite
 
-    def finish(st, tree, dstate, pstate, key, active, verified, plain: bool = False):
+    def finish(st, tree, dstate, pstate, key, active, verified, plain: bool = False, slot_path=None):
         """Commit a verification's accepted path and bonus; observe; statistics. plain: nothing was
-        drafted (the pending token alone was run: it stays where it was written)."""
+        drafted (the pending token alone was run: it stays where it was written). slot_path: the
+        accepted path as forward slots when the forward ran a compacted tree (adaptive.compact);
+        `verified` then holds the verdict in the drafter's node indices."""
         logits, feats, cache, res, nonfinite = verified
         if plain:
             cache = advance(cache, active.astype(jnp.int32))
         else:
-            keep = jnp.concatenate([active[:, None], path_to_keep(res.path, n) & active[:, None]], axis=1)
+            slot_path = res.path if slot_path is None else slot_path
+            keep = jnp.concatenate([active[:, None], path_to_keep(slot_path, n) & active[:, None]], axis=1)
             cache = commit(cache, keep)
 
         # New tokens: the accepted path, then the bonus; cut at the first EOS and at max_new_tokens.
@@ -410,7 +413,7 @@ def _engine(config, params, drafter, costs=None, *, verifier, sampler, max_new_t
         acc_hist = st.accept_hist + hist
         policy_stats = {}
         if policy is not None:
-            pstate = adaptive_mod.update(policy, pstate, tried, accepted, active)
+            pstate = adaptive_mod.update(policy, pstate, tree, res.path, committed, res.num_accepted, active)
             kept = jnp.sum(tree.valid, axis=1).astype(jnp.int32)
             chosen = jnp.max(jnp.where(active, kept, 0))
             width_at = jnp.searchsorted(jnp.asarray(policy.widths), chosen)  # the forward's width index
@@ -439,14 +442,24 @@ def _engine(config, params, drafter, costs=None, *, verifier, sampler, max_new_t
         def draft_and_verify(st):
             tree, draft_probs, dstate = drafter.propose(st.drafter_state, ctx, sampler)
             tree, _, pstate = adaptive_mod.truncate(policy, st.policy_state, costs, tree, remaining)
+            # The kept nodes into the first slots, so the forward's width is what is kept (a chain's
+            # kept nodes are a prefix already).
+            chain = bool(getattr(drafter, "is_chain", False))
+            vtree, vprobs, perm = (tree, draft_probs, None) if chain else adaptive_mod.compact(tree, draft_probs)
             # Nothing kept (the proposal was empty or not worth its forward): a plain step after all.
             # The branches read the target cache from the switch's operand, so it is updated in place.
             verified = switch_in_place(
-                jnp.any(tree.valid & active[:, None]).astype(jnp.int32),
-                [lambda c: verify_nothing(st.replace(cache=c[2]), tree, active, k_verify),
-                 lambda c: verify(st.replace(cache=c[2]), tree, draft_probs, active, k_verify)],
-                _verified_shapes(st, tree, active, k_verify))
-            return finish(st, tree, dstate, pstate, key, active, verified)
+                jnp.any(vtree.valid & active[:, None]).astype(jnp.int32),
+                [lambda c: verify_nothing(st.replace(cache=c[2]), vtree, active, k_verify),
+                 lambda c: verify(st.replace(cache=c[2]), vtree, vprobs, active, k_verify)],
+                _verified_shapes(st, vtree, active, k_verify))
+            slot_path = None
+            if perm is not None:  # the verdict back in the drafter's node indices (observe, estimates)
+                logits, feats, cache, res, nonfinite = verified
+                slot_path = res.path
+                path, logits, feats = adaptive_mod.expand(perm, res.path, logits, feats)
+                verified = (logits, feats, cache, dataclasses.replace(res, path=path), nonfinite)
+            return finish(st, tree, dstate, pstate, key, active, verified, slot_path=slot_path)
 
         def plain(st):  # drafting does not pay this step: the drafter only keeps its state current
             idle = getattr(drafter, "idle", None)
@@ -506,7 +519,8 @@ def _start(config, params, drafter, prompt_tokens, prompt_lengths, key, *, cache
     if policy is not None:
         builder = getattr(drafter, "builder", None)
         state = state.replace(
-            policy_state=adaptive_mod.init_state(policy, b, max_d, n, getattr(builder, "static_parents", None)),
+            policy_state=adaptive_mod.init_state(policy, b, max_d, n, getattr(builder, "static_parents", None),
+                                                 bool(getattr(drafter, "is_chain", False))),
             drafted_nodes=jnp.zeros((b,), jnp.int32), speculative_steps=jnp.zeros((b,), jnp.int32),
             width_hist=jnp.zeros((len(policy.widths),), jnp.int32))
     return state
