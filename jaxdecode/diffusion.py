@@ -29,7 +29,10 @@ KV caches (`cache=`):
 - "prefix" / "dual" (Fast-dLLM's approximate caches, bidirectional models): when a row enters a new
   block, one forward over everything refreshes the KV cache; inside the block, forwards run over the
   block's slots only and attend to the cached prefix ("prefix") or prefix and suffix ("dual") as
-  computed at the refresh. A refresh runs for the whole batch when any live row needs one.
+  computed at the refresh. A refresh runs for the whole batch when any live row needs one. With
+  logits_shift 1 the block's first slot is predicted from the column just before the block (the
+  prompt's or the previous block's last token): the block forwards rerun that column as one more new
+  token, so its prediction sees the block's current tokens as it does without a cache.
 - "exact" (`block_diffusion_decode`, attention="block" models): causal across blocks, so the cache of
   finished blocks is exact; forwards run over the current block only (plus, once, the block just
   finished, to write its clean keys and values into the cache).
@@ -226,11 +229,23 @@ def _scatter_block(s: _Static, block_logits, slots):
     return _never_mask(s, out[:, :s.answer_length])
 
 
-def _block_forward(s: _Static, params, cache, prompt_lengths, answer, answer_lengths, cur, first_logits, kind):
+def _token_before_block(prompt_tokens, prompt_lengths, answer, start):
+    """int32[B]: the token of the column just before answer slot `start` [B] (the prompt's last at 0)."""
+    last_prompt = jnp.take_along_axis(prompt_tokens, (prompt_lengths - 1)[:, None], axis=1)[:, 0]
+    prev = jnp.take_along_axis(answer, jnp.clip(start - 1, 0, answer.shape[1] - 1)[:, None], axis=1)[:, 0]
+    return jnp.where(start > 0, prev, last_prompt)
+
+
+def _block_forward(s: _Static, params, cache, prompt_lengths, answer, answer_lengths, cur, first_logits, kind,
+                   prev_token=None):
     """Forward over each row's current block, attending to the cache's committed prefix. kind "exact" /
     "dual": the block's slots are the new tokens ("dual": they also see the slots after the block as
     cached at the last refresh); "prefix": the block and every slot after it are new tokens (Fast-dLLM's
-    prefix cache recomputes the suffix). Returns answer-frame logits and the cache."""
+    prefix cache recomputes the suffix). Returns answer-frame logits and the cache.
+
+    logits_shift 1: the block's first slot reads `first_logits` [B, V] (exact: the finished prefix's
+    last logits), or, given `prev_token` int32[B] (the approximate caches), the column before the block
+    is rerun as new token 0 over the prefix's last cache slot, so its logits are fresh."""
     lb, a = s.block_length, s.answer_length
     t = a if kind == "prefix" else lb
     slots = cur[:, None] * lb + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
@@ -242,9 +257,18 @@ def _block_forward(s: _Static, params, cache, prompt_lengths, answer, answer_len
         col_valid = col_slot < answer_lengths[:, None]
     else:
         col_valid = valid
-    mask = jnp.broadcast_to(col_valid[:, None, :], (valid.shape[0], t, col_valid.shape[1]))
+    rerun = s.shift and prev_token is not None
+    if rerun:  # the prefix's last column (cache slot lengths - 1) becomes new token 0
+        start = jnp.minimum(cur * lb, answer_lengths)
+        tokens = jnp.concatenate([prev_token[:, None], tokens], axis=1)
+        positions = jnp.concatenate([(prompt_lengths + start - 1)[:, None], positions], axis=1)
+        col_valid = jnp.concatenate([jnp.ones_like(col_valid[:, :1]), col_valid], axis=1)
+        cache = cache.replace(lengths=cache.lengths - 1)
+    mask = jnp.broadcast_to(col_valid[:, None, :], (valid.shape[0], tokens.shape[1], col_valid.shape[1]))
     logits, _, cache = forward(s.config, params, tokens, positions, cache, mask)
-    if s.shift:  # slot j of the block reads column j - 1; the first slot reads the carried logits
+    if rerun:  # output j predicts slot j of the block
+        logits, cache = logits[:, :-1], cache.replace(lengths=cache.lengths + 1)
+    elif s.shift:  # slot j of the block reads column j - 1; the first slot reads the carried logits
         logits = jnp.concatenate([first_logits[:, None], logits[:, :-1]], axis=1)
     return _scatter_block(s, logits, slots), cache
 
@@ -377,13 +401,12 @@ def _decode(s: _Static, params, prompt_tokens, prompt_lengths, answer_lengths, k
             need = jnp.any(live & (cur != st.carry))
 
             def refresh(_):
-                lg, c = _refresh(s, params, prompt_tokens, prompt_lengths, st.answer, answer_lengths, st.cache, cur)
-                return lg, c
+                return _refresh(s, params, prompt_tokens, prompt_lengths, st.answer, answer_lengths, st.cache, cur)
 
             def inside(_):
-                first = jnp.zeros((b, v), jnp.float32)  # prefix/dual need logits_shift 0 (checked)
-                return _block_forward(s, params, st.cache, prompt_lengths, st.answer, answer_lengths, cur, first,
-                                      s.mode)
+                prev = _token_before_block(prompt_tokens, prompt_lengths, st.answer, cur * s.block_length)
+                return _block_forward(s, params, st.cache, prompt_lengths, st.answer, answer_lengths, cur, None,
+                                      s.mode, prev_token=prev)
             logits, cache = jax.lax.cond(need, refresh, inside, None)
             st = st.replace(cache=cache, carry=jnp.where(need, cur, st.carry))
         return _commit_step(s, st, logits, answer_lengths, live)
@@ -540,10 +563,10 @@ def diffusion_decode(config, params, prompt_tokens, prompt_lengths, *, answer_le
     if cache != "none" and rule.lookahead:
         raise DiffusionError(f"rule {rule.name!r} runs its candidates through full forwards (lookahead): use "
                              f"cache='none' with it")
-    if cache in ("prefix", "dual") and (attention == "block" or shift):
-        raise DiffusionError(f"cache={cache!r} is Fast-dLLM's approximate cache for bidirectional models "
-                             "without a logits shift; block-attention models take cache='exact' "
-                             "(method block_diffusion), shifted ones cache='none'")
+    if cache in ("prefix", "dual") and attention == "block":
+        raise DiffusionError(f"cache={cache!r} is Fast-dLLM's approximate cache for bidirectional models; this "
+                             "block-diffusion model (attention='block') has an exact cache: use cache='exact' "
+                             "(method block_diffusion)")
     if cache == "exact":
         if attention != "block":
             raise DiffusionError(f"cache='exact' needs a block-diffusion model (attention='block'); this one has "

@@ -385,17 +385,17 @@ def train_task_dllm(tasks: Task | tuple, workdir, *, steps: int = 300, batch_siz
 
 @functools.lru_cache(maxsize=8)
 def tiny_task_dllm(names: str | tuple = "permutation", length: int = 6, num_values: int = 6, steps: int = 300,
-                   batch_size: int = 32, seed: int = 0):
+                   batch_size: int = 32, seed: int = 0, logits_shift: int = 0):
     """A trained tiny task dLLM (config, params) for tests, cached per process: one task (or a tuple of
-    task names, mixed) over `num_values` values. Models of equal shape share the compiled train step,
-    so a second task costs only its steps."""
+    task names, mixed) over `num_values` values (bidirectional; logits_shift 1: Dream-style). Models of
+    equal shape share the compiled train step, so a second task costs only its steps."""
     import tempfile
 
     from jaxdecode.dllm_tasks import make_task
     names = (names,) if isinstance(names, str) else tuple(names)
     with tempfile.TemporaryDirectory() as tmp:
         return train_task_dllm(tuple(make_task(n, length, num_values) for n in names), Path(tmp), steps=steps,
-                               batch_size=batch_size, seed=seed)
+                               seed=seed, spec=DLLMSpec(batch_size=batch_size, logits_shift=logits_shift))
 
 
 def train_corpus_dllm(corpus_dir, tokenizer_dir, train_config: TrainConfig, workdir, *, spec: DLLMSpec = DLLMSpec(),
