@@ -90,7 +90,7 @@ def _synthetic_cost_tables(request, monkeypatch):
 # shrink toward the end, so a run that ended on a minute-long test (the wheel build was last) kept one core
 # idle while the other finished it; now it ends on short ones. (--dist worksteal would also keep modules
 # on one worker, but a worker crash while it steals aborts the whole run: the crash rerun needs load.)
-_LONG_MODULES = ("test_multihost.py", "test_notebook.py", "test_wheel.py", "test_embedded.py")
+_LONG_MODULES = ("test_multihost.py", "test_notebook.py", "test_wheel.py", "test_embedded.py", "test_verifier_pairs.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

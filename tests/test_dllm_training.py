@@ -66,8 +66,10 @@ def test_sft_never_masks_the_prompt_and_shift_skips_position_0():
     batch = jax.tree.map(jnp.asarray, TaskBatches(task, 128)(3))
     p = task.prompt_length
 
-    def outputs(shift, batch):
-        return nnx.jit(lambda m, b: DLLMLoss(mask_id=MASK, logits_shift=shift).outputs(m, b))(module, batch)
+    jitted = {s: nnx.jit(lambda m, b, s=s: DLLMLoss(mask_id=MASK, logits_shift=s).outputs(m, b)) for s in (0, 1)}
+
+    def outputs(shift, batch):  # one compiled program per shift (the prompt-free batch below reuses shift 1's)
+        return jitted[shift](module, batch)
     for shift in (0, 1):
         logits, tokens, masked, t, maskable = outputs(shift, batch)
         masked = np.asarray(masked)
