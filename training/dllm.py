@@ -374,9 +374,9 @@ def train_task_dllm(tasks: Task | tuple, workdir, *, steps: int = 300, batch_siz
     config = task_model_config(data.tasks[0], **shape)
     from jaxdecode.models import init_params
     params = init_params(config, jax.random.PRNGKey(seed))
+    tasks_info = [[t.name, t.length, t.num_values] + ([t.options] if t.options else []) for t in data.tasks]
     result, out_config = train_dllm(config, params, data, tcfg, workdir, mask_id=data.tasks[0].vocab.mask_id,
-                                    spec=spec, run_info={"tasks": [[t.name, t.length, t.num_values]
-                                                                   for t in data.tasks]})
+                                    spec=spec, run_info={"tasks": tasks_info})
     params = result.module.raw_params()
     if export_dir is not None:
         export_lm(out_config, params, task_tokenizer(data.tasks[0].vocab), export_dir)
