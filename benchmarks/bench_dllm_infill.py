@@ -73,6 +73,8 @@ def main(argv=None):
     ap.add_argument("--filter", help="a Learn2PD filter directory (for the rule learn2pd)")
     ap.add_argument("--block-length", type=int, help="semi-autoregressive block of slots (default: the span)")
     ap.add_argument("--without-suffix", action="store_true", help="also greedy1 without the suffix")
+    ap.add_argument("--causal", help="also a causal LM's greedy continuation of the prefix (no suffix), e.g. "
+                                     "'target' (the embedded target): what left-to-right decoding gets")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -95,12 +97,24 @@ def main(argv=None):
                                                min(args.batch, len(prefix)), jax.random.PRNGKey(args.seed), **kw)
         if label == "greedy1":
             reference = tokens
-        print(json.dumps({
-            "rule": label, "windows": len(prefix), "prefix": args.prefix, "span": args.span, "suffix": args.suffix,
+        print(json.dumps({**_scores(label, args, tokens, span),
+                          "match_greedy1": None if reference is None else float(np.mean(np.all(tokens == reference,
+                                                                                                axis=1))),
+                          "nfe": float(nfe.mean()), "tokens_per_forward": float(tpf.mean()), "seconds": seconds}))
+    if args.causal:
+        causal = jaxdecode.load(args.causal, dtype=args.dtype)
+        res = jaxdecode.generate(causal, [list(map(int, p)) for p in prefix], method="greedy",
+                                 max_new_tokens=args.span, eos_ids=())
+        tokens = np.asarray([r.tokens for r in res])
+        print(json.dumps({**_scores(f"causal greedy ({args.causal}, no suffix)", args, tokens, span),
+                          "nfe": float(args.span), "tokens_per_forward": 1.0}))
+
+
+def _scores(label, args, tokens, span) -> dict:
+    return {"rule": label, "windows": len(span), "prefix": args.prefix, "span": args.span, "suffix": args.suffix,
             "exact_match": float(np.mean(np.all(tokens == span, axis=1))),
             "token_accuracy": float(np.mean(tokens == span)),
-            "match_greedy1": None if reference is None else float(np.mean(np.all(tokens == reference, axis=1))),
-            "nfe": float(nfe.mean()), "tokens_per_forward": float(tpf.mean()), "seconds": seconds}))
+            "first_token_accuracy": float(np.mean(tokens[:, 0] == span[:, 0]))}
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ def _add_generate(sub):
                        description="Every method option has a flag or --option KEY=VALUE; what each accepts "
                                    "and its default are in jaxdecode.options.OPTIONS (README, 'Options').")
     g.add_argument("--model", default=None,
-                   help="Hugging Face checkpoint directory (default: the embedded target model)")
+                   help="Hugging Face checkpoint directory, or an embedded model's name: target, draft, dllm "
+                        "(default: the embedded target; the embedded dLLM for --method diffusion)")
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
     src.add_argument("--prompts-file", default=None, help="a file with one prompt per line")
@@ -70,6 +71,15 @@ def _parse_option(text: str):
         return k.replace("-", "_"), v
 
 
+def _default_model(method: str) -> str:
+    """The embedded model a method runs on when no --model is given: the dLLM for method="diffusion"."""
+    from jaxdecode.registry import get_method
+    try:
+        return "dllm" if get_method(method).name == "diffusion" else "target"
+    except ValueError:  # an unknown method: generate names the available ones
+        return "target"
+
+
 def cmd_generate(args) -> int:
     import jaxdecode
     from jaxdecode.options import OPTIONS
@@ -90,7 +100,7 @@ def cmd_generate(args) -> int:
         if key in options:
             raise SystemExit(f"option {key} is given twice (a flag and --option); give it once")
         options[key] = value
-    model = jaxdecode.load(args.model, dtype=args.dtype)
+    model = jaxdecode.load(args.model or _default_model(args.method), dtype=args.dtype)
     results = jaxdecode.generate(model, prompts, method=args.method, **options)
     for r in results:
         if args.json:

@@ -35,8 +35,13 @@ class Model:
         return self.tokenizer.decode(list(tokens), skip_special_tokens=False)
 
 
+EMBEDDED_NAMES = ("target", "draft", "dllm")  # the causal target, its draft LM, the diffusion LM
+
+
 def embedded_model_path(name: str = "target") -> Path | None:
-    """Directory of an embedded default model ("target" or "draft"), or None if not shipped."""
+    """Directory of an embedded model (one of EMBEDDED_NAMES), or None if not shipped."""
+    if name not in EMBEDDED_NAMES:
+        raise ValueError(f"no embedded model named {name!r}; the embedded models are {EMBEDDED_NAMES}")
     p = EMBEDDED_DIR / name
     return p if (p / "config.json").exists() else None
 
@@ -68,13 +73,14 @@ def resolve_dtype(dtype: str | None, backend: str | None = None) -> str | None:
 def load(path: str | Path | None = None, *, dtype: str | None = None, mesh=None) -> Model:
     """Load a Hugging Face checkpoint directory (config.json + safetensors + tokenizer).
 
-    `path=None` (or "default"/"target"/"draft") loads an embedded default model. `dtype`: None = the
+    `path=None` (or "default", or a name of EMBEDDED_NAMES: "target", "draft", "dllm") loads an embedded
+    model; "dllm" is the diffusion LM adapted from the target (method="diffusion"). `dtype`: None = the
     default rule (`resolve_dtype`: float32 on CPU, the checkpoint's dtype on GPU/TPU), "auto" = the
     checkpoint's dtype, or "float32" / "bfloat16" / "float16". With a `mesh`, parameters are sharded
     over it.
     """
-    if path is None or str(path) in ("default", "target", "draft"):
-        name = "draft" if str(path) == "draft" else "target"
+    if path is None or str(path) in ("default",) + EMBEDDED_NAMES:
+        name = str(path) if str(path) in EMBEDDED_NAMES else "target"
         found = embedded_model_path(name)
         if found is None:
             raise FileNotFoundError(

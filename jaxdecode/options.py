@@ -214,10 +214,11 @@ _TABLE = (
            default_doc="max_new_tokens"),
     Option("block_length", "int", "slots per semi-autoregressive block (decoded left to right, block by "
            "block)", DIFFUSION, low=1, default_doc="the model's block_size (block attention), else answer_length"),
-    Option("threshold", "float", "confidence threshold of the rules that have one (threshold, credit, ccd, "
-           "window, r2, ...; learn2pd: the filter's score)", DIFFUSION, low=0, high=1,
+    Option("threshold", "float", "confidence threshold of the rules that have one (threshold, credit, ete, "
+           "r2, adablock, dystruct; learn2pd: the filter's score)", DIFFUSION, low=0, high=1,
            default_doc="the rule's own (0.9; learn2pd 0.5)"),
-    Option("tokens_per_step", "int", "slots committed per forward by rules llada and random", DIFFUSION, low=1,
+    Option("tokens_per_step", "int", "slots committed per forward by rules llada and random (ccd, window, "
+           "infogain: their base number)", DIFFUSION, low=1,
            default_doc="1"),
     Option("filter", "str", "Learn2PD filter directory (config.json + model.safetensors, `jaxdecode train "
            "filter`); rule learn2pd", DIFFUSION, default_doc="required by rule learn2pd",

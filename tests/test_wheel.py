@@ -73,10 +73,14 @@ for mod in (jaxdecode, jaxdecode.constraints, jaxdecode.drafters, jaxdecode.kern
     assert mod.__file__.startswith(site), (mod.__name__, mod.__file__, site)
 model = jaxdecode.load()  # the embedded target model ships inside the wheel
 assert str(model.path).startswith(site), model.path
+dllm = jaxdecode.load("dllm")  # so does the embedded diffusion LM
+assert str(dllm.path).startswith(site) and dllm.config.is_diffusion, dllm.path
 prompts = ["def add(a, b):\n    return a + b\n\ndef add", "import os\n"]
 greedy = jaxdecode.generate(model, prompts, "greedy", max_new_tokens=8)
+# adaptive=False: the default would first measure a cost table for the embedded model here (~20 s of
+# compiling in this fresh process); measuring it is tested in-process (test_embedded.py, real_costs).
 spec = jaxdecode.generate(model, prompts, "speculative", max_new_tokens=8, drafter="prompt_lookup",
-                          tree="chain:3")
+                          tree="chain:3", adaptive=False)
 constrained = jaxdecode.generate(model, ["def f("], "constrained_greedy", max_new_tokens=4, index=index)
 print(json.dumps({"greedy": [g.tokens for g in greedy], "spec": [g.tokens for g in spec],
                   "constrained": constrained[0].tokens}))

@@ -1,7 +1,7 @@
-"""Build the embedded default models: corpus -> tokenizer -> target + draft -> export -> card.
+"""Build the embedded default models: corpus -> tokenizer -> target + draft -> export -> card -> dLLM.
 
     python -m jaxdecode.training.build_embedded [--workdir runs/embedded] [--out models/embedded]
-        [--stages tokenizer,corpus,target,draft,report]
+        [--stages tokenizer,corpus,target,draft,report,dllm]
 
 Every stage resumes: the tokenizer and corpus are reused when present, training continues from the
 latest checkpoint in <workdir>/<model>/checkpoints, and `report` exports the latest checkpoint of
@@ -21,7 +21,13 @@ from pathlib import Path
 from .recipe import HELD_OUT_FRACTION, VOCAB_SIZE, phases, recipe
 from .tokenizer import load_tokenizer_dir, train_tokenizer
 
-STAGES = ("tokenizer", "corpus", "target", "draft", "report")
+STAGES = ("tokenizer", "corpus", "target", "draft", "report", "dllm")
+
+# The embedded diffusion LM (`load("dllm")`): the exported target adapted Dream-style (bidirectional
+# attention, logits shifted by one, MASK token added) on the target's own corpus split.
+DLLM_FLAGS = ("--attention", "bidirectional", "--logits-shift", "1", "--steps", "1500", "--batch-size", "8",
+              "--seq-len", "256", "--lr", "5e-4", "--warmup", "50", "--eval-every", "100",
+              "--checkpoint-every", "100", "--data-parallel", "1", "--export-dtype", "bfloat16")
 
 
 def stdlib_root() -> str:
@@ -65,6 +71,17 @@ def stage_train(work: Path, name: str, progress: bool):
     return result
 
 
+def stage_dllm(work: Path, out: Path, progress: bool) -> int:
+    """`jaxdecode train dllm` from the exported target (needs the report stage's export); resumes."""
+    from .cli import main as train_main
+    if not (out / "target" / "config.json").exists():
+        raise SystemExit(f"stage dllm adapts the exported target {out / 'target'}: run the report stage first")
+    stage_corpus(work)
+    return train_main(["dllm", "--corpus", str(work / "corpus"), "--tokenizer", str(out / "target"),
+                       "--init-from", str(out / "target"), "--output", str(out / "dllm"),
+                       "--workdir", str(work / "dllm"), *DLLM_FLAGS] + ([] if progress else ["--no-progress"]))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jaxdecode.training.build_embedded",
                                  description=__doc__.split("\n\n")[0])
@@ -93,6 +110,8 @@ def main(argv=None) -> int:
             stage_corpus(work)
         elif s in ("target", "draft"):
             stage_train(work, s, not args.no_progress)
+        elif s == "dllm":
+            stage_dllm(work, Path(args.out), not args.no_progress)
         elif s == "report":
             from .report import build_report, refresh_report
             cmd = " ".join(["python -m jaxdecode.training.build_embedded"]

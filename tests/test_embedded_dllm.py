@@ -1,0 +1,43 @@
+"""The embedded diffusion LM (models/embedded/dllm): the target adapted Dream-style; found by name,
+decoded by method="diffusion" (the CLI's default model for it), and a drafter for the target."""
+import json
+
+import pytest
+
+import jaxdecode
+
+
+@pytest.fixture(scope="module")
+def dllm():
+    return jaxdecode.load("dllm")
+
+
+def test_the_embedded_dllm_is_the_targets_dream_style_adaptation(dllm):
+    target = jaxdecode.load("target")
+    c = dllm.config
+    assert c.is_diffusion and c.attention == "bidirectional" and c.logits_shift == 1
+    assert c.vocab_size == target.config.vocab_size + 1 == c.mask_token_id + 1  # <|mask|> appended
+    assert dllm.tokenizer.mask_token_id == c.mask_token_id
+    text = "def add(a, b):\n    return a + b\n"
+    assert dllm.tokenizer.encode(text) == target.tokenizer.encode(text)  # same ids for every other token
+
+
+def test_diffusion_decodes_it_and_the_cli_defaults_to_it(dllm, capsys):
+    from jaxdecode.cli import main
+    res = jaxdecode.generate(dllm, ["import os\n", "def f(x):\n"], method="diffusion", max_new_tokens=8,
+                             rule="threshold", eos_ids=())
+    assert [len(r.tokens) for r in res] == [8, 8] and all(1 <= r.stats["nfe"] <= 8 for r in res)
+    one = jaxdecode.generate(dllm, "import os\n", method="diffusion", max_new_tokens=8, rule="threshold")
+    assert main(["generate", "--method", "diffusion", "--prompt", "import os\n", "--max-new-tokens", "8",
+                 "--rule", "threshold", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["tokens"] == one[0].tokens  # the same model, found without --model
+
+
+def test_it_drafts_for_the_target_losslessly(dllm):
+    target = jaxdecode.load("target")
+    prompts = ["import os\n", "class A:\n    def"]
+    plain = jaxdecode.generate(target, prompts, method="greedy", max_new_tokens=8)
+    spec = jaxdecode.generate(target, prompts, method="speculative", drafter="dllm", draft=dllm, tree="chain:4",
+                              max_new_tokens=8, adaptive=False)
+    assert [r.tokens for r in spec] == [r.tokens for r in plain]
