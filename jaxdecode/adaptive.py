@@ -133,16 +133,22 @@ def init_state(policy: AdaptivePolicy, batch: int, max_depth: int, num_nodes: in
                is_chain: bool = False) -> PolicyState:
     """Estimates at the prior. A drafter with a static shape (`static_parents`, [N]) gets one key per
     node and that shape; any other gets (depth, sibling rank) keys (depth alone for chains) and, until
-    its first proposal, the shape of a chain of max_depth nodes."""
+    its first proposal, a guessed shape: a chain of max_depth nodes for chain drafters, else a binary
+    tree in level order (N nodes at most, max_depth deep) — a chain would undervalue a tree drafter,
+    which might then never draft and never show its real shape."""
     n = num_nodes
+    idx = np.arange(n)
     if static_parents is not None:
         parents = np.asarray(static_parents, np.int32)
         shaped, ranks, above = np.ones(n, bool), 0, parents
     else:
         ranks = 1 if is_chain else min(n, MAX_RANK_KEYS)
-        idx = np.arange(n)
-        parents = np.where(idx < max_depth, idx - 1, -1).astype(np.int32)
-        shaped = idx < max_depth
+        if is_chain:
+            parents, shaped = np.where(idx < max_depth, idx - 1, -1), idx < max_depth
+        else:  # node i's children are 2i+2 and 2i+3; depth of node i: floor(log2(i + 2))
+            parents = np.where(idx >= 2, (idx - 2) // 2, -1)
+            shaped = np.floor(np.log2(idx + 2)) <= max_depth
+        parents = parents.astype(np.int32)
         k = np.arange(max_depth * ranks)
         above = np.where(k >= ranks, (k // ranks - 1) * ranks, -1)  # (d, r) -> (d - 1, 0)
     return PolicyState(accept=jnp.full((batch, len(above)), policy.prior, jnp.float32),
