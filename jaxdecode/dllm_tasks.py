@@ -219,8 +219,8 @@ class AdditionTask(Task):
 
     digit_order: "msd" writes the operands and the sum most significant digit first (as people write
     them; a sum digit depends on the carries of every digit after it); "lsd" writes all three least
-    significant digit first (the usual remedy for left-to-right models; the bidirectional task models
-    here also learn it faster). The same numbers, only the positions change.
+    significant digit first (the usual remedy for left-to-right models). The same numbers, only the
+    positions change.
     operand_sizes: "full" draws every digit uniformly; "mixed" (a training curriculum: its prompts are
     prompts of the same task) gives each operand, with probability 1/2, a uniform number 1..length of
     significant digits instead, zero-padded. A short operand makes most sum digits copies of the other
