@@ -254,7 +254,8 @@ def _advance_constraint(old: _DecodeState, new: _DecodeState, token, constraint)
     """Move live rows' constraint states along their token; a row whose item is complete is done."""
     live = ~old.done
     moved = constraint.advance(old.cstate, token)
-    cstate = moved.replace(node=tuple(jnp.where(live, m, o) for m, o in zip(moved.node, old.cstate.node)))
+    from jaxdecode.constraints.protocol import select_rows  # constraints.search imports this module
+    cstate = select_rows(live, moved, old.cstate)
     return new.replace(cstate=cstate, done=new.done | (live & constraint.complete(cstate)))
 
 
