@@ -23,14 +23,25 @@ from jaxdecode.sharding import to_host
 
 @dataclasses.dataclass(frozen=True)
 class Generation:
-    """One prompt's result. `tokens` are the new tokens (up to and including EOS)."""
+    """One prompt's result. `tokens` are the new tokens (up to and including EOS).
+
+    Under regex= / json_schema= / grammar=: `valid` says whether the text (without its EOS) satisfies
+    the constraint, checked apart from the automaton by `validator` (re.fullmatch, jsonschema, lark or
+    llguidance; valid None: none could read it), and `backend` names what enforced it while decoding."""
     prompt: str | list[int]
     text: str
     tokens: list[int]
     stats: dict
+    valid: bool | None = None
+    constraint: str | None = None  # regex | json_schema | grammar, or None (unconstrained)
+    backend: str | None = None
+    validator: str | None = None
 
     def to_json(self) -> dict:
-        return {"prompt": self.prompt, "text": self.text, "tokens": self.tokens, "stats": self.stats}
+        out = {"prompt": self.prompt, "text": self.text, "tokens": self.tokens, "stats": self.stats}
+        if self.constraint is not None:
+            out.update(valid=self.valid, constraint=self.constraint, backend=self.backend, validator=self.validator)
+        return out
 
 
 # ----------------------------------------------------------------------------- generate
@@ -67,13 +78,16 @@ def generate(model: Model, prompts, method: str = "greedy", max_new_tokens: int 
     """Generate continuations of `prompts` (a string, a list of strings, or token-id lists).
 
     `method` is any registered name (`jaxdecode.methods()`): greedy, sample, mirostat, beam,
-    diverse_beam, and the speculative/constrained decoders. Options are the method's own; every
+    diverse_beam, and the speculative/constrained decoders. Structured output: regex=, json_schema= or
+    grammar= (one value, or a list with one per prompt) constrains the methods in
+    jaxdecode.options.STRUCTURED; each Generation then says whether its text is `valid`. Options are the method's own; every
     option, what it accepts and its default are in `jaxdecode.options.OPTIONS` (README, "Options").
     All are checked before anything decodes; None means "the method's default". EOS defaults to the
     model's eos ids. Returns one `Generation` per prompt, with stats new_tokens, target_calls,
     seconds (the call's wall time without compilation), compile_seconds (JAX tracing + compiling
     during the call: ~0 on a repeated call at the same shapes; None when this JAX cannot report it,
-    then seconds includes it), nonfinite_logits, and the method's own.
+    then seconds includes it), nonfinite_logits, and the method's own (under a structured option also
+    constraint, constraint_backend and constraint_compile_seconds: host compile time, not in seconds).
 
     If the model's logits were NaN/inf at a step where a row was decoding, raises
     NonFiniteLogitsError naming the rows (its `.results` holds the outputs) unless
@@ -81,6 +95,7 @@ def generate(model: Model, prompts, method: str = "greedy", max_new_tokens: int 
     """
     from jaxdecode.autoregressive import pad_prompts
     from jaxdecode.options import resolve
+    from jaxdecode.structured import build_constraint, output_text, structured_request, validate_text
     spec = get_method(method)
     _check_model_kind(model, spec.name)
     given = dict(options, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
@@ -91,6 +106,12 @@ def generate(model: Model, prompts, method: str = "greedy", max_new_tokens: int 
     if opts["eos_ids"] is None:
         opts["eos_ids"] = model.config.eos_token_ids
     opts["eos_ids"] = tuple(int(e) for e in opts["eos_ids"])  # validated ints: exact
+    structured = structured_request(opts, len(token_lists))
+    constraint_stats = {}
+    if structured is not None:  # compiled here, before decoding and outside its timing (the disk cache helps)
+        start = time.perf_counter()
+        opts["constraint"], constraint_stats = build_constraint(model, structured, opts["eos_ids"])
+        constraint_stats["constraint_compile_seconds"] = round(time.perf_counter() - start, 4)
     max_new_tokens = opts.pop("max_new_tokens")
     allow_nonfinite = opts.pop("allow_nonfinite")
     # seconds = the call's wall time minus JAX's tracing / lowering / compiling, reported apart as
@@ -107,11 +128,18 @@ def generate(model: Model, prompts, method: str = "greedy", max_new_tokens: int 
     out = []
     for b, prompt in enumerate(raw_prompts):
         new = [int(t) for t in np.asarray(tokens[b])[: int(lengths[b])]]
-        row_stats = {"new_tokens": len(new), "seconds": round(seconds, 4), "compile_seconds": compile_seconds}
+        row_stats = {"new_tokens": len(new), "seconds": round(seconds, 4), "compile_seconds": compile_seconds,
+                     **constraint_stats}
         for k, v in stats.items():
             row_stats[k] = _jsonable(np.asarray(v)[b] if k in per_row else v)
+        checked = {}
+        if structured is not None:
+            valid, validator = validate_text(structured, b, output_text(model, new, opts["eos_ids"]),
+                                             tokens=new, model=model)
+            checked = dict(valid=valid, constraint=structured.kind, validator=validator,
+                           backend=row_stats.get("constraint_backend"))
         out.append(Generation(prompt=prompt if isinstance(prompt, str) else list(map(int, prompt)),
-                              text=model.decode(new), tokens=new, stats=row_stats))
+                              text=model.decode(new), tokens=new, stats=row_stats, **checked))
     bad = [b for b, r in enumerate(out) if r.stats.get(NONFINITE_STAT)]
     if bad and not allow_nonfinite:
         dtype = model.config.dtype

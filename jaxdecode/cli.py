@@ -3,6 +3,8 @@
     jaxdecode generate --model DIR --prompt TEXT [--prompt TEXT ...] | --prompts-file FILE
                        --method NAME --max-new-tokens N [--temperature T] [--seed S] [--json]
     jaxdecode generate --method constrained_beam --index items.npz [--set-id S ...] ...
+    jaxdecode generate --regex PATTERN | --json-schema FILE | --grammar FILE ...   (structured output;
+                       each repeatable: one per prompt; --json adds "valid", "validator", "backend")
     jaxdecode index build ITEMS_FILE --vocab-size V --out items.npz   (one item per line, ids by spaces)
     jaxdecode index info items.npz
     jaxdecode bench --model DIR --prompts-file F --method greedy --method 'speculative:tree=chain:4'
@@ -95,6 +97,7 @@ def cmd_generate(args) -> int:
     options = {k: getattr(args, k) for k, o in OPTIONS.items() if o.cli is not None and getattr(args, k) is not None}
     if isinstance(options.get("set_ids"), list) and len(options["set_ids"]) == 1:
         options["set_ids"] = options["set_ids"][0]  # one --set-id: every prompt
+    _read_structured(options)
     for text in args.option:
         key, value = _parse_option(text)
         if key in options:
@@ -108,8 +111,39 @@ def cmd_generate(args) -> int:
         else:
             print(f"--- prompt: {r.prompt!r}")
             print(r.prompt + r.text if isinstance(r.prompt, str) else r.text)
+            if r.constraint is not None:
+                print(f"    valid: {r.valid} ({r.constraint} checked by {r.validator}; enforced by {r.backend})")
             print(f"    stats: {r.stats}")
     return 0
+
+
+def _read_structured(options: dict) -> None:
+    """--regex / --json-schema FILE / --grammar FILE (each repeatable: one for all prompts, or one per
+    prompt): read the files (the schema parsed as JSON), one flag = one value for every prompt."""
+    for name in ("regex", "json_schema", "grammar"):
+        values = options.get(name)
+        if values is None:
+            continue
+        if not isinstance(values, list):
+            values = [values]
+        if name != "regex":
+            values = [_read_file(name, v) for v in values]
+        options[name] = values[0] if len(values) == 1 else values
+
+
+def _read_file(name: str, path: str):
+    flag = "--" + name.replace("_", "-")
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise FileNotFoundError(f"{flag} {path}: cannot read the file ({e.strerror})") from None
+    if name != "json_schema":
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} {path}: not a JSON file ({e})") from None
 
 
 def cmd_methods(args) -> int:

@@ -43,16 +43,27 @@ def place_inputs(model, prompt_tokens, prompt_lengths, opts):
             shard_batch(prompt_lengths, mesh))
 
 
+def structured_constraint(model, opts: dict, batch: int):
+    """The Constraint of the structured-output options (regex / json_schema / grammar): opts["constraint"],
+    built by generate (jaxdecode.structured), else built here for direct callers; None without them."""
+    if opts.get("constraint") is not None:
+        return opts["constraint"]
+    from jaxdecode.structured import build_constraint, structured_request
+    req = structured_request(opts, batch)
+    return None if req is None else build_constraint(model, req, opts["eos_ids"])[0]
+
+
 def _autoregressive(kind: str):
     def run(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
         params, toks, lens = place_inputs(model, prompt_tokens, prompt_lengths, opts)
         extra = {}
         if kind == "mirostat":
             extra = dict(mirostat_tau=float(opts["tau"]), mirostat_eta=float(opts["eta"]))
+        constraint = structured_constraint(model, opts, prompt_tokens.shape[0])
         # decode() treats temperature 0 as greedy for every method.
         out = decode(model.config, params, toks, lens, max_new_tokens=max_new_tokens,
                      sampler=sampler_from_options(opts), eos_ids=opts["eos_ids"], key=_key(opts),
-                     cache_len=opts["cache_len"], method=kind, **extra)
+                     cache_len=opts["cache_len"], method=kind, constraint=constraint, **extra)
         return out.tokens, out.lengths, out.stats
     return run
 
@@ -60,11 +71,12 @@ def _autoregressive(kind: str):
 def _beam(diverse: bool):
     def run(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
         params, toks, lens = place_inputs(model, prompt_tokens, prompt_lengths, opts)
+        constraint = structured_constraint(model, opts, prompt_tokens.shape[0])
         out = beam_search(model.config, params, toks, lens, max_new_tokens=max_new_tokens,
                           num_beams=opts["num_beams"], length_penalty=float(opts["length_penalty"]),
                           eos_ids=opts["eos_ids"], num_groups=opts["num_groups"] if diverse else 1,
                           diversity_penalty=float(opts["diversity_penalty"]) if diverse else 0.0,
-                          cache_len=opts["cache_len"])
+                          cache_len=opts["cache_len"], constraint=constraint)
         stats = dict(out.stats)
         stats["beam_scores"] = out.scores
         stats["beams"] = out.tokens
@@ -128,11 +140,13 @@ def _speculative(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
         verifier = get_verifier(verifier)
     policy, costs = _adaptive_policy(model, drafter, sampler, verifier, prompt_tokens, max_new_tokens, opts)
     params, toks, lens = place_inputs(model, prompt_tokens, prompt_lengths, opts)
+    constraint = structured_constraint(model, opts, prompt_tokens.shape[0])
+    extra = {} if constraint is None else {"constraint": constraint}  # options.STRUCTURED lists speculative
     out = speculative_decode(model.config, params, drafter, toks, lens, max_new_tokens=max_new_tokens,
                              verifier=verifier, sampler=sampler, eos_ids=opts["eos_ids"],
                              key=_key(opts), cache_len=opts["cache_len"],
                              verify_widths=None if policy else opts["verify_widths"], mesh=opts.get("mesh"),
-                             adaptive=policy, costs=costs)
+                             adaptive=policy, costs=costs, **extra)
     if policy is not None:
         tree_stats["calibrate_seconds"] = float(opts.get("calibrate_seconds", 0.0))
     return out.tokens, out.lengths, {**out.stats, **tree_stats}

@@ -25,6 +25,9 @@ SAMPLING = ("sample", "mirostat", "speculative", "constrained_sample")
 BEAMS = ("beam", "diverse_beam", "constrained_beam")
 CONSTRAINED = ("constrained_beam", "constrained_greedy", "constrained_sample")
 DIFFUSION = ("diffusion", "block_diffusion")
+# Methods that take a regex / JSON-schema / grammar constraint (the decoders' `constraint=`).
+STRUCTURED = ("greedy", "sample", "mirostat", "beam", "diverse_beam")
+STRUCTURED_OPTIONS = ("regex", "json_schema", "grammar")  # each builds a constraint: one at most, not with index
 SEED_MAX = 2**32 - 1  # jax.random.PRNGKey wraps larger seeds onto smaller ones
 
 
@@ -35,7 +38,7 @@ class OptionError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Option:
     name: str
-    kind: str  # int | float | bool | str | ids (list of ints) | int_or_ids | dict | mesh
+    kind: str  # int | float | bool | str | ids (list of ints) | int_or_ids | dict | mesh | texts | schemas
     doc: str
     methods: tuple  # canonical method names, or (ALL,)
     default: Any = None  # a value, {method: value}, or None (the method decides: default_doc)
@@ -90,6 +93,10 @@ class Option:
             text = ("one of " + ", ".join(self.allowed_choices())) if ch is not None else "a string"
         elif self.kind == "dict":
             text = "a dict with string keys"
+        elif self.kind == "texts":
+            text = "a non-empty string, or a list of them (one per prompt)"
+        elif self.kind == "schemas":
+            text = "a dict, a JSON text or a .json file path, or a list of them (one per prompt)"
         else:
             text = "a jax.sharding.Mesh"
         if self.objects:
@@ -206,6 +213,13 @@ _TABLE = (
     Option("set_ids", "int_or_ids", "item set of each prompt (one int: every prompt)", CONSTRAINED,
            default_doc="set 0", low=0, cli="--set-id", cli_repeat=True),
     Option("impl", "str", "constrained top-k implementation", CONSTRAINED, "auto", choices=_impls),
+    # ------------------------------------------------------------------ structured output
+    Option("regex", "texts", "the output (up to EOS) must match this regex in full (outlines-core syntax); "
+           "EOS is allowed exactly where the text matches", STRUCTURED, default_doc="none", cli_repeat=True),
+    Option("json_schema", "schemas", "the output must be a JSON value valid under this JSON schema "
+           "(outlines-core's schema -> regex converter)", STRUCTURED, default_doc="none", cli_repeat=True),
+    Option("grammar", "texts", "the output must parse under this context-free grammar (text of the grammar: "
+           "jaxdecode.constraints.grammar)", STRUCTURED, default_doc="none", cli_repeat=True),
     # ------------------------------------------------------------------ diffusion LMs
     Option("rule", "str", "which masked slots a forward commits (ALGORITHMS.md §5; greedy1 = one token per "
            "forward, the reference)", DIFFUSION, "greedy1", choices=_diffusion_rules,
@@ -304,6 +318,15 @@ def check_option(name: str, value):
             ok = ok and len(items) >= opt.min_len
     elif opt.kind == "dict":
         ok = isinstance(value, dict) and all(isinstance(k, str) for k in value)
+    elif opt.kind in ("texts", "schemas"):
+        import os
+
+        def one(v):
+            if opt.kind == "schemas" and isinstance(v, (dict, os.PathLike)):
+                return True
+            return isinstance(v, str) and bool(v.strip())
+        items = [value] if one(value) else _ids(value)
+        ok = bool(items) and all(one(v) for v in items)
     elif opt.kind == "mesh":
         import jax
         ok = isinstance(value, jax.sharding.Mesh)
@@ -318,10 +341,16 @@ def resolve(method: str, given: dict, *, batch: int | None = None) -> dict:
     prompts), when known, enables the per-prompt checks. Raises OptionError."""
     from jaxdecode.registry import get_method
     spec = get_method(method)
+    constraints = [k for k in STRUCTURED_OPTIONS + ("index",) if given.get(k) is not None]
+    if len(constraints) > 1:
+        raise OptionError(f"options {constraints} each constrain the output; give one of regex, json_schema, "
+                          f"grammar (or index, an item set): to combine constraints, intersect them "
+                          f"(jaxdecode.constraints)")
     taken = set(common_options()) | set(spec.options)
     unknown = sorted(k for k, v in given.items() if k not in taken and v is not None)
     if unknown:
-        raise OptionError(f"method {spec.name!r} does not take option(s) {unknown}; it takes "
+        elsewhere = "".join(f"; {k} is taken by {OPTIONS[k].methods_text()}" for k in unknown if k in OPTIONS)
+        raise OptionError(f"method {spec.name!r} does not take option(s) {unknown}{elsewhere}; {spec.name} takes "
                           f"{sorted(taken - {'mesh'})} (see jaxdecode.options.OPTIONS)")
     out = {}
     for name in sorted(taken):
@@ -361,6 +390,16 @@ def _cross_checks(method: str, opts: dict, batch: int | None) -> None:
     if batch is not None and set_ids is not None and not _is_int(set_ids) and len(_ids(set_ids)) != batch:
         raise OptionError(f"set_ids has {len(_ids(set_ids))} entries but there are {batch} prompts: give "
                           f"one item set per prompt, or one int for all")
+    for name in STRUCTURED_OPTIONS:
+        value = opts.get(name)
+        if batch is not None and per_prompt(value) and len(value) != batch:
+            raise OptionError(f"{name} has {len(value)} entries but there are {batch} prompts: give one per "
+                              f"prompt, or one value for all")
+
+
+def per_prompt(value) -> bool:
+    """A structured-output option given as a list (one value per prompt), not one value for all."""
+    return value is not None and not isinstance(value, (str, dict)) and not hasattr(value, "__fspath__")
 
 
 def _takes_drafter_dir(drafter) -> bool:

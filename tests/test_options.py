@@ -44,6 +44,9 @@ GOOD = [
     ("rule", "greedy1"), ("rule", "freedave"), ("answer_length", 1), ("block_length", 32),
     ("threshold", 0), ("threshold", 0.9), ("threshold", 1), ("tokens_per_step", 2), ("filter", "path/to/filter"),
     ("rule_options", {"draft": 4}), ("diffusion_cache", "dual"), ("max_forwards", 1),
+    ("regex", "[0-9]+"), ("regex", ["a+", "b+"]), ("grammar", "start: \"a\"+"),
+    ("json_schema", {"type": "integer"}), ("json_schema", '{"type": "string"}'), ("json_schema", "schema.json"),
+    ("json_schema", Path("schema.json")), ("json_schema", [{"type": "integer"}, "s.json"]),
 ]
 
 # (option, value) pairs that must be refused with an OptionError naming the option.
@@ -80,6 +83,8 @@ BAD = [
     ("rule", "nope"), ("rule", 3), ("answer_length", 0), ("block_length", 0), ("block_length", 2.0),
     ("threshold", -0.1), ("threshold", 1.5), ("threshold", NAN), ("tokens_per_step", 0), ("filter", 5),
     ("rule_options", [1]), ("diffusion_cache", "exact"), ("max_forwards", 0),
+    ("regex", ""), ("regex", 5), ("regex", ["a", 3]), ("regex", []), ("grammar", {"start": "a"}), ("grammar", " "),
+    ("json_schema", 5), ("json_schema", []), ("json_schema", [{"type": "integer"}, 2]),
 ]
 
 
@@ -141,6 +146,10 @@ def test_defaults_fill_unset_options_and_keep_zeros():
     ("constrained_beam", {}, "needs option index"),
     ("constrained_greedy", {"index": "x.npz", "set_ids": [0, 1, 2]}, r"set_ids has 3 entries but there are 2 prompts"),
     ("speculative", {"draft": "dir", "drafter": "prompt_lookup"}, "draft is used only by drafter 'draft_lm'"),
+    ("greedy", {"regex": "a", "json_schema": {}}, r"options \['regex', 'json_schema'\] each constrain the output"),
+    ("constrained_greedy", {"index": "x.npz", "regex": "a"}, "give one of regex, json_schema, grammar"),
+    ("diffusion", {"regex": "a"}, r"does not take option\(s\) \['regex'\]; regex is taken by greedy, sample"),
+    ("greedy", {"regex": ["a", "b", "c"]}, "regex has 3 entries but there are 2 prompts"),
 ])
 def test_cross_option_checks(method, opts, match):
     with pytest.raises(OptionError, match=match):

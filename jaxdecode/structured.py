@@ -1,0 +1,200 @@
+"""Structured output for `generate` and the CLI: options regex= / json_schema= / grammar= as a Constraint,
+and the check that each output is valid.
+
+    req = structured_request(opts, batch)            # None without a structured option
+    constraint, info = build_constraint(model, req, eos_ids)   # an AutomatonConstraint (or a grammar's)
+    ok, validator = validate_text(req, row, text)    # regex fullmatch / jsonschema / grammar parse
+
+Each option takes one value (every prompt) or a list with one per prompt; rows with different values get
+one stacked automaton with a start state per row (`stack_automata`). The compilers are
+jaxdecode.constraints.automaton (outlines-core) and, for grammars, jaxdecode.constraints.grammar.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+from jaxdecode.constraints.trie import ConstraintError
+from jaxdecode.options import STRUCTURED_OPTIONS, per_prompt
+
+AUTOMATON_BACKEND = "outlines-core token automaton (device)"
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredRequest:
+    kind: str  # "regex" | "json_schema" | "grammar"
+    values: tuple  # one per row: the regex, the schema's JSON text, the grammar's text
+
+    @property
+    def distinct(self) -> tuple:
+        return tuple(dict.fromkeys(self.values))
+
+
+def structured_request(opts: dict, batch: int) -> StructuredRequest | None:
+    """The structured option among resolved `opts` (at most one: options.resolve checks), values per row."""
+    given = [k for k in STRUCTURED_OPTIONS if opts.get(k) is not None]
+    if not given:
+        return None
+    kind = given[0]
+    value = opts[kind]
+    values = list(value) if per_prompt(value) else [value] * batch
+    if len(values) != batch:
+        raise ValueError(f"{kind} has {len(values)} entries but there are {batch} prompts: give one per prompt, "
+                         f"or one value for all")
+    norm = _schema_text if kind == "json_schema" else str
+    return StructuredRequest(kind, tuple(norm(v) for v in values))
+
+
+def _schema_text(schema) -> str:
+    """A schema (dict, JSON text or file path) as canonical JSON text; a clear error for anything else."""
+    if isinstance(schema, dict):
+        return json.dumps(schema, sort_keys=True)
+    text = str(schema)
+    if isinstance(schema, str):
+        try:
+            return json.dumps(json.loads(text), sort_keys=True)
+        except json.JSONDecodeError:
+            pass
+    path = Path(text)
+    if not path.is_file():
+        raise FileNotFoundError(f"json_schema {text[:80]!r} is neither JSON text nor a readable file; pass the "
+                                f"schema as a dict, its JSON text, or the path of a .json file")
+    try:
+        return json.dumps(json.loads(path.read_text()), sort_keys=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"json_schema file {text!r} is not valid JSON: {e}") from None
+
+
+# ----------------------------------------------------------------------------- the constraint
+def _compile(model, kind: str, value: str, eos_ids: tuple):
+    from jaxdecode.constraints import automaton
+    if model.tokenizer is None:
+        raise ValueError(f"{kind}= needs the model's tokenizer (the token automaton is over its byte strings); "
+                         f"this model has no tokenizer files")
+    kw = dict(vocab_size=model.config.vocab_size, eos_ids=eos_ids)
+    if kind == "regex":
+        return automaton.compile_regex(value, model.tokenizer, **kw)
+    if kind == "json_schema":
+        return automaton.compile_json_schema(value, model.tokenizer, **kw)
+    try:
+        from jaxdecode.constraints.grammar import compile_grammar
+    except ImportError:
+        raise ConstraintError("grammar= needs jaxdecode.constraints.grammar.compile_grammar, which this build "
+                              "does not have; constrain with regex= or json_schema= instead") from None
+    return compile_grammar(value, model.tokenizer, **kw)
+
+
+def build_constraint(model, req: StructuredRequest, eos_ids: tuple):
+    """(constraint, info): the device constraint of the request for this model's tokenizer, and
+    {"constraint": kind, "constraint_backend": who enforces it}. Errors of the compilers surface unchanged."""
+    compiled = {v: _compile(model, req.kind, v, tuple(eos_ids)) for v in req.distinct}
+    first = compiled[req.values[0]]
+    backend = getattr(first, "backend", None) or AUTOMATON_BACKEND
+    if len(compiled) == 1:
+        return first.constraint(), {"constraint": req.kind, "constraint_backend": backend}
+    from jaxdecode.constraints import automaton
+    stack = getattr(automaton, "stack_automata", None)
+    if stack is None or not all(isinstance(a, automaton.TokenAutomaton) for a in compiled.values()):
+        raise ConstraintError(f"{req.kind}: {len(compiled)} different values for the prompts of one call need "
+                              f"stacked automata, which this build does not have for {req.kind}; give one value "
+                              f"for all prompts, or call generate once per value")
+    order = {v: i for i, v in enumerate(compiled)}
+    stacked = stack(list(compiled.values()))
+    return (stacked.constraint(starts=[order[v] for v in req.values]),
+            {"constraint": req.kind, "constraint_backend": backend})
+
+
+# ----------------------------------------------------------------------------- validity
+def output_text(model, tokens, eos_ids) -> str | None:
+    """The exact text of an output without its EOS, from the tokens' bytes (None: not valid UTF-8)."""
+    from jaxdecode.constraints.automaton import token_bytes
+    eos = set(int(e) for e in eos_ids)
+    tokens = [int(t) for t in tokens]
+    if tokens and tokens[-1] in eos:
+        tokens = tokens[:-1]
+    table = _token_bytes(model.tokenizer, token_bytes)
+    try:
+        return b"".join(table[t] or b"" for t in tokens).decode("utf-8")
+    except (UnicodeDecodeError, IndexError):
+        return None
+
+
+_BYTES_CACHE: dict = {}
+
+
+def _token_bytes(tokenizer, token_bytes):
+    key = id(tokenizer)
+    if key not in _BYTES_CACHE or _BYTES_CACHE[key][0] is not tokenizer:
+        _BYTES_CACHE[key] = (tokenizer, token_bytes(tokenizer))
+    return _BYTES_CACHE[key][1]
+
+
+def validate_text(req: StructuredRequest, row: int, text: str | None, tokens=None, model=None):
+    """(valid, validator): whether row's text satisfies its constraint, checked independently of the
+    automaton: regex by Python's re.fullmatch, JSON by jsonschema (the schema's regex when jsonschema is
+    not installed), a grammar by lark's Earley parser (llguidance for grammars lark cannot read).
+    valid is None when no validator can read the constraint (the validator says why)."""
+    value = req.values[row]
+    if text is None:
+        return False, "utf-8"
+    if req.kind == "regex":
+        try:
+            return re.fullmatch(value, text) is not None, "re.fullmatch"
+        except re.error as e:
+            return None, f"none (Python's re cannot read the pattern: {e})"
+    if req.kind == "json_schema":
+        schema = json.loads(value)
+        try:
+            import jsonschema
+        except ImportError:
+            from jaxdecode.constraints.automaton import schema_to_regex
+            return re.fullmatch(schema_to_regex(schema), text) is not None, "the schema's regex (no jsonschema)"
+        try:
+            instance = json.loads(text)
+        except json.JSONDecodeError:
+            return False, "jsonschema"
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        return cls(schema).is_valid(instance), "jsonschema"
+    return _validate_grammar(value, text, tokens, model)
+
+
+def _validate_grammar(grammar: str, text: str, tokens, model):
+    try:
+        import lark
+        parser = lark.Lark(grammar, parser="earley")
+    except Exception:  # not plain Lark (llguidance's dialect, GBNF): llguidance on the tokens
+        return _llguidance_accepts(grammar, tokens, model)
+    try:
+        parser.parse(text)
+        return True, "lark"
+    except lark.exceptions.LarkError:
+        return False, "lark"
+
+
+def _llguidance_accepts(grammar: str, tokens, model):
+    if tokens is None or model is None:
+        return None, "none (lark cannot read the grammar)"
+    try:
+        import llguidance
+        import llguidance.hf
+        lltok = _llguidance_tokenizer(model)
+        text = grammar if "start" in grammar else llguidance.gbnf_to_lark(grammar)
+        matcher = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_lark(text))
+    except Exception as e:  # noqa: BLE001 - any reason it cannot read the grammar is reported
+        return None, f"none (neither lark nor llguidance reads the grammar: {e})"
+    eos = set(model.config.eos_token_ids)
+    body = [int(t) for t in tokens if int(t) not in eos]
+    ok = matcher.consume_tokens(body) and not matcher.is_error() and matcher.is_accepting()
+    return bool(ok), "llguidance"
+
+
+def _llguidance_tokenizer(model):
+    import llguidance.hf
+    key = ("llguidance", id(model.tokenizer))
+    if key not in _BYTES_CACHE or _BYTES_CACHE[key][0] is not model.tokenizer:
+        _BYTES_CACHE[key] = (model.tokenizer, llguidance.hf.from_tokenizer(model.tokenizer,
+                                                                           n_vocab=model.config.vocab_size))
+    return _BYTES_CACHE[key][1]
+

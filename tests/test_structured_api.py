@@ -1,0 +1,98 @@
+"""Structured output through the public surface: generate(..., regex= / json_schema= / grammar=) with
+every method that takes a constraint, per-row values, the CLI's --regex / --json-schema and its "valid"
+field, and the errors of bad requests. The embedded target, a few new tokens each."""
+import json
+import re
+
+import jsonschema
+import pytest
+
+import jaxdecode
+from jaxdecode.cli import main
+from jaxdecode.constraints import automaton
+from jaxdecode.options import STRUCTURED, OptionError
+
+SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}
+OTHER = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+PATTERN = r"[a-c]{2}-[0-9]{1,3}"
+PROMPTS = ["x = ", "def f("]
+METHOD_OPTIONS = {"greedy": {}, "sample": {"seed": 3}, "mirostat": {"seed": 1}, "beam": {"num_beams": 2},
+                  "diverse_beam": {"num_beams": 2, "num_groups": 2}, "speculative": {"drafter": "prompt_lookup"}}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return jaxdecode.load()
+
+
+def _check_schema(results, schemas):
+    for r, schema in zip(results, schemas):
+        assert r.tokens[-1] == 0, r.text  # ended by EOS, allowed only where the JSON is complete
+        jsonschema.validate(json.loads(r.text.removesuffix("<|endoftext|>")), schema)
+        assert (r.valid, r.constraint, r.validator) == (True, "json_schema", "jsonschema")
+        assert r.backend == r.stats["constraint_backend"] and "device" in r.backend
+
+
+@pytest.mark.parametrize("method", [m for m in STRUCTURED if m in METHOD_OPTIONS])
+def test_json_schema_with_every_method(model, method):
+    out = jaxdecode.generate(model, PROMPTS, method=method, max_new_tokens=16, json_schema=SCHEMA,
+                             **METHOD_OPTIONS[method])
+    _check_schema(out, [SCHEMA] * 2)
+
+
+def test_regex_fullmatches_and_says_valid(model):
+    out = jaxdecode.generate(model, PROMPTS, method="sample", max_new_tokens=12, regex=PATTERN, seed=0)
+    for r in out:
+        assert re.fullmatch(PATTERN, r.text.removesuffix("<|endoftext|>")), r.text
+        assert r.valid is True and r.validator == "re.fullmatch" and r.to_json()["valid"] is True
+    plain = jaxdecode.generate(model, PROMPTS[0], max_new_tokens=2)[0]
+    assert plain.constraint is None and "valid" not in plain.to_json()
+
+
+def test_one_schema_per_row(model):
+    if not hasattr(automaton, "stack_automata"):
+        pytest.skip("stack_automata (per-row automata) has not landed")
+    schemas = [SCHEMA, OTHER, SCHEMA]
+    out = jaxdecode.generate(model, PROMPTS + ["import"], max_new_tokens=16, json_schema=schemas)
+    _check_schema(out, schemas)
+
+
+def test_cli_regex_and_json_schema(tmp_path, capsys):
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(SCHEMA))
+    assert main(["generate", "--prompt", "a", "--prompt", "b", "--json-schema", str(path), "--max-new-tokens",
+                 "16", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 2 and all(r["valid"] is True and r["validator"] == "jsonschema" for r in rows)
+    assert all(r["constraint"] == "json_schema" and "device" in r["backend"] for r in rows)
+    assert main(["generate", "--prompt", "a", "--regex", PATTERN, "--max-new-tokens", "10"]) == 0
+    assert "valid: True (regex checked by re.fullmatch" in capsys.readouterr().out
+
+
+def test_cli_bad_requests(tmp_path, capsys):
+    assert main(["generate", "--prompt", "a", "--json-schema", str(tmp_path / "none.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--json-schema" in err and "cannot read the file" in err
+    (tmp_path / "bad.json").write_text("{not json")
+    assert main(["generate", "--prompt", "a", "--json-schema", str(tmp_path / "bad.json")]) == 2
+    assert "not a JSON file" in capsys.readouterr().err
+
+
+def test_bad_requests(model):
+    with pytest.raises(OptionError, match=r"options \['regex', 'json_schema'\] each constrain the output"):
+        jaxdecode.generate(model, "a", regex="a+", json_schema=SCHEMA)
+    with pytest.raises(OptionError, match="give one of regex, json_schema, grammar"):
+        jaxdecode.generate(model, "a", method="constrained_greedy", index="items.txt", regex="a+")
+    # a method without constraints: the error names the methods that take one
+    with pytest.raises(OptionError, match=r"does not take option\(s\) \['regex'\]; regex is taken by greedy, "):
+        jaxdecode.generate(model, "a", method="constrained_sample", regex="a+")
+    with pytest.raises(FileNotFoundError, match="neither JSON text nor a readable file"):
+        jaxdecode.generate(model, "a", json_schema="/nonexistent/schema.json")
+    with pytest.raises(OptionError, match="regex has 3 entries but there are 2 prompts"):
+        jaxdecode.generate(model, PROMPTS, regex=["a", "b", "c"])
+    # the automaton's own error surfaces unchanged
+    with pytest.raises(automaton.AutomatonError) as direct:
+        automaton.compile_regex("(a", model.tokenizer, vocab_size=model.config.vocab_size, cache=False)
+    with pytest.raises(automaton.AutomatonError) as through:
+        jaxdecode.generate(model, "a", regex="(a")
+    assert str(through.value) == str(direct.value)
