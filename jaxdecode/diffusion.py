@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdecode import diffusion_constraint as DC
 from jaxdecode.autoregressive import (_concrete, is_eos, nonfinite_rows, pad_id_for, validate_eos_ids,
                                       validate_prompts)
 from jaxdecode.diffusion_rules import (  # noqa: F401  (the rules and the filter are public here too)
@@ -204,14 +205,36 @@ def _context(s: _Static, state: _State, logits, answer_lengths):
     return ctx, eligible, key
 
 
-def _commit_step(s: _Static, state: _State, logits, answer_lengths, live):
-    """The rule's commits from one forward's answer-frame logits."""
+def _constrain(s: _Static, cons, answer, answer_lengths, logits):
+    """(logits masked to the tokens that keep each row completable, the step's reachability sets); no
+    constraint: (logits, None). See jaxdecode.diffusion_constraint."""
+    if cons is None:
+        return logits, None
+    auto, tacc = cons
+    st = DC.sets(auto, answer, answer_lengths, tacc, s.mask_id, bool(s.eos_ids))
+    return DC.mask_logits(auto, st, logits, tacc, bool(s.eos_ids)), st
+
+
+def _keep_completable(s: _Static, cons, st, commit, tokens):
+    """The commits that keep the answer completable, left to right (all of them without a constraint)."""
+    if cons is None:
+        return commit
+    auto, tacc = cons
+    return DC.filter_commits(auto, st, commit, tokens.astype(jnp.int32), tacc, bool(s.eos_ids))
+
+
+def _commit_step(s: _Static, state: _State, logits, answer_lengths, live, cons=None):
+    """The rule's commits from one forward's answer-frame logits (under a constraint: from the masked
+    logits, then filtered so the answer stays completable)."""
+    raw = logits
+    logits, st = _constrain(s, cons, state.answer, answer_lengths, logits)
     ctx, eligible, key = _context(s, state, logits, answer_lengths)
     commit, tokens, rstate = s.rule.select(ctx)
     _, conf, _ = confidence(logits)
     commit = at_least_one(commit, conf, eligible) & live[:, None]
+    commit = _keep_completable(s, cons, st, commit, tokens)
     answer = _apply(s, state.answer, commit, tokens.astype(jnp.int32), answer_lengths)
-    bad = nonfinite_rows(logits, live, eligible)
+    bad = nonfinite_rows(raw, live, eligible)
     return state.replace(answer=answer, key=key, rule_state=rstate, nfe=state.nfe + live.astype(jnp.int32),
                          nonfinite=state.nonfinite | bad)
 
@@ -328,15 +351,17 @@ def _exact_step(s: _Static, params, state: _State, prompt_lengths, answer_length
 
 
 def _lookahead_step(s: _Static, params, state: _State, prompt_tokens, prompt_lengths, answer_lengths, live,
-                    suffix=None):
+                    suffix=None, cons=None):
     """One step of a lookahead rule (FreeDave, InfoGain): the rule proposes K commit sets from the current
     logits, ONE batched forward runs the model on the K resulting answers, the rule keeps one per row;
     the kept answer's forward gives the next step's current logits."""
     b, a = state.answer.shape
     cur_logits = state.carry
-    ctx, eligible, key = _context(s, state, cur_logits, answer_lengths)
+    masked_logits, st = _constrain(s, cons, state.answer, answer_lengths, cur_logits)
+    ctx, eligible, key = _context(s, state, masked_logits, answer_lengths)
     commits, tokens = s.rule.propose(ctx)  # [K, B, A], [B, A]
     k = commits.shape[0]
+    commits = jax.vmap(lambda c: _keep_completable(s, cons, st, c & eligible, tokens))(commits)
     drafts = jax.vmap(lambda c: _apply(s, state.answer, c & eligible & live[:, None], tokens.astype(jnp.int32),
                                        answer_lengths))(commits)  # [K, B, A]
     rep = lambda t: jnp.broadcast_to(t, (k,) + t.shape).reshape((k * b,) + t.shape[1:])
@@ -354,12 +379,33 @@ def _lookahead_step(s: _Static, params, state: _State, prompt_tokens, prompt_len
                          rule_state=rstate, nfe=state.nfe + live.astype(jnp.int32), nonfinite=state.nonfinite | bad)
 
 
+def _bind_constraint(s: _Static, auto, answer, answer_lengths, suffix):
+    """((auto, tail acceptance bool[B, S]) for the loop, bool[B] rows whose language is empty) or
+    (None, None) without a constraint."""
+    if auto is None:
+        return None, None
+    tacc = DC.tail_accept(auto, suffix, answer.shape[0])
+    st = DC.sets(auto, answer, answer_lengths, tacc, s.mask_id, bool(s.eos_ids))
+    return (auto, tacc), ~DC.completable(auto, st)
+
+
 @partial(jax.jit, static_argnames=("s",))
-def _decode(s: _Static, params, prompt_tokens, prompt_lengths, answer_lengths, key, suffix=None):
+def _empty_rows(s: _Static, auto, answer_lengths, suffix):
+    """bool[B]: rows no answer of their length (+ suffix) can satisfy the constraint (the host check)."""
+    pos = jnp.arange(s.answer_length, dtype=jnp.int32)[None, :]
+    answer = jnp.where(pos < answer_lengths[:, None], s.mask_id, pad_id_for(s.eos_ids)).astype(jnp.int32)
+    return _bind_constraint(s, auto, answer, answer_lengths, suffix)[1]
+
+
+@partial(jax.jit, static_argnames=("s",))
+def _decode(s: _Static, params, prompt_tokens, prompt_lengths, answer_lengths, key, suffix=None, auto=None):
     b = prompt_tokens.shape[0]
     a, v = s.answer_length, s.config.vocab_size
     pos = jnp.arange(a, dtype=jnp.int32)[None, :]
     answer = jnp.where(pos < answer_lengths[:, None], s.mask_id, pad_id_for(s.eos_ids)).astype(jnp.int32)
+    cons, empty = _bind_constraint(s, auto, answer, answer_lengths, suffix)
+    if cons is not None:  # rows with an empty language (only when called under jit): ended at once, reported
+        answer = jnp.where(empty[:, None], pad_id_for(s.eos_ids), answer)
     state = _State(answer=answer, nfe=jnp.zeros((b,), jnp.int32), steps=jnp.int32(0), key=key,
                    rule_state=s.rule.init(b, a, v), cache=None, carry=None, nonfinite=jnp.zeros((b,), bool))
     if s.rule.lookahead:  # FreeDave, InfoGain: the current forward comes before the loop
@@ -390,7 +436,7 @@ def _decode(s: _Static, params, prompt_tokens, prompt_lengths, answer_lengths, k
         live = ~done
         st = st.replace(steps=st.steps + 1)
         if s.rule.lookahead:
-            return _lookahead_step(s, params, st, prompt_tokens, prompt_lengths, answer_lengths, live, suffix)
+            return _lookahead_step(s, params, st, prompt_tokens, prompt_lengths, answer_lengths, live, suffix, cons)
         if s.mode == "none":
             logits = _full_forward(s, params, prompt_tokens, prompt_lengths, st.answer, answer_lengths, suffix,
                                    s.rule.visible(st.rule_state, st.answer != s.mask_id))
@@ -409,7 +455,7 @@ def _decode(s: _Static, params, prompt_tokens, prompt_lengths, answer_lengths, k
                                       s.mode, prev_token=prev)
             logits, cache = jax.lax.cond(need, refresh, inside, None)
             st = st.replace(cache=cache, carry=jnp.where(need, cur, st.carry))
-        return _commit_step(s, st, logits, answer_lengths, live)
+        return _commit_step(s, st, logits, answer_lengths, live, cons)
 
     state = jax.lax.while_loop(cond, body, state)
     _, _, done, end, _ = _frame(s, state.answer, answer_lengths)
@@ -418,6 +464,8 @@ def _decode(s: _Static, params, prompt_tokens, prompt_lengths, answer_lengths, k
     stats = {"nfe": state.nfe, "steps": state.steps, "unfinished": ~done,
              "tokens_per_forward": decoded.astype(jnp.float32) / jnp.maximum(state.nfe, 1).astype(jnp.float32),
              "nonfinite_logits": state.nonfinite}
+    if cons is not None:
+        stats["constraint_empty"] = empty
     return DiffusionOutput(tokens=tokens, lengths=end.astype(jnp.int32), stats=stats)
 
 
@@ -524,7 +572,8 @@ def _check_suffix(config, suffix_tokens, suffix_lengths, prompt_tokens, prompt_l
 def diffusion_decode(config, params, prompt_tokens, prompt_lengths, *, answer_length: int, rule=None,
                      block_length: int | None = None, eos_ids=(), key=None, mask_id=None, logits_shift=None,
                      max_forwards: int | None = None, answer_lengths=None, cache: str = "none",
-                     cache_len: int | None = None, suffix_tokens=None, suffix_lengths=None) -> DiffusionOutput:
+                     cache_len: int | None = None, suffix_tokens=None, suffix_lengths=None,
+                     constraint=None) -> DiffusionOutput:
     """Decode `answer_length` masked slots per prompt with a commit rule. See the module docstring.
 
     rule: a Rule (or a name in RULES; default Greedy1). block_length: slots per semi-autoregressive
@@ -541,6 +590,15 @@ def diffusion_decode(config, params, prompt_tokens, prompt_lengths, *, answer_le
     attention; rules, blocks and EOS work as without one (an EOS ends the gap early: the slots after it
     become padding, the suffix keeps its positions). Only cache='none' and bidirectional models
     (attention='block' never lets a slot see what comes after its block).
+
+    constraint: a regex / JSON-schema AutomatonConstraint (compile_regex(...).constraint(), one pattern
+    per row with starts=) or a TokenAutomaton: each row's answer up to its first EOS, followed by its
+    suffix, is a full match of the pattern when the row finishes (jaxdecode.diffusion_constraint: the
+    rule sees logits masked to the tokens that keep the answer completable, and its commits are kept
+    left to right while a completion exists). Without EOS ids the answer fills all its slots. A row
+    whose pattern no answer of its length (+ suffix) can match is an error before decoding (under jit:
+    stats["constraint_empty"], the row ends at once). stats["unfinished"] rows (max_forwards ran out)
+    hold MASK slots: what they committed is completable but not yet a match.
     """
     mask_id, shift = _check_model(config, mask_id, logits_shift, "diffusion decoding")
     rule = make_rule(rule) if isinstance(rule, str) else (rule or Greedy1())
@@ -588,7 +646,35 @@ def diffusion_decode(config, params, prompt_tokens, prompt_lengths, *, answer_le
     s = _Static(config=config, rule=rule, answer_length=int(answer_length), block_length=block_length,
                 eos_ids=eos_ids, mask_id=mask_id, shift=shift, mode=cache, max_forwards=int(max_forwards),
                 cache_len=cache_len)
-    return _decode(s, params, prompt_tokens, prompt_lengths, answer_lengths, key, suffix)
+    auto = None
+    if constraint is not None:
+        auto = DC.bind(constraint, vocab_size=config.vocab_size, eos_ids=eos_ids, mask_id=mask_id,
+                       batch=prompt_tokens.shape[0])
+        _check_constraint_rows(s, auto, answer_lengths, suffix, constraint)
+    return _decode(s, params, prompt_tokens, prompt_lengths, answer_lengths, key, suffix, auto)
+
+
+def _check_constraint_rows(s: _Static, auto, answer_lengths, suffix, constraint):
+    """Raise DiffusionError naming the rows whose pattern no answer of their length (+ suffix) matches
+    (the emptiness check before decoding; skipped under jit, where stats['constraint_empty'] reports)."""
+    concrete_in = [_concrete("answer_lengths", answer_lengths)]
+    if suffix is not None:
+        concrete_in += [_concrete("suffix_tokens", suffix[0]), _concrete("suffix_lengths", suffix[1])]
+    if any(x is None for x in concrete_in):
+        return
+    DC.check_suffix_tokens(suffix, s.eos_ids)
+    empty = np.asarray(_empty_rows(s, auto, answer_lengths, suffix))
+    if empty.any():
+        rows = np.flatnonzero(empty).tolist()
+        al = concrete_in[0]
+        pats = getattr(getattr(constraint, "host", None), "patterns", None) or getattr(constraint, "patterns", ())
+        what = f" {pats[0]!r}" if len(pats) == 1 else ""
+        raise DiffusionError(
+            f"{', '.join(f'row {r} ({int(al[r])} slots)' for r in rows[:4])}"
+            f"{f' and {len(rows) - 4} more rows' if len(rows) > 4 else ''}: no answer of that many slots"
+            f"{' followed by the row suffix' if suffix is not None else ''} matches the pattern{what}"
+            f"{'' if s.eos_ids else ' (without EOS ids the answer must fill every slot)'}: the constrained "
+            "language is empty there; change answer_length / answer_lengths, the suffix or the pattern")
 
 
 def block_diffusion_decode(config, params, prompt_tokens, prompt_lengths, *, answer_length: int, rule=None,
@@ -642,7 +728,8 @@ def _run(method: str):
         params, toks, lens = place_inputs(model, prompt_tokens, prompt_lengths, opts)
         kw = {"answer_length": answer_length, "rule": rule_from_options(opts), "block_length": opts["block_length"],
               "eos_ids": opts["eos_ids"], "key": jax.random.PRNGKey(opts.get("seed") or 0),
-              "max_forwards": opts["max_forwards"], "cache_len": opts["cache_len"]}
+              "max_forwards": opts["max_forwards"], "cache_len": opts["cache_len"],
+              "constraint": opts.get("constraint")}
         if method == "block_diffusion":
             out = block_diffusion_decode(config, params, toks, lens, **kw)
         else:

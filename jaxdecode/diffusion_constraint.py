@@ -1,0 +1,264 @@
+"""Regex / JSON-schema constraints in masked-diffusion decoding (jaxdecode.diffusion, `constraint=`).
+
+A diffusion step proposes tokens at several masked slots at once, anywhere in the answer, so the
+left-to-right walk of an automaton (what autoregressive decoding does) does not apply. Instead every
+commit keeps the answer *completable*: the answer, read as a pattern of slots (a committed token, a
+MASK = any one token, or padding past the row's length), followed by the fixed suffix of infilling,
+must still have at least one filling in the automaton's language. That is the emptiness check of
+Mündler et al. 2025 ("Constrained Decoding of Diffusion LLMs with Context-Free Grammars": constrained
+decoding = additive infilling = is L intersected with the partial output's regular language
+non-empty?), exact here because L is a DFA and every MASK is exactly one token; LAVE (Zhang et al.
+2026, lookahead-then-verify) makes the same promise by sampling complete candidates instead.
+
+Slot semantics (as the decoder's frame has them): the text is the answer up to its first EOS, then
+the suffix; slots after an EOS are padding (the EOS id). So the automaton gets one extra state, D =
+"the answer ended": EOS moves state s to D when s accepts the rest (the suffix walked from s ends in a
+final state; no suffix: s is final), D takes only EOS / padding, and D accepts. A MASK may become any
+token of any allowed class or an EOS; slots past the row's answer length are skipped.
+
+Per forward and row (states S, classes C, one-step edges E = distinct (s, s') pairs):
+  forward sets  F[j] bool[S+1]  states the committed pattern can be in before slot j     (scan, O(A E))
+  backward sets G[j] bool[S+1]  states from which slots j.. (and the suffix) can accept  (scan, O(A E))
+  feasible      bool[A, C+1]    class c at masked slot j keeps the answer completable:
+                                any_s F[j][s] & G[j+1][next[s, c]]                      (O(A S C))
+The rule sees logits masked to the feasible tokens of each masked slot (so its confidences are those of
+the constrained distribution); its commits are then filtered left to right: a scan carries the states
+reachable with the commits accepted so far and accepts a proposal when some of them reaches G[j+1]
+through it (G is that of the answer before this step's commits, which every accepted prefix of commits
+keeps completable). The leftmost proposal always passes (its token is feasible), so the loop still
+commits at least one slot per forward and ends after at most A forwards; when it ends every row's
+answer (+ suffix) is in the language. Rows cut off by max_forwards keep MASK slots (stats
+"unfinished"); what they committed is still completable, but the output is not a match.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdecode.diffusion_rules import DiffusionError
+
+_NEG = -1e30
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SlotAutomaton:
+    """A TokenAutomaton bound to one diffusion decode (a pytree; shapes give S, C, E)."""
+    cls: jax.Array  # int32[V]: the model's token ids -> class; 0 = never allowed, C = an EOS id
+    next: jax.Array  # int32[S, C]: next[s, c], -1 = forbidden (column 0 all -1)
+    final: jax.Array  # bool[S]
+    src: jax.Array  # int32[E]: one-step edges s -> s' over every class (padding: S + 1, dropped)
+    dst: jax.Array  # int32[E]
+    initial: jax.Array  # int32[B]: each row's start state
+
+    @property
+    def num_states(self) -> int:
+        return int(self.next.shape[0])
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.next.shape[1])
+
+
+def bind(constraint, *, vocab_size: int, eos_ids: tuple, mask_id: int, batch: int) -> SlotAutomaton:
+    """Host checks and the device tables of `constraint` (an AutomatonConstraint, or a TokenAutomaton:
+    pattern 0 for every row) for a decode with this model's vocabulary, EOS ids, MASK id and batch."""
+    from jaxdecode.constraints.automaton import AutomatonConstraint, TokenAutomaton
+    if isinstance(constraint, TokenAutomaton):
+        constraint = constraint.constraint()
+    if not isinstance(constraint, AutomatonConstraint):
+        raise DiffusionError(f"diffusion decoding takes a regex / JSON-schema constraint (an AutomatonConstraint "
+                             f"from compile_regex(...).constraint() or a TokenAutomaton), got "
+                             f"{type(constraint).__name__}; item-set constraints (TrieConstraint) decode "
+                             "left to right: use method greedy / beam")
+    try:
+        token_class, nxt, final, initial = (np.asarray(x) for x in (constraint.token_class, constraint.next,
+                                                                   constraint.final, constraint.initial))
+    except jax.errors.TracerArrayConversionError:
+        raise DiffusionError("the constraint's tables are traced: pass the constraint to diffusion_decode from "
+                             "outside jit (close over it), its tables are read on the host") from None
+    v_auto, (s, c) = token_class.shape[0], nxt.shape
+    if v_auto > vocab_size:
+        raise DiffusionError(f"the automaton covers {v_auto} token ids but the model's vocabulary has "
+                             f"{vocab_size}; compile it with this model's tokenizer (vocab_size={vocab_size})")
+    for what, ids in (("MASK id", (mask_id,)), ("EOS id", eos_ids)):
+        for i in ids:
+            if i < v_auto and token_class[i] != 0:
+                raise DiffusionError(f"{what} {i} is a token of the pattern; compile the automaton with the "
+                                     f"dLLM's tokenizer (its MASK is a special token) and eos_ids including "
+                                     f"the EOS ids {tuple(eos_ids)}")
+    if constraint.per_row and initial.shape[0] != batch:
+        raise DiffusionError(f"the constraint has start states for {initial.shape[0]} rows but the batch has "
+                             f"{batch}; pass one pattern per prompt")
+    cls = np.zeros(vocab_size, np.int32)
+    cls[:v_auto] = token_class
+    cls[list(eos_ids)] = c  # the EOS class, one past the table
+    ss, cc = np.nonzero(nxt >= 0)
+    pairs = np.unique(ss.astype(np.int64) * s + nxt[ss, cc])
+    src, dst = (pairs // s).astype(np.int32), (pairs % s).astype(np.int32)
+    if src.size == 0:
+        src = dst = np.full(1, s + 1, np.int32)
+    init = np.broadcast_to(initial.astype(np.int32), (batch,))
+    return SlotAutomaton(cls=jnp.asarray(cls), next=jnp.asarray(nxt, jnp.int32), final=jnp.asarray(final, bool),
+                         src=jnp.asarray(src), dst=jnp.asarray(dst), initial=jnp.asarray(init))
+
+
+def check_suffix_tokens(suffix, eos_ids: tuple):
+    """A constrained text ends where the suffix ends: an EOS id inside the suffix is an error."""
+    if suffix is None or not eos_ids:
+        return
+    toks, lens = (np.asarray(x) for x in suffix)
+    valid = np.arange(toks.shape[1])[None, :] < lens[:, None]
+    hit = np.argwhere(valid & np.isin(toks, list(eos_ids)))
+    if hit.size:
+        i, j = (int(t) for t in hit[0])
+        raise DiffusionError(f"suffix {i} holds the EOS id {int(toks[i, j])} at token {j}: under a constraint the "
+                             "text is answer + suffix and ends where the suffix ends; drop the EOS from the suffix")
+
+
+# ----------------------------------------------------------------------------- device side
+def tail_accept(a: SlotAutomaton, suffix, batch: int):
+    """bool[B, S]: states from which the row's suffix (None: nothing) walks to a final state."""
+    s = a.num_states
+    states = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (batch, s))
+    if suffix is not None:
+        toks, lens = suffix
+
+        def walk(st, x):
+            tok, j = x  # [B], scalar
+            c = jnp.take(a.cls, tok)[:, None]  # [B, 1]; the suffix holds no EOS (checked)
+            nx = jnp.where(st >= 0, jnp.take_along_axis(a.next[jnp.maximum(st, 0)], c[..., None], axis=-1)[..., 0],
+                           -1)
+            return jnp.where((j < lens)[:, None], nx, st), None
+
+        states, _ = jax.lax.scan(walk, states, (toks.T, jnp.arange(toks.shape[1])))
+    return (states >= 0) & jnp.take(a.final, jnp.maximum(states, 0))
+
+
+def _kinds(a: SlotAutomaton, answer, answer_lengths, mask_id: int):
+    """int32[B, A] per slot: its token's class (0..C-1; C = EOS), C + 1 = MASK (any), C + 2 = past the row."""
+    c = a.num_classes
+    pos = jnp.arange(answer.shape[1], dtype=jnp.int32)[None, :]
+    kind = jnp.where(answer == mask_id, c + 1, jnp.take(a.cls, jnp.clip(answer, 0, a.cls.shape[0] - 1)))
+    return jnp.where(pos < answer_lengths[:, None], kind, c + 2)
+
+
+def _get(x, idx):
+    return x.at[idx].get(mode="fill", fill_value=False)
+
+
+def _forward_step(a: SlotAutomaton, r, kind, tacc, has_eos: bool):
+    """bool[S+1]: the states after one slot of `kind` from the set r (index S = D, the answer ended)."""
+    s, c = a.num_states, a.num_classes
+    empty = jnp.zeros(s + 1, bool)
+    nx = a.next[:, jnp.clip(kind, 0, c - 1)]  # [S]
+    content = empty.at[jnp.where(r[:s] & (nx >= 0), nx, s + 1)].set(True, mode="drop")
+    to_d = (jnp.any(r[:s] & tacc) | r[s]) if has_eos else jnp.bool_(False)
+    eos = empty.at[s].set(to_d)
+    wild = empty.at[jnp.where(_get(r, a.src), a.dst, s + 1)].set(True, mode="drop").at[s].set(to_d)
+    return jnp.where(kind == c + 2, r, jnp.where(kind == c + 1, wild, jnp.where(kind == c, eos, content)))
+
+
+def _backward_step(a: SlotAutomaton, g, kind, tacc, has_eos: bool):
+    """bool[S+1]: the states before one slot of `kind` from which the set g (after it) is reachable."""
+    s, c = a.num_states, a.num_classes
+    nx = a.next[:, jnp.clip(kind, 0, c - 1)]
+    content = jnp.concatenate([_get(g, jnp.where(nx >= 0, nx, s + 1)), jnp.zeros(1, bool)])
+    if has_eos:
+        eos = jnp.concatenate([tacc & g[s], g[s][None]])
+    else:
+        eos = jnp.zeros(s + 1, bool)
+    wild = jnp.zeros(s + 1, bool).at[jnp.where(_get(g, a.dst), a.src, s + 1)].set(True, mode="drop") | eos
+    return jnp.where(kind == c + 2, g, jnp.where(kind == c + 1, wild, jnp.where(kind == c, eos, content)))
+
+
+def _row_sets(a: SlotAutomaton, kinds, init, tacc, has_eos: bool):
+    """One row: (F bool[A+1, S+1] states before each slot, G bool[A+1, S+1] states that can still accept
+    from each slot)."""
+    s = a.num_states
+    f0 = jnp.zeros(s + 1, bool).at[init].set(True)
+
+    def fwd(r, k):
+        r2 = _forward_step(a, r, k, tacc, has_eos)
+        return r2, r2
+
+    _, fs = jax.lax.scan(fwd, f0, kinds)
+    g_end = jnp.concatenate([tacc, jnp.ones(1, bool) if has_eos else jnp.zeros(1, bool)])
+
+    def bwd(g, k):
+        g2 = _backward_step(a, g, k, tacc, has_eos)
+        return g2, g2
+
+    _, gs = jax.lax.scan(bwd, g_end, kinds, reverse=True)
+    return jnp.concatenate([f0[None], fs]), jnp.concatenate([gs, g_end[None]])
+
+
+@dataclasses.dataclass(frozen=True)
+class Sets:
+    """One step's reachability, per row: kinds int32[B, A], F / G bool[B, A+1, S+1]."""
+    kinds: jax.Array
+    f: jax.Array
+    g: jax.Array
+
+
+jax.tree_util.register_dataclass(Sets, data_fields=["kinds", "f", "g"], meta_fields=[])
+
+
+def sets(a: SlotAutomaton, answer, answer_lengths, tacc, mask_id: int, has_eos: bool) -> Sets:
+    kinds = _kinds(a, answer, answer_lengths, mask_id)
+    f, g = jax.vmap(lambda k, i, t: _row_sets(a, k, i, t, has_eos))(kinds, a.initial, tacc)
+    return Sets(kinds=kinds, f=f, g=g)
+
+
+def completable(a: SlotAutomaton, st: Sets):
+    """bool[B]: the row's pattern (+ suffix) still has a filling in the language."""
+    return jnp.take_along_axis(st.g[:, 0], a.initial[:, None], axis=1)[:, 0]
+
+
+def token_mask(a: SlotAutomaton, st: Sets, tacc, has_eos: bool):
+    """bool[B, A, V]: tokens each slot may take keeping the row completable (computed for every slot;
+    meaningful at masked ones)."""
+    s, c = a.num_states, a.num_classes
+    f, g = st.f[:, :-1], st.g[:, 1:]  # [B, A, S+1]: before slot j, after slot j
+    nxt = jnp.where(a.next >= 0, a.next, s + 1)  # [S, C]
+    # gn[b, j, s, c] = g[b, j, next[s, c]]: the gather is the O(A S C) part
+    gn = jax.vmap(jax.vmap(lambda gj: _get(gj, nxt)))(g)  # [B, A, S, C]
+    feas = jnp.any(f[..., :s, None] & gn, axis=-2)  # [B, A, C]
+    if has_eos:
+        eos = (jnp.any(f[..., :s] & tacc[:, None, :], axis=-1) | f[..., s]) & g[..., s]
+    else:
+        eos = jnp.zeros(feas.shape[:2], bool)
+    feas = jnp.concatenate([feas, eos[..., None]], axis=-1)  # [B, A, C+1]
+    return jnp.take(feas, a.cls, axis=-1)  # [B, A, V]
+
+
+def mask_logits(a: SlotAutomaton, st: Sets, logits, tacc, has_eos: bool):
+    """logits [B, A, V] with the tokens that would make the answer uncompletable at -1e30 (masked slots)."""
+    c = a.num_classes
+    ok = token_mask(a, st, tacc, has_eos)
+    masked = (st.kinds == c + 1)[..., None]
+    return jnp.where(masked & ~ok, jnp.asarray(_NEG, logits.dtype), logits)
+
+
+def filter_commits(a: SlotAutomaton, st: Sets, commit, tokens, tacc, has_eos: bool):
+    """bool[B, A]: the commits kept, left to right: a proposal is kept when the states reachable with
+    the commits kept before it still reach G (the pre-step completion sets) through its token."""
+    kinds_new = jnp.take(a.cls, jnp.clip(tokens, 0, a.cls.shape[0] - 1))  # [B, A]
+
+    def row(kinds, knew, prop, g, init, t):
+        r0 = jnp.zeros(a.num_states + 1, bool).at[init].set(True)
+
+        def body(r, x):
+            k, kn, p, gj1 = x
+            r_new = _forward_step(a, r, kn, t, has_eos)
+            ok = p & jnp.any(r_new & gj1)
+            r_old = _forward_step(a, r, k, t, has_eos)
+            return jnp.where(ok, r_new, r_old), ok
+
+        _, kept = jax.lax.scan(body, r0, (kinds, knew, prop, g[1:]))
+        return kept
+
+    return jax.vmap(row)(st.kinds, kinds_new, commit, st.g, a.initial, tacc)

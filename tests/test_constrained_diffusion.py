@@ -1,0 +1,179 @@
+"""Regex / JSON-schema constraints in the diffusion decoders (jaxdecode.diffusion_constraint): every
+finished output is a full match, for several commit rules, caches and infilling; the same decodes
+without the constraint are not; an impossible infill is refused before decoding."""
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import jsonschema
+import numpy as np
+import pytest
+from jaxdecode.models import ModelConfig, init_params
+
+from jaxdecode import diffusion as D
+from jaxdecode import diffusion_constraint as DC
+from jaxdecode.constraints.automaton import compile_json_schema, compile_regex
+
+# A character tokenizer with a few merges (so a slot can hold several characters) for a 32-id model.
+PIECES = (["<eos>"] + list("0123456789-ab{}\":, ") + ['{"', '":', '"a"', "12", "ab", "a-", "7}", "--", 'b"']
+          + ["<mask>"])
+EOS, MASK, V = 0, len(PIECES) - 1, 32
+
+
+class _Tok:
+    eos_token_id = EOS
+    all_special_ids = [EOS, MASK]
+
+    def get_vocab(self):
+        return {p: i for i, p in enumerate(PIECES)}
+
+
+TOK = _Tok()
+ID = {p: i for i, p in enumerate(PIECES)}
+PAT = r"[0-9]{2,4}-[ab]+"  # unbounded: rows fill every slot
+SHORT = r"[0-9]{1,3}"  # bounded: rows must end with EOS
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 3}},
+          "required": ["a", "b"]}
+
+
+def _config(**kw):
+    return ModelConfig(model_type="llama", vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=1,
+                       num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=96, mask_token_id=MASK,
+                       **{"attention": "bidirectional", **kw})
+
+
+CFG = _config()
+PARAMS = init_params(CFG, jax.random.PRNGKey(0), std=0.3)
+B = 6
+PROMPTS = jnp.asarray(np.random.RandomState(0).randint(1, 20, (B, 4)), jnp.int32)
+LENS = jnp.asarray([4, 3, 4, 2, 4, 1], jnp.int32)
+
+
+@pytest.fixture(scope="module")
+def autos():
+    kw = {"vocab_size": V, "eos_ids": (EOS,), "cache": False}
+    return {"pat": compile_regex(PAT, TOK, **kw), "short": compile_regex(SHORT, TOK, **kw),
+            "json": compile_json_schema(SCHEMA, TOK, **kw)}
+
+
+def _texts(out, suffix=None):
+    """The text of each row: answer up to its EOS, then its suffix; None for unfinished rows."""
+    texts = []
+    for b in range(out.tokens.shape[0]):
+        n = int(out.lengths[b])
+        toks = np.asarray(out.tokens[b, :n]).tolist()
+        body = toks[:-1] if toks and toks[-1] == EOS else toks
+        if MASK in body or bool(out.stats["unfinished"][b]):
+            texts.append(None)
+            continue
+        texts.append("".join(PIECES[t] for t in body + list(suffix[b] if suffix is not None else [])))
+    return texts
+
+
+def _decode(rule, answer_length=10, **kw):
+    return D.diffusion_decode(CFG, PARAMS, PROMPTS, LENS, answer_length=answer_length, rule=rule, eos_ids=(EOS,),
+                              **kw)
+
+
+RULES = {"greedy1": D.Greedy1(), "threshold": D.Threshold(0.5), "llada3": D.LLaDA(tokens_per_step=3)}
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_regex_every_row_matches_and_unconstrained_does_not(autos, rule):
+    out = _decode(RULES[rule], constraint=autos["pat"].constraint())
+    texts = _texts(out)
+    assert all(t is not None and re.fullmatch(PAT, t) for t in texts), texts
+    assert int(jnp.max(out.stats["nfe"])) <= 10
+    if rule == "greedy1":  # the same decode without the constraint misses: the test can fail
+        free = _texts(_decode(RULES[rule]))
+        assert not all(t is not None and re.fullmatch(PAT, t) for t in free), free
+
+
+def test_bounded_regex_ends_with_eos(autos):
+    """A pattern at most 3 characters long in 8 slots: the rows must commit an EOS early, and nothing
+    after it (content after an EOS would be dropped, so it is never committed)."""
+    out = _decode(D.Threshold(0.5), answer_length=8, constraint=autos["short"])
+    texts = _texts(out)
+    assert all(t is not None and re.fullmatch(SHORT, t) for t in texts), texts
+    assert (np.asarray(out.lengths) <= 4).all()
+
+
+def test_json_schema_validates(autos):
+    out = _decode(D.Threshold(0.5), answer_length=24, constraint=autos["json"].constraint())
+    for t in _texts(out):
+        assert t is not None, t
+        jsonschema.validate(json.loads(t), SCHEMA)
+    free = _texts(_decode(D.Threshold(0.5), answer_length=24))
+    assert not all(t is not None and t.startswith("{") and t.endswith("}") for t in free)
+
+
+def test_infilling_with_suffix_and_emptiness(autos):
+    suffix = [[ID["-"], ID["a"], ID["b"]]] * B
+    out = _decode(D.Threshold(0.5), answer_length=6, constraint=autos["pat"], suffix_tokens=jnp.asarray(suffix))
+    texts = _texts(out, suffix)
+    assert all(t is not None and re.fullmatch(PAT, t) for t in texts), texts
+    # one slot cannot hold two digits and a '-' before the suffix "b": refused before decoding
+    with pytest.raises(D.DiffusionError, match="row 0 \\(1 slots\\).*followed by the row suffix"):
+        _decode(D.Threshold(0.5), answer_length=1, constraint=autos["pat"],
+                suffix_tokens=jnp.full((B, 1), ID["b"], jnp.int32))
+    with pytest.raises(D.DiffusionError, match="EOS id"):
+        _decode(D.Threshold(0.5), answer_length=6, constraint=autos["pat"],
+                suffix_tokens=jnp.asarray([[ID["a"], EOS]] * B))
+
+
+def test_empty_language_without_eos_and_under_jit(autos):
+    """Without EOS ids the answer fills all its slots: 6 slots never hold <= 3 digits."""
+    with pytest.raises(D.DiffusionError, match="must fill every slot"):
+        D.diffusion_decode(CFG, PARAMS, PROMPTS, LENS, answer_length=6, rule="threshold", eos_ids=(),
+                           constraint=autos["short"])
+    # under jit the check cannot raise: the row with room for the pattern decodes, the other ends
+    c = autos["short"].constraint()
+    lengths = jnp.asarray([3, 6, 3, 3, 3, 3], jnp.int32)
+    out = jax.jit(lambda al: D.diffusion_decode(CFG, PARAMS, PROMPTS, LENS, answer_length=6, rule="threshold",
+                                                eos_ids=(), answer_lengths=al, constraint=c))(lengths)
+    assert np.asarray(out.stats["constraint_empty"]).tolist() == [False, True, False, False, False, False]
+    texts = _texts(out)
+    assert all(re.fullmatch(SHORT, t) for i, t in enumerate(texts) if i != 1), texts
+
+
+@pytest.mark.parametrize("mode", ["prefix_shift1", "block", "freedave"])
+def test_caches_and_lookahead(autos, mode):
+    if mode == "block":
+        cfg = _config(attention="block", block_size=4)
+        out = D.block_diffusion_decode(cfg, init_params(cfg, jax.random.PRNGKey(1), std=0.3), PROMPTS, LENS,
+                                       answer_length=12, rule=D.Threshold(0.5), eos_ids=(EOS,),
+                                       constraint=autos["pat"])
+    elif mode == "prefix_shift1":
+        cfg = _config(logits_shift=1)
+        out = D.diffusion_decode(cfg, PARAMS, PROMPTS, LENS, answer_length=12, block_length=4, cache="prefix",
+                                 rule=D.Threshold(0.5), eos_ids=(EOS,), constraint=autos["pat"])
+    else:
+        out = _decode(D.FreeDave(), answer_length=8, constraint=autos["short"])
+    pat = SHORT if mode == "freedave" else PAT
+    texts = _texts(out)
+    assert all(t is not None and re.fullmatch(pat, t) for t in texts), texts
+
+
+def test_filter_keeps_leftmost_and_rejects_conflicts(autos):
+    """Unit check of the left-to-right filter: in 3 slots of [0-9]{1,3} + EOS, proposals "1" at slot 0 and
+    EOS at slot 1 are compatible, but content at slot 2 after that EOS is not."""
+    a = DC.bind(autos["short"].constraint(), vocab_size=V, eos_ids=(EOS,), mask_id=MASK, batch=1)
+    answer = jnp.full((1, 3), MASK, jnp.int32)
+    lengths = jnp.asarray([3], jnp.int32)
+    tacc = DC.tail_accept(a, None, 1)
+    st = DC.sets(a, answer, lengths, tacc, MASK, True)
+    tokens = jnp.asarray([[ID["1"], EOS, ID["2"]]], jnp.int32)
+    kept = DC.filter_commits(a, st, jnp.ones((1, 3), bool), tokens, tacc, True)
+    assert np.asarray(kept).tolist() == [[True, True, False]]
+    ok = np.asarray(DC.token_mask(a, st, tacc, True))[0]  # [3, V]
+    assert not ok[0, EOS] and ok[1, EOS] and ok[0, ID["12"]] and not ok[0, ID["a"]]
+
+
+def test_bad_constraints(autos):
+    with pytest.raises(D.DiffusionError, match="regex / JSON-schema constraint"):
+        _decode(D.Greedy1(), constraint=object())
+    small = compile_regex(PAT, TOK, vocab_size=V, eos_ids=(), cache=False)  # EOS id 0 would be a pattern token?
+    assert small.token_class[EOS] == 0  # <eos> is special: never a pattern token
+    with pytest.raises(D.DiffusionError, match="vocabulary has"):
+        DC.bind(autos["pat"].constraint(), vocab_size=V - 4, eos_ids=(EOS,), mask_id=V - 5, batch=B)
