@@ -1,0 +1,1042 @@
+"""Context-free grammar constraints: a bounded-depth pushdown automaton on the device (ALGORITHMS.md §6).
+
+    g = compile_grammar(open("expr.lark").read(), tokenizer)       # Lark subset; GBNF ("::=") too
+    g = compile_schema_grammar(schema, tokenizer)                   # JSON schemas with $ref cycles
+    g.backend                                                       # "device" or "llguidance" (+ g.reason)
+    out = decode(config, params, prompts, lengths, ..., constraint=g.constraint())
+
+Host (compile once). lark reads the grammar (GrammarBuilder: rules as EBNF trees, terminals, %ignore;
+GBNF goes through llguidance's gbnf_to_lark first). Rules that are not on a recursion cycle are inlined;
+a feedback set of the rule graph (plus `start`) stays as "called" rules. Each called rule becomes one
+DFA over bytes and calls (Thompson NFA, subset construction; each terminal's regex is a byte DFA from
+outlines-core, no regex engine here). %ignore'd terminals may appear between any two items of a rule
+(not before the first or after the last byte of the text: llguidance's reading of %ignore).
+
+Byte level (deterministic, LL(1) over bytes). In DFA state q with next byte b exactly one of:
+    consume   a byte edge q -b-> q', or a chain of call edges whose callee can start with b: each call
+              pushes its return state (not when the return state is a pure exit: a tail call), then b
+    pop       q is accepting and b does not continue it: return to the state on the stack top, retry b
+    forbid    otherwise
+is right. compile checks it (FIRST / FOLLOW sets per called rule); a grammar where it does not hold
+(left recursion, a called rule matching the empty string, a byte that could both continue and end a
+rule) goes to the llguidance fallback. The result is a table over (state, byte): kind, next state,
+pushed states, and the depth it needs (so no row ever reaches a state it cannot finish within
+`max_depth` stack entries).
+
+Device. A row's state is (q, stack int32[max_depth], depth). A token is its byte string; `allowed`
+runs all V tokens' bytes from the row's configuration at once (vectorised gathers over the [V, L]
+byte table; each token keeps its own small buffer of pushed entries above the row's stack, and pops
+below it read the row's stack). EOS pops the stack: allowed where q and every stacked return state accept.
+Nesting deeper than `max_depth` is forbidden (masked), so texts nesting deeper are cut off.
+
+Fallback. When the device form cannot hold the grammar (not LL(1) over bytes, larger than the table
+bound, needing more than max_depth to accept anything) the constraint is llguidance's matcher on the
+host: `allowed` is a jax.pure_callback of the row's token history (a pure function, so beams and
+rollback need nothing special); `backend` says which one is used and `reason` why.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+from collections import deque
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdecode.constraints.automaton import special_token_ids, token_bytes
+from jaxdecode.constraints.trie import Candidates, ConstraintError
+from jaxdecode.kernels.constrained import constrained_topk
+
+log = logging.getLogger("jaxdecode.constraints.grammar")
+_NEG = float("-inf")
+_CALL = 256  # symbol ids: bytes 0..255, then a call of called rule k is 256 + k
+MAX_STATES = 20000  # device table bound (states x 256 entries)
+
+
+class GrammarError(ConstraintError):
+    """A grammar that cannot be read or accepts nothing, with what to change."""
+
+
+class _NotDevice(Exception):
+    """The device form cannot hold this grammar (the message says why); llguidance can."""
+
+
+# ----------------------------------------------------------------------------- reading the grammar
+def to_lark(text: str, syntax: str = "auto") -> str:
+    """The grammar as Lark text: `syntax` "lark", "gbnf" or "auto" (GBNF when it defines rules with ::=)."""
+    if syntax not in ("auto", "lark", "gbnf"):
+        raise GrammarError(f"syntax must be 'auto', 'lark' or 'gbnf', got {syntax!r}")
+    if not isinstance(text, str) or not text.strip():
+        raise GrammarError("the grammar is empty; pass the grammar's text (a 'start' rule, Lark or GBNF syntax)")
+    if syntax == "gbnf" or (syntax == "auto" and re.search(r"^\s*[A-Za-z0-9_-]+\s*::=", text, re.M)):
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+
+        try:
+            text = gbnf_to_lark(text)
+        except Exception as e:
+            raise GrammarError(f"cannot read the GBNF grammar: {e}") from None
+        text = "\n".join(ln for ln in text.splitlines() if not ln.startswith("%llguidance"))
+    return text
+
+
+@dataclasses.dataclass
+class _Grammar:
+    rules: dict  # name -> EBNF tree
+    terms: dict  # name -> EBNF tree
+    ignore: list  # terminal names
+
+
+def _read(text: str) -> _Grammar:
+    from lark.exceptions import LarkError
+    from lark.load_grammar import GrammarBuilder
+
+    try:
+        builder = GrammarBuilder()
+        builder.load_grammar(text, "<grammar>")
+        g = builder.build()
+    except LarkError as e:
+        raise GrammarError(f"cannot read the grammar: {e}".rstrip()) from None
+    rules = {}
+    for name, params, tree, _opts in g.rule_defs:
+        if params:
+            raise GrammarError(f"rule {name!s} is a template ({', '.join(map(str, params))}); templates are not "
+                               "supported: write the rule out for each use")
+        rules[str(name)] = tree
+    if "start" not in rules:
+        raise GrammarError("the grammar has no 'start' rule (GBNF: 'root'); the text must match start")
+    terms = {str(name): tree for name, (tree, _prio) in g.term_defs}
+    return _Grammar(rules, terms, [str(i) for i in g.ignore])
+
+
+def _literal_regex(tok) -> str:
+    from lark.load_grammar import _literal_to_pattern
+
+    return _literal_to_pattern(tok).to_regexp()
+
+
+class _TermRegex:
+    """Terminal trees -> one regex string each (terminals are regular: lark forbids recursion in them)."""
+
+    def __init__(self, terms):
+        self.terms, self.memo = terms, {}
+
+    def term(self, name):
+        if name not in self.memo:
+            if name not in self.terms:
+                raise GrammarError(f"terminal {name} is used but not defined")
+            self.memo[name] = None
+            self.memo[name] = self.tree(self.terms[name])
+        if self.memo[name] is None:
+            raise GrammarError(f"terminal {name} refers to itself; terminals must be regular (use a rule)")
+        return self.memo[name]
+
+    def tree(self, t) -> str:
+        from lark import Token, Tree
+        from lark.grammar import NonTerminal, Terminal
+
+        if isinstance(t, Terminal):
+            return f"(?:{self.term(t.name)})"
+        if isinstance(t, NonTerminal):
+            raise GrammarError(f"terminal refers to rule {t.name}; terminals may only use terminals")
+        if isinstance(t, Token):
+            return _literal_regex(t)
+        d, ch = t.data, t.children
+        if d == "expansions":
+            return "(?:" + "|".join(self.tree(c) for c in ch) + ")"
+        if d == "expansion":
+            return "".join(self.tree(c) for c in ch)
+        if d in ("value", "literal", "alias"):
+            return self.tree(ch[0])
+        if d == "maybe":
+            return f"(?:{self.tree(ch[0])})?"
+        if d == "range":
+            a, b = (_literal_regex(c) for c in ch)
+            return f"[{a}-{b}]"
+        if d == "expr":
+            inner, op = self.tree(ch[0]), str(ch[1])
+            if op == "~":
+                lo, hi = int(ch[2]), int(ch[3]) if len(ch) > 3 else int(ch[2])
+                return f"(?:{inner}){{{lo},{hi}}}"
+            return f"(?:{inner}){op}"
+        raise GrammarError(f"unsupported construct {d!r} in a terminal")
+
+
+# ----------------------------------------------------------------------------- NFA -> DFA per called rule
+_BYTE_VOCAB = None
+
+
+_END = "\U0010FFFF".encode()  # a noncharacter: the end marker appended to every terminal regex
+
+
+def _byte_dfa(regex: str, memo={}):  # noqa: B006 - a process-wide cache of byte DFAs
+    """outlines-core's DFA of `regex` over single bytes: (initial, finals, {state: {byte: next}}).
+
+    outlines-core 0.2.14's Index drops the transitions that leave an accepting state towards a
+    non-accepting one (`a(bc)?` loses the b after a). So the regex is compiled with an end marker
+    appended (no state but the last one accepts), a state accepts where the marker's bytes lead to
+    acceptance, and states from which no accepting state is reachable are trimmed."""
+    global _BYTE_VOCAB
+    if regex not in memo:
+        import outlines_core
+
+        if _BYTE_VOCAB is None:
+            _BYTE_VOCAB = outlines_core.Vocabulary(256, {bytes([b]): [b] for b in range(256)})
+        try:
+            index = outlines_core.Index(f"(?:{regex})\U0010FFFF", _BYTE_VOCAB)
+        except Exception as e:
+            raise GrammarError(f"cannot compile the terminal regex {regex!r}: {e}") from None
+        trans = {int(s): {int(b): int(n) for b, n in row.items() if b < 256} for s, row in
+                 index.get_transitions().items()}
+        ends = set(int(f) for f in index.get_final_states())
+
+        def walk(s):
+            for b in _END:
+                s = trans.get(s, {}).get(b)
+                if s is None:
+                    return None
+            return s
+
+        finals = {s for s in trans if walk(s) in ends}
+        back = {}
+        for s, row in trans.items():
+            for n in row.values():
+                back.setdefault(n, set()).add(s)
+        live, todo = set(finals), list(finals)
+        while todo:
+            for p in back.get(todo.pop(), ()):
+                if p not in live:
+                    live.add(p)
+                    todo.append(p)
+        init = int(index.get_initial_state())
+        if init not in live:
+            raise GrammarError(f"the terminal regex {regex!r} matches nothing")
+        trans = {s: {b: n for b, n in row.items() if n in live} for s, row in trans.items() if s in live}
+        memo[regex] = (init, finals, trans)
+    return memo[regex]
+
+
+class _NFA:
+    def __init__(self, limit):
+        self.eps, self.edges, self.limit = [], [], limit  # edges[s]: {symbol: [targets]}
+
+    def new(self):
+        if len(self.eps) >= self.limit:
+            raise _NotDevice(f"the grammar's automaton has more than {self.limit} states (the device table bound)")
+        self.eps.append([])
+        self.edges.append({})
+        return len(self.eps) - 1
+
+    def edge(self, a, sym, b):
+        self.edges[a].setdefault(sym, []).append(b)
+
+    def regex(self, regex):
+        init, finals, trans = _byte_dfa(regex)
+        ids = {}
+
+        def sid(s):
+            if s not in ids:
+                ids[s] = self.new()
+            return ids[s]
+
+        start, end = sid(init), self.new()
+        todo, seen = [init], {init}
+        while todo:
+            s = todo.pop()
+            if s in finals:
+                self.eps[sid(s)].append(end)
+            for b, n in trans.get(s, {}).items():
+                self.edge(sid(s), b, sid(n))
+                if n not in seen:
+                    seen.add(n)
+                    todo.append(n)
+        return start, end
+
+    def to_dfa(self, start, end):
+        """Subset construction: (transitions [{symbol: state}], finals set); state 0 is the start."""
+        def close(states):
+            out, todo = set(states), list(states)
+            while todo:
+                for n in self.eps[todo.pop()]:
+                    if n not in out:
+                        out.add(n)
+                        todo.append(n)
+            return frozenset(out)
+
+        first = close([start])
+        num, trans, finals, todo = {first: 0}, [{}], set(), [first]
+        while todo:
+            cur = todo.pop()
+            i = num[cur]
+            if end in cur:
+                finals.add(i)
+            moves = {}
+            for s in cur:
+                for sym, tgts in self.edges[s].items():
+                    moves.setdefault(sym, set()).update(tgts)
+            for sym, tgts in moves.items():
+                nxt = close(tgts)
+                if nxt not in num:
+                    if len(num) >= self.limit:
+                        raise _NotDevice(f"a rule's DFA has more than {self.limit} states (the device table bound)")
+                    num[nxt] = len(trans)
+                    trans.append({})
+                    todo.append(nxt)
+                trans[i][sym] = num[nxt]
+        return trans, finals
+
+
+def _rule_refs(tree) -> set:
+    from lark.grammar import NonTerminal
+
+    return {str(t.name) for t in tree.iter_subtrees() for t in t.children if isinstance(t, NonTerminal)}
+
+
+def _called_rules(rules) -> list:
+    """`start` plus a feedback vertex set of the rule graph (greedy: the busiest rule on a remaining
+    cycle), so inlining every other rule terminates."""
+    for name, tree in rules.items():
+        for r in _rule_refs(tree):
+            if r not in rules:
+                raise GrammarError(f"rule {name} uses rule {r}, which is not defined")
+    graph = {n: _rule_refs(t) for n, t in rules.items()}
+    kept = ["start"]
+    while True:
+        cycle = _find_cycle(graph, set(kept))
+        if not cycle:
+            return kept
+        deg = {n: sum(n in graph[m] for m in graph) + len(graph[n]) for n in cycle}
+        kept.append(max(cycle, key=lambda n: (deg[n], n)))
+
+
+def _find_cycle(graph, removed):
+    color = {}
+    for root in graph:
+        if root in removed or root in color:
+            continue
+        stack, path = [(root, iter(sorted(graph[root] - removed)))], [root]
+        color[root] = 1
+        while stack:
+            node, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                color[node] = 2
+                stack.pop()
+                path.pop()
+            elif color.get(nxt) == 1:
+                return path[path.index(nxt):]
+            elif nxt not in color:
+                color[nxt] = 1
+                stack.append((nxt, iter(sorted(graph[nxt] - removed))))
+                path.append(nxt)
+    return None
+
+
+class _Builder:
+    """Rule trees -> NFA fragments (called rules become call edges, the others are inlined)."""
+
+    def __init__(self, g: _Grammar, called, limit):
+        self.g, self.called, self.nfa = g, {n: i for i, n in enumerate(called)}, _NFA(limit)
+        self.terms = _TermRegex(g.terms)
+        ign = [self.terms.term(t) for t in g.ignore]
+        self.ignore = "(?:" + "|".join(f"(?:{r})" for r in ign) + ")*" if ign else None
+
+    def seq(self, frags):
+        nfa = self.nfa
+        if not frags:
+            s = nfa.new()
+            return s, s
+        start, end = frags[0]
+        for a, b in frags[1:]:
+            nfa.eps[end].append(a)
+            end = b
+        return start, end
+
+    def sep(self, parts):
+        """Items of a rule with the %ignore'd terminals allowed between them."""
+        out = []
+        for i, p in enumerate(parts):
+            if i and self.ignore:
+                out.append(self.nfa.regex(self.ignore))
+            out.append(p())
+        return self.seq(out)
+
+    def alt(self, frags):
+        s, e = self.nfa.new(), self.nfa.new()
+        for a, b in frags:
+            self.nfa.eps[s].append(a)
+            self.nfa.eps[b].append(e)
+        return s, e
+
+    def star(self, frag, plus=False):
+        s, e = self.nfa.new(), self.nfa.new()
+        a, b = frag
+        self.nfa.eps[s].append(a)
+        self.nfa.eps[b] += [e, a]
+        if not plus:
+            self.nfa.eps[s].append(e)
+        return s, e
+
+    def rule_body(self, name):
+        return self.tree(self.g.rules[name], (name,))
+
+    def tree(self, t, path):
+        from lark import Token
+        from lark.grammar import NonTerminal, Terminal
+
+        nfa = self.nfa
+        if isinstance(t, Terminal):
+            return nfa.regex(self.terms.term(t.name))
+        if isinstance(t, Token):
+            return nfa.regex(_literal_regex(t))
+        if isinstance(t, NonTerminal):
+            name = str(t.name)
+            if name in self.called:
+                s, e = nfa.new(), nfa.new()
+                nfa.edge(s, _CALL + self.called[name], e)
+                return s, e
+            return self.tree(self.g.rules[name], path + (name,))
+        d, ch = t.data, t.children
+        if d == "expansions":
+            return self.alt([self.tree(c, path) for c in ch])
+        if d == "expansion":
+            return self.sep([lambda c=c: self.tree(c, path) for c in ch])
+        if d in ("value", "literal", "alias"):
+            return self.tree(ch[0], path)
+        if d == "maybe":
+            return self.alt([self.tree(ch[0], path), self.seq([])])
+        if d == "range":
+            return nfa.regex(self.terms.tree(t))
+        if d == "expr":
+            op = str(ch[1])
+            if op == "?":
+                return self.alt([self.tree(ch[0], path), self.seq([])])
+            if op in ("*", "+"):
+                if not self.ignore:
+                    return self.star(self.tree(ch[0], path), plus=op == "+")
+                # items of a repetition are separated by ignored text too: x (ign x)*
+                first = self.tree(ch[0], path)
+                more = self.star(self.seq([nfa.regex(self.ignore), self.tree(ch[0], path)]))
+                one_or_more = self.seq([first, more])
+                return one_or_more if op == "+" else self.alt([one_or_more, self.seq([])])
+            if op == "~":
+                lo, hi = int(ch[2]), int(ch[3]) if len(ch) > 3 else int(ch[2])
+                if hi > 64:
+                    raise _NotDevice(f"a repetition ~ {lo}..{hi} in rule {path[0]} is larger than the device form "
+                                     "unrolls (64)")
+                reps = [lambda: self.tree(ch[0], path)] * lo
+                base = self.sep(reps) if lo else self.seq([])
+                opt = self.seq([])
+                for _ in range(hi - lo):  # nested optionals: (x (x (x)?)?)?
+                    tail = self.sep([lambda: self.tree(ch[0], path), lambda o=opt: o])
+                    opt = self.alt([tail, self.seq([])])
+                return self.sep([lambda: base, lambda: opt]) if lo else opt
+        raise GrammarError(f"unsupported construct {d!r} in rule {path[0]}")
+
+
+# ----------------------------------------------------------------------------- the byte-level PDA
+@dataclasses.dataclass(frozen=True, eq=False)
+class PushdownTables:
+    """Host tables of the byte-level PDA (see the module docstring). Q states, P pushes per byte at most."""
+    kind: np.ndarray  # int8[Q, 256]: 0 forbid, 1 consume, 2 pop
+    next: np.ndarray  # int32[Q, 256]: state after a consume
+    push: np.ndarray  # int32[Q, 256, P]: return states pushed before the consume (bottom first), -1 pad
+    npush: np.ndarray  # int32[Q, 256]
+    req: np.ndarray  # int32[Q, 256]: stack entries above the current depth this move needs to finish
+    final: np.ndarray  # bool[Q]
+    need: np.ndarray  # int32[Q]: stack entries above the current depth needed to finish from q
+    start: int
+    rule_of: np.ndarray  # int32[Q]: which called rule a state belongs to
+    rules: tuple  # called rule names
+
+
+def _pda(dfas, names) -> PushdownTables:
+    offs = np.cumsum([0] + [len(t) for t, _ in dfas])
+    q_total = int(offs[-1])
+    if q_total > MAX_STATES:
+        raise _NotDevice(f"the grammar needs {q_total} states, more than the device table bound {MAX_STATES}")
+    trans = [{} for _ in range(q_total)]
+    calls = [{} for _ in range(q_total)]
+    final = np.zeros(q_total, bool)
+    rule_of = np.zeros(q_total, np.int32)
+    for k, (t, fin) in enumerate(dfas):
+        for i, row in enumerate(t):
+            q = offs[k] + i
+            rule_of[q] = k
+            final[q] = i in fin
+            for sym, n in row.items():
+                (trans if sym < _CALL else calls)[q][sym if sym < _CALL else sym - _CALL] = int(offs[k] + n)
+    starts = [int(o) for o in offs[:-1]]
+    nk = len(dfas)
+
+    # a called rule that matches the empty string makes "call or skip" a guess: not LL(1) over bytes
+    nullable = [False] * nk
+    changed = True
+    while changed:
+        changed = False
+        for k in range(nk):
+            if nullable[k]:
+                continue
+            seen, todo = {starts[k]}, [starts[k]]
+            while todo:
+                q = todo.pop()
+                if final[q]:
+                    nullable[k] = changed = True
+                    break
+                for c, n in calls[q].items():
+                    if nullable[c] and n not in seen:
+                        seen.add(n)
+                        todo.append(n)
+    for k in range(nk):
+        if nullable[k]:
+            raise _NotDevice(f"rule {names[k]} can match the empty string; the device form needs every recursive "
+                             "rule to consume at least one byte (move the optional part to where it is used)")
+
+    first = [set() for _ in range(nk)]
+    changed = True
+    while changed:
+        changed = False
+        for k in range(nk):
+            new = set(trans[starts[k]]).union(*(first[c] for c in calls[starts[k]]))
+            if new != first[k]:
+                first[k], changed = new, True
+
+    def first_of(q):
+        out = set(trans[q])
+        for c in calls[q]:
+            out |= first[c]
+        return out
+
+    follow = [set() for _ in range(nk)]
+    changed = True
+    while changed:
+        changed = False
+        for q in range(q_total):
+            for c, n in calls[q].items():
+                new = follow[c] | first_of(n) | (follow[rule_of[n]] if final[n] else set())
+                if new != follow[c]:
+                    follow[c], changed = new, True
+
+    def show(b):
+        return repr(bytes([b]))[1:]
+
+    pure_exit = np.array([final[q] and not trans[q] and not calls[q] for q in range(q_total)])
+    memo = {}
+
+    def resolve(q, b, busy):
+        """(pushes, target) of consuming byte b in state q, or None."""
+        key = (q, b)
+        if key in memo:
+            return memo[key]
+        if key in busy:
+            raise _NotDevice(f"rule {names[rule_of[q]]} is left-recursive (it can call itself before consuming a "
+                             "byte); the device form needs right recursion or repetition (x*)")
+        opts = []
+        if b in trans[q]:
+            opts.append(((), trans[q][b]))
+        for c, n in calls[q].items():
+            if b in first[c]:
+                sub = resolve(starts[c], b, busy | {key})
+                if sub is not None:
+                    opts.append(((() if pure_exit[n] else (n,)) + sub[0], sub[1]))
+        if len(opts) > 1:
+            raise _NotDevice(f"in rule {names[rule_of[q]]} the byte {show(b)} can continue more than one way "
+                             "(the grammar is not LL(1) over bytes)")
+        memo[key] = opts[0] if opts else None
+        return memo[key]
+
+    kind = np.zeros((q_total, 256), np.int8)
+    nxt = np.full((q_total, 256), -1, np.int32)
+    pushes = {}
+    for q in range(q_total):
+        for b in range(256):
+            r = resolve(q, b, frozenset())
+            if r is not None:
+                if final[q] and b in follow[rule_of[q]]:
+                    raise _NotDevice(f"in rule {names[rule_of[q]]} the byte {show(b)} can both continue the rule "
+                                     "and follow it (the grammar is not LL(1) over bytes)")
+                kind[q, b], nxt[q, b] = 1, r[1]
+                if r[0]:
+                    pushes[(q, b)] = r[0]
+            elif final[q]:
+                kind[q, b] = 2
+    p = max([len(v) for v in pushes.values()], default=0)
+    push = np.full((q_total, 256, max(p, 1)), -1, np.int32)
+    npush = np.zeros((q_total, 256), np.int32)
+    for (q, b), v in pushes.items():
+        push[q, b, :len(v)] = v
+        npush[q, b] = len(v)
+
+    # need[q]: the fewest stack entries above q's depth any way to finish q's rule uses
+    inf = 1 << 20
+    need = np.where(final, 0, inf).astype(np.int64)
+    changed = True
+    while changed:
+        changed = False
+        for q in range(q_total):
+            best = need[q]
+            for n in trans[q].values():
+                best = min(best, need[n])
+            for c, n in calls[q].items():
+                best = min(best, max(need[starts[c]] + (0 if pure_exit[n] else 1), need[n]))
+            if best < need[q]:
+                need[q], changed = best, True
+    # req[q, b]: with the current depth D before the move, the move is allowed iff D + req <= max_depth
+    req = np.full((q_total, 256), inf, np.int64)
+    cons = kind == 1
+    req[cons] = npush[cons] + need[np.maximum(nxt[cons], 0)]
+    for (q, b), v in pushes.items():
+        req[q, b] = max(req[q, b], max(i + need[r] for i, r in enumerate(v)))
+    req[kind == 2] = 0
+    return PushdownTables(kind=kind, next=nxt, push=push, npush=npush, req=np.minimum(req, inf).astype(np.int32),
+                          final=final, need=np.minimum(need, inf).astype(np.int32), start=starts[0],
+                          rule_of=rule_of, rules=tuple(names))
+
+
+def build_tables(lark_text: str) -> PushdownTables:
+    """The device tables of a Lark grammar (raises _NotDevice when the device form cannot hold it)."""
+    g = _read(lark_text)
+    called = _called_rules(g.rules)
+    builder = _Builder(g, called, MAX_STATES * 4)
+    dfas = []
+    for name in called:
+        frag = builder.rule_body(name)
+        dfas.append(builder.nfa.to_dfa(*frag))
+    return _pda(dfas, called)
+
+
+# ----------------------------------------------------------------------------- host object
+@dataclasses.dataclass(frozen=True, eq=False)
+class CompiledGrammar:
+    """A grammar compiled for a tokenizer: `backend` "device" (tables) or "llguidance" (host matcher)."""
+    lark: str  # the grammar as Lark text
+    backend: str
+    reason: str  # why llguidance is used ("" on the device)
+    vocab_size: int
+    eos_ids: tuple
+    max_depth: int
+    tables: PushdownTables | None
+    tok_bytes: np.ndarray | None  # int32[V, L] (padding 0)
+    tok_len: np.ndarray | None  # int32[V]: 0 = never allowed (special tokens, ids past the tokenizer)
+    tokenizer: object = None
+
+    def constraint(self, *, impl: str = "auto"):
+        if self.backend == "device":
+            t = self.tables
+            return GrammarConstraint(
+                kind=jnp.asarray(t.kind, jnp.int32), next=jnp.asarray(t.next), push=jnp.asarray(t.push),
+                npush=jnp.asarray(t.npush), req=jnp.asarray(t.req), final=jnp.asarray(t.final),
+                tok_bytes=jnp.asarray(self.tok_bytes), tok_len=jnp.asarray(self.tok_len), start=int(t.start),
+                max_depth=self.max_depth, impl=impl, host=self)
+        return LLGuidanceConstraint(grammar=self.lark, tokenizer=self.tokenizer, vocab=self.vocab_size,
+                                    grammar_eos=self.eos_ids, impl=impl)
+
+    def matcher(self):
+        """A fresh llguidance matcher of this grammar (the host reference, any backend)."""
+        return _llg_matcher(self.lark, self.tokenizer, self.vocab_size, self.eos_ids)
+
+
+_LLTOK = {}
+
+
+def _llg_tokenizer(tokenizer, vocab_size, eos_ids):
+    import llguidance.hf
+
+    key = (id(tokenizer), vocab_size, tuple(eos_ids))
+    if key not in _LLTOK:
+        eos = list(eos_ids) if eos_ids else None
+        _LLTOK[key] = (tokenizer, llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos))
+    return _LLTOK[key][1]
+
+
+def _llg_matcher(lark_text, tokenizer, vocab_size, eos_ids):
+    import llguidance
+
+    m = llguidance.LLMatcher(_llg_tokenizer(tokenizer, vocab_size, eos_ids),
+                             llguidance.LLMatcher.grammar_from_lark(lark_text), log_level=0)
+    if m.is_error():
+        raise GrammarError(f"llguidance cannot use the grammar: {m.get_error()}")
+    return m
+
+
+def llg_mask(matcher, vocab_size: int) -> np.ndarray:
+    """bool[V]: llguidance's allowed tokens (EOS included where it accepts)."""
+    bits = np.frombuffer(matcher.compute_bitmask(), np.uint8)
+    return np.unpackbits(bits, bitorder="little")[:vocab_size].astype(bool)
+
+
+def _token_table(tokenizer, vocab_size, eos_ids):
+    tb = token_bytes(tokenizer)
+    v = max(len(tb), int(vocab_size or 0))
+    specials = special_token_ids(tokenizer)
+    lens = np.zeros(v, np.int32)
+    for i, b in enumerate(tb):
+        if b and i not in specials and i not in eos_ids:
+            lens[i] = len(b)
+    width = max(int(lens.max()), 1)
+    table = np.zeros((v, width), np.int32)
+    for i, b in enumerate(tb):
+        if lens[i]:
+            table[i, :lens[i]] = np.frombuffer(b, np.uint8)
+    return table, lens, v
+
+
+def compile_grammar(text: str, tokenizer, *, vocab_size: int | None = None, eos_ids=None, max_depth: int = 16,
+                    syntax: str = "auto", fallback: str = "llguidance") -> CompiledGrammar:
+    """Compile a grammar (Lark subset or GBNF) for `tokenizer`.
+
+    max_depth: stack entries per row on the device (nesting beyond it is masked). fallback:
+    "llguidance" (host matcher when the device form cannot hold the grammar) or "error"."""
+    if fallback not in ("llguidance", "error"):
+        raise GrammarError(f"fallback must be 'llguidance' or 'error', got {fallback!r}")
+    if not isinstance(max_depth, int) or max_depth < 1:
+        raise GrammarError(f"max_depth must be an int >= 1, got {max_depth!r}")
+    lark_text = to_lark(text, syntax)
+    if eos_ids is None:
+        eos_ids = () if getattr(tokenizer, "eos_token_id", None) is None else (int(tokenizer.eos_token_id),)
+    eos_ids = tuple(int(e) for e in eos_ids)
+    table, lens, v = _token_table(tokenizer, vocab_size, eos_ids)
+    try:
+        tables = build_tables(lark_text)
+        if tables.need[tables.start] >= 1 << 20:
+            raise GrammarError("the grammar accepts no text (every derivation of start is infinite)")
+        if tables.need[tables.start] > max_depth:
+            raise _NotDevice(f"every text of the grammar nests at least {int(tables.need[tables.start])} rule calls "
+                             f"deep, more than max_depth={max_depth}")
+        backend, reason = "device", ""
+    except _NotDevice as e:
+        if fallback == "error":
+            raise GrammarError(f"the device form cannot hold this grammar: {e}") from None
+        _read(lark_text)  # syntax errors are errors on either backend
+        tables, backend, reason = None, "llguidance", str(e)
+        _llg_matcher(lark_text, tokenizer, v, eos_ids)  # llguidance's own checks, now
+    log.info("grammar constraint: backend=%s%s", backend, f" ({reason})" if reason else "")
+    return CompiledGrammar(lark=lark_text, backend=backend, reason=reason, vocab_size=v, eos_ids=eos_ids,
+                           max_depth=max_depth, tables=tables, tok_bytes=table if backend == "device" else None,
+                           tok_len=lens if backend == "device" else None, tokenizer=tokenizer)
+
+
+# ----------------------------------------------------------------------------- device constraint
+@dataclasses.dataclass(frozen=True)
+class GrammarState:
+    q: jax.Array  # int32[R]: PDA state; -1 = finished (emitted EOS) or dead
+    stack: jax.Array  # int32[R, max_depth]: return states, bottom first
+    depth: jax.Array  # int32[R]
+
+    @property
+    def node(self):
+        """Beam search's per-row node: (row, token) pairs, here "row r, no token" (see step_to)."""
+        r = self.q.shape[0]
+        return jnp.arange(r, dtype=jnp.int32), jnp.full((r,), -1, jnp.int32)
+
+
+jax.tree_util.register_dataclass(GrammarState, data_fields=["q", "stack", "depth"], meta_fields=[])
+
+
+def _simulate(c, q0, stack, depth, tokens):
+    """Run tokens' bytes from each row's configuration. q0/depth int32[R], stack int32[R, D],
+    tokens int32[R, W]. Returns ok bool[R, W], q int32[R, W], base int32[R, W] (row-stack entries kept),
+    local int32[R, W, K] / nloc int32[R, W] (entries pushed above them)."""
+    r, w = tokens.shape
+    d = c.max_depth
+    k = c.local_size
+    tok = jnp.clip(tokens, 0, c.tok_len.shape[0] - 1)
+    width = c.tok_bytes.shape[1]
+    flat = c.tok_bytes.reshape(-1)  # byte j of token t at t * L + j: one [R, W] gather per byte
+    ln = jnp.where((tokens >= 0) & (tokens < c.tok_len.shape[0]), jnp.take(c.tok_len, tok), 0)  # [R, W]
+    init = dict(q=jnp.broadcast_to(q0[:, None], (r, w)), base=jnp.broadcast_to(depth[:, None], (r, w)),
+                loc=jnp.zeros((r, w, k), jnp.int32), nloc=jnp.zeros((r, w), jnp.int32),
+                pos=jnp.zeros((r, w), jnp.int32), ok=(ln > 0) & (q0 >= 0)[:, None])
+    kk = jnp.arange(k, dtype=jnp.int32)
+
+    def running(s):
+        return s["ok"] & (s["pos"] < ln)
+
+    def body(s):
+        act = running(s)
+        b = jnp.take(flat, tok * width + jnp.minimum(s["pos"], width - 1))  # [R, W]
+        qc = jnp.maximum(s["q"], 0)
+        kind, nq = c.kind[qc, b], c.next[qc, b]
+        dep = s["base"] + s["nloc"]
+        consume = act & (kind == 1) & (dep + c.req[qc, b] <= d)
+        pop = act & (kind == 2) & (dep > 0)
+        # consume: write the pushed return states above the token's own entries
+        loc, nloc = s["loc"], s["nloc"]
+        npush = jnp.where(consume, c.npush[qc, b], 0)
+        pushed = c.push[qc, b]  # [R, W, P]
+        for j in range(c.push.shape[-1]):
+            put = (kk == (nloc + j)[..., None]) & (j < npush)[..., None]
+            loc = jnp.where(put, pushed[..., j:j + 1], loc)
+        # pop: from the token's own entries first, then from the row's stack
+        from_loc = pop & (nloc > 0)
+        top_loc = jnp.take_along_axis(loc, jnp.maximum(nloc - 1, 0)[..., None], axis=-1)[..., 0]
+        top_row = jnp.take_along_axis(stack, jnp.clip(s["base"] - 1, 0, d - 1), axis=1)  # [R, W]
+        q = jnp.where(consume, nq, jnp.where(from_loc, top_loc, jnp.where(pop, top_row, s["q"])))
+        return dict(q=q, base=s["base"] - (pop & ~from_loc), loc=loc,
+                    nloc=nloc + npush - from_loc, pos=s["pos"] + consume,
+                    ok=s["ok"] & (~act | consume | pop))
+
+    out = jax.lax.while_loop(lambda s: jnp.any(running(s)), body, init)
+    return out["ok"], out["q"], out["base"], out["loc"], out["nloc"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GrammarConstraint:
+    """The Constraint protocol over a byte-level pushdown automaton (module docstring). A pytree."""
+    kind: jax.Array  # int32[Q, 256]
+    next: jax.Array  # int32[Q, 256]
+    push: jax.Array  # int32[Q, 256, P]
+    npush: jax.Array  # int32[Q, 256]
+    req: jax.Array  # int32[Q, 256]
+    final: jax.Array  # bool[Q]
+    tok_bytes: jax.Array  # int32[V, L]
+    tok_len: jax.Array  # int32[V]
+    start: int = 0
+    max_depth: int = 16
+    eos_ids: tuple = ()
+    impl: str = "auto"
+    host: CompiledGrammar | None = None  # not part of the pytree
+    backend = "device"
+
+    def replace(self, **kw):
+        return dataclasses.replace(self, **kw)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tok_len.shape[0])
+
+    @property
+    def local_size(self) -> int:  # entries one token can push above the row's stack
+        return max(1, min(self.max_depth, self.tok_bytes.shape[1] * self.push.shape[-1]))
+
+    def prepare(self, vocab_size: int, eos_ids: tuple = (), max_new_tokens: int | None = None,
+                batch: int | None = None):
+        eos_ids = tuple(int(e) for e in eos_ids)
+        if self.vocab_size > vocab_size:
+            raise ConstraintError(f"the grammar covers {self.vocab_size} token ids but the model's vocabulary has "
+                                  f"{vocab_size}; compile it with this model's tokenizer (vocab_size={vocab_size})")
+        if not eos_ids:
+            raise ConstraintError("a grammar constraint needs eos_ids: the text ends where the grammar accepts and "
+                                  "the model emits EOS")
+        if self.host is not None:
+            for e in eos_ids:
+                if e < self.vocab_size and int(self.host.tok_len[e]) > 0:
+                    raise ConstraintError(f"EOS id {e} is also a text token; compile the grammar with eos_ids "
+                                          f"including {e}")
+        return self.replace(eos_ids=eos_ids)
+
+    def init(self, batch: int, beams: int = 1) -> GrammarState:
+        r = batch * beams
+        return GrammarState(q=jnp.full((r,), self.start, jnp.int32), stack=jnp.zeros((r, self.max_depth), jnp.int32),
+                            depth=jnp.zeros((r,), jnp.int32))
+
+    def accepting(self, state: GrammarState):
+        """bool[R]: the text may end here: q accepts and so does every return state on the stack (EOS pops
+        them all: the stack empties in an accepting state)."""
+        live = jnp.arange(self.max_depth)[None, :] < state.depth[:, None]
+        rets = jnp.all(~live | jnp.take(self.final, state.stack), axis=1)
+        return (state.q >= 0) & jnp.take(self.final, jnp.maximum(state.q, 0)) & rets
+
+    def allowed(self, state: GrammarState, width: int | None = None):
+        """bool[R, width]: tokens whose bytes every row can take (EOS ids where it accepts)."""
+        width = self.vocab_size if width is None else int(width)
+        r = state.q.shape[0]
+        toks = jnp.broadcast_to(jnp.arange(self.vocab_size, dtype=jnp.int32), (r, self.vocab_size))
+        mask = _simulate(self, state.q, state.stack, state.depth, toks)[0]
+        if width > self.vocab_size:
+            mask = jnp.pad(mask, ((0, 0), (0, width - self.vocab_size)))
+        mask = mask[:, :width]
+        acc = self.accepting(state)
+        for e in self.eos_ids:
+            if e < width:
+                mask = mask.at[:, e].set(acc)
+        return mask
+
+    def _step(self, state: GrammarState, tokens):
+        """The state after tokens int32[R] (EOS: finished, q = -1; a token that does not fit: dead, -1)."""
+        ok, q, base, loc, nloc = (x[:, 0] for x in _simulate(self, state.q, state.stack, state.depth,
+                                                              tokens[:, None].astype(jnp.int32)))
+        dd = jnp.arange(self.max_depth, dtype=jnp.int32)[None, :]
+        idx = jnp.clip(dd - base[:, None], 0, loc.shape[-1] - 1)
+        mine = (dd >= base[:, None]) & (dd < (base + nloc)[:, None])
+        stack = jnp.where(mine, jnp.take_along_axis(loc, idx, axis=1), state.stack)
+        return GrammarState(q=jnp.where(ok, q, -1), stack=stack, depth=jnp.where(ok, base + nloc, 0))
+
+    def advance(self, state: GrammarState, tokens) -> GrammarState:
+        return self._step(state, tokens)
+
+    def complete(self, state: GrammarState):
+        return jnp.zeros(state.q.shape, bool)  # a grammar row ends by emitting EOS (prepare requires eos_ids)
+
+    def candidates(self, state: GrammarState, logits, num_beams: int, scores=None, *, min_depth: int = 0,
+                   max_depth: int | None = None) -> Candidates:
+        """Each row's best allowed tokens; next = (row, token): step_to replays the token from the row."""
+        return _candidates(self, state, logits, num_beams)
+
+    def step_to(self, state: GrammarState, next_nodes) -> GrammarState:
+        return _step_to(self, state, next_nodes)
+
+
+def _candidates(c, state, logits, num_beams):
+    k = min(num_beams + len(c.eos_ids), logits.shape[-1])
+    mask = c.allowed(state, logits.shape[-1])
+    values, tokens = constrained_topk(logits, k, mask=mask, impl=c.impl)
+    ok = tokens >= 0
+    ends = jnp.zeros(tokens.shape, bool)
+    for e in c.eos_ids:
+        ends = ends | (tokens == e)
+    rows = jnp.broadcast_to(jnp.arange(tokens.shape[0], dtype=jnp.int32)[:, None], tokens.shape)
+    return Candidates(logprobs=jnp.where(ok, values, _NEG), tokens=jnp.where(ok, tokens, -1), ends=ends & ok,
+                      next=(jnp.where(ok, rows, 0), jnp.where(ok, tokens, -1)))
+
+
+def _step_to(c, state, next_nodes):
+    parent, token = next_nodes
+    picked = jax.tree.map(lambda x: jnp.take(x, parent, axis=0), state)
+    moved = c.advance(picked, jnp.maximum(token, 0))
+    from jaxdecode.constraints.protocol import select_rows
+
+    return select_rows(token >= 0, moved, picked)
+
+
+def _flatten(c: GrammarConstraint):
+    return ((c.kind, c.next, c.push, c.npush, c.req, c.final, c.tok_bytes, c.tok_len),
+            (c.start, c.max_depth, c.eos_ids, c.impl))
+
+
+jax.tree_util.register_pytree_node(GrammarConstraint, _flatten, lambda aux, leaves: GrammarConstraint(*leaves, *aux))
+
+
+# ----------------------------------------------------------------------------- llguidance fallback
+@dataclasses.dataclass(frozen=True)
+class HistoryState:
+    tokens: jax.Array  # int32[R, T]: the row's tokens so far
+    n: jax.Array  # int32[R]; -1 = finished (emitted EOS)
+
+    @property
+    def node(self):
+        r = self.n.shape[0]
+        return jnp.arange(r, dtype=jnp.int32), jnp.full((r,), -1, jnp.int32)
+
+
+jax.tree_util.register_dataclass(HistoryState, data_fields=["tokens", "n"], meta_fields=[])
+
+
+class _HostMasks:
+    """llguidance masks as a pure function of a token history (matchers cached by prefix)."""
+
+    def __init__(self, grammar, tokenizer, vocab, eos_ids):
+        self.args = (grammar, tokenizer, vocab, eos_ids)
+        self.cache = {}
+
+    def matcher(self, prefix: tuple):
+        if prefix in self.cache:
+            return self.cache[prefix]
+        if not prefix:
+            m = _llg_matcher(*self.args)
+        else:
+            parent = self.matcher(prefix[:-1])
+            m = None if parent is None else parent.deep_copy()
+            if m is not None and not m.consume_token(prefix[-1]):
+                m = None
+        if len(self.cache) > 50000:
+            self.cache.clear()
+        self.cache[prefix] = m
+        return m
+
+    def __call__(self, tokens, n):
+        tokens, n = np.asarray(tokens), np.asarray(n)
+        v = self.args[2]
+        out = np.zeros((tokens.shape[0], v), bool)
+        for i in range(tokens.shape[0]):
+            if n[i] < 0:
+                continue
+            m = self.matcher(tuple(int(t) for t in tokens[i, :n[i]]))
+            if m is not None and not m.is_error():
+                out[i] = llg_mask(m, v)
+        return out
+
+
+_HOST = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class LLGuidanceConstraint:
+    """The Constraint protocol with llguidance's masks computed on the host each step."""
+    grammar: str
+    tokenizer: object
+    vocab: int
+    grammar_eos: tuple = ()
+    eos_ids: tuple = ()
+    max_new_tokens: int = 0
+    impl: str = "auto"
+    backend = "llguidance"
+
+    def replace(self, **kw):
+        return dataclasses.replace(self, **kw)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.vocab
+
+    def _host(self):
+        key = (self.grammar, id(self.tokenizer), self.vocab, self.grammar_eos)
+        if key not in _HOST:
+            _HOST[key] = _HostMasks(self.grammar, self.tokenizer, self.vocab, self.grammar_eos)
+        return _HOST[key]
+
+    def prepare(self, vocab_size: int, eos_ids: tuple = (), max_new_tokens: int | None = None,
+                batch: int | None = None):
+        eos_ids = tuple(int(e) for e in eos_ids)
+        if self.vocab > vocab_size:
+            raise ConstraintError(f"the grammar covers {self.vocab} token ids but the model's vocabulary has "
+                                  f"{vocab_size}; compile it with this model's tokenizer (vocab_size={vocab_size})")
+        if not eos_ids or set(eos_ids) - set(self.grammar_eos):
+            raise ConstraintError(f"the llguidance grammar constraint ends texts with EOS ids {self.grammar_eos}; "
+                                  f"the decoder's eos_ids are {eos_ids}: compile the grammar with eos_ids={eos_ids}")
+        if not max_new_tokens:
+            raise ConstraintError("the llguidance grammar constraint needs max_new_tokens (its token history size)")
+        return self.replace(eos_ids=eos_ids, max_new_tokens=int(max_new_tokens))
+
+    def init(self, batch: int, beams: int = 1) -> HistoryState:
+        r = batch * beams
+        return HistoryState(tokens=jnp.zeros((r, max(self.max_new_tokens, 1)), jnp.int32), n=jnp.zeros((r,), jnp.int32))
+
+    def allowed(self, state: HistoryState, width: int | None = None):
+        width = self.vocab if width is None else int(width)
+        host = self._host()
+        mask = jax.pure_callback(host, jax.ShapeDtypeStruct((state.n.shape[0], self.vocab), jnp.bool_),
+                                 state.tokens, state.n)
+        if width > self.vocab:
+            mask = jnp.pad(mask, ((0, 0), (0, width - self.vocab)))
+        return mask[:, :width]
+
+    def advance(self, state: HistoryState, tokens) -> HistoryState:
+        tokens = tokens.astype(jnp.int32)
+        t = state.tokens.shape[1]
+        live = (state.n >= 0) & (state.n < t)
+        put = (jnp.arange(t)[None, :] == state.n[:, None]) & live[:, None]
+        toks = jnp.where(put, tokens[:, None], state.tokens)
+        end = jnp.zeros(tokens.shape, bool)
+        for e in self.eos_ids:
+            end = end | (tokens == e)
+        return HistoryState(tokens=toks, n=jnp.where(live & ~end, state.n + 1, -1))
+
+    def complete(self, state: HistoryState):
+        return jnp.zeros(state.n.shape, bool)
+
+    def candidates(self, state, logits, num_beams: int, scores=None, *, min_depth: int = 0,
+                   max_depth: int | None = None) -> Candidates:
+        return _candidates(self, state, logits, num_beams)
+
+    def step_to(self, state, next_nodes):
+        return _step_to(self, state, next_nodes)
+
+
+jax.tree_util.register_pytree_node(
+    LLGuidanceConstraint, lambda c: ((), (c.grammar, c.tokenizer, c.vocab, c.grammar_eos, c.eos_ids,
+                                          c.max_new_tokens, c.impl)),
+    lambda aux, _: LLGuidanceConstraint(*aux))
