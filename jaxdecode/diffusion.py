@@ -379,31 +379,36 @@ def _lookahead_step(s: _Static, params, state: _State, prompt_tokens, prompt_len
                          rule_state=rstate, nfe=state.nfe + live.astype(jnp.int32), nonfinite=state.nonfinite | bad)
 
 
-def _bind_constraint(s: _Static, auto, answer, answer_lengths, suffix):
+def _bind_constraint(s: _Static, auto, answer, answer_lengths, suffix, prompt=None):
     """((auto, tail acceptance bool[B, S]) for the loop, bool[B] rows whose language is empty) or
-    (None, None) without a constraint."""
+    (None, None) without a constraint. prompt: None, or (prompt_tokens, prompt_lengths, prefix_lengths)
+    when the constrained text starts inside the prompt."""
     if auto is None:
         return None, None
+    if prompt is not None:
+        auto = DC.with_prefix(auto, *prompt)
     tacc = DC.tail_accept(auto, suffix, answer.shape[0])
     st = DC.sets(auto, answer, answer_lengths, tacc, s.mask_id, bool(s.eos_ids))
     return (auto, tacc), ~DC.completable(auto, st)
 
 
 @partial(jax.jit, static_argnames=("s",))
-def _empty_rows(s: _Static, auto, answer_lengths, suffix):
+def _empty_rows(s: _Static, auto, answer_lengths, suffix, prompt):
     """bool[B]: rows no answer of their length (+ suffix) can satisfy the constraint (the host check)."""
     pos = jnp.arange(s.answer_length, dtype=jnp.int32)[None, :]
     answer = jnp.where(pos < answer_lengths[:, None], s.mask_id, pad_id_for(s.eos_ids)).astype(jnp.int32)
-    return _bind_constraint(s, auto, answer, answer_lengths, suffix)[1]
+    return _bind_constraint(s, auto, answer, answer_lengths, suffix, prompt)[1]
 
 
 @partial(jax.jit, static_argnames=("s",))
-def _decode(s: _Static, params, prompt_tokens, prompt_lengths, answer_lengths, key, suffix=None, auto=None):
+def _decode(s: _Static, params, prompt_tokens, prompt_lengths, answer_lengths, key, suffix=None, auto=None,
+            prefix_lengths=None):
     b = prompt_tokens.shape[0]
     a, v = s.answer_length, s.config.vocab_size
     pos = jnp.arange(a, dtype=jnp.int32)[None, :]
     answer = jnp.where(pos < answer_lengths[:, None], s.mask_id, pad_id_for(s.eos_ids)).astype(jnp.int32)
-    cons, empty = _bind_constraint(s, auto, answer, answer_lengths, suffix)
+    cons, empty = _bind_constraint(s, auto, answer, answer_lengths, suffix,
+                                   None if prefix_lengths is None else (prompt_tokens, prompt_lengths, prefix_lengths))
     if cons is not None:  # rows with an empty language (only when called under jit): ended at once, reported
         answer = jnp.where(empty[:, None], pad_id_for(s.eos_ids), answer)
     state = _State(answer=answer, nfe=jnp.zeros((b,), jnp.int32), steps=jnp.int32(0), key=key,
@@ -573,7 +578,7 @@ def diffusion_decode(config, params, prompt_tokens, prompt_lengths, *, answer_le
                      block_length: int | None = None, eos_ids=(), key=None, mask_id=None, logits_shift=None,
                      max_forwards: int | None = None, answer_lengths=None, cache: str = "none",
                      cache_len: int | None = None, suffix_tokens=None, suffix_lengths=None,
-                     constraint=None) -> DiffusionOutput:
+                     constraint=None, constraint_prefix=None) -> DiffusionOutput:
     """Decode `answer_length` masked slots per prompt with a commit rule. See the module docstring.
 
     rule: a Rule (or a name in RULES; default Greedy1). block_length: slots per semi-autoregressive
@@ -598,7 +603,9 @@ def diffusion_decode(config, params, prompt_tokens, prompt_lengths, *, answer_le
     left to right while a completion exists). Without EOS ids the answer fills all its slots. A row
     whose pattern no answer of its length (+ suffix) can match is an error before decoding (under jit:
     stats["constraint_empty"], the row ends at once). stats["unfinished"] rows (max_forwards ran out)
-    hold MASK slots: what they committed is completable but not yet a match.
+    hold MASK slots: what they committed is completable but not yet a match. constraint_prefix: int or
+    int[B], how many of each prompt's last tokens already belong to the constrained text (e.g. the
+    `{"name": "` before an infilled JSON value); default 0: the text starts at the answer.
     """
     mask_id, shift = _check_model(config, mask_id, logits_shift, "diffusion decoding")
     rule = make_rule(rule) if isinstance(rule, str) else (rule or Greedy1())
@@ -646,24 +653,47 @@ def diffusion_decode(config, params, prompt_tokens, prompt_lengths, *, answer_le
     s = _Static(config=config, rule=rule, answer_length=int(answer_length), block_length=block_length,
                 eos_ids=eos_ids, mask_id=mask_id, shift=shift, mode=cache, max_forwards=int(max_forwards),
                 cache_len=cache_len)
-    auto = None
+    auto = prefix = None
     if constraint is not None:
         auto = DC.bind(constraint, vocab_size=config.vocab_size, eos_ids=eos_ids, mask_id=mask_id,
                        batch=prompt_tokens.shape[0])
-        _check_constraint_rows(s, auto, answer_lengths, suffix, constraint)
-    return _decode(s, params, prompt_tokens, prompt_lengths, answer_lengths, key, suffix, auto)
+        prefix = _check_constraint_prefix(constraint_prefix, prompt_lengths)
+        _check_constraint_rows(s, auto, answer_lengths, suffix, constraint,
+                               None if prefix is None else (prompt_tokens, prompt_lengths, prefix))
+    elif constraint_prefix is not None:
+        raise DiffusionError("constraint_prefix was given without a constraint: pass constraint= too, or drop it")
+    return _decode(s, params, prompt_tokens, prompt_lengths, answer_lengths, key, suffix, auto, prefix)
 
 
-def _check_constraint_rows(s: _Static, auto, answer_lengths, suffix, constraint):
+def _check_constraint_prefix(constraint_prefix, prompt_lengths):
+    """int32[B] (or None for none): prompt tokens that start the constrained text, each in 0..prompt length."""
+    if constraint_prefix is None:
+        return None
+    b = prompt_lengths.shape[0]
+    arr = _concrete("constraint_prefix", constraint_prefix)
+    if arr is not None:
+        if arr.dtype.kind not in "iu" or arr.ndim > 1 or (arr.ndim == 1 and arr.shape != (b,)):
+            raise DiffusionError(f"constraint_prefix must be an int or int[batch] = ({b},) (prompt tokens that "
+                                 f"start the constrained text), got {constraint_prefix!r}")
+        lens = _concrete("prompt_lengths", prompt_lengths)
+        if (arr < 0).any() or (lens is not None and (np.broadcast_to(arr, (b,)) > lens).any()):
+            raise DiffusionError(f"constraint_prefix must be in 0..each prompt's length, got {arr.tolist()}")
+    return jnp.broadcast_to(jnp.asarray(constraint_prefix, jnp.int32), (b,))
+
+
+def _check_constraint_rows(s: _Static, auto, answer_lengths, suffix, constraint, prompt=None):
     """Raise DiffusionError naming the rows whose pattern no answer of their length (+ suffix) matches
     (the emptiness check before decoding; skipped under jit, where stats['constraint_empty'] reports)."""
     concrete_in = [_concrete("answer_lengths", answer_lengths)]
     if suffix is not None:
         concrete_in += [_concrete("suffix_tokens", suffix[0]), _concrete("suffix_lengths", suffix[1])]
+    if prompt is not None:
+        concrete_in += [_concrete("prompt_tokens", prompt[0]), _concrete("prompt_lengths", prompt[1]),
+                        _concrete("constraint_prefix", prompt[2])]
     if any(x is None for x in concrete_in):
         return
     DC.check_suffix_tokens(suffix, s.eos_ids)
-    empty = np.asarray(_empty_rows(s, auto, answer_lengths, suffix))
+    empty = np.asarray(_empty_rows(s, auto, answer_lengths, suffix, prompt))
     if empty.any():
         rows = np.flatnonzero(empty).tolist()
         al = concrete_in[0]
@@ -672,6 +702,7 @@ def _check_constraint_rows(s: _Static, auto, answer_lengths, suffix, constraint)
         raise DiffusionError(
             f"{', '.join(f'row {r} ({int(al[r])} slots)' for r in rows[:4])}"
             f"{f' and {len(rows) - 4} more rows' if len(rows) > 4 else ''}: no answer of that many slots"
+            f"{' after the constraint_prefix' if prompt is not None else ''}"
             f"{' followed by the row suffix' if suffix is not None else ''} matches the pattern{what}"
             f"{'' if s.eos_ids else ' (without EOS ids the answer must fill every slot)'}: the constrained "
             "language is empty there; change answer_length / answer_lengths, the suffix or the pattern")

@@ -72,8 +72,8 @@ def bind(constraint, *, vocab_size: int, eos_ids: tuple, mask_id: int, batch: in
     if not isinstance(constraint, AutomatonConstraint):
         raise DiffusionError(f"diffusion decoding takes a regex / JSON-schema constraint (an AutomatonConstraint "
                              f"from compile_regex(...).constraint() or a TokenAutomaton), got "
-                             f"{type(constraint).__name__}; item-set constraints (TrieConstraint) decode "
-                             "left to right: use method greedy / beam")
+                             f"{type(constraint).__name__}; other constraints (item sets, grammars) check a "
+                             "text left to right only: use an autoregressive method (greedy, sample, beam)")
     try:
         token_class, nxt, final, initial = (np.asarray(x) for x in (constraint.token_class, constraint.next,
                                                                    constraint.final, constraint.initial))
@@ -120,6 +120,28 @@ def check_suffix_tokens(suffix, eos_ids: tuple):
 
 
 # ----------------------------------------------------------------------------- device side
+def with_prefix(a: SlotAutomaton, prompt_tokens, prompt_lengths, prefix_lengths) -> SlotAutomaton:
+    """The automaton with each row's start state moved past the last prefix_lengths[b] tokens of its
+    prompt (the part of the constrained text the prompt already holds); -1 where they do not fit."""
+    p = prompt_tokens.shape[1]
+    first = prompt_lengths - prefix_lengths  # [B]: first prompt column of the constrained text
+
+    def walk(st, x):
+        tok, j = x
+        c = jnp.take(a.cls, jnp.clip(tok, 0, a.cls.shape[0] - 1))
+        c = jnp.where(c >= a.num_classes, 0, c)  # an EOS inside the text: forbidden
+        nx = jnp.where(st >= 0, a.next[jnp.maximum(st, 0), c], -1)
+        return jnp.where((j >= first) & (j < prompt_lengths), nx, st), None
+
+    init, _ = jax.lax.scan(walk, a.initial, (prompt_tokens.T, jnp.arange(p)))
+    return dataclasses.replace(a, initial=init)
+
+
+def _onehot(init, n: int):
+    """bool[n]: the start state's set (empty for a dead start, -1)."""
+    return jnp.zeros(n, bool).at[jnp.where(init >= 0, init, n + 1)].set(True, mode="drop")
+
+
 def tail_accept(a: SlotAutomaton, suffix, batch: int):
     """bool[B, S]: states from which the row's suffix (None: nothing) walks to a final state."""
     s = a.num_states
@@ -179,7 +201,7 @@ def _row_sets(a: SlotAutomaton, kinds, init, tacc, has_eos: bool):
     """One row: (F bool[A+1, S+1] states before each slot, G bool[A+1, S+1] states that can still accept
     from each slot)."""
     s = a.num_states
-    f0 = jnp.zeros(s + 1, bool).at[init].set(True)
+    f0 = _onehot(init, s + 1)
 
     def fwd(r, k):
         r2 = _forward_step(a, r, k, tacc, has_eos)
@@ -215,7 +237,7 @@ def sets(a: SlotAutomaton, answer, answer_lengths, tacc, mask_id: int, has_eos: 
 
 def completable(a: SlotAutomaton, st: Sets):
     """bool[B]: the row's pattern (+ suffix) still has a filling in the language."""
-    return jnp.take_along_axis(st.g[:, 0], a.initial[:, None], axis=1)[:, 0]
+    return jnp.any(st.g[:, 0] & jax.vmap(lambda i: _onehot(i, st.g.shape[-1]))(a.initial), axis=-1)
 
 
 def token_mask(a: SlotAutomaton, st: Sets, tacc, has_eos: bool):
@@ -249,7 +271,7 @@ def filter_commits(a: SlotAutomaton, st: Sets, commit, tokens, tacc, has_eos: bo
     kinds_new = jnp.take(a.cls, jnp.clip(tokens, 0, a.cls.shape[0] - 1))  # [B, A]
 
     def row(kinds, knew, prop, g, init, t):
-        r0 = jnp.zeros(a.num_states + 1, bool).at[init].set(True)
+        r0 = _onehot(init, a.num_states + 1)
 
         def body(r, x):
             k, kn, p, gj1 = x

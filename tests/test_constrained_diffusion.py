@@ -177,3 +177,23 @@ def test_bad_constraints(autos):
     assert small.token_class[EOS] == 0  # <eos> is special: never a pattern token
     with pytest.raises(D.DiffusionError, match="vocabulary has"):
         DC.bind(autos["pat"].constraint(), vocab_size=V - 4, eos_ids=(EOS,), mask_id=V - 5, batch=B)
+
+
+def test_constraint_prefix_starts_in_the_prompt(autos):
+    """The prompts end in "12" / "7" / "1"; with constraint_prefix the pattern covers them: the answer
+    continues the number (pattern [0-9]{2,4}-[ab]+ over prompt tail + answer + suffix "b")."""
+    prompts = jnp.asarray([[3, 4, ID["1"], ID["2"]], [5, ID["7"], 0, 0], [6, 8, 9, ID["1"]]], jnp.int32)
+    lens = jnp.asarray([4, 2, 4], jnp.int32)
+    prefix = jnp.asarray([2, 1, 1], jnp.int32)
+    suffix = jnp.full((3, 1), ID["b"], jnp.int32)
+    out = D.diffusion_decode(CFG, PARAMS, prompts, lens, answer_length=5, rule=D.Threshold(0.5), eos_ids=(EOS,),
+                             constraint=autos["pat"], constraint_prefix=prefix, suffix_tokens=suffix)
+    heads = ["12", "7", "1"]
+    for head, t in zip(heads, _texts(out, np.asarray(suffix))):
+        assert t is not None and re.fullmatch(PAT, head + t), (head, t)
+    with pytest.raises(D.DiffusionError, match="after the constraint_prefix"):  # "a" cannot start a number
+        D.diffusion_decode(CFG, PARAMS, prompts.at[0, 3].set(ID["a"]), lens, answer_length=5, rule="threshold",
+                           eos_ids=(EOS,), constraint=autos["pat"], constraint_prefix=prefix, suffix_tokens=suffix)
+    with pytest.raises(D.DiffusionError, match="constraint_prefix must be in"):
+        D.diffusion_decode(CFG, PARAMS, prompts, lens, answer_length=5, eos_ids=(EOS,), constraint=autos["pat"],
+                           constraint_prefix=3)

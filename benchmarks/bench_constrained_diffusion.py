@@ -1,0 +1,105 @@
+"""Regex / JSON-schema constraints in diffusion decoding (jaxdecode.diffusion, `constraint=`) with the
+shipped dLLM: the fraction of answers that fully match, with and without the constraint, and what the
+constraint costs in forwards and time.
+
+    python benchmarks/bench_constrained_diffusion.py                         # load('dllm'), the default regex
+    python benchmarks/bench_constrained_diffusion.py --regex '[0-9]{1,4}(, [0-9]{1,4}){0,5}'
+    python benchmarks/bench_constrained_diffusion.py --schema schema.json --answer-length 48
+    python benchmarks/bench_constrained_diffusion.py --prompts 4 --rules greedy1 --answer-length 16   # smoke
+
+Prompts are held-out standard-library windows (the split the embedded models never trained on) ending in
+a blank line, so a `def` line is a natural next text for the default pattern. Per (rule, constrained)
+one JSON line: valid (fraction of rows whose answer up to EOS fully matches the pattern), unfinished
+(rows cut off by max_forwards), nfe and tokens_per_forward (means over rows), seconds (wall time of all
+batches, compilation excluded: one untimed batch first), and the automaton's size (states, classes).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+
+import jax
+import numpy as np
+from _common import heldout_prompts
+from bench_dllm_tasks import _rule
+
+from jaxdecode import diffusion as D
+
+PATTERN = r"def [a-z_][a-z0-9_]{0,23}\((self)?(, [a-z_][a-z0-9_]{0,11}){0,3}\):"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="dllm", help="a diffusion checkpoint directory (default: the embedded dLLM)")
+    ap.add_argument("--regex", default=PATTERN, help="the pattern each answer must match in full")
+    ap.add_argument("--schema", help="a JSON schema file instead of --regex")
+    ap.add_argument("--prompts", type=int, default=32, help="held-out prompts")
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--answer-length", type=int, default=32, help="answer slots (an EOS ends an answer early)")
+    ap.add_argument("--block-length", type=int, help="semi-autoregressive block of slots (default: the answer)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--rules", default="greedy1,threshold,llada:4")
+    ap.add_argument("--threshold", type=float, default=0.9)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    import jaxdecode
+    from jaxdecode.constraints.automaton import compile_json_schema, compile_regex, schema_to_regex
+    model = jaxdecode.load(args.model, dtype=args.dtype)
+    config, params, tok = model.config, model.params, model.tokenizer
+    eos = tuple(int(e) for e in config.eos_token_ids)
+    if args.schema:
+        pattern = schema_to_regex(open(args.schema).read())
+        t0 = time.perf_counter()
+        auto = compile_json_schema(open(args.schema).read(), tok, vocab_size=config.vocab_size, eos_ids=eos)
+    else:
+        pattern = args.regex
+        t0 = time.perf_counter()
+        auto = compile_regex(pattern, tok, vocab_size=config.vocab_size, eos_ids=eos)
+    compile_s = time.perf_counter() - t0
+    sep = tok.encode("\n\n")
+    prompts = np.asarray([w + sep for w in heldout_prompts(tok, args.prompts, args.prompt_tokens, args.seed)],
+                         np.int32)
+    n, batch = len(prompts), min(args.batch, len(prompts))
+    regex = re.compile(pattern, re.DOTALL)
+
+    def decode_all(rule, constraint):
+        def run(lo):
+            idx = np.arange(lo, lo + batch) % n
+            out = D.diffusion_decode(config, params, prompts[idx], np.full(batch, prompts.shape[1], np.int32),
+                                     answer_length=args.answer_length, block_length=args.block_length, rule=rule,
+                                     eos_ids=eos, key=jax.random.PRNGKey(args.seed), constraint=constraint)
+            jax.block_until_ready(out.tokens)
+            return out
+        run(0)  # compile
+        outs, start = [], time.perf_counter()
+        for lo in range(0, n, batch):
+            outs.append(run(lo))
+        seconds = time.perf_counter() - start
+        cat = lambda f: np.concatenate([np.asarray(f(o)) for o in outs])[:n]
+        return (cat(lambda o: o.tokens), cat(lambda o: o.lengths), cat(lambda o: o.stats["nfe"]),
+                cat(lambda o: o.stats["tokens_per_forward"]), cat(lambda o: o.stats["unfinished"]), seconds)
+
+    for spec in args.rules.split(","):
+        rule = _rule(spec, args.threshold, None)
+        for constrained in (False, True):
+            tokens, lengths, nfe, tpf, unfinished, seconds = decode_all(rule, auto.constraint() if constrained
+                                                                        else None)
+            valid = []
+            for row, ln, unf in zip(tokens, lengths, unfinished):
+                body = [int(t) for t in row[:ln] if int(t) not in eos]
+                valid.append(not unf and regex.fullmatch(tok.decode(body)) is not None)
+            print(json.dumps({"rule": spec, "constrained": constrained, "prompts": n,
+                              "answer_length": args.answer_length, "valid": float(np.mean(valid)),
+                              "unfinished": float(np.mean(unfinished)), "nfe": float(nfe.mean()),
+                              "tokens_per_forward": float(tpf.mean()), "seconds": seconds,
+                              "states": auto.num_states, "classes": auto.num_classes,
+                              "automaton_compile_s": compile_s,
+                              "example": tok.decode([int(t) for t in tokens[0, :lengths[0]] if int(t) not in eos])}))
+
+
+if __name__ == "__main__":
+    main()
