@@ -16,6 +16,22 @@ A decode step is a gather, `next[s, token_class[t]]`, and the mask of allowed to
 `next[s][token_class] >= 0` (plus the EOS ids where final[s]): no host round trip per token, so
 greedy, sampling, beam search and the constrained top-k kernel take it as they take the trie. Class 0
 is the all-forbidden class (special tokens, ids past the tokenizer, ids outlines-core never allows).
+Where it is no larger, `allowed` reads a packed bitmask row per state instead (`TokenAutomaton.bits`,
+uint32[S, ceil(V / 32)]; see `TokenAutomaton.mask_form`); `next` stays for advancing.
+
+Only live states are kept: a state from which no accepting state can be reached (over tokens the
+vocabulary has) is dropped with every transition into it, so a row can never walk into a dead end; a
+pattern whose initial state is dead (the empty language over this tokenizer) is an AutomatonError.
+
+Several patterns in one batch: `stack_automata([a, b, ...])` puts them in one table (states offset,
+one initial state per pattern, joint token classes), and `auto.constraint(starts=[0, 1, 0])` says which
+pattern each row follows; `per_row_constraint([regex, schema, ...], tokenizer)` does both.
+
+JSON schema. outlines-core's converter silently ignores keywords it cannot express (numeric bounds,
+uniqueItems, patternProperties, ...) and unrolls recursive $refs to a fixed depth; `check_schema` walks
+the schema first and raises for each of those, naming the keyword and its JSON path (see
+UNSUPPORTED_KEYWORDS), so an automaton never admits a text the schema rejects because a keyword was
+dropped. Recursive schemas belong to the grammar path.
 
 Token bytes. The automaton is over bytes: each id's byte string comes from the tokenizer (byte-level
 BPE's printable-unicode alphabet mapped back to bytes, SentencePiece's '▁' and <0xNN> byte tokens), so
@@ -25,9 +41,11 @@ allowed exactly where its bytes fit the pattern.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import jax
@@ -38,7 +56,7 @@ from jaxdecode.constraints.trie import Candidates, ConstraintError
 from jaxdecode.kernels.constrained import constrained_topk
 
 _NEG = float("-inf")
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 class AutomatonError(ConstraintError):
@@ -119,6 +137,9 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 # ----------------------------------------------------------------------------- host automaton
+_MASK_FORMS = ("auto", "bits", "classes")
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class TokenAutomaton:
     """A token-level DFA in class form, on the host (NumPy). See the module docstring."""
@@ -127,6 +148,7 @@ class TokenAutomaton:
     final: np.ndarray  # bool[S]
     initial: np.ndarray  # int32[N]: the start state of each pattern stacked here (one for one pattern)
     patterns: tuple = ()  # what each start state constrains to (the regex), for messages
+    tokenizer: str = ""  # tokenizer_fingerprint of the tokenizer it was compiled for ("" unknown)
 
     @property
     def vocab_size(self) -> int:
@@ -139,6 +161,10 @@ class TokenAutomaton:
     @property
     def num_classes(self) -> int:
         return int(self.next.shape[1])
+
+    @property
+    def num_patterns(self) -> int:
+        return int(self.initial.shape[0])
 
     def step(self, state: int, token: int) -> int:
         """Host transition (-1: forbidden or dead)."""
@@ -159,39 +185,107 @@ class TokenAutomaton:
             return np.zeros(0, np.int64)
         return np.flatnonzero(self.next[state][self.token_class] >= 0)
 
-    def constraint(self, starts=None, *, impl: str = "auto") -> "AutomatonConstraint":
+    # ------------------------------------------------------------------ packed mask form
+    @property
+    def mask_words(self) -> int:
+        return -(-self.vocab_size // 32)
+
+    @functools.cached_property
+    def bits(self) -> np.ndarray:
+        """uint32[S, ceil(V / 32)]: bit t % 32 of word t // 32 of row s is set when token t is allowed in
+        state s (EOS not included). Built in blocks of states, never as a dense [S, V] table."""
+        s, w = self.num_states, self.mask_words
+        out = np.zeros((s, w), np.uint32)
+        shifts = np.arange(32, dtype=np.uint32)
+        step = max(1, (1 << 22) // max(w * 32, 1))
+        for lo in range(0, s, step):
+            ok = self.next[lo:lo + step][:, self.token_class] >= 0  # [s_blk, V]
+            ok = np.pad(ok, ((0, 0), (0, w * 32 - ok.shape[1]))).reshape(ok.shape[0], w, 32)
+            out[lo:lo + step] = (ok.astype(np.uint32) << shifts).sum(axis=2, dtype=np.uint32)
+        return out
+
+    def mask_form(self, mask: str = "auto") -> str:
+        """'bits' or 'classes': how `allowed` builds a row's mask. 'auto' takes the packed bitmask when
+        its table (S * ceil(V / 32) words) is no larger than what the class path reads for it (next,
+        S * C words, plus token_class, V words): then it is both the smaller table and the cheaper step
+        (a shift and an and per token instead of a gather); otherwise the class path."""
+        if mask not in _MASK_FORMS:
+            raise ConstraintError(f"mask must be one of {_MASK_FORMS}, got {mask!r}")
+        if mask != "auto":
+            return mask
+        return "bits" if self.num_states * self.mask_words <= self.num_states * self.num_classes + self.vocab_size \
+            else "classes"
+
+    def constraint(self, starts=None, *, impl: str = "auto", mask: str = "auto") -> "AutomatonConstraint":
         """The device constraint; `starts`: int[B], which stacked pattern each batch row follows (None:
-        pattern 0 for every row)."""
-        starts_h = None if starts is None else np.asarray(starts, np.int64).reshape(-1)
+        pattern 0 for every row); mask: 'auto' | 'bits' | 'classes' (see mask_form)."""
+        starts_h = None if starts is None else np.asarray(starts).reshape(-1)
+        if starts_h is not None and (starts_h.dtype.kind not in "iu" or starts_h.size == 0):
+            raise ConstraintError(f"starts must be a non-empty list of pattern indices (ints), one per batch "
+                                  f"row, got {starts!r}")
         if starts_h is not None and ((starts_h < 0) | (starts_h >= self.initial.shape[0])).any():
             bad = int(starts_h[(starts_h < 0) | (starts_h >= self.initial.shape[0])][0])
             raise ConstraintError(f"pattern index {bad} is outside [0, {self.initial.shape[0]}) (the patterns "
                                   "stacked in this automaton)")
-        init = self.initial[np.zeros(1, np.int64) if starts_h is None else starts_h]
+        init = self.initial[np.zeros(1, np.int64) if starts_h is None else starts_h.astype(np.int64)]
+        bits = jnp.asarray(self.bits) if self.mask_form(mask) == "bits" else None
         return AutomatonConstraint(token_class=jnp.asarray(self.token_class), next=jnp.asarray(self.next),
                                    final=jnp.asarray(self.final), initial=jnp.asarray(init, jnp.int32),
-                                   per_row=starts_h is not None, impl=impl, host=self)
+                                   bits=bits, per_row=starts_h is not None, impl=impl, host=self)
 
     # ------------------------------------------------------------------ save / load
     def save(self, path) -> None:
         np.savez_compressed(path, token_class=self.token_class, next=self.next, final=self.final,
-                            initial=self.initial, patterns=np.array(self.patterns, dtype=object),
-                            version=np.int32(CACHE_VERSION))
+                            initial=self.initial, patterns=np.array(self.patterns, dtype=np.str_),
+                            tokenizer=np.array(self.tokenizer), version=np.int32(CACHE_VERSION))
 
     @classmethod
     def load(cls, path) -> "TokenAutomaton":
-        with np.load(path, allow_pickle=True) as z:
+        with np.load(path, allow_pickle=False) as z:
             if int(z["version"]) != CACHE_VERSION:
                 raise AutomatonError(f"{path} was written by another automaton format version")
-            return cls(token_class=z["token_class"], next=z["next"], final=z["final"], initial=z["initial"],
-                       patterns=tuple(str(p) for p in z["patterns"]))
+            auto = cls(token_class=z["token_class"], next=z["next"], final=z["final"], initial=z["initial"],
+                       patterns=tuple(str(p) for p in z["patterns"]), tokenizer=str(z["tokenizer"]))
+        _check_tables(auto, str(path))
+        return auto
+
+
+def _check_tables(auto: TokenAutomaton, where: str) -> None:
+    """Shapes and ranges of loaded tables (a damaged cache file must not index out of bounds)."""
+    s, c = auto.next.shape if auto.next.ndim == 2 else (-1, -1)
+    ok = (auto.next.ndim == 2 and auto.token_class.ndim == 1 and auto.final.shape == (s,)
+          and auto.initial.ndim == 1 and auto.initial.size >= 1
+          and auto.token_class.min(initial=0) >= 0 and auto.token_class.max(initial=0) < c
+          and auto.next.min(initial=-1) >= -1 and auto.next.max(initial=-1) < s
+          and auto.initial.min() >= 0 and auto.initial.max() < s)
+    if not ok:
+        raise AutomatonError(f"{where} does not hold a valid token automaton")
+
+
+def _live_states(src, dst, num_states: int, initial, final) -> np.ndarray:
+    """bool[S]: states reachable from an initial state that can reach an accepting one."""
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.csgraph import breadth_first_order
+
+    def reach(a, b, seeds):  # states reachable from `seeds` over edges a -> b (a virtual root at S)
+        n = num_states + 1
+        rows = np.concatenate([a, np.full(len(seeds), num_states)])
+        cols = np.concatenate([b, np.asarray(seeds, np.int64)])
+        g = csr_matrix((np.ones(rows.size, np.int8), (rows, cols)), shape=(n, n))
+        order = breadth_first_order(g, num_states, directed=True, return_predecessors=False)
+        out = np.zeros(n, bool)
+        out[order] = True
+        return out[:num_states]
+
+    return reach(src, dst, initial) & reach(dst, src, np.flatnonzero(final))
 
 
 def from_transitions(transitions: dict, initial: int, finals, vocab_size: int, *, pattern: str = "",
-                     drop_ids=()) -> TokenAutomaton:
+                     drop_ids=(), tokenizer: str = "") -> TokenAutomaton:
     """Class form of a token DFA given as {state: {token: next state}} (outlines-core's
-    `Index.get_transitions()`); states are renumbered 0..S-1 in sorted order; `drop_ids` (the EOS ids)
-    are left out of the table (EOS is allowed by `final`)."""
+    `Index.get_transitions()`); `drop_ids` (the EOS ids) are left out of the table (EOS is allowed by
+    `final`). Only live states are kept (reachable, and able to reach an accepting state), renumbered
+    in sorted order; an automaton with no accepting path raises AutomatonError."""
     states = sorted(set(transitions) | {initial} | set(finals)
                     | {n for row in transitions.values() for n in row.values()})
     num = {s: i for i, s in enumerate(states)}
@@ -204,13 +298,21 @@ def from_transitions(transitions: dict, initial: int, finals, vocab_size: int, *
             rows.append(num[s])
             cols.append(int(t))
             vals.append(num[n])
-    full = np.full((len(states), vocab_size), -1, np.int32)  # [S, V], dense only on the host
-    full[np.asarray(rows, np.int64), np.asarray(cols, np.int64)] = np.asarray(vals, np.int32)
-    return _classify(full, np.asarray([num[initial]], np.int32),
-                     np.isin(np.arange(len(states)), [num[f] for f in finals]), (pattern,))
+    rows, cols, vals = (np.asarray(x, np.int64) for x in (rows, cols, vals))
+    final = np.isin(np.arange(len(states)), [num[f] for f in finals])
+    live = _live_states(rows, vals, len(states), [num[initial]], final)
+    if not live[num[initial]]:
+        raise AutomatonError(f"the pattern {pattern!r} has no accepting path over this tokenizer's tokens (no "
+                             "text its tokens can spell matches it, or the only ways on need characters no "
+                             "token holds); fix the pattern or the schema")
+    keep = live[rows] & live[vals]
+    new_id = np.cumsum(live) - 1
+    full = np.full((int(live.sum()), vocab_size), -1, np.int32)  # [S, V], dense only on the host
+    full[new_id[rows[keep]], cols[keep]] = new_id[vals[keep]].astype(np.int32)
+    return _classify(full, np.asarray([new_id[num[initial]]], np.int32), final[live], (pattern,), tokenizer)
 
 
-def _classify(full: np.ndarray, initial, final, patterns) -> TokenAutomaton:
+def _classify(full: np.ndarray, initial, final, patterns, tokenizer: str = "") -> TokenAutomaton:
     """Tokens with identical columns of full[S, V] share a class; the all-forbidden column is class 0."""
     forbidden = np.full((full.shape[0], 1), -1, np.int32)
     cols, token_class = np.unique(np.concatenate([forbidden, full], axis=1), axis=1, return_inverse=True)
@@ -222,12 +324,123 @@ def _classify(full: np.ndarray, initial, final, patterns) -> TokenAutomaton:
     rank[order] = np.arange(order.size)
     return TokenAutomaton(token_class=rank[token_class[1:]].astype(np.int32), next=cols[:, order].astype(np.int32),
                           final=np.asarray(final, bool), initial=np.asarray(initial, np.int32),
-                          patterns=tuple(patterns))
+                          patterns=tuple(patterns), tokenizer=tokenizer)
+
+
+def stack_automata(automata) -> TokenAutomaton:
+    """One automaton holding every pattern of `automata` (a list of TokenAutomaton, each compiled for the
+    same tokenizer and vocab_size): states are offset block by block, each pattern keeps its initial
+    state (pattern i of the result is the i-th pattern of the inputs, in order), and the token classes
+    are the joint ones (tokens that every input puts in the same class share one), so one token_class
+    serves all. `stacked.constraint(starts=[...])` then picks a pattern per batch row."""
+    autos = list(automata)
+    if not autos or not all(isinstance(a, TokenAutomaton) for a in autos):
+        raise AutomatonError("stack_automata takes a non-empty list of TokenAutomaton (from compile_regex / "
+                             "compile_json_schema)")
+    v = {a.vocab_size for a in autos}
+    if len(v) > 1:
+        raise AutomatonError(f"the automata cover different vocabularies ({sorted(v)} token ids); compile them "
+                             "all with the same tokenizer and vocab_size")
+    fps = {a.tokenizer for a in autos if a.tokenizer}
+    if len(fps) > 1:
+        raise AutomatonError("the automata were compiled for different tokenizers; compile them all with the "
+                             "model's tokenizer")
+    if len(autos) == 1:
+        return autos[0]
+    cls = np.stack([a.token_class for a in autos], axis=1)  # [V, N]
+    # The all-zero row first: joint class 0 is "forbidden everywhere" (np.unique sorts it first).
+    joint, token_class = np.unique(np.concatenate([np.zeros((1, len(autos)), cls.dtype), cls]), axis=0,
+                                   return_inverse=True)  # joint [Cj, N]
+    blocks, offset, initial = [], 0, []
+    for i, a in enumerate(autos):
+        nxt = a.next[:, joint[:, i]]  # [S_i, Cj]
+        blocks.append(np.where(nxt >= 0, nxt + offset, -1).astype(np.int32))
+        initial.append(a.initial + offset)
+        offset += a.num_states
+    return TokenAutomaton(token_class=token_class.reshape(-1)[1:].astype(np.int32), next=np.concatenate(blocks),
+                          final=np.concatenate([a.final for a in autos]),
+                          initial=np.concatenate(initial).astype(np.int32),
+                          patterns=sum((tuple(a.patterns) for a in autos), ()), tokenizer=fps.pop() if fps else "")
+
+
+def intersect_automata(a: TokenAutomaton, b: TokenAutomaton, pairs=None) -> TokenAutomaton:
+    """The product automaton of a and b on the host: texts both accept. pairs: (pattern of a, pattern of
+    b) per start state of the result (default: pattern i with pattern i, or every pattern of one with
+    the single pattern of the other). Only live product states are kept (dead ends of the pair, which
+    neither part alone shows, are pruned); an empty intersection raises AutomatonError."""
+    if a.vocab_size != b.vocab_size or (a.tokenizer and b.tokenizer and a.tokenizer != b.tokenizer):
+        raise AutomatonError("the automata were compiled for different tokenizers / vocabularies; compile both "
+                             "with the model's tokenizer and vocab_size")
+    if pairs is None:
+        n = max(a.num_patterns, b.num_patterns)
+        if {a.num_patterns, b.num_patterns} - {1, n}:
+            raise AutomatonError(f"cannot pair {a.num_patterns} patterns with {b.num_patterns}; pass pairs=")
+        pairs = [(i if a.num_patterns > 1 else 0, i if b.num_patterns > 1 else 0) for i in range(n)]
+    cls = np.stack([a.token_class, b.token_class], axis=1)
+    joint, token_joint = np.unique(np.concatenate([np.zeros((1, 2), cls.dtype), cls]), axis=0,
+                                   return_inverse=True)  # joint [Cj, 2]; row 0 = (0, 0)
+    na, nb = a.next[:, joint[:, 0]], b.next[:, joint[:, 1]]  # [S_a, Cj], [S_b, Cj]
+    ids: dict = {}
+    order: list = []
+    rows: list = []
+
+    def pid(pair):
+        if pair not in ids:
+            ids[pair] = len(order)
+            order.append(pair)
+        return ids[pair]
+
+    init = [pid((int(a.initial[i]), int(b.initial[j]))) for i, j in pairs]
+    k = 0
+    while k < len(order):  # BFS over reachable pairs
+        sa, sb = order[k]
+        ta, tb = na[sa], nb[sb]
+        ok = (ta >= 0) & (tb >= 0)
+        row = np.full(ta.shape, -1, np.int64)
+        for j in np.flatnonzero(ok):
+            row[j] = pid((int(ta[j]), int(tb[j])))
+        rows.append(row)
+        k += 1
+    table = np.stack(rows)  # [P, Cj]
+    final = np.array([bool(a.final[x]) and bool(b.final[y]) for x, y in order])
+    src, col = np.nonzero(table >= 0)
+    live = _live_states(src, table[src, col], len(order), init, final)
+    if not live[init].all():
+        bad = int(np.flatnonzero(~live[init])[0])
+        raise AutomatonError(f"the intersection of {a.patterns[pairs[bad][0]]!r} and {b.patterns[pairs[bad][1]]!r} "
+                             "is empty over this tokenizer (no text satisfies both)")
+    new_id = np.cumsum(live) - 1
+    table = table[live]
+    table = np.where((table >= 0) & live[np.maximum(table, 0)], new_id[np.maximum(table, 0)], -1).astype(np.int32)
+    cls_auto = _classify(table, new_id[init], final[live], ())  # classes over joint classes
+    names = tuple(f"({a.patterns[i]})&({b.patterns[j]})" for i, j in pairs)
+    return dataclasses.replace(cls_auto, token_class=cls_auto.token_class[token_joint.reshape(-1)[1:]],
+                               patterns=names, tokenizer=a.tokenizer or b.tokenizer)
 
 
 # ----------------------------------------------------------------------------- compilers
 def _cache_dir() -> Path:
     return Path(os.environ.get("JAXDECODE_CACHE", Path.home() / ".cache" / "jaxdecode")) / "automata"
+
+
+def _regex_error(pattern: str, err: Exception) -> AutomatonError:
+    """outlines-core's message, made specific: a syntax error says where (Python's parser, whose syntax
+    agrees with the Rust regex crate's on the common forms); a vocabulary that cannot spell the pattern
+    says so."""
+    msg = str(err).strip()
+    if "incompatible with the regex" in msg:
+        return AutomatonError(f"the regex {pattern!r} has no accepting path over this tokenizer's tokens: "
+                              f"{msg.splitlines()[0]} Fix the pattern, or use a tokenizer that has those "
+                              "characters (or byte tokens)")
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        return AutomatonError(f"invalid regex {pattern!r}: {e} (fix the pattern; the syntax is that of Rust's "
+                              "regex crate)")
+    except (OverflowError, RecursionError):
+        pass
+    return AutomatonError(f"cannot compile the regex {pattern!r}: {msg} (the syntax is that of Rust's regex "
+                          "crate: no look-around, no back-references)")
 
 
 def compile_regex(pattern: str, tokenizer, *, vocab_size: int | None = None, eos_ids=None,
@@ -237,21 +450,25 @@ def compile_regex(pattern: str, tokenizer, *, vocab_size: int | None = None, eos
     vocab_size: the model's vocabulary (>= the tokenizer's; extra ids are never allowed). eos_ids: ids
     left out of the table (they end the text; default the tokenizer's EOS). Compiled automata are cached
     on disk (JAXDECODE_CACHE, default ~/.cache/jaxdecode/automata) keyed by (pattern, tokenizer bytes,
-    vocab_size, eos_ids)."""
+    vocab_size, eos_ids); an unreadable or damaged cache file is rebuilt."""
     if not isinstance(pattern, str) or not pattern:
         raise AutomatonError(f"a regex must be a non-empty string, got {pattern!r}")
     tb = token_bytes(tokenizer)
+    if vocab_size is not None and int(vocab_size) < len(tb):
+        raise AutomatonError(f"vocab_size={vocab_size} is smaller than the tokenizer's {len(tb)} token ids: the "
+                             "tokenizer does not belong to this model (pass the model's own tokenizer)")
     v = max(len(tb), int(vocab_size or 0))
     if eos_ids is None:
         eos_ids = () if getattr(tokenizer, "eos_token_id", None) is None else (int(tokenizer.eos_token_id),)
     eos_ids = tuple(int(e) for e in eos_ids)
-    key = hashlib.sha256(json.dumps([CACHE_VERSION, pattern, tokenizer_fingerprint(tokenizer), v,
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    key = hashlib.sha256(json.dumps([CACHE_VERSION, pattern, fingerprint, v,
                                      sorted(eos_ids)]).encode()).hexdigest()[:40]
     path = _cache_dir() / f"{key}.npz"
     if cache and path.exists():
         try:
             return TokenAutomaton.load(path)
-        except Exception:  # a stale or partial file: rebuild it
+        except Exception:  # a stale, partial or damaged file: rebuild it
             pass
     import outlines_core
 
@@ -264,9 +481,9 @@ def compile_regex(pattern: str, tokenizer, *, vocab_size: int | None = None, eos
         vocab = outlines_core.Vocabulary(eos_for_oc, mapping)
         index = outlines_core.Index(pattern, vocab)
     except Exception as e:  # outlines-core raises ValueError / its own errors, all with a message
-        raise AutomatonError(f"cannot compile the regex {pattern!r}: {e}") from None
+        raise _regex_error(pattern, e) from None
     auto = from_transitions(index.get_transitions(), index.get_initial_state(), index.get_final_states(), v,
-                            pattern=pattern, drop_ids=(eos_for_oc,) + eos_ids)
+                            pattern=pattern, drop_ids=(eos_for_oc,) + eos_ids, tokenizer=fingerprint)
     if cache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -278,41 +495,291 @@ def compile_regex(pattern: str, tokenizer, *, vocab_size: int | None = None, eos
     return auto
 
 
-def schema_to_regex(schema, *, whitespace: str | None = None) -> str:
-    """outlines-core's JSON schema -> regex converter (schema: a dict, a JSON string or a file path)."""
+# ----------------------------------------------------------------------------- JSON schema
+# Keywords outlines-core's converter turns into the regex (with the checks of check_schema).
+ENFORCED_KEYWORDS = frozenset({
+    "type", "enum", "const", "properties", "required", "additionalProperties", "items", "prefixItems",
+    "minItems", "maxItems", "minLength", "maxLength", "pattern", "format", "anyOf", "oneOf", "allOf", "$ref",
+    "minProperties", "minDigits", "maxDigits", "minDigitsInteger", "maxDigitsInteger", "minDigitsFraction",
+    "maxDigitsFraction", "minDigitsExponent", "maxDigitsExponent"})
+# Annotations: they do not restrict the valid instances (keys starting with "x-" count as annotations).
+ANNOTATION_KEYWORDS = frozenset({
+    "title", "description", "default", "examples", "$comment", "$schema", "$id", "$anchor", "$defs",
+    "definitions", "deprecated", "readOnly", "writeOnly", "contentMediaType", "contentEncoding",
+    "contentSchema", "$vocabulary"})
+# Keywords the converter silently ignores (or mistranslates): each raises, with what to do instead.
+UNSUPPORTED_KEYWORDS = {
+    "minimum": "numeric bounds", "maximum": "numeric bounds", "exclusiveMinimum": "numeric bounds",
+    "exclusiveMaximum": "numeric bounds", "multipleOf": "divisibility", "uniqueItems": "unique array items",
+    "contains": "'contains'", "minContains": "'contains'", "maxContains": "'contains'",
+    "patternProperties": "pattern-matched property names", "propertyNames": "property-name schemas",
+    "dependentRequired": "dependent properties", "dependentSchemas": "dependent schemas",
+    "dependencies": "dependent properties", "maxProperties": "a maximum property count",
+    "unevaluatedProperties": "unevaluated properties", "unevaluatedItems": "unevaluated items",
+    "not": "negation", "if": "conditionals", "then": "conditionals", "else": "conditionals",
+    "$dynamicRef": "dynamic references", "$dynamicAnchor": "dynamic references",
+    "$recursiveRef": "recursive references", "$recursiveAnchor": "recursive references"}
+SUPPORTED_FORMATS = frozenset({"date-time", "date", "time", "email", "uri", "uuid"})
+_TYPES = ("string", "number", "integer", "boolean", "null", "array", "object")
+
+
+def _json_type(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(value), "unknown")
+
+
+class _SchemaWalk:
+    """check_schema's walk: every reachable subschema once, with its JSON path; $refs followed with a
+    stack (a $ref met again inside its own expansion is recursion)."""
+
+    def __init__(self, root):
+        self.root = root
+        self.done: set[str] = set()
+        self.validator = None
+
+    def fail(self, path: str, msg: str):
+        raise AutomatonError(f"JSON schema at {path}: {msg}")
+
+    def resolve(self, ref: str, path: str):
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            self.fail(path, f"$ref {ref!r} is not a local reference ('#/$defs/...'); inline the referenced schema")
+        node = self.root
+        for part in [p for p in ref[1:].split("/") if p]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            elif isinstance(node, dict) and part in node:
+                node = node[part]
+            else:
+                self.fail(path, f"$ref {ref!r} does not resolve inside the schema")
+        return node
+
+    def types_of(self, sub, path: str, stack) -> set | None:
+        """The JSON types a subschema admits (None: not determined by type / const / enum)."""
+        if isinstance(sub, dict):
+            if "$ref" in sub:
+                return self.types_of(self.resolve(sub["$ref"], path), path, stack)
+            if "const" in sub:
+                return {_json_type(sub["const"])}
+            if "enum" in sub and isinstance(sub["enum"], list):
+                return {_json_type(x) for x in sub["enum"]}
+            t = sub.get("type")
+            if isinstance(t, str):
+                return {t}
+            if isinstance(t, list):
+                return set(t)
+        return None
+
+    def check_values(self, sub: dict, path: str):
+        """enum / const next to other assertions: outlines-core emits the listed values as they are, so
+        each must satisfy the sibling keywords."""
+        rest = {k: v for k, v in sub.items() if k not in ("enum", "const") and k not in ANNOTATION_KEYWORDS}
+        if not rest:
+            return
+        import jsonschema
+
+        if self.validator is None:
+            cls = jsonschema.validators.validator_for(self.root, default=jsonschema.Draft202012Validator)
+            self.validator = cls(self.root)
+        v = self.validator.evolve(schema=rest)
+        values = [sub["const"]] if "const" in sub else list(sub.get("enum") or [])
+        for x in values:
+            err = jsonschema.exceptions.best_match(v.iter_errors(x))
+            if err is not None:
+                self.fail(path, f"the value {json.dumps(x)} of {'const' if 'const' in sub else 'enum'} fails its "
+                          f"sibling keywords ({err.message}); outlines-core would emit it anyway: remove it")
+
+    def walk(self, sub, path: str, stack: tuple = ()):
+        if isinstance(sub, bool):
+            if sub is False:
+                self.fail(path, "the schema `false` admits no value (an empty language); remove it")
+            self.fail(path, "a boolean schema `true` is not supported by the converter; write {} for any value")
+        if not isinstance(sub, dict):
+            self.fail(path, f"a schema must be an object, got {type(sub).__name__}")
+        for key in sub:
+            if key in ENFORCED_KEYWORDS or key in ANNOTATION_KEYWORDS or key.startswith("x-"):
+                continue
+            what = UNSUPPORTED_KEYWORDS.get(key)
+            if what is not None:
+                self.fail(path, f"keyword {key!r} ({what}) is not supported by the regex compiler: outlines-core "
+                          "would silently ignore it and admit values the schema rejects. Remove it (bound "
+                          "integers' digit counts with minDigits / maxDigits), or use the grammar path "
+                          "(jaxdecode.constraints.grammar)")
+            self.fail(path, f"unknown keyword {key!r}: the regex compiler does not know it, so it would be "
+                      "ignored; remove it, or prefix an annotation with 'x-'")
+        t = sub.get("type")
+        for ty in ([t] if isinstance(t, str) else t if isinstance(t, list) else [] if t is None else [None]):
+            if ty not in _TYPES:
+                self.fail(path, f"type {t!r} is not a JSON type (one of {', '.join(_TYPES)})")
+        if "format" in sub and sub["format"] not in SUPPORTED_FORMATS:
+            self.fail(path, f"format {sub['format']!r} is not supported by outlines-core (it knows "
+                      f"{', '.join(sorted(SUPPORTED_FORMATS))}); remove it or give a 'pattern'")
+        if "enum" in sub or "const" in sub:
+            self.check_values(sub, path)
+        for lo, hi in (("minLength", "maxLength"), ("minItems", "maxItems")):
+            if isinstance(sub.get(lo), int) and isinstance(sub.get(hi), int) and sub[lo] > sub[hi]:
+                self.fail(path, f"{lo}={sub[lo]} > {hi}={sub[hi]}: no value fits (an empty language)")
+        props = sub.get("properties")
+        if props is not None and not isinstance(props, dict):
+            self.fail(path, "'properties' must be an object")
+        if "minProperties" in sub and props:
+            self.fail(path, "keyword 'minProperties' next to 'properties' is ignored by outlines-core; make the "
+                      "properties 'required' instead")
+        missing = [r for r in sub.get("required") or [] if r not in (props or {})]
+        if missing:
+            self.fail(path, f"required property {missing[0]!r} is not in 'properties' (outlines-core would drop "
+                      "it from the output); declare it under 'properties'")
+        if isinstance(sub.get("items"), list):
+            self.fail(path, "'items' as a list (draft-04 tuples) is not supported; use 'prefixItems'")
+        if "allOf" in sub and (not isinstance(sub["allOf"], list) or len(sub["allOf"]) != 1):
+            self.fail(path, "'allOf' with several schemas is not supported: outlines-core concatenates them "
+                      "instead of intersecting; merge them into one schema (or use the grammar path)")
+        if "oneOf" in sub:
+            branches = sub["oneOf"] if isinstance(sub["oneOf"], list) else []
+            seen: list[set] = []
+            for i, b in enumerate(branches):
+                ts = self.types_of(b, f"{path}.oneOf[{i}]", stack)
+                if ts is None or any(ts & s or ("integer" in ts and "number" in s) or ("number" in ts
+                                                                                    and "integer" in s)
+                                     for s in seen):
+                    self.fail(path, "'oneOf' is compiled as 'anyOf' (a value matching two branches would "
+                              "pass); it is accepted only when the branches have disjoint types. Use "
+                              "'anyOf' if the branches never overlap")
+                seen.append(ts)
+        # ---- children
+        if "$ref" in sub:
+            ref = sub["$ref"]
+            if ref in stack:
+                cycle = " -> ".join(stack[stack.index(ref):] + (ref,))
+                raise AutomatonError(f"JSON schema at {path}: the schema is recursive ($ref cycle {cycle}); a "
+                                     "regex cannot hold it: use compile_grammar / json_schema via the grammar "
+                                     "path (jaxdecode.constraints.grammar)")
+            if ref not in self.done:
+                self.walk(self.resolve(ref, path), f"{path}.$ref({ref})", stack + (ref,))
+                self.done.add(ref)
+        for name, s in (props or {}).items():
+            self.walk(s, f"{path}.properties.{name}", stack)
+        for key in ("additionalProperties", "items"):
+            if isinstance(sub.get(key), dict):
+                self.walk(sub[key], f"{path}.{key}", stack)
+        for key in ("prefixItems", "anyOf", "oneOf", "allOf"):
+            if key in sub:
+                if not isinstance(sub[key], list) or not sub[key]:
+                    self.fail(path, f"{key!r} must be a non-empty list of schemas")
+                for i, s in enumerate(sub[key]):
+                    self.walk(s, f"{path}.{key}[{i}]", stack)
+
+
+def _load_schema(schema):
+    if isinstance(schema, (str, Path)) and not str(schema).lstrip().startswith(("{", "[")) and Path(schema).is_file():
+        schema = Path(schema).read_text()
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise AutomatonError(f"the JSON schema is not valid JSON ({e}); pass a dict, JSON text or a file "
+                                 "path") from None
+    return schema
+
+
+def check_schema(schema) -> None:
+    """Raise AutomatonError, naming the keyword and its JSON path, for anything in the schema the regex
+    compiler would not enforce (UNSUPPORTED_KEYWORDS, unknown keywords, unknown formats, 'allOf' with
+    several schemas, 'oneOf' over overlapping types, enum values that fail their sibling keywords,
+    'required' names missing from 'properties', recursive $refs) or that admits nothing."""
+    _SchemaWalk(schema).walk(schema, "$")
+
+
+def schema_to_regex(schema, *, whitespace: str | None = None, check: bool = True) -> str:
+    """outlines-core's JSON schema -> regex converter (schema: a dict, a JSON string or a file path),
+    after check_schema (check=False skips it: keywords outlines-core ignores are then dropped)."""
     import outlines_core
 
-    if isinstance(schema, (str, Path)) and not str(schema).lstrip().startswith("{") and Path(schema).exists():
-        schema = Path(schema).read_text()
-    text = schema if isinstance(schema, str) else json.dumps(schema)
+    schema = _load_schema(schema)
+    if check:
+        check_schema(schema)
     try:
-        return outlines_core.json_schema.build_regex_from_schema(text, whitespace)
+        return outlines_core.json_schema.build_regex_from_schema(json.dumps(schema), whitespace)
     except Exception as e:
-        raise AutomatonError(f"cannot convert the JSON schema to a regex: {e}") from None
+        raise AutomatonError(f"cannot convert the JSON schema to a regex: {str(e).strip().splitlines()[0]}") \
+            from None
 
 
 def compile_json_schema(schema, tokenizer, *, whitespace: str | None = None, **kw) -> TokenAutomaton:
-    """Token automaton of the texts valid under a JSON schema (outlines-core's converter, then
-    compile_regex)."""
+    """Token automaton of the texts valid under a JSON schema (check_schema, outlines-core's converter,
+    then compile_regex)."""
     return compile_regex(schema_to_regex(schema, whitespace=whitespace), tokenizer, **kw)
+
+
+def per_row_constraint(specs, tokenizer, *, vocab_size: int | None = None, eos_ids=None, impl: str = "auto",
+                       mask: str = "auto", cache: bool = True) -> "AutomatonConstraint":
+    """The constraint of a batch whose rows follow different patterns: specs[b] is row b's regex (a str),
+    JSON schema (a dict) or TokenAutomaton. Equal specs are compiled once; all are stacked."""
+    specs = list(specs)
+    if not specs:
+        raise AutomatonError("per_row_constraint needs one spec per batch row, got none")
+    index: dict[str, int] = {}
+    autos, starts = [], []
+    for b, spec in enumerate(specs):
+        if isinstance(spec, TokenAutomaton):
+            key = f"auto:{id(spec)}"
+        elif isinstance(spec, str):
+            key = "re:" + spec
+        elif isinstance(spec, dict):
+            key = "js:" + json.dumps(spec, sort_keys=True)
+        else:
+            raise AutomatonError(f"specs[{b}] is a {type(spec).__name__}; give a regex (str), a JSON schema "
+                                 "(dict) or a TokenAutomaton per row")
+        if key not in index:
+            kw = dict(vocab_size=vocab_size, eos_ids=eos_ids, cache=cache)
+            if isinstance(spec, TokenAutomaton):
+                a = spec
+            elif isinstance(spec, str):
+                a = compile_regex(spec, tokenizer, **kw)
+            else:
+                a = compile_json_schema(spec, tokenizer, **kw)
+            if a.num_patterns != 1:
+                raise AutomatonError(f"specs[{b}] is already a stack of {a.num_patterns} patterns; give one "
+                                     "pattern per row")
+            index[key] = len(autos)
+            autos.append(a)
+        starts.append(index[key])
+    return stack_automata(autos).constraint(starts=starts, impl=impl, mask=mask)
 
 
 # ----------------------------------------------------------------------------- device constraint
 @dataclasses.dataclass(frozen=True)
 class AutomatonState:
-    state: jax.Array  # int32[R]; -1 = finished (emitted EOS) or dead
+    """One automaton state per row: node = (int32[R],); -1 = finished (emitted EOS) or dead. `node` is a
+    tuple as in TrieState, so decoders that carry `state.node` (beam search) take either."""
+    node: tuple
+
+    @property
+    def state(self):
+        return self.node[0]
+
+    def replace(self, **kw) -> "AutomatonState":
+        return dataclasses.replace(self, **kw)
 
 
-jax.tree_util.register_dataclass(AutomatonState, data_fields=["state"], meta_fields=[])
+jax.tree_util.register_dataclass(AutomatonState, data_fields=["node"], meta_fields=[])
 
 
 @dataclasses.dataclass(frozen=True)
 class AutomatonConstraint:
-    """The Constraint protocol (see jaxdecode.constraints.trie) over a TokenAutomaton. A pytree."""
+    """The Constraint protocol (see jaxdecode.constraints.protocol) over a TokenAutomaton. A pytree."""
     token_class: jax.Array  # int32[V]
     next: jax.Array  # int32[S, C]
     final: jax.Array  # bool[S]
     initial: jax.Array  # int32[B] (per_row) or int32[1]: start state of each batch row
+    bits: jax.Array | None = None  # uint32[S, ceil(V / 32)]: the packed mask rows (None: the class path)
     per_row: bool = False
     eos_ids: tuple = ()
     impl: str = "auto"
@@ -349,16 +816,20 @@ class AutomatonConstraint:
 
     def init(self, batch: int, beams: int = 1) -> AutomatonState:
         init = jnp.broadcast_to(self.initial, (batch,)) if not self.per_row else self.initial
-        return AutomatonState(state=jnp.repeat(init.astype(jnp.int32), beams))
-
-    def _rows(self, state):
-        return jnp.take(self.next, jnp.maximum(state, 0), axis=0)  # [R, C]
+        return AutomatonState(node=(jnp.repeat(init.astype(jnp.int32), beams),))
 
     def allowed(self, state: AutomatonState, width: int | None = None):
-        """bool[R, width]: tokens each row may emit (EOS ids exactly at accepting states)."""
+        """bool[R, width]: tokens each row may emit (EOS ids exactly at accepting states). From the packed
+        bitmask rows when the constraint carries them, else next[s][token_class] >= 0."""
         width = self.vocab_size if width is None else int(width)
-        s = state.state
-        mask = jnp.take(self._rows(s), self.token_class, axis=1) >= 0  # [R, V]
+        s = state.node[0]
+        if self.bits is not None:
+            words = jnp.take(self.bits, jnp.maximum(s, 0), axis=0)  # [R, W]
+            shifts = jnp.arange(32, dtype=jnp.uint32)
+            mask = ((words[:, :, None] >> shifts) & 1).astype(bool).reshape(s.shape[0], -1)  # [R, 32 W]
+            mask = mask[:, :self.vocab_size]
+        else:
+            mask = jnp.take(jnp.take(self.next, jnp.maximum(s, 0), axis=0), self.token_class, axis=1) >= 0  # [R, V]
         mask = mask & (s >= 0)[:, None]
         if width > self.vocab_size:
             mask = jnp.pad(mask, ((0, 0), (0, width - self.vocab_size)))
@@ -378,40 +849,53 @@ class AutomatonConstraint:
         return jnp.where(state >= 0, nxt, -1)
 
     def advance(self, state: AutomatonState, tokens) -> AutomatonState:
-        return AutomatonState(state=self.next_state(state.state, tokens))
+        return AutomatonState(node=(self.next_state(state.node[0], tokens),))
 
     def complete(self, state: AutomatonState):
         """Without EOS ids a row ends in an accepting state with no way on (prepare checks this is the
         only way to accept); with EOS ids the row ends by emitting one."""
-        s = state.state
+        s = state.node[0]
         if self.eos_ids:
             return jnp.zeros(s.shape, bool)
         return (s >= 0) & jnp.take(self.final, jnp.maximum(s, 0))
 
     def candidates(self, state: AutomatonState, logits, num_beams: int, scores=None, *, min_depth: int = 0,
                    max_depth: int | None = None) -> Candidates:
-        """Each row's best num_beams + len(eos_ids) allowed tokens by log_softmax(logits) (the mask form
-        of the constrained top-k kernel), per row (parent None) — exact for a beam step."""
-        k = min(num_beams + len(self.eos_ids), logits.shape[-1])
-        mask = self.allowed(state, logits.shape[-1])
-        values, tokens = constrained_topk(logits, k, mask=mask, impl=self.impl)
+        """Each row's best allowed tokens by log_softmax(logits) (the mask form of the constrained top-k
+        kernel), per row (parent None), enough for an exact beam step: with EOS ids the best num_beams + E
+        (a row offers at most E ending slots); without, the best num_beams that end (reach an accepting
+        state, which then has no way on) and the best num_beams that do not."""
+        v = logits.shape[-1]
+        mask = self.allowed(state, v)
+        s = state.node[0]
+        if self.eos_ids:
+            values, tokens = constrained_topk(logits, min(num_beams + len(self.eos_ids), v), mask=mask,
+                                              impl=self.impl)
+        else:
+            nxt_all = self.next_state(jnp.broadcast_to(s[:, None], (s.shape[0], self.vocab_size)),
+                                      jnp.arange(self.vocab_size, dtype=jnp.int32)[None, :])  # [R, V]
+            ends_all = (nxt_all >= 0) & jnp.take(self.final, jnp.maximum(nxt_all, 0))
+            ends_all = jnp.pad(ends_all, ((0, 0), (0, v - self.vocab_size)))
+            kk = min(num_beams, v)
+            va, ta = constrained_topk(logits, kk, mask=mask & ~ends_all, impl=self.impl)
+            vb, tb = constrained_topk(logits, kk, mask=mask & ends_all, impl=self.impl)
+            values, tokens = jnp.concatenate([va, vb], axis=1), jnp.concatenate([ta, tb], axis=1)
         ok = tokens >= 0
         ends = jnp.zeros(tokens.shape, bool)
         for e in self.eos_ids:
             ends = ends | (tokens == e)
-        nxt = self.next_state(jnp.broadcast_to(state.state[:, None], tokens.shape), jnp.maximum(tokens, 0))
+        nxt = self.next_state(jnp.broadcast_to(s[:, None], tokens.shape), jnp.maximum(tokens, 0))
         if not self.eos_ids:
-            fin = (nxt >= 0) & jnp.take(self.final, jnp.maximum(nxt, 0))
-            ends = ends | fin
+            ends = ends | ((nxt >= 0) & jnp.take(self.final, jnp.maximum(nxt, 0)))
         return Candidates(logprobs=jnp.where(ok, values, _NEG), tokens=jnp.where(ok, tokens, -1), ends=ends & ok,
                           next=(jnp.where(ok, nxt, -1),))
 
     def step_to(self, state: AutomatonState, next_nodes) -> AutomatonState:
-        return AutomatonState(state=next_nodes[0])
+        return AutomatonState(node=(next_nodes[0],))
 
 
 def _flatten(c: AutomatonConstraint):
-    return (c.token_class, c.next, c.final, c.initial), (c.per_row, c.eos_ids, c.impl)
+    return (c.token_class, c.next, c.final, c.initial, c.bits), (c.per_row, c.eos_ids, c.impl)
 
 
 def _unflatten(aux, leaves) -> AutomatonConstraint:  # host facts are dropped: jit keys on shapes only
@@ -419,3 +903,24 @@ def _unflatten(aux, leaves) -> AutomatonConstraint:  # host facts are dropped: j
 
 
 jax.tree_util.register_pytree_node(AutomatonConstraint, _flatten, _unflatten)
+
+
+def intersect_constraints(c1: AutomatonConstraint, c2: AutomatonConstraint) -> AutomatonConstraint:
+    """The product of two automaton constraints built on the host (`intersect_automata`), with each batch
+    row's pair of patterns; protocol.intersect uses it when both constraints carry their host tables."""
+    if c1.host is None or c2.host is None:
+        raise ConstraintError("the product needs the constraints' host tables (build them outside jit)")
+    i1, i2 = np.asarray(c1.initial).reshape(-1), np.asarray(c2.initial).reshape(-1)
+    n = max(i1.size, i2.size)
+    if {i1.size, i2.size} - {1, n}:
+        raise ConstraintError(f"the constraints have start states for {i1.size} and {i2.size} rows; give both "
+                              "the same rows")
+    i1, i2 = np.broadcast_to(i1, (n,)), np.broadcast_to(i2, (n,))
+    pat1 = {int(s): k for k, s in enumerate(c1.host.initial)}
+    pat2 = {int(s): k for k, s in enumerate(c2.host.initial)}
+    rows = [(pat1[int(x)], pat2[int(y)]) for x, y in zip(i1, i2)]
+    distinct = list(dict.fromkeys(rows))
+    prod = intersect_automata(c1.host, c2.host, pairs=distinct)
+    per_row = c1.per_row or c2.per_row
+    out = prod.constraint(starts=[distinct.index(r) for r in rows] if per_row else None, impl=c1.impl)
+    return out.replace(eos_ids=c1.eos_ids)
