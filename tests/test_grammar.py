@@ -112,3 +112,147 @@ def test_device_masks_equal_llguidance(name, tok):
     assert g.backend == "device", g.reason
     hist = _walk_compare(g, tok)
     assert any(len(set(tok.decode(h)) & set("([{")) for h in hist)
+
+
+@pytest.fixture(scope="module")
+def model():
+    import jaxdecode
+
+    return jaxdecode.load()
+
+
+def _texts(model, out, eos):
+    rows = []
+    for toks, n in zip(np.asarray(out.tokens), np.asarray(out.lengths)):
+        toks = [int(t) for t in toks[:n]]
+        ended = bool(toks) and toks[-1] in eos
+        rows.append((model.tokenizer.decode(toks[:-1] if ended else toks), ended, toks))
+    return rows
+
+
+def test_generated_tree_json_validates(model):
+    """Sampled generation under a recursive schema (greedy: the expression test below): every finished
+    text validates with jsonschema, every unfinished one is a prefix llguidance accepts."""
+    import jsonschema
+
+    from jaxdecode.autoregressive import decode
+    from jaxdecode.sampling import SamplerConfig
+
+    g = compile_schema_grammar(TREE, model.tokenizer, vocab_size=model.config.vocab_size, eos_ids=(0,))
+    assert g.backend == "device" and is_recursive_schema(TREE)
+    prompts = ["data = ", "tree = {"]
+    enc = [model.encode(p) for p in prompts]
+    toks = np.zeros((2, max(map(len, enc))), np.int32)
+    for i, e in enumerate(enc):
+        toks[i, :len(e)] = e
+    lens = jnp.asarray([len(e) for e in enc], jnp.int32)
+    finished = 0
+    out = decode(model.config, model.params, jnp.asarray(toks), lens, max_new_tokens=48, eos_ids=(0,),
+                 constraint=g.constraint(), method="sample", key=jax.random.key(3),
+                 sampler=SamplerConfig(temperature=1.0))
+    for text, ended, ids in _texts(model, out, (0,)):
+        if ended:
+            jsonschema.validate(json.loads(text), TREE)
+            finished += 1
+        else:
+            m = g.matcher()
+            assert m.consume_tokens(ids), text
+    assert finished >= 1
+
+
+def test_generated_expression_parses_with_lark(model):
+    import lark
+
+    from jaxdecode.autoregressive import decode
+    from jaxdecode.sampling import SamplerConfig
+
+    # one bracketed expression: after its closing bracket EOS is the only token left, so rows finish
+    grammar = ARITH.replace("start: expr", 'start: "(" expr ")"').replace("/[0-9]+/", "/[0-9]/")
+    g = compile_grammar(grammar, model.tokenizer, vocab_size=model.config.vocab_size, eos_ids=(0,))
+    toks = jnp.asarray([model.encode("x = (1 + 2) * ")] * 4, jnp.int32)
+    lens = jnp.full((4,), toks.shape[1], jnp.int32)
+    out = decode(model.config, model.params, toks, lens, max_new_tokens=32, eos_ids=(0,), constraint=g.constraint(),
+                 method="sample", key=jax.random.key(0), sampler=SamplerConfig(temperature=1.0))
+    greedy = decode(model.config, model.params, toks[:1], lens[:1], max_new_tokens=32, eos_ids=(0,),
+                    constraint=g.constraint(), method="greedy")
+    parser = lark.Lark(grammar, parser="earley")
+    rows = _texts(model, out, (0,)) + _texts(model, greedy, (0,))
+    for text, ended, ids in rows:
+        if ended:
+            parser.parse(text)
+        else:
+            assert g.matcher().consume_tokens(ids), text
+    assert any(ended for _, ended, _ in rows)
+
+
+def test_beam_search_under_grammar(model):
+    from jaxdecode.beam import beam_search
+
+    g = compile_grammar(GBNF, model.tokenizer, vocab_size=model.config.vocab_size, eos_ids=(0,))
+    toks = jnp.asarray([model.encode("a = ")], jnp.int32)
+    out = beam_search(model.config, model.params, toks, jnp.asarray([toks.shape[1]], jnp.int32), max_new_tokens=8,
+                      num_beams=2, eos_ids=(0,), constraint=g.constraint())
+    seqs = np.asarray(out.tokens)[0]
+    lengths = np.asarray(out.lengths)[0]
+    for s, n in zip(seqs, lengths):
+        ids = [int(t) for t in s[:n]]
+        m = g.matcher()
+        assert m.consume_tokens(ids), model.tokenizer.decode(ids)
+
+
+def test_not_ll1_falls_back_to_llguidance(tok, model):
+    """A left-recursive grammar has no device form: llguidance on the host (backend says so), or an error
+    with fallback="error"; generation under the fallback parses."""
+    import lark
+
+    from jaxdecode.autoregressive import decode
+
+    with pytest.raises(GrammarError, match="left-recursive"):
+        compile_grammar(LEFT_RECURSIVE, tok, fallback="error")
+    g = compile_grammar(LEFT_RECURSIVE, tok, vocab_size=model.config.vocab_size, eos_ids=(0,))
+    assert g.backend == "llguidance" and "left-recursive" in g.reason
+    c = g.constraint()
+    assert c.backend == "llguidance"
+    toks = jnp.asarray([model.encode("n = 1 + ")] * 2, jnp.int32)
+    out = decode(model.config, model.params, toks, jnp.full((2,), toks.shape[1], jnp.int32), max_new_tokens=10,
+                 eos_ids=(0,), constraint=c, method="greedy")
+    for text, ended, ids in _texts(model, out, (0,)):
+        assert g.matcher().consume_tokens(ids), text
+        if ended:
+            lark.Lark(LEFT_RECURSIVE, parser="earley").parse(text)
+
+
+def test_depth_bound(tok):
+    """Nesting beyond max_depth is masked on the device (never a dead end: closing stays allowed); a grammar
+    whose every text nests deeper than max_depth falls back, or errors with fallback="error"."""
+    g = compile_grammar(PARENS, tok, max_depth=3)
+    c = g.constraint().prepare(g.vocab_size, g.eos_ids, 8, 1)
+    st = c.init(1)
+    open_, close = tok.convert_tokens_to_ids("("), tok.convert_tokens_to_ids(")")
+    for _ in range(3):
+        assert bool(c.allowed(st)[0, open_])
+        st = c.advance(st, jnp.asarray([open_]))
+    mask = np.asarray(c.allowed(st)[0])
+    assert not mask[open_] and mask[close]
+    # every text calls a inside start, b inside a, c inside b: 3 return states on the stack at least
+    deep = 'start: "(" a ")"\na: "<" a ">" | "[" b "]"\nb: "<" b ">" | "{" c "}"\nc: "<" c ">" | "x"\n'
+    with pytest.raises(GrammarError, match="max_depth=2"):
+        compile_grammar(deep, tok, max_depth=2, fallback="error")
+    g = compile_grammar(deep, tok, max_depth=2)
+    assert g.backend == "llguidance" and "max_depth" in g.reason
+    assert compile_grammar(deep, tok, max_depth=8).backend == "device"
+
+
+def test_bad_input(tok):
+    with pytest.raises(GrammarError, match="line 3"):
+        compile_grammar('start: a\na: "x"\nb: : "y"\n', tok)
+    with pytest.raises(GrammarError, match="no 'start' rule"):
+        compile_grammar('a: "x"\n', tok)
+    with pytest.raises(GrammarError, match="not defined"):
+        compile_grammar('start: a "x"\n', tok)
+    with pytest.raises(GrammarError, match="accepts no text"):
+        compile_grammar('start: "x" start\n', tok)
+    with pytest.raises(GrammarError, match="uniqueItems"):
+        schema_to_lark({"type": "array", "items": {"type": "integer"}, "uniqueItems": True})
+    with pytest.raises(GrammarError, match="points to nothing"):
+        schema_to_lark({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}})

@@ -728,9 +728,15 @@ class GrammarState:
 
     @property
     def node(self):
-        """Beam search's per-row node: (row, token) pairs, here "row r, no token" (see step_to)."""
-        r = self.q.shape[0]
-        return jnp.arange(r, dtype=jnp.int32), jnp.full((r,), -1, jnp.int32)
+        """The state as a tuple of int32[R] leaves (beam search gathers nodes leaf by leaf)."""
+        return (self.q, self.depth) + tuple(self.stack[:, i] for i in range(self.stack.shape[1]))
+
+    @classmethod
+    def from_node(cls, node):
+        return cls(q=node[0], depth=node[1], stack=jnp.stack(node[2:], axis=-1))
+
+    def replace(self, node=None, **kw):
+        return GrammarState.from_node(node) if node is not None else dataclasses.replace(self, **kw)
 
 
 jax.tree_util.register_dataclass(GrammarState, data_fields=["q", "stack", "depth"], meta_fields=[])
@@ -855,32 +861,39 @@ class GrammarConstraint:
                 mask = mask.at[:, e].set(acc)
         return mask
 
-    def _step(self, state: GrammarState, tokens):
-        """The state after tokens int32[R] (EOS: finished, q = -1; a token that does not fit: dead, -1)."""
-        ok, q, base, loc, nloc = (x[:, 0] for x in _simulate(self, state.q, state.stack, state.depth,
-                                                              tokens[:, None].astype(jnp.int32)))
-        dd = jnp.arange(self.max_depth, dtype=jnp.int32)[None, :]
-        idx = jnp.clip(dd - base[:, None], 0, loc.shape[-1] - 1)
-        mine = (dd >= base[:, None]) & (dd < (base + nloc)[:, None])
-        stack = jnp.where(mine, jnp.take_along_axis(loc, idx, axis=1), state.stack)
-        return GrammarState(q=jnp.where(ok, q, -1), stack=stack, depth=jnp.where(ok, base + nloc, 0))
+    def _after(self, state: GrammarState, tokens):
+        """(q, depth, stack) after each of tokens int32[R, W]: int32[R, W], int32[R, W], int32[R, W, D]
+        (a token that does not fit: q = -1)."""
+        ok, q, base, loc, nloc = _simulate(self, state.q, state.stack, state.depth, tokens.astype(jnp.int32))
+        dd = jnp.arange(self.max_depth, dtype=jnp.int32)
+        idx = jnp.clip(dd - base[..., None], 0, loc.shape[-1] - 1)  # [R, W, D]
+        mine = (dd >= base[..., None]) & (dd < (base + nloc)[..., None])
+        stack = jnp.where(mine, jnp.take_along_axis(loc, idx, axis=-1), state.stack[:, None, :])
+        return jnp.where(ok, q, -1), jnp.where(ok, base + nloc, 0), stack
 
     def advance(self, state: GrammarState, tokens) -> GrammarState:
-        return self._step(state, tokens)
+        q, depth, stack = self._after(state, tokens[:, None])
+        return GrammarState(q=q[:, 0], depth=depth[:, 0], stack=stack[:, 0])
 
     def complete(self, state: GrammarState):
         return jnp.zeros(state.q.shape, bool)  # a grammar row ends by emitting EOS (prepare requires eos_ids)
 
     def candidates(self, state: GrammarState, logits, num_beams: int, scores=None, *, min_depth: int = 0,
                    max_depth: int | None = None) -> Candidates:
-        """Each row's best allowed tokens; next = (row, token): step_to replays the token from the row."""
+        """Each row's best allowed tokens (the mask form of the constrained top-k kernel), with the state
+        after each as node leaves (q, depth, stack[0], ..., stack[D-1])."""
         return _candidates(self, state, logits, num_beams)
 
+    def after_nodes(self, state: GrammarState, tokens):
+        q, depth, stack = self._after(state, tokens)
+        return (q, depth) + tuple(stack[..., i] for i in range(self.max_depth))
+
     def step_to(self, state: GrammarState, next_nodes) -> GrammarState:
-        return _step_to(self, state, next_nodes)
+        return GrammarState.from_node(next_nodes)
 
 
 def _candidates(c, state, logits, num_beams):
+    """Each row's best num_beams + len(eos_ids) allowed tokens; next: the state after each, as node leaves."""
     k = min(num_beams + len(c.eos_ids), logits.shape[-1])
     mask = c.allowed(state, logits.shape[-1])
     values, tokens = constrained_topk(logits, k, mask=mask, impl=c.impl)
@@ -888,18 +901,9 @@ def _candidates(c, state, logits, num_beams):
     ends = jnp.zeros(tokens.shape, bool)
     for e in c.eos_ids:
         ends = ends | (tokens == e)
-    rows = jnp.broadcast_to(jnp.arange(tokens.shape[0], dtype=jnp.int32)[:, None], tokens.shape)
+    nxt = c.after_nodes(state, jnp.where(ok & ~ends, tokens, -1))
     return Candidates(logprobs=jnp.where(ok, values, _NEG), tokens=jnp.where(ok, tokens, -1), ends=ends & ok,
-                      next=(jnp.where(ok, rows, 0), jnp.where(ok, tokens, -1)))
-
-
-def _step_to(c, state, next_nodes):
-    parent, token = next_nodes
-    picked = jax.tree.map(lambda x: jnp.take(x, parent, axis=0), state)
-    moved = c.advance(picked, jnp.maximum(token, 0))
-    from jaxdecode.constraints.protocol import select_rows
-
-    return select_rows(token >= 0, moved, picked)
+                      next=nxt)
 
 
 def _flatten(c: GrammarConstraint):
@@ -918,8 +922,14 @@ class HistoryState:
 
     @property
     def node(self):
-        r = self.n.shape[0]
-        return jnp.arange(r, dtype=jnp.int32), jnp.full((r,), -1, jnp.int32)
+        return (self.n,) + tuple(self.tokens[:, i] for i in range(self.tokens.shape[1]))
+
+    @classmethod
+    def from_node(cls, node):
+        return cls(n=node[0], tokens=jnp.stack(node[1:], axis=-1))
+
+    def replace(self, node=None, **kw):
+        return HistoryState.from_node(node) if node is not None else dataclasses.replace(self, **kw)
 
 
 jax.tree_util.register_dataclass(HistoryState, data_fields=["tokens", "n"], meta_fields=[])
@@ -1032,8 +1042,14 @@ class LLGuidanceConstraint:
                    max_depth: int | None = None) -> Candidates:
         return _candidates(self, state, logits, num_beams)
 
+    def after_nodes(self, state: HistoryState, tokens):
+        w = tokens.shape[1]
+        flat = jax.tree.map(lambda x: jnp.repeat(x, w, axis=0), state)
+        moved = self.advance(flat, tokens.reshape(-1))
+        return jax.tree.map(lambda x: x.reshape((tokens.shape[0], w) + x.shape[1:]), moved).node
+
     def step_to(self, state, next_nodes):
-        return _step_to(self, state, next_nodes)
+        return HistoryState.from_node(next_nodes)
 
 
 jax.tree_util.register_pytree_node(
