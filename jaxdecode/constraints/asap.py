@@ -52,7 +52,8 @@ from jaxdecode.sampling import SamplerConfig, process_logits
 
 COMPLETE, CUT_OFF, DEAD_END = 0, 1, 2  # status of a sample
 STATUS_NAMES = ("complete", "cut off at max_new_tokens", "dead end (no allowed token)")
-_MIN_CAPACITY = 256
+_MIN_CAPACITY = 256  # trie arrays: slots at least (powers of two above), so few rounds recompile
+_MIN_WIDTH = 16  # children read per node at least
 
 
 class AsapError(ValueError):
@@ -237,7 +238,7 @@ class AsapTrie:
         count = np.bincount(parent, minlength=n) if parent.size else np.zeros(n, np.int64)
         indptr = np.concatenate([[0], np.cumsum(count)[:-1]])
         ncap, ecap = next_pow2(max(n, _MIN_CAPACITY)), next_pow2(max(parent.size, _MIN_CAPACITY))
-        width = next_pow2(max(int(count.max(initial=1)), 1))
+        width = next_pow2(max(int(count.max(initial=1)), _MIN_WIDTH))
 
         def pad(x, cap, dtype):
             out = np.zeros(cap, dtype)
@@ -423,14 +424,16 @@ class AsapOutput:
 
 def asap_sample(model_or_logprob_fn, constraint, num_samples: int, prompt_tokens, prompt_lengths=None, *,
                 max_new_tokens: int, eos_ids=(), sampler: SamplerConfig = SamplerConfig(), seed: int = 0,
-                key=None, vocab_size: int | None = None, cache_len: int | None = None) -> AsapOutput:
+                key=None, vocab_size: int | None = None, cache_len: int | None = None,
+                update: bool = True) -> AsapOutput:
     """Draw `num_samples` ASAp samples per prompt row under `constraint` (see the module docstring).
 
     model_or_logprob_fn: a jaxdecode Model / ModelLM, or a jit-able logits_fn(tokens[B, T], lengths[B])
     -> logits[B, V] (then vocab_size=). prompt_tokens: int[B, P] right-padded (lengths int[B]; None =
     full width). cache_len: KV slots per row (a Model; default prompt + new tokens rounded up to 64). The
     target is p(x | x in L, len(x) <= max_new_tokens) with p the `sampler`'s
-    distribution (temperature / top-k / top-p / min-p)."""
+    distribution (temperature / top-k / top-p / min-p). update=False keeps the trie empty: every round is
+    plain masked sampling (the baseline ASAp corrects), drawn by the same loop."""
     if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:
         raise AsapError(f"num_samples (the budget) must be an int >= 1, got {num_samples!r}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -484,7 +487,8 @@ def asap_sample(model_or_logprob_fn, constraint, num_samples: int, prompt_tokens
         forwards += int(steps) - 1
         nonfinite |= nf
         for r in range(b):
-            trie.add(r, tok[r], int(nn[r]), lp[r], lmass[r], leos[r], nal[r], int(st[r]), eos_ids)
+            if update:
+                trie.add(r, tok[r], int(nn[r]), lp[r], lmass[r], leos[r], nal[r], int(st[r]), eos_ids)
             k = int(nn[r])
             out_tok[r, s], out_len[r, s], out_status[r, s] = tok[r], k, st[r]
             log_p[r, s] = float(np.sum(lp[r, :k], dtype=np.float64))
