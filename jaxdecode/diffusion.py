@@ -37,6 +37,11 @@ KV caches (`cache=`):
   finished blocks is exact; forwards run over the current block only (plus, once, the block just
   finished, to write its clean keys and values into the cache).
 
+Constraints (`constraint=`, a regex / JSON-schema automaton): each forward, the rule sees logits masked
+to the tokens that keep the answer completable, and its commits are kept left to right while some
+filling of the remaining MASK slots (+ the suffix) is still in the language (jaxdecode.diffusion_constraint:
+exact DFA emptiness over the slots); a finished row is a full match.
+
 Rules are small frozen dataclasses (ALGORITHMS.md §5): `select(ctx) -> (commit bool[B,A], tokens
 int32[B,A], rule_state)`; lookahead rules (FreeDave, InfoGain), which run several candidate answers
 through one batched forward, propose / choose around the loop's lookahead step (`lookahead`).

@@ -197,3 +197,45 @@ def test_constraint_prefix_starts_in_the_prompt(autos):
     with pytest.raises(D.DiffusionError, match="constraint_prefix must be in"):
         D.diffusion_decode(CFG, PARAMS, prompts, lens, answer_length=5, eos_ids=(EOS,), constraint=autos["pat"],
                            constraint_prefix=3)
+
+
+def _brute_completable(auto, slots):
+    """Host reference: some filling of the MASK slots (one token each: a class representative or EOS) is
+    text + EOS padding with the text accepted (content after an EOS is never part of a filling)."""
+    import itertools
+    reps = [int(np.flatnonzero(auto.token_class == c)[0]) for c in range(1, auto.num_classes)] + [EOS]
+    holes = [j for j, t in enumerate(slots) if t == MASK]
+    for fill in itertools.product(reps, repeat=len(holes)):
+        seq = list(slots)
+        for j, t in zip(holes, fill):
+            seq[j] = t
+        end = seq.index(EOS) if EOS in seq else len(seq)
+        if any(t != EOS for t in seq[end:]):
+            continue
+        s = auto.walk(seq[:end])
+        if s >= 0 and auto.final[s]:
+            return True
+    return False
+
+
+def test_reachability_equals_brute_force(autos):
+    """completable() and token_mask() against enumerating every filling, on random partial answers."""
+    rng = np.random.RandomState(0)
+    a4 = 4
+    for name in ("short", "pat"):
+        host = autos[name]
+        a = DC.bind(host, vocab_size=V, eos_ids=(EOS,), mask_id=MASK, batch=24)
+        pool = [MASK] * 4 + [EOS, ID["1"], ID["12"], ID["-"], ID["a"], ID["ab"], ID["a-"]]
+        answers = rng.choice(pool, size=(24, a4)).astype(np.int32)
+        lengths = jnp.full((24,), a4, jnp.int32)
+        tacc = DC.tail_accept(a, None, 24)
+        st = DC.sets(a, jnp.asarray(answers), lengths, tacc, MASK, True)
+        got = np.asarray(DC.completable(a, st))
+        ok = np.asarray(DC.token_mask(a, st, tacc, True))  # [B, A, V]
+        for b in range(24):
+            assert got[b] == _brute_completable(host, answers[b].tolist()), (name, answers[b])
+            for j in np.flatnonzero(answers[b] == MASK)[:1]:  # the first hole: each candidate token
+                for t in (EOS, ID["1"], ID["12"], ID["-"], ID["a"], ID["b\""]):
+                    seq = answers[b].tolist()
+                    seq[j] = t
+                    assert ok[b, j, t] == _brute_completable(host, seq), (name, answers[b], j, t)
