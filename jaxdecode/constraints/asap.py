@@ -106,8 +106,8 @@ class PrefixFnLM:
 
     def step(self, carry, tokens, live):
         buf, lengths = carry
-        buf = buf.at[jnp.arange(buf.shape[0]), jnp.minimum(lengths, buf.shape[1] - 1)].set(
-            jnp.where(live, tokens, buf[jnp.arange(buf.shape[0]), jnp.minimum(lengths, buf.shape[1] - 1)]))
+        rows, col = jnp.arange(buf.shape[0]), jnp.minimum(lengths, buf.shape[1] - 1)
+        buf = buf.at[rows, col].set(jnp.where(live, tokens, buf[rows, col]))
         lengths = lengths + live.astype(jnp.int32)
         return (buf, lengths), self.fn(buf, lengths)
 
@@ -118,11 +118,12 @@ jax.tree_util.register_dataclass(PrefixFnLM, data_fields=[], meta_fields=["fn", 
 def as_lm(model_or_fn, *, vocab_size=None, prompt_width: int, max_new_tokens: int, cache_len: int | None = None):
     """A ModelLM or PrefixFnLM sized for these prompts (see the module docstring)."""
     from jaxdecode.autoregressive import default_cache_len
-    if hasattr(model_or_fn, "config") and hasattr(model_or_fn, "params"):
-        return ModelLM(model_or_fn.config, model_or_fn.params,
-                       cache_len=default_cache_len(prompt_width, max_new_tokens) if cache_len is None else cache_len)
-    if isinstance(model_or_fn, (ModelLM, PrefixFnLM)):
-        return model_or_fn
+    if isinstance(model_or_fn, PrefixFnLM):
+        return dataclasses.replace(model_or_fn, width=prompt_width + max_new_tokens)
+    if hasattr(model_or_fn, "config") and hasattr(model_or_fn, "params"):  # a Model or a ModelLM
+        if cache_len is None:
+            cache_len = getattr(model_or_fn, "cache_len", 0) or default_cache_len(prompt_width, max_new_tokens)
+        return ModelLM(model_or_fn.config, model_or_fn.params, cache_len=cache_len)
     if callable(model_or_fn):
         if vocab_size is None:
             raise AsapError("a logits function needs vocab_size= (the width of the logits it returns)")
