@@ -656,6 +656,12 @@ class _SchemaWalk:
         # ---- children
         if "$ref" in sub:
             ref = sub["$ref"]
+            siblings = sorted(k for k in sub if k != "$ref" and k not in ANNOTATION_KEYWORDS
+                              and not k.startswith("x-"))
+            if siblings:
+                self.fail(path, f"keyword {siblings[0]!r} next to '$ref' is ignored by outlines-core (it compiles "
+                          "only the referenced schema); move it into the referenced schema or wrap both in "
+                          "one schema")
             if ref in stack:
                 cycle = " -> ".join(stack[stack.index(ref):] + (ref,))
                 raise AutomatonError(f"JSON schema at {path}: the schema is recursive ($ref cycle {cycle}); a "
@@ -689,6 +695,30 @@ def _load_schema(schema):
     return schema
 
 
+_ANY_TYPE = {"type": list(_TYPES[:2]) + list(_TYPES[3:])}  # every JSON type (integer is within number)
+
+
+def _explicit_any(schema, top: bool = True):
+    """A copy of the schema with every nested schema that asserts nothing ({} or annotations only)
+    written as a list of every type: outlines-core emits {} as a bare top-level alternation, which
+    inside an array or object breaks the surrounding pattern (then `{"a": {}}` matches `[1,2]`)."""
+    if not isinstance(schema, dict):
+        return schema
+    if not top and all(k in ANNOTATION_KEYWORDS or k.startswith("x-") for k in schema):
+        return {**schema, **_ANY_TYPE}
+    out = dict(schema)
+    for key in ("properties", "$defs", "definitions"):
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _explicit_any(v, False) for k, v in out[key].items()}
+    for key in ("additionalProperties", "items"):
+        if isinstance(out.get(key), dict):
+            out[key] = _explicit_any(out[key], False)
+    for key in ("prefixItems", "anyOf", "oneOf", "allOf"):
+        if isinstance(out.get(key), list):
+            out[key] = [_explicit_any(v, False) for v in out[key]]
+    return out
+
+
 def check_schema(schema) -> None:
     """Raise AutomatonError, naming the keyword and its JSON path, for anything in the schema the regex
     compiler would not enforce (UNSUPPORTED_KEYWORDS, unknown keywords, unknown formats, 'allOf' with
@@ -706,7 +736,7 @@ def schema_to_regex(schema, *, whitespace: str | None = None, check: bool = True
     if check:
         check_schema(schema)
     try:
-        return outlines_core.json_schema.build_regex_from_schema(json.dumps(schema), whitespace)
+        return outlines_core.json_schema.build_regex_from_schema(json.dumps(_explicit_any(schema)), whitespace)
     except Exception as e:
         raise AutomatonError(f"cannot convert the JSON schema to a regex: {str(e).strip().splitlines()[0]}") \
             from None
