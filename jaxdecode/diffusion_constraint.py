@@ -16,11 +16,12 @@ the suffix; slots after an EOS are padding (the EOS id). So the automaton gets o
 final state; no suffix: s is final), D takes only EOS / padding, and D accepts. A MASK may become any
 token of any allowed class or an EOS; slots past the row's answer length are skipped.
 
-Per forward and row (states S, classes C, one-step edges E = distinct (s, s') pairs):
+Per forward and row (states S, classes C, one-step edges E = distinct (s, s') pairs, transitions T =
+allowed (s, c) entries of next; E <= T <= S C, and T is ~10% of S C for JSON schemas):
   forward sets  F[j] bool[S+1]  states the committed pattern can be in before slot j     (scan, O(A E))
   backward sets G[j] bool[S+1]  states from which slots j.. (and the suffix) can accept  (scan, O(A E))
   feasible      bool[A, C+1]    class c at masked slot j keeps the answer completable:
-                                any_s F[j][s] & G[j+1][next[s, c]]                      (O(A S C))
+                                any over transitions (s, c, s') of F[j][s] & G[j+1][s']  (O(A T))
 The rule sees logits masked to the feasible tokens of each masked slot (so its confidences are those of
 the constrained distribution); its commits are then filtered left to right: a scan carries the states
 reachable with the commits accepted so far and accepts a proposal when some of them reaches G[j+1]
@@ -52,6 +53,9 @@ class SlotAutomaton:
     final: jax.Array  # bool[S]
     src: jax.Array  # int32[E]: one-step edges s -> s' over every class (padding: S + 1, dropped)
     dst: jax.Array  # int32[E]
+    t_src: jax.Array  # int32[T]: the allowed transitions (s, class, s') of next, as lists (padding: S + 1)
+    t_cls: jax.Array  # int32[T]
+    t_dst: jax.Array  # int32[T]
     initial: jax.Array  # int32[B]: each row's start state
 
     @property
@@ -97,13 +101,16 @@ def bind(constraint, *, vocab_size: int, eos_ids: tuple, mask_id: int, batch: in
     cls[:v_auto] = token_class
     cls[list(eos_ids)] = c  # the EOS class, one past the table
     ss, cc = np.nonzero(nxt >= 0)
-    pairs = np.unique(ss.astype(np.int64) * s + nxt[ss, cc])
+    tt = nxt[ss, cc]
+    pairs = np.unique(ss.astype(np.int64) * s + tt)
     src, dst = (pairs // s).astype(np.int32), (pairs % s).astype(np.int32)
-    if src.size == 0:
-        src = dst = np.full(1, s + 1, np.int32)
+    if src.size == 0:  # no transitions at all: one dropped edge keeps the shapes non-empty
+        src = dst = ss = tt = np.full(1, s + 1, np.int32)
+        cc = np.zeros(1, np.int32)
     init = np.broadcast_to(initial.astype(np.int32), (batch,))
-    return SlotAutomaton(cls=jnp.asarray(cls), next=jnp.asarray(nxt, jnp.int32), final=jnp.asarray(final, bool),
-                         src=jnp.asarray(src), dst=jnp.asarray(dst), initial=jnp.asarray(init))
+    i32 = lambda x: jnp.asarray(x, jnp.int32)
+    return SlotAutomaton(cls=i32(cls), next=i32(nxt), final=jnp.asarray(final, bool), src=i32(src), dst=i32(dst),
+                         t_src=i32(ss), t_cls=i32(cc), t_dst=i32(tt), initial=i32(init))
 
 
 def check_suffix_tokens(suffix, eos_ids: tuple):
@@ -245,10 +252,12 @@ def token_mask(a: SlotAutomaton, st: Sets, tacc, has_eos: bool):
     meaningful at masked ones)."""
     s, c = a.num_states, a.num_classes
     f, g = st.f[:, :-1], st.g[:, 1:]  # [B, A, S+1]: before slot j, after slot j
-    nxt = jnp.where(a.next >= 0, a.next, s + 1)  # [S, C]
-    # gn[b, j, s, c] = g[b, j, next[s, c]]: the gather is the O(A S C) part
-    gn = jax.vmap(jax.vmap(lambda gj: _get(gj, nxt)))(g)  # [B, A, S, C]
-    feas = jnp.any(f[..., :s, None] & gn, axis=-2)  # [B, A, C]
+
+    def slot(fj, gj):  # one slot's feasible classes bool[C]: a scatter over the T transitions
+        hit = _get(fj, a.t_src) & _get(gj, a.t_dst)  # [T]
+        return jnp.zeros(c, bool).at[jnp.where(hit, a.t_cls, c + 1)].set(True, mode="drop")
+
+    feas = jax.vmap(jax.vmap(slot))(f, g)  # [B, A, C]
     if has_eos:
         eos = (jnp.any(f[..., :s] & tacc[:, None, :], axis=-1) | f[..., s]) & g[..., s]
     else:
