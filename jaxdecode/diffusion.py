@@ -777,7 +777,7 @@ def _run(method: str):
 def _register():
     from jaxdecode.options import method_options
     from jaxdecode.registry import register_method
-    rows = ("nfe", "tokens_per_forward", "unfinished")
+    rows = ("nfe", "tokens_per_forward", "unfinished", "constraint_empty")
     register_method("diffusion", _run("diffusion"), method_options("diffusion"), per_row_stats=rows,
                     aliases=("dllm",),
                     description="masked-diffusion LM decoding: answer slots start as MASK, a commit rule "
