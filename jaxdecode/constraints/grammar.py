@@ -561,7 +561,7 @@ def _pda(dfas, names) -> PushdownTables:
                 kind[q, b], nxt[q, b] = 1, r[1]
                 if r[0]:
                     pushes[(q, b)] = r[0]
-            elif final[q]:
+            elif final[q] and b in follow[rule_of[q]]:  # other bytes fail in every return state too
                 kind[q, b] = 2
     p = max([len(v) for v in pushes.values()], default=0)
     push = np.full((q_total, 256, max(p, 1)), -1, np.int32)
@@ -621,6 +621,9 @@ class CompiledGrammar:
     tables: PushdownTables | None
     tok_bytes: np.ndarray | None  # int32[V, L] (padding 0)
     tok_len: np.ndarray | None  # int32[V]: 0 = never allowed (special tokens, ids past the tokenizer)
+    token_class: np.ndarray | None = None  # token level (token_codes)
+    code: np.ndarray | None = None
+    pops: np.ndarray | None = None
     tokenizer: object = None
 
     def constraint(self, *, impl: str = "auto"):
@@ -629,7 +632,9 @@ class CompiledGrammar:
             return GrammarConstraint(
                 kind=jnp.asarray(t.kind, jnp.int32), next=jnp.asarray(t.next), push=jnp.asarray(t.push),
                 npush=jnp.asarray(t.npush), req=jnp.asarray(t.req), final=jnp.asarray(t.final),
-                tok_bytes=jnp.asarray(self.tok_bytes), tok_len=jnp.asarray(self.tok_len), start=int(t.start),
+                tok_bytes=jnp.asarray(self.tok_bytes), tok_len=jnp.asarray(self.tok_len),
+                token_class=jnp.asarray(self.token_class), code=jnp.asarray(self.code), pops=jnp.asarray(self.pops),
+                start=int(t.start),
                 max_depth=self.max_depth, impl=impl, host=self)
         return LLGuidanceConstraint(grammar=self.lark, tokenizer=self.tokenizer, vocab=self.vocab_size,
                                     grammar_eos=self.eos_ids, impl=impl)
@@ -707,16 +712,19 @@ def compile_grammar(text: str, tokenizer, *, vocab_size: int | None = None, eos_
             raise _NotDevice(f"every text of the grammar nests at least {int(tables.need[tables.start])} rule calls "
                              f"deep, more than max_depth={max_depth}")
         backend, reason = "device", ""
+        token_class, code, pops = token_codes(tables, table, lens)
     except _NotDevice as e:
         if fallback == "error":
             raise GrammarError(f"the device form cannot hold this grammar: {e}") from None
         _read(lark_text)  # syntax errors are errors on either backend
         tables, backend, reason = None, "llguidance", str(e)
+        token_class = code = pops = None
         _llg_matcher(lark_text, tokenizer, v, eos_ids)  # llguidance's own checks, now
     log.info("grammar constraint: backend=%s%s", backend, f" ({reason})" if reason else "")
     return CompiledGrammar(lark=lark_text, backend=backend, reason=reason, vocab_size=v, eos_ids=eos_ids,
                            max_depth=max_depth, tables=tables, tok_bytes=table if backend == "device" else None,
-                           tok_len=lens if backend == "device" else None, tokenizer=tokenizer)
+                           tok_len=lens if backend == "device" else None, token_class=token_class, code=code,
+                           pops=pops, tokenizer=tokenizer)
 
 
 # ----------------------------------------------------------------------------- device constraint
@@ -742,21 +750,23 @@ class GrammarState:
 jax.tree_util.register_dataclass(GrammarState, data_fields=["q", "stack", "depth"], meta_fields=[])
 
 
-def _simulate(c, q0, stack, depth, tokens):
-    """Run tokens' bytes from each row's configuration. q0/depth int32[R], stack int32[R, D],
-    tokens int32[R, W]. Returns ok bool[R, W], q int32[R, W], base int32[R, W] (row-stack entries kept),
-    local int32[R, W, K] / nloc int32[R, W] (entries pushed above them)."""
+def _simulate(c, q0, stack, depth, tokens, *, max_depth: int, local: int):
+    """Run tokens' bytes from each row's configuration. `c`: the byte tables (kind, next, push, npush,
+    req, tok_bytes, tok_len); q0/depth int32[R], stack int32[R, D], tokens int32[R, W]. Returns ok
+    bool[R, W], q int32[R, W], base int32[R, W] (row-stack entries kept), loc int32[R, W, local] / nloc
+    int32[R, W] (entries pushed above them), peak int32[R, W] (the most stack entries any move needed)."""
     r, w = tokens.shape
-    d = c.max_depth
-    k = c.local_size
-    tok = jnp.clip(tokens, 0, c.tok_len.shape[0] - 1)
+    d = max_depth
+    v = c.tok_len.shape[0]
+    tok = jnp.clip(tokens, 0, v - 1)
     width = c.tok_bytes.shape[1]
     flat = c.tok_bytes.reshape(-1)  # byte j of token t at t * L + j: one [R, W] gather per byte
-    ln = jnp.where((tokens >= 0) & (tokens < c.tok_len.shape[0]), jnp.take(c.tok_len, tok), 0)  # [R, W]
+    ln = jnp.where((tokens >= 0) & (tokens < v), jnp.take(c.tok_len, tok), 0)  # [R, W]
     init = dict(q=jnp.broadcast_to(q0[:, None], (r, w)), base=jnp.broadcast_to(depth[:, None], (r, w)),
-                loc=jnp.zeros((r, w, k), jnp.int32), nloc=jnp.zeros((r, w), jnp.int32),
-                pos=jnp.zeros((r, w), jnp.int32), ok=(ln > 0) & (q0 >= 0)[:, None])
-    kk = jnp.arange(k, dtype=jnp.int32)
+                loc=jnp.zeros((r, w, local), jnp.int32), nloc=jnp.zeros((r, w), jnp.int32),
+                pos=jnp.zeros((r, w), jnp.int32), ok=(ln > 0) & (q0 >= 0)[:, None],
+                peak=jnp.zeros((r, w), jnp.int32))
+    kk = jnp.arange(local, dtype=jnp.int32)
 
     def running(s):
         return s["ok"] & (s["pos"] < ln)
@@ -765,9 +775,9 @@ def _simulate(c, q0, stack, depth, tokens):
         act = running(s)
         b = jnp.take(flat, tok * width + jnp.minimum(s["pos"], width - 1))  # [R, W]
         qc = jnp.maximum(s["q"], 0)
-        kind, nq = c.kind[qc, b], c.next[qc, b]
+        kind, nq, need = c.kind[qc, b], c.next[qc, b], c.req[qc, b]
         dep = s["base"] + s["nloc"]
-        consume = act & (kind == 1) & (dep + c.req[qc, b] <= d)
+        consume = act & (kind == 1) & (dep + need <= d)
         pop = act & (kind == 2) & (dep > 0)
         # consume: write the pushed return states above the token's own entries
         loc, nloc = s["loc"], s["nloc"]
@@ -779,14 +789,74 @@ def _simulate(c, q0, stack, depth, tokens):
         # pop: from the token's own entries first, then from the row's stack
         from_loc = pop & (nloc > 0)
         top_loc = jnp.take_along_axis(loc, jnp.maximum(nloc - 1, 0)[..., None], axis=-1)[..., 0]
-        top_row = jnp.take_along_axis(stack, jnp.clip(s["base"] - 1, 0, d - 1), axis=1)  # [R, W]
+        top_row = jnp.take_along_axis(stack, jnp.clip(s["base"] - 1, 0, stack.shape[1] - 1), axis=1)  # [R, W]
         q = jnp.where(consume, nq, jnp.where(from_loc, top_loc, jnp.where(pop, top_row, s["q"])))
         return dict(q=q, base=s["base"] - (pop & ~from_loc), loc=loc,
                     nloc=nloc + npush - from_loc, pos=s["pos"] + consume,
-                    ok=s["ok"] & (~act | consume | pop))
+                    ok=s["ok"] & (~act | consume | pop),
+                    peak=jnp.where(consume, jnp.maximum(s["peak"], dep + need), s["peak"]))
 
     out = jax.lax.while_loop(lambda s: jnp.any(running(s)), body, init)
-    return out["ok"], out["q"], out["base"], out["loc"], out["nloc"]
+    return out["ok"], out["q"], out["base"], out["loc"], out["nloc"], out["peak"]
+
+
+_REJECT, _POPS = -1, -2
+_NOLIMIT = 1 << 20
+
+
+@jax.jit
+def _codes_chunk(c, qs):
+    """Codes of every token from states qs int32[N] with an unknown stack below: peak depth (>= 0) when the
+    token stays above the stack it found, _POPS when it pops into it, _REJECT when it fails on its own."""
+    n = qs.shape[0]
+    v = c.tok_len.shape[0]
+    # the unknown stack: one entry, a state (the last row of kind) whose every byte is forbidden
+    stack = jnp.full((n, 1), c.kind.shape[0] - 1, jnp.int32)
+    toks = jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32), (n, v))
+    ok, _, base, _, _, peak = _simulate(c, qs, stack, jnp.ones((n,), jnp.int32), toks, max_depth=_NOLIMIT,
+                                        local=c.tok_bytes.shape[1] * c.push.shape[-1])
+    return jnp.where(base < 1, _POPS, jnp.where(ok, peak - 1, _REJECT))
+
+
+@dataclasses.dataclass(frozen=True)
+class _ByteTables:
+    kind: object
+    next: object
+    push: object
+    npush: object
+    req: object
+    tok_bytes: object
+    tok_len: object
+
+
+jax.tree_util.register_dataclass(_ByteTables, data_fields=["kind", "next", "push", "npush", "req", "tok_bytes",
+                                                           "tok_len"], meta_fields=[])
+
+
+def token_codes(t: PushdownTables, tok_bytes, tok_len, chunk: int = 8):
+    """Precomputed token level (host arrays): token_class int32[V], code int32[Q, C] (_REJECT, _POPS, or
+    the stack entries above the row's depth the token needs: allowed iff depth + code <= max_depth), and
+    pops int32[Q, M]: each state's _POPS tokens (-1 pad), the only ones simulated per step."""
+    dead = np.zeros((1, 256), t.kind.dtype)
+    c = _ByteTables(kind=jnp.asarray(np.concatenate([t.kind, dead]), jnp.int32),
+                    next=jnp.asarray(np.concatenate([t.next, dead.astype(np.int32) - 1])),
+                    push=jnp.asarray(np.concatenate([t.push, np.full((1, 256, t.push.shape[-1]), -1, np.int32)])),
+                    npush=jnp.asarray(np.concatenate([t.npush, dead.astype(np.int32)])),
+                    req=jnp.asarray(np.concatenate([t.req, dead.astype(np.int32)])),
+                    tok_bytes=jnp.asarray(tok_bytes), tok_len=jnp.asarray(tok_len))
+    q = t.kind.shape[0]
+    codes = []
+    for i in range(0, q, chunk):
+        qs = np.arange(i, i + chunk, dtype=np.int32) % q  # full chunks: one compilation
+        codes.append(np.asarray(_codes_chunk(c, jnp.asarray(qs)))[: min(chunk, q - i)])
+    codes = np.concatenate(codes)  # [Q, V]
+    cols, token_class = np.unique(codes, axis=1, return_inverse=True)
+    npops = (codes == _POPS).sum(axis=1)
+    pops = np.full((q, max(int(npops.max()), 1)), -1, np.int32)
+    for s in range(q):
+        ids = np.flatnonzero(codes[s] == _POPS)
+        pops[s, :ids.size] = ids
+    return token_class.reshape(-1).astype(np.int32), cols.astype(np.int32), pops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -800,6 +870,9 @@ class GrammarConstraint:
     final: jax.Array  # bool[Q]
     tok_bytes: jax.Array  # int32[V, L]
     tok_len: jax.Array  # int32[V]
+    token_class: jax.Array  # int32[V]: tokens with the same code in every state share a class
+    code: jax.Array  # int32[Q, C]: see token_codes
+    pops: jax.Array  # int32[Q, M]: tokens that pop into the row's stack from q (-1 pad)
     start: int = 0
     max_depth: int = 16
     eos_ids: tuple = ()
@@ -850,8 +923,16 @@ class GrammarConstraint:
         """bool[R, width]: tokens whose bytes every row can take (EOS ids where it accepts)."""
         width = self.vocab_size if width is None else int(width)
         r = state.q.shape[0]
-        toks = jnp.broadcast_to(jnp.arange(self.vocab_size, dtype=jnp.int32), (r, self.vocab_size))
-        mask = _simulate(self, state.q, state.stack, state.depth, toks)[0]
+        qc = jnp.maximum(state.q, 0)
+        # context-free part: a token that stays above the row's stack needs `code` entries above its depth
+        code = jnp.take(jnp.take(self.code, qc, axis=0), self.token_class, axis=1)  # [R, V]
+        mask = (code >= 0) & (state.depth[:, None] + code <= self.max_depth) & (state.q >= 0)[:, None]
+        # the tokens that pop into the row's stack: run them from the row's configuration
+        pl = jnp.take(self.pops, qc, axis=0)  # [R, M]
+        ok = _simulate(self, state.q, state.stack, state.depth, pl, max_depth=self.max_depth,
+                       local=self.local_size)[0]
+        rows = jnp.broadcast_to(jnp.arange(r)[:, None], pl.shape)
+        mask = mask.at[rows, jnp.where(pl >= 0, pl, self.vocab_size)].set(ok, mode="drop")
         if width > self.vocab_size:
             mask = jnp.pad(mask, ((0, 0), (0, width - self.vocab_size)))
         mask = mask[:, :width]
@@ -864,7 +945,8 @@ class GrammarConstraint:
     def _after(self, state: GrammarState, tokens):
         """(q, depth, stack) after each of tokens int32[R, W]: int32[R, W], int32[R, W], int32[R, W, D]
         (a token that does not fit: q = -1)."""
-        ok, q, base, loc, nloc = _simulate(self, state.q, state.stack, state.depth, tokens.astype(jnp.int32))
+        ok, q, base, loc, nloc, _ = _simulate(self, state.q, state.stack, state.depth, tokens.astype(jnp.int32),
+                                              max_depth=self.max_depth, local=self.local_size)
         dd = jnp.arange(self.max_depth, dtype=jnp.int32)
         idx = jnp.clip(dd - base[..., None], 0, loc.shape[-1] - 1)  # [R, W, D]
         mine = (dd >= base[..., None]) & (dd < (base + nloc)[..., None])
@@ -907,7 +989,7 @@ def _candidates(c, state, logits, num_beams):
 
 
 def _flatten(c: GrammarConstraint):
-    return ((c.kind, c.next, c.push, c.npush, c.req, c.final, c.tok_bytes, c.tok_len),
+    return ((c.kind, c.next, c.push, c.npush, c.req, c.final, c.tok_bytes, c.tok_len, c.token_class, c.code, c.pops),
             (c.start, c.max_depth, c.eos_ids, c.impl))
 
 
