@@ -40,6 +40,7 @@ SCHEMAS = [
         "type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 2}}, "required": ["ok", "tags"]},
     {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
     {"oneOf": [{"type": "string", "format": "date"}, {"type": "null"}]},
+    {"type": "array", "items": {"type": "integer", "minimum": -12, "exclusiveMaximum": 130}, "maxItems": 2},
 ]
 PROMPT = "Answer in JSON: "
 
@@ -175,7 +176,7 @@ def _token_id(tokenizer, text: bytes):
 def test_token_healing_boundary_tokens(tok):
     """Byte-level BPE: a token spanning the end of the literal `"a"` and the `:` after it is allowed
     exactly where its bytes fit."""
-    auto = _compile(SCHEMAS[-2], tok)  # {"a": integer}
+    auto = _compile({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, tok)
     quote_colon = _token_id(tok, b'":')
     assert quote_colon is not None
     s = auto.walk([_token_id(tok, b"{"), _token_id(tok, b'"'), _token_id(tok, b"a")])
@@ -295,7 +296,8 @@ def _texts(tok, out):
 
 # Bounded lengths (digits, strings, items), so every row can finish within max_new_tokens.
 GEN = [{"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-                                         "age": {"type": "integer", "maxDigits": 2}}, "required": ["name", "age"]},
+                                         "age": {"type": "integer", "minimum": 18, "maximum": 99}},
+        "required": ["name", "age"]},
        {"anyOf": [{"type": "integer", "maxDigits": 3}, {"type": "string", "maxLength": 3}]},
        r"\d{4}-\d{2}-\d{2}", SCHEMAS[8]]
 MAX_NEW = 40
@@ -490,7 +492,9 @@ def test_vocab_mismatch(tok):
 
 UNSUPPORTED = [
     ({"type": "integer", "multipleOf": 3}, "multipleOf", "$"),
-    ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}}, "minimum", "$.properties.n"),
+    ({"type": "object", "properties": {"n": {"type": "number", "minimum": 0}}}, "minimum", "$.properties.n"),
+    ({"type": "integer", "minimum": 5, "maximum": 3}, "bounds", "$"),
+    ({"type": "integer", "minimum": 0, "multipleOf": 2}, "multipleOf", "$"),
     ({"type": "number", "exclusiveMaximum": 3}, "exclusiveMaximum", "$"),
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems", "$"),
     ({"not": {"type": "integer"}}, "not", "$"),
@@ -562,3 +566,22 @@ def test_json_schema_suite_is_sound():
             with pytest.raises(AutomatonError):
                 am.schema_to_regex(c["schema"])
             assert leaks(am.schema_to_regex(c["schema"], check=False), c["tests"]), name
+
+
+def test_integer_bounds_compile_exactly():
+    """minimum / maximum / exclusive* on integers: compiled here (outlines-core ignores them), exact on
+    every integer of a window, no leading zeros or '-0'."""
+    rng = np.random.default_rng(0)
+    cases = [(None, 0), (0, None), (-5, 5), (1, 1), (-1, -1), (95, 105), (None, -3), (-17, None), (7, 1234)]
+    cases += [tuple(sorted(rng.integers(-1500, 1500, 2).tolist())) for _ in range(20)]
+    window = np.arange(-1600, 1601)
+    for lo, hi in cases:
+        r = re.compile(am.int_range_regex(lo, hi))
+        got = np.array([bool(r.fullmatch(str(n))) for n in window])
+        want = ((lo is None) | (window >= (lo or 0))) & ((hi is None) | (window <= (hi or 0)))
+        np.testing.assert_array_equal(got, want, err_msg=str((lo, hi)))
+        assert not any(r.fullmatch(x) for x in ("-0", "01", "-01", "+1"))
+    rx = am.schema_to_regex({"type": "object", "properties": {"n": {"type": "integer", "exclusiveMinimum": 0.5,
+                                                                    "maximum": 20.5}}, "required": ["n"]})
+    assert re.fullmatch(rx, '{"n": 1}') and re.fullmatch(rx, '{"n":20}')
+    assert not re.fullmatch(rx, '{"n": 0}') and not re.fullmatch(rx, '{"n": 21}')

@@ -535,6 +535,81 @@ def _json_type(value) -> str:
     return {str: "string", list: "array", dict: "object"}.get(type(value), "unknown")
 
 
+def _same_length_ranges(a: int, b: int, width: int) -> list[str]:
+    """Regex pieces for the integers a..b, all of `width` digits (a = 0 only for width 1): each piece
+    is a fixed prefix, one digit range and free digits ([0-9]{p})."""
+    out = []
+    while a <= b:
+        p = 0  # the widest block of 10^p numbers that starts at a and fits
+        while p + 1 < width and a % 10 ** (p + 1) == 0 and a + 10 ** (p + 1) - 1 <= b:
+            p += 1
+        step = 10 ** p
+        k = min((b - a + 1) // step, 10 - (a // step) % 10)  # how many such blocks, same higher digits
+        x, y = str(a).zfill(width), str(a + k * step - 1).zfill(width)
+        i = width - p - 1
+        digit = x[i] if x[i] == y[i] else f"[{x[i]}-{y[i]}]"
+        out.append(x[:i] + digit + ("" if p == 0 else "[0-9]" if p == 1 else f"[0-9]{{{p}}}"))
+        a += k * step
+    return out
+
+
+def _nonneg_range(a: int, b: int | None) -> str:
+    """Regex (an alternation) of the decimal integers a..b without leading zeros (b None: unbounded)."""
+    pieces, width = [], len(str(a))
+    while True:
+        top = 10 ** width - 1
+        if b is not None and b <= top:
+            return "|".join(pieces + _same_length_ranges(a, b, width))
+        pieces += _same_length_ranges(a, top, width)
+        if b is None:
+            return "|".join(pieces + [f"[1-9][0-9]{{{width},}}"])
+        a, width = 10 ** width, width + 1
+
+
+def int_range_regex(lo: int | None, hi: int | None) -> str:
+    """Regex of the JSON integers in [lo, hi] (None: unbounded), as outlines-core writes integers (no
+    leading zeros, no '-0')."""
+    parts = []
+    if lo is None or lo < 0:  # negatives -n, n in [max(1, -hi), -lo]
+        n_lo = 1 if hi is None or hi >= 0 else -hi
+        n_hi = None if lo is None else -lo
+        if n_hi is None or n_lo <= n_hi:
+            parts.append(f"-({_nonneg_range(n_lo, n_hi)})")
+    if hi is None or hi >= 0:
+        parts.append(_nonneg_range(0 if lo is None else max(lo, 0), hi))
+    return "(" + "|".join(parts) + ")"
+
+
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _int_bounds(sub: dict, fail) -> tuple[int | None, int | None]:
+    """The inclusive integer range [lo, hi] of an integer schema's numeric bounds."""
+    import math
+
+    lo = hi = None
+    for key in _BOUNDS:
+        if key not in sub:
+            continue
+        x = sub[key]
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+            fail(f"{key} must be a finite number, got {x!r}")
+        v = {"minimum": math.ceil(x), "exclusiveMinimum": math.floor(x) + 1, "maximum": math.floor(x),
+             "exclusiveMaximum": math.ceil(x) - 1}[key]
+        if key.endswith("inimum"):
+            lo = v if lo is None else max(lo, v)
+        else:
+            hi = v if hi is None else min(hi, v)
+    if lo is not None and hi is not None and lo > hi:
+        fail(f"no integer lies in the bounds ({', '.join(f'{k}={sub[k]}' for k in _BOUNDS if k in sub)}): an "
+             "empty language")
+    return lo, hi
+
+
+def _bounded_integer(sub) -> bool:
+    return isinstance(sub, dict) and sub.get("type") == "integer" and any(k in sub for k in _BOUNDS)
+
+
 class _SchemaWalk:
     """check_schema's walk: every reachable subschema once, with its JSON path; $refs followed with a
     stack (a $ref met again inside its own expansion is recursion)."""
@@ -603,15 +678,19 @@ class _SchemaWalk:
             self.fail(path, "a boolean schema `true` is not supported by the converter; write {} for any value")
         if not isinstance(sub, dict):
             self.fail(path, f"a schema must be an object, got {type(sub).__name__}")
+        bounded = _bounded_integer(sub)
         for key in sub:
             if key in ENFORCED_KEYWORDS or key in ANNOTATION_KEYWORDS or key.startswith("x-"):
                 continue
+            if bounded and key in _BOUNDS:  # compiled here (int_range_regex), not by outlines-core
+                continue
             what = UNSUPPORTED_KEYWORDS.get(key)
             if what is not None:
-                self.fail(path, f"keyword {key!r} ({what}) is not supported by the regex compiler: outlines-core "
-                          "would silently ignore it and admit values the schema rejects. Remove it (bound "
-                          "integers' digit counts with minDigits / maxDigits), or use the grammar path "
-                          "(jaxdecode.constraints.grammar)")
+                hint = (" (numeric bounds are compiled for schemas of type 'integer' only)" if key in _BOUNDS
+                        else "")
+                self.fail(path, f"keyword {key!r} ({what}) is not supported by the regex compiler{hint}: "
+                          "outlines-core would silently ignore it and admit values the schema rejects. Remove it, "
+                          "or use the grammar path (jaxdecode.constraints.grammar)")
             self.fail(path, f"unknown keyword {key!r}: the regex compiler does not know it, so it would be "
                       "ignored; remove it, or prefix an annotation with 'x-'")
         t = sub.get("type")
@@ -623,6 +702,13 @@ class _SchemaWalk:
                       f"{', '.join(sorted(SUPPORTED_FORMATS))}); remove it or give a 'pattern'")
         if "enum" in sub or "const" in sub:
             self.check_values(sub, path)
+        elif bounded:
+            _int_bounds(sub, lambda msg: self.fail(path, msg))
+            other = sorted(k for k in sub if k not in _BOUNDS and k != "type" and k not in ANNOTATION_KEYWORDS
+                           and not k.startswith("x-"))
+            if other:
+                self.fail(path, f"keyword {other[0]!r} next to numeric bounds is not supported; express the "
+                          "bounds alone (minimum / maximum) or drop them")
         for lo, hi in (("minLength", "maxLength"), ("minItems", "maxItems")):
             if isinstance(sub.get(lo), int) and isinstance(sub.get(hi), int) and sub[lo] > sub[hi]:
                 self.fail(path, f"{lo}={sub[lo]} > {hi}={sub[hi]}: no value fits (an empty language)")
@@ -698,24 +784,31 @@ def _load_schema(schema):
 _ANY_TYPE = {"type": list(_TYPES[:2]) + list(_TYPES[3:])}  # every JSON type (integer is within number)
 
 
-def _explicit_any(schema, top: bool = True):
-    """A copy of the schema with every nested schema that asserts nothing ({} or annotations only)
-    written as a list of every type: outlines-core emits {} as a bare top-level alternation, which
-    inside an array or object breaks the surrounding pattern (then `{"a": {}}` matches `[1,2]`)."""
+def _rewrite(schema, markers: dict, top: bool = True):
+    """A copy of the schema for outlines-core's converter: every nested schema that asserts nothing ({}
+    or annotations only) written as a list of every type (outlines-core emits {} as a bare top-level
+    alternation, which inside an array or object breaks the surrounding pattern: `{"a": {}}` would match
+    `[1,2]`), and every bounded integer schema (reached through properties, items, ...) replaced by a
+    string const marker whose quoted literal in the regex is then swapped for int_range_regex
+    (markers: marker -> regex)."""
     if not isinstance(schema, dict):
         return schema
+    if _bounded_integer(schema) and "enum" not in schema and "const" not in schema:
+        marker = f"jxdint{len(markers)}x{os.getpid()}q"
+        markers[marker] = int_range_regex(*_int_bounds(schema, lambda m: None))
+        return {"const": marker}
     if not top and all(k in ANNOTATION_KEYWORDS or k.startswith("x-") for k in schema):
         return {**schema, **_ANY_TYPE}
     out = dict(schema)
     for key in ("properties", "$defs", "definitions"):
         if isinstance(out.get(key), dict):
-            out[key] = {k: _explicit_any(v, False) for k, v in out[key].items()}
+            out[key] = {k: _rewrite(v, markers, False) for k, v in out[key].items()}
     for key in ("additionalProperties", "items"):
         if isinstance(out.get(key), dict):
-            out[key] = _explicit_any(out[key], False)
+            out[key] = _rewrite(out[key], markers, False)
     for key in ("prefixItems", "anyOf", "oneOf", "allOf"):
         if isinstance(out.get(key), list):
-            out[key] = [_explicit_any(v, False) for v in out[key]]
+            out[key] = [_rewrite(v, markers, False) for v in out[key]]
     return out
 
 
@@ -729,17 +822,27 @@ def check_schema(schema) -> None:
 
 def schema_to_regex(schema, *, whitespace: str | None = None, check: bool = True) -> str:
     """outlines-core's JSON schema -> regex converter (schema: a dict, a JSON string or a file path),
-    after check_schema (check=False skips it: keywords outlines-core ignores are then dropped)."""
+    after check_schema, with integer bounds (minimum / maximum / exclusive*) compiled here (check=False
+    skips both: keywords outlines-core ignores are then dropped)."""
     import outlines_core
 
     schema = _load_schema(schema)
     if check:
         check_schema(schema)
+    markers: dict = {}
+    rewritten = _rewrite(schema, markers) if check else schema
+    text = json.dumps(rewritten)
     try:
-        return outlines_core.json_schema.build_regex_from_schema(json.dumps(_explicit_any(schema)), whitespace)
+        regex = outlines_core.json_schema.build_regex_from_schema(text, whitespace)
     except Exception as e:
         raise AutomatonError(f"cannot convert the JSON schema to a regex: {str(e).strip().splitlines()[0]}") \
             from None
+    for marker, sub in markers.items():
+        if json.dumps(schema).count(marker) or f'"{marker}"' not in regex:
+            raise AutomatonError("internal: an integer-range marker collided with the schema's text or was not "
+                                 "emitted; drop the numeric bounds")
+        regex = regex.replace(f'"{marker}"', sub)
+    return regex
 
 
 def compile_json_schema(schema, tokenizer, *, whitespace: str | None = None, **kw) -> TokenAutomaton:
