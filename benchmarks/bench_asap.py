@@ -3,6 +3,7 @@ target: what a round costs, and how the samples and the estimate of P(L) move wi
 
     python benchmarks/bench_asap.py                                   # embedded target, the default regex
     python benchmarks/bench_asap.py --regex '[0-9]{1,3}' --budget 256
+    python benchmarks/bench_asap.py --budget 256 --samples-per-round 8           # 32 rounds of 8 rows per prompt
     python benchmarks/bench_asap.py --prompts 1 --budget 8 --max-new-tokens 8      # smoke
 
 Both variants run in the same loop (asap_sample; masking = update=False: the trie stays empty), so the
@@ -35,6 +36,7 @@ def main(argv=None):
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--budget", type=int, default=128, help="num_samples: rounds per prompt")
+    ap.add_argument("--samples-per-round", type=int, default=1, help="ASAp rows per prompt per round (1: the paper)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -70,7 +72,7 @@ def main(argv=None):
             start = time.perf_counter()
             out = asap_sample(model, auto.constraint(), args.budget, prompts, lens,
                               max_new_tokens=args.max_new_tokens, eos_ids=eos, sampler=sampler, seed=args.seed,
-                              update=update)
+                              samples_per_round=args.samples_per_round, update=update)
             wall = time.perf_counter() - start
         compile_s = clock.seconds or 0.0
         half = out.status[:, args.budget // 2:] == COMPLETE
@@ -79,7 +81,8 @@ def main(argv=None):
         differ = np.any(out.tokens != first.tokens, axis=-1) | (out.lengths != first.lengths)
         print(json.dumps({
             "variant": name, "prompts": len(prompts), "budget": args.budget, "max_new_tokens": args.max_new_tokens,
-            "seconds_per_round": (wall - compile_s) / args.budget, "compile_seconds": compile_s,
+            "samples_per_round": args.samples_per_round,
+            "seconds_per_round": (wall - compile_s) * args.samples_per_round / args.budget, "compile_seconds": compile_s,
             "compile_measured": clock.seconds is not None, "plain_decode_seconds": plain_s,
             "complete": float(np.mean(out.status == COMPLETE)),
             "mean_log_p": float(log_p.mean()) if log_p.size else None,

@@ -95,15 +95,15 @@ LOGP = np.array([seq_logp(x) for x in LANG])
 EXACT = np.exp(LOGP - np.logaddexp.reduce(LOGP))  # p(x | x in L)
 
 
-def kl_to_exact(trie: AsapTrie) -> float:
-    """KL(p(. | L) || q) for the proposal q the trie defines (an empty trie: plain masking)."""
-    lq = np.array([trie.proposal_log_prob(0, x, logprobs_at, allowed_at, (EOS,)) for x in LANG])
+def kl_to_exact(trie: AsapTrie, row: int = 0) -> float:
+    """KL(p(. | L) || q) for the proposal q the trie defines for `row` (an empty trie: plain masking)."""
+    lq = np.array([trie.proposal_log_prob(row, x, logprobs_at, allowed_at, (EOS,)) for x in LANG])
     return float(np.sum(EXACT * (np.log(EXACT) - lq)))
 
 
-def toy_asap(num_samples, seed=1, auto=AUTO, max_new_tokens=N, lm=toy_logits):
+def toy_asap(num_samples, seed=1, auto=AUTO, max_new_tokens=N, lm=toy_logits, **kw):
     return asap_sample(lm, auto.constraint(), num_samples, np.full((1, 1), BOS),
-                       max_new_tokens=max_new_tokens, eos_ids=(EOS,), vocab_size=V, seed=seed)
+                       max_new_tokens=max_new_tokens, eos_ids=(EOS,), vocab_size=V, seed=seed, **kw)
 
 
 def test_the_toy_is_what_the_docstring_says():
@@ -131,15 +131,25 @@ def test_kl_to_the_exact_conditional_falls_with_samples_while_masking_stays_bias
     assert 0.9 < sum(d.values()) <= 1.0 + 1e-6
 
 
+def test_rounds_of_several_samples_per_prompt_converge_too():
+    """samples_per_round=8: 2000 samples in 250 rounds of 8 rows per prompt, two prompts (each with its own
+    trie); the bound and the proposal still converge."""
+    out = asap_sample(toy_logits, AUTO.constraint(), 2000, np.full((2, 1), BOS), max_new_tokens=N, eos_ids=(EOS,),
+                      vocab_size=V, seed=3, samples_per_round=8)
+    assert out.tokens.shape == (2, 2000, N) and (out.status == COMPLETE).all()
+    assert np.all(np.diff(out.log_mass, axis=1) <= 1e-9)
+    assert max(kl_to_exact(out.trie, row) for row in (0, 1)) < KL_ALIGNED
+
+
 def _device_draws(trie, n_draws, seed=0):
     """n_draws samples of the proposal the trie defines, drawn by the device loop (all rows at root 0)."""
     arrays, width = trie.arrays()
     lm = PrefixFnLM(toy_logits, V, width=1 + N)
     toks, lens = jnp.full((n_draws, 1), BOS, jnp.int32), jnp.ones((n_draws,), jnp.int32)
     carry, logits = lm.start(toks, lens)
-    c = AUTO.constraint().prepare(V, (EOS,), N, n_draws)
-    tok, n, *_ = _round(lm, carry, logits, c, arrays, jax.random.PRNGKey(seed), jnp.zeros((n_draws,), jnp.int32),
-                        max_new_tokens=N, sampler=SamplerConfig(), eos_ids=(EOS,), width=width)
+    c = AUTO.constraint().prepare(V, (EOS,), N, 1)
+    tok, n, *_ = _round(lm, carry, logits, c, arrays, jax.random.PRNGKey(seed), max_new_tokens=N,
+                        sampler=SamplerConfig(), eos_ids=(EOS,), width=width, per_prompt=n_draws)
     tok, n = np.asarray(tok), np.asarray(n)
     return [tuple(tok[i, :n[i]]) for i in range(n_draws)]
 
@@ -208,6 +218,7 @@ def test_dead_ends_and_cut_offs_are_learned_and_the_mass_estimate_becomes_exact(
     (dict(sampler=SamplerConfig(repetition_penalty=1.2)), "repetition_penalty"),
     (dict(constraint=None), "needs a constraint"),
     (dict(vocab_size=None), "vocab_size"),
+    (dict(samples_per_round=3), "dividing num_samples"),
 ])
 def test_bad_input_is_refused_with_what_to_change(kwargs, match):
     args = dict(constraint=AUTO.constraint(), num_samples=4, vocab_size=V)

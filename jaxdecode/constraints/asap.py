@@ -52,7 +52,7 @@ from jaxdecode.sampling import SamplerConfig, process_logits
 
 COMPLETE, CUT_OFF, DEAD_END = 0, 1, 2  # status of a sample
 STATUS_NAMES = ("complete", "cut off at max_new_tokens", "dead end (no allowed token)")
-_MIN_CAPACITY = 256  # trie arrays: slots at least (powers of two above), so few rounds recompile
+_MIN_CAPACITY = 1024  # trie arrays: slots at least, growing 4x (each new size compiles the round once)
 _MIN_WIDTH = 16  # children read per node at least
 
 
@@ -232,13 +232,16 @@ class AsapTrie:
                 self._set_efg(v, self.eos[v] + rest + self.s2[v])
 
     def arrays(self) -> tuple[TrieArrays, int]:
-        """(device arrays, window width): capacities rounded up to powers of two."""
+        """(device arrays, window width): slots for `cap` nodes and edges (1024, 4096, ...), the window a
+        power of two >= the widest node (16 at least)."""
         n = len(self.parent)
         parent = np.asarray(self.parent[self.rows:], np.int64)
         order = np.argsort(parent, kind="stable")
         count = np.bincount(parent, minlength=n) if parent.size else np.zeros(n, np.int64)
         indptr = np.concatenate([[0], np.cumsum(count)[:-1]])
-        ncap, ecap = next_pow2(max(n, _MIN_CAPACITY)), next_pow2(max(parent.size, _MIN_CAPACITY))
+        cap = _MIN_CAPACITY
+        while cap < n:
+            cap *= 4
         width = next_pow2(max(int(count.max(initial=1)), _MIN_WIDTH))
 
         def pad(x, cap, dtype):
@@ -247,11 +250,11 @@ class AsapTrie:
             return out
 
         ids = np.arange(self.rows, n)[order]
-        arrays = TrieArrays(indptr=jnp.asarray(pad(indptr, ncap, np.int32)),
-                            count=jnp.asarray(pad(count, ncap, np.int32)),
-                            token=jnp.asarray(pad(np.asarray(self.token, np.int64)[ids], ecap, np.int32)),
-                            efg=jnp.asarray(pad(np.asarray(self.efg, np.float64)[ids], ecap, np.float32)),
-                            child=jnp.asarray(pad(ids, ecap, np.int32)))
+        arrays = TrieArrays(indptr=jnp.asarray(pad(indptr, cap, np.int32)),
+                            count=jnp.asarray(pad(count, cap, np.int32)),
+                            token=jnp.asarray(pad(np.asarray(self.token, np.int64)[ids], cap, np.int32)),
+                            efg=jnp.asarray(pad(np.asarray(self.efg, np.float64)[ids], cap, np.float32)),
+                            child=jnp.asarray(pad(ids, cap, np.int32)))
         return arrays, width
 
     def proposal_log_prob(self, row: int, seq, logprobs_at, allowed_at, eos_ids: tuple) -> float:
@@ -313,11 +316,11 @@ def _children(trie: TrieArrays, node, width: int):
     return jnp.take(trie.token, idx), jnp.take(trie.efg, idx), jnp.take(trie.child, idx), valid
 
 
-@partial(jax.jit, static_argnames=("max_new_tokens", "sampler", "eos_ids", "width"))
-def _round(lm, carry, logits, constraint, trie: TrieArrays, key, roots=None, *, max_new_tokens, sampler, eos_ids,
-           width):
-    """One ASAp sample per row from the proposal p(y | w) * EFG~(w y), starting after the prompt at trie
-    node roots[b] (default: row b's root)."""
+@partial(jax.jit, static_argnames=("max_new_tokens", "sampler", "eos_ids", "width", "per_prompt"))
+def _round(lm, carry, logits, constraint, trie: TrieArrays, key, *, max_new_tokens, sampler, eos_ids, width,
+           per_prompt=1):
+    """One round: `per_prompt` samples of each prompt (rows b * per_prompt ...: prompt b, whose trie root is
+    node b) from the proposal p(y | w) * EFG~(w y), starting after the prompt."""
     from jaxdecode.autoregressive import is_eos, nonfinite_rows
     b = logits.shape[0]
     n = max_new_tokens
@@ -326,8 +329,8 @@ def _round(lm, carry, logits, constraint, trie: TrieArrays, key, roots=None, *, 
                    logp=neg, logq=neg, logmass=neg, logeos=neg, nallow=jnp.zeros((b, n), jnp.int32),
                    done=jnp.zeros((b,), bool),
                    status=jnp.full((b,), CUT_OFF, jnp.int32), n_new=jnp.zeros((b,), jnp.int32),
-                   node=jnp.arange(b, dtype=jnp.int32) if roots is None else roots, carry=carry,
-                   cstate=constraint.init(b), key=key, nonfinite=jnp.zeros((b,), bool))
+                   node=jnp.arange(b, dtype=jnp.int32) // per_prompt, carry=carry,
+                   cstate=constraint.init(b // per_prompt, per_prompt), key=key, nonfinite=jnp.zeros((b,), bool))
 
     def choose(state, logits):
         live = ~state.done
@@ -426,17 +429,26 @@ class AsapOutput:
 def asap_sample(model_or_logprob_fn, constraint, num_samples: int, prompt_tokens, prompt_lengths=None, *,
                 max_new_tokens: int, eos_ids=(), sampler: SamplerConfig = SamplerConfig(), seed: int = 0,
                 key=None, vocab_size: int | None = None, cache_len: int | None = None,
-                update: bool = True) -> AsapOutput:
+                samples_per_round: int = 1, update: bool = True) -> AsapOutput:
     """Draw `num_samples` ASAp samples per prompt row under `constraint` (see the module docstring).
 
     model_or_logprob_fn: a jaxdecode Model / ModelLM, or a jit-able logits_fn(tokens[B, T], lengths[B])
     -> logits[B, V] (then vocab_size=). prompt_tokens: int[B, P] right-padded (lengths int[B]; None =
     full width). cache_len: KV slots per row (a Model; default prompt + new tokens rounded up to 64). The
     target is p(x | x in L, len(x) <= max_new_tokens) with p the `sampler`'s
-    distribution (temperature / top-k / top-p / min-p). update=False keeps the trie empty: every round is
-    plain masked sampling (the baseline ASAp corrects), drawn by the same loop."""
+    distribution (temperature / top-k / top-p / min-p).
+
+    samples_per_round: 1 is the paper's rule (each sample sees the trie every earlier one left). k > 1
+    draws k samples of each prompt per round from the same proposal, as k batch rows, then inserts them
+    all: num_samples / k sequential rounds instead of num_samples. The bound stays an upper bound and
+    tightens the same way (the proposal just lags by up to k - 1 samples); num_samples must be a multiple
+    of k. update=False keeps the trie empty: every round is plain masked sampling (the baseline ASAp
+    corrects), drawn by the same loop."""
     if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:
         raise AsapError(f"num_samples (the budget) must be an int >= 1, got {num_samples!r}")
+    k = samples_per_round
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1 or num_samples % k:
+        raise AsapError(f"samples_per_round must be an int >= 1 dividing num_samples ({num_samples}), got {k!r}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise AsapError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if not isinstance(sampler, SamplerConfig):
@@ -468,7 +480,8 @@ def asap_sample(model_or_logprob_fn, constraint, num_samples: int, prompt_tokens
     constraint = constraint.prepare(lm.vocab_size, eos_ids, max_new_tokens, b)
     key = jax.random.PRNGKey(seed) if key is None else key
 
-    carry, logits0 = _start(lm, toks, lens)  # the prompt once; every round starts from it
+    # the prompts once (each k times: k rows per prompt); every round starts from this cache
+    carry, logits0 = _start(lm, jnp.repeat(toks, k, axis=0), jnp.repeat(lens, k, axis=0))
     trie = AsapTrie(b)
     n = max_new_tokens
     out_tok = np.zeros((b, num_samples, n), np.int32)
@@ -479,21 +492,21 @@ def asap_sample(model_or_logprob_fn, constraint, num_samples: int, prompt_tokens
     log_mass = np.zeros((b, num_samples))
     nonfinite = np.zeros(b, bool)
     forwards = 1
-    for s in range(num_samples):  # sequential by nature: each round reads the trie the last one left
+    for first in range(0, num_samples, k):  # sequential by nature: each round reads the trie the last one left
         key, sub = jax.random.split(key)
         arrays, width = trie.arrays()
         res = _round(lm, carry, logits0, constraint, arrays, sub, max_new_tokens=n, sampler=sampler,
-                     eos_ids=eos_ids, width=width)
+                     eos_ids=eos_ids, width=width, per_prompt=k)
         tok, nn, lp, lq, lmass, leos, nal, st, nf, steps = jax.device_get(res)
         forwards += int(steps) - 1
-        nonfinite |= nf
-        for r in range(b):
+        nonfinite |= nf.reshape(b, k).any(axis=1)
+        for i in range(b * k):  # row i = sample first + i % k of prompt i // k
+            r, s, m = i // k, first + i % k, int(nn[i])
             if update:
-                trie.add(r, tok[r], int(nn[r]), lp[r], lmass[r], leos[r], nal[r], int(st[r]), eos_ids)
-            k = int(nn[r])
-            out_tok[r, s], out_len[r, s], out_status[r, s] = tok[r], k, st[r]
-            log_p[r, s] = float(np.sum(lp[r, :k], dtype=np.float64))
-            log_q[r, s] = float(np.sum(lq[r, :k], dtype=np.float64))
+                trie.add(r, tok[i], m, lp[i], lmass[i], leos[i], nal[i], int(st[i]), eos_ids)
+            out_tok[r, s], out_len[r, s], out_status[r, s] = tok[i], m, st[i]
+            log_p[r, s] = float(np.sum(lp[i, :m], dtype=np.float64))
+            log_q[r, s] = float(np.sum(lq[i, :m], dtype=np.float64))
             log_mass[r, s] = math.log(trie.root_efg(r)) if trie.root_efg(r) > 0 else -math.inf
     return AsapOutput(tokens=out_tok, lengths=out_len, status=out_status, log_p=log_p, log_q=log_q,
                       log_mass=log_mass, trie=trie, forwards=forwards, nonfinite=nonfinite)
