@@ -118,6 +118,10 @@ def _literal_regex(tok) -> str:
     return _literal_to_pattern(tok).to_regexp()
 
 
+# lark's common.ESCAPED_STRING is a lazy match with a lookbehind (no DFA): the same language, regular
+_EQUIVALENT = {'(?:"(?:(?:.*?)(?<!\\\\)(\\\\\\\\)*?)")': r'"(?:[^"\\\n]|\\[^\n])*"'}
+
+
 class _TermRegex:
     """Terminal trees -> one regex string each (terminals are regular: lark forbids recursion in them)."""
 
@@ -129,7 +133,8 @@ class _TermRegex:
             if name not in self.terms:
                 raise GrammarError(f"terminal {name} is used but not defined")
             self.memo[name] = None
-            self.memo[name] = self.tree(self.terms[name])
+            rx = self.tree(self.terms[name])
+            self.memo[name] = _EQUIVALENT.get(rx, rx)
         if self.memo[name] is None:
             raise GrammarError(f"terminal {name} refers to itself; terminals must be regular (use a rule)")
         return self.memo[name]
@@ -188,7 +193,7 @@ def _byte_dfa(regex: str, memo={}):  # noqa: B006 - a process-wide cache of byte
         try:
             index = outlines_core.Index(f"(?:{regex})\U0010FFFF", _BYTE_VOCAB)
         except Exception as e:
-            raise GrammarError(f"cannot compile the terminal regex {regex!r}: {e}") from None
+            raise _NotDevice(f"outlines-core cannot compile the terminal regex {regex!r}: {e}") from None
         trans = {int(s): {int(b): int(n) for b, n in row.items() if b < 256} for s, row in
                  index.get_transitions().items()}
         ends = set(int(f) for f in index.get_final_states())
