@@ -542,7 +542,8 @@ def run_asap(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
                             min_p=float(opts.get("min_p") or 0.0))
     out = asap_sample(model, constraint, 16 if num is None else num, prompt_tokens, prompt_lengths,
                       max_new_tokens=max_new_tokens, eos_ids=opts["eos_ids"], sampler=sampler,
-                      seed=int(opts.get("seed") or 0), cache_len=opts.get("cache_len"))
+                      seed=int(opts.get("seed") or 0), cache_len=opts.get("cache_len"),
+                      samples_per_round=1 if opts.get("samples_per_round") is None else opts["samples_per_round"])
     tokens, lengths, idx = out.last()
     rows = np.arange(tokens.shape[0])
     stats = {"target_calls": out.forwards, "nonfinite_logits": out.nonfinite,
