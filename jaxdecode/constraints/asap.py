@@ -24,13 +24,15 @@ round is exactly p(x) / EFG~(root): `distribution` and `log_mass` give that, and
 P(L) the proposal converges to the exact conditional.
 
 How it runs. ASAp is sequential over samples (each sample's proposal depends on the trie left by all
-earlier ones), so the budget is `num_samples` one-sample rounds. Each round is one jit-compiled
-`lax.while_loop` over the new tokens (one batched forward per step, the batch being the prompts: each
-prompt row has its own trie); the loop reads the trie's correction weights from device arrays (CSR:
-each node's children tokens, their EFG~ and their node ids, a fixed window of the widest node's width)
-and records, per step, p(chosen token) and the allowed mass. Between rounds the host updates the trie
-(float64) and uploads its arrays (capacities in powers of two, so recompiles are rare). The prompt is
-prefilled once; every round starts from that KV cache.
+earlier ones), so the budget is `num_samples` one-sample rounds (`samples_per_round=k` draws k rows per
+prompt from one proposal per round: num_samples / k rounds, the proposal lagging by up to k - 1
+samples). Each round is one jit-compiled `lax.while_loop` over the new tokens (one batched forward per
+step; the batch is the prompts, each with its own trie); the loop reads the trie's correction weights
+from device arrays (CSR: each node's children tokens, their EFG~ and their node ids, read in a fixed
+window as wide as the widest node) and records, per step, p(chosen token), the allowed mass (EOS apart)
+and the allowed token count. Between rounds the host updates the trie (float64) and uploads its arrays
+(capacities growing 4x, so few rounds recompile). The prompt is prefilled once; every round starts from
+that KV cache.
 
 LMs: a jaxdecode Model (or `ModelLM(config, params)`), or any jit-able prefix function
 `logits_fn(tokens int32[B, T], lengths int32[B]) -> logits[B, V]` (the next-token logits after each row's
