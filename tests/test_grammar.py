@@ -105,9 +105,9 @@ def _walk_compare(g, tok, rows=4, steps=24, seed=0):
 
 @pytest.mark.parametrize("name", ["arith", "parens", "json", "spanning", "gbnf", "tree_schema"])
 def test_device_masks_equal_llguidance(name, tok):
-    text = dict(arith=ARITH, parens=PARENS, json=JSON_LARK, spanning=SPANNING, gbnf=GBNF).get(name)
+    text = {"arith": ARITH, "parens": PARENS, "json": JSON_LARK, "spanning": SPANNING, "gbnf": GBNF}.get(name)
     # deep enough that the walks never meet the depth bound (tested on its own below)
-    kw = dict(max_depth=64)
+    kw = {"max_depth": 64}
     g = compile_schema_grammar(TREE, tok, **kw) if name == "tree_schema" else compile_grammar(text, tok, **kw)
     assert g.backend == "device", g.reason
     hist = _walk_compare(g, tok)

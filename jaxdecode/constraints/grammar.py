@@ -9,8 +9,8 @@ Host (compile once). lark reads the grammar (GrammarBuilder: rules as EBNF trees
 GBNF goes through llguidance's gbnf_to_lark first). Rules that are not on a recursion cycle are inlined;
 a feedback set of the rule graph (plus `start`) stays as "called" rules. Each called rule becomes one
 DFA over bytes and calls (Thompson NFA, subset construction; each terminal's regex is a byte DFA from
-outlines-core, no regex engine here). %ignore'd terminals may appear between any two items of a rule
-(not before the first or after the last byte of the text: llguidance's reading of %ignore).
+outlines-core, see _byte_dfa; no regex engine here). %ignore'd terminals may appear between any two
+items of a rule (not before the first or after the last byte: llguidance's reading of %ignore).
 
 Byte level (deterministic, LL(1) over bytes). In DFA state q with next byte b exactly one of:
     consume   a byte edge q -b-> q', or a chain of call edges whose callee can start with b: each call
@@ -23,11 +23,17 @@ rule) goes to the llguidance fallback. The result is a table over (state, byte):
 pushed states, and the depth it needs (so no row ever reaches a state it cannot finish within
 `max_depth` stack entries).
 
-Device. A row's state is (q, stack int32[max_depth], depth). A token is its byte string; `allowed`
-runs all V tokens' bytes from the row's configuration at once (vectorised gathers over the [V, L]
-byte table; each token keeps its own small buffer of pushed entries above the row's stack, and pops
-below it read the row's stack). EOS pops the stack: allowed where q and every stacked return state accept.
-Nesting deeper than `max_depth` is forbidden (masked), so texts nesting deeper are cut off.
+Device. A row's state is (q, stack int32[max_depth], depth). A token is its byte string, run byte by
+byte through the table (`_simulate`: vectorised gathers over the [V, L] byte table; each token keeps a
+small buffer of the entries it pushed above the row's stack; pops below it read the row's stack).
+Most of that does not depend on the stack, so compile precomputes it (token_codes, like xgrammar's
+context-independent tokens): per state and token class, "fails on its own", "stays above the stack it
+found and needs k entries" (allowed iff depth + k <= max_depth), or "pops into the stack". `allowed` is
+then one [R, V] gather plus a run of only each state's popping tokens (its `pops` list: the tokens
+whose first unconsumable byte can follow the rule) from the row's configuration.
+EOS pops the stack: allowed where q and every stacked return state accept.
+Nesting deeper than `max_depth` is forbidden (masked), so texts nesting deeper are cut off; a state
+is only entered when its rule can still finish within the bound (no dead ends).
 
 Fallback. When the device form cannot hold the grammar (not LL(1) over bytes, larger than the table
 bound, needing more than max_depth to accept anything) the constraint is llguidance's matcher on the
@@ -37,11 +43,8 @@ rollback need nothing special); `backend` says which one is used and `reason` wh
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import re
-from collections import deque
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -72,12 +75,12 @@ def to_lark(text: str, syntax: str = "auto") -> str:
         raise GrammarError(f"syntax must be 'auto', 'lark' or 'gbnf', got {syntax!r}")
     if not isinstance(text, str) or not text.strip():
         raise GrammarError("the grammar is empty; pass the grammar's text (a 'start' rule, Lark or GBNF syntax)")
-    if syntax == "gbnf" or (syntax == "auto" and re.search(r"^\s*[A-Za-z0-9_-]+\s*::=", text, re.M)):
+    if syntax == "gbnf" or (syntax == "auto" and re.search(r"^\s*[A-Za-z0-9_-]+\s*::=", text, re.MULTILINE)):
         from llguidance.gbnf_to_lark import gbnf_to_lark
 
         try:
             text = gbnf_to_lark(text)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - its parse errors are plain exceptions with a position
             raise GrammarError(f"cannot read the GBNF grammar: {e}") from None
         text = "\n".join(ln for ln in text.splitlines() if not ln.startswith("%llguidance"))
     return text
@@ -140,7 +143,7 @@ class _TermRegex:
         return self.memo[name]
 
     def tree(self, t) -> str:
-        from lark import Token, Tree
+        from lark import Token
         from lark.grammar import NonTerminal, Terminal
 
         if isinstance(t, Terminal):
@@ -192,11 +195,11 @@ def _byte_dfa(regex: str, memo={}):  # noqa: B006 - a process-wide cache of byte
             _BYTE_VOCAB = outlines_core.Vocabulary(256, {bytes([b]): [b] for b in range(256)})
         try:
             index = outlines_core.Index(f"(?:{regex})\U0010FFFF", _BYTE_VOCAB)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - outlines-core raises ValueError / its own errors
             raise _NotDevice(f"outlines-core cannot compile the terminal regex {regex!r}: {e}") from None
         trans = {int(s): {int(b): int(n) for b, n in row.items() if b < 256} for s, row in
                  index.get_transitions().items()}
-        ends = set(int(f) for f in index.get_final_states())
+        ends = {int(f) for f in index.get_final_states()}
 
         def walk(s):
             for b in _END:
@@ -767,10 +770,10 @@ def _simulate(c, q0, stack, depth, tokens, *, max_depth: int, local: int):
     width = c.tok_bytes.shape[1]
     flat = c.tok_bytes.reshape(-1)  # byte j of token t at t * L + j: one [R, W] gather per byte
     ln = jnp.where((tokens >= 0) & (tokens < v), jnp.take(c.tok_len, tok), 0)  # [R, W]
-    init = dict(q=jnp.broadcast_to(q0[:, None], (r, w)), base=jnp.broadcast_to(depth[:, None], (r, w)),
-                loc=jnp.zeros((r, w, local), jnp.int32), nloc=jnp.zeros((r, w), jnp.int32),
-                pos=jnp.zeros((r, w), jnp.int32), ok=(ln > 0) & (q0 >= 0)[:, None],
-                peak=jnp.zeros((r, w), jnp.int32))
+    init = {"q": jnp.broadcast_to(q0[:, None], (r, w)), "base": jnp.broadcast_to(depth[:, None], (r, w)),
+                "loc": jnp.zeros((r, w, local), jnp.int32), "nloc": jnp.zeros((r, w), jnp.int32),
+                "pos": jnp.zeros((r, w), jnp.int32), "ok": (ln > 0) & (q0 >= 0)[:, None],
+                "peak": jnp.zeros((r, w), jnp.int32)}
     kk = jnp.arange(local, dtype=jnp.int32)
 
     def running(s):
@@ -796,10 +799,10 @@ def _simulate(c, q0, stack, depth, tokens, *, max_depth: int, local: int):
         top_loc = jnp.take_along_axis(loc, jnp.maximum(nloc - 1, 0)[..., None], axis=-1)[..., 0]
         top_row = jnp.take_along_axis(stack, jnp.clip(s["base"] - 1, 0, stack.shape[1] - 1), axis=1)  # [R, W]
         q = jnp.where(consume, nq, jnp.where(from_loc, top_loc, jnp.where(pop, top_row, s["q"])))
-        return dict(q=q, base=s["base"] - (pop & ~from_loc), loc=loc,
-                    nloc=nloc + npush - from_loc, pos=s["pos"] + consume,
-                    ok=s["ok"] & (~act | consume | pop),
-                    peak=jnp.where(consume, jnp.maximum(s["peak"], dep + need), s["peak"]))
+        return {"q": q, "base": s["base"] - (pop & ~from_loc), "loc": loc,
+                    "nloc": nloc + npush - from_loc, "pos": s["pos"] + consume,
+                    "ok": s["ok"] & (~act | consume | pop),
+                    "peak": jnp.where(consume, jnp.maximum(s["peak"], dep + need), s["peak"])}
 
     out = jax.lax.while_loop(lambda s: jnp.any(running(s)), body, init)
     return out["ok"], out["q"], out["base"], out["loc"], out["nloc"], out["peak"]

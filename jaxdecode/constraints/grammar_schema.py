@@ -46,7 +46,7 @@ class _Converter:
             return self.names[ref]
         if ref == "#":
             target = self.root
-        elif ref.startswith("#/$defs/") or ref.startswith("#/definitions/"):
+        elif ref.startswith(("#/$defs/", "#/definitions/")):
             section, key = ref[2:].split("/", 1)
             target = self.root.get(section, {}).get(key)
             if target is None:
