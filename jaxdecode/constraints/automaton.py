@@ -506,7 +506,7 @@ ENFORCED_KEYWORDS = frozenset({
 ANNOTATION_KEYWORDS = frozenset({
     "title", "description", "default", "examples", "$comment", "$schema", "$id", "$anchor", "$defs",
     "definitions", "deprecated", "readOnly", "writeOnly", "contentMediaType", "contentEncoding",
-    "contentSchema", "$vocabulary"})
+    "contentSchema", "$vocabulary", "discriminator"})  # discriminator: OpenAPI / pydantic's hint for oneOf
 # Keywords the converter silently ignores (or mistranslates): each raises, with what to do instead.
 UNSUPPORTED_KEYWORDS = {
     "minimum": "numeric bounds", "maximum": "numeric bounds", "exclusiveMinimum": "numeric bounds",
@@ -636,11 +636,15 @@ class _SchemaWalk:
                 self.fail(path, f"$ref {ref!r} does not resolve inside the schema")
         return node
 
-    def types_of(self, sub, path: str, stack) -> set | None:
+    def deref(self, sub, path: str, depth: int = 0):
+        while isinstance(sub, dict) and "$ref" in sub and depth < 32:
+            sub, depth = self.resolve(sub["$ref"], path), depth + 1
+        return sub
+
+    def types_of(self, sub, path: str) -> set | None:
         """The JSON types a subschema admits (None: not determined by type / const / enum)."""
+        sub = self.deref(sub, path)
         if isinstance(sub, dict):
-            if "$ref" in sub:
-                return self.types_of(self.resolve(sub["$ref"], path), path, stack)
             if "const" in sub:
                 return {_json_type(sub["const"])}
             if "enum" in sub and isinstance(sub["enum"], list):
@@ -651,6 +655,37 @@ class _SchemaWalk:
             if isinstance(t, list):
                 return set(t)
         return None
+
+    def values_of(self, sub, path: str) -> set | None:
+        """The values a subschema admits when it lists them (const / enum), canonical JSON; else None."""
+        sub = self.deref(sub, path)
+        if isinstance(sub, dict):
+            if "const" in sub:
+                return {json.dumps(sub["const"], sort_keys=True)}
+            if isinstance(sub.get("enum"), list):
+                return {json.dumps(x, sort_keys=True) for x in sub["enum"]}
+        return None
+
+    def disjoint(self, a, b, path: str) -> bool:
+        """Can no value satisfy both subschemas? Decided by types (integer lies within number), by listed
+        values, or by a property both objects require whose listed values differ (a discriminator)."""
+        ta, tb = self.types_of(a, path), self.types_of(b, path)
+        if ta is not None and tb is not None:
+            num = {"integer", "number"}
+            if not (ta & tb) and not (ta & num and tb & num):
+                return True
+        va, vb = self.values_of(a, path), self.values_of(b, path)
+        if va is not None and vb is not None:
+            return not (va & vb)
+        a, b = self.deref(a, path), self.deref(b, path)
+        if isinstance(a, dict) and isinstance(b, dict):
+            shared = set(a.get("required") or []) & set(b.get("required") or [])
+            for name in sorted(shared):
+                pa = (a.get("properties") or {}).get(name)
+                pb = (b.get("properties") or {}).get(name)
+                if pa is not None and pb is not None and self.disjoint(pa, pb, path):
+                    return True
+        return False
 
     def check_values(self, sub: dict, path: str):
         """enum / const next to other assertions: outlines-core emits the listed values as they are, so
@@ -729,16 +764,13 @@ class _SchemaWalk:
                       "instead of intersecting; merge them into one schema (or use the grammar path)")
         if "oneOf" in sub:
             branches = sub["oneOf"] if isinstance(sub["oneOf"], list) else []
-            seen: list[set] = []
-            for i, b in enumerate(branches):
-                ts = self.types_of(b, f"{path}.oneOf[{i}]", stack)
-                if ts is None or any(ts & s or ("integer" in ts and "number" in s) or ("number" in ts
-                                                                                    and "integer" in s)
-                                     for s in seen):
-                    self.fail(path, "'oneOf' is compiled as 'anyOf' (a value matching two branches would "
-                              "pass); it is accepted only when the branches have disjoint types. Use "
-                              "'anyOf' if the branches never overlap")
-                seen.append(ts)
+            for i in range(len(branches)):
+                for j in range(i):
+                    if not self.disjoint(branches[j], branches[i], path):
+                        self.fail(path, f"'oneOf' is compiled as 'anyOf' (a value matching two branches would "
+                                  f"pass), so its branches must be disjoint, and branches {j} and {i} may overlap "
+                                  "(disjoint: different types, different listed values, or a required property "
+                                  "with different const / enum values). Use 'anyOf' if they never overlap")
         # ---- children
         if "$ref" in sub:
             ref = sub["$ref"]
