@@ -706,16 +706,11 @@ class _SchemaWalk:
                 self.fail(path, f"the value {json.dumps(x)} of {'const' if 'const' in sub else 'enum'} fails its "
                           f"sibling keywords ({err.message}); outlines-core would emit it anyway: remove it")
 
-    def walk(self, sub, path: str, stack: tuple = ()):
-        if isinstance(sub, bool):
-            if sub is False:
-                self.fail(path, "the schema `false` admits no value (an empty language); remove it")
-            self.fail(path, "a boolean schema `true` is not supported by the converter; write {} for any value")
-        if not isinstance(sub, dict):
-            self.fail(path, f"a schema must be an object, got {type(sub).__name__}")
+    def check_keys(self, sub: dict, path: str):
+        """Every keyword is enforced, an annotation, or an error naming it."""
         bounded = _bounded_integer(sub)
         for key in sub:
-            if key in ENFORCED_KEYWORDS or key in ANNOTATION_KEYWORDS or key.startswith("x-"):
+            if key in ENFORCED_KEYWORDS or _is_annotation(key):
                 continue
             if bounded and key in _BOUNDS:  # compiled here (int_range_regex), not by outlines-core
                 continue
@@ -728,6 +723,32 @@ class _SchemaWalk:
                           "or use the grammar path (jaxdecode.constraints.grammar)")
             self.fail(path, f"unknown keyword {key!r}: the regex compiler does not know it, so it would be "
                       "ignored; remove it, or prefix an annotation with 'x-'")
+
+    def scan_keys(self, sub, path: str):
+        """check_keys over the schema as written (before _normalize), so errors name the user's paths."""
+        if not isinstance(sub, dict):
+            return
+        self.check_keys(sub, path)
+        for key in ("properties", "$defs", "definitions"):
+            if isinstance(sub.get(key), dict):
+                for k, v in sub[key].items():
+                    self.scan_keys(v, f"{path}.{key}.{k}")
+        for key in ("additionalProperties", "items"):
+            self.scan_keys(sub.get(key), f"{path}.{key}")
+        for key in ("prefixItems",) + _COMBINATORS:
+            if isinstance(sub.get(key), list):
+                for i, v in enumerate(sub[key]):
+                    self.scan_keys(v, f"{path}.{key}[{i}]")
+
+    def walk(self, sub, path: str, stack: tuple = ()):
+        if isinstance(sub, bool):
+            if sub is False:
+                self.fail(path, "the schema `false` admits no value (an empty language); remove it")
+            self.fail(path, "a boolean schema `true` is not supported by the converter; write {} for any value")
+        if not isinstance(sub, dict):
+            self.fail(path, f"a schema must be an object, got {type(sub).__name__}")
+        bounded = _bounded_integer(sub)
+        self.check_keys(sub, path)
         t = sub.get("type")
         for ty in ([t] if isinstance(t, str) else t if isinstance(t, list) else [] if t is None else [None]):
             if ty not in _TYPES:
@@ -744,6 +765,10 @@ class _SchemaWalk:
             if other:
                 self.fail(path, f"keyword {other[0]!r} next to numeric bounds is not supported; express the "
                           "bounds alone (minimum / maximum) or drop them")
+        for key in _COUNT_KEYWORDS:
+            v = sub.get(key)
+            if key in sub and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                self.fail(path, f"{key} must be a non-negative integer, got {v!r}")
         for lo, hi in (("minLength", "maxLength"), ("minItems", "maxItems")):
             if isinstance(sub.get(lo), int) and isinstance(sub.get(hi), int) and sub[lo] > sub[hi]:
                 self.fail(path, f"{lo}={sub[lo]} > {hi}={sub[hi]}: no value fits (an empty language)")
@@ -829,8 +854,9 @@ def _rewrite(schema, markers: dict, top: bool = True):
         marker = f"jxdint{len(markers)}x{os.getpid()}q"
         markers[marker] = int_range_regex(*_int_bounds(schema, lambda m: None))
         return {"const": marker}
-    if not top and all(k in ANNOTATION_KEYWORDS or k.startswith("x-") for k in schema):
-        return {**schema, **_ANY_TYPE}
+    if all(_is_annotation(k) for k in schema):  # asserts nothing (annotations only)
+        keep = {k: v for k, v in schema.items() if k in ("$defs", "definitions")}
+        return keep if top else dict(_ANY_TYPE)
     out = dict(schema)
     for key in ("properties", "$defs", "definitions"):
         if isinstance(out.get(key), dict):
@@ -844,11 +870,130 @@ def _rewrite(schema, markers: dict, top: bool = True):
     return out
 
 
+_TYPE_KEYWORDS = {  # the keywords that constrain only values of one JSON type (others pass them)
+    "string": ("minLength", "maxLength", "pattern", "format"),
+    "number": _BOUNDS + ("multipleOf", "minDigits", "maxDigits", "minDigitsInteger", "maxDigitsInteger",
+                         "minDigitsFraction", "maxDigitsFraction", "minDigitsExponent", "maxDigitsExponent"),
+    "array": ("items", "prefixItems", "minItems", "maxItems", "uniqueItems", "contains", "minContains",
+              "maxContains", "unevaluatedItems"),
+    "object": ("properties", "required", "additionalProperties", "minProperties", "maxProperties",
+               "patternProperties", "propertyNames", "dependentRequired", "dependentSchemas", "dependencies",
+               "unevaluatedProperties")}
+_COMBINATORS = ("anyOf", "oneOf", "allOf")
+_COUNT_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "minDigits", "maxDigits",
+                   "minDigitsInteger", "maxDigitsInteger", "minDigitsFraction", "maxDigitsFraction",
+                   "minDigitsExponent", "maxDigitsExponent")
+
+
+def _is_annotation(key: str) -> bool:
+    return key in ANNOTATION_KEYWORDS or key.startswith("x-")
+
+
+def _type_set(t) -> set:
+    return {t} if isinstance(t, str) else set(t) if isinstance(t, list) else set()
+
+
+def _merge_into(branch: dict, siblings: dict, where: str):
+    """branch AND siblings as one schema (None: no value can satisfy both types). Types intersect
+    (integer within number), properties and required merge, other keywords must agree."""
+    out = dict(branch)
+    for key, val in siblings.items():
+        if key not in out or out[key] == val:
+            out[key] = val
+        elif key == "type":
+            a, b = _type_set(out[key]), _type_set(val)
+            both = (a & b) | ({"integer"} if ("integer" in a and "number" in b) or ("number" in a and "integer" in b)
+                              else set())
+            if not both:
+                return None
+            out[key] = sorted(both)[0] if len(both) == 1 else sorted(both)
+        elif key == "properties" and isinstance(val, dict) and isinstance(out[key], dict) and all(
+                out[key][n] == v for n, v in val.items() if n in out[key]):
+            out[key] = {**out[key], **val}
+        elif key == "required" and isinstance(val, list) and isinstance(out[key], list):
+            out[key] = list(dict.fromkeys(out[key] + val))
+        else:
+            raise AutomatonError(f"JSON schema at {where}: keyword {key!r} is given twice with different values "
+                                 "(next to a combinator and in its branch, or in two allOf branches); merge them "
+                                 "by hand")
+    return out
+
+
+def _normalize(sub, path: str = "$", top: bool = True):
+    """The schema in the forms outlines-core translates faithfully, with the same instances: `true`
+    subschemas as "any type" (and `items` / `additionalProperties: true` dropped: no constraint);
+    keywords next to anyOf / oneOf / allOf moved into each branch (outlines-core compiles either the
+    combinator or its siblings, not both; a branch whose type cannot meet the siblings' is dropped); a
+    schema without "type" whose keywords constrain one type only (`{"maxLength": 2}`) as an anyOf over
+    the JSON types, each with its keywords."""
+    if sub is True:
+        return {} if top else dict(_ANY_TYPE)
+    if not isinstance(sub, dict):
+        return sub  # `false` and non-schemas: check_schema names them
+    out = dict(sub)
+    combs = [k for k in _COMBINATORS if k in out]
+    siblings = {k: v for k, v in out.items() if k not in _COMBINATORS and not _is_annotation(k)}
+    if combs and siblings:  # distribute first, so each branch is normalized with the siblings in it
+        if len(combs) > 1 or not isinstance(out[combs[0]], list):
+            raise AutomatonError(f"JSON schema at {path}: keywords next to {' and '.join(combs)} are not "
+                                 "supported; move them into the branches")
+        k = combs[0]
+        branches = []
+        for i, b in enumerate(out[k]):
+            b = {} if b is True else b
+            if not isinstance(b, dict) or "$ref" in b:
+                raise AutomatonError(f"JSON schema at {path}.{k}[{i}]: keyword {sorted(siblings)[0]!r} next to "
+                                     f"'{k}' must be moved into each branch, and this branch is a $ref or not "
+                                     "an object; write the branch out with the keyword in it")
+            merged = _merge_into(b, siblings, f"{path}.{k}[{i}]")
+            if merged is not None:
+                branches.append(merged)
+        if not branches:
+            raise AutomatonError(f"JSON schema at {path}: no branch of '{k}' can meet the type next to it (an "
+                                 "empty language)")
+        out = {**{x: v for x, v in out.items() if _is_annotation(x)}, k: branches}
+    branches = out.get("allOf")
+    if isinstance(branches, list) and len(branches) > 1 and all(
+            isinstance(b, dict) and "$ref" not in b and not any(k in b for k in _COMBINATORS) for b in branches):
+        merged = {}  # allOf of plain schemas: one schema (outlines-core would concatenate them)
+        for i, b in enumerate(branches):
+            merged = _merge_into(merged, {k: v for k, v in b.items() if not _is_annotation(k)},
+                                 f"{path}.allOf[{i}]")
+            if merged is None:
+                raise AutomatonError(f"JSON schema at {path}: the types of 'allOf' have nothing in common (an "
+                                     "empty language)")
+        out = {**{x: v for x, v in out.items() if x != "allOf"}, "allOf": [merged]}
+    for key in ("properties", "$defs", "definitions"):
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _normalize(v, f"{path}.{key}.{k}", False) for k, v in out[key].items()}
+    for key in ("additionalProperties", "items"):
+        if out.get(key) is True:
+            del out[key]
+        elif isinstance(out.get(key), dict):
+            out[key] = _normalize(out[key], f"{path}.{key}", False)
+    for key in ("prefixItems",) + _COMBINATORS:
+        if isinstance(out.get(key), list):
+            out[key] = [_normalize(v, f"{path}.{key}[{i}]", False) for i, v in enumerate(out[key])]
+    for key in _COUNT_KEYWORDS:  # JSON numbers: 2.0 is the count 2 (outlines-core ignores a float)
+        v = out.get(key)
+        if isinstance(v, float) and v.is_integer():
+            out[key] = int(v)
+    typed = {t: [x for x in kws if x in out] for t, kws in _TYPE_KEYWORDS.items()}
+    if ("type" not in out and not any(k in out for k in _COMBINATORS)
+            and not {"enum", "const", "$ref"} & set(out) and any(typed.values())):
+        branches = [{"type": t, **{x: out[x] for x in typed[t]}} for t in ("string", "number", "array", "object")]
+        branches += [{"type": "boolean"}, {"type": "null"}]
+        out = {**{x: v for x, v in out.items() if _is_annotation(x)}, "anyOf": branches}
+    return out
+
+
 def check_schema(schema) -> None:
     """Raise AutomatonError, naming the keyword and its JSON path, for anything in the schema the regex
     compiler would not enforce (UNSUPPORTED_KEYWORDS, unknown keywords, unknown formats, 'allOf' with
     several schemas, 'oneOf' over overlapping types, enum values that fail their sibling keywords,
     'required' names missing from 'properties', recursive $refs) or that admits nothing."""
+    _SchemaWalk(schema).scan_keys(schema, "$")
+    schema = _normalize(schema)
     _SchemaWalk(schema).walk(schema, "$")
 
 
@@ -860,7 +1005,9 @@ def schema_to_regex(schema, *, whitespace: str | None = None, check: bool = True
 
     schema = _load_schema(schema)
     if check:
-        check_schema(schema)
+        _SchemaWalk(schema).scan_keys(schema, "$")
+        schema = _normalize(schema)
+        _SchemaWalk(schema).walk(schema, "$")
     markers: dict = {}
     rewritten = _rewrite(schema, markers) if check else schema
     text = json.dumps(rewritten)
