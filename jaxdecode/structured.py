@@ -77,7 +77,14 @@ def _compile(model, kind: str, value: str, eos_ids: tuple):
     if kind == "regex":
         return automaton.compile_regex(value, model.tokenizer, **kw)
     if kind == "json_schema":
-        return automaton.compile_json_schema(value, model.tokenizer, **kw)
+        schema = json.loads(value)
+        try:  # recursive schemas ($ref cycles) nest: the grammar path (a pushdown automaton), not a regex
+            from jaxdecode.constraints.grammar_schema import compile_schema_grammar, is_recursive_schema
+        except ImportError:
+            is_recursive_schema = None
+        if is_recursive_schema is not None and is_recursive_schema(schema):
+            return compile_schema_grammar(schema, model.tokenizer, **kw)
+        return automaton.compile_json_schema(schema, model.tokenizer, **kw)
     try:
         from jaxdecode.constraints.grammar import compile_grammar
     except ImportError:
@@ -86,12 +93,25 @@ def _compile(model, kind: str, value: str, eos_ids: tuple):
     return compile_grammar(value, model.tokenizer, **kw)
 
 
+def backend_name(compiled) -> str:
+    """Who enforces a compiled constraint, in words (reported with every output)."""
+    backend = getattr(compiled, "backend", None)
+    if backend is None:
+        return AUTOMATON_BACKEND
+    if backend == "device":
+        return "jaxdecode pushdown automaton (device)"
+    if backend == "llguidance":
+        reason = getattr(compiled, "reason", "")
+        return "llguidance (host fallback" + (f": {reason})" if reason else ")")
+    return str(backend)
+
+
 def build_constraint(model, req: StructuredRequest, eos_ids: tuple):
     """(constraint, info): the device constraint of the request for this model's tokenizer, and
     {"constraint": kind, "constraint_backend": who enforces it}. Errors of the compilers surface unchanged."""
     compiled = {v: _compile(model, req.kind, v, tuple(eos_ids)) for v in req.distinct}
     first = compiled[req.values[0]]
-    backend = getattr(first, "backend", None) or AUTOMATON_BACKEND
+    backend = backend_name(first)
     if len(compiled) == 1:
         return first.constraint(), {"constraint": req.kind, "constraint_backend": backend}
     from jaxdecode.constraints import automaton

@@ -57,7 +57,49 @@ def test_one_schema_per_row(model):
     _check_schema(out, schemas)
 
 
-def test_cli_regex_and_json_schema(tmp_path, capsys):
+GRAMMAR = """
+start: expr
+expr: term (("+" | "-") term)*
+term: NUMBER | "(" expr ")"
+NUMBER: /[0-9]{1,3}/
+"""
+TREE = {"type": "object", "properties": {"v": {"type": "integer"},
+                                         "kids": {"type": "array", "items": {"$ref": "#"}}},
+        "required": ["v", "kids"]}
+
+
+@pytest.fixture
+def cli_model(model, monkeypatch):
+    """The CLI decodes with the module's model (loading it again per call costs seconds)."""
+    monkeypatch.setattr(jaxdecode, "load", lambda *a, **k: model)
+    return model
+
+
+def test_grammar_and_recursive_schema(model, cli_model, tmp_path, capsys):
+    pytest.importorskip("jaxdecode.constraints.grammar_schema")
+    import lark
+    out = jaxdecode.generate(model, "x = ", max_new_tokens=12, grammar=GRAMMAR)[0]
+    assert out.backend == "jaxdecode pushdown automaton (device)" and out.validator == "lark"
+    prefix = out.text.removesuffix("<|endoftext|>")
+    try:
+        lark.Lark(GRAMMAR).parse(prefix)
+        parses = True
+    except lark.exceptions.LarkError:
+        parses = False
+    assert out.valid is parses and (parses or out.tokens[-1] != 0)  # ended by EOS: a sentence
+    tree = jaxdecode.generate(model, "x = ", max_new_tokens=24, json_schema=TREE)[0]  # $ref cycle: grammar path
+    assert "pushdown" in tree.backend
+    if tree.tokens[-1] == 0:
+        assert tree.valid is True
+        jsonschema.validate(json.loads(tree.text.removesuffix("<|endoftext|>")), TREE)
+    path = tmp_path / "expr.lark"
+    path.write_text(GRAMMAR)
+    assert main(["generate", "--prompt", "x = ", "--grammar", str(path), "--max-new-tokens", "12", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["constraint"] == "grammar" and row["validator"] == "lark" and row["valid"] is out.valid
+
+
+def test_cli_regex_and_json_schema(cli_model, tmp_path, capsys):
     path = tmp_path / "schema.json"
     path.write_text(json.dumps(SCHEMA))
     assert main(["generate", "--prompt", "a", "--prompt", "b", "--json-schema", str(path), "--max-new-tokens",
@@ -69,7 +111,7 @@ def test_cli_regex_and_json_schema(tmp_path, capsys):
     assert "valid: True (regex checked by re.fullmatch" in capsys.readouterr().out
 
 
-def test_cli_bad_requests(tmp_path, capsys):
+def test_cli_bad_requests(cli_model, tmp_path, capsys):
     assert main(["generate", "--prompt", "a", "--json-schema", str(tmp_path / "none.json")]) == 2
     err = capsys.readouterr().err
     assert "--json-schema" in err and "cannot read the file" in err
