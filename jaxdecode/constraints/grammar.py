@@ -459,6 +459,7 @@ class PushdownTables:
     start: int
     rule_of: np.ndarray  # int32[Q]: which called rule a state belongs to
     rules: tuple  # called rule names
+    returns: tuple = ()  # per called rule: the return states that can be on the stack top while it runs
 
 
 def _pda(dfas, names) -> PushdownTables:
@@ -599,7 +600,18 @@ def _pda(dfas, names) -> PushdownTables:
     for (q, b), v in pushes.items():
         req[q, b] = max(req[q, b], max(i + need[r] for i, r in enumerate(v)))
     req[kind == 2] = 0
-    return PushdownTables(kind=kind, next=nxt, push=push, npush=npush, req=np.minimum(req, inf).astype(np.int32),
+    # returns[k]: a call of k pushes its return state, a tail call leaves the caller's own on top
+    returns = [set() for _ in range(nk)]
+    changed = True
+    while changed:
+        changed = False
+        for q in range(q_total):
+            for c, n in calls[q].items():
+                new = returns[c] | (returns[rule_of[n]] if pure_exit[n] else {n})
+                if new != returns[c]:
+                    returns[c], changed = new, True
+    return PushdownTables(returns=tuple(tuple(sorted(r)) for r in returns),
+                          kind=kind, next=nxt, push=push, npush=npush, req=np.minimum(req, inf).astype(np.int32),
                           final=final, need=np.minimum(need, inf).astype(np.int32), start=starts[0],
                           rule_of=rule_of, rules=tuple(names))
 
@@ -813,17 +825,42 @@ _NOLIMIT = 1 << 20
 
 
 @jax.jit
-def _codes_chunk(c, qs):
-    """Codes of every token from states qs int32[N] with an unknown stack below: peak depth (>= 0) when the
-    token stays above the stack it found, _POPS when it pops into it, _REJECT when it fails on its own."""
+def _codes_chunk(c, qs, rs, toks, unknown_top):
+    """Tokens toks int32[N, W] (-1: none) from states qs int32[N] with the stack [unknown, rs[i]] below (rs:
+    a return state the row's stack top may hold, or the unknown again; the unknown is a state, the last
+    row of kind, whose every byte is forbidden). Returns code int32[N, W]: the stack entries above the
+    row's depth the token needs when it never pops below the stack it found, _POPS when it pops into it
+    and may fit (it fits after popping into rs[i], or pops deeper into the unknown, or unknown_top: every
+    token that pops), else _REJECT."""
     n = qs.shape[0]
-    v = c.tok_len.shape[0]
-    # the unknown stack: one entry, a state (the last row of kind) whose every byte is forbidden
-    stack = jnp.full((n, 1), c.kind.shape[0] - 1, jnp.int32)
-    toks = jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32), (n, v))
-    ok, _, base, _, _, peak = _simulate(c, qs, stack, jnp.ones((n,), jnp.int32), toks, max_depth=_NOLIMIT,
+    stack = jnp.stack([jnp.full((n,), c.kind.shape[0] - 1, jnp.int32), rs], axis=1)
+    ok, _, base, _, _, peak = _simulate(c, qs, stack, jnp.full((n,), 2, jnp.int32), toks, max_depth=_NOLIMIT,
                                         local=c.tok_bytes.shape[1] * c.push.shape[-1])
-    return jnp.where(base < 1, _POPS, jnp.where(ok, peak - 1, _REJECT))
+    local = base >= 2
+    maybe = ok | (base < 1) | unknown_top
+    return jnp.where(local, jnp.where(ok, peak - 2, _REJECT), jnp.where(maybe, _POPS, _REJECT))
+
+
+def _run_pairs(c, pairs, toks_of, chunk, unknown_top):
+    """_codes_chunk over (state, return state) pairs in fixed-size chunks (one compilation per width)."""
+    out = []
+    for i in range(0, len(pairs), chunk):
+        part = pairs[i:i + chunk]
+        part = part + [part[-1]] * (chunk - len(part))
+        qs = np.asarray([p[0] for p in part], np.int32)
+        code = _codes_chunk(c, jnp.asarray(qs), jnp.asarray([p[1] for p in part], jnp.int32),
+                            jnp.asarray(toks_of(qs)), jnp.asarray(unknown_top))
+        out.append(np.asarray(code)[: min(chunk, len(pairs) - i)])
+    return np.concatenate(out)
+
+
+def _lists(mask, width=None):
+    """int32[Q, M]: the ids where mask[q] (bool[Q, V]), -1 pad (M: the longest list, or width)."""
+    out = np.full((mask.shape[0], max(width or int(mask.sum(axis=1).max()), 1)), -1, np.int32)
+    for s in range(mask.shape[0]):
+        ids = np.flatnonzero(mask[s])
+        out[s, :ids.size] = ids
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -841,30 +878,42 @@ jax.tree_util.register_dataclass(_ByteTables, data_fields=["kind", "next", "push
                                                            "tok_len"], meta_fields=[])
 
 
-def token_codes(t: PushdownTables, tok_bytes, tok_len, chunk: int = 8):
+def token_codes(t: PushdownTables, tok_bytes, tok_len, chunk: int | None = None):
     """Precomputed token level (host arrays): token_class int32[V], code int32[Q, C] (_REJECT, _POPS, or
     the stack entries above the row's depth the token needs: allowed iff depth + code <= max_depth), and
     pops int32[Q, M]: each state's _POPS tokens (-1 pad), the only ones simulated per step."""
-    dead = np.zeros((1, 256), t.kind.dtype)
-    c = _ByteTables(kind=jnp.asarray(np.concatenate([t.kind, dead]), jnp.int32),
-                    next=jnp.asarray(np.concatenate([t.next, dead.astype(np.int32) - 1])),
-                    push=jnp.asarray(np.concatenate([t.push, np.full((1, 256, t.push.shape[-1]), -1, np.int32)])),
-                    npush=jnp.asarray(np.concatenate([t.npush, dead.astype(np.int32)])),
-                    req=jnp.asarray(np.concatenate([t.req, dead.astype(np.int32)])),
-                    tok_bytes=jnp.asarray(tok_bytes), tok_len=jnp.asarray(tok_len))
+    from jaxdecode.kernels.common import next_pow2
+
+    # all-forbidden rows appended (the first is the unknown stack entry), up to a power of two so grammars
+    # of similar size share the compiled simulation
+    extra = next_pow2(t.kind.shape[0] + 1) - t.kind.shape[0]
+
+    def pad(x, value):
+        return jnp.asarray(np.concatenate([x, np.full((extra,) + x.shape[1:], value, x.dtype)]), jnp.int32)
+
+    c = _ByteTables(kind=pad(t.kind, 0), next=pad(t.next, -1), push=pad(t.push, -1), npush=pad(t.npush, 0),
+                    req=pad(t.req, 0), tok_bytes=jnp.asarray(tok_bytes), tok_len=jnp.asarray(tok_len))
+    v = len(tok_len)
+    if chunk is None:  # (state, return state) pairs per call: about 2^24 entries of the token buffers
+        chunk = max(1, min(64, (1 << 24) // (v * tok_bytes.shape[1] * t.push.shape[-1])))
     q = t.kind.shape[0]
-    codes = []
-    for i in range(0, q, chunk):
-        qs = np.arange(i, i + chunk, dtype=np.int32) % q  # full chunks: one compilation
-        codes.append(np.asarray(_codes_chunk(c, jnp.asarray(qs)))[: min(chunk, q - i)])
-    codes = np.concatenate(codes)  # [Q, V]
+    dead = q  # the appended all-forbidden row: the unknown part of the stack
+    # pass 1, every token from every state over an unknown stack: the final code of tokens that stay above it
+    everything = np.broadcast_to(np.arange(v, dtype=np.int32), (chunk, v))
+    codes = _run_pairs(c, [(s, dead) for s in range(q)], lambda qs: everything, chunk, True)  # [Q, V]
+    # pass 2, the tokens that pop: into each return state the state's rule can find on the stack top;
+    # a token no return state takes is rejected (xgrammar-style context-independent rejection)
+    maybe = _lists(codes == _POPS, width=next_pow2(int((codes == _POPS).sum(axis=1).max())))  # [Q, M1]
+    pairs = [(s, r) for s in range(q) for r in (t.returns[t.rule_of[s]] or (dead,))]
+    refined = _run_pairs(c, pairs, lambda qs: maybe[qs], chunk, False)  # [pairs, M1]
+    keep = np.zeros(maybe.shape, bool)
+    for (s, _), row in zip(pairs, refined):
+        keep[s] |= row == _POPS
+    rows = np.repeat(np.arange(q), maybe.shape[1]).reshape(maybe.shape)
+    gone = (maybe >= 0) & ~keep
+    codes[rows[gone], maybe[gone]] = _REJECT
     cols, token_class = np.unique(codes, axis=1, return_inverse=True)
-    npops = (codes == _POPS).sum(axis=1)
-    pops = np.full((q, max(int(npops.max()), 1)), -1, np.int32)
-    for s in range(q):
-        ids = np.flatnonzero(codes[s] == _POPS)
-        pops[s, :ids.size] = ids
-    return token_class.reshape(-1).astype(np.int32), cols.astype(np.int32), pops
+    return token_class.reshape(-1).astype(np.int32), cols.astype(np.int32), _lists(codes == _POPS)
 
 
 @dataclasses.dataclass(frozen=True)
