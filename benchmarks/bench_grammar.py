@@ -132,7 +132,7 @@ def section_mask(names, tok, vocab_size, batches, repeats):
                 sec = median_seconds(lambda seq=seq, run=run: run(seq).block_until_ready(), repeats)
                 res[f"device_us_b{b}"] = sec / len(ids) * 1e6
 
-            def llg(b=b):
+            def llg(b=b, g=g, ids=ids):
                 ms = [g.matcher() for _ in range(b)]
                 t0 = time.perf_counter()
                 for t in ids:
@@ -146,7 +146,7 @@ def section_mask(names, tok, vocab_size, batches, repeats):
                 xgr, _ = xg
                 bitmask = xgr.allocate_token_bitmask(b, vocab_size)
 
-                def xrun(b=b, bitmask=bitmask):
+                def xrun(b=b, bitmask=bitmask, name=name, ids=ids):
                     ms = _xgrammar_matchers(name, tok, vocab_size, b)[1]
                     t0 = time.perf_counter()
                     for t in ids:
