@@ -765,6 +765,16 @@ class _SchemaWalk:
             if other:
                 self.fail(path, f"keyword {other[0]!r} next to numeric bounds is not supported; express the "
                           "bounds alone (minimum / maximum) or drop them")
+        if "pattern" in sub:
+            if not isinstance(sub["pattern"], str):
+                self.fail(path, f"pattern must be a string, got {sub['pattern']!r}")
+            json_string_pattern(sub["pattern"], f"JSON schema at {path}")
+        kinds = [k for k, keys in (("pattern", ("pattern",)), ("format", ("format",)),
+                                   ("minLength / maxLength", ("minLength", "maxLength"))) if any(x in sub for x in keys)]
+        if len(kinds) > 1:
+            self.fail(path, f"{kinds[0]} and {kinds[1]} together: outlines-core compiles only one of pattern, format "
+                      "and length bounds (and drops the others); keep one (a length can go into the pattern, "
+                      "e.g. '^[a-z]{0,8}$')")
         for key in _COUNT_KEYWORDS:
             v = sub.get(key)
             if key in sub and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
@@ -841,6 +851,135 @@ def _load_schema(schema):
 _ANY_TYPE = {"type": list(_TYPES[:2]) + list(_TYPES[3:])}  # every JSON type (integer is within number)
 
 
+# Characters a JSON string cannot hold raw: '"', '\\' and the controls U+0000..U+001F (class syntax).
+_JSON_RAW_FORBIDDEN = '"\\\\\\x00-\\x1f'
+_CATEGORY = {"CATEGORY_DIGIT": r"\d", "CATEGORY_WORD": r"\w", "CATEGORY_SPACE": " "}  # \s: a space (narrower)
+_NOT_CATEGORY = {"CATEGORY_NOT_DIGIT": r"\d", "CATEGORY_NOT_WORD": r"\w", "CATEGORY_NOT_SPACE": r"\s"}
+
+
+def _class_char(c: int) -> str:
+    ch = chr(c)
+    return "\\" + ch if ch in "\\]^-[&~" else ch
+
+
+def _json_literal(c: int) -> str:
+    """Regex of the JSON text of one character: its escape for '"', '\\' and controls."""
+    return re.escape(json.dumps(chr(c), ensure_ascii=False)[1:-1])
+
+
+def json_string_pattern(pattern: str, where: str = "pattern") -> str:
+    """A JSON-schema `pattern` as a regex over the JSON text between the quotes. outlines-core pastes
+    the pattern in raw, so `[^@]+` or `.` could emit a raw '"' (ending the string early) or a newline,
+    and `x|y` binds to the quotes; here the pattern is parsed (Python's re, what jsonschema validates
+    with) and written out again: wrapped in a group, literal '"' / '\\' / controls as their JSON
+    escapes, '.' and negated classes without those characters, positive classes without them (a
+    narrower language, never a wider one), \\s as a space. Anchors ^ / $ at the ends are dropped (the
+    regex matches the whole string: narrower than JSON schema's search, never wider); back-references,
+    look-around and inline flags raise AutomatonError."""
+    import re._constants as C
+    import re._parser as P
+
+    try:
+        parsed = P.parse(pattern)
+    except re.error as e:
+        raise AutomatonError(f"{where}: the pattern {pattern!r} is not a regex Python's re reads ({e}), which "
+                             "jsonschema validates with; rewrite it (e.g. \\p{{...}} classes as explicit ranges)") \
+            from None
+    if parsed.state.flags & (re.IGNORECASE | re.MULTILINE | re.DOTALL | re.VERBOSE):
+        raise AutomatonError(f"{where}: inline flags in {pattern!r} are not supported; spell the cases out")
+
+    def unsupported(what):
+        raise AutomatonError(f"{where}: {what} in the pattern {pattern!r} is not supported by the regex compiler "
+                             "(no back-references or look-around); rewrite the pattern without it")
+
+    def items_class(items, negate: bool) -> list[str]:
+        """Pieces of a character class: (class body, alternatives outside the class)."""
+        body, extra = [], []
+        for op, av in items:
+            name = str(op)
+            if name == "LITERAL":
+                if negate or not (av < 0x20 or chr(av) in '"\\'):
+                    body.append(_class_char(av))
+            elif name == "RANGE":
+                lo, hi = av
+                for a, b in _split_range(lo, hi) if not negate else [(lo, hi)]:
+                    body.append(_class_char(a) if a == b else f"{_class_char(a)}-{_class_char(b)}")
+            elif name == "CATEGORY":
+                cat = str(av)
+                if cat in _CATEGORY and not (negate and cat == "CATEGORY_SPACE"):
+                    body.append(_CATEGORY[cat])
+                elif negate and cat == "CATEGORY_SPACE":
+                    body.append(r"\s")
+                elif cat in _NOT_CATEGORY and not negate:
+                    extra.append(f"[^{_NOT_CATEGORY[cat]}{_JSON_RAW_FORBIDDEN}]")
+                else:
+                    unsupported(f"the class item {cat}")
+            else:
+                unsupported(f"the class item {name}")
+        return body, extra
+
+    def emit(seq, top=False) -> str:
+        out = []
+        n = len(seq)
+        for i, (op, av) in enumerate(seq):
+            name = str(op)
+            if name == "LITERAL":
+                out.append(_json_literal(av))
+            elif name == "NOT_LITERAL":
+                out.append(f"[^{_class_char(av)}{_JSON_RAW_FORBIDDEN}]")
+            elif name == "ANY":
+                out.append(f"[^{_JSON_RAW_FORBIDDEN}]")
+            elif name == "IN":
+                negate = bool(av) and str(av[0][0]) == "NEGATE"
+                body, extra = items_class(av[1:] if negate else av, negate)
+                if negate:
+                    out.append(f"[^{''.join(body)}{_JSON_RAW_FORBIDDEN}]")
+                else:
+                    alts = ([f"[{''.join(body)}]"] if body else []) + extra
+                    out.append("(?:" + "|".join(alts) + ")" if alts else "[^\\x00-\\U0010ffff]")  # nothing
+            elif name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+                lo, hi, sub = av
+                hi_s = "" if hi == C.MAXREPEAT else str(hi)
+                out.append(f"(?:{emit(sub)}){{{lo},{hi_s}}}" if hi_s != str(lo) else f"(?:{emit(sub)}){{{lo}}}")
+            elif name == "SUBPATTERN":
+                group, add, rem, sub = av
+                if add or rem:
+                    raise AutomatonError(f"{where}: inline flags in {pattern!r} are not supported")
+                out.append(f"(?:{emit(sub)})")
+            elif name == "ATOMIC_GROUP":
+                out.append(f"(?:{emit(av)})")
+            elif name == "BRANCH":
+                out.append("(?:" + "|".join(emit(b) for b in av[1]) + ")")
+            elif name == "AT":
+                at = str(av)
+                if top and ((i == 0 and at in ("AT_BEGINNING", "AT_BEGINNING_STRING"))
+                            or (i == n - 1 and at in ("AT_END", "AT_END_STRING"))):
+                    continue
+                unsupported(f"the anchor {at} (not at an end)")
+            elif name == "GROUPREF" or name == "GROUPREF_EXISTS":
+                unsupported("a back-reference")
+            elif name in ("ASSERT", "ASSERT_NOT"):
+                unsupported("look-around")
+            else:
+                unsupported(name)
+        return "".join(out)
+
+    return "(?:" + emit(parsed.data, top=True) + ")"
+
+
+def _split_range(lo: int, hi: int) -> list[tuple[int, int]]:
+    """[lo, hi] without the JSON-forbidden code points ('"', '\\', U+0000..U+001F)."""
+    out, a = [], max(lo, 0x20)
+    for bad in (0x22, 0x5C):
+        if a <= bad <= hi:
+            if a < bad:
+                out.append((a, bad - 1))
+            a = bad + 1
+    if a <= hi:
+        out.append((a, hi))
+    return out
+
+
 def _rewrite(schema, markers: dict, top: bool = True):
     """A copy of the schema for outlines-core's converter: every nested schema that asserts nothing ({}
     or annotations only) written as a list of every type (outlines-core emits {} as a bare top-level
@@ -858,6 +997,8 @@ def _rewrite(schema, markers: dict, top: bool = True):
         keep = {k: v for k, v in schema.items() if k in ("$defs", "definitions")}
         return keep if top else dict(_ANY_TYPE)
     out = dict(schema)
+    if isinstance(out.get("pattern"), str):
+        out["pattern"] = json_string_pattern(out["pattern"])
     for key in ("properties", "$defs", "definitions"):
         if isinstance(out.get(key), dict):
             out[key] = {k: _rewrite(v, markers, False) for k, v in out[key].items()}
