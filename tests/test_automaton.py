@@ -530,6 +530,8 @@ UNSUPPORTED = [
     ({"type": "string", "anyOf": [{"type": "integer"}, {"type": "null"}]}, "anyOf", "$"),
     ({"type": "integer", "maxLength": 2.5}, "maxLength", "$"),
     ({"type": "string", "pattern": "a+", "maxLength": 2}, "pattern", "$"),
+    ({"type": "object", "properties": {"a": {"type": "object", "properties": {'q"': {"type": "null"}}}}},
+     "property name", "$.properties.a"),
     ({"type": "string", "format": "date", "maxLength": 2}, "format", "$"),
     ({"type": "string", "pattern": "(a)\\1"}, "back-reference", "$"),
     ({"type": "string", "pattern": "(?=a)a"}, "look-around", "$"),
@@ -577,7 +579,7 @@ def test_json_schema_suite_is_sound():
     from pathlib import Path
 
     cases = json.loads((Path(__file__).parent / "data" / "json_schema_suite" / "cases.json").read_text())
-    assert sum(c["accepted"] for c in cases) >= 116
+    assert sum(c["accepted"] for c in cases) >= 115
 
     def leaks(rx, tests):
         try:

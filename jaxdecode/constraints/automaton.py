@@ -785,6 +785,10 @@ class _SchemaWalk:
         props = sub.get("properties")
         if props is not None and not isinstance(props, dict):
             self.fail(path, "'properties' must be an object")
+        for name in props or {}:
+            if any(c in name for c in '"\\') or any(ord(c) < 0x20 for c in name):
+                self.fail(path, f"property name {name!r} holds a character JSON must escape, which outlines-core "
+                          "writes raw (the output would not be JSON); rename the property")
         if "minProperties" in sub and props:
             self.fail(path, "keyword 'minProperties' next to 'properties' is ignored by outlines-core; make the "
                       "properties 'required' instead")
