@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 
 import jaxdecode.decoders  # noqa: F401  (registers the built-in methods)
+import jaxdecode.constraints.asap  # noqa: F401  (registers asap)
 import jaxdecode.diffusion  # noqa: F401  (registers diffusion / block_diffusion)
 from jaxdecode.bench import CompileClock
 from jaxdecode.model import EMBEDDED_DIR, Model, embedded_model_path, load  # noqa: F401  (public names)

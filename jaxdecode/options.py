@@ -21,12 +21,13 @@ from typing import Any, Callable
 
 ALL = "*"  # Option.methods: every method (including methods registered by users)
 
-SAMPLING = ("sample", "mirostat", "speculative", "constrained_sample")
+SAMPLING = ("sample", "mirostat", "speculative", "constrained_sample", "asap")
 BEAMS = ("beam", "diverse_beam", "constrained_beam")
 CONSTRAINED = ("constrained_beam", "constrained_greedy", "constrained_sample")
 DIFFUSION = ("diffusion", "block_diffusion")
 # Methods that take a regex / JSON-schema / grammar constraint (the decoders' `constraint=`).
-STRUCTURED = ("greedy", "sample", "mirostat", "beam", "diverse_beam")
+STRUCTURED = ("greedy", "sample", "mirostat", "beam", "diverse_beam", "speculative", "diffusion", "block_diffusion",
+              "asap")
 STRUCTURED_OPTIONS = ("regex", "json_schema", "grammar")  # each builds a constraint: one at most, not with index
 SEED_MAX = 2**32 - 1  # jax.random.PRNGKey wraps larger seeds onto smaller ones
 
@@ -160,7 +161,7 @@ _TABLE = (
            default_doc="one device", cli=None),
     # ------------------------------------------------------------------ sampling
     Option("temperature", "float", "logits / T before truncation; 0 = greedy", SAMPLING,
-           {"sample": 1.0, "mirostat": 1.0, "constrained_sample": 1.0, "speculative": 0.0}, low=0),
+           {"sample": 1.0, "mirostat": 1.0, "constrained_sample": 1.0, "speculative": 0.0, "asap": 1.0}, low=0),
     Option("top_k", "int", "keep the k most likely tokens (ties: lower id); 0 = off", SAMPLING, 0, low=0),
     Option("top_p", "float", "nucleus: the smallest most-likely set with mass >= p; 1 = off", SAMPLING, 1.0,
            low=0, low_open=True, high=1),
@@ -220,6 +221,11 @@ _TABLE = (
            "(outlines-core's schema -> regex converter)", STRUCTURED, default_doc="none", cli_repeat=True),
     Option("grammar", "texts", "the output must parse under this context-free grammar (text of the grammar: "
            "jaxdecode.constraints.grammar)", STRUCTURED, default_doc="none", cli_repeat=True),
+    # ------------------------------------------------------------------ grammar-aligned sampling
+    Option("num_samples", "int", "ASAp's budget: samples drawn one after another, each correcting the next "
+           "(the last one is returned)", ("asap",), 16, low=1),
+    Option("samples_per_round", "int", "ASAp rows per prompt per round, drawn from one proposal; must divide "
+           "num_samples; 1 = the paper's sequential rule", ("asap",), 1, low=1),
     # ------------------------------------------------------------------ diffusion LMs
     Option("rule", "str", "which masked slots a forward commits (ALGORITHMS.md §5; greedy1 = one token per "
            "forward, the reference)", DIFFUSION, "greedy1", choices=_diffusion_rules,

@@ -47,6 +47,7 @@ GOOD = [
     ("regex", "[0-9]+"), ("regex", ["a+", "b+"]), ("grammar", "start: \"a\"+"),
     ("json_schema", {"type": "integer"}), ("json_schema", '{"type": "string"}'), ("json_schema", "schema.json"),
     ("json_schema", Path("schema.json")), ("json_schema", [{"type": "integer"}, "s.json"]),
+    ("num_samples", 1), ("num_samples", 64), ("samples_per_round", 1), ("samples_per_round", 4),
 ]
 
 # (option, value) pairs that must be refused with an OptionError naming the option.
@@ -85,6 +86,7 @@ BAD = [
     ("rule_options", [1]), ("diffusion_cache", "exact"), ("max_forwards", 0),
     ("regex", ""), ("regex", 5), ("regex", ["a", 3]), ("regex", []), ("grammar", {"start": "a"}), ("grammar", " "),
     ("json_schema", 5), ("json_schema", []), ("json_schema", [{"type": "integer"}, 2]),
+    ("num_samples", 0), ("num_samples", 2.0), ("samples_per_round", 0), ("samples_per_round", True),
 ]
 
 
@@ -148,7 +150,7 @@ def test_defaults_fill_unset_options_and_keep_zeros():
     ("speculative", {"draft": "dir", "drafter": "prompt_lookup"}, "draft is used only by drafter 'draft_lm'"),
     ("greedy", {"regex": "a", "json_schema": {}}, r"options \['regex', 'json_schema'\] each constrain the output"),
     ("constrained_greedy", {"index": "x.npz", "regex": "a"}, "give one of regex, json_schema, grammar"),
-    ("diffusion", {"regex": "a"}, r"does not take option\(s\) \['regex'\]; regex is taken by greedy, sample"),
+    ("constrained_beam", {"regex": "a"}, r"does not take option\(s\) \['regex'\]; regex is taken by greedy, sample"),
     ("greedy", {"regex": ["a", "b", "c"]}, "regex has 3 entries but there are 2 prompts"),
 ])
 def test_cross_option_checks(method, opts, match):

@@ -16,7 +16,7 @@ SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}}, "required
 OTHER = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 PATTERN = r"[a-c]{2}-[0-9]{1,3}"
 PROMPTS = ["x = ", "def f("]
-METHOD_OPTIONS = {"greedy": {}, "sample": {"seed": 3}, "mirostat": {"seed": 1}, "beam": {"num_beams": 2},
+METHOD_OPTIONS = {"greedy": {}, "sample": {"seed": 3}, "beam": {"num_beams": 2},
                   "diverse_beam": {"num_beams": 2, "num_groups": 2}, "speculative": {"drafter": "prompt_lookup"}}
 
 
