@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from jaxdecode.constraints.automaton import token_bytes
-from jaxdecode.constraints.grammar import GrammarError, compile_grammar, llg_mask
+from jaxdecode.constraints.grammar import GrammarError, compile_grammar, llg_mask, stack_grammars
 from jaxdecode.constraints.grammar_schema import compile_schema_grammar, is_recursive_schema, schema_to_lark
+from jaxdecode.constraints.trie import ConstraintError
 
 ARITH = r"""
 start: expr
@@ -63,14 +64,14 @@ def tok():
     return load_tokenizer(Path(__file__).resolve().parents[1] / "models" / "embedded" / "target")
 
 
-def _walk_compare(g, tok, rows=4, steps=24, seed=0):
+def _walk_compare(g, tok, rows=4, steps=24, seed=0, starts=None):
     """Random walks under llguidance's masks (biased towards structure tokens); the device mask must equal
-    llguidance's at every step."""
+    llguidance's at every step. starts: stacked grammar of each row."""
     v = g.vocab_size
-    c = g.constraint().prepare(v, g.eos_ids, steps, rows)
+    c = g.constraint(starts).prepare(v, g.eos_ids, steps, rows)
     allowed, advance = jax.jit(c.allowed), jax.jit(c.advance)
     st = c.init(rows)
-    ms = [g.matcher() for _ in range(rows)]
+    ms = [g.matcher(0 if starts is None else starts[i]) for i in range(rows)]
     rng = np.random.default_rng(seed)
     struct = np.array([any(ch in tok.decode([i]) for ch in "()[]{},:\"\n") for i in range(v)])
     hist = [[] for _ in range(rows)]
@@ -128,6 +129,16 @@ def _texts(model, out, eos):
         ended = bool(toks) and toks[-1] in eos
         rows.append((model.tokenizer.decode(toks[:-1] if ended else toks), ended, toks))
     return rows
+
+
+def test_stacked_grammars_per_row(tok):
+    """Different grammars per row of one batch: stacked automata, each row's mask equals its grammar's."""
+    parts = [compile_grammar(ARITH, tok, max_depth=64), compile_schema_grammar(TREE, tok, max_depth=64)]
+    g = stack_grammars(parts)
+    assert g.starts[1] == parts[0].tables.kind.shape[0]
+    _walk_compare(g, tok, rows=3, steps=16, starts=[1, 0, 1])
+    with pytest.raises(ConstraintError, match="outside"):
+        g.constraint([0, 2])
 
 
 def test_generated_tree_json_validates(model):

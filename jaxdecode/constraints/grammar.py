@@ -460,6 +460,11 @@ class PushdownTables:
     rule_of: np.ndarray  # int32[Q]: which called rule a state belongs to
     rules: tuple  # called rule names
     returns: tuple = ()  # per called rule: the return states that can be on the stack top while it runs
+    starts: tuple = ()  # start state of each grammar (several: stack_grammars)
+
+    def __post_init__(self):
+        if not self.starts:
+            object.__setattr__(self, "starts", (int(self.start),))
 
 
 def _pda(dfas, names) -> PushdownTables:
@@ -645,22 +650,41 @@ class CompiledGrammar:
     code: np.ndarray | None = None
     pops: np.ndarray | None = None
     tokenizer: object = None
+    parts: tuple = ()  # the grammars stacked here (stack_grammars)
 
-    def constraint(self, *, impl: str = "auto"):
+    @property
+    def starts(self) -> tuple:
+        """The start state of each grammar stacked here (stack_grammars), one for a single grammar."""
+        return self.tables.starts if self.tables is not None else (0,)
+
+    def constraint(self, starts=None, *, impl: str = "auto"):
+        """The device constraint (or llguidance's); `starts`: int[B], which stacked grammar each row
+        follows (None: grammar 0 for every row)."""
+        if starts is not None:
+            st = np.asarray(starts, np.int64).reshape(-1)
+            bad = st[(st < 0) | (st >= len(self.starts))]
+            if bad.size:
+                raise ConstraintError(f"grammar index {int(bad[0])} is outside [0, {len(self.starts)}) (the "
+                                      "grammars stacked here)")
+            if self.backend != "device" and (st != 0).any():
+                raise ConstraintError("per-row grammars need the device backend")
         if self.backend == "device":
             t = self.tables
+            init = np.asarray(self.starts, np.int32)[np.zeros(1, np.int64) if starts is None else st]
             return GrammarConstraint(
                 kind=jnp.asarray(t.kind, jnp.int32), next=jnp.asarray(t.next), push=jnp.asarray(t.push),
                 npush=jnp.asarray(t.npush), req=jnp.asarray(t.req), final=jnp.asarray(t.final),
                 tok_bytes=jnp.asarray(self.tok_bytes), tok_len=jnp.asarray(self.tok_len),
                 token_class=jnp.asarray(self.token_class), code=jnp.asarray(self.code), pops=jnp.asarray(self.pops),
-                start=int(t.start),
-                max_depth=self.max_depth, impl=impl, host=self)
+                initial=jnp.asarray(init), per_row=starts is not None, max_depth=self.max_depth, impl=impl,
+                host=self)
         return LLGuidanceConstraint(grammar=self.lark, tokenizer=self.tokenizer, vocab=self.vocab_size,
                                     grammar_eos=self.eos_ids, impl=impl)
 
-    def matcher(self):
-        """A fresh llguidance matcher of this grammar (the host reference, any backend)."""
+    def matcher(self, index: int = 0):
+        """A fresh llguidance matcher of this grammar (of stacked grammar `index`): the host reference."""
+        if self.parts:
+            return self.parts[index].matcher()
         return _llg_matcher(self.lark, self.tokenizer, self.vocab_size, self.eos_ids)
 
 
@@ -745,6 +769,42 @@ def compile_grammar(text: str, tokenizer, *, vocab_size: int | None = None, eos_
                            max_depth=max_depth, tables=tables, tok_bytes=table if backend == "device" else None,
                            tok_len=lens if backend == "device" else None, token_class=token_class, code=code,
                            pops=pops, tokenizer=tokenizer)
+
+
+def stack_grammars(grammars) -> CompiledGrammar:
+    """One device grammar holding several (same tokenizer, EOS ids): their automata side by side, each
+    with its start state, so one batch can give each row its own grammar (`constraint(starts=...)`)."""
+    grammars = list(grammars)
+    if not grammars:
+        raise GrammarError("stack_grammars needs at least one grammar")
+    g0 = grammars[0]
+    for g in grammars:
+        if g.backend != "device":
+            raise GrammarError(f"only device grammars can be stacked; one uses llguidance ({g.reason})")
+        if g.vocab_size != g0.vocab_size or g.eos_ids != g0.eos_ids or g.tokenizer is not g0.tokenizer:
+            raise GrammarError("stacked grammars must be compiled for the same tokenizer, vocab_size and eos_ids")
+    ts = [g.tables for g in grammars]
+    offs = np.cumsum([0] + [t.kind.shape[0] for t in ts])
+    roffs = np.cumsum([0] + [len(t.rules) for t in ts])
+    p = max(t.push.shape[-1] for t in ts)
+
+    def shift(x, o):
+        return np.where(x >= 0, x + o, x).astype(np.int32)
+
+    push = np.concatenate([np.pad(shift(t.push, o), ((0, 0), (0, 0), (0, p - t.push.shape[-1])), constant_values=-1)
+                           for t, o in zip(ts, offs)])
+    tables = PushdownTables(
+        kind=np.concatenate([t.kind for t in ts]), next=np.concatenate([shift(t.next, o) for t, o in zip(ts, offs)]),
+        push=push, npush=np.concatenate([t.npush for t in ts]), req=np.concatenate([t.req for t in ts]),
+        final=np.concatenate([t.final for t in ts]), need=np.concatenate([t.need for t in ts]),
+        start=int(ts[0].start), rule_of=np.concatenate([t.rule_of + r for t, r in zip(ts, roffs)]).astype(np.int32),
+        rules=tuple(f"{i}:{n}" for i, t in enumerate(ts) for n in t.rules),
+        returns=tuple(tuple(int(x) + int(o) for x in rr) for t, o in zip(ts, offs) for rr in t.returns),
+        starts=tuple(int(t.start) + int(o) for t, o in zip(ts, offs)))
+    token_class, code, pops = token_codes(tables, g0.tok_bytes, g0.tok_len)
+    return dataclasses.replace(g0, lark="\n\n".join(g.lark for g in grammars), tables=tables,
+                               max_depth=max(g.max_depth for g in grammars), token_class=token_class, code=code,
+                               pops=pops, parts=tuple(grammars))
 
 
 # ----------------------------------------------------------------------------- device constraint
@@ -930,7 +990,8 @@ class GrammarConstraint:
     token_class: jax.Array  # int32[V]: tokens with the same code in every state share a class
     code: jax.Array  # int32[Q, C]: see token_codes
     pops: jax.Array  # int32[Q, M]: tokens that pop into the row's stack from q (-1 pad)
-    start: int = 0
+    initial: jax.Array  # int32[B] (per_row) or int32[1]: each row's start state
+    per_row: bool = False
     max_depth: int = 16
     eos_ids: tuple = ()
     impl: str = "auto"
@@ -957,6 +1018,9 @@ class GrammarConstraint:
         if not eos_ids:
             raise ConstraintError("a grammar constraint needs eos_ids: the text ends where the grammar accepts and "
                                   "the model emits EOS")
+        if self.per_row and batch is not None and self.initial.shape[0] != batch:
+            raise ConstraintError(f"the constraint has start states for {self.initial.shape[0]} rows but the batch "
+                                  f"has {batch}; pass one grammar index per prompt")
         if self.host is not None:
             for e in eos_ids:
                 if e < self.vocab_size and int(self.host.tok_len[e]) > 0:
@@ -966,7 +1030,8 @@ class GrammarConstraint:
 
     def init(self, batch: int, beams: int = 1) -> GrammarState:
         r = batch * beams
-        return GrammarState(q=jnp.full((r,), self.start, jnp.int32), stack=jnp.zeros((r, self.max_depth), jnp.int32),
+        init = self.initial if self.per_row else jnp.broadcast_to(self.initial, (batch,))
+        return GrammarState(q=jnp.repeat(init.astype(jnp.int32), beams), stack=jnp.zeros((r, self.max_depth), jnp.int32),
                             depth=jnp.zeros((r,), jnp.int32))
 
     def accepting(self, state: GrammarState):
@@ -1046,8 +1111,8 @@ def _candidates(c, state, logits, num_beams):
 
 
 def _flatten(c: GrammarConstraint):
-    return ((c.kind, c.next, c.push, c.npush, c.req, c.final, c.tok_bytes, c.tok_len, c.token_class, c.code, c.pops),
-            (c.start, c.max_depth, c.eos_ids, c.impl))
+    return ((c.kind, c.next, c.push, c.npush, c.req, c.final, c.tok_bytes, c.tok_len, c.token_class, c.code, c.pops,
+             c.initial), (c.per_row, c.max_depth, c.eos_ids, c.impl))
 
 
 jax.tree_util.register_pytree_node(GrammarConstraint, _flatten, lambda aux, leaves: GrammarConstraint(*leaves, *aux))
