@@ -46,10 +46,10 @@ from _common import median_seconds, write_result  # noqa: E402
 SUITE = Path(__file__).resolve().parent / "data" / "json_schema_test_suite" / "draft2020-12"
 SECTIONS = ("compile", "accept", "generate", "mask", "overhead", "spec")
 PEERS = ("jaxdecode", "outlines-core", "xgrammar", "llguidance")
-QUICK = dict(limit=8, max_new_tokens=32, batch=4, mask_schemas=3, steps=16, repeats=2)
+QUICK = dict(limit=8, max_new_tokens=32, batch=4, mask_schemas=3, steps=16, repeats=2, spec_batch=1)
 # --quick: cases of these files only (small schemas: outlines-core compiles `{}` sub-schemas slowly)
 QUICK_FILES = ("type", "enum", "const", "required", "maxLength", "minimum")
-FULL = dict(limit=0, max_new_tokens=96, batch=16, mask_schemas=30, steps=64, repeats=5)
+FULL = dict(limit=0, max_new_tokens=96, batch=16, mask_schemas=30, steps=64, repeats=5, spec_batch=4)
 
 
 def log(*a):
@@ -410,15 +410,26 @@ def section_overhead(model, args) -> dict:
 
 
 def section_spec(cases, handles, model, args) -> dict:
+    """The spec helper's measurement (bench_structured_spec.measure: prompt lookup and the draft LM, output
+    checked token for token against constrained greedy) on its schemas, else constrained speculative vs
+    constrained greedy through generate on the suite's schemas."""
     import jaxdecode
     from jaxdecode.options import STRUCTURED
     if "speculative" not in STRUCTURED:
         return {"skipped": "method speculative does not take json_schema= in this build"}
-    try:  # the spec helper's own measurement, when it ships one
-        from bench_structured_spec import measure  # noqa: F401
+    try:
+        import bench_structured_spec as spec_bench
     except ImportError:
-        measure = None
-    todo = sorted(handles["jaxdecode"])[: args.batch]
+        spec_bench = None
+    if spec_bench is not None:
+        draft = jaxdecode.load("draft")
+        rows = [i % len(spec_bench.SCHEMAS) for i in range(args.spec_batch)]
+        drafters = spec_bench.DRAFTERS[:1] if args.quick else spec_bench.DRAFTERS
+        return dict(source="bench_structured_spec.measure", batch=args.spec_batch,
+                    drafters=spec_bench.measure(model, draft, [spec_bench.SCHEMAS[i] for i in rows],
+                                                [spec_bench.PROMPTS[i] for i in rows], drafters=drafters,
+                                                max_new_tokens=args.max_new_tokens, repeats=args.repeats))
+    todo = sorted(handles["jaxdecode"])[: args.spec_batch]
     schemas = [cases[i]["schema"] for i in todo]
     prompts = ["value = "] * len(schemas)
     times = {}
@@ -431,8 +442,8 @@ def section_spec(cases, handles, model, args) -> dict:
             times[(label, constrained)] = res[0].stats["seconds"] / max(tokens, 1)
     plain = times[("greedy", False)] / times[("spec", False)]
     cons = times[("greedy", True)] / times[("spec", True)]
-    return dict(speedup_unconstrained=round(plain, 3), speedup_constrained=round(cons, 3),
-                kept=round(cons / plain, 3), schemas=len(schemas), from_spec_helper=measure is not None)
+    return dict(source="generate, prompt_lookup", speedup_unconstrained=round(plain, 3),
+                speedup_constrained=round(cons, 3), kept=round(cons / plain, 3), schemas=len(schemas))
 
 
 # ----------------------------------------------------------------------------- a 32k tokenizer
@@ -465,9 +476,11 @@ def main(argv=None) -> int:
     ap.add_argument("--mask-schemas", type=int, default=None, help="instances walked by the mask section")
     ap.add_argument("--steps", type=int, default=None, help="decode steps timed by the overhead section")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats (median)")
+    ap.add_argument("--spec-batch", type=int, default=None, help="rows of the spec section")
     ap.add_argument("--vocab32k", action="store_true", help="mask section also at V = 32k (a BPE trained here)")
     ap.add_argument("--out", default=None, help="write the result JSON here too")
     args = ap.parse_args(argv)
+    args.quick = bool(args.quick)
     for k, v in (QUICK if args.quick else FULL).items():
         if getattr(args, k) is None:
             setattr(args, k, v)

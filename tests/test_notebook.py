@@ -46,3 +46,18 @@ def test_diffusion_notebook_runs(tmp_path, monkeypatch):
     figures = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
                if "image/png" in o.get("data", {})]
     assert figures  # validity against forwards per token
+
+
+STRUCTURED = NOTEBOOK.parent / "structured.ipynb"
+
+
+def test_structured_notebook_runs(tmp_path):
+    nb = nbformat.read(STRUCTURED, as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    lines = [line for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+             for line in o.get("text", "").splitlines()]
+    for tag in ("[regex]", "[json]", "[json per row]", "[grammar]", "[speculative]"):
+        rows = [line for line in lines if line.startswith(tag)]
+        assert rows and all("valid=True" in line for line in rows), (tag, rows)
+    assert sum(line.startswith("[error]") for line in lines) == 3
