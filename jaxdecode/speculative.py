@@ -13,6 +13,12 @@
   mask, so slot 0 of the logits is the root's next-token distribution and slot i+1 the one after node
   i (the parent-slot convention of jaxdecode.tree); `commit` then keeps [pending, accepted path].
 
+- With `constraint=` (a regex / JSON-schema / grammar constraint with per-row states), the output is
+  the constrained decode's: drafters draft under the mask (drafters.builders.build_tree), every node's
+  constraint state follows from its parent's and forbidden nodes are pruned (`constrain_tree`), the
+  target is masked per node before the verifier sees it, and the state after the accepted path and
+  the bonus is carried to the next step.
+
 Rows accept different lengths; a finished row (EOS or max_new_tokens) stops committing. Stats: tau
 (tokens per verification call, counting the bonus), target calls (incl. the prefill), the accepted-
 length histogram and the acceptance rate per tree depth, both over committed nodes (`_acceptance_stats`).
@@ -31,7 +37,8 @@ from jaxdecode.autoregressive import (default_cache_len, is_eos, nonfinite_rows,
                                       validate_eos_ids, validate_prompts)
 from jaxdecode.models import advance, commit, forward, init_cache
 from jaxdecode.sampling import SamplerConfig, process_logits
-from jaxdecode.tree import Tree, ancestor_mask, depths, path_to_keep
+from jaxdecode.tree import (Tree, ancestor_mask, broadcast_slots, complete_slots, constrain_tree, depths,
+                            mask_logits, mask_probs, path_to_keep, slot_gather)
 from jaxdecode.verifiers import CHILD_RULES, VERIFIERS, VerifyResult, check_tree_kind, get_verifier
 
 
@@ -47,6 +54,10 @@ class DraftContext:
     history: jax.Array  # int32[B, H]: prompt + committed output
     hist_len: jax.Array  # int32[B]: valid tokens in history; history[hist_len-1] is pending
     key: jax.Array
+    # With constraint= decoding: the constraint and the rows' states after the pending token. Drafters
+    # draft under it through drafters.builders.build_tree; the engine prunes what they propose anyway.
+    constraint: Any = None
+    cstate: Any = None
 
 
 @jax.tree_util.register_dataclass
@@ -167,6 +178,7 @@ class _SpecState:
     drafted_nodes: jax.Array | None = None  # int32[B]: draft nodes verified while active
     speculative_steps: jax.Array | None = None  # int32[B]: active steps that verified >= 1 node
     width_hist: jax.Array | None = None  # int32[W]: steps per verification width (policy.widths)
+    cstate: Any = None  # the constraint's per-row state after the pending token (constraint= only)
 
     def replace(self, **kw):
         return dataclasses.replace(self, **kw)
@@ -315,8 +327,8 @@ class _Engine:
     finish: Any
 
 
-def _engine(config, params, drafter, costs=None, *, verifier, sampler, max_new_tokens, eos_ids, cache_len,
-            hist_cap, attn_impl, verify_widths, mesh=None, policy=None) -> _Engine:
+def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, sampler, max_new_tokens, eos_ids,
+            cache_len, hist_cap, attn_impl, verify_widths, mesh=None, policy=None) -> _Engine:
     n, max_d = drafter.num_nodes, drafter.max_depth
     pad = pad_id_for(eos_ids)
     feature_layers = tuple(getattr(drafter, "feature_layers", ()) or ())
@@ -324,8 +336,22 @@ def _engine(config, params, drafter, costs=None, *, verifier, sampler, max_new_t
     argmax_only = sampler.is_greedy and callable(getattr(verifier, "verify_argmax", None))
 
     def start(prompt_tokens, prompt_lengths, key) -> _SpecState:
-        return _start(config, params, drafter, prompt_tokens, prompt_lengths, key, cache_len=cache_len,
-                      hist_cap=hist_cap, pad=pad, feature_layers=feature_layers, policy=policy)
+        st = _start(config, params, drafter, prompt_tokens, prompt_lengths, key, cache_len=cache_len,
+                    hist_cap=hist_cap, pad=pad, feature_layers=feature_layers, policy=policy)
+        return st if constraint is None else st.replace(cstate=constraint.init(prompt_tokens.shape[0]))
+
+    def constrain(st, tree, draft_probs, active):
+        """The proposal under the constraint (ALGORITHMS.md §6): every node's state from its parent's, a
+        node whose token is not allowed there is dropped with its subtree (it could never be accepted:
+        the target is masked), and the draft distributions are restricted to what each slot allows, so
+        the surviving children are draws from the distributions the verifier is given. Returns (tree,
+        draft_probs, slot states (leaves [B, N+1, ...]), allowed bool[B, N+1, V]; all-False on
+        finished rows)."""
+        tree, slots, allowed = constrain_tree(constraint, st.cstate, tree, config.vocab_size, max_d, eos_ids)
+        allowed = allowed & active[:, None, None]
+        if draft_probs is not None:
+            draft_probs = mask_probs(draft_probs, allowed[:, :, :draft_probs.shape[-1]])
+        return tree, draft_probs, slots, allowed
 
     def next_token(logits, key):
         """The token after the pending one with no draft: [B, V] logits -> int32[B]."""
@@ -333,13 +359,16 @@ def _engine(config, params, drafter, costs=None, *, verifier, sampler, max_new_t
             return jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return jax.random.categorical(key, process_logits(logits, sampler), axis=-1).astype(jnp.int32)
 
-    def verify(st, tree, draft_probs, active, k_verify):
+    def verify(st, tree, draft_probs, active, k_verify, allowed=None):
         """The target over [pending, tree] and the verifier's verdict: (logits [B, N+1, V], features,
-        cache, VerifyResult, nonfinite)."""
+        cache, VerifyResult, nonfinite). allowed: bool[B, N+1, V] per parent slot under a constraint:
+        the verifier judges against the constrained target (the raw logits are returned)."""
         b = st.history.shape[0]
         pending = st.history[jnp.arange(b), st.hist_len - 1]
 
         def judge(logits, nodes):  # logits [B, w+1, V] over the w nodes the forward ran
+            if allowed is not None:
+                logits = mask_logits(logits, allowed[:, :logits.shape[1]])
             if nodes.tokens.shape[1] == 0:  # the width-0 branch (traced, never taken: a node is valid)
                 return VerifyResult(path=jnp.zeros((b, 0), jnp.int32), num_accepted=jnp.zeros((b,), jnp.int32),
                                     bonus=next_token(logits[:, 0], k_verify))
@@ -355,28 +384,46 @@ def _engine(config, params, drafter, costs=None, *, verifier, sampler, max_new_t
         nonfinite = st.nonfinite | nonfinite_rows(logits, active, nodes)
         return logits, feats, cache, res, nonfinite
 
-    def verify_nothing(st, tree, active, k_verify):
+    def verify_nothing(st, tree, active, k_verify, allowed=None):
         """`verify` for a step that drafted nothing, done as a plain decoding step: the target over the
         pending token alone (no tree forward, no verifier), the next token drawn from its processed
-        distribution — exactly what every verifier does for an empty tree (greedy: the argmax)."""
+        distribution — exactly what every verifier does for an empty tree (greedy: the argmax).
+        allowed: bool[B, >=1, V], slot 0 the root's allowed tokens under a constraint."""
         b = st.history.shape[0]
         pending = st.history[jnp.arange(b), st.hist_len - 1]
         no_nodes = Tree(tokens=tree.tokens[:, :0], parents=tree.parents[:, :0], valid=tree.valid[:, :0])
         logits, feats, cache = _verify_forward(config, params, no_nodes, pending, st.cache, active, (0,),
                                                attn_impl, mesh, feature_layers)  # [B, 1, V]
         nonfinite = st.nonfinite | nonfinite_rows(logits, active, jnp.ones((b, 1), bool))
+        root = logits[:, 0] if allowed is None else mask_logits(logits[:, 0], allowed[:, 0])
         res = VerifyResult(path=jnp.full((b, n), -1, jnp.int32), num_accepted=jnp.zeros((b,), jnp.int32),
-                           bonus=next_token(logits[:, 0], k_verify))
+                           bonus=next_token(root, k_verify))
         logits = jnp.pad(logits, ((0, 0), (0, n), (0, 0)))  # slots of the (absent) nodes: zeros
         if feats is not None:
             feats = jnp.pad(feats, ((0, 0), (0, 0), (0, n), (0, 0)))
         return logits, feats, cache, res, nonfinite
 
-    def finish(st, tree, dstate, pstate, key, active, verified, plain: bool = False, slot_path=None):
+    def constraint_after(slot_states, res, j):
+        """Under a constraint: (ended bool[B, D+1]: the item is complete after the step's token j, the
+        rows' states after the accepted path and the bonus). slot_states: leaves [B, N+1, ...] in the
+        drafter's node order (the order of res.path)."""
+        b = res.path.shape[0]
+        path_slots = jnp.clip(res.path[:, :max_d] + 1, 0, n)  # [B, D]
+        last = jnp.take_along_axis(path_slots, jnp.maximum(res.num_accepted - 1, 0)[:, None], axis=1)
+        last = jnp.where(res.num_accepted[:, None] > 0, last, 0)  # [B, 1]: the root when nothing was accepted
+        moved = constraint.advance(jax.tree.map(lambda x: x[:, 0], slot_gather(slot_states, last)), res.bonus)
+        on_path = jnp.pad(complete_slots(constraint, slot_gather(slot_states, path_slots)), ((0, 0), (0, 1)))
+        at_bonus = constraint.complete(moved).reshape(b, 1)
+        ended = jnp.where(j < res.num_accepted[:, None], on_path, at_bonus & (j == res.num_accepted[:, None]))
+        return ended, moved
+
+    def finish(st, tree, dstate, pstate, key, active, verified, plain: bool = False, slot_path=None,
+               slot_states=None):
         """Commit a verification's accepted path and bonus; observe; statistics. plain: nothing was
         drafted (the pending token alone was run: it stays where it was written). slot_path: the
         accepted path as forward slots when the forward ran a compacted tree (adaptive.compact);
-        `verified` then holds the verdict in the drafter's node indices."""
+        `verified` then holds the verdict in the drafter's node indices. slot_states: the constraint's
+        state per parent slot of `tree` (constraint= only)."""
         logits, feats, cache, res, nonfinite = verified
         if plain:
             cache = advance(cache, active.astype(jnp.int32))
@@ -391,7 +438,12 @@ def _engine(config, params, drafter, costs=None, *, verifier, sampler, max_new_t
         path_tokens = jnp.pad(path_tokens[:, :max_d], ((0, 0), (0, 1)))  # [B, D+1]
         seq = jnp.where(j < res.num_accepted[:, None], path_tokens, res.bonus[:, None])
         count = res.num_accepted + 1
-        eos_at = jnp.where(is_eos(seq, eos_ids) & (j < count[:, None]), j, max_d + 1).min(axis=1)
+        ends, cstate = is_eos(seq, eos_ids), st.cstate
+        if constraint is not None:  # a completed item ends the row like an EOS
+            from jaxdecode.constraints.protocol import select_rows  # constraints imports this package
+            ended, moved = constraint_after(slot_states, res, j)
+            ends, cstate = ends | ended, select_rows(active, moved, st.cstate)
+        eos_at = jnp.where(ends & (j < count[:, None]), j, max_d + 1).min(axis=1)
         hit_eos = eos_at <= max_d
         count = jnp.where(hit_eos, eos_at + 1, count)
         count = jnp.minimum(count, max_new_tokens - st.num_new)
@@ -421,7 +473,7 @@ def _engine(config, params, drafter, costs=None, *, verifier, sampler, max_new_t
                 policy_state=pstate, drafted_nodes=st.drafted_nodes + kept,
                 speculative_steps=st.speculative_steps + ((kept > 0) & active).astype(jnp.int32),
                 width_hist=st.width_hist.at[width_at].add(1))
-        return st.replace(cache=cache, drafter_state=dstate, history=history, hist_len=hist_len,
+        return st.replace(cache=cache, drafter_state=dstate, history=history, hist_len=hist_len, cstate=cstate,
                           num_new=num_new, done=done, key=key, target_calls=st.target_calls + 1,
                           steps=st.steps + active.astype(jnp.int32), accept_hist=acc_hist,
                           depth_tried=st.depth_tried + tried.sum(0).astype(jnp.int32),
@@ -431,27 +483,43 @@ def _engine(config, params, drafter, costs=None, *, verifier, sampler, max_new_t
     def body(st: _SpecState) -> _SpecState:
         key, k_draft, k_verify = jax.random.split(st.key, 3)
         active = ~st.done
-        ctx = DraftContext(history=st.history, hist_len=st.hist_len, key=k_draft)
-        if policy is None:
+        ctx = DraftContext(history=st.history, hist_len=st.hist_len, key=k_draft, constraint=constraint,
+                           cstate=st.cstate)
+
+        def propose(st):
+            """The drafter's proposal, pruned under the constraint: (tree, draft_probs, drafter state,
+            slot states, allowed [B, N+1, V]; the last two None without a constraint)."""
             tree, draft_probs, dstate = drafter.propose(st.drafter_state, ctx, sampler)
-            return finish(st, tree, dstate, None, key, active, verify(st, tree, draft_probs, active, k_verify))
+            if constraint is None:
+                return tree, draft_probs, dstate, None, None
+            tree, draft_probs, slots, allowed = constrain(st, tree, draft_probs, active)
+            return tree, draft_probs, dstate, slots, allowed
+
+        if policy is None:
+            tree, draft_probs, dstate, slots, allowed = propose(st)
+            verified = verify(st, tree, draft_probs, active, k_verify, allowed)
+            return finish(st, tree, dstate, None, key, active, verified, slot_states=slots)
         remaining = jnp.where(active, max_new_tokens - st.num_new, 0)  # tokens each row still has to go
         drafting = adaptive_mod.should_draft(policy, st.policy_state, costs, remaining)
         empty_tree, empty_probs = _empty_proposal(drafter, st.drafter_state, ctx, sampler)
 
         def draft_and_verify(st):
-            tree, draft_probs, dstate = drafter.propose(st.drafter_state, ctx, sampler)
+            tree, draft_probs, dstate, slots, allowed = propose(st)
             tree, _, pstate = adaptive_mod.truncate(policy, st.policy_state, costs, tree, remaining)
             # The kept nodes into the first slots, so the forward's width is what is kept (a chain's
             # kept nodes are a prefix already).
             chain = bool(getattr(drafter, "is_chain", False))
             vtree, vprobs, perm = (tree, draft_probs, None) if chain else adaptive_mod.compact(tree, draft_probs)
+            vallowed = allowed
+            if allowed is not None and perm is not None:  # the allowed sets follow their slots
+                order = jnp.concatenate([jnp.zeros_like(perm[:, :1]), perm + 1], axis=1)  # [B, N+1]
+                vallowed = jnp.take_along_axis(allowed, order[:, :, None], axis=1)
             # Nothing kept (the proposal was empty or not worth its forward): a plain step after all.
             # The branches read the target cache from the switch's operand, so it is updated in place.
             verified = switch_in_place(
                 jnp.any(vtree.valid & active[:, None]).astype(jnp.int32),
-                [lambda c: verify_nothing(st.replace(cache=c[2]), vtree, active, k_verify),
-                 lambda c: verify(st.replace(cache=c[2]), vtree, vprobs, active, k_verify)],
+                [lambda c: verify_nothing(st.replace(cache=c[2]), vtree, active, k_verify, vallowed),
+                 lambda c: verify(st.replace(cache=c[2]), vtree, vprobs, active, k_verify, vallowed)],
                 _verified_shapes(st, vtree, active, k_verify))
             slot_path = None
             if perm is not None:  # the verdict back in the drafter's node indices (observe, estimates)
@@ -459,13 +527,17 @@ def _engine(config, params, drafter, costs=None, *, verifier, sampler, max_new_t
                 slot_path = res.path
                 path, logits, feats = adaptive_mod.expand(perm, res.path, logits, feats)
                 verified = (logits, feats, cache, dataclasses.replace(res, path=path), nonfinite)
-            return finish(st, tree, dstate, pstate, key, active, verified, slot_path=slot_path)
+            return finish(st, tree, dstate, pstate, key, active, verified, slot_path=slot_path, slot_states=slots)
 
         def plain(st):  # drafting does not pay this step: the drafter only keeps its state current
             idle = getattr(drafter, "idle", None)
             dstate = st.drafter_state if idle is None else idle(st.drafter_state, ctx)
+            slots = allowed = None
+            if constraint is not None:
+                slots = broadcast_slots(st.cstate, n + 1)
+                allowed = (constraint.allowed(st.cstate, config.vocab_size) & active[:, None])[:, None]
             return finish(st, empty_tree, dstate, st.policy_state, key, active,
-                          verify_nothing(st, empty_tree, active, k_verify), plain=True)
+                          verify_nothing(st, empty_tree, active, k_verify, allowed), plain=True, slot_states=slots)
 
         return switch_in_place(drafting.astype(jnp.int32), [plain, draft_and_verify], st)
 
@@ -528,10 +600,10 @@ def _start(config, params, drafter, prompt_tokens, prompt_lengths, key, *, cache
 
 @partial(jax.jit, static_argnames=("config", "verifier", "sampler", "max_new_tokens", "eos_ids",
                                    "cache_len", "hist_cap", "attn_impl", "verify_widths", "mesh", "policy"))
-def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, costs=None, *, verifier, sampler,
-                 max_new_tokens, eos_ids, cache_len, hist_cap, attn_impl, verify_widths, mesh=None,
-                 policy=None):
-    engine = _engine(config, params, drafter, costs, verifier=verifier, sampler=sampler,
+def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, costs=None, constraint=None, *,
+                 verifier, sampler, max_new_tokens, eos_ids, cache_len, hist_cap, attn_impl, verify_widths,
+                 mesh=None, policy=None):
+    engine = _engine(config, params, drafter, costs, constraint, verifier=verifier, sampler=sampler,
                      max_new_tokens=max_new_tokens, eos_ids=eos_ids, cache_len=cache_len, hist_cap=hist_cap,
                      attn_impl=attn_impl, verify_widths=verify_widths, mesh=mesh, policy=policy)
     st = jax.lax.while_loop(lambda s: ~jnp.all(s.done), engine.step,
@@ -602,11 +674,36 @@ def check_combination(config, drafter, verifier, sampler: SamplerConfig) -> None
                                f"{_sampling_verifiers_for(drafter)}")
 
 
+def check_constraint(config, constraint, verifier, eos_ids: tuple, max_new_tokens: int, batch: int):
+    """The constraint prepared for this decode (its own checks: vocabulary, EOS ids, batch), or a clear
+    error when speculative decoding cannot take it."""
+    if not all(callable(getattr(constraint, m, None)) for m in ("prepare", "init", "allowed", "advance", "complete")):
+        raise SpeculativeError(f"constraint must implement the Constraint protocol (jaxdecode.constraints: "
+                               f"prepare, init, allowed, advance, complete), got {type(constraint).__name__}")
+    if not getattr(verifier, "prunable", True):
+        raise SpeculativeError(
+            f"verifier {verifier.name!r} judges the whole draft jointly, and a constraint cuts drafts at "
+            f"tokens it forbids: the cut would bias its verdict. Use a token-by-token verifier with "
+            f"constraint= (verifier='chain' for sampled chains, or 'specinfer' / 'spectr' for trees)")
+    constraint = constraint.prepare(config.vocab_size, eos_ids, max_new_tokens, batch)
+    shapes = jax.eval_shape(lambda c: c.init(batch), constraint)
+    shared = [x.shape for x in jax.tree.leaves(shapes) if not x.shape or x.shape[0] != batch]
+    if shared:
+        raise SpeculativeError(
+            f"{type(constraint).__name__} keeps state shared by all rows (leaves of shape {shared}, e.g. a "
+            f"trie's common depth), but every node of a draft tree sits at its own depth and needs its own "
+            f"state: speculative decoding takes constraints with per-row states (regex / JSON schema: "
+            f"jaxdecode.constraints.automaton); decode item sets with method='constrained_greedy', "
+            f"'constrained_sample' or 'constrained_beam'")
+    return constraint
+
+
 def speculative_decode(config, params, drafter, prompt_tokens, prompt_lengths, *, max_new_tokens: int,
                        verifier, sampler: SamplerConfig = SamplerConfig(temperature=0.0),
                        eos_ids: tuple = (), key=None, cache_len: int | None = None,
                        attn_impl: str | None = None, verify_widths=None, mesh=None,
-                       adaptive: "adaptive_mod.AdaptivePolicy | None" = None, costs=None) -> SpecOutput:
+                       adaptive: "adaptive_mod.AdaptivePolicy | None" = None, costs=None,
+                       constraint=None) -> SpecOutput:
     """Speculative decoding of up to max_new_tokens per row (see the module docstring).
 
     attn_impl: attention of the verification forward; default "tree" (the Pallas tree-attention
@@ -622,12 +719,20 @@ def speculative_decode(config, params, drafter, prompt_tokens, prompt_lengths, *
     drafter and batch size) and the rows' running acceptance (jaxdecode.adaptive); None: every step
     verifies the drafter's whole proposal. Stats then add drafted_nodes, speculative_steps (per row),
     width_hist and policy_widths.
+    constraint: a Constraint with per-row states (a regex / JSON-schema AutomatonConstraint from
+    jaxdecode.constraints.automaton): the output is the constrained decode's (greedy: token for token
+    constrained greedy; sampling: distributed as constrained sampling). Drafters that read distributions
+    draft under it, every proposal is pruned to allowed nodes, and the verifier judges against the
+    target masked per node (EOS exactly at accepting states). ALGORITHMS.md §6.
     """
     if attn_impl is None:
         attn_impl = "xla" if jax.default_backend() == "cpu" else "tree"
     eos_ids = validate_eos_ids(config, eos_ids)
     check_combination(config, drafter, verifier, sampler)
     check_feature_layers(config, getattr(drafter, "feature_layers", ()))
+    if constraint is not None:
+        constraint = check_constraint(config, constraint, verifier, eos_ids, max_new_tokens,
+                                      int(jnp.shape(prompt_tokens)[0]))
     n = drafter.num_nodes
     # Room: prompt + new tokens + one verification tree (N nodes + the pending root) beyond them.
     extra = n + 1 + drafter.max_depth + 1
@@ -665,7 +770,8 @@ def speculative_decode(config, params, drafter, prompt_tokens, prompt_lengths, *
                                    "jaxdecode.costmodel.load_or_calibrate(model, drafter, batch_size)")
         cost_vec = adaptive_mod.cost_vector(adaptive, costs)
         widths = adaptive.widths
-    return _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, cost_vec, verifier=verifier,
+    return _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, cost_vec, constraint,
+                        verifier=verifier,
                         sampler=sampler, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                         cache_len=cache_len, hist_cap=hist_cap, attn_impl=attn_impl, verify_widths=widths,
                         mesh=mesh, policy=adaptive)

@@ -159,3 +159,106 @@ def static_tree_layout(paths) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     for i, p in enumerate(parents):
         depth[i] = 1 if p < 0 else depth[p] + 1
     return parents, ranks, depth
+
+
+# ----------------------------------------------------------------------------- constraints on trees
+# A constraint (jaxdecode.constraints.protocol) keeps one state per row: a pytree whose leaves have a
+# leading row axis. On a tree every node has its own state, the one after its root-to-node path, so
+# the leaves gain a slot axis: [B, S, ...] with the parent-slot convention (slot 0 the root).
+
+def _flat(state):
+    """Leaves [B, S, ...] -> [B*S, ...]: one constraint row per slot."""
+    return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), state)
+
+
+def _unflat(state, b: int):
+    return jax.tree.map(lambda x: x.reshape((b, -1) + x.shape[1:]), state)
+
+
+def slot_gather(state, idx):
+    """state leaves [B, S, ...], idx int32[B, K] (in 0..S-1) -> leaves [B, K, ...]."""
+    rows = jnp.arange(idx.shape[0])[:, None]
+    return jax.tree.map(lambda x: x[rows, idx], state)
+
+
+def broadcast_slots(row_state, num_slots: int):
+    """A per-row state (leaves [B, ...]) repeated into num_slots slots: leaves [B, S, ...]."""
+    return jax.tree.map(lambda x: jnp.repeat(x[:, None], num_slots, axis=1), row_state)
+
+
+def advance_slots(constraint, parent_states, tokens):
+    """The states after `tokens` int32[B, F] from parent_states (leaves [B, F, ...]): leaves [B, F, ...]."""
+    b = tokens.shape[0]
+    return _unflat(constraint.advance(_flat(parent_states), tokens.reshape(-1)), b)
+
+
+def complete_slots(constraint, states):
+    """bool[B, S]: the constraint's `complete` (an item ended without an EOS) at each slot."""
+    b = jax.tree.leaves(states)[0].shape[0]
+    return constraint.complete(_flat(states)).reshape(b, -1)
+
+
+def allowed_slots(constraint, states, width: int):
+    """bool[B, S, width]: the tokens the constraint allows after each slot's path."""
+    b = jax.tree.leaves(states)[0].shape[0]
+    return constraint.allowed(_flat(states), width).reshape(b, -1, width)
+
+
+def constrain_tree(constraint, root_state, tree: Tree, width: int, depth: int, eos_ids: tuple = ()):
+    """The tree pruned by a constraint: (tree, slot states (leaves [B, N+1, ...]), allowed bool[B, N+1, width]).
+
+    root_state: the rows' constraint states after every committed token (leaves [B, ...]). A node stays
+    valid when it was, its parent stays and its token is allowed after its parent's path (an EOS id
+    exactly at accepting states; nothing after an EOS or a completed item). depth: a bound on the
+    tree's depth: each of the `depth` passes moves every node's state one level further from the root,
+    so the work is depth gathers over the whole tree, not one per node."""
+    b, n = tree.tokens.shape
+    par_slot = jnp.maximum(tree.parents, -1) + 1  # [B, N]
+    root = jax.tree.map(lambda x: x[:, None], root_state)
+    cat = lambda r, s: jax.tree.map(lambda a, c: jnp.concatenate([a, c], axis=1), r, s)
+
+    def grow(_, slots):
+        return cat(root, advance_slots(constraint, slot_gather(slots, par_slot), tree.tokens))
+
+    slots = jax.lax.fori_loop(0, depth, grow, broadcast_slots(root_state, n + 1)) if n else broadcast_slots(
+        root_state, 1)
+    allowed = allowed_slots(constraint, slots, width)  # [B, N+1, width]
+    if n == 0:
+        return tree, slots, allowed
+    rows = jnp.arange(b)[:, None]
+    in_vocab = (tree.tokens >= 0) & (tree.tokens < width)
+    ok = allowed[rows, par_slot, jnp.clip(tree.tokens, 0, width - 1)] & in_vocab  # [B, N]
+    # Nothing follows an EOS or a completed item, whatever the constraint's state there says.
+    ended = complete_slots(constraint, slots)
+    for e in eos_ids:
+        ended = ended.at[:, 1:].set(ended[:, 1:] | (tree.tokens == e))
+    keep = tree.valid & ok & ~ended[rows, par_slot]
+
+    def prune(_, valid):  # an invalid parent invalidates its subtree
+        return keep & ((tree.parents < 0) | valid[rows, jnp.maximum(tree.parents, 0)])
+
+    return tree.replace(valid=jax.lax.fori_loop(0, depth, prune, keep)), slots, allowed
+
+
+def mask_logits(logits, allowed):
+    """logits [..., V] with forbidden tokens at -inf; a slot that allows nothing (past an EOS, a
+    finished row) is left as it is: nothing verified there is ever committed."""
+    usable = jnp.any(allowed, axis=-1, keepdims=True)
+    return jnp.where(allowed | ~usable, logits, -jnp.inf)
+
+
+def mask_logprobs(logq, allowed):
+    """Log-probabilities [..., V] restricted to the allowed tokens and renormalised (a slot that
+    allows nothing is left as it is)."""
+    masked = mask_logits(logq, allowed)
+    lse = jax.nn.logsumexp(masked, axis=-1, keepdims=True)
+    return jnp.where(jnp.isfinite(lse), masked - lse, masked)  # no mass on any allowed token: as is
+
+
+def mask_probs(q, allowed):
+    """Probabilities [..., V] restricted to the allowed tokens and renormalised (a slot that allows
+    nothing is left as it is; allowed tokens of zero total mass stay zero)."""
+    usable = jnp.any(allowed, axis=-1, keepdims=True)
+    qm = jnp.where(allowed, q, 0.0)
+    s = jnp.sum(qm, axis=-1, keepdims=True)
+    return jnp.where(usable, qm / jnp.where(s > 0, s, 1.0), q)

@@ -157,6 +157,11 @@ class Verifier(abc.ABC):
     # child rule -> "tree" | "chain" (see _SCOPES), or ANY_CHILDREN. Empty by default: a verifier that
     # does not declare its contract is refused by the engine for every drafter.
     child_rules: ClassVar = {}
+    # Lossless on drafts pruned by a constraint (speculative_decode(constraint=)): the verdict at a node
+    # reads only that node's children, so dropping forbidden children (and renormalising q over the
+    # allowed ones) leaves i.i.d. draws from the renormalised q. False for rules that weigh the whole
+    # draft jointly (block verification), where a cut that depends on the drafted tokens biases them.
+    prunable: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
@@ -609,6 +614,7 @@ class BlockVerifier(Verifier):
 
     name: ClassVar[str] = "block"
     tree_kind: ClassVar[str] = "chain"
+    prunable: ClassVar[bool] = False
     child_rules: ClassVar = _IID_CHILDREN
     _core = staticmethod(_block_core)
 
@@ -649,6 +655,7 @@ class GreedyBlockVerifier(Verifier):
 
     name: ClassVar[str] = "gbv"
     tree_kind: ClassVar[str] = "paths"
+    prunable: ClassVar[bool] = False
     child_rules: ClassVar = _IID_CHILDREN  # K i.i.d. paths; without replacement only for K = 1
     _core = staticmethod(_block_core)
 

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdecode.drafters.builders import build_tree
 from jaxdecode.drafters.draft_lm import draft_logprobs
 from jaxdecode.drafters.medusa import head_logits, target_head
 from jaxdecode.drafters.trained import DrafterKind, register_kind
@@ -284,7 +285,7 @@ class BlockDrafter:
             d = jax.lax.dynamic_slice_in_dim(depths(parents_all), start, tokens.shape[1], axis=1)  # [B, F]
             return logq[rows, jnp.minimum(d, self.cfg.block_size - 1)], state  # children at depth d+1: q_{d+1}
 
-        tree, slots, _ = self.builder.build(None, logq[:, 0], expand, ctx.key)
+        tree, slots, _ = build_tree(self.builder, ctx, None, logq[:, 0], expand, ctx.key)
         return tree, slots, st
 
     def observe(self, st: BlockState, obs):

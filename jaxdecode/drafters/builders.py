@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode.tree import Tree, TreeError, static_tree_layout, static_tree_parents, validate_parents
+from jaxdecode.tree import (Tree, TreeError, advance_slots, allowed_slots, broadcast_slots, mask_logprobs,
+                            slot_gather, static_tree_layout, static_tree_parents, validate_parents)
 
 # The child rules builders draft by (each is one of jaxdecode.verifiers.CHILD_RULES, which says what it
 # promises verifiers). On a static tree "argmax" ranks like "topk" and "sample" draws siblings i.i.d.
@@ -219,6 +220,38 @@ class DynamicTreeBuilder:
                                 axis=1)
         tree = Tree(tokens=tokens, parents=parents.astype(jnp.int32), valid=jnp.ones((b, self.total), bool))
         return tree, slots, scorer_state
+
+
+def build_tree(builder, ctx, scorer_state, logq_root, expand, key):
+    """`builder.build(scorer_state, logq_root, expand, key)`, drafting under the decode's constraint
+    when the speculative engine runs with one (ctx.constraint, ctx.cstate: the rows' states after the
+    pending token): every distribution the builder reads, the root's and each `expand`'s, is masked
+    to the tokens allowed after that node's path and renormalised, so children are drawn (or ranked)
+    among allowed tokens and the draft probabilities are the ones they were drawn from. The node
+    states ride along in the scorer state ([B, W] per leaf, W the builder's working size).
+    Drafters call this instead of `builder.build`; without a constraint it is exactly that."""
+    constraint = getattr(ctx, "constraint", None)
+    if constraint is None:
+        return builder.build(scorer_state, logq_root, expand, key)
+    v = logq_root.shape[-1]
+    root = ctx.cstate
+    work0 = broadcast_slots(root, getattr(builder, "working_size", builder.num_nodes))
+
+    def constrained_expand(carry, start, tokens, parents_all):
+        inner, work = carry
+        f = tokens.shape[1]
+        par = jax.lax.dynamic_slice_in_dim(parents_all, start, f, axis=1)  # [B, F] working indices
+        from_root = broadcast_slots(root, f)
+        par_states = jax.tree.map(lambda g, r: jnp.where((par >= 0).reshape(par.shape + (1,) * (g.ndim - 2)), g, r),
+                                  slot_gather(work, jnp.maximum(par, 0)), from_root)
+        new = advance_slots(constraint, par_states, tokens)  # the frontier's states
+        work = jax.tree.map(lambda w, x: jax.lax.dynamic_update_slice_in_dim(w, x, start, axis=1), work, new)
+        logq, inner = expand(inner, start, tokens, parents_all)  # [B, F, V]
+        return mask_logprobs(logq, allowed_slots(constraint, new, v)), (inner, work)
+
+    logq_root = mask_logprobs(logq_root, constraint.allowed(root, v))
+    tree, slots, (scorer_state, _) = builder.build((scorer_state, work0), logq_root, constrained_expand, key)
+    return tree, slots, scorer_state
 
 
 def parse_tree_spec(spec) -> object:

@@ -42,7 +42,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from jaxdecode.drafters.builders import ChainBuilder
+from jaxdecode.drafters.builders import ChainBuilder, build_tree
 from jaxdecode.drafters.draft_lm import draft_logprobs
 from jaxdecode.models import ModelConfig, bidirectional_mask, block_causal_mask, forward
 from jaxdecode.sampling import SamplerConfig
@@ -132,7 +132,7 @@ class DiffusionDrafter:
                 logq = draft_logprobs(self.slot_logits(ctx.history, ctx.hist_len, drafted, d + 1), sampler)
             return logq[:, d + 1][:, None], (logq, drafted)
 
-        tree, slots, _ = self.builder.build((logq, drafted), logq[:, 0], expand, ctx.key)
+        tree, slots, _ = build_tree(self.builder, ctx, (logq, drafted), logq[:, 0], expand, ctx.key)
         return tree, slots, state
 
     def observe(self, state, obs):

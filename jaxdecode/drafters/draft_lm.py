@@ -14,6 +14,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxdecode.drafters.builders import build_tree
 from jaxdecode.autoregressive import prefill
 from jaxdecode.models import ModelConfig, advance, forward, init_cache, padded_causal_mask
 from jaxdecode.sampling import SamplerConfig, process_logits
@@ -80,7 +81,8 @@ class DraftLM:
                                      write_offset=jnp.full((b,), start, jnp.int32))
             return draft_logprobs(lg, sampler), scratch
 
-        tree, slots, scratch = self.builder.build(cache, draft_logprobs(root_logits, sampler), expand, ctx.key)
+        tree, slots, scratch = build_tree(self.builder, ctx, cache, draft_logprobs(root_logits, sampler), expand,
+                                          ctx.key)
         # The scratch cache, not `cache`: the tree's entries lie beyond `lengths` (never attended), and
         # keeping `cache` would make XLA copy it before the tree writes, every step.
         return tree, slots, scratch.replace(lengths=cache.lengths)

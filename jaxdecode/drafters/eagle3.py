@@ -26,6 +26,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxdecode.drafters.builders import build_tree
 from jaxdecode.drafters.draft_lm import draft_logprobs
 from jaxdecode.models import ModelConfig, advance, forward, init_cache, padded_causal_mask
 from jaxdecode.models import init_params as model_init_params
@@ -304,7 +305,7 @@ class Eagle3Drafter:
             return self._logq(lg, sampler), (cache, hbuf)
 
         hbuf = jnp.zeros((b, self.builder.working_size, d), root.dtype)
-        tree, slots, (cache, _) = self.builder.build((cache, hbuf), logq_root, expand, ctx.key)
+        tree, slots, (cache, _) = build_tree(self.builder, ctx, (cache, hbuf), logq_root, expand, ctx.key)
         return tree, slots, (cache, root)
 
 

@@ -34,6 +34,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxdecode.drafters.builders import build_tree
 from jaxdecode.drafters.draft_lm import draft_logprobs
 from jaxdecode.drafters.trained import DrafterKind, register_kind
 from jaxdecode.speculative import FINAL, accepted_features
@@ -183,7 +184,7 @@ class HeadsDrafter:
                 d = _slice(depths(parents_all), start, tokens.shape[1])  # [B, F]
                 return logq[rows[:, None], jnp.minimum(d, k - 1)], state  # children of depth d+1: head d
 
-            tree, slots, _ = self.builder.build(None, logq[:, 0], expand, ctx.key)
+            tree, slots, _ = build_tree(self.builder, ctx, None, logq[:, 0], expand, ctx.key)
             return tree, slots, h
 
         pending = ctx.history[rows, ctx.hist_len - 1]
@@ -214,7 +215,7 @@ class HeadsDrafter:
             return path_heads(own, jnp.minimum(d, k - 1)), paths
 
         root = path_heads(jnp.zeros((b, k), jnp.int32), jnp.zeros((b,), jnp.int32))
-        tree, slots, _ = self.builder.build(paths, root, expand, ctx.key)
+        tree, slots, _ = build_tree(self.builder, ctx, paths, root, expand, ctx.key)
         return tree, slots, h
 
     def observe(self, h, obs):

@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdecode.drafters.builders import build_tree
 from jaxdecode.drafters.draft_lm import draft_logprobs
 from jaxdecode.models import KVCache, ModelConfig, advance, forward, init_cache, padded_causal_mask
 from jaxdecode.models.transformer import _norm
@@ -381,15 +382,15 @@ class SelfSpecDrafter:
             expand, carry = stopping_expand(expand, logq_of, self.threshold, limit,
                                             getattr(self.builder, "working_size", self.num_nodes),
                                             self.config.vocab_size)
-            tree, slots, (scratch, _, _) = self.builder.build(carry(cache, b), logq_of(root_logits), expand,
-                                                              ctx.key)
+            tree, slots, (scratch, _, _) = build_tree(self.builder, ctx, carry(cache, b), logq_of(root_logits),
+                                                      expand, ctx.key)
             tree = dataclasses.replace(tree, valid=stopped_valid(tree, slots, self.threshold, limit,
                                                                  self.max_depth))
         else:
             def expand_logq(scratch, start, tokens, parents_all):
                 lg, scratch = expand(scratch, start, tokens, parents_all)
                 return logq_of(lg), scratch
-            tree, slots, scratch = self.builder.build(cache, logq_of(root_logits), expand_logq, ctx.key)
+            tree, slots, scratch = build_tree(self.builder, ctx, cache, logq_of(root_logits), expand_logq, ctx.key)
         # Keep the scratch cache: the tree's entries lie beyond `lengths` (never attended, overwritten by
         # the next catch-up), and keeping `cache` instead would make XLA copy it before the tree writes.
         return tree, slots, dataclasses.replace(state, cache=scratch.replace(lengths=cache.lengths),

@@ -1,0 +1,143 @@
+"""Speculative decoding under JSON schemas on the embedded target: how much of the speculative speedup a
+constraint keeps (goal: >= 80%).
+
+    python benchmarks/bench_structured_spec.py [--quick] [--batch 1,4] [--new 96] [--repeats 5] [--json FILE]
+
+Per drafter and batch size, four timed runs (one compile call first): plain greedy and speculative
+greedy, each unconstrained and under JSON schemas (one schema per row, stacked automata), all with EOS.
+speedup = greedy seconds per token / speculative seconds per token; kept = constrained speedup /
+unconstrained speedup. Constrained speculative output is checked token for token against constrained
+greedy (an error otherwise). `measure(...)` is what bench_structured.py's `spec` section may import.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import timed, write_result  # noqa: E402
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+     "required": ["name", "age"]},
+    {"type": "object", "properties": {"id": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"},
+                                                                          "maxItems": 3}},
+     "required": ["id", "tags"]},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "kind": {"enum": ["file", "dir", "link"]},
+                                      "path": {"type": "string", "maxLength": 24}},
+     "required": ["ok", "kind", "path"]},
+    {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 6},
+]
+PROMPTS = ["def describe(person):\n    return ", "# config\nvalue = ", "result = ", "data = "]
+# (label, drafter name, tree, needs the draft model)
+DRAFTERS = (("prompt_lookup", "prompt_lookup", None, False),
+            ("draft_lm chain:4", "draft_lm", "chain:4", True),
+            ("draft_lm eagle:4,4,16", "draft_lm", "eagle:depth=4,topk=4,total=16", True))
+QUICK = dict(batch="1", new=24, repeats=1, drafters=1)
+FULL = dict(batch="1,4", new=96, repeats=5, drafters=len(DRAFTERS))
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def _prompts(tokenizer, texts):
+    ids = [tokenizer(t)["input_ids"] for t in texts]
+    toks = np.zeros((len(ids), max(map(len, ids))), np.int32)
+    for i, row in enumerate(ids):
+        toks[i, :len(row)] = row
+    return toks, np.asarray([len(r) for r in ids], np.int32)
+
+
+def constraint_for(model, schemas):
+    """One automaton row per schema (stacked when rows differ)."""
+    from jaxdecode.constraints import automaton as am
+    kw = dict(vocab_size=model.config.vocab_size, eos_ids=(0,))
+    per_row = getattr(am, "per_row_constraint", None)
+    if per_row is not None:
+        return per_row(schemas, model.tokenizer, **kw)
+    if any(s != schemas[0] for s in schemas):
+        raise SystemExit("this build cannot stack automata (no per_row_constraint): use one schema")
+    return am.compile_json_schema(schemas[0], model.tokenizer, **kw).constraint()
+
+
+def measure(target, draft, schemas, prompts, *, drafters=DRAFTERS, max_new_tokens: int = 96,
+            repeats: int = 3) -> dict:
+    """{drafter label: {speedup_unconstrained, speedup_constrained, kept, tau_...}} for one batch (one
+    row per prompt; schemas[i] constrains row i)."""
+    from jaxdecode.autoregressive import decode
+    from jaxdecode.drafters import make_drafter
+    from jaxdecode.speculative import speculative_decode
+    from jaxdecode.verifiers import get_verifier
+
+    toks, lens = _prompts(target.tokenizer, prompts)
+    constraint = constraint_for(target, list(schemas))
+    cfg, params = target.config, target.params
+
+    def per_token(run):
+        out, secs = timed(lambda: _ready(run()), repeats)
+        return out, secs / max(int(np.asarray(out.lengths).sum()), 1)
+
+    greedy = {}
+    for con in (None, constraint):
+        greedy[con is None] = per_token(lambda: decode(cfg, params, toks, lens, max_new_tokens=max_new_tokens,
+                                                       eos_ids=(0,), constraint=con, method="greedy"))
+    result = {}
+    for label, name, tree, needs_draft in drafters:
+        d = make_drafter(name, target, draft=draft if needs_draft else None, tree=tree)
+        row = {}
+        for con in (None, constraint):
+            out, spt = per_token(lambda: speculative_decode(cfg, params, d, toks, lens, max_new_tokens=max_new_tokens,
+                                                            verifier=get_verifier("greedy"), eos_ids=(0,),
+                                                            constraint=con))
+            ref = greedy[con is None][0]
+            if not np.array_equal(np.asarray(out.tokens), np.asarray(ref.tokens)):
+                raise AssertionError(f"{label}: speculative output differs from greedy "
+                                     f"({'unconstrained' if con is None else 'constrained'})")
+            key = "unconstrained" if con is None else "constrained"
+            row[f"speedup_{key}"] = round(greedy[con is None][1] / spt, 3)
+            row[f"tau_{key}"] = round(float(np.mean(np.asarray(out.stats["tau"]))), 3)
+            row[f"ms_per_token_{key}"] = round(1e3 * spt, 4)
+        row["kept"] = round(row["speedup_constrained"] / row["speedup_unconstrained"], 3)
+        result[label] = row
+        log(f"  {label}: {row}")
+    return result
+
+
+def _ready(out):
+    np.asarray(out.tokens)  # block until the device is done
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small sizes, first drafter only (checks it runs)")
+    ap.add_argument("--batch", default=None, help="batch sizes, comma separated")
+    ap.add_argument("--new", type=int, default=None, help="max new tokens")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--json", default=None, help="write the result here")
+    args = ap.parse_args(argv)
+    preset = QUICK if args.quick else FULL
+    batches = [int(b) for b in (args.batch or preset["batch"]).split(",")]
+    new, repeats = args.new or preset["new"], args.repeats or preset["repeats"]
+
+    import jax
+
+    import jaxdecode
+    from jaxdecode.model import embedded_model_path
+    target = jaxdecode.load(embedded_model_path("target"), dtype="float32")
+    draft = jaxdecode.load(embedded_model_path("draft"), dtype="float32")
+    result = dict(device=jax.devices()[0].device_kind, max_new_tokens=new, repeats=repeats)
+    for b in batches:
+        rows = [i % len(SCHEMAS) for i in range(b)]
+        log(f"batch {b}")
+        result[f"batch{b}"] = measure(target, draft, [SCHEMAS[i] for i in rows], [PROMPTS[i] for i in rows],
+                                      drafters=DRAFTERS[:preset["drafters"]], max_new_tokens=new, repeats=repeats)
+    write_result(result, args.json)
+
+
+if __name__ == "__main__":
+    main()
