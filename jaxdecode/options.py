@@ -218,9 +218,10 @@ _TABLE = (
     Option("regex", "texts", "the output (up to EOS) must match this regex in full (outlines-core syntax); "
            "EOS is allowed exactly where the text matches", STRUCTURED, default_doc="none", cli_repeat=True),
     Option("json_schema", "schemas", "the output must be a JSON value valid under this JSON schema "
-           "(outlines-core's schema -> regex converter)", STRUCTURED, default_doc="none", cli_repeat=True),
-    Option("grammar", "texts", "the output must parse under this context-free grammar (text of the grammar: "
-           "jaxdecode.constraints.grammar)", STRUCTURED, default_doc="none", cli_repeat=True),
+           "(a token automaton via outlines-core; recursive schemas: the grammar path)", STRUCTURED, default_doc="none", cli_repeat=True),
+    Option("grammar", "texts", "the output must parse under this context-free grammar (Lark or GBNF text; "
+           "jaxdecode.constraints.grammar)", tuple(m for m in STRUCTURED if m not in DIFFUSION),
+           default_doc="none", cli_repeat=True),
     # ------------------------------------------------------------------ grammar-aligned sampling
     Option("num_samples", "int", "ASAp's budget: samples drawn one after another, each correcting the next "
            "(the last one is returned)", ("asap",), 16, low=1),
