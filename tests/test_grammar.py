@@ -56,15 +56,31 @@ NUMBER: /[0-9]+/
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from pathlib import Path
+def model():
+    import jaxdecode
 
-    from jaxdecode.models import load_tokenizer
-
-    return load_tokenizer(Path(__file__).resolve().parents[1] / "models" / "embedded" / "target")
+    return jaxdecode.load()
 
 
-def _walk_compare(g, tok, rows=4, steps=24, seed=0, starts=None):
+@pytest.fixture(scope="module")
+def tok(model):
+    return model.tokenizer
+
+
+_COMPILED = {}
+
+
+def _grammar(tok, name, max_depth=64):
+    """Compiled once per module: the test grammars by name (deep enough that walks never meet the bound)."""
+    key = (id(tok), name, max_depth)
+    if key not in _COMPILED:
+        text = {"arith": ARITH, "parens": PARENS, "json": JSON_LARK, "spanning": SPANNING, "gbnf": GBNF}.get(name)
+        _COMPILED[key] = (compile_schema_grammar(TREE, tok, max_depth=max_depth) if name == "tree_schema"
+                          else compile_grammar(text, tok, max_depth=max_depth))
+    return _COMPILED[key]
+
+
+def _walk_compare(g, tok, rows=3, steps=20, seed=0, starts=None):
     """Random walks under llguidance's masks (biased towards structure tokens); the device mask must equal
     llguidance's at every step. starts: stacked grammar of each row."""
     v = g.vocab_size
@@ -106,20 +122,10 @@ def _walk_compare(g, tok, rows=4, steps=24, seed=0, starts=None):
 
 @pytest.mark.parametrize("name", ["arith", "parens", "json", "spanning", "gbnf", "tree_schema"])
 def test_device_masks_equal_llguidance(name, tok):
-    text = {"arith": ARITH, "parens": PARENS, "json": JSON_LARK, "spanning": SPANNING, "gbnf": GBNF}.get(name)
-    # deep enough that the walks never meet the depth bound (tested on its own below)
-    kw = {"max_depth": 64}
-    g = compile_schema_grammar(TREE, tok, **kw) if name == "tree_schema" else compile_grammar(text, tok, **kw)
+    g = _grammar(tok, name)
     assert g.backend == "device", g.reason
     hist = _walk_compare(g, tok)
     assert any(len(set(tok.decode(h)) & set("([{")) for h in hist)
-
-
-@pytest.fixture(scope="module")
-def model():
-    import jaxdecode
-
-    return jaxdecode.load()
 
 
 def _texts(model, out, eos):
@@ -133,7 +139,7 @@ def _texts(model, out, eos):
 
 def test_stacked_grammars_per_row(tok):
     """Different grammars per row of one batch: stacked automata, each row's mask equals its grammar's."""
-    parts = [compile_grammar(ARITH, tok, max_depth=64), compile_schema_grammar(TREE, tok, max_depth=64)]
+    parts = [_grammar(tok, "arith"), _grammar(tok, "tree_schema")]
     g = stack_grammars(parts)
     assert g.starts[1] == parts[0].tables.kind.shape[0]
     _walk_compare(g, tok, rows=3, steps=16, starts=[1, 0, 1])
@@ -149,7 +155,7 @@ def test_generated_tree_json_validates(model):
     from jaxdecode.autoregressive import decode
     from jaxdecode.sampling import SamplerConfig
 
-    g = compile_schema_grammar(TREE, model.tokenizer, vocab_size=model.config.vocab_size, eos_ids=(0,))
+    g = _grammar(model.tokenizer, "tree_schema")
     assert g.backend == "device" and is_recursive_schema(TREE)
     prompts = ["data = ", "tree = {"]
     enc = [model.encode(p) for p in prompts]
@@ -199,7 +205,7 @@ def test_generated_expression_parses_with_lark(model):
 def test_beam_search_under_grammar(model):
     from jaxdecode.beam import beam_search
 
-    g = compile_grammar(GBNF, model.tokenizer, vocab_size=model.config.vocab_size, eos_ids=(0,))
+    g = _grammar(model.tokenizer, "gbnf", max_depth=8)  # beam nodes carry the stack: keep it short
     toks = jnp.asarray([model.encode("a = ")], jnp.int32)
     out = beam_search(model.config, model.params, toks, jnp.asarray([toks.shape[1]], jnp.int32), max_new_tokens=8,
                       num_beams=2, eos_ids=(0,), constraint=g.constraint())
@@ -238,12 +244,13 @@ def test_depth_bound(tok):
     whose every text nests deeper than max_depth falls back, or errors with fallback="error"."""
     g = compile_grammar(PARENS, tok, max_depth=3)
     c = g.constraint().prepare(g.vocab_size, g.eos_ids, 8, 1)
+    allowed, advance = jax.jit(c.allowed), jax.jit(c.advance)
     st = c.init(1)
     open_, close = tok.convert_tokens_to_ids("("), tok.convert_tokens_to_ids(")")
     for _ in range(3):
-        assert bool(c.allowed(st)[0, open_])
-        st = c.advance(st, jnp.asarray([open_]))
-    mask = np.asarray(c.allowed(st)[0])
+        assert bool(allowed(st)[0, open_])
+        st = advance(st, jnp.asarray([open_]))
+    mask = np.asarray(allowed(st)[0])
     assert not mask[open_] and mask[close]
     # every text calls a inside start, b inside a, c inside b: 3 return states on the stack at least
     deep = 'start: "(" a ")"\na: "<" a ">" | "[" b "]"\nb: "<" b ">" | "{" c "}"\nc: "<" c ">" | "x"\n'
@@ -275,11 +282,12 @@ def test_lark_common_escaped_string(tok):
     g = compile_grammar('start: ESCAPED_STRING\n%import common.ESCAPED_STRING\n', tok)
     assert g.backend == "device", g.reason
     c = g.constraint().prepare(g.vocab_size, g.eos_ids, 8, 1)
+    advance = jax.jit(c.advance)
 
     def accepts(text):
         st = c.init(1)
         for t in tok.encode(text):
-            st = c.advance(st, jnp.asarray([t]))
+            st = advance(st, jnp.asarray([t]))
         return bool(c.accepting(st)[0])
 
     assert accepts('"a\\"b"') and accepts('"x\\\\"') and not accepts('"a\nb"') and not accepts('"a\\"')
