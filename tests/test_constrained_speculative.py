@@ -103,10 +103,14 @@ def test_drafts_stay_inside_the_constraint(model, batch):
     builder = StaticTreeBuilder.full((3, 2), "iid")
     ctx = DraftContext(history=jnp.asarray(toks), hist_len=jnp.asarray(lens), key=jax.random.PRNGKey(2),
                        constraint=c, cstate=c.init(b))
-    last = ctx.history[jnp.arange(b), ctx.hist_len - 1]
-    tree, slots, _ = build_tree(builder, ctx, None, logq[last % 16], lambda s, start, t, p: (logq[t % 16], s),
-                                ctx.key)
-    pruned, states, allowed = spec.constrain_tree(c, c.init(b), tree, v, builder.max_depth, (0,))
+    @jax.jit
+    def draft_and_prune(ctx):
+        last = ctx.history[jnp.arange(b), ctx.hist_len - 1]
+        tree, slots, _ = build_tree(builder, ctx, None, logq[last % 16], lambda s, start, t, p: (logq[t % 16], s),
+                                    ctx.key)
+        return tree, slots, spec.constrain_tree(c, ctx.cstate, tree, v, builder.max_depth, (0,))
+
+    tree, slots, (pruned, _, allowed) = draft_and_prune(ctx)
     assert bool(jnp.all(pruned.valid == tree.valid)) and bool(jnp.all(tree.valid))
     has_children = np.isin(np.arange(builder.num_nodes + 1) - 1, np.asarray(tree.parents[0]))
     mass = jnp.sum(jnp.where(allowed, slots, 0.0), axis=-1)[:, has_children]
