@@ -93,6 +93,22 @@ def test_greedy_equals_constrained_greedy(model, batch, name):
         assert np.all(np.asarray(out.stats["tau"]) >= 3.0), out.stats["tau"]
 
 
+@pytest.mark.slow  # ~20 s: the pushdown automaton's byte simulation compiles inside the tree step
+def test_grammar_constraint(model):
+    """A grammar (pushdown automaton on the device, per-row stacks) works the same way."""
+    from jaxdecode.constraints.grammar import compile_grammar
+    grammar = 'start: "(" item ")"\nitem: NUMBER | "[" item "," item "]"\nNUMBER: /[0-9]{1,3}/\n'
+    c = compile_grammar(grammar, model.tokenizer, vocab_size=model.config.vocab_size, eos_ids=(0,)).constraint()
+    ids = model.tokenizer("pair = ")["input_ids"]
+    toks, lens = np.asarray([ids], np.int32), np.asarray([len(ids)], np.int32)
+    ref = decode(model.config, model.params, toks, lens, max_new_tokens=16, eos_ids=(0,), constraint=c,
+                 method="greedy")
+    out = speculative_decode(model.config, model.params, _drafter(model, "adaptive"), toks, lens, max_new_tokens=16,
+                             verifier=GREEDY, eos_ids=(0,), constraint=c)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    assert int(out.lengths[0]) > 2
+
+
 def test_drafts_stay_inside_the_constraint(model, batch):
     """build_tree drafts among allowed tokens only: every node of a sampled tree is allowed after its
     parent's path, and each slot's distribution lives on its allowed set."""
