@@ -181,10 +181,15 @@ def validate_text(req: StructuredRequest, row: int, text: str | None, tokens=Non
 
 
 def _validate_grammar(grammar: str, text: str, tokens, model):
+    try:  # GBNF -> Lark as the compiler reads it
+        from jaxdecode.constraints.grammar import to_lark
+        grammar = to_lark(grammar, "auto")
+    except Exception:  # noqa: BLE001 - the compiler refused it already; lark / llguidance say why below
+        pass
     try:
         import lark
         parser = lark.Lark(grammar, parser="earley")
-    except Exception:  # not plain Lark (llguidance's dialect, GBNF): llguidance on the tokens
+    except Exception:  # noqa: BLE001 - llguidance's Lark dialect (lazy / regex extensions): on the tokens
         return _llguidance_accepts(grammar, tokens, model)
     try:
         parser.parse(text)
@@ -198,10 +203,10 @@ def _llguidance_accepts(grammar: str, tokens, model):
         return None, "none (lark cannot read the grammar)"
     try:
         import llguidance
-        import llguidance.hf
-        lltok = _llguidance_tokenizer(model)
-        text = grammar if "start" in grammar else llguidance.gbnf_to_lark(grammar)
-        matcher = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_lark(text))
+        matcher = llguidance.LLMatcher(_llguidance_tokenizer(model), llguidance.LLMatcher.grammar_from_lark(grammar),
+                                       log_level=0)
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
     except Exception as e:  # noqa: BLE001 - any reason it cannot read the grammar is reported
         return None, f"none (neither lark nor llguidance reads the grammar: {e})"
     eos = set(model.config.eos_token_ids)
