@@ -42,9 +42,10 @@ expr: NAME | NAME "(" expr ")"
 NAME: /[a-z_]+/
 """
 GBNF = r"""
-root ::= "[" items? "]"
-items ::= item ("," item)*
-item ::= [0-9]+ | root
+root ::= "[" ws items? "]"
+items ::= item ("," ws item)*
+item ::= [0-9]{1,3} ws | root ws | "\"" [^"\\]* "\"" ws   # counted repetition, classes, escapes
+ws ::= | " "
 """
 TREE = {"type": "object", "properties": {"value": {"type": "integer"}, "tag": {"type": "string"},
         "children": {"type": "array", "items": {"$ref": "#"}}}, "required": ["value", "children"]}

@@ -75,7 +75,7 @@ def to_lark(text: str, syntax: str = "auto") -> str:
         raise GrammarError(f"syntax must be 'auto', 'lark' or 'gbnf', got {syntax!r}")
     if not isinstance(text, str) or not text.strip():
         raise GrammarError("the grammar is empty; pass the grammar's text (a 'start' rule, Lark or GBNF syntax)")
-    if syntax == "gbnf" or (syntax == "auto" and re.search(r"^\s*[A-Za-z0-9_-]+\s*::=", text, re.MULTILINE)):
+    if _is_gbnf(text, syntax):
         from llguidance.gbnf_to_lark import gbnf_to_lark
 
         try:
@@ -83,7 +83,30 @@ def to_lark(text: str, syntax: str = "auto") -> str:
         except Exception as e:  # noqa: BLE001 - its parse errors are plain exceptions with a position
             raise GrammarError(f"cannot read the GBNF grammar: {e}") from None
         text = "\n".join(ln for ln in text.splitlines() if not ln.startswith("%llguidance"))
+        text = _LLG_REPEAT.sub(_lark_repeat, text)
     return text
+
+
+# llguidance's Lark writes counted repetition as x{m,n}; lark's is x ~ m..n. String and regex literals are
+# matched first so braces inside them stay as they are.
+_LLG_REPEAT = re.compile(r'"(?:[^"\\\n]|\\.)*"i?|/(?:[^/\\\n]|\\.)+/[imsxlu]*|\{(\d+)(,(\d*))?\}')
+
+
+def _lark_repeat(m):
+    if m.group(1) is None:
+        return m.group(0)
+    lo, comma, hi = m.group(1), m.group(2), m.group(3)
+    if not comma:
+        return f" ~ {lo}"
+    if hi:
+        return f" ~ {lo}..{hi}"
+    if lo in ("0", "1"):  # {0,} / {1,}
+        return "*" if lo == "0" else "+"
+    raise GrammarError(f"the repetition {{{lo},}} has no upper bound; write it as {{{lo}}} followed by *")
+
+
+def _is_gbnf(text: str, syntax: str) -> bool:
+    return syntax == "gbnf" or (syntax == "auto" and bool(re.search(r"^\s*[A-Za-z0-9_-]+\s*::=", text, re.MULTILINE)))
 
 
 @dataclasses.dataclass
@@ -116,9 +139,15 @@ def _read(text: str) -> _Grammar:
 
 
 def _literal_regex(tok) -> str:
+    from lark.exceptions import LarkError
     from lark.load_grammar import _literal_to_pattern
 
-    return _literal_to_pattern(tok).to_regexp()
+    if str(tok) in ('""', '""i'):  # the empty string (GBNF's `ws ::= | " "`): lark's own reader refuses it
+        return ""
+    try:
+        return _literal_to_pattern(tok).to_regexp()
+    except LarkError as e:
+        raise GrammarError(f"bad literal {tok!s}: {e}") from None
 
 
 # lark's common.ESCAPED_STRING is a lazy match with a lookbehind (no DFA): the same language, regular
@@ -399,7 +428,8 @@ class _Builder:
         if isinstance(t, Terminal):
             return nfa.regex(self.terms.term(t.name))
         if isinstance(t, Token):
-            return nfa.regex(_literal_regex(t))
+            rx = _literal_regex(t)
+            return nfa.regex(rx) if rx else self.seq([])
         if isinstance(t, NonTerminal):
             name = str(t.name)
             if name in self.called:
@@ -749,6 +779,11 @@ def compile_grammar(text: str, tokenizer, *, vocab_size: int | None = None, eos_
     eos_ids = tuple(int(e) for e in eos_ids)
     table, lens, v = _token_table(tokenizer, vocab_size, eos_ids)
     try:
+        if _is_gbnf(text, syntax):  # what llguidance's converter writes and lark cannot read: llguidance
+            try:
+                _read(lark_text)
+            except GrammarError as e:
+                raise _NotDevice(f"the GBNF grammar's Lark form is not readable by lark ({e})") from None
         tables = build_tables(lark_text)
         if tables.need[tables.start] >= 1 << 20:
             raise GrammarError("the grammar accepts no text (every derivation of start is infinite)")
