@@ -4,6 +4,7 @@
     g = compile_schema_grammar(schema, tokenizer)                   # JSON schemas with $ref cycles
     g.backend                                                       # "device" or "llguidance" (+ g.reason)
     out = decode(config, params, prompts, lengths, ..., constraint=g.constraint())
+    both = stack_grammars([g1, g2]); c = both.constraint(starts=[0, 1, 1])   # a grammar per row
 
 Host (compile once). lark reads the grammar (GrammarBuilder: rules as EBNF trees, terminals, %ignore;
 GBNF goes through llguidance's gbnf_to_lark first). Rules that are not on a recursion cycle are inlined;
