@@ -730,14 +730,13 @@ def speculative_decode(config, params, drafter, prompt_tokens, prompt_lengths, *
     eos_ids = validate_eos_ids(config, eos_ids)
     check_combination(config, drafter, verifier, sampler)
     check_feature_layers(config, getattr(drafter, "feature_layers", ()))
-    if constraint is not None:
-        constraint = check_constraint(config, constraint, verifier, eos_ids, max_new_tokens,
-                                      int(jnp.shape(prompt_tokens)[0]))
     n = drafter.num_nodes
     # Room: prompt + new tokens + one verification tree (N nodes + the pending root) beyond them.
     extra = n + 1 + drafter.max_depth + 1
     prompt_tokens, prompt_lengths = validate_prompts(config, prompt_tokens, prompt_lengths,
                                                      max_new_tokens)
+    if constraint is not None:
+        constraint = check_constraint(config, constraint, verifier, eos_ids, max_new_tokens, prompt_tokens.shape[0])
     width = prompt_tokens.shape[1]
     need = width + max_new_tokens + extra
     if cache_len is None:
