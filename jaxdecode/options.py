@@ -97,7 +97,7 @@ class Option:
         elif self.kind == "texts":
             text = "a non-empty string, or a list of them (one per prompt)"
         elif self.kind == "schemas":
-            text = "a dict, a JSON text or a .json file path, or a list of them (one per prompt)"
+            text = "a dict (or True / False), a JSON text or a .json file path, or a list of them (one per prompt)"
         else:
             text = "a jax.sharding.Mesh"
         if self.objects:
@@ -329,7 +329,7 @@ def check_option(name: str, value):
         import os
 
         def one(v):
-            if opt.kind == "schemas" and isinstance(v, (dict, os.PathLike)):
+            if opt.kind == "schemas" and isinstance(v, (dict, bool, os.PathLike)):  # true / false: schemas too
                 return True
             return isinstance(v, str) and bool(v.strip())
         items = [value] if one(value) else _ids(value)
@@ -406,7 +406,7 @@ def _cross_checks(method: str, opts: dict, batch: int | None) -> None:
 
 def per_prompt(value) -> bool:
     """A structured-output option given as a list (one value per prompt), not one value for all."""
-    return value is not None and not isinstance(value, (str, dict)) and not hasattr(value, "__fspath__")
+    return value is not None and not isinstance(value, (str, dict, bool)) and not hasattr(value, "__fspath__")
 
 
 def _takes_drafter_dir(drafter) -> bool:

@@ -49,7 +49,7 @@ def structured_request(opts: dict, batch: int) -> StructuredRequest | None:
 
 def _schema_text(schema) -> str:
     """A schema (dict, JSON text or file path) as canonical JSON text; a clear error for anything else."""
-    if isinstance(schema, dict):
+    if isinstance(schema, (dict, bool)):  # boolean schemas: true admits every value, false none
         return json.dumps(schema, sort_keys=True)
     text = str(schema)
     if isinstance(schema, str):
@@ -82,7 +82,7 @@ def _compile(model, kind: str, value: str, eos_ids: tuple):
             from jaxdecode.constraints.grammar_schema import compile_schema_grammar, is_recursive_schema
         except ImportError:
             is_recursive_schema = None
-        if is_recursive_schema is not None and is_recursive_schema(schema):
+        if is_recursive_schema is not None and isinstance(schema, dict) and is_recursive_schema(schema):
             return compile_schema_grammar(schema, model.tokenizer, **kw)
         return automaton.compile_json_schema(schema, model.tokenizer, **kw)
     try:

@@ -46,7 +46,7 @@ GOOD = [
     ("rule_options", {"draft": 4}), ("diffusion_cache", "dual"), ("max_forwards", 1),
     ("regex", "[0-9]+"), ("regex", ["a+", "b+"]), ("grammar", "start: \"a\"+"),
     ("json_schema", {"type": "integer"}), ("json_schema", '{"type": "string"}'), ("json_schema", "schema.json"),
-    ("json_schema", Path("schema.json")), ("json_schema", [{"type": "integer"}, "s.json"]),
+    ("json_schema", Path("schema.json")), ("json_schema", [{"type": "integer"}, "s.json"]), ("json_schema", True),
     ("num_samples", 1), ("num_samples", 64), ("samples_per_round", 1), ("samples_per_round", 4),
 ]
 
