@@ -132,6 +132,8 @@ def test_bad_requests(model):
         jaxdecode.generate(model, "a", json_schema="/nonexistent/schema.json")
     with pytest.raises(OptionError, match="regex has 3 entries but there are 2 prompts"):
         jaxdecode.generate(model, PROMPTS, regex=["a", "b", "c"])
+    with pytest.raises(automaton.AutomatonError):  # the schema `false`: no accepting path
+        jaxdecode.generate(model, "a", json_schema=False)
     # the automaton's own error surfaces unchanged
     with pytest.raises(automaton.AutomatonError) as direct:
         automaton.compile_regex("(a", model.tokenizer, vocab_size=model.config.vocab_size, cache=False)
