@@ -56,6 +56,20 @@ NUMBER: /[0-9]+/
 """
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_cache(tmp_path_factory):
+    """Grammars compile from scratch here (a disk cache from an older grammar.py must not hide a change)."""
+    import os
+
+    old = os.environ.get("JAXDECODE_CACHE")
+    os.environ["JAXDECODE_CACHE"] = str(tmp_path_factory.mktemp("grammar-cache"))
+    yield
+    if old is None:
+        os.environ.pop("JAXDECODE_CACHE")
+    else:
+        os.environ["JAXDECODE_CACHE"] = old
+
+
 @pytest.fixture(scope="module")
 def model():
     import jaxdecode
@@ -292,3 +306,15 @@ def test_lark_common_escaped_string(tok):
         return bool(c.accepting(st)[0])
 
     assert accepts('"a\\"b"') and accepts('"x\\\\"') and not accepts('"a\nb"') and not accepts('"a\\"')
+
+
+def test_disk_cache(tok, tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXDECODE_CACHE", str(tmp_path))
+    a = compile_grammar(PARENS, tok, max_depth=4)
+    assert len(list((tmp_path / "grammars").glob("*.npz"))) == 1
+    b = compile_grammar(PARENS, tok, max_depth=9)  # max_depth is not part of the key
+    assert b.max_depth == 9 and b.tables.starts == a.tables.starts and b.tables.returns == a.tables.returns
+    for k in ("kind", "next", "push", "req", "final"):
+        np.testing.assert_array_equal(getattr(a.tables, k), getattr(b.tables, k))
+    np.testing.assert_array_equal(a.code, b.code)
+    np.testing.assert_array_equal(a.pops, b.pops)

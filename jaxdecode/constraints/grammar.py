@@ -44,8 +44,12 @@ rollback need nothing special); `backend` says which one is used and `reason` wh
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
+import os
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -764,12 +768,57 @@ def _token_table(tokenizer, vocab_size, eos_ids):
     return table, lens, v
 
 
+CACHE_VERSION = 1
+
+
+def _cache_path(lark_text, tokenizer, v, eos_ids) -> Path:
+    from jaxdecode.constraints.automaton import tokenizer_fingerprint
+
+    key = hashlib.sha256(json.dumps([CACHE_VERSION, lark_text, tokenizer_fingerprint(tokenizer), v,
+                                     sorted(eos_ids)]).encode()).hexdigest()[:40]
+    root = Path(os.environ.get("JAXDECODE_CACHE", Path.home() / ".cache" / "jaxdecode"))
+    return root / "grammars" / f"{key}.npz"
+
+
+_TABLE_ARRAYS = ("kind", "next", "push", "npush", "req", "final", "need", "rule_of")
+
+
+def _device_form(lark_text, tokenizer, table, lens, eos_ids, cache):
+    """(tables, token_class, code, pops), from the disk cache when there (keyed by grammar, tokenizer bytes,
+    vocab size, EOS ids; max_depth is not part of them)."""
+    path = _cache_path(lark_text, tokenizer, len(lens), eos_ids) if cache else None
+    if path is not None and path.exists():
+        try:
+            with np.load(path, allow_pickle=True) as z:
+                if int(z["version"]) == CACHE_VERSION:
+                    meta = z["meta"].item()
+                    tables = PushdownTables(**{k: z[k] for k in _TABLE_ARRAYS}, **meta)
+                    return tables, z["token_class"], z["code"], z["pops"]
+        except Exception:  # noqa: BLE001, S110 - a stale or partial file: compile again
+            pass
+    tables = build_tables(lark_text)
+    token_class, code, pops = token_codes(tables, table, lens)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")
+            meta = {"start": tables.start, "rules": tables.rules, "returns": tables.returns, "starts": tables.starts}
+            np.savez_compressed(tmp, **{k: getattr(tables, k) for k in _TABLE_ARRAYS}, token_class=token_class,
+                                code=code, pops=pops, meta=np.array(meta, dtype=object),
+                                version=np.int32(CACHE_VERSION))
+            os.replace(tmp, path)
+        except OSError:  # a read-only home: compile again next time
+            pass
+    return tables, token_class, code, pops
+
+
 def compile_grammar(text: str, tokenizer, *, vocab_size: int | None = None, eos_ids=None, max_depth: int = 16,
-                    syntax: str = "auto", fallback: str = "llguidance") -> CompiledGrammar:
+                    syntax: str = "auto", fallback: str = "llguidance", cache: bool = True) -> CompiledGrammar:
     """Compile a grammar (Lark subset or GBNF) for `tokenizer`.
 
     max_depth: stack entries per row on the device (nesting beyond it is masked). fallback:
-    "llguidance" (host matcher when the device form cannot hold the grammar) or "error"."""
+    "llguidance" (host matcher when the device form cannot hold the grammar) or "error". cache: keep
+    device forms on disk (JAXDECODE_CACHE, default ~/.cache/jaxdecode/grammars)."""
     if fallback not in ("llguidance", "error"):
         raise GrammarError(f"fallback must be 'llguidance' or 'error', got {fallback!r}")
     if not isinstance(max_depth, int) or max_depth < 1:
@@ -785,18 +834,18 @@ def compile_grammar(text: str, tokenizer, *, vocab_size: int | None = None, eos_
                 _read(lark_text)
             except GrammarError as e:
                 raise _NotDevice(f"the GBNF grammar's Lark form is not readable by lark ({e})") from None
-        tables = build_tables(lark_text)
+        tables, token_class, code, pops = _device_form(lark_text, tokenizer, table, lens, eos_ids, cache)
         if tables.need[tables.start] >= 1 << 20:
             raise GrammarError("the grammar accepts no text (every derivation of start is infinite)")
         if tables.need[tables.start] > max_depth:
             raise _NotDevice(f"every text of the grammar nests at least {int(tables.need[tables.start])} rule calls "
                              f"deep, more than max_depth={max_depth}")
         backend, reason = "device", ""
-        token_class, code, pops = token_codes(tables, table, lens)
     except _NotDevice as e:
         if fallback == "error":
             raise GrammarError(f"the device form cannot hold this grammar: {e}") from None
-        _read(lark_text)  # syntax errors are errors on either backend
+        if not _is_gbnf(text, syntax):
+            _read(lark_text)  # syntax errors are errors on either backend
         tables, backend, reason = None, "llguidance", str(e)
         token_class = code = pops = None
         _llg_matcher(lark_text, tokenizer, v, eos_ids)  # llguidance's own checks, now
