@@ -50,7 +50,7 @@ PEERS = ("jaxdecode", "outlines-core", "xgrammar", "llguidance")
 QUICK = dict(limit=8, max_new_tokens=32, batch=4, mask_schemas=3, steps=16, repeats=2, spec_batch=1)
 # --quick: cases of these files only (small schemas: outlines-core compiles `{}` sub-schemas slowly)
 QUICK_FILES = ("type", "enum", "const", "required", "maxLength", "minimum")
-FULL = dict(limit=0, max_new_tokens=96, batch=16, mask_schemas=30, steps=64, repeats=5, spec_batch=4)
+FULL = dict(limit=0, max_new_tokens=160, batch=16, mask_schemas=30, steps=64, repeats=5, spec_batch=4)
 
 
 def log(*a):
