@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxdecode.constraints.automaton import token_bytes
-from jaxdecode.constraints.grammar import GrammarError, compile_grammar, llg_mask, stack_grammars
+from jaxdecode.constraints.grammar import GrammarError, _llg_matcher, compile_grammar, llg_mask, stack_grammars
 from jaxdecode.constraints.grammar_schema import compile_schema_grammar, is_recursive_schema, schema_to_lark
 from jaxdecode.constraints.trie import ConstraintError
 
@@ -318,3 +318,64 @@ def test_disk_cache(tok, tmp_path, monkeypatch):
         np.testing.assert_array_equal(getattr(a.tables, k), getattr(b.tables, k))
     np.testing.assert_array_equal(a.code, b.code)
     np.testing.assert_array_equal(a.pops, b.pops)
+
+
+SCHEMAS = [
+    TREE,
+    {"$defs": {"node": {"type": "object", "properties": {"v": {"enum": [1, "a", None]},
+                                                         "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}},
+                        "required": ["next"]}}, "$ref": "#/$defs/node"},
+    {"type": "object", "properties": {"a": {"type": ["integer", "string"]}, "b": {"type": "number"},
+                                      "c": {"const": [1, 2]}, "d": {"type": "boolean"}},
+     "required": ["c"], "additionalProperties": False},
+]
+
+
+@pytest.mark.parametrize("i", range(len(SCHEMAS)))
+def test_schema_grammar_texts_validate(tok, i):
+    """Random texts of each schema's grammar (llguidance walks on schema_to_lark's grammar, EOS taken
+    often) validate with jsonschema; json.dumps of valid instances are texts of the grammar."""
+    import jsonschema
+    import lark
+
+    schema = SCHEMAS[i]
+    text = schema_to_lark(schema)
+    v = len(tok)
+    rng = np.random.default_rng(i)
+    done = 0
+    for _ in range(12):
+        m, ids = _llg_matcher(text, tok, v, (0,)), []
+        for _ in range(80):
+            mask = llg_mask(m, v)
+            if mask[0] and rng.random() < 0.7:
+                break
+            ok = np.flatnonzero(mask & (np.arange(v) != 0))
+            if not ok.size:
+                break
+            t = int(rng.choice(ok))
+            m.consume_token(t)
+            ids.append(t)
+        if llg_mask(m, v)[0]:
+            jsonschema.validate(json.loads(tok.decode(ids)), schema)
+            done += 1
+    assert done >= 3
+    parser = lark.Lark(text, parser="earley")
+    for inst in ({"value": 3, "children": [{"value": -1, "tag": "t", "children": []}]},
+                 {"v": "a", "next": {"next": None}}, {"a": "x", "c": [1, 2], "d": False}):
+        try:
+            jsonschema.validate(inst, schema)
+        except jsonschema.ValidationError:
+            continue
+        parser.parse(json.dumps(inst))
+
+
+def test_mask_comparison_catches_a_wrong_table(tok):
+    """The llguidance comparison has teeth: one forbidden (state, token class) entry fails it."""
+    import dataclasses
+
+    g = _grammar(tok, "arith")
+    paren = tok.convert_tokens_to_ids("(")
+    code = g.code.copy()
+    code[g.tables.start, g.token_class[paren]] = -1  # "(" forbidden at the start
+    with pytest.raises(AssertionError):
+        _walk_compare(dataclasses.replace(g, code=code), tok, rows=1, steps=2)
