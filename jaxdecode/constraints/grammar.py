@@ -1043,9 +1043,24 @@ def token_codes(t: PushdownTables, tok_bytes, tok_len, chunk: int | None = None)
         chunk = max(1, min(64, (1 << 24) // (v * tok_bytes.shape[1] * t.push.shape[-1])))
     q = t.kind.shape[0]
     dead = q  # the appended all-forbidden row: the unknown part of the stack
-    # pass 1, every token from every state over an unknown stack: the final code of tokens that stay above it
-    everything = np.broadcast_to(np.arange(v, dtype=np.int32), (chunk, v))
-    codes = _run_pairs(c, [(s, dead) for s in range(q)], lambda qs: everything, chunk, True)  # [Q, V]
+    # pass 1, from every state over an unknown stack, the tokens whose first byte the state does not forbid
+    # (the rest are rejected whatever the stack): the final code of the tokens that stay above the stack.
+    # Two groups (two compilations): states with few such tokens run only those, the others all tokens.
+    codes = np.full((q, v), _REJECT, np.int32)
+    viable = (t.kind[:, tok_bytes[:, 0]] != 0) & (tok_len > 0)[None, :]  # [Q, V]
+    counts = viable.sum(axis=1)
+    narrow = counts <= v // 8
+    if narrow.any():
+        states = np.flatnonzero(narrow)
+        lists = _lists(viable[states], width=next_pow2(max(int(counts[states].max()), 1)))
+        part = _run_pairs(c, [(int(s), dead) for s in states], lambda qs: lists[np.searchsorted(states, qs)],
+                          chunk, True)
+        rows = np.repeat(states, lists.shape[1]).reshape(lists.shape)
+        codes[rows[lists >= 0], lists[lists >= 0]] = part[lists >= 0]
+    if (~narrow).any():
+        everything = np.broadcast_to(np.arange(v, dtype=np.int32), (chunk, v))
+        states = np.flatnonzero(~narrow)
+        codes[states] = _run_pairs(c, [(int(s), dead) for s in states], lambda qs: everything, chunk, True)
     # pass 2, the tokens that pop: into each return state the state's rule can find on the stack top;
     # a token no return state takes is rejected (xgrammar-style context-independent rejection)
     maybe = _lists(codes == _POPS, width=next_pow2(int((codes == _POPS).sum(axis=1).max())))  # [Q, M1]
