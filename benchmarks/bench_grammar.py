@@ -6,7 +6,8 @@ tokenizer is the embedded target's (byte-level BPE, V = 4096).
 
 Sections (--sections, default all):
   compile   backend ("device" / "llguidance"), states, token classes, the widest per-state list of tokens
-            simulated per step, compile seconds (device) / llguidance matcher build seconds.
+            simulated per step, compile seconds (no disk cache; the first grammar includes JAX compilation of
+            the token-level precompute) / llguidance matcher build seconds.
   mask      per-step mask cost along a text of the grammar (µs per step: mask + advance), batch 1 and 16:
             the device mask (jitted) vs llguidance's host mask (compute_bitmask per row) and, when installed,
             xgrammar's (GrammarMatcher.fill_next_token_bitmask per row, the grammar as EBNF / schema).
@@ -65,21 +66,21 @@ TEXTS = {
 }
 
 
-def _compile(name, tok, vocab_size):
+def _compile(name, tok, vocab_size, cache=True):
     from jaxdecode.constraints.grammar import compile_grammar
     from jaxdecode.constraints.grammar_schema import compile_schema_grammar
 
     if name == "tree_schema":
-        return compile_schema_grammar(TREE, tok, vocab_size=vocab_size, eos_ids=(0,))
+        return compile_schema_grammar(TREE, tok, vocab_size=vocab_size, eos_ids=(0,), cache=cache)
     text = {"json_lark": JSON_LARK, "arith": ARITH, "json_gbnf": GBNF}[name]
-    return compile_grammar(text, tok, vocab_size=vocab_size, eos_ids=(0,))
+    return compile_grammar(text, tok, vocab_size=vocab_size, eos_ids=(0,), cache=cache)
 
 
 def section_compile(names, tok, vocab_size):
     out = {}
     for name in names:
         t0 = time.perf_counter()
-        g = _compile(name, tok, vocab_size)
+        g = _compile(name, tok, vocab_size, cache=False)  # compile time without the disk cache
         sec = time.perf_counter() - t0
         t0 = time.perf_counter()
         g.matcher()
