@@ -670,3 +670,20 @@ def test_string_pattern_stays_inside_the_json_string():
     rx = am.schema_to_regex({"type": "object", "properties": {"e": {"type": "string", "pattern": "x|y"}},
                              "required": ["e"]})
     assert re.fullmatch(rx, '{"e": "x"}') and not re.fullmatch(rx, '{"e": "x')
+
+
+def test_token_classes_from_edges_equal_the_dense_way():
+    """The hashed class grouping (no [S, V] table) gives the dense np.unique grouping's partition."""
+    rng = np.random.default_rng(0)
+    for s, v, e in ((5, 40, 60), (30, 300, 2000), (1, 10, 0)):
+        src, tok, dst = rng.integers(0, s, e), rng.integers(0, v, e), rng.integers(0, s, e)
+        _, first = np.unique(src * v + tok, return_index=True)  # one transition per (state, token)
+        src, tok, dst = src[first], tok[first], dst[first]
+        tok = np.where(tok % 7 == 0, tok - tok % 14, tok)  # repeated columns
+        _, first = np.unique(src * v + tok, return_index=True)
+        src, tok, dst = src[first], tok[first], dst[first]
+        cls, nxt = am._classes_from_edges(src, tok, dst, s, v)
+        full = np.full((s, v), -1, np.int32)
+        full[src, tok] = dst
+        np.testing.assert_array_equal(nxt[:, cls], full)  # the class table spells every column
+        assert (nxt[:, 0] == -1).all() and np.unique(nxt, axis=1).shape[1] == nxt.shape[1]  # distinct columns

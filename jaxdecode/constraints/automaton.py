@@ -307,9 +307,60 @@ def from_transitions(transitions: dict, initial: int, finals, vocab_size: int, *
                              "token holds); fix the pattern or the schema")
     keep = live[rows] & live[vals]
     new_id = np.cumsum(live) - 1
-    full = np.full((int(live.sum()), vocab_size), -1, np.int32)  # [S, V], dense only on the host
-    full[new_id[rows[keep]], cols[keep]] = new_id[vals[keep]].astype(np.int32)
-    return _classify(full, np.asarray([new_id[num[initial]]], np.int32), final[live], (pattern,), tokenizer)
+    src, tok, dst = new_id[rows[keep]], cols[keep], new_id[vals[keep]]
+    token_class, nxt = _classes_from_edges(src, tok, dst, int(live.sum()), vocab_size)
+    return TokenAutomaton(token_class=token_class, next=nxt, final=final[live],
+                          initial=np.asarray([new_id[num[initial]]], np.int32), patterns=(pattern,),
+                          tokenizer=tokenizer)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a well-spread 64-bit hash of each uint64."""
+    x = x.astype(np.uint64)
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def _classes_from_edges(src, tok, dst, num_states: int, vocab_size: int):
+    """(token_class int32[V], next int32[S, C]) from the transition list (state src --tok--> dst), without
+    the dense [S, V] table: a token's column is the set of its (src, dst) pairs, summarised by two
+    64-bit sums of pair hashes; tokens with equal sums share a class, checked exactly afterwards (every
+    token agrees with its class's table column and has as many transitions), with the dense way as the
+    fallback. Class 0: tokens with no transition; the others numbered by their first token."""
+    key = src.astype(np.uint64) * np.uint64(num_states + 1) + dst.astype(np.uint64)
+    h = np.zeros((vocab_size, 2), np.uint64)
+    with np.errstate(over="ignore"):
+        np.add.at(h[:, 0], tok, _mix64(key))
+        np.add.at(h[:, 1], tok, _mix64(key ^ np.uint64(0x5DEECE66D)))
+    count = np.bincount(tok, minlength=vocab_size)
+    sig = np.concatenate([h.view(np.int64), count[:, None].astype(np.int64)], axis=1)  # [V, 3]
+    _, first, inv = np.unique(sig, axis=0, return_index=True, return_inverse=True)
+    inv = inv.reshape(-1)
+    order = np.argsort(first, kind="stable")  # classes by first token, then the empty one moved to 0
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.size)
+    cls = rank[inv]
+    empty = count == 0
+    if empty.any():
+        e = int(cls[np.flatnonzero(empty)[0]])
+        cls = np.where(cls == e, 0, np.where(cls < e, cls + 1, cls))
+    else:
+        cls = cls + 1
+    num_classes = int(cls.max()) + 1
+    nxt = np.full((num_states, num_classes), -1, np.int32)
+    nxt[src, cls[tok]] = dst
+    ok = (nxt[src, cls[tok]] == dst).all()
+    reps = np.zeros(num_classes, np.int64)
+    reps[cls] = np.arange(vocab_size)
+    ok = ok and (count == count[reps[cls]]).all() and (count[empty] == 0).all()
+    if not ok:  # a hash collision (never seen): the exact dense way
+        full = np.full((num_states, vocab_size), -1, np.int32)
+        full[src, tok] = dst
+        a = _classify(full, np.zeros(1, np.int32), np.zeros(num_states, bool), ())
+        return a.token_class, a.next
+    return cls.astype(np.int32), nxt
 
 
 def _classify(full: np.ndarray, initial, final, patterns, tokenizer: str = "") -> TokenAutomaton:
