@@ -379,3 +379,27 @@ def test_mask_comparison_catches_a_wrong_table(tok):
     code[g.tables.start, g.token_class[paren]] = -1  # "(" forbidden at the start
     with pytest.raises(AssertionError):
         _walk_compare(dataclasses.replace(g, code=code), tok, rows=1, steps=2)
+
+
+@pytest.mark.slow
+def test_speculative_greedy_equals_grammar_greedy(model):
+    """Under a recursive-schema grammar, speculative greedy (self-draft and prompt lookup) equals constrained
+    greedy token for token (slow: the speculative engine compiles twice)."""
+    import jaxdecode.verifiers as vf
+    from jaxdecode.autoregressive import decode
+    from jaxdecode.drafters import make_drafter
+    from jaxdecode.speculative import speculative_decode
+
+    g = _grammar(model.tokenizer, "tree_schema", max_depth=16)
+    c = g.constraint()
+    enc = [model.encode("tree = {"), model.encode("data = ")]
+    toks = np.zeros((2, max(map(len, enc))), np.int32)
+    for i, e in enumerate(enc):
+        toks[i, :len(e)] = e
+    toks, lens = jnp.asarray(toks), jnp.asarray([len(e) for e in enc], jnp.int32)
+    ref = decode(model.config, model.params, toks, lens, max_new_tokens=32, eos_ids=(0,), constraint=c,
+                 method="greedy")
+    for drafter in (make_drafter("draft_lm", model, draft=model, tree="chain:4"), make_drafter("prompt_lookup", model)):
+        out = speculative_decode(model.config, model.params, drafter, toks, lens, max_new_tokens=32,
+                                 verifier=vf.get_verifier("greedy"), eos_ids=(0,), constraint=c)
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
