@@ -529,6 +529,7 @@ UNSUPPORTED = [
     ({"allOf": [{"$ref": "#/$defs/a"}, {"type": "integer"}], "$defs": {"a": {"type": "integer"}}}, "allOf", "$"),
     ({"type": "string", "anyOf": [{"type": "integer"}, {"type": "null"}]}, "anyOf", "$"),
     ({"type": "integer", "maxLength": 2.5}, "maxLength", "$"),
+    ({"type": "object", "properties": {"e": {"enum": []}}}, "enum", "$.properties.e"),
     ({"type": "string", "pattern": "a+", "maxLength": 2}, "pattern", "$"),
     ({"type": "object", "properties": {"a": {"type": "object", "properties": {'q"': {"type": "null"}}}}},
      "property name", "$.properties.a"),
@@ -579,7 +580,7 @@ def test_json_schema_suite_is_sound():
     from pathlib import Path
 
     cases = json.loads((Path(__file__).parent / "data" / "json_schema_suite" / "cases.json").read_text())
-    assert sum(c["accepted"] for c in cases) >= 115
+    assert sum(c["accepted"] for c in cases) >= 114
 
     def leaks(rx, tests):
         try:

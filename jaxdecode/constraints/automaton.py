@@ -807,6 +807,8 @@ class _SchemaWalk:
         if "format" in sub and sub["format"] not in SUPPORTED_FORMATS:
             self.fail(path, f"format {sub['format']!r} is not supported by outlines-core (it knows "
                       f"{', '.join(sorted(SUPPORTED_FORMATS))}); remove it or give a 'pattern'")
+        if "enum" in sub and (not isinstance(sub["enum"], list) or not sub["enum"]):
+            self.fail(path, f"enum must be a non-empty list (an empty one admits no value), got {sub['enum']!r}")
         if "enum" in sub or "const" in sub:
             self.check_values(sub, path)
         elif bounded:
