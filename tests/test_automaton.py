@@ -688,3 +688,23 @@ def test_token_classes_from_edges_equal_the_dense_way():
         full[src, tok] = dst
         np.testing.assert_array_equal(nxt[:, cls], full)  # the class table spells every column
         assert (nxt[:, 0] == -1).all() and np.unique(nxt, axis=1).shape[1] == nxt.shape[1]  # distinct columns
+
+
+def test_random_accepted_texts_validate(tok):
+    """Random walks over each schema's token automaton (uniform over allowed tokens) end only in texts
+    that parse as JSON and validate; none gets stuck (no dead ends)."""
+    table = am.token_bytes(tok)
+    rng = np.random.default_rng(1)
+    for i, schema in enumerate(SCHEMAS):
+        auto = _check_against_outlines(schema, tok, seed=i)[0]
+        for _ in range(12):
+            s, text = int(auto.initial[0]), b""
+            for _ in range(300):
+                ok = auto.allowed_tokens(s)
+                if auto.final[s] and (not ok.size or rng.random() < 0.2):
+                    break
+                assert ok.size, (schema, text)
+                t = int(rng.choice(ok))
+                s, text = auto.step(s, t), text + table[t]
+            if auto.final[s]:
+                jsonschema.validate(json.loads(text.decode("utf-8")), schema)
