@@ -642,6 +642,9 @@ def test_schema_normal_forms_keep_the_instances():
     ok({"maxLength": 2}, ['"ab"', '123', 'null', '[1]'], ['"abc"'])
     ok({"type": "array", "maxItems": 2.0}, ['[1, 2]'], ['[1, 2, 3]'])
     ok({"type": "object", "properties": {"a": True}, "required": ["a"]}, ['{"a": [1]}', '{"a": null}'], ['{}'])
+    # object values of enum / const: outlines-core leaves their keys unescaped ('k.' matched 'kX')
+    ok({"enum": [{"k.": "a|b", "x": [1, {}]}, "p"]}, ['{"k.": "a|b", "x": [1, {}]}', '{"k.":"a|b","x":[1,{}]}', '"p"'],
+       ['{"kX": "a|b", "x": [1, {}]}', '{"k.": "a", "x": [1, {}]}'])
     with pytest.raises(AutomatonError, match="empty language"):
         am.schema_to_regex({"type": "string", "anyOf": [{"type": "integer"}]})
 

@@ -1037,6 +1037,28 @@ def _split_range(lo: int, hi: int) -> list[tuple[int, int]]:
     return out
 
 
+def _has_object(x) -> bool:
+    if isinstance(x, dict):
+        return True
+    return isinstance(x, list) and any(_has_object(v) for v in x)
+
+
+def _json_value_regex(v, ws: str) -> str:
+    """Regex of one JSON value's text, with `ws` (outlines-core's whitespace pattern) around the
+    structural characters as outlines-core writes them."""
+    if isinstance(v, dict):
+        if not v:
+            return rf"\{{{ws}\}}"
+        items = f"{ws},{ws}".join(re.escape(json.dumps(k, ensure_ascii=False)) + f"{ws}:{ws}" + _json_value_regex(x, ws)
+                                  for k, x in v.items())
+        return rf"\{{{ws}{items}{ws}\}}"
+    if isinstance(v, list):
+        if not v:
+            return rf"\[{ws}\]"
+        return rf"\[{ws}" + f"{ws},{ws}".join(_json_value_regex(x, ws) for x in v) + rf"{ws}\]"
+    return re.escape(json.dumps(v, ensure_ascii=False))
+
+
 def _rewrite(schema, markers: dict, top: bool = True):
     """A copy of the schema for outlines-core's converter: every nested schema that asserts nothing ({}
     or annotations only) written as a list of every type (outlines-core emits {} as a bare top-level
@@ -1049,6 +1071,12 @@ def _rewrite(schema, markers: dict, top: bool = True):
     if _bounded_integer(schema) and "enum" not in schema and "const" not in schema:
         marker = f"jxdint{len(markers)}x{os.getpid()}q"
         markers[marker] = int_range_regex(*_int_bounds(schema, lambda m: None))
+        return {"const": marker}
+    values = [schema["const"]] if "const" in schema else schema.get("enum")
+    if isinstance(values, list) and _has_object(values):
+        # outlines-core writes the keys of object values unescaped ('k.' would match 'kX'): own regex
+        marker = f"jxdval{len(markers)}x{os.getpid()}q"
+        markers[marker] = "(" + "|".join(_json_value_regex(v, markers.get("", "[ ]?")) for v in values) + ")"
         return {"const": marker}
     if all(_is_annotation(k) for k in schema):  # asserts nothing (annotations only)
         keep = {k: v for k, v in schema.items() if k in ("$defs", "definitions")}
@@ -1206,8 +1234,9 @@ def schema_to_regex(schema, *, whitespace: str | None = None, check: bool = True
         _SchemaWalk(schema).scan_keys(schema, "$")
         schema = _normalize(schema)
         _SchemaWalk(schema).walk(schema, "$")
-    markers: dict = {}
+    markers: dict = {"": "[ ]?" if whitespace is None else f"(?:{whitespace})"}  # "": the whitespace
     rewritten = _rewrite(schema, markers) if check else schema
+    markers.pop("")
     text = json.dumps(rewritten)
     try:
         regex = outlines_core.json_schema.build_regex_from_schema(text, whitespace)
