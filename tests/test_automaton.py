@@ -711,3 +711,18 @@ def test_random_accepted_texts_validate(tok):
                 s, text = auto.step(s, t), text + table[t]
             if auto.final[s]:
                 jsonschema.validate(json.loads(text.decode("utf-8")), schema)
+
+
+def test_filter_index_keeps_the_matching_items(tok):
+    from jaxdecode.constraints import build_index
+
+    words = ["cat", "dog", "cow1", "emu22", "Yak", "ant3"]
+    items = [tok.encode(w) for w in words]
+    idx = build_index(items, 4096, set_ids=[0, 1, 0, 1, 1, 0], num_sets=2)
+    f = am.filter_index(idx, _compile(r"[a-z]+[0-9]+", tok))
+    toks, lens, sets = f.items()
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    got = {(tok.decode(toks[a:a + n].tolist()), int(s)) for a, n, s in zip(starts, lens, sets)}
+    assert got == {("cow1", 0), ("emu22", 1), ("ant3", 0)}
+    with pytest.raises(AutomatonError, match="no item"):
+        am.filter_index(idx, _compile(r"[0-9]+", tok))

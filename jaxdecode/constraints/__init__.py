@@ -12,7 +12,8 @@ Regex / JSON schema (ALGORITHMS.md §6): token automata compiled on the host, ru
     auto = compile_regex(r"[0-9]{1,3}", tokenizer)           # or compile_json_schema(schema, tokenizer)
     out = decode(config, params, prompts, lengths, ..., constraint=auto.constraint())
     c = per_row_constraint([schema_a, r"\d+", schema_a], tokenizer)   # a pattern per batch row
-    c = intersect(index.constraint(), auto.constraint())     # both at once (any two constraints)
+    c = filter_index(index, auto).constraint()              # the items the pattern accepts (exact)
+    c = intersect(c1, c2)                                    # both at once (any two constraints)
 
 Modules: index (building, layout, save/load), trie (the Constraint protocol on the device),
 dynamic (additions / removals without a rebuild), search (constrained decoders and the model-free
@@ -20,7 +21,7 @@ beam search), automaton (regex / JSON-schema token automata), protocol (the prot
 The kernel of the step is jaxdecode.kernels.constrained.
 """
 from jaxdecode.constraints.automaton import (AutomatonConstraint, AutomatonError, TokenAutomaton, check_schema,
-                                             compile_json_schema, compile_regex, per_row_constraint,
+                                             compile_json_schema, compile_regex, filter_index, per_row_constraint,
                                              stack_automata)
 from jaxdecode.constraints.dynamic import DynamicIndex
 from jaxdecode.constraints.index import ItemSetError, TrieIndex, build_index, load_index, read_items_file
@@ -32,5 +33,5 @@ from jaxdecode.constraints.trie import Candidates, ConstraintError, TrieConstrai
 __all__ = ["AutomatonConstraint", "AutomatonError", "Candidates", "ConstrainedBeamOutput", "ConstraintError",
            "DynamicIndex", "IntersectConstraint", "ItemSetError", "TokenAutomaton", "TrieConstraint", "TrieIndex",
            "TrieState", "build_index", "check_schema", "compile_json_schema", "compile_regex",
-           "constrained_beam_search", "constrained_decode", "intersect", "load_index", "per_row_constraint",
+           "constrained_beam_search", "constrained_decode", "filter_index", "intersect", "load_index", "per_row_constraint",
            "read_items_file", "stack_automata", "trie_beam_search"]

@@ -1463,3 +1463,29 @@ def intersect_constraints(c1: AutomatonConstraint, c2: AutomatonConstraint) -> A
     per_row = c1.per_row or c2.per_row
     out = prod.constraint(starts=[distinct.index(r) for r in rows] if per_row else None, impl=c1.impl)
     return out.replace(eos_ids=c1.eos_ids)
+
+
+def filter_index(index, automaton: TokenAutomaton, pattern: int = 0):
+    """The TrieIndex of the items of `index` whose text `automaton` (pattern `pattern`) accepts: the exact
+    intersection of an item set and a regex / JSON schema (an item set is finite, so the items are
+    walked on the host). Prefer it to intersect(trie constraint, automaton constraint), whose rows can
+    reach a prefix both allow but no item completes. Item sets keep their ids; a set left empty is
+    dropped (an AutomatonError when no item is left at all)."""
+    from jaxdecode.constraints.index import build_index
+
+    if index.vocab_size > automaton.vocab_size:
+        raise AutomatonError(f"the index allows token ids up to {index.vocab_size - 1} but the automaton covers "
+                             f"{automaton.vocab_size}; compile it with vocab_size={index.vocab_size}")
+    tokens, lengths, set_ids = index.items()
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    state = np.full(lengths.shape, int(automaton.initial[pattern]), np.int64)
+    for d in range(int(lengths.max(initial=0))):  # every item one token further, as arrays
+        on = (lengths > d) & (state >= 0)
+        tok = tokens[starts[on] + d]
+        state[on] = automaton.next[state[on], automaton.token_class[tok]]
+    keep = (state >= 0) & automaton.final[np.maximum(state, 0)]
+    if not keep.any():
+        raise AutomatonError(f"no item of the index matches {automaton.patterns[pattern]!r} (an empty "
+                             "intersection)")
+    items = [tokens[a:a + n].tolist() for a, n, k in zip(starts, lengths, keep) if k]
+    return build_index(items, index.vocab_size, set_ids=set_ids[keep], num_sets=index.num_sets)

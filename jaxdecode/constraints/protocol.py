@@ -151,9 +151,9 @@ def intersect(c1, c2, *, impl: str = "auto"):
     """A constraint allowing exactly what both c1 and c2 allow (e.g. an item-set trie and a regex, or two
     automata). Two AutomatonConstraints give their product automaton (an AutomatonConstraint, exact:
     no dead ends); anything else the generic IntersectConstraint, whose rows can reach a prefix that
-    each part allows but that has no common completion (then nothing is allowed and the row ends
-    unfinished at max_new_tokens): intersect item sets with patterns they mostly satisfy. EOS ids are
-    bound to both parts by prepare."""
+    each part allows but that has no common completion (then nothing is allowed: a decoder emits a
+    forbidden token or a beam is lost). For an item set and a regex / schema use the exact
+    `automaton.filter_index(index, automaton)` instead. EOS ids are bound to both parts by prepare."""
     for i, c in enumerate((c1, c2)):
         missing = [m for m in ("prepare", "init", "allowed", "advance", "complete", "candidates", "step_to")
                    if not hasattr(c, m)]
