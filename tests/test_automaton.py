@@ -258,16 +258,13 @@ def test_eos_exactly_at_accepting_states(tok):
     fixed.constraint().prepare(4096, ())  # no continuation past acceptance: fine without EOS
 
 
-def test_packed_mask_rule_and_equality(tok):
+def test_packed_mask_rule_and_equality(tok, monkeypatch):
     autos = [_compile(x, tok) for x in [r"[0-9]{1,3}"] + SCHEMAS]
-    forms = set()
-    for a in autos:  # the rule of mask_form: bits when S * ceil(V / 32) <= S * C + V
-        want = "bits" if a.num_states * -(-a.vocab_size // 32) <= a.num_states * a.num_classes + a.vocab_size \
-            else "classes"
-        assert a.mask_form() == want and (a.constraint().bits is not None) == (want == "bits")
-        forms.add(want)
-    assert forms == {"bits", "classes"}
     big = max(autos, key=lambda a: a.num_states)
+    assert all(a.mask_form() == "bits" and a.constraint().bits is not None for a in autos)  # small tables
+    monkeypatch.setattr(am, "MASK_BITS_BUDGET", 4 * big.num_states * big.mask_words - 1)  # the rule's edge
+    assert big.mask_form() == "classes" and big.constraint().bits is None
+    assert autos[0].mask_form() == "bits"
     states = np.arange(big.num_states)
     np.testing.assert_array_equal(_device_masks(big, states, 0, "bits"), _device_masks(big, states, 0, "classes"))
     with pytest.raises(ConstraintError, match="mask must be"):

@@ -16,8 +16,9 @@ A decode step is a gather, `next[s, token_class[t]]`, and the mask of allowed to
 `next[s][token_class] >= 0` (plus the EOS ids where final[s]): no host round trip per token, so
 greedy, sampling, beam search and the constrained top-k kernel take it as they take the trie. Class 0
 is the all-forbidden class (special tokens, ids past the tokenizer, ids outlines-core never allows).
-Where it is no larger, `allowed` reads a packed bitmask row per state instead (`TokenAutomaton.bits`,
-uint32[S, ceil(V / 32)]; see `TokenAutomaton.mask_form`); `next` stays for advancing.
+Where its table fits a memory budget, `allowed` reads a packed bitmask row per state instead
+(`TokenAutomaton.bits`, uint32[S, ceil(V / 32)]; see `TokenAutomaton.mask_form`); `next` stays for
+advancing.
 
 Only live states are kept: a state from which no accepting state can be reached (over tokens the
 vocabulary has) is dropped with every transition into it, so a row can never walk into a dead end; a
@@ -138,6 +139,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 # ----------------------------------------------------------------------------- host automaton
 _MASK_FORMS = ("auto", "bits", "classes")
+MASK_BITS_BUDGET = 64 << 20  # bytes: the largest packed mask table `mask_form("auto")` puts on the device
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -205,16 +207,16 @@ class TokenAutomaton:
         return out
 
     def mask_form(self, mask: str = "auto") -> str:
-        """'bits' or 'classes': how `allowed` builds a row's mask. 'auto' takes the packed bitmask when
-        its table (S * ceil(V / 32) words) is no larger than what the class path reads for it (next,
-        S * C words, plus token_class, V words): then it is both the smaller table and the cheaper step
-        (a shift and an and per token instead of a gather); otherwise the class path."""
+        """'bits' or 'classes': how `allowed` builds a row's mask. 'auto' takes the packed bitmask when its
+        table (S * ceil(V / 32) uint32 words) fits MASK_BITS_BUDGET bytes, else the class path. A bitmask
+        row is a shift and an and per token, the class path a gather per token; the gather cost ~10x
+        more at batch 16 on CPU (notes: regex_bench_mask.py), so the bitmask is used whenever its device
+        memory is affordable (S = 3000 states at V = 128k is 48 MiB)."""
         if mask not in _MASK_FORMS:
             raise ConstraintError(f"mask must be one of {_MASK_FORMS}, got {mask!r}")
         if mask != "auto":
             return mask
-        return "bits" if self.num_states * self.mask_words <= self.num_states * self.num_classes + self.vocab_size \
-            else "classes"
+        return "bits" if 4 * self.num_states * self.mask_words <= MASK_BITS_BUDGET else "classes"
 
     def constraint(self, starts=None, *, impl: str = "auto", mask: str = "auto") -> "AutomatonConstraint":
         """The device constraint; `starts`: int[B], which stacked pattern each batch row follows (None:
