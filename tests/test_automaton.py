@@ -81,13 +81,23 @@ def _compile(spec, tokenizer, vocab_size=None, **kw):
     return compile_regex(spec, tokenizer, vocab_size=vocab_size, **kw)
 
 
+MARKER = 10**6  # the end-marker token's id in the reference index
+
+
 def _outlines_index(pattern, tokenizer, eos):
-    """outlines-core's own Index over the same id -> bytes map (the reference)."""
-    mapping = {}
+    """outlines-core's own Index over the same id -> bytes map (the reference), for `(?:pattern)` + an end
+    marker token: outlines-core 0.2.14 drops the transitions that leave an accepting state for a
+    non-accepting one (test_outlines_accepting_state_bug), so a state accepts the pattern where the
+    marker token leads on from it."""
+    mapping = {am.END_MARKER.encode(): [MARKER]}
     for i, b in enumerate(am.token_bytes(tokenizer)):
         if b and i != eos:
             mapping.setdefault(b, []).append(i)
-    return outlines_core.Index(pattern, outlines_core.Vocabulary(eos, mapping))
+    return outlines_core.Index(f"(?:{pattern}){am.END_MARKER}", outlines_core.Vocabulary(eos, mapping))
+
+
+def _accepts(index, state):
+    return index.get_transitions().get(state, {}).get(MARKER) in index.get_final_states()
 
 
 def _can_finish(index, state, memo):
@@ -98,7 +108,7 @@ def _can_finish(index, state, memo):
     seen, stack = {state}, [state]
     while stack:
         s = stack.pop()
-        if index.is_final_state(s):
+        if _accepts(index, s):
             memo[state] = True
             return True
         for n in trans.get(s, {}).values():
@@ -140,7 +150,8 @@ def _check_against_outlines(spec, tokenizer, *, walks=4, steps=10, seed=0):
         s_ref, s = index.get_initial_state(), int(auto.initial[0])
         for _ in range(steps):
             ref = set(int(t) for t in index.get_allowed_tokens(s_ref)
-                      if int(t) == eos or _can_finish(index, trans[s_ref][t], memo))
+                      if int(t) not in (eos, MARKER) and _can_finish(index, trans[s_ref][t], memo))
+            ref |= {eos} if _accepts(index, s_ref) else set()
             assert _host_mask(auto, s, eos) == ref, spec
             ours.append(s)
             theirs.append(ref)
@@ -168,6 +179,20 @@ def _check_device(results, eos):
 
 
 # ----------------------------------------------------------------------------- masks = outlines-core
+def test_outlines_accepting_state_bug(tok):
+    """outlines-core 0.2.14 loses `b` after `a` in `a(bc)?` (a transition out of an accepting state into a
+    non-accepting one); compile_regex's end marker keeps it: "1.5" and "abcd" are spelled, and every text
+    the automaton accepts on a random walk fullmatches the regex."""
+    v = outlines_core.Vocabulary(256, {bytes([b]): [b] for b in range(256)})
+    assert 98 not in outlines_core.Index("a(bc)?", v).get_transitions().get(
+        outlines_core.Index("a(bc)?", v).get_next_state(outlines_core.Index("a(bc)?", v).get_initial_state(), 97), {})
+    for pattern, text in [(r"[0-9]+(\.[0-9]+)?", "12.5"), (r"ab(cd)?", "abcd"), (r"a(bc)?", "abc")]:
+        auto = _compile(pattern, tok)
+        s = auto.walk(tok.encode(text))
+        assert s >= 0 and auto.final[s], (pattern, text)
+        assert auto.final[auto.walk(tok.encode(text[:-2]))] or pattern.startswith("[")
+
+
 @pytest.mark.parametrize("pattern", REGEXES)
 def test_regex_masks_match_outlines(pattern, tok):
     _check_against_outlines(pattern, tok)

@@ -57,7 +57,8 @@ from jaxdecode.constraints.trie import Candidates, ConstraintError
 from jaxdecode.kernels.constrained import constrained_topk
 
 _NEG = float("-inf")
-CACHE_VERSION = 2
+END_MARKER = "\U0010FFFF"  # appended to every regex before outlines-core compiles it (compile_regex)
+CACHE_VERSION = 3
 
 
 class AutomatonError(ConstraintError):
@@ -529,14 +530,30 @@ def compile_regex(pattern: str, tokenizer, *, vocab_size: int | None = None, eos
     for i, b in enumerate(tb):
         if b is not None and b and i not in eos_ids:
             mapping.setdefault(b, []).append(i)
-    eos_for_oc = eos_ids[0] if eos_ids else v  # outlines-core wants one EOS id outside the map
+    if END_MARKER in pattern:
+        raise AutomatonError(f"the regex contains U+10FFFF, the end marker jaxdecode appends to it (a Unicode "
+                             "noncharacter); remove it from the pattern")
+    # outlines-core 0.2.14 drops every transition that leaves an accepting state for a non-accepting one
+    # (`a(bc)?` never allows the `b`; `[0-9]+(\.[0-9]+)?` never the `.`). So compile (?:R)<marker> with the
+    # marker as one extra token (id v): then only the states after the marker accept, no transition is
+    # lost, and a state accepts R exactly where the marker token leads on from it. The marker's edges and
+    # the states after it are dropped below (from_transitions keeps live states only).
+    marker_id, eos_for_oc = v, v + 1  # both outside the table; outlines-core wants an EOS id outside the map
+    mapping[END_MARKER.encode("utf-8")] = [marker_id]
     try:
         vocab = outlines_core.Vocabulary(eos_for_oc, mapping)
-        index = outlines_core.Index(pattern, vocab)
+        index = outlines_core.Index(f"(?:{pattern}){END_MARKER}", vocab)
     except Exception as e:  # outlines-core raises ValueError / its own errors, all with a message
         raise _regex_error(pattern, e) from None
-    auto = from_transitions(index.get_transitions(), index.get_initial_state(), index.get_final_states(), v,
-                            pattern=pattern, drop_ids=(eos_for_oc,) + eos_ids, tokenizer=fingerprint)
+    transitions = index.get_transitions()
+    after = set(index.get_final_states())  # states past the end marker: nothing may lead into them
+    # accepting: the marker can end the text here (inside R the marker may also be an ordinary character,
+    # e.g. of [^"], leading to a non-final state: that edge is not an ending and is dropped with the id)
+    finals = {s for s, row in transitions.items() if row.get(marker_id) in after}
+    transitions = {s: {t: n for t, n in row.items() if n not in after}
+                   for s, row in transitions.items() if s not in after}
+    auto = from_transitions(transitions, index.get_initial_state(), finals, v,
+                            pattern=pattern, drop_ids=(marker_id, eos_for_oc) + eos_ids, tokenizer=fingerprint)
     if cache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
