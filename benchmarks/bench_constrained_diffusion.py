@@ -22,7 +22,7 @@ import time
 
 import jax
 import numpy as np
-from _common import heldout_prompts
+from _common import decode_in_batches, heldout_prompts, rows
 from bench_dllm_tasks import _rule
 
 from jaxdecode import diffusion as D
@@ -67,19 +67,11 @@ def main(argv=None):
     regex = re.compile(pattern, re.DOTALL)
 
     def decode_all(rule, constraint):
-        def run(lo):
-            idx = np.arange(lo, lo + batch) % n
-            out = D.diffusion_decode(config, params, prompts[idx], np.full(batch, prompts.shape[1], np.int32),
-                                     answer_length=args.answer_length, block_length=args.block_length, rule=rule,
-                                     eos_ids=eos, key=jax.random.PRNGKey(args.seed), constraint=constraint)
-            jax.block_until_ready(out.tokens)
-            return out
-        run(0)  # compile
-        outs, start = [], time.perf_counter()
-        for lo in range(0, n, batch):
-            outs.append(run(lo))
-        seconds = time.perf_counter() - start
-        cat = lambda f: np.concatenate([np.asarray(f(o)) for o in outs])[:n]
+        outs, seconds = decode_in_batches(lambda idx: D.diffusion_decode(
+            config, params, prompts[idx], np.full(batch, prompts.shape[1], np.int32),
+            answer_length=args.answer_length, block_length=args.block_length, rule=rule, eos_ids=eos,
+            key=jax.random.PRNGKey(args.seed), constraint=constraint), n, batch)
+        cat = lambda f: rows(outs, n, f)
         return (cat(lambda o: o.tokens), cat(lambda o: o.lengths), cat(lambda o: o.stats["nfe"]),
                 cat(lambda o: o.stats["tokens_per_forward"]), cat(lambda o: o.stats["unfinished"]), seconds)
 

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import numpy as np
-from _common import heldout_prompts
+from _common import decode_in_batches, heldout_prompts, rows
 from bench_dllm_tasks import _rule
 
 from jaxdecode import diffusion as D
@@ -44,19 +43,10 @@ def decode_all(config, params, rule, prefix, suffix, span: int, batch: int, key,
     shape compiles once): (tokens [n, span], nfe [n], tokens_per_forward [n], seconds of the timed pass)."""
     n = len(prefix)
 
-    def run(lo):
-        idx = np.arange(lo, lo + batch) % n
-        suf = None if suffix is None else suffix[idx]
-        out = D.diffusion_decode(config, params, prefix[idx], np.full(batch, prefix.shape[1], np.int32),
-                                 answer_length=span, rule=rule, key=key, suffix_tokens=suf, **kw)
-        jax.block_until_ready(out.tokens)
-        return out
-    run(0)  # compile
-    outs, start = [], time.perf_counter()
-    for lo in range(0, n, batch):
-        outs.append(run(lo))
-    seconds = time.perf_counter() - start
-    cat = lambda f: np.concatenate([np.asarray(f(o)) for o in outs])[:n]
+    outs, seconds = decode_in_batches(lambda idx: D.diffusion_decode(
+        config, params, prefix[idx], np.full(batch, prefix.shape[1], np.int32), answer_length=span, rule=rule,
+        key=key, suffix_tokens=None if suffix is None else suffix[idx], **kw), n, batch)
+    cat = lambda f: rows(outs, n, f)
     return cat(lambda o: o.tokens), cat(lambda o: o.stats["nfe"]), cat(lambda o: o.stats["tokens_per_forward"]), seconds
 
 

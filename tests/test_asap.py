@@ -244,7 +244,6 @@ def test_one_asap_run_on_the_embedded_model_matches_the_regex():
     assert stats["asap_samples"].shape == (1, 3, 6) and stats["asap_log_mass"][0] <= 0.0
     with pytest.raises(AsapError, match="regex="):
         run_asap(model, toks, np.asarray([toks.shape[1]], np.int32), 6, dict(opts, regex=None))
-    if "num_samples" not in method_options("asap"):
-        pytest.skip("generate(method='asap') needs num_samples / regex listed for 'asap' in jaxdecode.options")
+    assert {"num_samples", "regex"} <= set(method_options("asap"))
     out = jaxdecode.generate(model, ["x = "], method="asap", regex=pattern, num_samples=3, max_new_tokens=6, seed=0)
     assert out[0].text == text and out[0].stats["asap_valid"]

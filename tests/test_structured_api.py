@@ -50,8 +50,6 @@ def test_regex_fullmatches_and_says_valid(model):
 
 
 def test_one_schema_per_row(model):
-    if not hasattr(automaton, "stack_automata"):
-        pytest.skip("stack_automata (per-row automata) has not landed")
     schemas = [SCHEMA, OTHER, SCHEMA]
     out = jaxdecode.generate(model, PROMPTS + ["import"], max_new_tokens=16, json_schema=schemas)
     _check_schema(out, schemas)
