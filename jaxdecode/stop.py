@@ -22,9 +22,12 @@ Matching is on the generated text only (the prompt's tail is not read), as in vL
 match text exactly for byte-level BPE; SentencePiece tokenizers drop a leading space when decoding,
 which the automaton still sees.
 
-Speculative decoding: a row ends inside an accepted block at the stopping token, like an EOS; the
-engine prunes draft nodes after it, so verifiers that judge the whole draft jointly (block, gbv) are
-refused with stop strings (the cut would bias them); token-by-token verifiers and greedy are exact.
+Speculative decoding: a row ends inside an accepted block at the stopping token, like an EOS, and the
+engine prunes draft nodes after it. Token-by-token verifiers stay lossless under that cut (a draft
+length chosen from the drafted prefix; χ² in tests/test_stop.py) and greedy is exact. The verifiers
+that judge the whole draft jointly (block, gbv) are refused, as with every constraint: their proofs
+take the draft as given, and gbv truncates every path to the shortest, so one path's stop would cut
+the others.
 """
 from __future__ import annotations
 
