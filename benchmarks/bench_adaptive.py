@@ -79,12 +79,12 @@ def run_config(model, batches: list, kw: dict, repeats: int) -> dict:
         new += sum(r.stats["new_tokens"] for r in res)
         # verify_calls is per row (the steps the row took part in); plain decoding: one call per token
         verify += sum(int(r.stats.get("verify_calls", r.stats["new_tokens"])) for r in res)
-        calls += int(res[0].stats["target_calls"]) * len(res)  # one batched call serves every row
-        for k, v in res[0].stats.items():  # stats a newer engine adds (e.g. the adaptive policy's)
+        calls += int(res[0].batch_stats["target_calls"]) * len(res)  # one batched call serves every row
+        for k, v in {**res[0].batch_stats, **res[0].stats}.items():  # stats a newer engine adds (the policy's)
             if k in KNOWN_STATS:
                 continue
             if isinstance(v, (int, float, bool)):  # per row: their mean over rows
-                extra.setdefault(k, []).extend(float(r.stats[k]) for r in res)
+                extra.setdefault(k, []).extend(float({**r.batch_stats, **r.stats}[k]) for r in res)
             else:  # lists (per batch or per row): kept per batch
                 batch_stats.setdefault(k, []).append(v)
     extra = {k: float(np.mean(v)) for k, v in extra.items()}

@@ -440,7 +440,7 @@ def section_spec(cases, handles, model, args) -> dict:
             for _ in range(2):  # the first call compiles (and calibrates)
                 res = jaxdecode.generate(model, prompts, method=method, max_new_tokens=args.max_new_tokens, **extra)
             tokens = sum(r.stats["new_tokens"] for r in res)
-            times[(label, constrained)] = res[0].stats["seconds"] / max(tokens, 1)
+            times[(label, constrained)] = res[0].batch_stats["seconds"] / max(tokens, 1)
     plain = times[("greedy", False)] / times[("spec", False)]
     cons = times[("greedy", True)] / times[("spec", True)]
     return dict(source="generate, prompt_lookup", speedup_unconstrained=round(plain, 3),

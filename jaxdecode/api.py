@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -17,19 +17,30 @@ import jaxdecode.constraints.asap  # noqa: F401  (registers asap)
 import jaxdecode.diffusion  # noqa: F401  (registers diffusion / block_diffusion)
 from jaxdecode.bench import CompileClock
 from jaxdecode.model import EMBEDDED_DIR, Model, embedded_model_path, load  # noqa: F401  (public names)
-from jaxdecode.options import OPTIONS, OptionError  # noqa: F401  (public names)
+from jaxdecode.genconfig import GenerationConfig  # noqa: F401  (public name)
+from jaxdecode.options import OPTIONS, OptionError, per_prompt  # noqa: F401  (public names)
 from jaxdecode.registry import get_method, methods, register_method  # noqa: F401
 from jaxdecode.sharding import to_host
 
 
 @dataclasses.dataclass(frozen=True)
 class Generation:
-    """One prompt's result. `tokens` are the new tokens (up to and including EOS).
+    """One output. `tokens` are the new tokens (up to and including an EOS or the token that completed a
+    stop string); `text` is their text with special tokens left out (generate(skip_special_tokens=False)
+    keeps them) and cut before a stop string. `finish_reason`: "eos", "stop" (a stop string; `stop` names
+    it), "length" (max_new_tokens) or "complete" (a constraint's item ended without EOS).
+
+    `stats` are this row's own figures; `batch_stats` are the whole call's (shared by its rows: seconds,
+    compile_seconds, target_calls, the speculative drafter / tree, ...). With logprobs=True, `logprobs`
+    holds each new token's log-prob under the distribution it was drawn from, and with top_logprobs=n
+    `top_logprobs` the n most likely (token id, log-prob) pairs per step; with echo=True
+    `prompt_logprobs` the prompt tokens' (None for the first). With num_return_sequences=n a prompt gives
+    n Generations in a row (`index` 0..n-1).
 
     Under regex= / json_schema= / grammar=: `valid` says whether the text (without its EOS) satisfies
     the constraint, checked apart from the automaton by `validator` (re.fullmatch, jsonschema, lark or
     llguidance; valid None: none could read it), and `backend` names what enforced it while decoding."""
-    prompt: str | list[int]
+    prompt: Any
     text: str
     tokens: list[int]
     stats: dict
@@ -37,29 +48,99 @@ class Generation:
     constraint: str | None = None  # regex | json_schema | grammar, or None (unconstrained)
     backend: str | None = None
     validator: str | None = None
+    batch_stats: dict = dataclasses.field(default_factory=dict)
+    finish_reason: str | None = None
+    stop: str | None = None  # the stop string that ended the row
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_tokens: list[int] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    index: int = 0  # which of the prompt's num_return_sequences
 
     def to_json(self) -> dict:
-        out = {"prompt": self.prompt, "text": self.text, "tokens": self.tokens, "stats": self.stats}
+        out = {"prompt": self.prompt, "text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason,
+               "stats": self.stats}
+        for name in ("stop", "logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        if self.top_logprobs is not None:
+            out["top_logprobs"] = [[list(p) for p in step] for step in self.top_logprobs]
+        if self.index:
+            out["index"] = self.index
         if self.constraint is not None:
             out.update(valid=self.valid, constraint=self.constraint, backend=self.backend, validator=self.validator)
         return out
 
 
-# ----------------------------------------------------------------------------- generate
-def _tokenize(model: Model, prompts) -> tuple[list, list[list[int]]]:
-    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and
-                                    isinstance(prompts[0], (int, np.integer))):
-        prompts = [prompts]
-    if not isinstance(prompts, Sequence) or len(prompts) == 0:
-        raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
+# ----------------------------------------------------------------------------- prompts
+def _is_conversation(p) -> bool:
+    return isinstance(p, (list, tuple)) and bool(p) and all(isinstance(m, dict) for m in p)
+
+
+def _is_ids(p) -> bool:
+    return isinstance(p, np.ndarray) or (isinstance(p, Sequence) and not isinstance(p, str) and bool(p) and
+                                         all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in p))
+
+
+def _prompt_list(prompts, messages) -> list:
+    """The prompts as a list of items, each a text, a token-id list or a conversation."""
+    if messages is not None:
+        if prompts is not None:
+            raise ValueError("give prompts or messages=, not both (a conversation can also be an item of prompts)")
+        if _is_conversation(messages):
+            return [list(messages)]
+        if isinstance(messages, Sequence) and messages and all(_is_conversation(c) for c in messages):
+            return [list(c) for c in messages]
+        raise ValueError("messages must be a conversation (a non-empty list of {'role': ..., 'content': ...} "
+                         "dicts) or a list of conversations")
+    if prompts is None:
+        raise ValueError("give prompts (a string, token ids, or a list of them) or messages=[{'role': 'user', "
+                         "'content': ...}]")
+    if isinstance(prompts, str) or _is_ids(prompts) or _is_conversation(prompts):
+        return [prompts]
+    if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, dict)) or len(prompts) == 0:
+        raise ValueError("prompts must be a string, a list of token ids, a conversation, or a non-empty list of "
+                         "them")
+    return list(prompts)
+
+
+def apply_chat_template(model: Model, conversation) -> str:
+    """The conversation as the tokenizer's chat template writes it, with the assistant's turn opened
+    (transformers' apply_chat_template(..., add_generation_prompt=True))."""
+    for i, m in enumerate(conversation):
+        if not (isinstance(m.get("role"), str) and "content" in m):
+            raise ValueError(f"message {i} of the conversation is {m!r}: each message needs a 'role' (a string) "
+                             f"and a 'content'")
+    tok = model.tokenizer
+    if tok is None:
+        raise ValueError(f"model {model.path} has no tokenizer, so no chat template: pass token ids instead")
+    if not getattr(tok, "chat_template", None):
+        raise ValueError(f"the tokenizer of {model.path} has no chat template (no 'chat_template' in "
+                         f"tokenizer_config.json, no chat_template.jinja), so messages cannot be formatted; "
+                         f"pass the prompt as text (formatted yourself), or set model.tokenizer.chat_template")
+    return tok.apply_chat_template(list(conversation), add_generation_prompt=True, tokenize=False)
+
+
+def _tokenize(model: Model, items: list, add_special_tokens: bool | None) -> list[list[int]]:
+    """Token ids of each item: texts as the tokenizer encodes them (its own special tokens, e.g. a BOS,
+    unless add_special_tokens=False), conversations through the chat template (which writes its own
+    special tokens, so none are added: transformers' rule), token ids as given."""
     token_lists = []
-    for i, p in enumerate(prompts):
-        ids = model.encode(p) if isinstance(p, str) else [int(t) for t in p]
+    for i, p in enumerate(items):
+        if isinstance(p, str):
+            ids = model.encode(p, add_special_tokens=True if add_special_tokens is None else add_special_tokens)
+        elif _is_conversation(p):
+            ids = model.encode(apply_chat_template(model, p), add_special_tokens=bool(add_special_tokens))
+        elif _is_ids(p):
+            ids = [int(t) for t in p]
+        else:
+            raise ValueError(f"prompt {i} is {type(p).__name__} {p!r:.80}: each prompt must be a string, a list of "
+                             f"token ids or a conversation (a list of {{'role', 'content'}} dicts)")
         if not ids:
             raise ValueError(f"prompt {i} is empty (it encodes to no tokens); every prompt needs at "
                              f"least one token")
         token_lists.append(ids)
-    return list(prompts), token_lists
+    return token_lists
 
 
 class NonFiniteLogitsError(ValueError):
@@ -71,24 +152,44 @@ class NonFiniteLogitsError(ValueError):
 
 
 NONFINITE_STAT = "nonfinite_logits"  # per-row stat of every built-in method
+_LOGPROB_STATS = ("logprobs", "top_logprobs", "top_logprob_ids")  # per-token outputs, not figures
+_BEAMS = ("beam", "diverse_beam", "constrained_beam")
 
 
-def generate(model: Model, prompts, method: str = "greedy", max_new_tokens: int = 32, *,
-             temperature: float | None = None, seed: int | None = None,
-             eos_ids: Sequence[int] | None = None, **options) -> list[Generation]:
-    """Generate continuations of `prompts` (a string, a list of strings, or token-id lists).
+# ----------------------------------------------------------------------------- generate
+def generate(model: Model, prompts=None, method: str | None = None, max_new_tokens: int | None = None, *,
+             messages=None, generation_config: GenerationConfig | None = None,
+             num_return_sequences: int | None = None, add_special_tokens: bool | None = None,
+             skip_special_tokens: bool = True, echo: bool = False, temperature: float | None = None,
+             seed: int | None = None, eos_ids: Sequence[int] | None = None, _stream=None,
+             **options) -> list[Generation]:
+    """Generate continuations of `prompts`: a string, token ids, a conversation, or a list of them; or
+    `messages=` (a conversation, [{"role": "user", "content": ...}, ...], or a list of them), formatted
+    by the tokenizer's chat template with the assistant's turn opened.
+
+    As transformers does: texts are encoded with the tokenizer's special tokens (a BOS where it adds one;
+    add_special_tokens=False: none), token ids are used as given, and the returned text leaves special
+    tokens out (skip_special_tokens=False keeps them). Defaults come from `generation_config` (a
+    jaxdecode.GenerationConfig) over the checkpoint's generation_config.json (`model.generation_config`):
+    EOS ids, max_new_tokens, the method (do_sample / num_beams), temperature, top-k/p, repetition
+    penalty, stop strings; explicit arguments win (jaxdecode.genconfig). `num_return_sequences=n` gives
+    n outputs per prompt (sampling methods: n independent draws; beam methods: the n best beams).
 
     `method` is any registered name (`jaxdecode.methods()`): greedy, sample, mirostat, beam,
-    diverse_beam, and the speculative/constrained decoders. Structured output: regex=, json_schema= or
+    diverse_beam, and the speculative/constrained decoders. stop=["\n\n", ...] ends each row once its
+    text contains a stop string (a token automaton inside the loop). logprobs=True / top_logprobs=n add
+    the target's per-token log-probs; echo=True the prompt's. Structured output: regex=, json_schema= or
     grammar= (one value, or a list with one per prompt) constrains the methods in
-    jaxdecode.options.STRUCTURED; each Generation then says whether its text is `valid`. Options are the method's own; every
-    option, what it accepts and its default are in `jaxdecode.options.OPTIONS` (README, "Options").
-    All are checked before anything decodes; None means "the method's default". EOS defaults to the
-    model's eos ids. Returns one `Generation` per prompt, with stats new_tokens, target_calls,
-    seconds (the call's wall time without compilation), compile_seconds (JAX tracing + compiling
-    during the call: ~0 on a repeated call at the same shapes; None when this JAX cannot report it,
-    then seconds includes it), nonfinite_logits, and the method's own (under a structured option also
-    constraint, constraint_backend and constraint_compile_seconds: host compile time, not in seconds).
+    jaxdecode.options.STRUCTURED; each Generation then says whether its text is `valid`. Options are the
+    method's own; every option, what it accepts and its default are in `jaxdecode.options.OPTIONS`
+    (README, "Options"). All are checked before anything decodes; None means "unset".
+
+    Returns one `Generation` per output, with per-row stats (new_tokens, nonfinite_logits, the method's
+    own per-row figures) and batch_stats shared by the call: seconds (the call's wall time without
+    compilation), compile_seconds (JAX tracing + compiling during the call: ~0 on a repeated call at the
+    same shapes; None when this JAX cannot report it, then seconds includes it), target_calls, and the
+    method's batch-wide figures (under a structured option also constraint_backend and
+    constraint_compile_seconds: host compile time, not in seconds).
 
     If the model's logits were NaN/inf at a step where a row was decoding, raises
     NonFiniteLogitsError naming the rows (its `.results` holds the outputs) unless
@@ -96,23 +197,52 @@ def generate(model: Model, prompts, method: str = "greedy", max_new_tokens: int 
     """
     from jaxdecode.autoregressive import pad_prompts
     from jaxdecode.options import resolve
-    from jaxdecode.structured import build_constraint, output_text, structured_request, validate_text
-    spec = get_method(method)
+    from jaxdecode.structured import build_constraint, structured_request
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        raise TypeError(f"generation_config must be a jaxdecode.GenerationConfig (GenerationConfig.from_dict / "
+                        f".from_transformers), got {type(generation_config).__name__}")
+    defaults = generation_config.over(model.generation_config) if generation_config is not None \
+        else model.generation_config
+    spec = get_method(method if method is not None else (defaults.method() if defaults else "greedy"))
     _check_model_kind(model, spec.name)
-    given = dict(options, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                 eos_ids=eos_ids)
-    raw_prompts, token_lists = _tokenize(model, prompts)
+    items = _prompt_list(prompts, messages)
+    token_lists = _tokenize(model, items, add_special_tokens)
+    given = dict(options, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_ids=eos_ids)
+    if defaults is not None:  # the checkpoint's / caller's generation config fills what the call leaves unset
+        from jaxdecode.options import common_options
+        for k, v in defaults.options_for(spec.name, set(common_options()) | set(spec.options)).items():
+            if given.get(k) is None:
+                given[k] = v
+    n_seq = num_return_sequences if num_return_sequences is not None else (
+        defaults.num_return_sequences if defaults is not None and defaults.num_return_sequences else 1)
+    beams = spec.name in _BEAMS
+    repeat = _check_num_return_sequences(n_seq, spec.name, given)
+    if repeat > 1:  # sampling: each prompt (and its per-prompt options) n times in a row
+        token_lists = [ids for ids in token_lists for _ in range(repeat)]
+        for k in ("regex", "json_schema", "grammar", "set_ids"):
+            v = given.get(k)
+            if v is not None and per_prompt(v) and not isinstance(v, (int, np.integer)) and len(v) == len(items):
+                given[k] = [x for x in v for _ in range(repeat)]
     opts = resolve(spec.name, given, batch=len(token_lists))
     prompt_tokens, prompt_lengths = pad_prompts(token_lists)
     if opts["eos_ids"] is None:
         opts["eos_ids"] = model.config.eos_token_ids
     opts["eos_ids"] = tuple(int(e) for e in opts["eos_ids"])  # validated ints: exact
+    if beams and n_seq > opts["num_beams"]:
+        raise OptionError(f"num_return_sequences={n_seq} is more than num_beams={opts['num_beams']}: beam search "
+                          f"returns its best beams; raise num_beams")
     structured = structured_request(opts, len(token_lists))
-    constraint_stats = {}
+    batch_stats = {}
     if structured is not None:  # compiled here, before decoding and outside its timing (the disk cache helps)
         start = time.perf_counter()
         opts["constraint"], constraint_stats = build_constraint(model, structured, opts["eos_ids"])
-        constraint_stats["constraint_compile_seconds"] = round(time.perf_counter() - start, 4)
+        batch_stats.update(constraint_stats, constraint_compile_seconds=round(time.perf_counter() - start, 4))
+    stops = _stop_list(opts.get("stop"))
+    if stops:
+        from jaxdecode.stop import stop_constraint
+        opts["constraint"] = stop_constraint(model, stops, inner=opts.get("constraint"), eos_ids=opts["eos_ids"])
+    if _stream is not None:
+        opts["stream"] = _stream
     max_new_tokens = opts.pop("max_new_tokens")
     allow_nonfinite = opts.pop("allow_nonfinite")
     # seconds = the call's wall time minus JAX's tracing / lowering / compiling, reported apart as
@@ -124,23 +254,28 @@ def generate(model: Model, prompts, method: str = "greedy", max_new_tokens: int 
         wall = time.perf_counter() - start
     compile_seconds = compiling.seconds
     seconds = wall if compile_seconds is None else max(wall - compile_seconds, 0.0)
-    compile_seconds = None if compile_seconds is None else round(compile_seconds, 4)
+    batch_stats.update(seconds=round(seconds, 4),
+                       compile_seconds=None if compile_seconds is None else round(compile_seconds, 4),
+                       batch_size=len(token_lists), method=spec.name)
     per_row = set(spec.per_row_stats) | {NONFINITE_STAT}
+    for k, v in stats.items():
+        if k not in per_row and k not in _LOGPROB_STATS:
+            batch_stats[k] = v if isinstance(v, str) else _jsonable(v)
+    prompt_lp = None
+    if echo:
+        from jaxdecode.scoring import prompt_logprobs
+        prompt_lp = prompt_logprobs(model, token_lists, mesh=opts.get("mesh"))
     out = []
-    for b, prompt in enumerate(raw_prompts):
-        new = [int(t) for t in np.asarray(tokens[b])[: int(lengths[b])]]
-        row_stats = {"new_tokens": len(new), "seconds": round(seconds, 4), "compile_seconds": compile_seconds,
-                     **constraint_stats}
-        for k, v in stats.items():
-            row_stats[k] = _jsonable(np.asarray(v)[b] if k in per_row else v)
-        checked = {}
-        if structured is not None:
-            valid, validator = validate_text(structured, b, output_text(model, new, opts["eos_ids"]),
-                                             tokens=new, model=model)
-            checked = dict(valid=valid, constraint=structured.kind, validator=validator,
-                           backend=row_stats.get("constraint_backend"))
-        out.append(Generation(prompt=prompt if isinstance(prompt, str) else list(map(int, prompt)),
-                              text=model.decode(new), tokens=new, stats=row_stats, **checked))
+    for b, item in enumerate(items if repeat == 1 else [x for x in items for _ in range(repeat)]):
+        rows = [(None, int(lengths[b]), np.asarray(tokens[b]))]
+        if beams and n_seq > 1:  # the n best beams (beam search keeps them best first)
+            rows = [(j, int(np.asarray(stats["beam_lengths"])[b, j]), np.asarray(stats["beams"])[b, j])
+                    for j in range(n_seq)]
+        for j, length, row_tokens in rows:
+            out.append(_result(model, item, b, j if j is not None else (b % repeat), row_tokens[:length], stats,
+                               per_row, batch_stats, opts, max_new_tokens, stops, skip_special_tokens,
+                               structured, token_lists[b], None if prompt_lp is None else prompt_lp[b],
+                               beam=j))
     bad = [b for b, r in enumerate(out) if r.stats.get(NONFINITE_STAT)]
     if bad and not allow_nonfinite:
         dtype = model.config.dtype
@@ -152,6 +287,73 @@ def generate(model: Model, prompts, method: str = "greedy", max_new_tokens: int 
             f"their output is garbage. Likely cause: {cause}. Pass allow_nonfinite=True (CLI: "
             f"--allow-nonfinite) to get the outputs anyway.", out)
     return out
+
+
+def _check_num_return_sequences(n, method: str, given: dict) -> int:
+    """How many times each prompt is decoded (1 for beams: they return their n best)."""
+    if not (isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 1):
+        raise OptionError(f"num_return_sequences={n!r} is not accepted: give an int >= 1")
+    if n == 1 or method in _BEAMS:
+        return 1
+    samples = method in ("sample", "mirostat", "constrained_sample", "asap") or (
+        method == "speculative" and (given.get("temperature") or 0) > 0)
+    if not samples:
+        raise OptionError(f"num_return_sequences={n} with method {method!r}: greedy decoding gives the same "
+                          f"sequence every time; sample (method='sample', or temperature > 0 with "
+                          f"'speculative') or use beam search (method='beam', num_beams >= {n})")
+    return int(n)
+
+
+def _stop_list(stop) -> tuple:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def _result(model, item, b, index, new, stats, per_row, batch_stats, opts, max_new_tokens, stops,
+            skip_special_tokens, structured, prompt_ids, prompt_lp, beam=None) -> Generation:
+    """The Generation of output row b (beam j of it when `beam` is given)."""
+    from jaxdecode.stop import trim_at_stop
+    from jaxdecode.structured import output_text, validate_text
+    new = [int(t) for t in new]
+    row_stats = {"new_tokens": len(new)}
+    for k, v in stats.items():
+        if k in per_row and not (beam is not None and k in ("beams", "beam_lengths")):
+            v = np.asarray(v)[b]
+            if beam is not None and k == "beam_scores":
+                v = v[beam]
+            row_stats[k] = _jsonable(v)
+    eos = opts["eos_ids"]
+    text = model.decode(new, skip_special_tokens=skip_special_tokens)
+    hit = None
+    if stops:
+        text, hit = trim_at_stop(text, stops)
+    if hit is not None:
+        reason = "stop"
+    elif new and new[-1] in eos:
+        reason = "eos"
+    elif len(new) >= max_new_tokens:
+        reason = "length"
+    else:
+        reason = "complete"
+    lp = top = None
+    if "logprobs" in stats and beam is None:
+        lp = [float(x) for x in np.asarray(stats["logprobs"])[b][:len(new)]]
+        if "top_logprobs" in stats:
+            ids, vals = np.asarray(stats["top_logprob_ids"])[b], np.asarray(stats["top_logprobs"])[b]
+            top = [[(int(i), float(v)) for i, v in zip(ids[t], vals[t]) if i >= 0] for t in range(len(new))]
+    checked = {}
+    if structured is not None:
+        exact = output_text(model, new, eos)
+        if hit is not None and exact is not None:  # judge the text returned: the part before the stop string
+            exact = trim_at_stop(exact, stops)[0]
+        valid, validator = validate_text(structured, b, exact, tokens=new, model=model)
+        checked = dict(valid=valid, constraint=structured.kind, validator=validator,
+                       backend=batch_stats.get("constraint_backend"))
+    prompt = item if isinstance(item, str) or _is_conversation(item) else [int(t) for t in item]
+    return Generation(prompt=prompt, text=text, tokens=new, stats=row_stats, batch_stats=batch_stats,
+                      finish_reason=reason, stop=hit, logprobs=lp, top_logprobs=top, prompt_tokens=list(prompt_ids),
+                      prompt_logprobs=prompt_lp, index=index, **checked)
 
 
 def _check_model_kind(model: Model, method: str) -> None:

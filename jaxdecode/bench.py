@@ -22,7 +22,7 @@ like the others, they are the batch's real work, but left out of `same_as_first`
 over all batches is not timed (it compiles every batch's shapes: batches of different prompt lengths
 have different shapes, and a call that compiles also pays JAX dispatch work of tens of milliseconds
 that its compile events do not cover); then `repeats` timed passes. Times are `generate`'s
-`stats["seconds"]`, which exclude compilation; compilation (tracing, lowering, XLA compile) over all
+`batch_stats["seconds"]`, which exclude compilation; compilation (tracing, lowering, XLA compile) over all
 the row's calls is summed apart in `compile_seconds`.
 
 Row fields (`ROW_FIELDS`; the JSON rows have exactly these keys):
@@ -394,7 +394,7 @@ def run_bench(model, prompts: Sequence[str], methods: Sequence[str], batch_sizes
 
 
 def _compile_of(results) -> float | None:
-    return results[0].stats.get("compile_seconds")
+    return results[0].batch_stats.get("compile_seconds")
 
 
 def _add(a, b):
@@ -414,15 +414,15 @@ class _Totals:
 
     def add(self, results) -> None:
         import numpy as np
-        self.seconds += results[0].stats["seconds"]  # one call: every row holds the same seconds
-        for r in results:
-            self.tokens += r.stats["new_tokens"]
-            self.calls += r.stats.get("target_calls", 0)
+        self.seconds += results[0].batch_stats["seconds"]  # one call: the whole batch's
+        self.tokens += sum(r.stats["new_tokens"] for r in results)
+        # target_calls are the batch's (one batched forward serves every row): counted per row as before
+        self.calls += results[0].batch_stats.get("target_calls", 0) * len(results)
         if "verify_calls" in results[0].stats:
             self.spec = True
             steps = sum(r.stats["verify_calls"] for r in results)
             self.verify += steps
-            rate = np.asarray(results[0].stats.get("accept_rate_by_depth", []), float)  # the batch's
+            rate = np.asarray(results[0].batch_stats.get("accept_rate_by_depth", []), float)  # the batch's
             self.depth_sum = rate * steps if self.depth_sum is None else self.depth_sum + rate * steps
             self.depth_weight += steps
 

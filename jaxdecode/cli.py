@@ -14,7 +14,13 @@
     (the constrained-decoding benchmark is `python benchmarks/bench_constrained.py` in a checkout;
      `jaxdecode index bench` only says so)
 
-With --json, one JSON object per prompt per line: {"prompt", "text", "tokens", "stats"}.
+    jaxdecode generate --chat --prompt TEXT [--system TEXT]   (the tokenizer's chat template)
+    jaxdecode generate --prompts-file prompts.jsonl   ({"prompt": ...} | {"messages": [...]} | {"ids": [...]})
+    jaxdecode generate --stop '\n\n' --logprobs --top-logprobs 5 --echo --stream ...
+
+With --json, one JSON object per output per line: {"prompt", "text", "tokens", "finish_reason", "stats"} (+
+"logprobs", "top_logprobs", "prompt_logprobs", "stop", structured-output fields when asked), then one last
+line {"batch_stats": {...}}: the call's whole-batch figures (seconds, compile_seconds, target_calls, ...).
 """
 from __future__ import annotations
 
@@ -33,8 +39,30 @@ def _add_generate(sub):
                         "(default: the embedded target; the embedded dLLM for --method diffusion)")
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
-    src.add_argument("--prompts-file", default=None, help="a file with one prompt per line")
-    g.add_argument("--method", default="greedy", help="decoding method (see `jaxdecode methods`)")
+    src.add_argument("--prompt-ids", action="append", default=None, metavar="ID,ID,...",
+                     help="a prompt as token ids, comma-separated (repeatable); used as given (no BOS added)")
+    src.add_argument("--prompts-file", default=None,
+                     help="prompts: a .jsonl file, one JSON object per line: {\"prompt\": TEXT} or {\"messages\": "
+                          "[{\"role\": ..., \"content\": ...}, ...]} or {\"ids\": [...]}; any other file: one "
+                          "prompt per line (--prompts-format overrides the choice by extension)")
+    g.add_argument("--prompts-format", choices=["jsonl", "lines"], default=None,
+                   help="how to read --prompts-file (default: jsonl for .jsonl / .ndjson files, else lines)")
+    g.add_argument("--chat", action="store_true",
+                   help="each --prompt is a user message, formatted by the tokenizer's chat template (with "
+                        "--system as the system message)")
+    g.add_argument("--system", default=None, help="with --chat: a system message before each user message")
+    g.add_argument("--method", default=None,
+                   help="decoding method (see `jaxdecode methods`; default: the checkpoint's "
+                        "generation_config.json: sample if do_sample, beam if num_beams > 1, else greedy)")
+    g.add_argument("--num-return-sequences", type=int, default=None,
+                   help="outputs per prompt (sampling: independent draws; beam: the best beams)")
+    g.add_argument("--no-add-special-tokens", dest="add_special_tokens", action="store_const", const=False,
+                   default=None, help="encode text prompts without the tokenizer's special tokens (no BOS)")
+    g.add_argument("--keep-special-tokens", action="store_true",
+                   help="keep special tokens (EOS, chat markers) in the printed text")
+    g.add_argument("--echo", action="store_true", help="also report the prompt tokens' log-probs")
+    g.add_argument("--stream", action="store_true",
+                   help="print the text as it is produced (one prompt; the stats follow at the end)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="parameter dtype (default: float32 on CPU, the checkpoint's own on GPU/TPU)")
     # One flag per option of the table; unset flags stay None, i.e. the method's default.
@@ -82,39 +110,138 @@ def _default_model(method: str) -> str:
         return "target"
 
 
+def _read_prompts(args) -> list:
+    """The prompts of `jaxdecode generate`: texts, token-id lists or conversations."""
+    if args.prompts_file:
+        return read_prompts_file(args.prompts_file, args.prompts_format)
+    if args.prompt_ids:
+        out = []
+        for text in args.prompt_ids:
+            try:
+                out.append([int(t) for t in text.replace(" ", "").split(",") if t != ""])
+            except ValueError:
+                raise ValueError(f"--prompt-ids {text!r}: give token ids separated by commas, e.g. 1,15,27") from None
+            if not out[-1]:
+                raise ValueError("--prompt-ids: an empty list of ids")
+        return out
+    if args.prompt:
+        if not args.chat:
+            if args.system is not None:
+                raise ValueError("--system is a chat message: use it with --chat")
+            return list(args.prompt)
+        system = [] if args.system is None else [{"role": "system", "content": args.system}]
+        return [system + [{"role": "user", "content": p}] for p in args.prompt]
+    raise SystemExit("give at least one --prompt TEXT, --prompt-ids IDS or --prompts-file FILE")
+
+
+def read_prompts_file(path, fmt: str | None = None) -> list:
+    """A prompts file: JSONL ({"prompt": TEXT} | {"messages": [...]} | {"ids": [...]} per line) or one
+    prompt per line."""
+    fmt = fmt or ("jsonl" if str(path).endswith((".jsonl", ".ndjson")) else "lines")
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise FileNotFoundError(f"--prompts-file {path}: cannot read it ({e.strerror})") from None
+    if fmt == "lines":
+        prompts = [line for line in lines if line.strip()]
+        if not prompts:
+            raise ValueError(f"{path} has no non-empty lines")
+        return prompts
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not a JSON object ({e.msg}); a .jsonl prompts file has one object per "
+                             f"line (--prompts-format lines reads it as plain text)") from None
+        keys = [k for k in ("prompt", "messages", "ids") if isinstance(obj, dict) and k in obj]
+        if len(keys) != 1:
+            raise ValueError(f"{path}:{n}: each line needs exactly one of \"prompt\" (text), \"messages\" (a "
+                             f"conversation) or \"ids\" (token ids), got {line[:80]!r}")
+        value = obj[keys[0]]
+        ok = {"prompt": lambda v: isinstance(v, str) and v != "",
+              "messages": lambda v: isinstance(v, list) and bool(v) and all(isinstance(m, dict) for m in v),
+              "ids": lambda v: isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                                      for t in v)}[keys[0]](value)
+        if not ok:
+            want = {"prompt": "a non-empty string", "messages": "a non-empty list of {\"role\", \"content\"} objects",
+                    "ids": "a non-empty list of ints"}[keys[0]]
+            raise ValueError(f"{path}:{n}: \"{keys[0]}\" must be {want}")
+        prompts.append(value)
+    if not prompts:
+        raise ValueError(f"{path} has no prompts")
+    return prompts
+
+
+def _unescape(text: str) -> str:
+    """A stop string typed on a command line: backslash escapes (\\n, \\t, \\\\) read as characters."""
+    import codecs
+    return codecs.decode(text.encode("latin-1", "backslashreplace"), "unicode_escape")
+
+
 def cmd_generate(args) -> int:
     import jaxdecode
     from jaxdecode.options import OPTIONS
-    if args.prompts_file:
-        with open(args.prompts_file) as f:
-            prompts = [line.rstrip("\n") for line in f if line.strip()]
-        if not prompts:
-            raise SystemExit(f"{args.prompts_file} has no non-empty lines")
-    elif args.prompt:
-        prompts = args.prompt
-    else:
-        raise SystemExit("give at least one --prompt TEXT or --prompts-file FILE")
+    prompts = _read_prompts(args)
     options = {k: getattr(args, k) for k, o in OPTIONS.items() if o.cli is not None and getattr(args, k) is not None}
     if isinstance(options.get("set_ids"), list) and len(options["set_ids"]) == 1:
         options["set_ids"] = options["set_ids"][0]  # one --set-id: every prompt
+    if options.get("stop") is not None:
+        options["stop"] = [_unescape(t) for t in options["stop"]]
     _read_structured(options)
     for text in args.option:
         key, value = _parse_option(text)
         if key in options:
             raise SystemExit(f"option {key} is given twice (a flag and --option); give it once")
         options[key] = value
-    model = jaxdecode.load(args.model or _default_model(args.method), dtype=args.dtype)
-    results = jaxdecode.generate(model, prompts, method=args.method, **options)
+    model = jaxdecode.load(args.model or _default_model(args.method or "greedy"), dtype=args.dtype)
+    call = dict(method=args.method, num_return_sequences=args.num_return_sequences,
+                add_special_tokens=args.add_special_tokens, skip_special_tokens=not args.keep_special_tokens,
+                echo=args.echo, **options)
+    if args.stream:
+        if len(prompts) != 1:
+            raise ValueError(f"--stream prints one prompt's text as it comes; got {len(prompts)} prompts")
+        from jaxdecode.streaming import stream
+        if not args.json:
+            print(_shown_prompt(prompts[0]), end="", flush=True)
+        s = stream(model, prompts[0], **call)
+        for piece in s:
+            if not args.json:
+                print(piece, end="", flush=True)
+        if not args.json:
+            print()
+        results = s.result
+    else:
+        results = jaxdecode.generate(model, prompts, **call)
     for r in results:
         if args.json:
             print(json.dumps(r.to_json()))
-        else:
-            print(f"--- prompt: {r.prompt!r}")
-            print(r.prompt + r.text if isinstance(r.prompt, str) else r.text)
+        elif not args.stream:
+            print(f"--- prompt: {r.prompt!r}" + (f" (output {r.index + 1})" if r.index else ""))
+            print(_shown_prompt(r.prompt) + r.text)
+        if not args.json:
             if r.constraint is not None:
                 print(f"    valid: {r.valid} ({r.constraint} checked by {r.validator}; enforced by {r.backend})")
+            print(f"    finish: {r.finish_reason}" + (f" (stop string {r.stop!r})" if r.stop is not None else ""))
+            if r.logprobs is not None:
+                print(f"    logprobs: {[round(x, 4) for x in r.logprobs]}")
+            if r.top_logprobs is not None:
+                print(f"    top_logprobs: {[[(i, round(v, 4)) for i, v in step] for step in r.top_logprobs]}")
+            if r.prompt_logprobs is not None:
+                print(f"    prompt_logprobs: {[None if x is None else round(x, 4) for x in r.prompt_logprobs]}")
             print(f"    stats: {r.stats}")
+    batch = results[0].batch_stats if results else {}
+    # Whole-call figures once (every row shares them): a last line {"batch_stats": ...} under --json.
+    print(json.dumps({"batch_stats": batch}) if args.json else f"batch stats: {batch}")
     return 0
+
+
+def _shown_prompt(prompt) -> str:
+    """What the text output prints before a row's new text: a text prompt itself, nothing for ids / chats."""
+    return prompt if isinstance(prompt, str) else ""
 
 
 def _read_structured(options: dict) -> None:

@@ -18,21 +18,26 @@ EMBEDDED_DIR = Path(_models_pkg.__file__).resolve().parent / "embedded"
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-    """A loaded model: static config, parameter pytree, tokenizer (or None) and where it came from."""
+    """A loaded model: static config, parameter pytree, tokenizer (or None), where it came from, and the
+    checkpoint's generation defaults (generation_config.json, or None: jaxdecode.genconfig)."""
     config: ModelConfig
     params: Any
     tokenizer: Any = None
     path: str | None = None
+    generation_config: Any = None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` as transformers encodes it: with the tokenizer's own special tokens (a BOS
+        where the tokenizer adds one) unless add_special_tokens=False."""
         if self.tokenizer is None:
             raise ValueError(f"model {self.path} has no tokenizer files; pass prompts as token-id lists")
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def decode(self, tokens: Sequence[int]) -> str:
+    def decode(self, tokens: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `tokens`; special tokens (EOS, chat markers) are left out unless skip_special_tokens=False."""
         if self.tokenizer is None:
             return " ".join(str(int(t)) for t in tokens)
-        return self.tokenizer.decode(list(tokens), skip_special_tokens=False)
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=skip_special_tokens)
 
 
 EMBEDDED_NAMES = ("target", "draft", "dllm")  # the causal target, its draft LM, the diffusion LM
@@ -91,4 +96,6 @@ def load(path: str | Path | None = None, *, dtype: str | None = None, mesh=None)
     if mesh is not None:
         from jaxdecode.sharding import shard_params
         params = shard_params(params, mesh)
-    return Model(config=config, params=params, tokenizer=load_tokenizer(path), path=str(path))
+    from jaxdecode.genconfig import GenerationConfig
+    return Model(config=config, params=params, tokenizer=load_tokenizer(path), path=str(path),
+                 generation_config=GenerationConfig.from_pretrained(path))

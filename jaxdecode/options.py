@@ -28,6 +28,10 @@ DIFFUSION = ("diffusion", "block_diffusion")
 # Methods that take a regex / JSON-schema / grammar constraint (the decoders' `constraint=`).
 STRUCTURED = ("greedy", "sample", "mirostat", "beam", "diverse_beam", "speculative", "diffusion", "block_diffusion",
               "asap")
+# Methods that stop rows at stop strings (a token automaton run inside the loop: jaxdecode.stop).
+STOPPING = ("greedy", "sample", "mirostat", "beam", "diverse_beam", "speculative")
+# Methods that report per-token log-probs (the target's, under the distribution tokens are drawn from).
+LOGPROBS = ("greedy", "sample", "mirostat", "speculative")
 STRUCTURED_OPTIONS = ("regex", "json_schema", "grammar")  # each builds a constraint: one at most, not with index
 SEED_MAX = 2**32 - 1  # jax.random.PRNGKey wraps larger seeds onto smaller ones
 
@@ -39,7 +43,7 @@ class OptionError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Option:
     name: str
-    kind: str  # int | float | bool | str | ids (list of ints) | int_or_ids | dict | mesh | texts | schemas
+    kind: str  # int | float | bool | str | ids (list of ints) | int_or_ids | dict | mesh | texts | schemas | stops
     doc: str
     methods: tuple  # canonical method names, or (ALL,)
     default: Any = None  # a value, {method: value}, or None (the method decides: default_doc)
@@ -96,6 +100,8 @@ class Option:
             text = "a dict with string keys"
         elif self.kind == "texts":
             text = "a non-empty string, or a list of them (one per prompt)"
+        elif self.kind == "stops":
+            text = "a non-empty string, or a list of them (the same for every prompt)"
         elif self.kind == "schemas":
             text = "a dict (or True / False), a JSON text or a .json file path, or a list of them (one per prompt)"
         else:
@@ -159,6 +165,13 @@ _TABLE = (
            "(stats['nonfinite_logits'] marks the rows) instead of raising", (ALL,), False),
     Option("mesh", "mesh", "device mesh: batch over 'data', parameters over 'model'", (ALL,),
            default_doc="one device", cli=None),
+    Option("stop", "stops", "stop strings: a row stops once its generated text contains one (checked inside "
+           "the loop by a token automaton); the returned text ends before it", STOPPING, default_doc="none",
+           cli_repeat=True),
+    Option("logprobs", "bool", "report each new token's log-prob under the distribution it was drawn from "
+           "(the target's: after penalties, temperature, truncation and constraints)", LOGPROBS, False),
+    Option("top_logprobs", "int", "also report the n most likely tokens of that distribution at each "
+           "step (implies logprobs)", LOGPROBS, 0, low=0, high=20),
     # ------------------------------------------------------------------ sampling
     Option("temperature", "float", "logits / T before truncation; 0 = greedy", SAMPLING,
            {"sample": 1.0, "mirostat": 1.0, "constrained_sample": 1.0, "speculative": 0.0, "asap": 1.0}, low=0),
@@ -334,6 +347,9 @@ def check_option(name: str, value):
             return isinstance(v, str) and bool(v.strip())
         items = [value] if one(value) else _ids(value)
         ok = bool(items) and all(one(v) for v in items)
+    elif opt.kind == "stops":  # whitespace is a fine stop string ("\n\n"); the empty string would stop at once
+        items = [value] if isinstance(value, str) else _ids(value)
+        ok = bool(items) and all(isinstance(v, str) and v for v in items)
     elif opt.kind == "mesh":
         import jax
         ok = isinstance(value, jax.sharding.Mesh)

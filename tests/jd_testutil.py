@@ -57,3 +57,30 @@ def make_checkpoint(kind: str, out_dir, vocab_size: int = 320, seed: int = 0, **
     make_hf_model(kind, vocab_size, seed, **overrides).save_pretrained(str(out_dir))
     make_tokenizer(out_dir, vocab_size)
     return out_dir
+
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def make_bos_tokenizer(out_dir, vocab_size: int = 320, chat_template: str | None = CHATML):
+    """A Llama-style tokenizer: byte-level BPE whose encoding starts with a BOS `<s>` (a post-processor, as
+    Llama / Mistral tokenizers do), EOS `</s>`, ChatML markers as special tokens and, by default, a ChatML
+    chat template. Special ids: <s> 0, </s> 1, <|im_start|> 2, <|im_end|> 3."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([TEXT], trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="</s>",
+                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    fast.save_pretrained(str(out_dir))
+    return fast

@@ -19,8 +19,8 @@ def test_load_and_generate_text(model):
     assert len(out) == 2
     for r in out:
         assert r.stats["new_tokens"] == 5 == len(r.tokens)
-        assert r.stats["target_calls"] == 5  # prefill (gives the first token) + 4 decode steps
-        assert r.stats["seconds"] > 0
+        assert r.batch_stats["target_calls"] == 5  # prefill (gives the first token) + 4 decode steps
+        assert r.batch_stats["seconds"] > 0
         assert r.text == model.decode(r.tokens)
 
 
@@ -59,11 +59,13 @@ def test_cli_generate_json(tiny_llama_dir, capsys):
     rc = main(["generate", "--model", str(tiny_llama_dir), "--prompt", "def add(", "--prompt",
                "class", "--method", "greedy", "--max-new-tokens", "4", "--json"])
     assert rc == 0
-    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    *lines, last = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     assert [x["prompt"] for x in lines] == ["def add(", "class"]
     for x in lines:
-        assert set(x) == {"prompt", "text", "tokens", "stats"}
-        assert {"new_tokens", "target_calls", "seconds"} <= set(x["stats"])
+        assert set(x) == {"prompt", "text", "tokens", "finish_reason", "stats"}
+        assert {"new_tokens", "nonfinite_logits"} <= set(x["stats"]) and "seconds" not in x["stats"]
+    # The whole call's figures once, on a last line.
+    assert {"target_calls", "seconds", "compile_seconds", "batch_size"} <= set(last["batch_stats"])
 
 
 def test_cli_prompts_file_and_sampling(tiny_llama_dir, tmp_path, capsys):
@@ -73,7 +75,7 @@ def test_cli_prompts_file_and_sampling(tiny_llama_dir, tmp_path, capsys):
                "sample", "--temperature", "0.7", "--top-p", "0.9", "--seed", "1",
                "--max-new-tokens", "3", "--json"])
     assert rc == 0
-    assert len(capsys.readouterr().out.strip().splitlines()) == 2
+    assert len(capsys.readouterr().out.strip().splitlines()) == 2 + 1  # + the batch_stats line
 
 
 def test_cli_errors_are_clear(tiny_llama_dir, capsys):

@@ -18,10 +18,10 @@ def model(tiny_llama_dir):
 def test_generate_reports_compile_seconds_apart(model):
     # eos_ids is a static argument: ids no other test uses make this call compile, whatever ran before
     eos = (301, 302, 303)
-    first = jaxdecode.generate(model, ["import sys"], method="greedy", max_new_tokens=5, eos_ids=eos)[0].stats
+    first = jaxdecode.generate(model, ["import sys"], method="greedy", max_new_tokens=5, eos_ids=eos)[0].batch_stats
     assert first["compile_seconds"] > 0
     assert first["seconds"] < first["compile_seconds"]  # a tiny model decodes 5 tokens faster than XLA compiles
-    again = jaxdecode.generate(model, ["import sys"], method="greedy", max_new_tokens=5, eos_ids=eos)[0].stats
+    again = jaxdecode.generate(model, ["import sys"], method="greedy", max_new_tokens=5, eos_ids=eos)[0].batch_stats
     assert again["compile_seconds"] < 0.01
     assert again["seconds"] < first["compile_seconds"]
 

@@ -185,5 +185,5 @@ def test_cli_drafter_dllm(tiny_llama_dir, tmp_path, capsys):
                    ["--method", "speculative", "--drafter", "dllm", "--draft", str(out_dir), "--no-adaptive"]):
         assert main(["generate", "--model", str(tiny_llama_dir), "--prompt", "def add(", "--max-new-tokens",
                      "6", "--json", *method]) == 0
-        runs[method[1]] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"]
+        runs[method[1]] = json.loads(capsys.readouterr().out.strip().splitlines()[0])["tokens"]
     assert runs["greedy"] == runs["speculative"]

@@ -30,7 +30,7 @@ def test_diffusion_decodes_it_and_the_cli_defaults_to_it(dllm, capsys):
     one = jaxdecode.generate(dllm, "import os\n", method="diffusion", max_new_tokens=8, rule="threshold")
     assert main(["generate", "--method", "diffusion", "--prompt", "import os\n", "--max-new-tokens", "8",
                  "--rule", "threshold", "--json"]) == 0
-    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[0])
     assert row["tokens"] == one[0].tokens  # the same model, found without --model
 
 

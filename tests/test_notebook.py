@@ -14,6 +14,7 @@ def test_quickstart_notebook_runs(tmp_path):
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
                       for o in c.get("outputs", []))
     assert "[greedy]" in outputs and "[beam]" in outputs and "target_calls" in outputs
+    assert "finish: stop" in outputs and "logprob" in outputs and "speculative == greedy: True" in outputs
 
 
 TRAINING = NOTEBOOK.parent / "speculative_training.ipynb"

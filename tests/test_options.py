@@ -45,6 +45,7 @@ GOOD = [
     ("threshold", 0), ("threshold", 0.9), ("threshold", 1), ("tokens_per_step", 2), ("filter", "path/to/filter"),
     ("rule_options", {"draft": 4}), ("diffusion_cache", "dual"), ("max_forwards", 1),
     ("regex", "[0-9]+"), ("regex", ["a+", "b+"]), ("grammar", "start: \"a\"+"),
+    ("stop", "\n\n"), ("stop", ["def ", " "]), ("logprobs", True), ("top_logprobs", 0), ("top_logprobs", 20),
     ("json_schema", {"type": "integer"}), ("json_schema", '{"type": "string"}'), ("json_schema", "schema.json"),
     ("json_schema", Path("schema.json")), ("json_schema", [{"type": "integer"}, "s.json"]), ("json_schema", True),
     ("num_samples", 1), ("num_samples", 64), ("samples_per_round", 1), ("samples_per_round", 4),
@@ -84,7 +85,8 @@ BAD = [
     ("rule", "nope"), ("rule", 3), ("answer_length", 0), ("block_length", 0), ("block_length", 2.0),
     ("threshold", -0.1), ("threshold", 1.5), ("threshold", NAN), ("tokens_per_step", 0), ("filter", 5),
     ("rule_options", [1]), ("diffusion_cache", "exact"), ("max_forwards", 0),
-    ("regex", ""), ("regex", 5), ("regex", ["a", 3]), ("regex", []), ("grammar", {"start": "a"}), ("grammar", " "),
+    ("stop", ""), ("stop", ["a", ""]), ("stop", []), ("stop", 3), ("logprobs", 1), ("top_logprobs", 21),
+    ("top_logprobs", -1), ("regex", ""), ("regex", 5), ("regex", ["a", 3]), ("regex", []), ("grammar", {"start": "a"}), ("grammar", " "),
     ("json_schema", 5), ("json_schema", []), ("json_schema", [{"type": "integer"}, 2]),
     ("num_samples", 0), ("num_samples", 2.0), ("samples_per_round", 0), ("samples_per_round", True),
 ]
@@ -168,7 +170,9 @@ def test_third_party_options_pass_through():
 
 
 # ----------------------------------------------------------------------------- CLI and README
-FIXED_FLAGS = {"help", "model", "prompt", "prompts_file", "method", "dtype", "option", "json"}
+FIXED_FLAGS = {"help", "model", "prompt", "prompts_file", "method", "dtype", "option", "json", "prompt_ids",
+               "prompts_format", "chat", "system", "num_return_sequences", "add_special_tokens", "keep_special_tokens",
+               "echo", "stream"}  # generate() arguments that are not method options
 
 
 def _generate_parser():

@@ -30,7 +30,7 @@ def _check_schema(results, schemas):
         assert r.tokens[-1] == 0, r.text  # ended by EOS, allowed only where the JSON is complete
         jsonschema.validate(json.loads(r.text.removesuffix("<|endoftext|>")), schema)
         assert (r.valid, r.constraint, r.validator) == (True, "json_schema", "jsonschema")
-        assert r.backend == r.stats["constraint_backend"] and "device" in r.backend
+        assert r.backend == r.batch_stats["constraint_backend"] and "device" in r.backend
 
 
 @pytest.mark.parametrize("method", [m for m in STRUCTURED if m in METHOD_OPTIONS])
@@ -93,7 +93,7 @@ def test_grammar_and_recursive_schema(model, cli_model, tmp_path, capsys):
     path = tmp_path / "expr.lark"
     path.write_text(GRAMMAR)
     assert main(["generate", "--prompt", "x = ", "--grammar", str(path), "--max-new-tokens", "12", "--json"]) == 0
-    row = json.loads(capsys.readouterr().out)
+    row = json.loads(capsys.readouterr().out.splitlines()[0])
     assert row["constraint"] == "grammar" and row["validator"] == "lark" and row["valid"] is out.valid
 
 
@@ -102,7 +102,7 @@ def test_cli_regex_and_json_schema(cli_model, tmp_path, capsys):
     path.write_text(json.dumps(SCHEMA))
     assert main(["generate", "--prompt", "a", "--prompt", "b", "--json-schema", str(path), "--max-new-tokens",
                  "16", "--json"]) == 0
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()][:-1]  # then batch_stats
     assert len(rows) == 2 and all(r["valid"] is True and r["validator"] == "jsonschema" for r in rows)
     assert all(r["constraint"] == "json_schema" and "device" in r["backend"] for r in rows)
     assert main(["generate", "--prompt", "a", "--regex", PATTERN, "--max-new-tokens", "10"]) == 0

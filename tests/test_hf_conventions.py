@@ -1,0 +1,192 @@
+"""generate() as transformers users expect it: BOS / special tokens, generation_config.json, chat templates,
+num_return_sequences, token-for-token parity with transformers.generate on tiny random checkpoints."""
+import json
+
+import numpy as np
+import pytest
+
+import jaxdecode
+from jaxdecode.genconfig import GenerationConfig, GenerationConfigError
+from jaxdecode.options import OptionError
+from jd_testutil import make_bos_tokenizer, make_hf_model
+
+N_NEW = 12
+
+
+def _hf_greedy(hf, ids, max_new_tokens, **kw):
+    import torch
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          max_new_tokens=max_new_tokens, do_sample=False, **kw)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def bos_model(tmp_path_factory):
+    """A Llama checkpoint whose tokenizer adds a BOS, with a ChatML template, and whose
+    generation_config.json lists two EOS ids (config.json names only </s>): the second is the token greedy
+    decoding emits 4th after the chat prompt, so transformers and jaxdecode must both stop there."""
+    import transformers as tf
+    d = tmp_path_factory.mktemp("bos_llama")
+    hf = make_hf_model("llama", vocab_size=320, seed=3, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    hf.generation_config = tf.GenerationConfig(bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    tok = make_bos_tokenizer(d)
+    chat_ids = tok.apply_chat_template([{"role": "user", "content": "def add(a, b):"}], add_generation_prompt=True,
+                                       tokenize=False)
+    free = _hf_greedy(hf, tok(chat_ids, add_special_tokens=False).input_ids, N_NEW, eos_token_id=None)
+    stop_tok = free[3]
+    assert stop_tok not in free[:3]
+    hf.generation_config = tf.GenerationConfig(bos_token_id=0, eos_token_id=[1, stop_tok], pad_token_id=1)
+    hf.save_pretrained(str(d))
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["eos_token_id"] == 1  # only the generation config knows the second EOS
+    return d, hf, tok, stop_tok
+
+
+def test_text_prompts_get_the_tokenizers_bos_and_match_transformers(bos_model):
+    d, hf, tok, _ = bos_model
+    model = jaxdecode.load(d)
+    for prompt in ("def add(a, b):", "import os"):
+        ids = tok(prompt).input_ids
+        assert ids[0] == 0  # the tokenizer's BOS
+        r = jaxdecode.generate(model, prompt, max_new_tokens=N_NEW)[0]
+        assert r.prompt_tokens == ids
+        assert r.tokens == _hf_greedy(hf, ids, N_NEW)
+        no_bos = jaxdecode.generate(model, prompt, max_new_tokens=4, add_special_tokens=False)[0]
+        assert no_bos.prompt_tokens == ids[1:]
+    ids = [5, 17, 40]  # token ids: used as given, nothing added
+    assert jaxdecode.generate(model, ids, max_new_tokens=3)[0].prompt_tokens == ids
+
+
+def test_generation_config_eos_list_and_chat_template_match_transformers(bos_model):
+    d, hf, tok, stop_tok = bos_model
+    model = jaxdecode.load(d)
+    assert model.generation_config.eos_token_id == (1, stop_tok)
+    conv = [{"role": "user", "content": "def add(a, b):"}]
+    ids = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    expected = _hf_greedy(hf, ids, N_NEW)  # transformers reads generation_config.json: stops at stop_tok
+    assert expected[-1] == stop_tok and len(expected) == 4
+    r = jaxdecode.generate(model, messages=conv, max_new_tokens=N_NEW)[0]
+    assert r.prompt_tokens == ids and r.tokens == expected and r.finish_reason == "eos"
+    assert r.text == tok.decode(expected, skip_special_tokens=True)
+    kept = jaxdecode.generate(model, messages=conv, max_new_tokens=N_NEW, skip_special_tokens=False)[0]
+    assert kept.text == tok.decode(expected, skip_special_tokens=False)
+    # A conversation is also an item of prompts (mixed with text in one batch).
+    both = jaxdecode.generate(model, [conv, "import os"], max_new_tokens=N_NEW)
+    assert both[0].tokens == expected and both[1].prompt_tokens == tok("import os").input_ids
+    # An explicit eos_ids wins over the generation config.
+    longer = jaxdecode.generate(model, messages=conv, max_new_tokens=N_NEW, eos_ids=[1])[0]
+    assert longer.tokens[:4] == expected and len(longer.tokens) > 4
+
+
+def test_special_tokens_are_skipped_in_text_by_default(bos_model):
+    d, _, tok, _ = bos_model
+    model = jaxdecode.load(d)
+    r = jaxdecode.generate(model, [0, 2, 88], max_new_tokens=6, eos_ids=[])[0]
+    assert r.text == tok.decode(r.tokens, skip_special_tokens=True)
+
+
+def test_generation_config_defaults_and_precedence(bos_model, tmp_path):
+    d, _, _, _ = bos_model
+    model = jaxdecode.load(d)
+    cfg = GenerationConfig(max_new_tokens=3, do_sample=True, temperature=0.7, top_k=5)
+    r = jaxdecode.generate(model, "import os", generation_config=cfg, eos_ids=[], seed=1)[0]
+    assert r.batch_stats["method"] == "sample" and len(r.tokens) == 3
+    assert len(jaxdecode.generate(model, "import os", generation_config=cfg, max_new_tokens=5, eos_ids=[])[0].tokens) == 5
+    greedy = jaxdecode.generate(model, "import os", generation_config=cfg, method="greedy", eos_ids=[])[0]
+    assert greedy.batch_stats["method"] == "greedy"
+    # The same defaults from a checkpoint's generation_config.json (copy the checkpoint, new file).
+    import shutil
+    d2 = tmp_path / "ckpt"
+    shutil.copytree(d, d2)
+    (d2 / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.7, "top_k": 5,
+                                                             "max_new_tokens": 3, "eos_token_id": [1, 3],
+                                                             "transformers_version": "5.0", "foo": 1}))
+    m2 = jaxdecode.load(d2)
+    assert m2.generation_config.unused == ("foo",)
+    r2 = jaxdecode.generate(m2, "import os", seed=1)[0]
+    assert r2.batch_stats["method"] == "sample" and len(r2.tokens) <= 3
+    a = jaxdecode.generate(m2, "import os", seed=1, eos_ids=[])[0]
+    b = jaxdecode.generate(model, "import os", method="sample", temperature=0.7, top_k=5, max_new_tokens=3,
+                           seed=1, eos_ids=[])[0]
+    assert a.tokens == b.tokens
+    # transformers.GenerationConfig converts (only what it was given).
+    import transformers as tf
+    c = GenerationConfig.from_transformers(tf.GenerationConfig(do_sample=True, top_p=0.9, eos_token_id=[1, 2]))
+    assert (c.do_sample, c.top_p, c.eos_token_id, c.temperature) == (True, 0.9, (1, 2), None)
+
+
+def test_num_return_sequences(bos_model):
+    d, _, _, _ = bos_model
+    model = jaxdecode.load(d)
+    out = jaxdecode.generate(model, ["import os", "def add"], method="sample", num_return_sequences=3,
+                             max_new_tokens=8, eos_ids=[], seed=0)
+    assert [(r.prompt, r.index) for r in out] == [(p, i) for p in ("import os", "def add") for i in range(3)]
+    assert len({tuple(r.tokens) for r in out[:3]}) > 1  # independent draws
+    beams = jaxdecode.generate(model, "import os", method="beam", num_beams=4, num_return_sequences=2,
+                               max_new_tokens=6, eos_ids=[])
+    best = jaxdecode.generate(model, "import os", method="beam", num_beams=4, max_new_tokens=6, eos_ids=[])[0]
+    assert len(beams) == 2 and beams[0].tokens == best.tokens and beams[1].tokens != best.tokens
+    assert beams[0].stats["beam_scores"] >= beams[1].stats["beam_scores"]
+
+
+def test_bad_input_is_a_clear_error(tiny_gpt2_dir, bos_model):
+    model = jaxdecode.load(tiny_gpt2_dir)  # its tokenizer has no chat template
+    with pytest.raises(ValueError, match="no chat template"):
+        jaxdecode.generate(model, messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError, match="'role'"):
+        jaxdecode.generate(jaxdecode.load(bos_model[0]), messages=[{"content": "hi"}])
+    with pytest.raises(OptionError, match="stop"):
+        jaxdecode.generate(model, "import os", stop="")
+    with pytest.raises(OptionError, match="stop"):
+        jaxdecode.generate(model, "import os", stop=["\n", ""])
+    with pytest.raises(OptionError, match="greedy decoding gives the same sequence"):
+        jaxdecode.generate(model, "import os", num_return_sequences=2)
+    with pytest.raises(OptionError, match="num_beams"):
+        jaxdecode.generate(model, "import os", method="beam", num_beams=2, num_return_sequences=3)
+    with pytest.raises(ValueError, match="not both"):
+        jaxdecode.generate(model, "x", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(GenerationConfigError, match="top_p"):
+        GenerationConfig(top_p=1.5)
+    with pytest.raises(GenerationConfigError, match="beam sampling"):
+        jaxdecode.generate(model, "x", generation_config=GenerationConfig(do_sample=True, num_beams=2))
+
+
+def test_cli_chat_jsonl_prompt_ids_and_batch_stats_once(bos_model, tmp_path, capsys):
+    from jaxdecode.cli import main
+    d, hf, tok, stop_tok = bos_model
+    conv = [{"role": "user", "content": "def add(a, b):"}]
+    ids = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    expected = _hf_greedy(hf, ids, N_NEW)
+    assert main(["generate", "--model", str(d), "--chat", "--prompt", "def add(a, b):", "--max-new-tokens",
+                 str(N_NEW), "--json"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert lines[0]["tokens"] == expected and list(lines[-1]) == ["batch_stats"] and len(lines) == 2
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps(x) for x in ({"messages": conv}, {"prompt": "multi\nline"},
+                                                    {"ids": [5, 6, 7]})) + "\n")
+    assert main(["generate", "--model", str(d), "--prompts-file", str(f), "--max-new-tokens", str(N_NEW),
+                 "--json"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert lines[0]["tokens"] == expected and lines[1]["prompt"] == "multi\nline" and lines[2]["prompt"] == [5, 6, 7]
+    assert "seconds" in lines[-1]["batch_stats"] and "seconds" not in lines[0]["stats"]
+    assert main(["generate", "--model", str(d), "--prompt-ids", "5,6,7", "--max-new-tokens", "3", "--stop", "\\n",
+                 "--json"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert lines[0]["prompt"] == [5, 6, 7]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "x"}\n')
+    assert main(["generate", "--model", str(d), "--prompts-file", str(bad)]) == 2
+    assert "exactly one of" in capsys.readouterr().err
+
+
+def test_tokenizer_without_bos_matches_transformers(tiny_llama_dir):
+    """A tokenizer that adds no special tokens (GPT-2 style): the prompt is its plain encoding."""
+    import transformers as tf
+    tok = tf.AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    hf = tf.AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir)).eval()
+    model = jaxdecode.load(tiny_llama_dir)
+    ids = tok("def add(a, b):").input_ids
+    assert ids == tok("def add(a, b):", add_special_tokens=False).input_ids
+    r = jaxdecode.generate(model, "def add(a, b):", max_new_tokens=N_NEW, eos_ids=[])[0]
+    assert r.prompt_tokens == ids and r.tokens == _hf_greedy(hf, ids, N_NEW, eos_token_id=None)
