@@ -26,10 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdecode import streaming
 from jaxdecode.kernels.common import concrete
 from jaxdecode.models import advance, forward, init_cache, padded_causal_mask
-from jaxdecode.sampling import (SamplerConfig, greedy, mirostat_init, mirostat_step, process_logits,
-                                sample, token_presence, validate_mirostat)
+from jaxdecode.sampling import (SamplerConfig, greedy, mirostat_init, mirostat_step, mirostat_truncate,
+                                process_logits, sample, token_presence, validate_mirostat)
+from jaxdecode.scoring import LogprobRecord, check_logprob_flags, token_logprobs
 
 METHODS = ("greedy", "sample", "mirostat")
 CACHE_LEN_MULTIPLE = 64
@@ -216,19 +218,25 @@ class _DecodeState:
     calls: jax.Array  # int32
     nonfinite: jax.Array  # bool[B]: the model's logits held a NaN/inf at a step where the row was live
     cstate: object = None  # constraint state per row, or None
+    logprobs: LogprobRecord | None = None  # per output column (logprobs=True only)
 
     def replace(self, **kw) -> "_DecodeState":
         return dataclasses.replace(self, **kw)
 
 
 def _choose(method, sampler, key, logits, seen, mu, tau, eta):
-    """The next token per row, and Mirostat's updated mu."""
+    """The next token per row, Mirostat's updated mu, and the log-probs [B, V] of the distribution the
+    token was drawn from (what logprobs=True reports; XLA drops them when unused). Greedy: the
+    softmax of the logits after the repetition penalty (transformers' normalised scores), not the
+    point mass; Mirostat: its truncated, renormalised distribution."""
     logprobs = process_logits(logits, sampler, seen)
     if method == "greedy":
-        return greedy(logprobs), mu
+        scores = process_logits(logits, SamplerConfig(repetition_penalty=sampler.repetition_penalty), seen)
+        return greedy(logprobs), mu, scores
     if method == "sample":
-        return sample(key, logprobs), mu
-    return mirostat_step(key, logprobs, mu, tau, eta)
+        return sample(key, logprobs), mu, logprobs
+    token, new_mu = mirostat_step(key, logprobs, mu, tau, eta)
+    return token, new_mu, mirostat_truncate(logprobs, mu)
 
 
 def _emit(state: _DecodeState, token, new_mu, eos_ids: tuple) -> _DecodeState:
@@ -260,9 +268,9 @@ def _advance_constraint(old: _DecodeState, new: _DecodeState, token, constraint)
 
 
 @partial(jax.jit, static_argnames=("config", "max_new_tokens", "sampler", "eos_ids", "cache_len",
-                                   "method"))
-def _decode(config, params, prompt_tokens, prompt_lengths, key, tau, eta, constraint=None, *,
-            max_new_tokens, sampler, eos_ids, cache_len, method):
+                                   "method", "logprobs", "top_logprobs"))
+def _decode(config, params, prompt_tokens, prompt_lengths, key, tau, eta, constraint=None, stream_handle=None, *,
+            max_new_tokens, sampler, eos_ids, cache_len, method, logprobs=False, top_logprobs=0):
     b = prompt_tokens.shape[0]
     cache = init_cache(config, b, cache_len)
     logits, cache = prefill(config, params, prompt_tokens, prompt_lengths, cache)
@@ -274,7 +282,8 @@ def _decode(config, params, prompt_tokens, prompt_lengths, key, tau, eta, constr
         step=jnp.int32(0), tokens=jnp.full((b, max_new_tokens), pad_id_for(eos_ids), jnp.int32),
         done=jnp.zeros((b,), bool), n_new=jnp.zeros((b,), jnp.int32), cache=cache, key=key,
         seen=seen, mu=mirostat_init(b, tau), calls=jnp.int32(1), nonfinite=jnp.zeros((b,), bool),
-        cstate=None if constraint is None else constraint.init(b))
+        cstate=None if constraint is None else constraint.init(b),
+        logprobs=LogprobRecord.empty(b, max_new_tokens, top_logprobs) if logprobs else None)
 
     def choose_and_emit(state, logits):
         key, sub = jax.random.split(state.key)
@@ -282,9 +291,16 @@ def _decode(config, params, prompt_tokens, prompt_lengths, key, tau, eta, constr
         state = state.replace(nonfinite=state.nonfinite | nonfinite_rows(logits, ~state.done))
         if constraint is not None:
             logits = _constrain(state, logits, constraint)
-        token, mu = _choose(method, sampler, sub, logits, state.seen, state.mu, tau, eta)
+        token, mu, dist = _choose(method, sampler, sub, logits, state.seen, state.mu, tau, eta)
+        if logprobs:  # column `step` of the live rows (finished rows keep the padding)
+            cols = [None if x is None else x[:, None] for x in token_logprobs(dist, token, top_logprobs)]
+            state = state.replace(logprobs=state.logprobs.write(state.step, ~state.done[:, None], *cols))
         new = _emit(state.replace(key=key), token, mu, eos_ids)
-        return new if constraint is None else _advance_constraint(state, new, token, constraint)
+        new = new if constraint is None else _advance_constraint(state, new, token, constraint)
+        if stream_handle is not None:  # streaming: the step's tokens to the host; rows end if it was abandoned
+            live = (~state.done).astype(jnp.int32)
+            new = new.replace(done=new.done | streaming.emit(stream_handle, state.step, token[:, None], live, new.done))
+        return new
 
     def cond(state):
         return (state.step < max_new_tokens) & ~jnp.all(state.done)
@@ -300,8 +316,10 @@ def _decode(config, params, prompt_tokens, prompt_lengths, key, tau, eta, constr
         return choose_and_emit(state, logits[:, 0])
 
     state = jax.lax.while_loop(cond, body, choose_and_emit(state, logits))
-    return DecodeOutput(tokens=state.tokens, lengths=state.n_new,
-                        stats={"target_calls": state.calls, "nonfinite_logits": state.nonfinite})
+    stats = {"target_calls": state.calls, "nonfinite_logits": state.nonfinite}
+    if logprobs:
+        stats.update(state.logprobs.stats(max_new_tokens, state.n_new))
+    return DecodeOutput(tokens=state.tokens, lengths=state.n_new, stats=stats)
 
 
 def resolve_method(method: str, sampler: SamplerConfig) -> tuple[str, SamplerConfig]:
@@ -318,7 +336,8 @@ def resolve_method(method: str, sampler: SamplerConfig) -> tuple[str, SamplerCon
 def decode(config, params, prompt_tokens, prompt_lengths, *, max_new_tokens: int,
            sampler: SamplerConfig = SamplerConfig(), eos_ids: tuple = (), key=None,
            cache_len: int | None = None, method: str = "sample", mirostat_tau: float = 5.0,
-           mirostat_eta: float = 0.1, constraint=None) -> DecodeOutput:
+           mirostat_eta: float = 0.1, constraint=None, logprobs: bool = False,
+           top_logprobs: int = 0, stream=None) -> DecodeOutput:
     """Decode up to max_new_tokens per row. See the module docstring.
 
     method: "greedy" (argmax after the repetition penalty), "sample" (the SamplerConfig distribution)
@@ -328,7 +347,13 @@ def decode(config, params, prompt_tokens, prompt_lengths, *, max_new_tokens: int
     allow are set to -inf before the sampler, and a row whose item is complete (an EOS id, or a final
     leaf without EOS ids) is finished. Masked sampling draws prod_i p(x_i | x_<i, allowed), not
     p(x | x in the set) (ALGORITHMS.md §6, ASAp).
+    logprobs / top_logprobs (static): stats add each new token's log-prob under the distribution it was
+    drawn from, and the top_logprobs best alternatives (jaxdecode.scoring; top_logprobs > 0 implies
+    logprobs). Greedy reports the softmax of the logits after the repetition penalty and constraint.
+    stream: a jaxdecode.streaming.TokenSink: each step's tokens go to it from inside the loop (a host
+    callback; the compiled program does not depend on which sink). None: no callback is traced.
     """
+    logprobs, top_logprobs = check_logprob_flags(logprobs, top_logprobs)
     method, sampler = resolve_method(method, sampler)
     eos_ids = validate_eos_ids(config, eos_ids)
     prompt_tokens, prompt_lengths = validate_prompts(config, prompt_tokens, prompt_lengths,
@@ -343,7 +368,8 @@ def decode(config, params, prompt_tokens, prompt_lengths, *, max_new_tokens: int
         key = jax.random.key(0)  # unused by greedy decoding
     if constraint is not None:
         constraint = constraint.prepare(config.vocab_size, eos_ids, max_new_tokens, prompt_tokens.shape[0])
+    stream_handle = streaming.operand(stream, prompt_tokens.shape[0], max_new_tokens)
     return _decode(config, params, prompt_tokens, prompt_lengths, key,
-                   jnp.float32(mirostat_tau), jnp.float32(mirostat_eta), constraint,
+                   jnp.float32(mirostat_tau), jnp.float32(mirostat_eta), constraint, stream_handle,
                    max_new_tokens=max_new_tokens, sampler=sampler, eos_ids=eos_ids,
-                   cache_len=cache_len, method=method)
+                   cache_len=cache_len, method=method, logprobs=logprobs, top_logprobs=top_logprobs)

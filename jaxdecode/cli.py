@@ -213,7 +213,7 @@ def cmd_generate(args) -> int:
                 print(piece, end="", flush=True)
         if not args.json:
             print()
-        results = s.result
+        results = s.results
     else:
         results = jaxdecode.generate(model, prompts, **call)
     for r in results:

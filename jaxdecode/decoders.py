@@ -63,9 +63,27 @@ def _autoregressive(kind: str):
         # decode() treats temperature 0 as greedy for every method.
         out = decode(model.config, params, toks, lens, max_new_tokens=max_new_tokens,
                      sampler=sampler_from_options(opts), eos_ids=opts["eos_ids"], key=_key(opts),
-                     cache_len=opts["cache_len"], method=kind, constraint=constraint, **extra)
+                     cache_len=opts["cache_len"], method=kind, constraint=constraint, **extra,
+                     **logprob_flags(opts), stream=stream_sink(opts))
         return out.tokens, out.lengths, out.stats
     return run
+
+
+def stream_sink(opts: dict):
+    """The streaming sink generate put in opts["stream"] (jaxdecode.streaming), told the decode's stop
+    strings (the resolved option: the stream holds back text that may begin one) and mesh; None without."""
+    sink = opts.get("stream")
+    if sink is not None:
+        sink.mesh = opts.get("mesh")  # the hook gathers its few ints explicitly onto one device
+        if opts.get("stop"):
+            sink.stops = (opts["stop"],) if isinstance(opts["stop"], str) else tuple(opts["stop"])
+    return sink
+
+
+def logprob_flags(opts: dict) -> dict:
+    """The decoders' logprobs / top_logprobs arguments from the options (top_logprobs > 0 implies logprobs)."""
+    top = int(opts.get("top_logprobs") or 0)
+    return dict(logprobs=bool(opts.get("logprobs")) or top > 0, top_logprobs=top)
 
 
 def _beam(diverse: bool):
@@ -146,10 +164,35 @@ def _speculative(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
                              verifier=verifier, sampler=sampler, eos_ids=opts["eos_ids"],
                              key=_key(opts), cache_len=opts["cache_len"],
                              verify_widths=None if policy else opts["verify_widths"], mesh=opts.get("mesh"),
-                             adaptive=policy, costs=costs, **extra)
+                             adaptive=policy, costs=costs, **extra, **logprob_flags(opts),
+                             stream=stream_sink(opts))
     if policy is not None:
         tree_stats["calibrate_seconds"] = float(opts.get("calibrate_seconds", 0.0))
+    # What actually ran (defaults and tree="auto" resolved), reported with the batch's stats.
+    tree_stats.update(drafter=drafter_name(drafter), tree=tree_text(drafter), verifier=str(verifier.name))
     return out.tokens, out.lengths, {**out.stats, **tree_stats}
+
+
+def drafter_name(drafter) -> str:
+    """A drafter's kind (trained kinds and named drafters), else its class name."""
+    for attr in ("kind", "name"):
+        value = getattr(drafter, attr, None)
+        if isinstance(value, str):
+            return value
+    return type(drafter).__name__
+
+
+def tree_text(drafter) -> str:
+    """The draft tree a drafter proposes, as a spec where it has one (chain:4, eagle:depth=5,...)."""
+    from jaxdecode.drafters.builders import ChainBuilder, DynamicTreeBuilder, StaticTreeBuilder
+    b = getattr(drafter, "builder", None)
+    if isinstance(b, ChainBuilder):
+        return f"chain:{b.depth}" + ("" if b.rule == "argmax" else f":{b.rule}")
+    if isinstance(b, DynamicTreeBuilder):
+        return f"eagle:depth={b.depth},topk={b.topk},total={b.total}"
+    nodes, depth = getattr(drafter, "num_nodes", None), getattr(drafter, "max_depth", None)
+    shape = "static" if isinstance(b, StaticTreeBuilder) else type(b or drafter).__name__
+    return f"{shape}: {nodes} nodes, depth {depth}" + (f", {b.rule}" if isinstance(b, StaticTreeBuilder) else "")
 
 
 def _adaptive_policy(model, drafter, sampler, verifier, prompt_tokens, max_new_tokens, opts):
@@ -197,7 +240,7 @@ def _same_costs_everywhere(costs):
 
 
 register_method("speculative", _speculative, method_options("speculative"), aliases=("spec",),
-                per_row_stats=("tau", "verify_calls"),
+                per_row_stats=("tau", "verify_calls", "accept_hist", "drafted_nodes", "speculative_steps"),
                 description="speculative decoding: drafter x tree x verifier (lossless verifiers unless "
                             "verifier='typical', which is lossy)")
 
@@ -244,7 +287,7 @@ def _constrained_autoregressive(kind: str):
         constraint = constraint_from_options(model, opts, prompt_tokens.shape[0])
         out = decode(model.config, params, toks, lens, max_new_tokens=max_new_tokens,
                      sampler=sampler_from_options(opts), eos_ids=opts["eos_ids"], key=_key(opts),
-                     cache_len=opts["cache_len"], method=kind, constraint=constraint)
+                     cache_len=opts["cache_len"], method=kind, constraint=constraint, stream=stream_sink(opts))
         return out.tokens, out.lengths, out.stats
     return run
 

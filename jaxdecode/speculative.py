@@ -21,7 +21,10 @@
 
 Rows accept different lengths; a finished row (EOS or max_new_tokens) stops committing. Stats: tau
 (tokens per verification call, counting the bonus), target calls (incl. the prefill), the accepted-
-length histogram and the acceptance rate per tree depth, both over committed nodes (`_acceptance_stats`).
+length histogram (per row) and the acceptance rate per tree depth (over the batch), both over committed
+nodes (`_acceptance_stats`). Per row: tau, verify_calls, accept_hist, nonfinite_logits (adaptive: also
+drafted_nodes, speculative_steps); batch-wide: target_calls, accept_rate_by_depth, width_hist,
+policy_widths.
 """
 from __future__ import annotations
 
@@ -33,12 +36,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxdecode import adaptive as adaptive_mod
+from jaxdecode import streaming
 from jaxdecode.autoregressive import (default_cache_len, is_eos, nonfinite_rows, pad_id_for, prefill,
                                       validate_eos_ids, validate_prompts)
 from jaxdecode.models import advance, commit, forward, init_cache
 from jaxdecode.sampling import SamplerConfig, process_logits
-from jaxdecode.tree import (Tree, ancestor_mask, broadcast_slots, complete_slots, constrain_tree, depths,
-                            mask_logits, mask_probs, path_to_keep, slot_gather)
+from jaxdecode.scoring import LogprobRecord, check_logprob_flags, token_logprobs
+from jaxdecode.tree import (Tree, allowed_slots, ancestor_mask, broadcast_slots, complete_slots, constrain_tree,
+                            depths, mask_logits, mask_probs, path_to_keep, slot_gather)
 from jaxdecode.verifiers import CHILD_RULES, VERIFIERS, VerifyResult, check_tree_kind, get_verifier
 
 
@@ -169,7 +174,7 @@ class _SpecState:
     key: jax.Array
     target_calls: jax.Array  # int32 scalar (incl. prefill)
     steps: jax.Array  # int32[B]: verification calls while the row was active
-    accept_hist: jax.Array  # int32[D+1]: committed draft lengths 0..D over active row-steps
+    accept_hist: jax.Array  # int32[B, D+1]: per row, its active steps that committed 0..D draft nodes
     depth_tried: jax.Array  # int32[D]: row-steps whose node at depth d-1 had a child (_acceptance_stats)
     depth_accepted: jax.Array  # int32[D]: row-steps that committed a node at depth d
     nonfinite: jax.Array  # bool[B]: target logits NaN/inf at the root or a valid node while active
@@ -179,6 +184,9 @@ class _SpecState:
     speculative_steps: jax.Array | None = None  # int32[B]: active steps that verified >= 1 node
     width_hist: jax.Array | None = None  # int32[W]: steps per verification width (policy.widths)
     cstate: Any = None  # the constraint's per-row state after the pending token (constraint= only)
+    # logprobs=True only: the target's log-probs of the committed tokens, per output column (+ D + 1
+    # scratch columns: a step writes its D + 1 columns from the row's num_new on).
+    logprobs: LogprobRecord | None = None
 
     def replace(self, **kw):
         return dataclasses.replace(self, **kw)
@@ -286,8 +294,8 @@ def check_verify_widths(widths, num_nodes: int) -> tuple:
 
 
 def _acceptance_stats(tree: Tree, path, num_accepted, committed, active, max_depth: int):
-    """One step's acceptance over the active rows: (hist int32[D+1], tried bool[B, D], accepted bool[B, D];
-    summed over rows they are the per-depth counts).
+    """One step's acceptance over the active rows: (hist int32[B, D+1] (one-hot per active row), tried
+    bool[B, D], accepted bool[B, D]; summed over rows they are the per-depth counts).
 
     path int32[B, N] / num_accepted int32[B]: the verifier's accepted nodes; committed int32[B]: how many
     of them were committed (fewer when an EOS or max_new_tokens ends the row inside the path). Counted is
@@ -305,7 +313,7 @@ def _acceptance_stats(tree: Tree, path, num_accepted, committed, active, max_dep
     accepted = (d <= committed[:, None]) & active[:, None]
     tried = accepted | ((d == committed[:, None] + 1) & uncut & active[:, None]
                         & jnp.take_along_axis(has_child, parent_slot, axis=1))
-    hist = (jax.nn.one_hot(committed, max_depth + 1, dtype=jnp.int32) * active[:, None]).sum(0)
+    hist = jax.nn.one_hot(committed, max_depth + 1, dtype=jnp.int32) * active[:, None]
     return hist, tried, accepted
 
 
@@ -328,7 +336,8 @@ class _Engine:
 
 
 def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, sampler, max_new_tokens, eos_ids,
-            cache_len, hist_cap, attn_impl, verify_widths, mesh=None, policy=None) -> _Engine:
+            cache_len, hist_cap, attn_impl, verify_widths, mesh=None, policy=None, logprobs=False,
+            top_logprobs=0, stream_handle=None) -> _Engine:
     n, max_d = drafter.num_nodes, drafter.max_depth
     pad = pad_id_for(eos_ids)
     feature_layers = tuple(getattr(drafter, "feature_layers", ()) or ())
@@ -338,7 +347,25 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
     def start(prompt_tokens, prompt_lengths, key) -> _SpecState:
         st = _start(config, params, drafter, prompt_tokens, prompt_lengths, key, cache_len=cache_len,
                     hist_cap=hist_cap, pad=pad, feature_layers=feature_layers, policy=policy)
-        return st if constraint is None else st.replace(cstate=constraint.init(prompt_tokens.shape[0]))
+        b = prompt_tokens.shape[0]
+        if logprobs:
+            st = st.replace(logprobs=LogprobRecord.empty(b, max_new_tokens + max_d + 1, top_logprobs))
+        return st if constraint is None else st.replace(cstate=constraint.init(b))
+
+    def committed_logprobs(st, logits, res, seq, count, slot_states):
+        """Write the target's log-probs of this step's tokens seq [B, D+1] (the first `count` are
+        committed) at the rows' output columns. Token j was predicted at its parent's slot: the root
+        for j = 0, else the accepted node at depth j (slot path[j-1] + 1); the distribution is the one
+        the verifier judges against (processed, constrained), greedy: the softmax of the logits."""
+        slots = jnp.concatenate([jnp.zeros_like(res.path[:, :1]), jnp.clip(res.path[:, :max_d] + 1, 0, n)], axis=1)
+        step_logits = jnp.take_along_axis(logits, slots[:, :, None], axis=1)  # [B, D+1, V]
+        if constraint is not None:
+            step_logits = mask_logits(step_logits, allowed_slots(constraint, slot_gather(slot_states, slots),
+                                                                 config.vocab_size))
+        dist = (jax.nn.log_softmax(step_logits, axis=-1) if sampler.is_greedy
+                else process_logits(step_logits, sampler))
+        keep = jnp.arange(max_d + 1)[None, :] < count[:, None]
+        return st.logprobs.write(st.num_new, keep, *token_logprobs(dist, seq, top_logprobs))
 
     def constrain(st, tree, draft_probs, active):
         """The proposal under the constraint (ALGORITHMS.md §6): every node's state from its parent's, a
@@ -451,9 +478,12 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
         seq = jnp.where(j < count[:, None], seq, pad)
         history = jax.vmap(lambda h, s, start: jax.lax.dynamic_update_slice(h, s, (start,)))(
             st.history, seq, st.hist_len)
+        record = committed_logprobs(st, logits, res, seq, count, slot_states) if logprobs else None
         hist_len = st.hist_len + count
         num_new = st.num_new + count
         done = st.done | (active & (hit_eos | (num_new >= max_new_tokens)))
+        if stream_handle is not None:  # streaming: the committed block to the host; rows end if it was abandoned
+            done = done | streaming.emit(stream_handle, st.num_new, seq, count, done)
 
         obs = Observation(tree=tree, path=res.path, num_accepted=res.num_accepted, bonus=res.bonus,
                           target_logits=logits, history=history, hist_len=hist_len, active=active,
@@ -478,7 +508,7 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
                           steps=st.steps + active.astype(jnp.int32), accept_hist=acc_hist,
                           depth_tried=st.depth_tried + tried.sum(0).astype(jnp.int32),
                           depth_accepted=st.depth_accepted + accepted.sum(0).astype(jnp.int32),
-                          nonfinite=nonfinite, **policy_stats)
+                          nonfinite=nonfinite, logprobs=record, **policy_stats)
 
     def body(st: _SpecState) -> _SpecState:
         key, k_draft, k_verify = jax.random.split(st.key, 3)
@@ -559,6 +589,8 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
         if policy is not None:
             stats.update(drafted_nodes=st.drafted_nodes, speculative_steps=st.speculative_steps,
                          width_hist=st.width_hist, policy_widths=jnp.asarray(policy.widths, jnp.int32))
+        if logprobs:
+            stats.update(st.logprobs.stats(max_new_tokens, st.num_new))
         return SpecOutput(tokens=out, lengths=st.num_new, stats=stats)
 
     return _Engine(start=start, step=body, finish=output)
@@ -586,7 +618,7 @@ def _start(config, params, drafter, prompt_tokens, prompt_lengths, key, *, cache
         cache=cache, drafter_state=dstate0,
         history=history, hist_len=prompt_lengths, num_new=jnp.zeros((b,), jnp.int32),
         done=jnp.zeros((b,), bool), key=key, target_calls=jnp.int32(1), steps=jnp.zeros((b,), jnp.int32),
-        accept_hist=jnp.zeros((max_d + 1,), jnp.int32), depth_tried=jnp.zeros((max_d,), jnp.int32),
+        accept_hist=jnp.zeros((b, max_d + 1), jnp.int32), depth_tried=jnp.zeros((max_d,), jnp.int32),
         depth_accepted=jnp.zeros((max_d,), jnp.int32), nonfinite=jnp.zeros((b,), bool))
     if policy is not None:
         builder = getattr(drafter, "builder", None)
@@ -599,13 +631,16 @@ def _start(config, params, drafter, prompt_tokens, prompt_lengths, key, *, cache
 
 
 @partial(jax.jit, static_argnames=("config", "verifier", "sampler", "max_new_tokens", "eos_ids",
-                                   "cache_len", "hist_cap", "attn_impl", "verify_widths", "mesh", "policy"))
-def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, costs=None, constraint=None, *,
+                                   "cache_len", "hist_cap", "attn_impl", "verify_widths", "mesh", "policy",
+                                   "logprobs", "top_logprobs"))
+def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, costs=None, constraint=None,
+                 stream_handle=None, *,
                  verifier, sampler, max_new_tokens, eos_ids, cache_len, hist_cap, attn_impl, verify_widths,
-                 mesh=None, policy=None):
+                 mesh=None, policy=None, logprobs=False, top_logprobs=0):
     engine = _engine(config, params, drafter, costs, constraint, verifier=verifier, sampler=sampler,
                      max_new_tokens=max_new_tokens, eos_ids=eos_ids, cache_len=cache_len, hist_cap=hist_cap,
-                     attn_impl=attn_impl, verify_widths=verify_widths, mesh=mesh, policy=policy)
+                     attn_impl=attn_impl, verify_widths=verify_widths, mesh=mesh, policy=policy,
+                     logprobs=logprobs, top_logprobs=top_logprobs, stream_handle=stream_handle)
     st = jax.lax.while_loop(lambda s: ~jnp.all(s.done), engine.step,
                             engine.start(prompt_tokens, prompt_lengths, key))
     return engine.finish(st, prompt_lengths)
@@ -681,10 +716,14 @@ def check_constraint(config, constraint, verifier, eos_ids: tuple, max_new_token
         raise SpeculativeError(f"constraint must implement the Constraint protocol (jaxdecode.constraints: "
                                f"prepare, init, allowed, advance, complete), got {type(constraint).__name__}")
     if not getattr(verifier, "prunable", True):
+        # Stop strings forbid nothing, but the draft is still cut after the token that completes one.
+        what = getattr(constraint, "what", None)
+        cut = (f"{what} cut drafts after the token that completes one" if what else
+               "a constraint cuts drafts at tokens it forbids")
         raise SpeculativeError(
-            f"verifier {verifier.name!r} judges the whole draft jointly, and a constraint cuts drafts at "
-            f"tokens it forbids: the cut would bias its verdict. Use a token-by-token verifier with "
-            f"constraint= (verifier='chain' for sampled chains, or 'specinfer' / 'spectr' for trees)")
+            f"verifier {verifier.name!r} judges the whole draft jointly, and {cut}: the cut would bias its "
+            f"verdict. Use a token-by-token verifier with {what or 'constraint='} (verifier='chain' for "
+            f"sampled chains, or 'specinfer' / 'spectr' for trees)")
     constraint = constraint.prepare(config.vocab_size, eos_ids, max_new_tokens, batch)
     shapes = jax.eval_shape(lambda c: c.init(batch), constraint)
     shared = [x.shape for x in jax.tree.leaves(shapes) if not x.shape or x.shape[0] != batch]
@@ -703,7 +742,8 @@ def speculative_decode(config, params, drafter, prompt_tokens, prompt_lengths, *
                        eos_ids: tuple = (), key=None, cache_len: int | None = None,
                        attn_impl: str | None = None, verify_widths=None, mesh=None,
                        adaptive: "adaptive_mod.AdaptivePolicy | None" = None, costs=None,
-                       constraint=None) -> SpecOutput:
+                       constraint=None, logprobs: bool = False, top_logprobs: int = 0,
+                       stream=None) -> SpecOutput:
     """Speculative decoding of up to max_new_tokens per row (see the module docstring).
 
     attn_impl: attention of the verification forward; default "tree" (the Pallas tree-attention
@@ -724,7 +764,13 @@ def speculative_decode(config, params, drafter, prompt_tokens, prompt_lengths, *
     constrained greedy; sampling: distributed as constrained sampling). Drafters that read distributions
     draft under it, every proposal is pruned to allowed nodes, and the verifier judges against the
     target masked per node (EOS exactly at accepting states). ALGORITHMS.md §6.
+    logprobs / top_logprobs (static): stats add the TARGET's log-prob of every committed token (never
+    the drafter's) under the distribution the verifier judges against (greedy: the softmax of the
+    logits), and the top_logprobs best alternatives (jaxdecode.scoring).
+    stream: a jaxdecode.streaming.TokenSink: each step's committed block goes to it from inside the loop
+    (a host callback; the compiled program does not depend on which sink). None: no callback is traced.
     """
+    logprobs, top_logprobs = check_logprob_flags(logprobs, top_logprobs)
     if attn_impl is None:
         attn_impl = "xla" if jax.default_backend() == "cpu" else "tree"
     eos_ids = validate_eos_ids(config, eos_ids)
@@ -769,11 +815,13 @@ def speculative_decode(config, params, drafter, prompt_tokens, prompt_lengths, *
                                    "jaxdecode.costmodel.load_or_calibrate(model, drafter, batch_size)")
         cost_vec = adaptive_mod.cost_vector(adaptive, costs)
         widths = adaptive.widths
+    stream_handle = streaming.operand(stream, prompt_tokens.shape[0], max_new_tokens, mesh)
     return _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, cost_vec, constraint,
+                        stream_handle,
                         verifier=verifier,
                         sampler=sampler, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                         cache_len=cache_len, hist_cap=hist_cap, attn_impl=attn_impl, verify_widths=widths,
-                        mesh=mesh, policy=adaptive)
+                        mesh=mesh, policy=adaptive, logprobs=logprobs, top_logprobs=top_logprobs)
 
 
 def policy_for(drafter, sampler: SamplerConfig, **overrides) -> "adaptive_mod.AdaptivePolicy":

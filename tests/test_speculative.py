@@ -145,7 +145,7 @@ def test_acceptance_stats_hand_built_trees():
         p = jnp.asarray([path + [-1] * (5 - len(path))], jnp.int32)
         got = _acceptance_stats(_tree(parents, valid), p, jnp.asarray([num]), jnp.asarray([committed]),
                                 jnp.asarray([active]), 3)
-        got = (got[0], got[1].sum(0), got[2].sum(0))  # per row -> counts
+        got = (got[0].sum(0), got[1].sum(0), got[2].sum(0))  # per row -> counts
         assert [np.asarray(g).tolist() for g in got] == [hist, tried, accepted], (valid, path, committed)
 
 
@@ -194,7 +194,8 @@ def test_engine_stats_count_committed_nodes_of_the_accepted_branch(models):
     np.testing.assert_array_equal(np.asarray(out.tokens)[1:], g[1:, :2])
     s = out.stats
     np.testing.assert_array_equal(np.asarray(s["verify_calls"]), [1, 1, 1, 1, 1])
-    np.testing.assert_array_equal(np.asarray(s["accept_hist"]), [0, 3, 2, 0])  # committed nodes per row
+    # committed nodes per row: one step each
+    np.testing.assert_array_equal(np.asarray(s["accept_hist"]), np.eye(4, dtype=int)[[1, 1, 2, 2, 1]])
     # tried [5, 3, 0] (depth 2: rows 2, 3, 4), accepted [5, 2, 0] (depth 2: rows 2, 3)
     np.testing.assert_allclose(np.asarray(s["accept_rate_by_depth"]), [1.0, 2 / 3, 0.0], rtol=1e-6)
 
@@ -286,9 +287,11 @@ def test_generate_api_speculative(tiny_llama_dir):
                               max_new_tokens=8, eos_ids=(), adaptive=False)
     assert [r.tokens for r in spec] == [r.tokens for r in plain]
     assert all(r.stats["tau"] > 1 for r in spec)
-    # Whole-batch stats stay whole even when their length equals the batch size (3 depths, 3 prompts).
-    assert all(len(r.stats["accept_rate_by_depth"]) == 3 for r in spec)
-    assert all(len(r.stats["accept_hist"]) == 4 for r in spec)
+    # Whole-batch stats stay whole even when their length equals the batch size (3 depths, 3 prompts);
+    # accept_hist is per row (each row's own histogram over draft lengths 0..3).
+    assert all(len(r.batch_stats["accept_rate_by_depth"]) == 3 for r in spec)
+    assert all(len(r.stats["accept_hist"]) == 4 and sum(r.stats["accept_hist"]) == r.stats["verify_calls"]
+               for r in spec)
     # Drafter options by name and a shrinking verification, as the CLI's --option passes them (JSON lists).
     adaptive = jaxdecode.generate(model, prompts, method="speculative", drafter="prompt_lookup", tree="chain:6",
                                   drafter_options={"lengths": [1, 2, 6]}, verify_widths=[2], max_new_tokens=8,

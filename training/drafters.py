@@ -132,7 +132,7 @@ def measure_acceptance(target, drafter, prompts, *, new_tokens: int, eos_ids: tu
     calls = int(np.sum(st["verify_calls"]))
     return {"tau": float(np.sum(jax.device_get(out.lengths)) / max(calls, 1)),
             "accept_by_depth": [round(float(a), 6) for a in st["accept_rate_by_depth"]],
-            "accept_hist": [int(a) for a in st["accept_hist"]], "verify_calls": calls}
+            "accept_hist": [int(a) for a in np.sum(st["accept_hist"], axis=0)], "verify_calls": calls}
 
 
 def heldout_prompts(corpus_dir, count: int, length: int, seed: int = 0) -> np.ndarray:
