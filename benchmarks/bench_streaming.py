@@ -2,15 +2,16 @@
 
     python benchmarks/bench_streaming.py [--model DIR --draft DIR --prompts 4 --max-new-tokens 128
                                           --repeats 3 --methods greedy,spec_draft,spec_lookup
-                                          --interval 0.02 --json FILE]
+                                          --interval 0.02 --every 8 --json FILE]
 
 Per method, every prompt is decoded at batch 1 one-shot (`generate`) and streamed (`stream`, every piece
 consumed as it arrives, as a console would), the two interleaved so that a change of load hits both
 alike; each call is the wall time seen by the caller (for the stream: from the call to its last piece,
 detokenisation included). Compilation is excluded (one untimed call of each first). EOS is off, so
 every call makes --max-new-tokens tokens. Reported: tokens/s of each, the overhead (1 - stream /
-one-shot), the stream's time to its first piece, host callbacks per call (one per loop step: a token
-for greedy, an accepted block for speculative), and that the two outputs are token for token equal.
+one-shot), the stream's time to its first piece, loop steps per call (a token for greedy, an accepted
+block for speculative; the host gets a delivery once a row crosses a multiple of --every tokens), and
+that the two outputs are token for token equal.
 
 Methods: greedy; spec_draft (speculative, the embedded draft LM, chain:4, adaptive off); spec_lookup
 (speculative, prompt lookup, chain:4, adaptive off). Default models: the embedded target and draft.
@@ -40,6 +41,7 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--every", type=int, default=None, help="stream(every=): tokens between deliveries (default 8)")
     ap.add_argument("--interval", type=float, default=0.02,
                     help="stream(interval=): seconds between detokenisation rounds (0: every step)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
@@ -71,7 +73,7 @@ def main():
         def streamed(p, method=method, opts=opts):
             t0 = time.perf_counter()
             first = None
-            s = stream(model, [p], method, interval=args.interval, **opts)
+            s = stream(model, [p], method, interval=args.interval, every=args.every, **opts)
             for _ in s:
                 first = first if first is not None else time.perf_counter() - t0
             return s.results[0], time.perf_counter() - t0, first
@@ -96,11 +98,12 @@ def main():
             one_shot_median_s=round(statistics.median(secs["one_shot"]), 4),
             stream_median_s=round(statistics.median(secs["stream"]), 4),
             stream_first_piece_median_s=round(statistics.median(x for x in first_piece if x is not None), 4),
-            callbacks_per_call=round(statistics.mean(calls), 1), tokens_equal=bool(equal))
+            loop_steps_per_call=round(statistics.mean(calls), 1), tokens_equal=bool(equal))
         print(name, results[name], flush=True)
     write_result(dict(benchmark="streaming", device=str(jax.devices()[0]), backend=jax.default_backend(),
                       host=platform.node(), batch=1, prompts=args.prompts, prompt_tokens=args.prompt_tokens,
                       max_new_tokens=args.max_new_tokens, repeats=args.repeats, interval=args.interval,
+                      every=args.every,
                       results=results), args.json)
 
 

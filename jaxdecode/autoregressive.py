@@ -298,8 +298,8 @@ def _decode(config, params, prompt_tokens, prompt_lengths, key, tau, eta, constr
         new = _emit(state.replace(key=key), token, mu, eos_ids)
         new = new if constraint is None else _advance_constraint(state, new, token, constraint)
         if stream_handle is not None:  # streaming: the step's tokens to the host; rows end if it was abandoned
-            live = (~state.done).astype(jnp.int32)
-            new = new.replace(done=new.done | streaming.emit(stream_handle, state.step, token[:, None], live, new.done))
+            new = new.replace(done=new.done | streaming.emit(stream_handle, new.tokens, 0, state.n_new, new.n_new,
+                                                             new.done))
         return new
 
     def cond(state):

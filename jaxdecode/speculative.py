@@ -483,7 +483,7 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
         num_new = st.num_new + count
         done = st.done | (active & (hit_eos | (num_new >= max_new_tokens)))
         if stream_handle is not None:  # streaming: the committed block to the host; rows end if it was abandoned
-            done = done | streaming.emit(stream_handle, st.num_new, seq, count, done)
+            done = done | streaming.emit(stream_handle, history, hist_len - num_new, st.num_new, num_new, done)
 
         obs = Observation(tree=tree, path=res.path, num_accepted=res.num_accepted, bonus=res.bonus,
                           target_logits=logits, history=history, hist_len=hist_len, active=active,

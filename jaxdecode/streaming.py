@@ -6,14 +6,16 @@
 How it works, in three parts with one job each:
 
 - **Device hook** (`emit`): the decoders' loops (autoregressive `_decode`, the speculative engine's
-  commit) call it after each step with (first output column per row, the step's tokens, how many of
-  them each row committed, which rows are finished). It is a `jax.experimental.io_callback` whose first
+  commit) call it after each step with their output buffer and each row's output length before and
+  after the step. Once a row crosses a multiple of `every` tokens (default 8), or ends, a
+  `jax.experimental.io_callback` (inside a `lax.cond`) delivers every row's output so far; its first
   operand is the stream's id, a traced int32: the compiled program does not depend on which stream it
   feeds, so a second stream at the same shapes reuses it. Without a stream the decoders pass no id and
   the traced program has no callback at all (one-shot calls pay nothing). The callback answers whether
   the consumer abandoned the stream; the loop then ends its rows, so an abandoned decode stops early.
-- **Host sink** (`TokenSink`): the callback writes tokens at their columns (robust to callback order)
-  under a lock and wakes the consumer. It does nothing else: it runs inside the device computation.
+- **Host sink** (`TokenSink`): the callback copies the rows' tokens (a delivery older than what arrived
+  changes nothing, so order does not matter) under a lock and wakes the consumer. It does nothing else:
+  it runs inside the device computation.
 - **Text** (`_RowText`): per row, incremental detokenisation in the consumer's thread: the text of the
   tokens received so far, less what must wait: a trailing incomplete UTF-8 sequence (U+FFFD) until a
   later token completes it, and the longest suffix that could begin a stop string until it is
@@ -42,6 +44,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 STREAM_METHODS = ("greedy", "sample", "mirostat", "speculative", "constrained_greedy", "constrained_sample")
 
 
+# Tokens per row between two deliveries to the host (a row's end is delivered at once).
+DEFAULT_EVERY = 8
+
+
 class StreamError(ValueError):
     """A stream that cannot run as asked."""
 
@@ -54,6 +60,8 @@ class StreamHandle:
     program does not depend on which sink) and the mesh the decode runs on (static)."""
     id: jax.Array
     mesh: Any = dataclasses.field(default=None, metadata=dict(static=True))
+    every: int = dataclasses.field(default=1, metadata=dict(static=True))  # tokens between deliveries
+    width: int = dataclasses.field(default=0, metadata=dict(static=True))  # output columns per row
 
 
 def operand(stream, batch: int, width: int, mesh=None) -> StreamHandle | None:
@@ -68,25 +76,40 @@ def operand(stream, batch: int, width: int, mesh=None) -> StreamHandle | None:
         raise StreamError("streaming runs on one process (its host callback delivers on process 0 only); "
                           "decode without streaming on a multi-process mesh")
     return StreamHandle(id=jnp.int32(stream.attach(batch, width)),
-                        mesh=mesh if mesh is not None else getattr(stream, "mesh", None))
+                        mesh=mesh if mesh is not None else getattr(stream, "mesh", None),
+                        every=int(getattr(stream, "every", 1)), width=int(width))
 
 
-def emit(handle: StreamHandle, start, tokens, counts, done):
-    """Inside a decoder's loop (traced): hand this step's tokens to the stream.
+def emit(handle: StreamHandle, buffer, offset, n_before, n_after, done):
+    """Inside a decoder's loop (traced): deliver the rows' output so far to the stream, once a row has
+    crossed a multiple of `handle.every` tokens since the last step, a row finished, or a row is full.
 
-    start int32[B] (or a scalar): the output column of each row's first token; tokens int32[B, K];
-    counts int32[B]: how many of them the row committed (0 for finished rows); done bool[B]: finished
-    after this step. Returns a traced bool scalar: True once the consumer abandoned the stream (the
-    caller ends its rows)."""
-    from jax.experimental import io_callback
-    b = tokens.shape[0]
-    args = (jnp.broadcast_to(jnp.asarray(start, jnp.int32), (b,)), tokens.astype(jnp.int32),
-            counts.astype(jnp.int32), done)
-    if handle.mesh is not None:  # gathered explicitly (a few ints): the callback runs on one device
-        replicated = NamedSharding(handle.mesh, PartitionSpec())
-        args = tuple(jax.lax.with_sharding_constraint(x, replicated) for x in args)
-    # Unordered: each call carries its columns, so the host does not depend on the order of delivery.
-    return io_callback(_deliver, jax.ShapeDtypeStruct((), jnp.bool_), handle.id, *args, ordered=False)
+    buffer int32[B, W]: each row's output starts at column offset[B] (a scalar: every row); n_before /
+    n_after int32[B]: the row's output length before / after this step; done bool[B]: finished after
+    this step. Returns a traced bool scalar: True once the consumer abandoned the stream (the caller ends
+    its rows). A delivery carries every row's whole output so far (int32[B, width], a few KB), so the
+    host needs no earlier one: deliveries may be skipped (every > 1: a host round trip costs about half a
+    millisecond on a CPU host, as much as a small model's step) or arrive out of order."""
+    b, width = n_after.shape[0], handle.width
+
+    def deliver():
+        from jax.experimental import io_callback
+        start = jnp.broadcast_to(jnp.asarray(offset, jnp.int32), (b,))
+        rows = jax.vmap(lambda row, s: jax.lax.dynamic_slice(jnp.pad(row, (0, width)), (s,), (width,)))(
+            buffer.astype(jnp.int32), start)  # [B, width]: output column 0 first
+        args = (rows, n_after.astype(jnp.int32), done)
+        if handle.mesh is not None:  # gathered explicitly (a few ints): the callback runs on one device
+            replicated = NamedSharding(handle.mesh, PartitionSpec())
+            args = tuple(jax.lax.with_sharding_constraint(x, replicated) for x in args)
+        # Unordered: each call carries the whole output so far, so the order of delivery does not matter.
+        return io_callback(_deliver, jax.ShapeDtypeStruct((), jnp.bool_), handle.id, *args, ordered=False)
+
+    every = max(int(handle.every), 1)
+    send = (jnp.any(n_after // every > n_before // every) | jnp.any(done & (n_after > n_before))
+            | jnp.any(n_after >= width) | jnp.all(done))
+    return jax.lax.cond(send, deliver, lambda: jnp.bool_(False))
+
+
 
 
 _SINKS: dict[int, "TokenSink"] = {}
@@ -109,14 +132,14 @@ except (AttributeError, RuntimeError):
     pass
 
 
-def _deliver(stream_id, start, tokens, counts, done):
+def _deliver(stream_id, tokens, counts, done):
     """Host side of `emit` (runs inside the device computation: keep it short). Data for a closed or
     unknown stream is dropped and the loop is told to stop."""
     with _SINKS_LOCK:
         sink = _SINKS.get(int(stream_id))
     if sink is None:
         return np.array(True)
-    return np.array(sink.receive(np.asarray(start), np.asarray(tokens), np.asarray(counts), np.asarray(done)))
+    return np.array(sink.receive(np.asarray(tokens), np.asarray(counts), np.asarray(done)))
 
 
 class TokenSink:
@@ -128,7 +151,8 @@ class TokenSink:
         self.stops: tuple = ()  # the decode's stop strings (set by the method adapters: resolved options)
         self.mesh = None  # the decode's mesh (set by the method adapters)
         self._cond = threading.Condition()
-        self._tokens = self._have = self._done = None
+        self._tokens = self._count = self._done = None
+        self.every = 1  # tokens per row between deliveries (set by stream())
         self._closed = False
         self._version = 0  # bumped on every change the consumer may care about
 
@@ -138,7 +162,7 @@ class TokenSink:
             if self.id is not None:
                 raise StreamError("this TokenSink already streams a decode; use a new one per decode")
             self._tokens = np.zeros((batch, width), np.int32)
-            self._have = np.zeros((batch, width), bool)
+            self._count = np.zeros((batch,), np.int64)  # columns arrived per row
             self._done = np.zeros((batch,), bool)
             with _SINKS_LOCK:
                 self.id = next(_NEXT_ID)
@@ -146,27 +170,28 @@ class TokenSink:
             self._bump()
             return self.id
 
-    def receive(self, start, tokens, counts, done) -> bool:
-        """Write each row's `counts[b]` tokens at columns start[b]...; returns whether the stream is closed."""
+    def receive(self, tokens, counts, done) -> bool:
+        """Each row's output so far (its first counts[b] columns of tokens); returns whether the stream is
+        closed. A delivery older than what arrived already changes nothing."""
         with self._cond:
             if self._closed:
                 return True
             width = self._tokens.shape[1]
-            for b in np.flatnonzero(counts > 0):
-                s, n = int(start[b]), min(int(counts[b]), width - int(start[b]))
-                self._tokens[b, s:s + n] = tokens[b, :n]
-                self._have[b, s:s + n] = True
+            for b in np.flatnonzero(counts > self._count):
+                n = min(int(counts[b]), width)
+                self._tokens[b, :n] = tokens[b, :n]
+                self._count[b] = n
             self._done |= done.astype(bool)
             self._bump()
             return False
 
     def snapshot(self) -> tuple[list[np.ndarray], np.ndarray, int]:
-        """(per row: its tokens up to the first column not yet arrived, done bool[B], version)."""
+        """(per row: its tokens arrived so far, done bool[B], version)."""
         with self._cond:
             if self._tokens is None:
                 return [], np.zeros((0,), bool), self._version
-            n = np.cumprod(self._have, axis=1).sum(axis=1)  # the contiguous prefix per row
-            return [self._tokens[b, :n[b]].copy() for b in range(len(n))], self._done.copy(), self._version
+            return ([self._tokens[b, :self._count[b]].copy() for b in range(len(self._count))], self._done.copy(),
+                    self._version)
 
     def wait(self, version: int, timeout: float | None = None) -> None:
         """Block until something changed since `version` (or the timeout)."""
@@ -250,9 +275,10 @@ class _Job:
     """One generate call in a worker thread, feeding `sink`; what it returned or raised. The consumer's
     generator holds this, not the Stream, so dropping an abandoned Stream closes its sink at once."""
 
-    def __init__(self, model, prompts, method, kwargs: dict):
+    def __init__(self, model, prompts, method, kwargs: dict, every: int = 1):
         self.model, self.prompts, self.method, self.kwargs = model, prompts, method, kwargs
         self.sink = TokenSink()
+        self.sink.every = every
         self.results = None
         self.error: BaseException | None = None
         self.finished = False
@@ -312,8 +338,10 @@ def _pieces(job: _Job, skip_special_tokens: bool, stops: tuple, interval: float,
                     yield Piece(piece, r)
             if interval:
                 # Detokenising holds the GIL, which the loop's callback needs: at most one round per
-                # interval, so a fast loop is not slowed by a consumer woken at every step.
-                time.sleep(interval)
+                # interval, so a fast loop is not slowed by a consumer woken at every step; the end of
+                # the decode wakes it at once.
+                with sink._cond:
+                    sink._cond.wait_for(lambda: job.finished, interval)
         if job.error is not None:
             raise job.error
         # The final texts give the rest (trimmed at a stop string, as generate returns them).
@@ -339,8 +367,8 @@ class Stream:
     it stops at its next step."""
 
     def __init__(self, model, prompts, method, generate_kwargs: dict, skip_special_tokens: bool, stops: tuple,
-                 interval: float = 0.02):
-        self._job = _Job(model, prompts, method, generate_kwargs)
+                 interval: float = 0.02, every: int = DEFAULT_EVERY):
+        self._job = _Job(model, prompts, method, generate_kwargs, every)
         self._done = [False]
         self._gen = _pieces(self._job, skip_special_tokens, stops, interval, self._done)
 
@@ -382,7 +410,7 @@ class Stream:
 
 
 def stream(model, prompts=None, method: str | None = None, max_new_tokens: int | None = None, *,
-           skip_special_tokens: bool = True, interval: float = 0.02, **options) -> Stream:
+           skip_special_tokens: bool = True, every: int = None, interval: float = 0.02, **options) -> Stream:
     """Like `jaxdecode.generate`, but returns a `Stream`: iterate it for text pieces as the loop produces
     them (each a str `Piece` with `.row`, the output row: always 0 for one prompt), then read
     `.results` (the list of Generations generate would return).
@@ -391,7 +419,9 @@ def stream(model, prompts=None, method: str | None = None, max_new_tokens: int |
     constrained autoregressive ones. The output is the one-shot call's, token for token (sampling: same
     seed); each row's pieces concatenate to its Generation.text. With stop strings no text past a stop
     string is yielded (text that could begin one waits until it is resolved). The compiled program is
-    the one-shot's plus a host callback per step; a second stream at the same shapes compiles nothing.
+    the one-shot's plus a host callback every `every` tokens (default DEFAULT_EVERY = 8; 1 = every step:
+    a host round trip costs ~0.5 ms on a CPU host, as much as a small model's step, so deliveries are
+    batched; a row's end is delivered at once); a second stream at the same shapes compiles nothing.
     With several prompts (or num_return_sequences) the rows' pieces interleave as they come: route them
     by `.row`, or use `stream_to`. `interval`: seconds between two rounds of detokenisation at most (a
     piece shows up at most that late; 0: at every step, which slows a fast loop: the text is decoded
@@ -399,6 +429,9 @@ def stream(model, prompts=None, method: str | None = None, max_new_tokens: int |
     """
     if not (isinstance(interval, (int, float)) and not isinstance(interval, bool) and 0 <= interval < 10):
         raise StreamError(f"interval must be seconds in [0, 10), got {interval!r}")
+    every = DEFAULT_EVERY if every is None else every
+    if not (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
+        raise StreamError(f"every must be an int >= 1 (tokens per row between deliveries), got {every!r}")
     from jaxdecode.registry import get_method
     name = method
     if name is None:  # as generate chooses: the generation config's method
@@ -413,7 +446,7 @@ def stream(model, prompts=None, method: str | None = None, max_new_tokens: int |
     stops = options.get("stop")
     stops = () if stops is None else ((stops,) if isinstance(stops, str) else tuple(stops))
     kwargs = dict(options, max_new_tokens=max_new_tokens, skip_special_tokens=skip_special_tokens)
-    return Stream(model, prompts, method, kwargs, skip_special_tokens, stops, float(interval))
+    return Stream(model, prompts, method, kwargs, skip_special_tokens, stops, float(interval), every)
 
 
 def stream_to(file, model, prompts=None, method: str | None = None, max_new_tokens: int | None = None, *,

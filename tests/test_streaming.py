@@ -35,7 +35,7 @@ def test_stream_equals_one_shot(model, method):
     ref = jaxdecode.generate(model, PROMPTS, method, N, eos_ids=(), **CASES[method])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a tokenizer rewrite of streamed text would warn
-        s = stream(model, PROMPTS, method, N, eos_ids=(), interval=0, **CASES[method])
+        s = stream(model, PROMPTS, method, N, eos_ids=(), interval=0, every=1, **CASES[method])
         pieces = list(s)
     rows = _by_row(pieces, len(PROMPTS))
     assert [r.tokens for r in s.results] == [r.tokens for r in ref]
@@ -73,7 +73,7 @@ def test_stream_stops_before_stop_string(model, method):
     assert ref.finish_reason == "stop"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # text shown past the stop string would not be a prefix: it warns
-        s = stream(model, PROMPTS[0], method, N, stop=stop, interval=0, **kw)
+        s = stream(model, PROMPTS[0], method, N, stop=stop, interval=0, every=1, **kw)
         pieces = list(s)
     assert "".join(pieces) == ref.text and stop not in "".join(pieces)
     assert s.results[0].tokens == ref.tokens
@@ -118,7 +118,7 @@ def test_stream_to_and_errors(model):
 
 def test_abandoned_stream_stops_its_decode(model):
     n = 200
-    s = stream(model, PROMPTS[0], "greedy", n, eos_ids=(), interval=0)
+    s = stream(model, PROMPTS[0], "greedy", n, eos_ids=(), interval=0, every=1)
     job = s._job
     for _ in s:
         break
@@ -126,7 +126,7 @@ def test_abandoned_stream_stops_its_decode(model):
     job.thread.join(timeout=60)
     assert not job.thread.is_alive()
     assert job.results[0].stats["new_tokens"] < n
-    s = stream(model, PROMPTS[0], "greedy", n, eos_ids=(), interval=0)
+    s = stream(model, PROMPTS[0], "greedy", n, eos_ids=(), interval=0, every=1)
     next(s)
     s.close()
     s._job.thread.join(timeout=60)
@@ -142,3 +142,21 @@ def test_stream_under_mesh(tiny_llama_dir):
     rows = _by_row(list(s), len(PROMPTS))
     assert ["".join(r) for r in rows] == [r.text for r in ref]
     assert [r.tokens for r in s.results] == [r.tokens for r in ref]
+
+
+def test_deliveries_every_n_tokens(model, monkeypatch):
+    """every=4: one host delivery per 4 tokens per row (and at the end), each the whole output so far."""
+    seen = []
+    receive = TokenSink.receive
+
+    def counting(self, tokens, counts, done):
+        seen.append(counts.copy())
+        return receive(self, tokens, counts, done)
+
+    monkeypatch.setattr(TokenSink, "receive", counting)
+    ref = jaxdecode.generate(model, PROMPTS[0], "greedy", 10, eos_ids=())[0]
+    s = stream(model, PROMPTS[0], "greedy", 10, eos_ids=(), every=4)
+    assert "".join(s) == ref.text and s.results[0].tokens == ref.tokens
+    assert [int(c[0]) for c in seen] == [4, 8, 10]
+    with pytest.raises(StreamError, match="every"):
+        stream(model, PROMPTS[0], "greedy", 4, every=0)
