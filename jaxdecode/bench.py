@@ -206,8 +206,15 @@ def parse_batch_sizes(text) -> tuple[int, ...]:
         raise BenchError(str(e)) from None
 
 
-def read_prompts(path) -> list[str]:
-    """One prompt per line (blank lines skipped, as `jaxdecode generate --prompts-file`)."""
+def read_prompts(path) -> list:
+    """One prompt per line (blank lines skipped), or a .jsonl file of {"prompt"} / {"messages"} / {"ids"}
+    objects, as `jaxdecode generate --prompts-file` reads them."""
+    if str(path).endswith((".jsonl", ".ndjson")):
+        from jaxdecode.cli import read_prompts_file
+        try:
+            return read_prompts_file(path, "jsonl")
+        except (OSError, ValueError) as e:
+            raise BenchError(str(e)) from None
     try:
         with open(path, encoding="utf-8") as f:
             prompts = [line.rstrip("\n") for line in f if line.strip()]

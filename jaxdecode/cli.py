@@ -339,7 +339,8 @@ def _add_bench(sub):
     b.add_argument("--draft", default=None, help="draft model directory, for the methods whose drafter uses one")
     b.add_argument("--drafter-dir", default=None,
                    help="trained drafter directory, for the methods with a trained drafter (or none named)")
-    b.add_argument("--prompts-file", required=True, help="a text file with one prompt per line")
+    b.add_argument("--prompts-file", required=True, help="a text file with one prompt per line, or a .jsonl file "
+                   "as `jaxdecode generate --prompts-file` reads it")
     b.add_argument("--method", action="append", required=True, metavar="NAME[:KEY=VALUE,...]",
                    help="a method to measure (repeatable; the first is the baseline)")
     b.add_argument("--batch-size", default="1", help="batch sizes, comma-separated (default 1)")

@@ -169,7 +169,8 @@ def _speculative(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
     if policy is not None:
         tree_stats["calibrate_seconds"] = float(opts.get("calibrate_seconds", 0.0))
     # What actually ran (defaults and tree="auto" resolved), reported with the batch's stats.
-    tree_stats.update(drafter=drafter_name(drafter), tree=tree_text(drafter), verifier=str(verifier.name))
+    tree_stats.update(drafter=drafter_name(drafter), verifier=str(verifier.name))
+    tree_stats.setdefault("tree", tree if isinstance(tree, str) else tree_text(drafter))  # auto: its chosen spec
     return out.tokens, out.lengths, {**out.stats, **tree_stats}
 
 

@@ -318,16 +318,11 @@ class StopConstraint:
         """Each row's best allowed tokens by log_softmax(logits), per row (parent None), enough for an
         exact beam step: the best num_beams that end the row (EOS, a stop string, the inner constraint
         complete) and the best num_beams that do not, any number of tokens being able to end it."""
-        from jaxdecode.constraints.protocol import advance_each
-        from jaxdecode.kernels.constrained import constrained_topk
+        from jaxdecode.constraints.protocol import advance_each, topk_ending_and_not
 
         r, v = logits.shape
-        mask = self.allowed(state, v)
         ends_all = self._ends_all(state, v)
-        kk = min(num_beams, v)
-        va, ta = constrained_topk(logits, kk, mask=mask & ~ends_all, impl=self.impl)
-        vb, tb = constrained_topk(logits, kk, mask=mask & ends_all, impl=self.impl)
-        values, tokens = jnp.concatenate([va, vb], axis=1), jnp.concatenate([ta, tb], axis=1)
+        values, tokens = topk_ending_and_not(logits, self.allowed(state, v), ends_all, num_beams, self.impl)
         ok = tokens >= 0
         k = tokens.shape[1]
         ends = jnp.take_along_axis(ends_all, jnp.maximum(tokens, 0), axis=1)

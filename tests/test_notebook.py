@@ -15,6 +15,7 @@ def test_quickstart_notebook_runs(tmp_path):
                       for o in c.get("outputs", []))
     assert "[greedy]" in outputs and "[beam]" in outputs and "target_calls" in outputs
     assert "finish: stop" in outputs and "logprob" in outputs and "speculative == greedy: True" in outputs
+    assert "stream == one-shot: True" in outputs
 
 
 TRAINING = NOTEBOOK.parent / "speculative_training.ipynb"

@@ -186,7 +186,7 @@ def test_generate_auto_tree_greedy_exact(pair, flat_costs, monkeypatch):
               eos_ids=())
     out = jaxdecode.generate(target, PROMPTS, **kw)
     assert [r.tokens for r in out] == [r.tokens for r in plain]
-    s = out[0].stats
+    s = out[0].batch_stats
     # flat costs: the whole budget (3 x 3 comb = 9 nodes) is worth verifying, as a tree of depth <= 3
     assert s["tree_nodes"] == 9 and s["tree_depth"] <= 3 and len(s["tree_parents"]) == 9
     assert s["tree"].endswith(":topk") and s["tree_expected_tau"] >= 1.0
@@ -194,7 +194,7 @@ def test_generate_auto_tree_greedy_exact(pair, flat_costs, monkeypatch):
     # a second call reads the cached profile: nothing is measured again
     monkeypatch.setattr(to, "acceptance_profile", lambda *a, **k: pytest.fail("profile not cached"))
     again = jaxdecode.generate(target, PROMPTS, **kw)
-    assert again[0].stats["tree"] == s["tree"] and [r.tokens for r in again] == [r.tokens for r in plain]
+    assert again[0].batch_stats["tree"] == s["tree"] and [r.tokens for r in again] == [r.tokens for r in plain]
 
 
 def test_generate_auto_chain_for_retrieval_drafters(pair, flat_costs):
@@ -205,7 +205,7 @@ def test_generate_auto_chain_for_retrieval_drafters(pair, flat_costs):
     out = jaxdecode.generate(target, prompts, method="speculative", drafter="prompt_lookup",
                              tree="auto:depth=3,tokens=8", max_new_tokens=8, eos_ids=())
     assert [r.tokens for r in out] == [r.tokens for r in plain]
-    assert out[0].stats["tree"].startswith("chain:")
+    assert out[0].batch_stats["tree"].startswith("chain:")
 
 
 def test_auto_tree_errors(pair, flat_costs):
@@ -235,8 +235,8 @@ def test_generate_auto_tree_sampling(pair, flat_costs):
     out = jaxdecode.generate(target, PROMPTS, method="speculative", draft=near, temperature=0.7, seed=3,
                              tree="auto:width=3,depth=3,tokens=12", max_new_tokens=10, eos_ids=())
     assert all(len(r.tokens) == 10 for r in out)
-    assert out[0].stats["tree"].endswith(":gumbel") and out[0].stats["tree_nodes"] >= 2
+    assert out[0].batch_stats["tree"].endswith(":gumbel") and out[0].batch_stats["tree_nodes"] >= 2
     # a verifier of chains: the chain length is chosen
     out = jaxdecode.generate(target, PROMPTS, method="speculative", draft=near, temperature=0.7, seed=3,
                              verifier="chain", tree="auto:depth=3,tokens=12", max_new_tokens=10, eos_ids=())
-    assert out[0].stats["tree"].startswith("chain:")
+    assert out[0].batch_stats["tree"].startswith("chain:")

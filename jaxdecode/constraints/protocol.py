@@ -45,6 +45,17 @@ def advance_each(constraint, state, tokens):
     return constraint.advance(rep, tokens.reshape(-1))
 
 
+def topk_ending_and_not(logits, mask, ends, num_beams: int, impl: str = "auto"):
+    """(values, tokens) [R, 2k], k = min(num_beams, V): each row's best k allowed tokens that do not end
+    it, then its best k that do (ends bool[R, V]: the token finishes the row): enough candidates for an
+    exact beam step when any token may end a row. Missing candidates are -1 (constrained_topk)."""
+    from jaxdecode.kernels.constrained import constrained_topk
+    k = min(num_beams, logits.shape[-1])
+    va, ta = constrained_topk(logits, k, mask=mask & ~ends, impl=impl)
+    vb, tb = constrained_topk(logits, k, mask=mask & ends, impl=impl)
+    return jnp.concatenate([va, vb], axis=1), jnp.concatenate([ta, tb], axis=1)
+
+
 # ----------------------------------------------------------------------------- intersection
 @dataclasses.dataclass(frozen=True)
 class IntersectState:
@@ -120,10 +131,7 @@ class IntersectConstraint:
         else:
             every = jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32), (r, v))
             ends_all = self.complete(advance_each(self, state, every)).reshape(r, v)
-            kk = min(num_beams, v)
-            va, ta = constrained_topk(logits, kk, mask=mask & ~ends_all, impl=self.impl)
-            vb, tb = constrained_topk(logits, kk, mask=mask & ends_all, impl=self.impl)
-            values, tokens = jnp.concatenate([va, vb], axis=1), jnp.concatenate([ta, tb], axis=1)
+            values, tokens = topk_ending_and_not(logits, mask, ends_all, num_beams, self.impl)
         ok = tokens >= 0
         k = tokens.shape[1]
         moved = advance_each(self, state, jnp.maximum(tokens, 0))
