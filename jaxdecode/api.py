@@ -205,6 +205,9 @@ def generate(model: Model, prompts=None, method: str | None = None, max_new_toke
         else model.generation_config
     spec = get_method(method if method is not None else (defaults.method() if defaults else "greedy"))
     _check_model_kind(model, spec.name)
+    if echo and getattr(model.config, "is_diffusion", False):
+        raise ValueError("echo=True reports the prompt's left-to-right log-probs, which a masked-diffusion LM "
+                         "does not define; drop echo")
     items = _prompt_list(prompts, messages)
     token_lists = _tokenize(model, items, add_special_tokens)
     given = dict(options, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_ids=eos_ids)

@@ -109,6 +109,9 @@ def _score_padded(config, params, tokens, lengths):
 
 def _check_token_lists(config, token_lists) -> list[list[int]]:
     from jaxdecode.autoregressive import PromptError
+    if getattr(config, "is_diffusion", False):
+        raise ValueError(f"this checkpoint is a masked-diffusion LM (attention={config.attention!r}): it has no "
+                         f"left-to-right log-probs p(x_i | x_<i) to score or echo; use a causal LM")
     if isinstance(token_lists, (str, bytes)) or not isinstance(token_lists, Sequence) or not token_lists:
         raise PromptError("token_lists must be a non-empty list of token-id lists")
     out = []

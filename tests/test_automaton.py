@@ -748,3 +748,25 @@ def test_filter_index_keeps_the_matching_items(tok):
     assert got == {("cow1", 0), ("emu22", 1), ("ant3", 0)}
     with pytest.raises(AutomatonError, match="no item"):
         am.filter_index(idx, _compile(r"[0-9]+", tok))
+
+
+def test_patterns_of_similar_size_share_one_compiled_decode(model, tok):
+    """Device tables are padded to power-of-two states / classes: a second pattern of similar size reuses
+    the compiled decode (a new schema costs its host compile, not an XLA compile)."""
+    from jaxdecode.autoregressive import _decode, decode
+    a, b = (compile_regex(p, tok, vocab_size=model.config.vocab_size, eos_ids=(0,))
+            for p in (r"[0-9]{2,4}", r"(yes|no)"))
+    ca, cb = a.constraint(), b.constraint()
+    assert ca.next.shape == cb.next.shape and a.next.shape != b.next.shape
+    assert ca.next.shape[0] >= a.num_states and not bool(np.asarray(ca.final)[a.num_states:].any())
+    toks = jnp.asarray([model.encode("x = ")], jnp.int32)
+    lens = jnp.asarray([toks.shape[1]], jnp.int32)
+    run = lambda c: decode(model.config, model.params, toks, lens, max_new_tokens=6, eos_ids=(0,),  # noqa: E731
+                           method="greedy", constraint=c)
+    out_a = run(ca)
+    size = _decode._cache_size()
+    out_b = run(cb)
+    assert _decode._cache_size() == size  # no new compilation
+    text_b = model.decode(np.asarray(out_b.tokens[0, :int(out_b.lengths[0])]))
+    assert re.fullmatch(r"(yes|no)", text_b), text_b
+    assert re.fullmatch(r"[0-9]{2,4}", model.decode(np.asarray(out_a.tokens[0, :int(out_a.lengths[0])])))

@@ -41,3 +41,10 @@ def test_it_drafts_for_the_target_losslessly(dllm):
     spec = jaxdecode.generate(target, prompts, method="speculative", drafter="dllm", draft=dllm, tree="chain:4",
                               max_new_tokens=8, adaptive=False)
     assert [r.tokens for r in spec] == [r.tokens for r in plain]
+
+
+def test_no_left_to_right_scoring_of_a_diffusion_lm(dllm):
+    with pytest.raises(ValueError, match="masked-diffusion"):
+        jaxdecode.score(dllm, "import os\n")
+    with pytest.raises(ValueError, match="masked-diffusion"):
+        jaxdecode.generate(dllm, "import os\n", method="diffusion", max_new_tokens=4, echo=True)

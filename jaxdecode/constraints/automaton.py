@@ -217,7 +217,7 @@ class TokenAutomaton:
             raise ConstraintError(f"mask must be one of {_MASK_FORMS}, got {mask!r}")
         if mask != "auto":
             return mask
-        return "bits" if 4 * self.num_states * self.mask_words <= MASK_BITS_BUDGET else "classes"
+        return "bits" if 4 * _bucket(self.num_states) * self.mask_words <= MASK_BITS_BUDGET else "classes"
 
     def constraint(self, starts=None, *, impl: str = "auto", mask: str = "auto") -> "AutomatonConstraint":
         """The device constraint; `starts`: int[B], which stacked pattern each batch row follows (None:
@@ -231,10 +231,21 @@ class TokenAutomaton:
             raise ConstraintError(f"pattern index {bad} is outside [0, {self.initial.shape[0]}) (the patterns "
                                   "stacked in this automaton)")
         init = self.initial[np.zeros(1, np.int64) if starts_h is None else starts_h.astype(np.int64)]
-        bits = jnp.asarray(self.bits) if self.mask_form(mask) == "bits" else None
-        return AutomatonConstraint(token_class=jnp.asarray(self.token_class), next=jnp.asarray(self.next),
-                                   final=jnp.asarray(self.final), initial=jnp.asarray(init, jnp.int32),
-                                   bits=bits, per_row=starts_h is not None, impl=impl, host=self)
+        # Tables padded to power-of-two states / classes (padded states are dead and unreachable, padded
+        # classes unused): patterns of similar size share one compiled decode instead of compiling each.
+        (s, c), s_pad = self.next.shape, _bucket(self.num_states)
+        nxt = np.full((s_pad, _bucket(c)), -1, np.int32)
+        nxt[:s, :c] = self.next
+        final = np.zeros(s_pad, bool)
+        final[:s] = self.final
+        bits = None
+        if self.mask_form(mask) == "bits":
+            bits = np.zeros((s_pad, self.mask_words), np.uint32)
+            bits[:s] = self.bits
+        return AutomatonConstraint(token_class=jnp.asarray(self.token_class), next=jnp.asarray(nxt),
+                                   final=jnp.asarray(final), initial=jnp.asarray(init, jnp.int32),
+                                   bits=None if bits is None else jnp.asarray(bits), per_row=starts_h is not None,
+                                   impl=impl, host=self)
 
     # ------------------------------------------------------------------ save / load
     def save(self, path) -> None:
@@ -251,6 +262,12 @@ class TokenAutomaton:
                        patterns=tuple(str(p) for p in z["patterns"]), tokenizer=str(z["tokenizer"]))
         _check_tables(auto, str(path))
         return auto
+
+
+def _bucket(n: int) -> int:
+    """A table dimension rounded up to a power of two (at least 8): the device shapes of automata."""
+    from jaxdecode.kernels.common import next_pow2
+    return next_pow2(max(int(n), 8))
 
 
 def _check_tables(auto: TokenAutomaton, where: str) -> None:
