@@ -25,6 +25,7 @@ line {"batch_stats": {...}}: the call's whole-batch figures (seconds, compile_se
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 
@@ -201,27 +202,24 @@ def cmd_generate(args) -> int:
     call = dict(method=args.method, num_return_sequences=args.num_return_sequences,
                 add_special_tokens=args.add_special_tokens, skip_special_tokens=not args.keep_special_tokens,
                 echo=args.echo, **options)
-    if args.stream:
-        if len(prompts) != 1:
-            raise ValueError(f"--stream prints one prompt's text as it comes; got {len(prompts)} prompts")
-        from jaxdecode.streaming import stream
-        if not args.json:
-            print(_shown_prompt(prompts[0]), end="", flush=True)
-        s = stream(model, prompts[0], **call)
-        for piece in s:
-            if not args.json:
-                print(piece, end="", flush=True)
-        if not args.json:
-            print()
-        results = s.results
+    if args.stream:  # row 0 as it comes; other rows (prompts, num_return_sequences) when the decode ends
+        from jaxdecode.streaming import stream_to
+        out = io.StringIO() if args.json else sys.stdout
+        several = len(prompts) > 1 or (args.num_return_sequences or 1) > 1
+
+        def prefix(row: int, prompt) -> str:  # a header when there are several outputs, then a text prompt
+            return (f"--- prompt: {prompt!r}\n" if several or row else "") + _shown_prompt(prompt)
+        results = stream_to(out, model, prompts, prefix=prefix, **call)
     else:
         results = jaxdecode.generate(model, prompts, **call)
-    for r in results:
+    for i, r in enumerate(results):
         if args.json:
             print(json.dumps(r.to_json()))
         elif not args.stream:
             print(f"--- prompt: {r.prompt!r}" + (f" (output {r.index + 1})" if r.index else ""))
             print(_shown_prompt(r.prompt) + r.text)
+        elif len(results) > 1:  # the texts were streamed above: say whose figures follow
+            print(f"--- output {i + 1} of {len(results)} (prompt {r.prompt!r:.60})")
         if not args.json:
             if r.constraint is not None:
                 print(f"    valid: {r.valid} ({r.constraint} checked by {r.validator}; enforced by {r.backend})")

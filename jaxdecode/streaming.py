@@ -450,13 +450,17 @@ def stream(model, prompts=None, method: str | None = None, max_new_tokens: int |
 
 
 def stream_to(file, model, prompts=None, method: str | None = None, max_new_tokens: int | None = None, *,
-              sep: str = "\n", **options) -> list:
+              sep: str = "\n", prefix=None, **options) -> list:
     """Write a stream's text to `file` (e.g. sys.stdout) as it comes, flushing each piece; returns the
     Generations. One row is shown at a time: row 0's pieces as they come; the other rows' text (held
     meanwhile) follows in order, each after `sep`, when the decode ends — the file reads like the texts
-    of generate one after another."""
+    of generate one after another. prefix(row, prompt) -> str, when given, is written before each row's
+    text (e.g. a header naming the prompt)."""
+    from jaxdecode.api import _prompt_list
     s = stream(model, prompts, method, max_new_tokens, **options)
+    head = (lambda row, prompt: "") if prefix is None else prefix  # written before each row's text
     held: dict[int, list[str]] = {}
+    file.write(head(0, _prompt_list(prompts, options.get("messages"))[0]))
     with s:
         for piece in s:
             if piece.row == 0:
@@ -466,11 +470,10 @@ def stream_to(file, model, prompts=None, method: str | None = None, max_new_toke
                 held.setdefault(piece.row, []).append(str(piece))
         results = s.results
     for r in range(1, len(results)):
-        file.write(sep + "".join(held.get(r, [])))
+        file.write(sep + head(r, results[r].prompt) + "".join(held.get(r, [])))
     file.write(sep)
     file.flush()
     return results
-
 
 __all__ = ["STREAM_METHODS", "Piece", "Stream", "StreamError", "StreamHandle", "TokenSink", "emit", "operand", "stream",
            "stream_to", "stop_holdback"]

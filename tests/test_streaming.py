@@ -160,3 +160,13 @@ def test_deliveries_every_n_tokens(model, monkeypatch):
     assert [int(c[0]) for c in seen] == [4, 8, 10]
     with pytest.raises(StreamError, match="every"):
         stream(model, PROMPTS[0], "greedy", 4, every=0)
+
+
+def test_cli_stream_several_prompts(tiny_llama_dir, model, capsys):
+    from jaxdecode.cli import main
+    ref = jaxdecode.generate(model, ["def add(", "class"], "greedy", 5, eos_ids=(300,))
+    assert main(["generate", "--model", str(tiny_llama_dir), "--prompt", "def add(", "--prompt", "class",
+                 "--max-new-tokens", "5", "--eos-id", "300", "--stream"]) == 0
+    out = capsys.readouterr().out
+    assert "def add(" + ref[0].text in out and "class" + ref[1].text in out and "batch stats:" in out
+    assert "--- output 2 of 2" in out
