@@ -199,8 +199,10 @@ def generate(model: Model, prompts=None, method: str | None = None, max_new_toke
     from jaxdecode.options import resolve
     from jaxdecode.structured import build_constraint, structured_request
     if generation_config is not None and not isinstance(generation_config, GenerationConfig):
-        raise TypeError(f"generation_config must be a jaxdecode.GenerationConfig (GenerationConfig.from_dict / "
-                        f".from_transformers), got {type(generation_config).__name__}")
+        if not callable(getattr(generation_config, "to_diff_dict", None)):
+            raise TypeError(f"generation_config must be a jaxdecode.GenerationConfig (or a "
+                            f"transformers.GenerationConfig), got {type(generation_config).__name__}")
+        generation_config = GenerationConfig.from_transformers(generation_config)
     defaults = generation_config.over(model.generation_config) if generation_config is not None \
         else model.generation_config
     spec = get_method(method if method is not None else (defaults.method() if defaults else "greedy"))
@@ -213,9 +215,17 @@ def generate(model: Model, prompts=None, method: str | None = None, max_new_toke
     given = dict(options, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_ids=eos_ids)
     if defaults is not None:  # the checkpoint's / caller's generation config fills what the call leaves unset
         from jaxdecode.options import common_options
-        for k, v in defaults.options_for(spec.name, set(common_options()) | set(spec.options)).items():
+        takes = set(common_options()) | set(spec.options)
+        for k, v in defaults.options_for(spec.name, takes).items():
             if given.get(k) is None:
                 given[k] = v
+        ignored = defaults.ignored_by(spec.name, takes)
+        if ignored:
+            import warnings
+            warnings.warn(f"the generation config sets {', '.join(ignored)}, which method {spec.name!r} does not "
+                          f"apply, so its output differs from transformers.generate with that config; use a "
+                          f"method that takes them, or pass a generation_config without them to silence this",
+                          UserWarning, stacklevel=2)
     n_seq = num_return_sequences if num_return_sequences is not None else (
         defaults.num_return_sequences if defaults is not None and defaults.num_return_sequences else 1)
     beams = spec.name in _BEAMS

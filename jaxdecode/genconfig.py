@@ -143,6 +143,16 @@ class GenerationConfig:
             out["stop"] = list(self.stop_strings)
         return {k: v for k, v in out.items() if k in takes}
 
+    def ignored_by(self, method: str, takes) -> list[str]:
+        """Set fields that change transformers' output but that `method` (taking options `takes`) does not
+        apply: generate warns about them rather than differ silently."""
+        out = []
+        if self.repetition_penalty not in (None, 1.0) and "repetition_penalty" not in takes:
+            out.append(f"repetition_penalty={self.repetition_penalty}")
+        if self.stop_strings and "stop" not in takes:
+            out.append(f"stop_strings={list(self.stop_strings)}")
+        return out
+
 
 def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)

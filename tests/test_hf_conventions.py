@@ -190,3 +190,18 @@ def test_tokenizer_without_bos_matches_transformers(tiny_llama_dir):
     assert ids == tok("def add(a, b):", add_special_tokens=False).input_ids
     r = jaxdecode.generate(model, "def add(a, b):", max_new_tokens=N_NEW, eos_ids=[])[0]
     assert r.prompt_tokens == ids and r.tokens == _hf_greedy(hf, ids, N_NEW, eos_token_id=None)
+
+
+def test_config_values_a_method_cannot_apply_warn_and_transformers_configs_convert(bos_model):
+    import transformers as tf
+    model = jaxdecode.load(bos_model[0])
+    cfg = GenerationConfig(repetition_penalty=1.3)
+    with pytest.warns(UserWarning, match="repetition_penalty=1.3"):
+        jaxdecode.generate(model, "import os", method="speculative", generation_config=cfg, max_new_tokens=3,
+                           adaptive=False)
+    a = jaxdecode.generate(model, "import os", generation_config=tf.GenerationConfig(repetition_penalty=1.3),
+                           max_new_tokens=6, eos_ids=[])[0]
+    b = jaxdecode.generate(model, "import os", repetition_penalty=1.3, max_new_tokens=6, eos_ids=[])[0]
+    assert a.tokens == b.tokens
+    with pytest.raises(TypeError, match="generation_config"):
+        jaxdecode.generate(model, "import os", generation_config={"do_sample": True})
