@@ -297,7 +297,7 @@ def _decode(config, params, prompt_tokens, prompt_lengths, key, tau, eta, constr
             state = state.replace(logprobs=state.logprobs.write(state.step, ~state.done[:, None], *cols))
         new = _emit(state.replace(key=key), token, mu, eos_ids)
         new = new if constraint is None else _advance_constraint(state, new, token, constraint)
-        if stream_handle is not None:  # streaming: the step's tokens to the host; rows end if it was abandoned
+        if stream_handle is not None:  # streaming: the output so far to the host every few tokens; rows end if abandoned
             new = new.replace(done=new.done | streaming.emit(stream_handle, new.tokens, 0, state.n_new, new.n_new,
                                                              new.done))
         return new
@@ -350,8 +350,9 @@ def decode(config, params, prompt_tokens, prompt_lengths, *, max_new_tokens: int
     logprobs / top_logprobs (static): stats add each new token's log-prob under the distribution it was
     drawn from, and the top_logprobs best alternatives (jaxdecode.scoring; top_logprobs > 0 implies
     logprobs). Greedy reports the softmax of the logits after the repetition penalty and constraint.
-    stream: a jaxdecode.streaming.TokenSink: each step's tokens go to it from inside the loop (a host
-    callback; the compiled program does not depend on which sink). None: no callback is traced.
+    stream: a jaxdecode.streaming.TokenSink: the rows' output goes to it from inside the loop every
+    `sink.every` tokens (a host callback; the compiled program does not depend on which sink). None: no
+    callback is traced.
     """
     logprobs, top_logprobs = check_logprob_flags(logprobs, top_logprobs)
     method, sampler = resolve_method(method, sampler)

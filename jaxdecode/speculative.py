@@ -482,7 +482,7 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
         hist_len = st.hist_len + count
         num_new = st.num_new + count
         done = st.done | (active & (hit_eos | (num_new >= max_new_tokens)))
-        if stream_handle is not None:  # streaming: the committed block to the host; rows end if it was abandoned
+        if stream_handle is not None:  # streaming: the output so far to the host (whole blocks); rows end if abandoned
             done = done | streaming.emit(stream_handle, history, hist_len - num_new, st.num_new, num_new, done)
 
         obs = Observation(tree=tree, path=res.path, num_accepted=res.num_accepted, bonus=res.bonus,
@@ -767,8 +767,9 @@ def speculative_decode(config, params, drafter, prompt_tokens, prompt_lengths, *
     logprobs / top_logprobs (static): stats add the TARGET's log-prob of every committed token (never
     the drafter's) under the distribution the verifier judges against (greedy: the softmax of the
     logits), and the top_logprobs best alternatives (jaxdecode.scoring).
-    stream: a jaxdecode.streaming.TokenSink: each step's committed block goes to it from inside the loop
-    (a host callback; the compiled program does not depend on which sink). None: no callback is traced.
+    stream: a jaxdecode.streaming.TokenSink: the rows' output goes to it from inside the loop once a row
+    crosses a multiple of `sink.every` tokens (whole accepted blocks; a host callback, the compiled program
+    does not depend on which sink). None: no callback is traced.
     """
     logprobs, top_logprobs = check_logprob_flags(logprobs, top_logprobs)
     if attn_impl is None:
