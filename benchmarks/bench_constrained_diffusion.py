@@ -1,17 +1,21 @@
-"""Regex / JSON-schema constraints in diffusion decoding (jaxdecode.diffusion, `constraint=`) with the
-shipped dLLM: the fraction of answers that fully match, with and without the constraint, and what the
+"""Regex / JSON-schema / grammar constraints in diffusion decoding (jaxdecode.diffusion, `constraint=`) with
+the shipped dLLM: the fraction of answers that fully match, with and without the constraint, and what the
 constraint costs in forwards and time.
 
     python benchmarks/bench_constrained_diffusion.py                         # load('dllm'), the default regex
     python benchmarks/bench_constrained_diffusion.py --regex '[0-9]{1,4}(, [0-9]{1,4}){0,5}'
     python benchmarks/bench_constrained_diffusion.py --schema schema.json --answer-length 48
     python benchmarks/bench_constrained_diffusion.py --prompts 4 --rules greedy1 --answer-length 16   # smoke
+    python benchmarks/bench_constrained_diffusion.py --grammar arith      # a grammar (arith | json, Lark)
 
 Prompts are held-out standard-library windows (the split the embedded models never trained on) ending in
 a blank line, so a `def` line is a natural next text for the default pattern. Per (rule, constrained)
 one JSON line: valid (fraction of rows whose answer up to EOS fully matches the pattern), unfinished
 (rows cut off by max_forwards), nfe and tokens_per_forward (means over rows), seconds (wall time of all
 batches, compilation excluded: one untimed batch first), and the automaton's size (states, classes).
+With --grammar (a pushdown automaton, jaxdecode.constraints.grammar; the answer grows as a prefix) valid
+means lark parses the answer up to EOS; constrained rows that run out of slots before the grammar accepts
+are not valid (unmatched: their fraction, from stats["constraint_unmatched"]).
 """
 from __future__ import annotations
 
@@ -35,6 +39,8 @@ def main(argv=None):
     ap.add_argument("--model", default="dllm", help="a diffusion checkpoint directory (default: the embedded dLLM)")
     ap.add_argument("--regex", default=PATTERN, help="the pattern each answer must match in full")
     ap.add_argument("--schema", help="a JSON schema file instead of --regex")
+    ap.add_argument("--grammar", choices=("arith", "json"), help="a Lark grammar instead of --regex (bench_grammar's "
+                    "arithmetic expressions or JSON)")
     ap.add_argument("--prompts", type=int, default=32, help="held-out prompts")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--answer-length", type=int, default=32, help="answer slots (an EOS ends an answer early)")
@@ -51,7 +57,18 @@ def main(argv=None):
     model = jaxdecode.load(args.model, dtype=args.dtype)
     config, params, tok = model.config, model.params, model.tokenizer
     eos = tuple(int(e) for e in config.eos_token_ids)
-    if args.schema:
+    if args.grammar:
+        import lark
+        from bench_grammar import ARITH, JSON_LARK
+
+        from jaxdecode.constraints.grammar import compile_grammar
+        text = {"arith": ARITH, "json": JSON_LARK}[args.grammar]
+        parser = lark.Lark(text, parser="earley")
+        t0 = time.perf_counter()
+        auto = compile_grammar(text, tok, vocab_size=config.vocab_size, eos_ids=eos)
+        if auto.backend != "device":
+            raise SystemExit(f"the grammar compiled to {auto.backend} ({auto.reason}); diffusion takes device grammars")
+    elif args.schema:
         pattern = schema_to_regex(open(args.schema).read())
         t0 = time.perf_counter()
         auto = compile_json_schema(open(args.schema).read(), tok, vocab_size=config.vocab_size, eos_ids=eos)
@@ -64,7 +81,17 @@ def main(argv=None):
     prompts = np.asarray([w + sep for w in heldout_prompts(tok, args.prompts, args.prompt_tokens, args.seed)],
                          np.int32)
     n, batch = len(prompts), min(args.batch, len(prompts))
-    regex = re.compile(pattern, re.DOTALL)
+    if args.grammar:
+        def matches(text):
+            try:
+                return bool(parser.parse(text))
+            except lark.exceptions.LarkError:
+                return False
+        size = {"states": int(auto.tables.kind.shape[0]), "classes": int(auto.code.shape[1])}
+    else:
+        regex = re.compile(pattern, re.DOTALL)
+        matches = lambda text: regex.fullmatch(text) is not None
+        size = {"states": auto.num_states, "classes": auto.num_classes}
 
     def decode_all(rule, constraint):
         outs, seconds = decode_in_batches(lambda idx: D.diffusion_decode(
@@ -72,24 +99,28 @@ def main(argv=None):
             answer_length=args.answer_length, block_length=args.block_length, rule=rule, eos_ids=eos,
             key=jax.random.PRNGKey(args.seed), constraint=constraint), n, batch)
         cat = lambda f: rows(outs, n, f)
+        unmatched = cat(lambda o: o.stats.get("constraint_unmatched", o.stats["unfinished"]))
         return (cat(lambda o: o.tokens), cat(lambda o: o.lengths), cat(lambda o: o.stats["nfe"]),
-                cat(lambda o: o.stats["tokens_per_forward"]), cat(lambda o: o.stats["unfinished"]), seconds)
+                cat(lambda o: o.stats["tokens_per_forward"]), cat(lambda o: o.stats["unfinished"]), unmatched,
+                seconds)
 
     for spec in args.rules.split(","):
         rule = _rule(spec, args.threshold, None)
         for constrained in (False, True):
-            tokens, lengths, nfe, tpf, unfinished, seconds = decode_all(rule, auto.constraint() if constrained
-                                                                        else None)
+            tokens, lengths, nfe, tpf, unfinished, unmatched, seconds = decode_all(
+                rule, auto.constraint() if constrained else None)
             valid = []
             for row, ln, unf in zip(tokens, lengths, unfinished):
                 body = [int(t) for t in row[:ln] if int(t) not in eos]
-                valid.append(not unf and regex.fullmatch(tok.decode(body)) is not None)
+                valid.append(not unf and matches(tok.decode(body)))
             print(json.dumps({"rule": spec, "constrained": constrained, "prompts": n,
+                              "constraint": f"grammar:{args.grammar}" if args.grammar else
+                              ("schema" if args.schema else "regex"),
                               "answer_length": args.answer_length, "valid": float(np.mean(valid)),
                               "unfinished": float(np.mean(unfinished)), "nfe": float(nfe.mean()),
+                              **({"unmatched": float(np.mean(unmatched))} if constrained else {}),
                               "tokens_per_forward": float(tpf.mean()), "seconds": seconds,
-                              "states": auto.num_states, "classes": auto.num_classes,
-                              "automaton_compile_s": compile_s,
+                              **size, "automaton_compile_s": compile_s,
                               "example": tok.decode([int(t) for t in tokens[0, :lengths[0]] if int(t) not in eos])}))
 
 

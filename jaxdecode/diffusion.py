@@ -37,10 +37,14 @@ KV caches (`cache=`):
   finished blocks is exact; forwards run over the current block only (plus, once, the block just
   finished, to write its clean keys and values into the cache).
 
-Constraints (`constraint=`, a regex / JSON-schema automaton): each forward, the rule sees logits masked
-to the tokens that keep the answer completable, and its commits are kept left to right while some
-filling of the remaining MASK slots (+ the suffix) is still in the language (jaxdecode.diffusion_constraint:
-exact DFA emptiness over the slots); a finished row is a full match.
+Constraints (`constraint=`, jaxdecode.diffusion_constraint: a "binding" masks each forward's logits and
+keeps the rule's commits left to right). A regex / JSON-schema automaton: the rule sees logits masked to
+the tokens that keep the answer completable, and its commits are kept while some filling of the remaining
+MASK slots (+ the suffix) is still in the language (exact DFA emptiness over the slots); a finished row is
+a full match. A grammar (pushdown automaton): the answer grows as a prefix; the frontier slot's logits
+are masked to the tokens the grammar allows after it, and commits are kept from the frontier on while
+each is allowed after the ones before it; a row that ends with EOS is accepted by the grammar, one that
+runs out of slots first is not (stats "constraint_unmatched"); no infilling.
 
 Rules are small frozen dataclasses (ALGORITHMS.md §5): `select(ctx) -> (commit bool[B,A], tokens
 int32[B,A], rule_state)`; lookahead rules (FreeDave, InfoGain), which run several candidate answers
@@ -91,6 +95,7 @@ class _State:
     carry: object  # mode-specific: a lookahead rule's current logits [B, A, V]; exact: [B, V] logits of the slot
     #                before the current block (logits_shift); prefix/dual: int32[B] block of the last refresh
     nonfinite: jax.Array  # bool[B]
+    ccarry: object = ()  # the constraint binding's per-row loop state (grammars: the state after the prefix)
 
     def replace(self, **kw):
         return dataclasses.replace(self, **kw)
@@ -210,38 +215,38 @@ def _context(s: _Static, state: _State, logits, answer_lengths):
     return ctx, eligible, key
 
 
-def _constrain(s: _Static, cons, answer, answer_lengths, logits):
-    """(logits masked to the tokens that keep each row completable, the step's reachability sets); no
-    constraint: (logits, None). See jaxdecode.diffusion_constraint."""
+def _constrain(cons, ccarry, answer, answer_lengths, logits):
+    """(logits masked by the constraint binding, the step's data for `_keep_completable`); no constraint:
+    (logits, None). See jaxdecode.diffusion_constraint."""
     if cons is None:
         return logits, None
-    auto, tacc = cons
-    st = DC.sets(auto, answer, answer_lengths, tacc, s.mask_id, bool(s.eos_ids))
-    return DC.mask_logits(auto, st, logits, tacc, bool(s.eos_ids)), st
+    return cons.mask(ccarry, answer, answer_lengths, logits)
 
 
-def _keep_completable(s: _Static, cons, st, commit, tokens):
-    """The commits that keep the answer completable, left to right (all of them without a constraint)."""
+def _keep_completable(cons, ccarry, st, commit, tokens):
+    """(commits kept, left to right, tokens int32[B, A] to write, next constraint carry): regex / JSON schema
+    keep the commits that leave the answer completable, grammars those that extend the valid prefix; all
+    of them without a constraint."""
+    tokens = tokens.astype(jnp.int32)
     if cons is None:
-        return commit
-    auto, tacc = cons
-    return DC.filter_commits(auto, st, commit, tokens.astype(jnp.int32), tacc, bool(s.eos_ids))
+        return commit, tokens, ccarry
+    return cons.keep(ccarry, st, commit, tokens)
 
 
 def _commit_step(s: _Static, state: _State, logits, answer_lengths, live, cons=None):
     """The rule's commits from one forward's answer-frame logits (under a constraint: from the masked
-    logits, then filtered so the answer stays completable)."""
+    logits, then filtered by the constraint)."""
     raw = logits
-    logits, st = _constrain(s, cons, state.answer, answer_lengths, logits)
+    logits, st = _constrain(cons, state.ccarry, state.answer, answer_lengths, logits)
     ctx, eligible, key = _context(s, state, logits, answer_lengths)
     commit, tokens, rstate = s.rule.select(ctx)
     _, conf, _ = confidence(logits)
     commit = at_least_one(commit, conf, eligible) & live[:, None]
-    commit = _keep_completable(s, cons, st, commit, tokens)
-    answer = _apply(s, state.answer, commit, tokens.astype(jnp.int32), answer_lengths)
+    commit, tokens, ccarry = _keep_completable(cons, state.ccarry, st, commit, tokens)
+    answer = _apply(s, state.answer, commit, tokens, answer_lengths)
     bad = nonfinite_rows(raw, live, eligible)
     return state.replace(answer=answer, key=key, rule_state=rstate, nfe=state.nfe + live.astype(jnp.int32),
-                         nonfinite=state.nonfinite | bad)
+                         nonfinite=state.nonfinite | bad, ccarry=ccarry)
 
 
 def _block_slots(s: _Static, cur):
@@ -362,13 +367,14 @@ def _lookahead_step(s: _Static, params, state: _State, prompt_tokens, prompt_len
     the kept answer's forward gives the next step's current logits."""
     b, a = state.answer.shape
     cur_logits = state.carry
-    masked_logits, st = _constrain(s, cons, state.answer, answer_lengths, cur_logits)
+    masked_logits, st = _constrain(cons, state.ccarry, state.answer, answer_lengths, cur_logits)
     ctx, eligible, key = _context(s, state, masked_logits, answer_lengths)
     commits, tokens = s.rule.propose(ctx)  # [K, B, A], [B, A]
     k = commits.shape[0]
-    commits = jax.vmap(lambda c: _keep_completable(s, cons, st, c & eligible, tokens))(commits)
-    drafts = jax.vmap(lambda c: _apply(s, state.answer, c & eligible & live[:, None], tokens.astype(jnp.int32),
-                                       answer_lengths))(commits)  # [K, B, A]
+    commits, tokens_k, carries = jax.vmap(
+        lambda c: _keep_completable(cons, state.ccarry, st, c & eligible & live[:, None], tokens))(commits)
+    drafts = jax.vmap(lambda c, t: _apply(s, state.answer, c & live[:, None], t, answer_lengths))(
+        commits, tokens_k)  # [K, B, A]
     rep = lambda t: jnp.broadcast_to(t, (k,) + t.shape).reshape((k * b,) + t.shape[1:])
     logits = _full_forward(s, params, rep(prompt_tokens), rep(prompt_lengths), drafts.reshape(k * b, a),
                            rep(answer_lengths), None if suffix is None else tuple(map(rep, suffix)))
@@ -379,22 +385,22 @@ def _lookahead_step(s: _Static, params, state: _State, prompt_tokens, prompt_len
     answer = jnp.take_along_axis(drafts, jnp.broadcast_to(idx, (1, b, a)), axis=0)[0]
     new_logits = jnp.take_along_axis(logits, idx[..., None], axis=0)[0]
     answer = jnp.where(live[:, None], answer, state.answer)
+    ccarry = jax.tree.map(lambda x: jnp.take_along_axis(x, idx.reshape((1, b) + (1,) * (x.ndim - 2)), axis=0)[0],
+                          carries)  # the kept candidate's constraint carry
     bad = nonfinite_rows(cur_logits, live, eligible)
     return state.replace(answer=answer, carry=jnp.where(live[:, None, None], new_logits, cur_logits), key=key,
-                         rule_state=rstate, nfe=state.nfe + live.astype(jnp.int32), nonfinite=state.nonfinite | bad)
+                         rule_state=rstate, nfe=state.nfe + live.astype(jnp.int32), nonfinite=state.nonfinite | bad,
+                         ccarry=ccarry)
 
 
 def _bind_constraint(s: _Static, auto, answer, answer_lengths, suffix, prompt=None):
-    """((auto, tail acceptance bool[B, S]) for the loop, bool[B] rows whose language is empty) or
-    (None, None) without a constraint. prompt: None, or (prompt_tokens, prompt_lengths, prefix_lengths)
-    when the constrained text starts inside the prompt."""
+    """(the constraint's binding for the loop, its initial carry, bool[B] rows no answer can satisfy), or
+    (None, (), None) without a constraint. auto: what DC.bind_constraint returned. prompt: None, or
+    (prompt_tokens, prompt_lengths, prefix_lengths) when the constrained text starts inside the prompt."""
     if auto is None:
-        return None, None
-    if prompt is not None:
-        auto = DC.with_prefix(auto, *prompt)
-    tacc = DC.tail_accept(auto, suffix, answer.shape[0])
-    st = DC.sets(auto, answer, answer_lengths, tacc, s.mask_id, bool(s.eos_ids))
-    return (auto, tacc), ~DC.completable(auto, st)
+        return None, (), None
+    return DC.start(auto, answer, answer_lengths, suffix, prompt, mask_id=s.mask_id, eos_ids=s.eos_ids,
+                    vocab_size=s.config.vocab_size)
 
 
 @partial(jax.jit, static_argnames=("s",))
@@ -402,7 +408,7 @@ def _empty_rows(s: _Static, auto, answer_lengths, suffix, prompt):
     """bool[B]: rows no answer of their length (+ suffix) can satisfy the constraint (the host check)."""
     pos = jnp.arange(s.answer_length, dtype=jnp.int32)[None, :]
     answer = jnp.where(pos < answer_lengths[:, None], s.mask_id, pad_id_for(s.eos_ids)).astype(jnp.int32)
-    return _bind_constraint(s, auto, answer, answer_lengths, suffix, prompt)[1]
+    return _bind_constraint(s, auto, answer, answer_lengths, suffix, prompt)[2]
 
 
 @partial(jax.jit, static_argnames=("s",))
@@ -412,12 +418,14 @@ def _decode(s: _Static, params, prompt_tokens, prompt_lengths, answer_lengths, k
     a, v = s.answer_length, s.config.vocab_size
     pos = jnp.arange(a, dtype=jnp.int32)[None, :]
     answer = jnp.where(pos < answer_lengths[:, None], s.mask_id, pad_id_for(s.eos_ids)).astype(jnp.int32)
-    cons, empty = _bind_constraint(s, auto, answer, answer_lengths, suffix,
-                                   None if prefix_lengths is None else (prompt_tokens, prompt_lengths, prefix_lengths))
+    cons, ccarry, empty = _bind_constraint(
+        s, auto, answer, answer_lengths, suffix,
+        None if prefix_lengths is None else (prompt_tokens, prompt_lengths, prefix_lengths))
     if cons is not None:  # rows with an empty language (only when called under jit): ended at once, reported
         answer = jnp.where(empty[:, None], pad_id_for(s.eos_ids), answer)
     state = _State(answer=answer, nfe=jnp.zeros((b,), jnp.int32), steps=jnp.int32(0), key=key,
-                   rule_state=s.rule.init(b, a, v), cache=None, carry=None, nonfinite=jnp.zeros((b,), bool))
+                   rule_state=s.rule.init(b, a, v), cache=None, carry=None, nonfinite=jnp.zeros((b,), bool),
+                   ccarry=ccarry)
     if s.rule.lookahead:  # FreeDave, InfoGain: the current forward comes before the loop
         live0 = ~_frame(s, answer, answer_lengths)[2]
         state = state.replace(carry=_full_forward(s, params, prompt_tokens, prompt_lengths, answer, answer_lengths,
@@ -475,7 +483,9 @@ def _decode(s: _Static, params, prompt_tokens, prompt_lengths, answer_lengths, k
              "tokens_per_forward": decoded.astype(jnp.float32) / jnp.maximum(state.nfe, 1).astype(jnp.float32),
              "nonfinite_logits": state.nonfinite}
     if cons is not None:
+        last = jnp.take_along_axis(state.answer, jnp.clip(end - 1, 0, a - 1)[:, None], axis=1)[:, 0]
         stats["constraint_empty"] = empty
+        stats["constraint_unmatched"] = ~cons.matched(state.ccarry, done & ~empty, (end > 0) & is_eos(last, s.eos_ids))
     return DiffusionOutput(tokens=tokens, lengths=end.astype(jnp.int32), stats=stats)
 
 
@@ -611,6 +621,15 @@ def diffusion_decode(config, params, prompt_tokens, prompt_lengths, *, answer_le
     hold MASK slots: what they committed is completable but not yet a match. constraint_prefix: int or
     int[B], how many of each prompt's last tokens already belong to the constrained text (e.g. the
     `{"name": "` before an infilled JSON value); default 0: the text starts at the answer.
+
+    Or a grammar: a GrammarConstraint (compile_grammar(...).constraint(), per-row grammars through
+    stack_grammars + starts=; eos_ids required; the llguidance fallback is refused). The answer is then
+    committed as a prefix: every row that ends with EOS is a text the grammar accepts; a row can run out
+    of answer slots before the grammar accepts (no EOS: not a match, stats["constraint_unmatched"]), as
+    autoregressive grammar decoding can run out of max_new_tokens. The commits right of the prefix are
+    proposed from unconstrained logits and kept only while each is allowed. No suffix (infilling) with a
+    grammar: that is refused (use a regex / JSON-schema constraint). stats["constraint_unmatched"]
+    (both kinds): rows whose answer is not a full match.
     """
     mask_id, shift = _check_model(config, mask_id, logits_shift, "diffusion decoding")
     rule = make_rule(rule) if isinstance(rule, str) else (rule or Greedy1())
@@ -660,8 +679,14 @@ def diffusion_decode(config, params, prompt_tokens, prompt_lengths, *, answer_le
                 cache_len=cache_len)
     auto = prefix = None
     if constraint is not None:
-        auto = DC.bind(constraint, vocab_size=config.vocab_size, eos_ids=eos_ids, mask_id=mask_id,
-                       batch=prompt_tokens.shape[0])
+        auto = DC.bind_constraint(constraint, vocab_size=config.vocab_size, eos_ids=eos_ids, mask_id=mask_id,
+                                  batch=prompt_tokens.shape[0], answer_length=int(answer_length),
+                                  prompt_width=p if constraint_prefix is not None else 0)
+        if suffix is not None and not isinstance(auto, DC.SlotAutomaton):
+            raise DiffusionError("infilling (suffix_tokens) under a grammar constraint is not supported: whether a "
+                                 "grammar text fits between the answer slots and a suffix is an emptiness check "
+                                 "that is exact only for regular languages; constrain the infill with a regex / "
+                                 "JSON-schema constraint (compile_regex / compile_json_schema), or drop the suffix")
         prefix = _check_constraint_prefix(constraint_prefix, prompt_lengths)
         _check_constraint_rows(s, auto, answer_lengths, suffix, constraint,
                                None if prefix is None else (prompt_tokens, prompt_lengths, prefix))
@@ -699,6 +724,14 @@ def _check_constraint_rows(s: _Static, auto, answer_lengths, suffix, constraint,
         return
     DC.check_suffix_tokens(suffix, s.eos_ids)
     empty = np.asarray(_empty_rows(s, auto, answer_lengths, suffix, prompt))
+    if empty.any() and not isinstance(auto, DC.SlotAutomaton):  # a grammar: no token can start / continue it
+        rows = np.flatnonzero(empty).tolist()
+        if prompt is not None:
+            raise DiffusionError(f"rows {rows[:8]}: the last constraint_prefix tokens of the prompt are no prefix "
+                                 "of a text of the grammar, so no answer can continue them; change "
+                                 "constraint_prefix or the prompt")
+        raise DiffusionError("no token of the model's vocabulary starts a text of the grammar; compile it with "
+                             "this model's tokenizer")
     if empty.any():
         rows = np.flatnonzero(empty).tolist()
         al = concrete_in[0]
@@ -777,7 +810,7 @@ def _run(method: str):
 def _register():
     from jaxdecode.options import method_options
     from jaxdecode.registry import register_method
-    rows = ("nfe", "tokens_per_forward", "unfinished", "constraint_empty")
+    rows = ("nfe", "tokens_per_forward", "unfinished", "constraint_empty", "constraint_unmatched")
     register_method("diffusion", _run("diffusion"), method_options("diffusion"), per_row_stats=rows,
                     aliases=("dllm",),
                     description="masked-diffusion LM decoding: answer slots start as MASK, a commit rule "

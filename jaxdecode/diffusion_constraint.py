@@ -30,6 +30,26 @@ keeps completable). The leftmost proposal always passes (its token is feasible),
 commits at least one slot per forward and ends after at most A forwards; when it ends every row's
 answer (+ suffix) is in the language. Rows cut off by max_forwards keep MASK slots (stats
 "unfinished"); what they committed is still completable, but the output is not a match.
+
+Grammars (a GrammarConstraint: the bounded-depth pushdown automaton of jaxdecode.constraints.grammar;
+its host fallback, llguidance's matcher, is refused). Emptiness of a context-free language intersected
+with a slot pattern has no cheap exact form on the device, so the grammar form keeps the answer a PREFIX:
+slots 0..k-1 committed, k.. MASK, and the automaton's state after the prefix (q, stack, depth) carried
+per row from forward to forward with the mask `allowed(state)` of slot k. Each forward the logits of
+slot k are masked to the allowed tokens (EOS where the state accepts), so the rule's confidence there
+is the constrained one; slots right of k keep their raw logits (their proposals are only candidates: a
+disallowed one is simply not kept). The rule's commits are then kept left to right: slot k always (the
+rule's token when it chose k and the token is allowed, else slot k's best allowed token: at least one
+commit per forward, so the loop ends), then k+1, k+2, ... while the rule chose that slot and its token
+is allowed in the state after the commits kept so far (one `allowed` + `advance` per kept commit, as in
+autoregressive grammar decoding); the first slot not chosen or not allowed ends the run and every
+commit right of it is dropped (proposed again later). An EOS ends the row as above.
+Guarantee: every committed prefix is a prefix of a text of the grammar, and a row that ends with EOS
+is a text the grammar accepts. Like autoregressive grammar decoding, a row may run out of answer slots
+before the grammar accepts; it then ends without EOS and is no match (stats "constraint_unmatched"; a row
+that ran out exactly where the grammar accepts is a match).
+No infilling (a suffix) under a grammar: that needs the emptiness check above, which is exact here only
+for regular languages (use a regex / JSON-schema constraint there).
 """
 from __future__ import annotations
 
@@ -75,9 +95,10 @@ def bind(constraint, *, vocab_size: int, eos_ids: tuple, mask_id: int, batch: in
         constraint = constraint.constraint()
     if not isinstance(constraint, AutomatonConstraint):
         raise DiffusionError(f"diffusion decoding takes a regex / JSON-schema constraint (an AutomatonConstraint "
-                             f"from compile_regex(...).constraint() or a TokenAutomaton), got "
-                             f"{type(constraint).__name__}; other constraints (item sets, grammars) check a "
-                             "text left to right only: use an autoregressive method (greedy, sample, beam)")
+                             f"from compile_regex(...).constraint() or a TokenAutomaton) or a grammar "
+                             f"(compile_grammar(...).constraint()), got {type(constraint).__name__}; other "
+                             "constraints (item sets) check a text left to right only: use an autoregressive "
+                             "method (greedy, sample, beam)")
     try:
         token_class, nxt, final, initial = (np.asarray(x) for x in (constraint.token_class, constraint.next,
                                                                    constraint.final, constraint.initial))
@@ -111,6 +132,47 @@ def bind(constraint, *, vocab_size: int, eos_ids: tuple, mask_id: int, batch: in
     i32 = lambda x: jnp.asarray(x, jnp.int32)
     return SlotAutomaton(cls=i32(cls), next=i32(nxt), final=jnp.asarray(final, bool), src=i32(src), dst=i32(dst),
                          t_src=i32(ss), t_cls=i32(cc), t_dst=i32(tt), initial=i32(init))
+
+
+def bind_constraint(constraint, *, vocab_size: int, eos_ids: tuple, mask_id: int, batch: int, answer_length: int,
+                    prompt_width: int = 0):
+    """What one decode runs on: a SlotAutomaton for a regex / JSON-schema constraint, or the device grammar
+    constraint prepared for this model (a GrammarConstraint; the llguidance fallback is refused)."""
+    from jaxdecode.constraints.grammar import CompiledGrammar, GrammarConstraint, LLGuidanceConstraint
+    if isinstance(constraint, CompiledGrammar):
+        constraint = constraint.constraint()
+    if isinstance(constraint, LLGuidanceConstraint):
+        raise DiffusionError("this grammar runs on llguidance's host matcher (its compile_grammar(...).backend is "
+                             "'llguidance', .reason says why), which the diffusion decoders do not drive (a host "
+                             "call per kept commit inside the loop); use a grammar the device form holds (LL(1) "
+                             "over bytes, no left recursion, nesting within max_depth), a regex / JSON-schema "
+                             "constraint, or an autoregressive method (greedy, sample, beam)")
+    if not isinstance(constraint, GrammarConstraint):
+        return bind(constraint, vocab_size=vocab_size, eos_ids=eos_ids, mask_id=mask_id, batch=batch)
+    from jaxdecode.constraints.trie import ConstraintError
+    try:  # vocabulary, EOS ids (required: a grammar's text ends with EOS), per-row start states
+        constraint = constraint.prepare(vocab_size, eos_ids, answer_length + prompt_width, batch)
+    except ConstraintError as e:
+        raise DiffusionError(str(e)) from None
+    tok_len = getattr(getattr(constraint, "host", None), "tok_len", None)
+    if tok_len is not None and mask_id < len(tok_len) and int(tok_len[mask_id]) > 0:
+        raise DiffusionError(f"MASK id {mask_id} is a text token of the grammar; compile the grammar with the "
+                             "dLLM's tokenizer (its MASK is a special token)")
+    return constraint
+
+
+def start(bound, answer, answer_lengths, suffix, prompt, *, mask_id: int, eos_ids: tuple, vocab_size: int):
+    """(binding, carry, empty bool[B]) at the start of a decode: the binding's functions run each forward,
+    the carry is its per-row loop state, empty marks rows no answer can satisfy. prompt: None or
+    (prompt_tokens, prompt_lengths, prefix_lengths) when the constrained text starts in the prompt."""
+    if isinstance(bound, SlotAutomaton):
+        auto = bound if prompt is None else with_prefix(bound, *prompt)
+        binding = RegexBinding(auto=auto, tacc=tail_accept(auto, suffix, answer.shape[0]), mask_id=mask_id,
+                               has_eos=bool(eos_ids))
+        return binding, (), ~completable(auto, binding.sets(answer, answer_lengths))
+    binding = GrammarBinding(constraint=bound, mask_id=mask_id, eos_ids=eos_ids, vocab_size=vocab_size)
+    carry = binding.init(answer.shape[0], prompt)
+    return binding, carry, ~jnp.any(carry.mask, axis=-1)
 
 
 def check_suffix_tokens(suffix, eos_ids: tuple):
@@ -293,3 +355,129 @@ def filter_commits(a: SlotAutomaton, st: Sets, commit, tokens, tacc, has_eos: bo
         return kept
 
     return jax.vmap(row)(st.kinds, kinds_new, commit, st.g, a.initial, tacc)
+
+
+# ----------------------------------------------------------------------------- the two bindings
+# The decode loop calls, per forward: binding.mask(carry, answer, answer_lengths, logits) -> (masked
+# logits, step) before the rule; binding.keep(carry, step, commit, tokens) -> (commits kept, tokens to
+# write, next carry) after it; and at the end binding.matched(carry, done, ends_with_eos) -> bool[B].
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RegexBinding:
+    """A regex / JSON-schema automaton: exact completability of the slot pattern (no carry)."""
+    auto: SlotAutomaton
+    tacc: jax.Array  # bool[B, S]: states from which the row's suffix reaches a final state
+    mask_id: int = dataclasses.field(metadata={"static": True})
+    has_eos: bool = dataclasses.field(metadata={"static": True})
+
+    def sets(self, answer, answer_lengths) -> Sets:
+        return sets(self.auto, answer, answer_lengths, self.tacc, self.mask_id, self.has_eos)
+
+    def mask(self, carry, answer, answer_lengths, logits):
+        st = self.sets(answer, answer_lengths)
+        return mask_logits(self.auto, st, logits, self.tacc, self.has_eos), st
+
+    def keep(self, carry, st, commit, tokens):
+        return filter_commits(self.auto, st, commit, tokens, self.tacc, self.has_eos), tokens, carry
+
+    def matched(self, carry, done, ends_with_eos):
+        return done  # a finished row is a full match
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GrammarCarry:
+    """Per row: the grammar's state after the committed prefix and the tokens allowed right after it."""
+    state: object  # the constraint's state (GrammarState), leaves [B, ...]
+    mask: jax.Array  # bool[B, V]: allowed(state), the tokens the frontier slot may take
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GrammarStep:
+    k: jax.Array  # int32[B]: the frontier, the first masked slot (A: none left)
+    logits_k: jax.Array  # [B, V]: the frontier slot's masked logits
+
+
+def _select(ok, new, old):
+    """The pytree `new` where ok[B], else `old` (every leaf has a leading batch axis)."""
+    return jax.tree.map(lambda n, o: jnp.where(ok.reshape(ok.shape + (1,) * (n.ndim - 1)), n, o), new, old)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GrammarBinding:
+    """A grammar constraint: the answer stays a prefix walked by the pushdown automaton (module docstring)."""
+    constraint: object  # a prepared GrammarConstraint (a pytree; only its Constraint protocol is used)
+    mask_id: int = dataclasses.field(metadata={"static": True})
+    eos_ids: tuple = dataclasses.field(metadata={"static": True})
+    vocab_size: int = dataclasses.field(metadata={"static": True})
+
+    def _carry(self, state) -> GrammarCarry:
+        return GrammarCarry(state=state, mask=self.constraint.allowed(state, self.vocab_size))
+
+    def init(self, batch: int, prompt=None) -> GrammarCarry:
+        """The start state, walked through each row's last prefix_lengths prompt tokens (prompt given)."""
+        c = self.constraint
+        state = c.init(batch)
+        if prompt is not None:
+            toks, lens, prefix = prompt
+            first = lens - prefix  # [B]: first prompt column of the constrained text
+
+            def walk(st, x):
+                tok, j = x  # [B], scalar
+                return _select((j >= first) & (j < lens), c.advance(st, tok), st), None
+
+            state, _ = jax.lax.scan(walk, state, (toks.T, jnp.arange(toks.shape[1])))
+        return self._carry(state)
+
+    def frontier(self, answer, answer_lengths):
+        """int32[B]: each row's first masked slot (A when none is left)."""
+        a = answer.shape[1]
+        pos = jnp.arange(a, dtype=jnp.int32)[None, :]
+        return jnp.min(jnp.where((answer == self.mask_id) & (pos < answer_lengths[:, None]), pos, a), axis=-1)
+
+    def mask(self, carry: GrammarCarry, answer, answer_lengths, logits):
+        """Slot k's logits masked to the allowed tokens; the other slots' unchanged."""
+        k = self.frontier(answer, answer_lengths)
+        at_k = (jnp.arange(answer.shape[1])[None, :] == k[:, None])[..., None]  # [B, A, 1]
+        logits = jnp.where(at_k & ~carry.mask[:, None, :], jnp.asarray(_NEG, logits.dtype), logits)
+        logits_k = jnp.take_along_axis(logits, jnp.minimum(k, answer.shape[1] - 1)[:, None, None], axis=1)[:, 0]
+        return logits, GrammarStep(k=k, logits_k=logits_k)
+
+    def keep(self, carry: GrammarCarry, step: GrammarStep, commit, tokens):
+        """Slot k always, then k+1, ... while the rule chose the slot and its token is allowed after the
+        commits kept so far; the carry moves past every kept commit."""
+        from jaxdecode.autoregressive import is_eos
+        b, a = commit.shape
+        c, k = self.constraint, step.k
+        rows, pos = jnp.arange(b), jnp.arange(a, dtype=jnp.int32)[None, :]
+        allowed = lambda m, t: m[rows, jnp.clip(t, 0, self.vocab_size - 1)]  # bool[B]: token t[b] in m[b]
+        live = k < a
+        kc = jnp.minimum(k, a - 1)
+        tok_k = tokens[rows, kc]
+        t0 = jnp.where(commit[rows, kc] & allowed(carry.mask, tok_k), tok_k,
+                       jnp.argmax(step.logits_k, axis=-1).astype(tokens.dtype))
+        tokens = jnp.where(pos == k[:, None], t0[:, None], tokens)
+
+        def cond(x):
+            i, go, _, _ = x
+            return jnp.any(go) & (i < a)
+
+        def body(x):  # iteration i looks at slot k + i (slot k: kept unconditionally)
+            i, go, cur, kept = x
+            j = k + i
+            jc = jnp.minimum(j, a - 1)
+            t = tokens[rows, jc]
+            ok = go & (j < a) & ((i == 0) | (commit[rows, jc] & allowed(cur.mask, t)))
+            cur = _select(ok, self._carry(c.advance(cur.state, t)), cur)
+            return i + 1, ok & ~is_eos(t, self.eos_ids), cur, kept | ((pos == j[:, None]) & ok[:, None])
+
+        init = (jnp.int32(0), live, carry, jnp.zeros_like(commit))
+        _, _, carry, kept = jax.lax.while_loop(cond, body, init)
+        return kept, tokens, carry
+
+    def matched(self, carry: GrammarCarry, done, ends_with_eos):
+        """A finished row ended with EOS, or ran out of slots where the grammar accepts (EOS allowed next)."""
+        accepts = jnp.any(carry.mask[:, jnp.asarray(self.eos_ids, jnp.int32)], axis=-1)
+        return done & (ends_with_eos | accepts)
