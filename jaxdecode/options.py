@@ -233,7 +233,7 @@ _TABLE = (
     Option("json_schema", "schemas", "the output must be a JSON value valid under this JSON schema "
            "(a token automaton via outlines-core; recursive schemas: the grammar path)", STRUCTURED, default_doc="none", cli_repeat=True),
     Option("grammar", "texts", "the output must parse under this context-free grammar (Lark or GBNF text; "
-           "jaxdecode.constraints.grammar)", tuple(m for m in STRUCTURED if m not in DIFFUSION),
+           "jaxdecode.constraints.grammar)", STRUCTURED,
            default_doc="none", cli_repeat=True),
     # ------------------------------------------------------------------ grammar-aligned sampling
     Option("num_samples", "int", "ASAp's budget: samples drawn one after another, each correcting the next "

@@ -116,7 +116,12 @@ def build_constraint(model, req: StructuredRequest, eos_ids: tuple):
         return first.constraint(), {"constraint": req.kind, "constraint_backend": backend}
     from jaxdecode.constraints import automaton
     stack = getattr(automaton, "stack_automata", None)
-    if stack is None or not all(isinstance(a, automaton.TokenAutomaton) for a in compiled.values()):
+    if all(getattr(a, "backend", None) == "device" for a in compiled.values()):  # device grammars stack too
+        from jaxdecode.constraints.grammar import stack_grammars
+        stack = stack_grammars
+    elif not all(isinstance(a, automaton.TokenAutomaton) for a in compiled.values()):
+        stack = None
+    if stack is None:
         raise ConstraintError(f"{req.kind}: {len(compiled)} different values for the prompts of one call need "
                               f"stacked automata, which this build does not have for {req.kind}; give one value "
                               f"for all prompts, or call generate once per value")
