@@ -381,6 +381,54 @@ def test_mask_comparison_catches_a_wrong_table(tok):
         _walk_compare(dataclasses.replace(g, code=code), tok, rows=1, steps=2)
 
 
+def test_wrong_pop_outcome_fails_the_comparison(tok):
+    """The precomputed outcome of tokens that pop once (PopPairs) is checked too: rejecting the tokens it
+    allows (")" after a number in brackets) fails the llguidance comparison."""
+    import dataclasses
+
+    g = _grammar(tok, "arith")
+    code = g.pairs.code.copy()
+    assert (code >= 0).any() and (code == -2).any()  # some decided per stack top, some simulated
+    code[code >= 0] = -1
+    with pytest.raises(AssertionError):
+        _walk_compare(dataclasses.replace(g, pairs=dataclasses.replace(g.pairs, code=code)), tok, rows=3, steps=20)
+
+
+# ARITH with names: a different grammar of the same bucketed size
+ARITH_NAMES = ARITH.replace("factor: NUMBER", "factor: NUMBER | NAME").replace("NUMBER: /[0-9]+/",
+                                                                              "NUMBER: /[0-9]+/\nNAME: /[a-z]+/")
+
+
+def test_similar_grammars_share_one_compiled_step(tok):
+    """Device tables are padded to power-of-two sizes: two different grammars of similar size give the same
+    leaf shapes, dtypes and static fields, so a jitted function of the constraint traces once for both
+    (decode compiles once); the padding changes no mask along random prefixes."""
+    gs = [_grammar(tok, "arith"), compile_grammar(ARITH_NAMES, tok, max_depth=64)]
+    assert gs[1].backend == "device" and gs[0].tables.kind.shape != gs[1].tables.kind.shape
+    cs = [g.constraint().prepare(g.vocab_size, g.eos_ids, 8, 2) for g in gs]
+    (la, ta), (lb, tb) = (jax.tree.flatten(c) for c in cs)
+    assert ta == tb and [(x.shape, x.dtype) for x in la] == [(x.shape, x.dtype) for x in lb]
+    traces = []
+
+    @jax.jit
+    def step(c, st):
+        traces.append(1)
+        return c.allowed(st), c.advance(st, jnp.zeros(st.q.shape, jnp.int32))
+
+    rng = np.random.default_rng(0)
+    for g, c in zip(gs, cs):
+        exact = g.constraint(bucket=False).prepare(g.vocab_size, g.eos_ids, 8, 2)
+        assert exact.kind.shape[0] == g.tables.kind.shape[0] < c.kind.shape[0]
+        allowed, advance = jax.jit(exact.allowed), jax.jit(exact.advance)
+        st = exact.init(2)
+        for _ in range(12):
+            want = np.array(allowed(st))
+            np.testing.assert_array_equal(np.asarray(step(c, st)[0]), want)
+            want[:, list(g.eos_ids)] = False
+            st = advance(st, jnp.asarray([rng.choice(np.flatnonzero(w)) if w.any() else 0 for w in want], jnp.int32))
+    assert len(traces) == 1
+
+
 @pytest.mark.slow
 def test_speculative_greedy_equals_grammar_greedy(model):
     """Under a recursive-schema grammar, speculative greedy (self-draft and prompt lookup) equals constrained

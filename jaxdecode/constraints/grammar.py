@@ -29,10 +29,15 @@ byte through the table (`_simulate`: vectorised gathers over the [V, L] byte tab
 small buffer of the entries it pushed above the row's stack; pops below it read the row's stack).
 Most of that does not depend on the stack, so compile precomputes it (token_codes, like xgrammar's
 context-independent tokens): per state and token class, "fails on its own", "stays above the stack it
-found and needs k entries" (allowed iff depth + k <= max_depth), or "pops into the stack". `allowed` is
-then one [R, V] gather plus a run of only each state's popping tokens (its `pops` list: the tokens
-whose first unconsumable byte can follow the rule) from the row's configuration.
+found and needs k entries" (allowed iff depth + k <= max_depth), or "pops into the stack". A popping
+token (one of the state's `pops` list: the tokens whose first unconsumable byte can follow the rule)
+that pops once depends only on the return state it pops into, the row's stack top: its outcome is
+precomputed per (state, return state) pair too (PopPairs). `allowed` is then one [R, V] gather, one
+[R, M] gather of the popping tokens' outcomes for the row's stack top, and a run from the row's
+configuration of only the tokens that pop twice or more (two closing brackets in one token).
 EOS pops the stack: allowed where q and every stacked return state accept.
+The device tables are padded to power-of-two sizes (GrammarConstraint's shapes), so grammars of
+similar size share one compiled decode.
 Nesting deeper than `max_depth` is forbidden (masked), so texts nesting deeper are cut off; a state
 is only entered when its rule can still finish within the bound (no dead ends).
 
@@ -55,8 +60,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode.constraints.automaton import special_token_ids, token_bytes
+from jaxdecode.constraints.automaton import _bucket, special_token_ids, token_bytes
 from jaxdecode.constraints.trie import Candidates, ConstraintError
+from jaxdecode.kernels.common import next_pow2
 from jaxdecode.kernels.constrained import constrained_topk
 
 log = logging.getLogger("jaxdecode.constraints.grammar")
@@ -684,6 +690,7 @@ class CompiledGrammar:
     token_class: np.ndarray | None = None  # token level (token_codes)
     code: np.ndarray | None = None
     pops: np.ndarray | None = None
+    pairs: PopPairs | None = None
     tokenizer: object = None
     parts: tuple = ()  # the grammars stacked here (stack_grammars)
 
@@ -692,9 +699,10 @@ class CompiledGrammar:
         """The start state of each grammar stacked here (stack_grammars), one for a single grammar."""
         return self.tables.starts if self.tables is not None else (0,)
 
-    def constraint(self, starts=None, *, impl: str = "auto"):
+    def constraint(self, starts=None, *, impl: str = "auto", bucket: bool = True):
         """The device constraint (or llguidance's); `starts`: int[B], which stacked grammar each row
-        follows (None: grammar 0 for every row)."""
+        follows (None: grammar 0 for every row). bucket: device tables padded to power-of-two sizes
+        (grammars of similar size share one compiled decode; False: the exact sizes)."""
         if starts is not None:
             st = np.asarray(starts, np.int64).reshape(-1)
             bad = st[(st < 0) | (st >= len(self.starts))]
@@ -704,17 +712,37 @@ class CompiledGrammar:
             if self.backend != "device" and (st != 0).any():
                 raise ConstraintError("per-row grammars need the device backend")
         if self.backend == "device":
-            t = self.tables
             init = np.asarray(self.starts, np.int32)[np.zeros(1, np.int64) if starts is None else st]
-            return GrammarConstraint(
-                kind=jnp.asarray(t.kind, jnp.int32), next=jnp.asarray(t.next), push=jnp.asarray(t.push),
-                npush=jnp.asarray(t.npush), req=jnp.asarray(t.req), final=jnp.asarray(t.final),
-                tok_bytes=jnp.asarray(self.tok_bytes), tok_len=jnp.asarray(self.tok_len),
-                token_class=jnp.asarray(self.token_class), code=jnp.asarray(self.code), pops=jnp.asarray(self.pops),
-                initial=jnp.asarray(init), per_row=starts is not None, max_depth=self.max_depth, impl=impl,
-                host=self)
+            arrays = self._device_arrays(bucket)
+            return GrammarConstraint(**{k: jnp.asarray(x) for k, x in arrays.items()}, initial=jnp.asarray(init),
+                                     per_row=starts is not None, max_depth=self.max_depth, impl=impl, host=self)
         return LLGuidanceConstraint(grammar=self.lark, tokenizer=self.tokenizer, vocab=self.vocab_size,
                                     grammar_eos=self.eos_ids, impl=impl)
+
+    def _device_arrays(self, bucket: bool) -> dict:
+        """GrammarConstraint's table leaves (host int32 / bool arrays). With bucket, each size is rounded up
+        to a power of two (at least 8; pushes per byte to a power of two): padded states forbid every byte,
+        are not final and nothing leads to them; padded token classes, pops columns and outcome rows reject."""
+        t, pp = self.tables, self.pairs
+        (q, p), (u, m) = (t.kind.shape[0], t.push.shape[-1]), pp.code.shape
+        if bucket:
+            q, p, u, m = _bucket(q), next_pow2(p), _bucket(u), _bucket(m)
+
+        def pad(x, shape, value):
+            out = np.full(shape, value, np.bool_ if x.dtype == np.bool_ else np.int32)
+            out[tuple(slice(0, n) for n in x.shape)] = x
+            return out
+
+        def size(x):  # a column count, bucketed
+            return _bucket(x.shape[1]) if bucket else x.shape[1]
+
+        return {"kind": pad(t.kind, (q, 256), 0), "next": pad(t.next, (q, 256), -1),
+                "push": pad(t.push, (q, 256, p), -1), "npush": pad(t.npush, (q, 256), 0),
+                "req": pad(t.req, (q, 256), 0), "final": pad(t.final, (q,), False),
+                "tok_bytes": self.tok_bytes, "tok_len": self.tok_len, "token_class": self.token_class,
+                "code": pad(self.code, (q, size(self.code)), _REJECT), "pops": pad(self.pops, (q, m), -1),
+                "pop_ret": pad(pp.ret, (q, size(pp.ret)), -1), "pop_row": pad(pp.row, (q, size(pp.ret)), 0),
+                "pop_code": pad(pp.code, (u, m), _REJECT), "pop_multi": pad(pp.multi, (u, size(pp.multi)), -1)}
 
     def matcher(self, index: int = 0):
         """A fresh llguidance matcher of this grammar (of stacked grammar `index`): the host reference."""
@@ -768,7 +796,7 @@ def _token_table(tokenizer, vocab_size, eos_ids):
     return table, lens, v
 
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 def _cache_path(lark_text, tokenizer, v, eos_ids) -> Path:
@@ -781,10 +809,11 @@ def _cache_path(lark_text, tokenizer, v, eos_ids) -> Path:
 
 
 _TABLE_ARRAYS = ("kind", "next", "push", "npush", "req", "final", "need", "rule_of")
+_PAIR_ARRAYS = ("ret", "row", "code", "multi")
 
 
 def _device_form(lark_text, tokenizer, table, lens, eos_ids, cache):
-    """(tables, token_class, code, pops), from the disk cache when there (keyed by grammar, tokenizer bytes,
+    """(tables, token_class, code, pops, pairs), from the disk cache when there (keyed by grammar, tokenizer bytes,
     vocab size, EOS ids; max_depth is not part of them)."""
     path = _cache_path(lark_text, tokenizer, len(lens), eos_ids) if cache else None
     if path is not None and path.exists():
@@ -793,23 +822,25 @@ def _device_form(lark_text, tokenizer, table, lens, eos_ids, cache):
                 if int(z["version"]) == CACHE_VERSION:
                     meta = z["meta"].item()
                     tables = PushdownTables(**{k: z[k] for k in _TABLE_ARRAYS}, **meta)
-                    return tables, z["token_class"], z["code"], z["pops"]
+                    pairs = PopPairs(**{k: z["pair_" + k] for k in _PAIR_ARRAYS})
+                    return tables, z["token_class"], z["code"], z["pops"], pairs
         except Exception:  # noqa: BLE001, S110 - a stale or partial file: compile again
             pass
     tables = build_tables(lark_text)
-    token_class, code, pops = token_codes(tables, table, lens)
+    token_class, code, pops, pairs = token_codes(tables, table, lens)
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")
             meta = {"start": tables.start, "rules": tables.rules, "returns": tables.returns, "starts": tables.starts}
             np.savez_compressed(tmp, **{k: getattr(tables, k) for k in _TABLE_ARRAYS}, token_class=token_class,
-                                code=code, pops=pops, meta=np.array(meta, dtype=object),
+                                code=code, pops=pops, **{"pair_" + k: getattr(pairs, k) for k in _PAIR_ARRAYS},
+                                meta=np.array(meta, dtype=object),
                                 version=np.int32(CACHE_VERSION))
             os.replace(tmp, path)
         except OSError:  # a read-only home: compile again next time
             pass
-    return tables, token_class, code, pops
+    return tables, token_class, code, pops, pairs
 
 
 def compile_grammar(text: str, tokenizer, *, vocab_size: int | None = None, eos_ids=None, max_depth: int = 16,
@@ -834,7 +865,7 @@ def compile_grammar(text: str, tokenizer, *, vocab_size: int | None = None, eos_
                 _read(lark_text)
             except GrammarError as e:
                 raise _NotDevice(f"the GBNF grammar's Lark form is not readable by lark ({e})") from None
-        tables, token_class, code, pops = _device_form(lark_text, tokenizer, table, lens, eos_ids, cache)
+        tables, token_class, code, pops, pairs = _device_form(lark_text, tokenizer, table, lens, eos_ids, cache)
         if tables.need[tables.start] >= 1 << 20:
             raise GrammarError("the grammar accepts no text (every derivation of start is infinite)")
         if tables.need[tables.start] > max_depth:
@@ -847,13 +878,13 @@ def compile_grammar(text: str, tokenizer, *, vocab_size: int | None = None, eos_
         if not _is_gbnf(text, syntax):
             _read(lark_text)  # syntax errors are errors on either backend
         tables, backend, reason = None, "llguidance", str(e)
-        token_class = code = pops = None
+        token_class = code = pops = pairs = None
         _llg_matcher(lark_text, tokenizer, v, eos_ids)  # llguidance's own checks, now
     log.info("grammar constraint: backend=%s%s", backend, f" ({reason})" if reason else "")
     return CompiledGrammar(lark=lark_text, backend=backend, reason=reason, vocab_size=v, eos_ids=eos_ids,
                            max_depth=max_depth, tables=tables, tok_bytes=table if backend == "device" else None,
                            tok_len=lens if backend == "device" else None, token_class=token_class, code=code,
-                           pops=pops, tokenizer=tokenizer)
+                           pops=pops, pairs=pairs, tokenizer=tokenizer)
 
 
 def stack_grammars(grammars) -> CompiledGrammar:
@@ -886,10 +917,10 @@ def stack_grammars(grammars) -> CompiledGrammar:
         rules=tuple(f"{i}:{n}" for i, t in enumerate(ts) for n in t.rules),
         returns=tuple(tuple(int(x) + int(o) for x in rr) for t, o in zip(ts, offs) for rr in t.returns),
         starts=tuple(int(t.start) + int(o) for t, o in zip(ts, offs)))
-    token_class, code, pops = token_codes(tables, g0.tok_bytes, g0.tok_len)
+    token_class, code, pops, pairs = token_codes(tables, g0.tok_bytes, g0.tok_len)
     return dataclasses.replace(g0, lark="\n\n".join(g.lark for g in grammars), tables=tables,
                                max_depth=max(g.max_depth for g in grammars), token_class=token_class, code=code,
-                               pops=pops, parts=tuple(grammars))
+                               pops=pops, pairs=pairs, parts=tuple(grammars))
 
 
 # ----------------------------------------------------------------------------- device constraint
@@ -976,27 +1007,33 @@ def _codes_chunk(c, qs, rs, toks, unknown_top):
     row of kind, whose every byte is forbidden). Returns code int32[N, W]: the stack entries above the
     row's depth the token needs when it never pops below the stack it found, _POPS when it pops into it
     and may fit (it fits after popping into rs[i], or pops deeper into the unknown, or unknown_top: every
-    token that pops), else _REJECT."""
+    token that pops), else _REJECT; and exact int32[N, W], the outcome when rs[i] is the row's stack top:
+    the stack entries above the row's depth the token needs (it pops at most once, into rs[i], and
+    fits iff depth + exact <= max_depth), _REJECT, or _POPS (it pops twice or more: run it per step)."""
     n = qs.shape[0]
     stack = jnp.stack([jnp.full((n,), c.kind.shape[0] - 1, jnp.int32), rs], axis=1)
     ok, _, base, _, _, peak = _simulate(c, qs, stack, jnp.full((n,), 2, jnp.int32), toks, max_depth=_NOLIMIT,
                                         local=c.tok_bytes.shape[1] * c.push.shape[-1])
     local = base >= 2
     maybe = ok | (base < 1) | unknown_top
-    return jnp.where(local, jnp.where(ok, peak - 2, _REJECT), jnp.where(maybe, _POPS, _REJECT))
+    code = jnp.where(local, jnp.where(ok, peak - 2, _REJECT), jnp.where(maybe, _POPS, _REJECT))
+    # after one pop the moves run one entry lower: peak - 2 may be -1, the same test as 0 (depth <= max_depth)
+    exact = jnp.where(base < 1, _POPS, jnp.where(ok, jnp.maximum(peak - 2, 0), _REJECT))
+    return code, exact
 
 
 def _run_pairs(c, pairs, toks_of, chunk, unknown_top):
-    """_codes_chunk over (state, return state) pairs in fixed-size chunks (one compilation per width)."""
+    """_codes_chunk over (state, return state) pairs in fixed-size chunks (one compilation per width):
+    (code, exact), each [pairs, W]."""
     out = []
     for i in range(0, len(pairs), chunk):
         part = pairs[i:i + chunk]
         part = part + [part[-1]] * (chunk - len(part))
         qs = np.asarray([p[0] for p in part], np.int32)
-        code = _codes_chunk(c, jnp.asarray(qs), jnp.asarray([p[1] for p in part], jnp.int32),
-                            jnp.asarray(toks_of(qs)), jnp.asarray(unknown_top))
-        out.append(np.asarray(code)[: min(chunk, len(pairs) - i)])
-    return np.concatenate(out)
+        got = _codes_chunk(c, jnp.asarray(qs), jnp.asarray([p[1] for p in part], jnp.int32),
+                           jnp.asarray(toks_of(qs)), jnp.asarray(unknown_top))
+        out.append([np.asarray(x)[: min(chunk, len(pairs) - i)] for x in got])
+    return tuple(np.concatenate(x) for x in zip(*out))
 
 
 def _lists(mask, width=None):
@@ -1026,9 +1063,7 @@ jax.tree_util.register_dataclass(_ByteTables, data_fields=["kind", "next", "push
 def token_codes(t: PushdownTables, tok_bytes, tok_len, chunk: int | None = None):
     """Precomputed token level (host arrays): token_class int32[V], code int32[Q, C] (_REJECT, _POPS, or
     the stack entries above the row's depth the token needs: allowed iff depth + code <= max_depth), and
-    pops int32[Q, M]: each state's _POPS tokens (-1 pad), the only ones simulated per step."""
-    from jaxdecode.kernels.common import next_pow2
-
+    pops int32[Q, M]: each state's _POPS tokens (-1 pad), and PopPairs: their outcome per stack top."""
     # all-forbidden rows appended (the first is the unknown stack entry), up to a power of two so grammars
     # of similar size share the compiled simulation
     extra = next_pow2(t.kind.shape[0] + 1) - t.kind.shape[0]
@@ -1054,18 +1089,18 @@ def token_codes(t: PushdownTables, tok_bytes, tok_len, chunk: int | None = None)
         states = np.flatnonzero(narrow)
         lists = _lists(viable[states], width=next_pow2(max(int(counts[states].max()), 1)))
         part = _run_pairs(c, [(int(s), dead) for s in states], lambda qs: lists[np.searchsorted(states, qs)],
-                          chunk, True)
+                          chunk, True)[0]
         rows = np.repeat(states, lists.shape[1]).reshape(lists.shape)
         codes[rows[lists >= 0], lists[lists >= 0]] = part[lists >= 0]
     if (~narrow).any():
         everything = np.broadcast_to(np.arange(v, dtype=np.int32), (chunk, v))
         states = np.flatnonzero(~narrow)
-        codes[states] = _run_pairs(c, [(int(s), dead) for s in states], lambda qs: everything, chunk, True)
+        codes[states] = _run_pairs(c, [(int(s), dead) for s in states], lambda qs: everything, chunk, True)[0]
     # pass 2, the tokens that pop: into each return state the state's rule can find on the stack top;
     # a token no return state takes is rejected (xgrammar-style context-independent rejection)
     maybe = _lists(codes == _POPS, width=next_pow2(int((codes == _POPS).sum(axis=1).max())))  # [Q, M1]
     pairs = [(s, r) for s in range(q) for r in (t.returns[t.rule_of[s]] or (dead,))]
-    refined = _run_pairs(c, pairs, lambda qs: maybe[qs], chunk, False)  # [pairs, M1]
+    refined, exact = _run_pairs(c, pairs, lambda qs: maybe[qs], chunk, False)  # [pairs, M1] each
     keep = np.zeros(maybe.shape, bool)
     for (s, _), row in zip(pairs, refined):
         keep[s] |= row == _POPS
@@ -1073,7 +1108,51 @@ def token_codes(t: PushdownTables, tok_bytes, tok_len, chunk: int | None = None)
     gone = (maybe >= 0) & ~keep
     codes[rows[gone], maybe[gone]] = _REJECT
     cols, token_class = np.unique(codes, axis=1, return_inverse=True)
-    return token_class.reshape(-1).astype(np.int32), cols.astype(np.int32), _lists(codes == _POPS)
+    pops = _lists(codes == _POPS)
+    return (token_class.reshape(-1).astype(np.int32), cols.astype(np.int32), pops,
+            _pop_pairs(t, pairs, maybe, keep, exact, pops))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PopPairs:
+    """The outcome of each state's popping tokens per return state on the row's stack top (host arrays), so
+    only the tokens that pop twice or more are simulated per step. U: distinct outcome rows."""
+    ret: np.ndarray  # int32[Q, Rw]: the return states q's rule can find on the stack top (-1 pad)
+    row: np.ndarray  # int32[Q, Rw]: the outcome row of (q, ret[q, i])
+    code: np.ndarray  # int32[U, M]: per pops[q] column: entries needed (allowed iff depth + code <=
+    #                   max_depth), _REJECT, or _POPS (pops twice or more: simulated)
+    multi: np.ndarray  # int32[U, M2]: the _POPS tokens of the row (-1 pad)
+
+
+def _pop_pairs(t: PushdownTables, pairs, maybe, keep, exact, pops) -> PopPairs:
+    """PopPairs from pass 2 of token_codes: `exact` [pairs, M1] over the columns of maybe [Q, M1], of which
+    pops[q] keeps those `keep` marks (same order)."""
+    q, m = pops.shape
+    first = {}
+    for i, (s, _) in enumerate(pairs):
+        first.setdefault(s, i)
+    states = np.flatnonzero((pops >= 0).any(axis=1))
+    widths = [len(t.returns[t.rule_of[s]]) for s in states]
+    ret = np.full((q, max(widths, default=1)), -1, np.int32)
+    row = np.zeros(ret.shape, np.int32)
+    code, multi = [np.full(m, _REJECT, np.int32)], [np.zeros(0, np.int32)]  # row 0: rejects all (no pairs)
+    for s in states:
+        sel = (maybe[s] >= 0) & keep[s]
+        toks, rets = maybe[s][sel], t.returns[t.rule_of[s]]
+        assert np.array_equal(toks, pops[s][pops[s] >= 0]), s  # pops lists the kept columns in order
+        ret[s, :len(rets)] = rets
+        for i in range(len(rets)):
+            ex = exact[first[s] + i][sel]
+            row[s, i] = len(code)
+            code.append(np.concatenate([ex, np.full(m - ex.size, _REJECT, np.int32)]))
+            multi.append(toks[ex == _POPS])
+    ml = np.full((len(multi), max(max(map(len, multi)), 1)), -1, np.int32)
+    for i, x in enumerate(multi):
+        ml[i, :x.size] = x
+    # pairs with the same outcome share a row (many states' popping tokens ignore the return state)
+    rows, inv = np.unique(np.concatenate([np.stack(code), ml], axis=1), axis=0, return_inverse=True)
+    return PopPairs(ret=ret, row=inv.reshape(-1).astype(np.int32)[row], code=rows[:, :m].astype(np.int32),
+                    multi=rows[:, m:].astype(np.int32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1090,6 +1169,10 @@ class GrammarConstraint:
     token_class: jax.Array  # int32[V]: tokens with the same code in every state share a class
     code: jax.Array  # int32[Q, C]: see token_codes
     pops: jax.Array  # int32[Q, M]: tokens that pop into the row's stack from q (-1 pad)
+    pop_ret: jax.Array  # int32[Q, Rw]: PopPairs.ret
+    pop_row: jax.Array  # int32[Q, Rw]: PopPairs.row
+    pop_code: jax.Array  # int32[U, M]: PopPairs.code
+    pop_multi: jax.Array  # int32[U, M2]: PopPairs.multi
     initial: jax.Array  # int32[B] (per_row) or int32[1]: each row's start state
     per_row: bool = False
     max_depth: int = 16
@@ -1149,12 +1232,21 @@ class GrammarConstraint:
         # context-free part: a token that stays above the row's stack needs `code` entries above its depth
         code = jnp.take(jnp.take(self.code, qc, axis=0), self.token_class, axis=1)  # [R, V]
         mask = (code >= 0) & (state.depth[:, None] + code <= self.max_depth) & (state.q >= 0)[:, None]
-        # the tokens that pop into the row's stack: run them from the row's configuration
+        # the tokens that pop into the row's stack: looked up for the (state, stack top) pair when they pop
+        # once, run from the row's configuration when they pop twice or more
+        top = jnp.take_along_axis(state.stack, jnp.maximum(state.depth - 1, 0)[:, None], axis=1)  # [R, 1]
+        hit = jnp.take(self.pop_ret, qc, axis=0) == top  # [R, Rw]
+        pair = jnp.take_along_axis(jnp.take(self.pop_row, qc, axis=0), jnp.argmax(hit, axis=1)[:, None], axis=1)[:, 0]
+        has = hit.any(axis=1) & (state.depth > 0) & (state.q >= 0)  # a pop needs an entry to pop into
         pl = jnp.take(self.pops, qc, axis=0)  # [R, M]
-        ok = _simulate(self, state.q, state.stack, state.depth, pl, max_depth=self.max_depth,
-                       local=self.local_size)[0]
-        rows = jnp.broadcast_to(jnp.arange(r)[:, None], pl.shape)
+        once = jnp.take(self.pop_code, pair, axis=0)  # [R, M]
+        ok = has[:, None] & (once >= 0) & (state.depth[:, None] + once <= self.max_depth)
+        ml = jnp.where(has[:, None], jnp.take(self.pop_multi, pair, axis=0), -1)  # [R, M2]
+        ok_ml = _simulate(self, state.q, state.stack, state.depth, ml, max_depth=self.max_depth,
+                          local=self.local_size)[0]
+        rows = jnp.arange(r)[:, None]
         mask = mask.at[rows, jnp.where(pl >= 0, pl, self.vocab_size)].set(ok, mode="drop")
+        mask = mask.at[rows, jnp.where(ml >= 0, ml, self.vocab_size)].set(ok_ml, mode="drop")  # after: overrides
         if width > self.vocab_size:
             mask = jnp.pad(mask, ((0, 0), (0, width - self.vocab_size)))
         mask = mask[:, :width]
@@ -1212,7 +1304,7 @@ def _candidates(c, state, logits, num_beams):
 
 def _flatten(c: GrammarConstraint):
     return ((c.kind, c.next, c.push, c.npush, c.req, c.final, c.tok_bytes, c.tok_len, c.token_class, c.code, c.pops,
-             c.initial), (c.per_row, c.max_depth, c.eos_ids, c.impl))
+             c.pop_ret, c.pop_row, c.pop_code, c.pop_multi, c.initial), (c.per_row, c.max_depth, c.eos_ids, c.impl))
 
 
 jax.tree_util.register_pytree_node(GrammarConstraint, _flatten, lambda aux, leaves: GrammarConstraint(*leaves, *aux))
