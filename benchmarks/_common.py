@@ -25,6 +25,19 @@ def median_seconds(fn, repeats: int, warmup: int = 0) -> float:
     return statistics.median(times)
 
 
+def interleaved_medians(fns: dict, repeats: int) -> dict:
+    """{name: median wall seconds} of each `fns[name]()` (already warm), timed round robin: every round
+    runs each once, so drift in the machine's load (thermal, another process) hits them alike instead of
+    whichever was timed last."""
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def timed(fn, repeats: int):
     """(result of the last call, median seconds): one untimed call first (compile / warm-up)."""
     out = [fn()]

@@ -5,8 +5,9 @@ recursive JSON schema (a tree: children items $ref "#"), and the same JSON gramm
 tokenizer is the embedded target's (byte-level BPE, V = 4096).
 
 Sections (--sections, default all):
-  compile   backend ("device" / "llguidance"), states, token classes, the widest per-state list of tokens
-            simulated per step, compile seconds (no disk cache; the first grammar includes JAX compilation of
+  compile   backend ("device" / "llguidance"), states, token classes, popping tokens per state (their
+            outcome looked up per (state, stack top)), tokens simulated byte by byte per step (those that
+            pop twice or more), compile seconds (no disk cache; the first grammar includes JAX compilation of
             the token-level precompute) / llguidance matcher build seconds.
   mask      per-step mask cost along a text of the grammar (µs per step: mask + advance), batch 1 and 16:
             the device mask (jitted) vs llguidance's host mask (compute_bitmask per row) and, when installed,
@@ -26,7 +27,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import median_seconds, write_result
+from _common import interleaved_medians, median_seconds, write_result
 
 JSON_LARK = r"""
 start: value
@@ -88,7 +89,8 @@ def section_compile(names, tok, vocab_size):
         row = {"backend": g.backend, "reason": g.reason, "compile_s": sec, "llguidance_matcher_s": llg}
         if g.backend == "device":
             row.update(states=int(g.tables.kind.shape[0]), classes=int(g.code.shape[1]),
-                       simulated_per_step=int(g.pops.shape[1]), pushes_per_byte=int(g.tables.push.shape[-1]))
+                       popping_per_state=int(g.pops.shape[1]),
+                       simulated_per_step=int(g.pairs.multi.shape[1]), pushes_per_byte=int(g.tables.push.shape[-1]))
         out[name] = row
     return out
 
@@ -165,6 +167,7 @@ def section_overhead(names, model, batches, new_tokens, repeats):
 
     prompt = model.encode("data = ")
     out = {}
+    constraints = {name: _compile(name, model.tokenizer, model.config.vocab_size).constraint() for name in names}
     for b in batches:
         toks = jnp.asarray([prompt] * b, jnp.int32)
         lens = jnp.full((b,), len(prompt), jnp.int32)
@@ -174,18 +177,19 @@ def section_overhead(names, model, batches, new_tokens, repeats):
                        constraint=c, method="greedy")
             o.tokens.block_until_ready()
             return o
-        base = run(None)
-        t_base = median_seconds(lambda: run(None), repeats) / int(np.max(np.asarray(base.lengths)))
+        configs = {"plain": None, **constraints}
+        steps = {k: int(np.max(np.asarray(run(c).lengths))) for k, c in configs.items()}  # compiles too
+        mean_new = {k: float(np.mean(np.asarray(run(c).lengths))) for k, c in configs.items()}
+        # round robin, so load drift during the run hits plain and constrained alike
+        secs = interleaved_medians({k: (lambda c=c: run(c)) for k, c in configs.items()}, repeats)
+        t_base = secs["plain"] / steps["plain"]
         out[f"plain_ms_per_step_b{b}"] = t_base * 1e3
+        out[f"plain_mean_new_tokens_b{b}"] = mean_new["plain"]
         for name in names:
-            g = _compile(name, model.tokenizer, model.config.vocab_size)
-            c = g.constraint()
-            o = run(c)
-            t = median_seconds(lambda c=c: run(c), repeats) / int(np.max(np.asarray(o.lengths)))
+            t = secs[name] / steps[name]
             out[f"{name}_ms_per_step_b{b}"] = t * 1e3
             out[f"{name}_overhead_b{b}"] = t / t_base - 1
-            out[f"{name}_mean_new_tokens_b{b}"] = float(np.mean(np.asarray(o.lengths)))
-        out[f"plain_mean_new_tokens_b{b}"] = float(np.mean(np.asarray(base.lengths)))
+            out[f"{name}_mean_new_tokens_b{b}"] = mean_new[name]
     return out
 
 

@@ -2,6 +2,7 @@
 constraint keeps (goal: >= 80%).
 
     python benchmarks/bench_structured_spec.py [--quick] [--batch 1,4] [--new 96] [--repeats 5] [--json FILE]
+        [--workloads code,records]
 
 Per drafter and batch size, four timed runs (one compile call first): plain greedy and speculative
 greedy, each unconstrained and under JSON schemas (one schema per row, stacked automata), all with EOS.
@@ -32,11 +33,22 @@ SCHEMAS = [
     {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 6},
 ]
 PROMPTS = ["def describe(person):\n    return ", "# config\nvalue = ", "result = ", "data = "]
-# (label, drafter name, tree, needs the draft model)
-DRAFTERS = (("prompt_lookup", "prompt_lookup", None, False),
-            ("draft_lm chain:4", "draft_lm", "chain:4", True),
-            ("draft_lm eagle:4,4,16", "draft_lm", "eagle:depth=4,topk=4,total=16", True))
-QUICK = dict(batch="1", new=24, repeats=1, drafters=1)
+# A second workload where the output has something to copy (few-shot JSON lines, the next record is the
+# answer): a copy-based drafter's unconstrained speedup comes from copying, and the code prompts above
+# give it nothing to copy into a JSON answer.
+RECORDS = ['people = [\n{"name": "alice", "age": 31},\n{"name": "bob", "age": 42},\n{"name": "carol", "age": 27},\n',
+           'items = [\n{"id": 1, "tags": ["a", "b"]},\n{"id": 2, "tags": ["b"]},\n{"id": 3, "tags": ["a", "c"]},\n',
+           'entries = [\n{"ok": true, "kind": "file", "path": "a.txt"},\n{"ok": false, "kind": "dir", "path": "src"},\n'
+           '{"ok": true, "kind": "link", "path": "b.txt"},\n',
+           'rows = [\n[1, 2, 3],\n[4, 5, 6],\n[7, 8, 9],\n']
+WORKLOADS = {"code": PROMPTS, "records": RECORDS}
+# (label, drafter name, tree, needs the draft model, adaptive speculation: what generate() runs by default)
+DRAFTERS = (("prompt_lookup", "prompt_lookup", None, False, False),
+            ("prompt_lookup adaptive", "prompt_lookup", None, False, True),
+            ("draft_lm chain:4", "draft_lm", "chain:4", True, False),
+            ("draft_lm chain:4 adaptive", "draft_lm", "chain:4", True, True),
+            ("draft_lm eagle:4,4,16", "draft_lm", "eagle:depth=4,topk=4,total=16", True, False))
+QUICK = dict(batch="1", new=24, repeats=1, drafters=2)
 FULL = dict(batch="1,4", new=96, repeats=5, drafters=len(DRAFTERS))
 
 
@@ -68,9 +80,12 @@ def measure(target, draft, schemas, prompts, *, drafters=DRAFTERS, max_new_token
             repeats: int = 3) -> dict:
     """{drafter label: {speedup_unconstrained, speedup_constrained, kept, tau_...}} for one batch (one
     row per prompt; schemas[i] constrains row i)."""
+    from jaxdecode import costmodel
+    from jaxdecode.adaptive import default_widths
     from jaxdecode.autoregressive import decode
     from jaxdecode.drafters import make_drafter
-    from jaxdecode.speculative import speculative_decode
+    from jaxdecode.sampling import SamplerConfig
+    from jaxdecode.speculative import policy_for, speculative_decode
     from jaxdecode.verifiers import get_verifier
 
     toks, lens = _prompts(target.tokenizer, prompts)
@@ -86,13 +101,20 @@ def measure(target, draft, schemas, prompts, *, drafters=DRAFTERS, max_new_token
         greedy[con is None] = per_token(lambda: decode(cfg, params, toks, lens, max_new_tokens=max_new_tokens,
                                                        eos_ids=(0,), constraint=con, method="greedy"))
     result = {}
-    for label, name, tree, needs_draft in drafters:
+    for label, name, tree, needs_draft, adaptive in drafters:
         d = make_drafter(name, target, draft=draft if needs_draft else None, tree=tree)
+        policy = costs = None
+        if adaptive:  # as generate() does by default: costs measured once per drafter and batch (cached)
+            widths = default_widths(d.num_nodes, tuple(getattr(d, "verify_widths", None) or ()))
+            policy = policy_for(d, SamplerConfig(temperature=0.0), widths=widths)
+            costs = costmodel.load_or_calibrate(target, d, int(toks.shape[0]), widths=widths,
+                                                context_len=int(toks.shape[1]) + max_new_tokens // 2,
+                                                sampler=SamplerConfig(temperature=0.0), verifier=get_verifier("greedy"))
         row = {}
         for con in (None, constraint):
             out, spt = per_token(lambda: speculative_decode(cfg, params, d, toks, lens, max_new_tokens=max_new_tokens,
                                                             verifier=get_verifier("greedy"), eos_ids=(0,),
-                                                            constraint=con))
+                                                            constraint=con, adaptive=policy, costs=costs))
             ref = greedy[con is None][0]
             if not np.array_equal(np.asarray(out.tokens), np.asarray(ref.tokens)):
                 raise AssertionError(f"{label}: speculative output differs from greedy "
@@ -119,6 +141,8 @@ def main(argv=None):
     ap.add_argument("--new", type=int, default=None, help="max new tokens")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--json", default=None, help="write the result here")
+    ap.add_argument("--workloads", default="code,records",
+                    help="code: code prompts, JSON answers (nothing to copy); records: few-shot JSON lines")
     args = ap.parse_args(argv)
     preset = QUICK if args.quick else FULL
     batches = [int(b) for b in (args.batch or preset["batch"]).split(",")]
@@ -131,11 +155,14 @@ def main(argv=None):
     target = jaxdecode.load(embedded_model_path("target"), dtype="float32")
     draft = jaxdecode.load(embedded_model_path("draft"), dtype="float32")
     result = dict(device=jax.devices()[0].device_kind, max_new_tokens=new, repeats=repeats)
-    for b in batches:
-        rows = [i % len(SCHEMAS) for i in range(b)]
-        log(f"batch {b}")
-        result[f"batch{b}"] = measure(target, draft, [SCHEMAS[i] for i in rows], [PROMPTS[i] for i in rows],
-                                      drafters=DRAFTERS[:preset["drafters"]], max_new_tokens=new, repeats=repeats)
+    for workload in args.workloads.split(","):
+        prompts = WORKLOADS[workload]
+        for b in batches:
+            rows = [i % len(SCHEMAS) for i in range(b)]
+            log(f"{workload}, batch {b}")
+            key = f"batch{b}" if workload == "code" else f"{workload}_batch{b}"
+            result[key] = measure(target, draft, [SCHEMAS[i] for i in rows], [prompts[i] for i in rows],
+                                  drafters=DRAFTERS[:preset["drafters"]], max_new_tokens=new, repeats=repeats)
     write_result(result, args.json)
 
 
