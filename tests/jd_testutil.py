@@ -67,7 +67,14 @@ def make_bos_tokenizer(out_dir, vocab_size: int = 320, chat_template: str | None
     """A Llama-style tokenizer: byte-level BPE whose encoding starts with a BOS `<s>` (a post-processor, as
     Llama / Mistral tokenizers do), EOS `</s>`, ChatML markers as special tokens and, by default, a ChatML
     chat template. Special ids: <s> 0, </s> 1, <|im_start|> 2, <|im_end|> 3."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -84,3 +91,41 @@ def make_bos_tokenizer(out_dir, vocab_size: int = 320, chat_template: str | None
         fast.chat_template = chat_template
     fast.save_pretrained(str(out_dir))
     return fast
+
+
+class PieceTokenizer:
+    """A tokenizer over a fixed list of string pieces (id = index; the constraint compilers read
+    get_vocab): characters plus a few merges, so a token may span several characters."""
+
+    def __init__(self, pieces, eos_id: int, mask_id: int):
+        self.pieces, self.eos_token_id, self.all_special_ids = list(pieces), eos_id, [eos_id, mask_id]
+
+    def get_vocab(self):
+        return {p: i for i, p in enumerate(self.pieces)}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.pieces[i] for i in ids if not (skip_special_tokens and i in self.all_special_ids))
+
+
+def dllm_config(vocab_size: int, mask_id: int, **kw):
+    """A one-layer masked-diffusion ModelConfig (bidirectional unless kw says otherwise)."""
+    from jaxdecode.models import ModelConfig
+
+    return ModelConfig(model_type="llama", vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_layers=1,
+                       num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=96, mask_token_id=mask_id,
+                       **{"attention": "bidirectional", **kw})
+
+
+def tiny_dllm(vocab_size: int, mask_id: int, batch: int = 6, **kw):
+    """(config, params, prompts int32[batch, 4], prompt lengths) of a one-layer bidirectional masked-diffusion
+    model with random weights, for decoder tests."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jaxdecode.models import init_params
+
+    cfg = dllm_config(vocab_size, mask_id, **kw)
+    params = init_params(cfg, jax.random.PRNGKey(0), std=0.3)
+    prompts = jnp.asarray(np.random.RandomState(0).randint(1, 20, (batch, 4)), jnp.int32)
+    lens = jnp.asarray([4, 3, 4, 2, 4, 1][:batch], jnp.int32)
+    return cfg, params, prompts, lens

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import jsonschema
 import numpy as np
 import pytest
-from jaxdecode.models import ModelConfig, init_params
+from jaxdecode.models import init_params
+from jd_testutil import PieceTokenizer, dllm_config, tiny_dllm
 
 from jaxdecode import diffusion as D
 from jaxdecode import diffusion_constraint as DC
@@ -20,16 +21,7 @@ PIECES = (["<eos>"] + list("0123456789-ab{}\":, ") + ['{"', '":', '"a"', "12", "
           + ["<mask>"])
 EOS, MASK, V = 0, len(PIECES) - 1, 32
 
-
-class _Tok:
-    eos_token_id = EOS
-    all_special_ids = [EOS, MASK]
-
-    def get_vocab(self):
-        return {p: i for i, p in enumerate(PIECES)}
-
-
-TOK = _Tok()
+TOK = PieceTokenizer(PIECES, EOS, MASK)
 ID = {p: i for i, p in enumerate(PIECES)}
 PAT = r"[0-9]{2,4}-[ab]+"  # unbounded: rows fill every slot
 SHORT = r"[0-9]{1,3}"  # bounded: rows must end with EOS
@@ -37,17 +29,8 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type
           "required": ["a", "b"]}
 
 
-def _config(**kw):
-    return ModelConfig(model_type="llama", vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=1,
-                       num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=96, mask_token_id=MASK,
-                       **{"attention": "bidirectional", **kw})
-
-
-CFG = _config()
-PARAMS = init_params(CFG, jax.random.PRNGKey(0), std=0.3)
-B = 6
-PROMPTS = jnp.asarray(np.random.RandomState(0).randint(1, 20, (B, 4)), jnp.int32)
-LENS = jnp.asarray([4, 3, 4, 2, 4, 1], jnp.int32)
+CFG, PARAMS, PROMPTS, LENS = tiny_dllm(V, MASK)
+B = PROMPTS.shape[0]
 
 
 @pytest.fixture(scope="module")
@@ -140,12 +123,12 @@ def test_empty_language_without_eos_and_under_jit(autos):
 @pytest.mark.parametrize("mode", ["prefix_shift1", "block", "freedave"])
 def test_caches_and_lookahead(autos, mode):
     if mode == "block":
-        cfg = _config(attention="block", block_size=4)
+        cfg = dllm_config(V, MASK, attention="block", block_size=4)
         out = D.block_diffusion_decode(cfg, init_params(cfg, jax.random.PRNGKey(1), std=0.3), PROMPTS, LENS,
                                        answer_length=12, rule=D.Threshold(0.5), eos_ids=(EOS,),
                                        constraint=autos["pat"])
     elif mode == "prefix_shift1":
-        cfg = _config(logits_shift=1)
+        cfg = dllm_config(V, MASK, logits_shift=1)
         out = D.diffusion_decode(cfg, PARAMS, PROMPTS, LENS, answer_length=12, block_length=4, cache="prefix",
                                  rule=D.Threshold(0.5), eos_ids=(EOS,), constraint=autos["pat"])
     else:

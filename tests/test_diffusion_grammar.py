@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import lark
 import numpy as np
 import pytest
-from jaxdecode.models import ModelConfig, init_params
+from jaxdecode.models import init_params
+from jd_testutil import PieceTokenizer, dllm_config, tiny_dllm
 
 import jaxdecode
 from jaxdecode import diffusion as D
@@ -22,19 +23,7 @@ EOS, MASK, V = 0, len(PIECES) - 1, 32
 assert len(PIECES) == V
 ID = {p: i for i, p in enumerate(PIECES)}
 
-
-class _Tok:
-    eos_token_id = EOS
-    all_special_ids = [EOS, MASK]
-
-    def get_vocab(self):
-        return {p: i for i, p in enumerate(PIECES)}
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(PIECES[i] for i in ids if not (skip_special_tokens and i in self.all_special_ids))
-
-
-TOK = _Tok()
+TOK = PieceTokenizer(PIECES, EOS, MASK)
 ARITH = r"""
 start: expr
 expr: term (("+" | "-") term)*
@@ -51,17 +40,8 @@ NUMBER: /[0-9]{1,2}/
 PARSERS = {name: lark.Lark(text, parser="earley") for name, text in (("arith", ARITH), ("nest", NEST))}
 
 
-def _config(**kw):
-    return ModelConfig(model_type="llama", vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=1,
-                       num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=96, mask_token_id=MASK,
-                       **{"attention": "bidirectional", **kw})
-
-
-CFG = _config()
-PARAMS = init_params(CFG, jax.random.PRNGKey(0), std=0.3)
-B = 6
-PROMPTS = jnp.asarray(np.random.RandomState(0).randint(1, 20, (B, 4)), jnp.int32)
-LENS = jnp.asarray([4, 3, 4, 2, 4, 1], jnp.int32)
+CFG, PARAMS, PROMPTS, LENS = tiny_dllm(V, MASK)
+B = PROMPTS.shape[0]
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +122,7 @@ def test_unbounded_grammar_both_decoders(grammars):
     """Arithmetic (unbounded): rows end with EOS and parse, or run out of slots on a valid prefix."""
     out = _decode(D.Threshold(0.5), grammars["arith"], answer_length=8)
     _check(out, ["arith"] * B)
-    cfg = _config(attention="block", block_size=4)
+    cfg = dllm_config(V, MASK, attention="block", block_size=4)
     out = D.block_diffusion_decode(cfg, init_params(cfg, jax.random.PRNGKey(1), std=0.3), PROMPTS, LENS,
                                    answer_length=8, rule=D.Threshold(0.3), eos_ids=(EOS,),
                                    constraint=grammars["arith"].constraint())
