@@ -129,3 +129,13 @@ def tiny_dllm(vocab_size: int, mask_id: int, batch: int = 6, **kw):
     prompts = jnp.asarray(np.random.RandomState(0).randint(1, 20, (batch, 4)), jnp.int32)
     lens = jnp.asarray([4, 3, 4, 2, 4, 1][:batch], jnp.int32)
     return cfg, params, prompts, lens
+
+
+# Arithmetic expressions in Lark: the grammar tests' common example (recursive: parentheses nest).
+ARITH_LARK = r"""
+start: expr
+expr: term (("+" | "-") term)*
+term: factor (("*" | "/") factor)*
+factor: NUMBER | "(" expr ")" | "-" factor
+NUMBER: /[0-9]+/
+"""

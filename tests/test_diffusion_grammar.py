@@ -8,7 +8,7 @@ import lark
 import numpy as np
 import pytest
 from jaxdecode.models import init_params
-from jd_testutil import PieceTokenizer, dllm_config, tiny_dllm
+from jd_testutil import ARITH_LARK, PieceTokenizer, dllm_config, tiny_dllm
 
 import jaxdecode
 from jaxdecode import diffusion as D
@@ -24,13 +24,7 @@ assert len(PIECES) == V
 ID = {p: i for i, p in enumerate(PIECES)}
 
 TOK = PieceTokenizer(PIECES, EOS, MASK)
-ARITH = r"""
-start: expr
-expr: term (("+" | "-") term)*
-term: factor (("*" | "/") factor)*
-factor: NUMBER | "(" expr ")" | "-" factor
-NUMBER: /[0-9]+/
-"""
+ARITH = ARITH_LARK
 # nesting bounded by max_depth: every text fits in 10 slots, so a row must end with EOS
 NEST = r"""
 start: item

@@ -7,18 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jd_testutil import ARITH_LARK
 from jaxdecode.constraints.automaton import token_bytes
 from jaxdecode.constraints.grammar import GrammarError, _llg_matcher, compile_grammar, llg_mask, stack_grammars
 from jaxdecode.constraints.grammar_schema import compile_schema_grammar, is_recursive_schema, schema_to_lark
 from jaxdecode.constraints.trie import ConstraintError
 
-ARITH = r"""
-start: expr
-expr: term (("+" | "-") term)*
-term: factor (("*" | "/") factor)*
-factor: NUMBER | "(" expr ")" | "-" factor
-NUMBER: /[0-9]+/
-"""
+ARITH = ARITH_LARK
 PARENS = r"""
 start: group+
 group: "(" group* ")" | "[" group* "]"
