@@ -7,14 +7,15 @@ constraint costs in forwards and time.
     python benchmarks/bench_constrained_diffusion.py --schema schema.json --answer-length 48
     python benchmarks/bench_constrained_diffusion.py --prompts 4 --rules greedy1 --answer-length 16   # smoke
     python benchmarks/bench_constrained_diffusion.py --grammar arith      # a grammar (arith | json, Lark)
+    python benchmarks/bench_constrained_diffusion.py --grammar arith --suffix ')*2'   # infilling before a suffix
 
 Prompts are held-out standard-library windows (the split the embedded models never trained on) ending in
 a blank line, so a `def` line is a natural next text for the default pattern. Per (rule, constrained)
 one JSON line: valid (fraction of rows whose answer up to EOS fully matches the pattern), unfinished
 (rows cut off by max_forwards), nfe and tokens_per_forward (means over rows), seconds (wall time of all
 batches, compilation excluded: one untimed batch first), and the automaton's size (states, classes).
-With --grammar (a pushdown automaton, jaxdecode.constraints.grammar; the answer grows as a prefix) valid
-means lark parses the answer up to EOS; constrained rows that run out of slots before the grammar accepts
+With --grammar (a pushdown automaton, jaxdecode.constraints.grammar; commits kept while a witness walk
+through them exists) valid means lark parses the answer up to EOS (+ the --suffix text when infilling); constrained rows that run out of slots before the grammar accepts
 are not valid (unmatched: their fraction, from stats["constraint_unmatched"]).
 """
 from __future__ import annotations
@@ -47,6 +48,8 @@ def main(argv=None):
     ap.add_argument("--block-length", type=int, help="semi-autoregressive block of slots (default: the answer)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--rules", default="greedy1,threshold,llada:4")
+    ap.add_argument("--suffix", default=None, help="infilling: this text follows every answer (the constrained "
+                    "text is answer + suffix)")
     ap.add_argument("--threshold", type=float, default=0.9)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
@@ -81,6 +84,11 @@ def main(argv=None):
     prompts = np.asarray([w + sep for w in heldout_prompts(tok, args.prompts, args.prompt_tokens, args.seed)],
                          np.int32)
     n, batch = len(prompts), min(args.batch, len(prompts))
+    infill = {}
+    if args.suffix:
+        sfx = tok.encode(args.suffix)
+        infill = dict(suffix_tokens=np.tile(np.asarray(sfx, np.int32), (batch, 1)),
+                      suffix_lengths=np.full(batch, len(sfx), np.int32))
     if args.grammar:
         def matches(text):
             try:
@@ -97,7 +105,7 @@ def main(argv=None):
         outs, seconds = decode_in_batches(lambda idx: D.diffusion_decode(
             config, params, prompts[idx], np.full(batch, prompts.shape[1], np.int32),
             answer_length=args.answer_length, block_length=args.block_length, rule=rule, eos_ids=eos,
-            key=jax.random.PRNGKey(args.seed), constraint=constraint), n, batch)
+            key=jax.random.PRNGKey(args.seed), constraint=constraint, **infill), n, batch)
         cat = lambda f: rows(outs, n, f)
         unmatched = cat(lambda o: o.stats.get("constraint_unmatched", o.stats["unfinished"]))
         return (cat(lambda o: o.tokens), cat(lambda o: o.lengths), cat(lambda o: o.stats["nfe"]),
@@ -112,11 +120,12 @@ def main(argv=None):
             valid = []
             for row, ln, unf in zip(tokens, lengths, unfinished):
                 body = [int(t) for t in row[:ln] if int(t) not in eos]
-                valid.append(not unf and matches(tok.decode(body)))
+                valid.append(not unf and matches(tok.decode(body) + (args.suffix or "")))
             print(json.dumps({"rule": spec, "constrained": constrained, "prompts": n,
                               "constraint": f"grammar:{args.grammar}" if args.grammar else
                               ("schema" if args.schema else "regex"),
-                              "answer_length": args.answer_length, "valid": float(np.mean(valid)),
+                              "answer_length": args.answer_length, "suffix": args.suffix,
+                              "valid": float(np.mean(valid)),
                               "unfinished": float(np.mean(unfinished)), "nfe": float(nfe.mean()),
                               **({"unmatched": float(np.mean(unmatched))} if constrained else {}),
                               "tokens_per_forward": float(tpf.mean()), "seconds": seconds,

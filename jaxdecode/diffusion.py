@@ -41,10 +41,12 @@ Constraints (`constraint=`, jaxdecode.diffusion_constraint: a "binding" masks ea
 keeps the rule's commits left to right). A regex / JSON-schema automaton: the rule sees logits masked to
 the tokens that keep the answer completable, and its commits are kept while some filling of the remaining
 MASK slots (+ the suffix) is still in the language (exact DFA emptiness over the slots); a finished row is
-a full match. A grammar (pushdown automaton): the answer grows as a prefix; the frontier slot's logits
-are masked to the tokens the grammar allows after it, and commits are kept from the frontier on while
-each is allowed after the ones before it; a row that ends with EOS is accepted by the grammar, one that
-runs out of slots first is not (stats "constraint_unmatched"); no infilling.
+a full match. A grammar (pushdown automaton): a walk from the first masked slot, filling the gaps with
+the model's own most likely allowed tokens, masks each slot it reaches to the tokens the grammar allows
+there, and the rule's commits anywhere in the answer are kept while such a walk passes through them (a
+witness that the answer stays extendable); a row that ends with EOS is accepted by the
+grammar, one that runs out of slots first is not (stats "constraint_unmatched"); infilling under a
+grammar starts from a witness that the suffix closes, searched on the host before the decode.
 
 Rules are small frozen dataclasses (ALGORITHMS.md §5): `select(ctx) -> (commit bool[B,A], tokens
 int32[B,A], rule_state)`; lookahead rules (FreeDave, InfoGain), which run several candidate answers
@@ -623,12 +625,14 @@ def diffusion_decode(config, params, prompt_tokens, prompt_lengths, *, answer_le
     `{"name": "` before an infilled JSON value); default 0: the text starts at the answer.
 
     Or a grammar: a GrammarConstraint (compile_grammar(...).constraint(), per-row grammars through
-    stack_grammars + starts=; eos_ids required; the llguidance fallback is refused). The answer is then
-    committed as a prefix: every row that ends with EOS is a text the grammar accepts; a row can run out
-    of answer slots before the grammar accepts (no EOS: not a match, stats["constraint_unmatched"]), as
-    autoregressive grammar decoding can run out of max_new_tokens. The commits right of the prefix are
-    proposed from unconstrained logits and kept only while each is allowed. No suffix (infilling) with a
-    grammar: that is refused (use a regex / JSON-schema constraint). stats["constraint_unmatched"]
+    stack_grammars + starts=; eos_ids required; the llguidance fallback is refused). Commits anywhere in the
+    answer are kept while the committed slots have a witness (a filling of the gaps between them, found
+    from the model's own most likely allowed tokens, that the grammar walks; jaxdecode.diffusion_constraint):
+    every row that ends with EOS is a text the grammar accepts; a row can run out of answer slots before
+    the grammar accepts (no EOS: not a match, stats["constraint_unmatched"]), as autoregressive grammar
+    decoding can run out of max_new_tokens. Infilling (a suffix) with a grammar: the
+    first witness is a whole answer that the suffix closes, searched on the host before the decode (rows
+    with none are an error; not under jax.jit); every row then finishes as a full match. stats["constraint_unmatched"]
     (both kinds): rows whose answer is not a full match.
     """
     mask_id, shift = _check_model(config, mask_id, logits_shift, "diffusion decoding")
@@ -682,17 +686,48 @@ def diffusion_decode(config, params, prompt_tokens, prompt_lengths, *, answer_le
         auto = DC.bind_constraint(constraint, vocab_size=config.vocab_size, eos_ids=eos_ids, mask_id=mask_id,
                                   batch=prompt_tokens.shape[0], answer_length=int(answer_length),
                                   prompt_width=p if constraint_prefix is not None else 0)
-        if suffix is not None and not isinstance(auto, DC.SlotAutomaton):
-            raise DiffusionError("infilling (suffix_tokens) under a grammar constraint is not supported: whether a "
-                                 "grammar text fits between the answer slots and a suffix is an emptiness check "
-                                 "that is exact only for regular languages; constrain the infill with a regex / "
-                                 "JSON-schema constraint (compile_regex / compile_json_schema), or drop the suffix")
         prefix = _check_constraint_prefix(constraint_prefix, prompt_lengths)
+        if suffix is not None and not isinstance(auto, DC.SlotAutomaton):
+            auto = _grammar_infill(s, auto, answer_lengths, suffix,
+                                   None if prefix is None else (prompt_tokens, prompt_lengths, prefix))
         _check_constraint_rows(s, auto, answer_lengths, suffix, constraint,
                                None if prefix is None else (prompt_tokens, prompt_lengths, prefix))
     elif constraint_prefix is not None:
         raise DiffusionError("constraint_prefix was given without a constraint: pass constraint= too, or drop it")
     return _decode(s, params, prompt_tokens, prompt_lengths, answer_lengths, key, suffix, auto, prefix)
+
+
+def _grammar_infill(s: _Static, grammar, answer_lengths, suffix, prompt, max_configs: int = 4096):
+    """The grammar bound for infilling (DC.GrammarInfill): each row's first witness, a whole answer that
+    its suffix closes, found by the host search DC.grammar_infill_witness; rows without one are an error
+    naming them (no answer of that many slots fits, or the search gave up)."""
+    concrete = [_concrete("answer_lengths", answer_lengths), _concrete("suffix_tokens", suffix[0]),
+                _concrete("suffix_lengths", suffix[1])]
+    if prompt is not None:
+        concrete += [_concrete(n, x) for n, x in zip(("prompt_tokens", "prompt_lengths", "constraint_prefix"), prompt)]
+    if any(x is None for x in concrete):
+        raise DiffusionError("infilling under a grammar searches each row's first filling on the host before the "
+                             "decode: pass concrete answer_lengths / suffix_tokens / suffix_lengths (and prompt, "
+                             "constraint_prefix), i.e. call diffusion_decode outside jax.jit, or constrain the infill "
+                             "with a regex / JSON-schema constraint (its emptiness check runs under jit)")
+    DC.check_suffix_tokens(suffix, s.eos_ids)
+    b = suffix[0].shape[0]
+    binding = DC.GrammarBinding(constraint=grammar, mask_id=s.mask_id, eos_ids=s.eos_ids,
+                                vocab_size=s.config.vocab_size)
+    start = binding.init(b, s.answer_length, prompt).state
+    witness, status = DC.grammar_infill_witness(grammar, start, suffix, answer_lengths, answer_length=s.answer_length,
+                                                eos_ids=s.eos_ids, mask_id=s.mask_id, max_configs=max_configs)
+    bad = [(r, st) for r, st in enumerate(status) if st != "found"]
+    if bad:
+        al = concrete[0]
+        what = {"empty": "no answer of that many slots followed by the row's suffix is a text of the grammar (the "
+                         "search over the pushdown automaton's configurations is exhaustive)",
+                "unknown": f"the search for an answer that the row's suffix closes gave up (over {max_configs} "
+                           "configurations of the pushdown automaton at one length)"}
+        raise DiffusionError("; ".join(f"row {r} ({int(al[r])} slots): {what[st]}" for r, st in bad[:4])
+                             + (f"; and {len(bad) - 4} more rows" if len(bad) > 4 else "")
+                             + ": change answer_length / answer_lengths, the suffix or the grammar")
+    return DC.GrammarInfill(constraint=grammar, witness=jnp.asarray(witness))
 
 
 def _check_constraint_prefix(constraint_prefix, prompt_lengths):

@@ -33,23 +33,45 @@ answer (+ suffix) is in the language. Rows cut off by max_forwards keep MASK slo
 
 Grammars (a GrammarConstraint: the bounded-depth pushdown automaton of jaxdecode.constraints.grammar;
 its host fallback, llguidance's matcher, is refused). Emptiness of a context-free language intersected
-with a slot pattern has no cheap exact form on the device, so the grammar form keeps the answer a PREFIX:
-slots 0..k-1 committed, k.. MASK, and the automaton's state after the prefix (q, stack, depth) carried
-per row from forward to forward with the mask `allowed(state)` of slot k. Each forward the logits of
-slot k are masked to the allowed tokens (EOS where the state accepts), so the rule's confidence there
-is the constrained one; slots right of k keep their raw logits (their proposals are only candidates: a
-disallowed one is simply not kept). The rule's commits are then kept left to right: slot k always (the
-rule's token when it chose k and the token is allowed, else slot k's best allowed token: at least one
-commit per forward, so the loop ends), then k+1, k+2, ... while the rule chose that slot and its token
-is allowed in the state after the commits kept so far (one `allowed` + `advance` per kept commit, as in
-autoregressive grammar decoding); the first slot not chosen or not allowed ends the run and every
-commit right of it is dropped (proposed again later). An EOS ends the row as above.
-Guarantee: every committed prefix is a prefix of a text of the grammar, and a row that ends with EOS
-is a text the grammar accepts. Like autoregressive grammar decoding, a row may run out of answer slots
-before the grammar accepts; it then ends without EOS and is no match (stats "constraint_unmatched"; a row
-that ran out exactly where the grammar accepts is a match).
-No infilling (a suffix) under a grammar: that needs the emptiness check above, which is exact here only
-for regular languages (use a regex / JSON-schema constraint there).
+with a slot pattern has no cheap exact form on the device, so the grammar form keeps a WITNESS instead
+(LAVE's lookahead, kept from forward to forward): per row, the automaton's state after the committed
+prefix (slots 0..k-1; k is the frontier, the first masked slot) and tokens for the masked slots between
+k and the last committed slot such that the committed slots with that filling are a walk of the
+automaton (a prefix of a text of the grammar). Each forward:
+  - a guide walk runs from the frontier to the row's end: each masked slot on the way takes its witness
+    token while that is allowed (left of the last committed slot), else this forward's most likely
+    allowed non-EOS token (the model's own guess fills the gap; LAVE's lookahead), each committed slot
+    must be allowed where the walk reaches it; every masked slot the walk reaches is masked to the tokens
+    allowed there (EOS where the state accepts). The rule thus sees constrained logits at every slot
+    along one plausible continuation, so a confident proposal anywhere is usually one the grammar
+    allows after the guesses before it; slots past a failed walk keep their logits;
+  - the rule's proposals are checked by the same walk through them (the proposed tokens fixed): all of
+    them pass at once, or, for the rows where that walk fails, they are tried one at a time left to
+    right, each with those kept so far. A walk that passes is a proof that the answer stays
+    extendable and becomes the row's witness; one that fails is no disproof (a different filling might
+    exist), so the check is a sound under-approximation and a rejected proposal is proposed again later;
+  - a row that keeps no proposal commits its frontier slot: the witness's token there when something is
+    committed further right, else the best allowed token. So every live row commits at least one slot
+    per forward and the loop ends; the carry then walks the committed run from the frontier.
+A walk costs one `allowed` + `advance` per slot from the frontier (two walks per forward, more when
+proposals are tried one at a time), small beside a forward of the model.
+Guarantee: the committed slots always have a witness, a row that ends with EOS is a text the grammar
+accepts. Like autoregressive grammar decoding, a row may run out of answer slots before the grammar
+accepts; it then ends without EOS and is no match (stats "constraint_unmatched"; a row that ran out
+exactly where the grammar accepts is a match).
+Infilling (a suffix) under a grammar: the witness is then a whole answer (its text to an EOS, or every
+slot) that the row's suffix closes. Every walk goes to the row's last slot; EOS is allowed where the
+suffix, walked from there, ends where the grammar accepts (so the guide shows the rule where the
+answer may end), and a walk passes when its text is closed that way. The rule's proposals are checked
+by two walks, one filling the gaps with the witness's tokens while they are allowed, one with the
+model's guesses right of the last committed slot; either passing keeps them. A row that keeps nothing
+commits the witness's token at the frontier. The first
+witness is the emptiness check of infilling (Mündler et al.): a host search before the decode
+(grammar_infill_witness: breadth first over the automaton's configurations, deduplicated per length,
+for the fewest tokens the suffix closes; exact for the device form's bounded-depth language unless a
+length holds more than max_configs configurations), so rows with no answer of their length are an
+error before decoding, and the decode is not traceable under the user's jit (a regex / JSON-schema
+constraint is). Rows finish as full matches.
 """
 from __future__ import annotations
 
@@ -170,8 +192,13 @@ def start(bound, answer, answer_lengths, suffix, prompt, *, mask_id: int, eos_id
         binding = RegexBinding(auto=auto, tacc=tail_accept(auto, suffix, answer.shape[0]), mask_id=mask_id,
                                has_eos=bool(eos_ids))
         return binding, (), ~completable(auto, binding.sets(answer, answer_lengths))
+    if isinstance(bound, GrammarInfill):  # the first witness was found on the host: no row is empty
+        binding = GrammarBinding(constraint=bound.constraint, suffix=suffix, mask_id=mask_id, eos_ids=eos_ids,
+                                 vocab_size=vocab_size)
+        carry = binding.init(answer.shape[0], answer.shape[1], prompt, witness=bound.witness)
+        return binding, carry, jnp.zeros((answer.shape[0],), bool)
     binding = GrammarBinding(constraint=bound, mask_id=mask_id, eos_ids=eos_ids, vocab_size=vocab_size)
-    carry = binding.init(answer.shape[0], prompt)
+    carry = binding.init(answer.shape[0], answer.shape[1], prompt)
     return binding, carry, ~jnp.any(carry.mask, axis=-1)
 
 
@@ -357,6 +384,124 @@ def filter_commits(a: SlotAutomaton, st: Sets, commit, tokens, tacc, has_eos: bo
     return jax.vmap(row)(st.kinds, kinds_new, commit, st.g, a.initial, tacc)
 
 
+# ----------------------------------------------------------------------------- grammar infilling
+def suffix_closes(c, state, suffix_tokens, suffix_lengths):
+    """bool[R]: from each grammar state, the row's suffix (its first suffix_lengths tokens) is allowed token
+    by token and the grammar accepts after it. state: GrammarState [R]; suffix_tokens int32[R, S]."""
+    r = suffix_tokens.shape[0]
+    cols = jnp.arange(suffix_tokens.shape[1], dtype=jnp.int32)
+
+    def step(x, col):
+        st, ok = x
+        tok = jnp.take_along_axis(suffix_tokens, jnp.full((r, 1), col), axis=1)[:, 0]
+        on = col < suffix_lengths
+        ok = ok & (~on | c.allowed(st)[jnp.arange(r), jnp.clip(tok, 0, c.vocab_size - 1)])
+        return (_select(on, c.advance(st, tok), st), ok), None
+
+    (state, ok), _ = jax.lax.scan(step, (state, jnp.ones((r,), bool)), cols)
+    return ok & c.accepting(state)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GrammarInfill:
+    """A grammar constraint bound for infilling: the constraint and each row's first witness (a whole
+    answer that the suffix closes: grammar_infill_witness)."""
+    constraint: object
+    witness: jax.Array  # int32[B, A]
+
+
+def _bucket(n: int) -> int:
+    return max(8, 1 << (max(n, 1) - 1).bit_length())
+
+
+@jax.jit
+def _expand(c, q, depth, stack, tokens):
+    """Configurations after one token each: (q, depth, stack) int32[N], int32[N], int32[N, D]."""
+    from jaxdecode.constraints.grammar import GrammarState
+    return c.advance(GrammarState(q=q, depth=depth, stack=stack), tokens)
+
+
+@jax.jit
+def _allowed_closes(c, q, depth, stack, suffix_tokens, suffix_lengths):
+    from jaxdecode.constraints.grammar import GrammarState
+    st = GrammarState(q=q, depth=depth, stack=stack)
+    return c.allowed(st), suffix_closes(c, st, suffix_tokens, suffix_lengths)
+
+
+def grammar_infill_witness(constraint, start, suffix, answer_lengths, *, answer_length: int, eos_ids: tuple,
+                           mask_id: int, max_configs: int = 4096, chunk: int = 1 << 15):
+    """The emptiness check of infilling under a grammar, on the host: per row, a breadth-first search over
+    the pushdown automaton's configurations (state, stack) reached by 0, 1, 2, ... text tokens from the
+    row's start configuration, for the fewest tokens w (at most the row's answer length) after which the
+    row's suffix is allowed and the grammar accepts: the answer w + EOS (+ padding), or w filling every
+    slot. Configurations are deduplicated per level, so the search is exact (it decides emptiness for the
+    device form's bounded-depth language) unless a level holds more than max_configs of them; then the
+    shallowest stacks are kept and a row not found is "unknown". Returns (witness int32[B, A] with the
+    answers found, status: a list per row of "found" / "empty" / "unknown").
+    start: the rows' start GrammarState [B] (after the constraint prefix); suffix: (int32[B, S], int32[B])."""
+    from jaxdecode.autoregressive import is_eos
+    c = constraint
+    q0, d0, s0 = (np.asarray(x) for x in (start.q, start.depth, start.stack))
+    st_tok, st_len = (np.asarray(x) for x in suffix)
+    lengths = np.asarray(answer_lengths)
+    b, dmax = s0.shape
+    pad = eos_ids[0] if eos_ids else 0
+    witness = np.full((b, answer_length), pad, np.int32)
+    status = []
+    text = ~np.asarray(is_eos(jnp.arange(c.vocab_size, dtype=jnp.int32), eos_ids))
+    if mask_id < c.vocab_size:
+        text[mask_id] = False  # a witness is text: never MASK
+    for r in range(b):
+        q, d, stk = q0[r:r + 1], d0[r:r + 1], s0[r:r + 1]
+        parents = []  # per level: (parent index int[N], token int[N]) of each configuration
+        found, truncated, n = None, False, int(lengths[r])
+        for level in range(n + 1):
+            nb = _bucket(len(q))  # padded to a power of two: few compiled shapes
+            at = np.pad(np.arange(len(q)), (0, nb - len(q)))
+            sfx = (np.repeat(st_tok[r:r + 1], nb, 0), np.repeat(st_len[r:r + 1], nb, 0))
+            allow, closes = (np.asarray(x)[:len(q)] for x in _allowed_closes(c, q[at], d[at], stk[at], *sfx))
+            # an answer shorter than the row ends with EOS (needs eos ids); a full one needs none
+            if (eos_ids or level == n) and closes.any():
+                found = (level, int(np.argmax(closes)))
+                break
+            if level == n:
+                break
+            pi, tok = np.nonzero(allow & text[None, :])
+            if pi.size == 0:
+                break
+            nq, nd, ns = [], [], []
+            for o in range(0, pi.size, chunk):  # chunks padded to a power of two: few compiled expansions
+                sl = slice(o, o + chunk)
+                m = pi[sl].size
+                idx = np.pad(pi[sl], (0, _bucket(m) - m))
+                tk = np.pad(tok[sl], (0, _bucket(m) - m)).astype(np.int32)
+                x = _expand(c, q[idx], d[idx], stk[idx], tk)
+                nq.append(np.asarray(x.q)[:m]), nd.append(np.asarray(x.depth)[:m]), ns.append(np.asarray(x.stack)[:m])
+            nq, nd, ns = np.concatenate(nq), np.concatenate(nd), np.concatenate(ns)
+            live = nq >= 0
+            ns = np.where(np.arange(dmax)[None, :] < nd[:, None], ns, 0)  # entries above the depth: no part of it
+            key = np.concatenate([nq[:, None], nd[:, None], ns], axis=1)[live]
+            _, first = np.unique(key, axis=0, return_index=True)
+            keep = np.flatnonzero(live)[np.sort(first)]
+            if keep.size > max_configs:  # the shallowest stacks are the likeliest to be closed by the suffix
+                keep = keep[np.argsort(nd[keep], kind="stable")[:max_configs]]
+                truncated = True
+            parents.append((pi[keep], tok[keep]))
+            q, d, stk = nq[keep], nd[keep], ns[keep]
+        if found is None:
+            status.append("unknown" if truncated else "empty")
+            continue
+        level, i = found
+        toks = []
+        for pi, tk in reversed(parents[:level]):
+            toks.append(int(tk[i]))
+            i = int(pi[i])
+        witness[r, :level] = toks[::-1]
+        status.append("found")
+    return witness, status
+
+
 # ----------------------------------------------------------------------------- the two bindings
 # The decode loop calls, per forward: binding.mask(carry, answer, answer_lengths, logits) -> (masked
 # logits, step) before the rule; binding.keep(carry, step, commit, tokens) -> (commits kept, tokens to
@@ -387,16 +532,24 @@ class RegexBinding:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class GrammarCarry:
-    """Per row: the grammar's state after the committed prefix and the tokens allowed right after it."""
+    """Per row: the grammar's state after the committed prefix, the tokens allowed right after it, and a
+    witness: tokens for the masked slots between the prefix and the last committed slot that make the
+    committed slots a walk of the grammar (module docstring)."""
     state: object  # the constraint's state (GrammarState), leaves [B, ...]
     mask: jax.Array  # bool[B, V]: allowed(state), the tokens the frontier slot may take
+    witness: jax.Array  # int32[B, A]: a filling of the masked slots left of the last committed one
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class GrammarStep:
     k: jax.Array  # int32[B]: the frontier, the first masked slot (A: none left)
-    logits_k: jax.Array  # [B, V]: the frontier slot's masked logits
+    raw: jax.Array  # [B, A, V]: this forward's logits (the gap fillings' guesses)
+    guided: jax.Array  # [B, A, V]: the logits the rule saw (each walked slot masked to its allowed tokens)
+    fixed: jax.Array  # bool[B, A]: slots committed before this forward (within the row's length)
+    answer: jax.Array  # int32[B, A]: the answer before this forward
+    fixed_last: jax.Array  # int32[B]: the last fixed slot right of the frontier (-1: none)
+    lengths: jax.Array  # int32[B]: the rows' answer lengths
 
 
 def _select(ok, new, old):
@@ -407,17 +560,24 @@ def _select(ok, new, old):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class GrammarBinding:
-    """A grammar constraint: the answer stays a prefix walked by the pushdown automaton (module docstring)."""
+    """A grammar constraint: committed slots stay a walk of the pushdown automaton with a witness filling
+    of the masked slots between them (module docstring)."""
     constraint: object  # a prepared GrammarConstraint (a pytree; only its Constraint protocol is used)
-    mask_id: int = dataclasses.field(metadata={"static": True})
-    eos_ids: tuple = dataclasses.field(metadata={"static": True})
-    vocab_size: int = dataclasses.field(metadata={"static": True})
+    suffix: object = None  # infilling: (suffix_tokens int32[B, S], suffix_lengths int32[B]); None: no suffix
+    mask_id: int = dataclasses.field(default=0, metadata={"static": True})
+    eos_ids: tuple = dataclasses.field(default=(), metadata={"static": True})
+    vocab_size: int = dataclasses.field(default=0, metadata={"static": True})
 
-    def _carry(self, state) -> GrammarCarry:
-        return GrammarCarry(state=state, mask=self.constraint.allowed(state, self.vocab_size))
+    @property
+    def infill(self) -> bool:
+        return self.suffix is not None
 
-    def init(self, batch: int, prompt=None) -> GrammarCarry:
-        """The start state, walked through each row's last prefix_lengths prompt tokens (prompt given)."""
+    def _carry(self, state, witness) -> GrammarCarry:
+        return GrammarCarry(state=state, mask=self.constraint.allowed(state, self.vocab_size), witness=witness)
+
+    def init(self, batch: int, answer_length: int, prompt=None, witness=None) -> GrammarCarry:
+        """The start state, walked through each row's last prefix_lengths prompt tokens (prompt given);
+        witness: infilling's first complete filling (grammar_infill_witness)."""
         c = self.constraint
         state = c.init(batch)
         if prompt is not None:
@@ -429,7 +589,9 @@ class GrammarBinding:
                 return _select((j >= first) & (j < lens), c.advance(st, tok), st), None
 
             state, _ = jax.lax.scan(walk, state, (toks.T, jnp.arange(toks.shape[1])))
-        return self._carry(state)
+        if witness is None:
+            witness = jnp.full((batch, answer_length), self.mask_id, jnp.int32)
+        return self._carry(state, jnp.asarray(witness, jnp.int32))
 
     def frontier(self, answer, answer_lengths):
         """int32[B]: each row's first masked slot (A when none is left)."""
@@ -438,46 +600,157 @@ class GrammarBinding:
         return jnp.min(jnp.where((answer == self.mask_id) & (pos < answer_lengths[:, None]), pos, a), axis=-1)
 
     def mask(self, carry: GrammarCarry, answer, answer_lengths, logits):
-        """Slot k's logits masked to the allowed tokens; the other slots' unchanged."""
+        """Every slot the guide walk reaches (from the frontier along the witness / the model's guesses,
+        to the row's end) masked to the tokens allowed there; slots past a failed walk unchanged."""
+        a = answer.shape[1]
+        pos = jnp.arange(a, dtype=jnp.int32)[None, :]
         k = self.frontier(answer, answer_lengths)
-        at_k = (jnp.arange(answer.shape[1])[None, :] == k[:, None])[..., None]  # [B, A, 1]
-        logits = jnp.where(at_k & ~carry.mask[:, None, :], jnp.asarray(_NEG, logits.dtype), logits)
-        logits_k = jnp.take_along_axis(logits, jnp.minimum(k, answer.shape[1] - 1)[:, None, None], axis=1)[:, 0]
-        return logits, GrammarStep(k=k, logits_k=logits_k)
+        fixed = (answer != self.mask_id) & (pos < answer_lengths[:, None])  # past the length: padding
+        fixed_last = jnp.max(jnp.where(fixed & (pos > k[:, None]), pos, -1), axis=-1)
+        step = GrammarStep(k=k, raw=logits, guided=logits, fixed=fixed, answer=answer, fixed_last=fixed_last,
+                           lengths=answer_lengths)
+        _, _, guided = self._walk(carry, step, fixed, answer, answer_lengths - 1, guide=True)
+        return guided, dataclasses.replace(step, guided=guided)
 
-    def keep(self, carry: GrammarCarry, step: GrammarStep, commit, tokens):
-        """Slot k always, then k+1, ... while the rule chose the slot and its token is allowed after the
-        commits kept so far; the carry moves past every kept commit."""
+    def _walk(self, carry: GrammarCarry, step: GrammarStep, fixed, toks, last, guide: bool = False,
+              witness_all: bool = False):
+        """One left-to-right walk of the automaton from the frontier state to slot last[b]: a fixed slot's
+        token must be allowed in the state reached; a masked slot takes its witness token while that is
+        allowed (left of the last slot committed before this forward; everywhere with witness_all), else
+        this forward's most likely allowed token (LAVE's lookahead: the model's own guess fills the gap;
+        EOS only under infilling, where the suffix closes the text); past an EOS only padding. A walk that
+        reaches last[b] (infilling: and whose text the suffix closes) is a proof that the fixed slots are
+        a prefix of a text of the grammar (infilling: of an answer); a failed one is no disproof (another
+        filling might exist): a sound under-approximation. fixed bool[B, A], toks int32[B, A], last
+        int32[B] -> (ok bool[B], the filling int32[B, A] at the masked slots walked, and with guide=True
+        the logits with each walked masked slot masked to the tokens allowed there)."""
         from jaxdecode.autoregressive import is_eos
-        b, a = commit.shape
-        c, k = self.constraint, step.k
+        c = self.constraint
+        b, a = fixed.shape
         rows, pos = jnp.arange(b), jnp.arange(a, dtype=jnp.int32)[None, :]
+        eos_v = is_eos(jnp.arange(self.vocab_size, dtype=jnp.int32), self.eos_ids)  # bool[V]
+        neg = jnp.asarray(_NEG, step.raw.dtype)
         allowed = lambda m, t: m[rows, jnp.clip(t, 0, self.vocab_size - 1)]  # bool[B]: token t[b] in m[b]
-        live = k < a
-        kc = jnp.minimum(k, a - 1)
-        tok_k = tokens[rows, kc]
-        t0 = jnp.where(commit[rows, kc] & allowed(carry.mask, tok_k), tok_k,
-                       jnp.argmax(step.logits_k, axis=-1).astype(tokens.dtype))
-        tokens = jnp.where(pos == k[:, None], t0[:, None], tokens)
 
         def cond(x):
-            i, go, _, _ = x
+            i, ok, ended = x[:3]
+            return (i < a) & jnp.any(ok & ~ended & (step.k + i <= last))
+
+        def body(x):
+            i, ok, ended, cur, fill, guided = x
+            j = step.k + i
+            jc = jnp.minimum(j, a - 1)
+            active = ok & ~ended & (j <= last)
+            isf = fixed[rows, jc]
+            if self.infill:  # EOS (the answer ends here) where the row's suffix closes the text
+                closes = suffix_closes(c, cur.state, *self.suffix)
+                here = jnp.where(eos_v[None, :], closes[:, None], cur.mask)  # bool[B, V]
+                fillable = here
+            else:  # EOS where the grammar accepts; gaps (text continues after them) take text tokens only
+                here = cur.mask
+                fillable = here & ~eos_v[None, :]
+            raw_j = step.raw[rows, jc]  # [B, V]
+            wit = carry.witness[rows, jc]
+            use_wit = ((j < step.fixed_last) | witness_all) & allowed(fillable, wit)
+            guess = jnp.argmax(jnp.where(fillable, raw_j, neg), axis=-1).astype(jnp.int32)
+            t = jnp.where(isf, toks[rows, jc], jnp.where(use_wit, wit, guess))
+            good = jnp.where(isf, allowed(here, t), jnp.any(fillable, axis=-1))
+            if guide:  # the rule sees each walked masked slot's allowed tokens only
+                upd = (active & ~isf)[:, None]
+                guided = guided.at[rows, jc].set(jnp.where(upd & ~here, neg, guided[rows, jc]))
+            on = active & good & ~is_eos(t, self.eos_ids)
+            cur = _select(on, self._carry(c.advance(cur.state, t), cur.witness), cur)
+            fill = jnp.where((pos == j[:, None]) & (active & ~isf)[:, None], t[:, None], fill)
+            ended = ended | (active & good & is_eos(t, self.eos_ids))
+            return i + 1, ok & (~active | good), ended, cur, fill, guided
+
+        init = (jnp.int32(0), jnp.ones((b,), bool), jnp.zeros((b,), bool), carry, carry.witness, step.raw)
+        _, ok, ended, end, fill, guided = jax.lax.while_loop(cond, body, init)
+        if self.infill:  # the answer's text (to its EOS or its last slot) must be closed by the row's suffix
+            ok = ok & suffix_closes(c, end.state, *self.suffix)
+        # past an EOS the fixed slots must be padding (EOS): text after the end would be dropped
+        after = ended[:, None] & fixed & ~is_eos(toks, self.eos_ids)
+        first_eos = jnp.min(jnp.where(fixed & is_eos(toks, self.eos_ids) & (pos >= step.k[:, None]), pos, a), axis=-1)
+        ok = ok & ~jnp.any(after & (pos > first_eos[:, None]) & (pos <= last[:, None]), axis=-1)
+        return ok, fill, guided
+
+    def keep(self, carry: GrammarCarry, step: GrammarStep, commit, tokens):
+        """The rule's proposals kept while a filling of the gaps left between the committed slots exists:
+        first all of them in one walk; for rows where that fails, one at a time left to right (each walk
+        with the ones kept so far). A row that keeps none commits its frontier slot from the witness (the
+        best allowed token when nothing is committed ahead), so every live row commits at least one slot.
+        The carry then moves past the committed run from the frontier."""
+        from jaxdecode.autoregressive import is_eos
+        b, a = commit.shape
+        k = step.k
+        rows, pos = jnp.arange(b), jnp.arange(a, dtype=jnp.int32)[None, :]
+        live = k < a
+        props = commit & ~step.fixed & live[:, None]
+        base = jnp.where(step.fixed, step.answer, tokens)  # proposals' tokens at their slots
+
+        def walk(fixed):  # to each row's last fixed slot ahead of the frontier (infilling: its last slot)
+            if not self.infill:
+                last = jnp.max(jnp.where(fixed & (pos >= k[:, None]), pos, -1), axis=-1)
+                return self._walk(carry, step, fixed, base, last)[:2]
+            # infilling: gaps filled by the model's guesses past the committed slots, or by the witness
+            ok1, fill1, _ = self._walk(carry, step, fixed, base, step.lengths - 1)
+            ok2, fill2, _ = self._walk(carry, step, fixed, base, step.lengths - 1, witness_all=True)
+            return ok1 | ok2, jnp.where(ok1[:, None], fill1, fill2)
+
+        ok_all, fill_all = walk(step.fixed | props)
+        kept = props & ok_all[:, None]
+        witness = jnp.where(ok_all[:, None], fill_all, carry.witness)
+        rank = jnp.cumsum(props, axis=-1) - 1  # [B, A]: each proposal's order from the left
+        count = jnp.sum(props, axis=-1)
+        todo = ~ok_all & (count >= 2)  # one proposal: the walk above already tried it alone
+
+        def cond(x):
+            p, _, _ = x
+            return jnp.any(todo & (p < count))
+
+        def body(x):
+            p, kept, witness = x
+            this = props & (rank == p) & todo[:, None]
+            ok, fill = walk(step.fixed | kept | this)
+            ok = ok & jnp.any(this, axis=-1)
+            return p + 1, jnp.where(ok[:, None], kept | this, kept), jnp.where(ok[:, None], fill, witness)
+
+        _, kept, witness = jax.lax.while_loop(cond, body, (jnp.int32(0), kept, witness))
+
+        # no proposal kept: the frontier slot from the witness (valid: the committed slots are unchanged)
+        ahead = (step.fixed_last >= 0) | self.infill  # infilling: the witness is always a whole answer
+        kc = jnp.minimum(k, a - 1)
+        best_k = jnp.argmax(step.guided[rows, kc], axis=-1).astype(jnp.int32)  # slot k: masked to allowed
+        t_k = jnp.where(ahead, carry.witness[rows, kc], best_k)
+        fall = live & ~jnp.any(kept, axis=-1)
+        at_k = pos == k[:, None]
+        kept = kept | (at_k & fall[:, None])
+        tokens = jnp.where(at_k & fall[:, None], t_k[:, None], base)
+
+        # the carry walks the run of committed slots from the frontier (all valid: checked above)
+        now = step.fixed | kept
+        c = self.constraint
+
+        def run_cond(x):
+            i, go, _ = x
             return jnp.any(go) & (i < a)
 
-        def body(x):  # iteration i looks at slot k + i (slot k: kept unconditionally)
-            i, go, cur, kept = x
+        def run_body(x):
+            i, go, cur = x
             j = k + i
             jc = jnp.minimum(j, a - 1)
             t = tokens[rows, jc]
-            ok = go & (j < a) & ((i == 0) | (commit[rows, jc] & allowed(cur.mask, t)))
-            cur = _select(ok, self._carry(c.advance(cur.state, t)), cur)
-            return i + 1, ok & ~is_eos(t, self.eos_ids), cur, kept | ((pos == j[:, None]) & ok[:, None])
+            on = go & (j < a) & now[rows, jc] & ~is_eos(t, self.eos_ids)
+            cur = _select(on, self._carry(c.advance(cur.state, t), cur.witness), cur)
+            return i + 1, on, cur
 
-        init = (jnp.int32(0), live, carry, jnp.zeros_like(commit))
-        _, _, carry, kept = jax.lax.while_loop(cond, body, init)
-        return kept, tokens, carry
+        _, _, cur = jax.lax.while_loop(run_cond, run_body, (jnp.int32(0), live, carry))
+        return kept, tokens, self._carry(cur.state, witness)
 
     def matched(self, carry: GrammarCarry, done, ends_with_eos):
-        """A finished row ended with EOS, or ran out of slots where the grammar accepts (EOS allowed next)."""
+        """A finished row ended with EOS, or ran out of slots where the grammar accepts (EOS allowed next);
+        infilling: every finished row (its last walk went through the suffix)."""
+        if self.infill:
+            return done
         accepts = jnp.any(carry.mask[:, jnp.asarray(self.eos_ids, jnp.int32)], axis=-1)
         return done & (ends_with_eos | accepts)
