@@ -83,6 +83,38 @@ def test_prompt_lookup_most_recent_longest_match():
     assert (toks[~val] == 0).all()  # invalid nodes carry an in-vocabulary token
 
 
+def test_prompt_lookup_follows_forced_tokens_under_a_constraint():
+    """Under a constraint the copy is kept while allowed; where it stops (forbidden, or no match) the
+    chain goes on with forced tokens (states with one allowed token, EOS at a dead-end accepting state)
+    and ends where several are allowed. Without a constraint, or forced=False, it is the plain lookup."""
+    from jaxdecode.constraints import automaton as am
+    from jaxdecode.constraints.automaton import AutomatonState
+    # a -10|11-> b -12-> c -13-> d -14|15-> e (accepting, no way on: only EOS = 0)
+    auto = am.from_transitions({"a": {10: "b", 11: "b"}, "b": {12: "c"}, "c": {13: "d"}, "d": {14: "e", 15: "e"}},
+                               "a", ["e"], V, drop_ids=(0,))
+    con = auto.constraint().prepare(V, (0,), 16, 4)
+    rows = [[7, 10, 12, 13, 14, 9, 7],  # the copy is allowed up to 9, then EOS is forced
+            [7, 20, 21, 7],  # forbidden at once where two tokens are allowed: nothing
+            [7, 11, 30, 7],  # 11 copied, 30 forbidden: 12, 13 forced, then two choices
+            [5, 6]]  # no match, from state b: 12, 13 forced
+    starts = [auto.walk([]), auto.walk([]), auto.walk([]), auto.walk([10])]
+    c = dataclasses.replace(ctx(rows), constraint=con, cstate=AutomatonState(node=(jnp.asarray(starts, jnp.int32),)))
+    tree, _, _ = PromptLookupDrafter(num_nodes=8).propose((), c, GREEDY)
+    toks, par, val = np_tree(tree)
+    np.testing.assert_array_equal(val.sum(axis=1), [5, 0, 3, 2])
+    assert (val[:, :-1] >= val[:, 1:]).all()  # valid nodes are a prefix of the chain
+    np.testing.assert_array_equal(toks[0, :5], [10, 12, 13, 14, 0])
+    np.testing.assert_array_equal(toks[2, :3], [11, 12, 13])
+    np.testing.assert_array_equal(toks[3, :2], [12, 13])
+    plain_toks, plain_val = map(np.asarray, PromptLookupDrafter(num_nodes=8).lookup(*hist(rows)))
+    for d, cc in ((PromptLookupDrafter(num_nodes=8, forced=False), c), (PromptLookupDrafter(num_nodes=8), ctx(rows))):
+        toks, _, val = np_tree(d.propose((), cc, GREEDY)[0])
+        np.testing.assert_array_equal(val, plain_val)
+        np.testing.assert_array_equal(toks[val], plain_toks[plain_val])
+    with pytest.raises(ValueError, match="forced"):
+        PromptLookupDrafter(forced=1)
+
+
 def test_prompt_lookup_draft_length_by_match_size():
     d = PromptLookupDrafter(num_nodes=4, lengths=(1, 2, 4))
     assert d.verify_widths == (1, 2, 4)

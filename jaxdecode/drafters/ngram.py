@@ -14,6 +14,8 @@ Ge et al. 2022, "Lossless Acceleration for Seq2seq Generation with Aggressive De
     default) a match whose continuation runs into the present (a repeat with period p = distance to
     the match) is extended by repeating that period, i.e. the draft keeps copying its own copied
     tokens, which is what the match predicts; with `cyclic=False` such drafts are cut (invalid nodes).
+    Under a decode's constraint (`forced=True`, the default) the copy is kept while the constraint
+    allows it and the chain then goes on with the tokens the constraint forces (`follow_constraint`).
 
 AggressiveDrafter (Input-guided Aggressive Decoding, IAD, same paper; for editing tasks whose output
 is mostly a copy of the input, e.g. grammatical error correction). Here the input is the prompt and
@@ -94,6 +96,10 @@ class PromptLookupDrafter:
     # surer continuation), the rest of the chain invalid; None = num_nodes for every match. With it,
     # the engine verifies only the lengths in use (verify_widths).
     lengths: tuple | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # Under a decode's constraint: where the copy stops (no match, or its next token is forbidden), go
+    # on with the tokens the constraint forces (states with exactly one allowed token: a schema's `":`,
+    # a closing `}`, EOS), which every decode under it must emit (see `follow_constraint`).
+    forced: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
     child_rule = "point"
     is_chain = True
@@ -101,6 +107,8 @@ class PromptLookupDrafter:
 
     def __post_init__(self):
         check_int("PromptLookupDrafter", "num_nodes", self.num_nodes, 1)
+        if not isinstance(self.forced, bool):
+            raise ValueError(f"PromptLookupDrafter: forced must be True or False, got {self.forced!r}")
         _check_ngrams("PromptLookupDrafter", self.max_ngram, self.min_ngram)
         if self.lengths is not None:
             ls = tuple(self.lengths) if isinstance(self.lengths, (tuple, list)) else None
@@ -152,10 +160,42 @@ class PromptLookupDrafter:
 
     def propose(self, state, ctx, sampler):
         tokens, valid = self.lookup(ctx.history, ctx.hist_len)
+        constraint = getattr(ctx, "constraint", None)
+        if self.forced and constraint is not None:
+            tokens, valid = follow_constraint(constraint, ctx.cstate, tokens, valid)
         return _chain(tokens, valid), None, state
 
     def observe(self, state, obs):
         return state
+
+
+def follow_constraint(constraint, cstate, tokens, valid):
+    """A copied chain (tokens int32[B, K], valid bool[B, K]) walked under a constraint from the rows'
+    states `cstate` (after the pending token): nodes keep the copy while it is allowed; from the first
+    node where it is not (or has run out) the chain goes on with forced tokens, those of states that
+    allow exactly one (EOS included at an accepting state with no way on), and ends at the first state
+    that allows several. A copy is often cut by a constraint the target spells differently (the
+    embedded target writes a schema's `{"name"` as `{` `"` `n` `a` `m` `e` where the prompt has
+    `name`), yet the structural tokens between are forced: a verifier that decodes under the
+    constraint accepts them whenever it accepts the path to them. Drafts stay point masses, so
+    losslessness rests on the verifier as before."""
+    def step(carry, x):
+        s, copying, alive = carry
+        tok, ok = x
+        allowed = constraint.allowed(s)  # [B, V]
+        n_allowed = jnp.sum(allowed, axis=1)
+        copy_ok = copying & ok & jnp.take_along_axis(allowed, jnp.clip(tok, 0, allowed.shape[1] - 1)[:, None],
+                                                     axis=1)[:, 0]
+        only = jnp.argmax(allowed, axis=1).astype(jnp.int32)
+        out = jnp.where(copy_ok, tok, only)
+        keep = alive & (copy_ok | (n_allowed == 1))
+        s = constraint.advance(s, jnp.where(keep, out, 0))
+        return (s, copy_ok & keep, keep), (out, keep)
+
+    b = tokens.shape[0]
+    init = (cstate, jnp.ones((b,), bool), jnp.ones((b,), bool))
+    _, (out, keep) = jax.lax.scan(step, init, (tokens.T.astype(jnp.int32), valid.T))
+    return out.T, keep.T
 
 
 @jax.tree_util.register_dataclass
