@@ -41,7 +41,11 @@ RECORDS = ['people = [\n{"name": "alice", "age": 31},\n{"name": "bob", "age": 42
            'entries = [\n{"ok": true, "kind": "file", "path": "a.txt"},\n{"ok": false, "kind": "dir", "path": "src"},\n'
            '{"ok": true, "kind": "link", "path": "b.txt"},\n',
            'rows = [\n[1, 2, 3],\n[4, 5, 6],\n[7, 8, 9],\n']
-WORKLOADS = {"code": PROMPTS, "records": RECORDS}
+# A third, the control: held-out code prompts under a regex every text matches (ANY_TEXT), so the target
+# writes exactly its unconstrained text and `kept` is what the constraint machinery alone (masks, tree
+# pruning, constrained verification) costs the speculative speedup.
+ANY_TEXT = r"[\s\S]*"
+WORKLOADS = {"code": PROMPTS, "records": RECORDS, "anytext": None}  # anytext: held-out windows, loaded in main
 # (label, drafter name, tree, needs the draft model, adaptive speculation: what generate() runs by default)
 DRAFTERS = (("prompt_lookup", "prompt_lookup", None, False, False),
             ("prompt_lookup adaptive", "prompt_lookup", None, False, True),
@@ -68,6 +72,8 @@ def constraint_for(model, schemas):
     """One automaton row per schema (stacked when rows differ)."""
     from jaxdecode.constraints import automaton as am
     kw = dict(vocab_size=model.config.vocab_size, eos_ids=(0,))
+    if all(s == ANY_TEXT for s in schemas):
+        return am.compile_regex(ANY_TEXT, model.tokenizer, **kw).constraint()
     per_row = getattr(am, "per_row_constraint", None)
     if per_row is not None:
         return per_row(schemas, model.tokenizer, **kw)
@@ -142,7 +148,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--json", default=None, help="write the result here")
     ap.add_argument("--workloads", default="code,records",
-                    help="code: code prompts, JSON answers (nothing to copy); records: few-shot JSON lines")
+                    help="code: code prompts, JSON answers (nothing to copy); records: few-shot JSON lines; "
+                         "anytext: held-out code under a regex every text matches (the machinery's own cost)")
     args = ap.parse_args(argv)
     preset = QUICK if args.quick else FULL
     batches = [int(b) for b in (args.batch or preset["batch"]).split(",")]
@@ -156,12 +163,18 @@ def main(argv=None):
     draft = jaxdecode.load(embedded_model_path("draft"), dtype="float32")
     result = dict(device=jax.devices()[0].device_kind, max_new_tokens=new, repeats=repeats)
     for workload in args.workloads.split(","):
-        prompts = WORKLOADS[workload]
+        if workload not in WORKLOADS:
+            raise SystemExit(f"--workloads: unknown {workload!r}; choose from {', '.join(WORKLOADS)}")
+        prompts, schemas = WORKLOADS[workload], SCHEMAS
+        if workload == "anytext":
+            from _common import heldout_prompts
+            prompts = [target.tokenizer.decode(w) for w in heldout_prompts(target.tokenizer, len(SCHEMAS), 96)]
+            schemas = [ANY_TEXT] * len(SCHEMAS)
         for b in batches:
             rows = [i % len(SCHEMAS) for i in range(b)]
             log(f"{workload}, batch {b}")
             key = f"batch{b}" if workload == "code" else f"{workload}_batch{b}"
-            result[key] = measure(target, draft, [SCHEMAS[i] for i in rows], [prompts[i] for i in rows],
+            result[key] = measure(target, draft, [schemas[i] for i in rows], [prompts[i] for i in rows],
                                   drafters=DRAFTERS[:preset["drafters"]], max_new_tokens=new, repeats=repeats)
     write_result(result, args.json)
 
