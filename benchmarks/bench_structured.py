@@ -27,6 +27,13 @@ Sections (--sections, default all):
     python benchmarks/bench_structured.py --out structured.json   # the full run
     python benchmarks/bench_structured.py --limit 100 --sections compile,accept,mask --vocab32k
     python benchmarks/bench_structured.py --limit 0 --sections compile,accept   # the whole suite, a case at a time
+
+compile and accept alone (no later section needs the compiled handles) run a case at a time, each
+(case, system) pair in that system's worker process (the tokenizer loaded once per worker), under a
+budget: --case-timeout seconds (default 60) and --case-memory-gb of resident memory (default 6). A pair
+past it is killed, counted not compiled, and its reason kept (compile.<system>.failures: refused /
+error / timeout / memory / crashed; errors: the text per case). Schemas without a type (any JSON value)
+are the ones that need it: outlines-core's index over them takes minutes and ~11 GB at V = 4096.
 """
 from __future__ import annotations
 
@@ -211,9 +218,12 @@ class LLGuidance(System):
         return median_seconds(run, repeats, warmup=1) / len(ids)
 
 
+SYSTEM_CLASSES = (Jaxdecode, OutlinesCore, XGrammar, LLGuidance)
+
+
 def make_systems(tokenizer, vocab_size, eos) -> dict:
     out = {}
-    for cls in (Jaxdecode, OutlinesCore, XGrammar, LLGuidance):
+    for cls in SYSTEM_CLASSES:
         try:
             out[cls.name] = cls(tokenizer, vocab_size, eos)
         except ImportError as e:
@@ -276,33 +286,260 @@ def section_accept(cases, systems, handles, tokenizer) -> dict:
     return out
 
 
-def section_compile_accept(cases, systems, tokenizer) -> tuple[dict, dict]:
-    """compile and accept one case at a time, its handles dropped after it: memory stays one case's worth
-    (the whole suite's compiled indices held together outgrew this machine's 24 GB at case ~150)."""
-    comp = {name: dict(compiled=0, of=len(cases), times=[], errors={}) for name in systems}
+# ----------------------------------------------------------------------------- per-case budget (workers)
+# A schema whose index build explodes (a schema without a type is any JSON value: outlines-core's index
+# over it took minutes and ~11 GB at V = 4096) must cost its (case, system) pair, not the run. So each
+# system compiles and accepts in its own worker process, reused case after case while it is healthy, and
+# killed past a wall-clock or resident-memory budget (then restarted; the pair is "not compiled").
+# RSS is watched from the parent rather than capped with RLIMIT_AS: under a cap the failure surfaces
+# inside the library (Rust aborts the process on a failed allocation, C++ throws), indistinguishable from
+# a crash, while a parent that kills at the budget knows the reason; and RSS is what fills the machine.
+REASONS = ("refused", "error", "timeout", "memory", "crashed")
+_REFUSAL_WORDS = ("unimplemented", "not supported", "unsupported", "not implemented")
+
+
+def _classify(name: str, schema, error: str) -> str:
+    """'refused': the system declines a keyword / feature it cannot enforce (jaxdecode: check_schema
+    rejects the schema; a peer's message says unsupported / unimplemented); 'error': anything else."""
+    if name == "jaxdecode":
+        from jaxdecode.constraints.automaton import check_schema
+        try:
+            check_schema(schema)
+        except Exception:  # noqa: BLE001 - the refusal itself
+            return "refused"
+        return "error"
+    return "refused" if any(w in error.lower() for w in _REFUSAL_WORDS) else "error"
+
+
+def _case_worker(conn, name: str, model_path: str, vocab_size: int, eos: int) -> None:
+    """Worker process: the tokenizer and one system built once, then (case -> compile, accept) until
+    None. Sends ('ready', None) | ('init_error', text), then per case ('compiled', dict) and
+    ('accepted', dict | None)."""
+    import gc
+    try:
+        from jaxdecode.models import load_tokenizer
+        tok = load_tokenizer(model_path)
+        sys_ = {c.name: c for c in SYSTEM_CLASSES}[name](tok, vocab_size, eos)
+    except Exception as e:  # noqa: BLE001 - e.g. a peer not installed: reported, the system left out
+        conn.send(("init_error", first_line(e)))
+        return
+    conn.send(("ready", None))
+    while True:
+        case = conn.recv()
+        if case is None:
+            return
+        handles, r = section_compile([case], {name: sys_})
+        r = r[name]
+        err = r["errors"].get(case["name"])
+        conn.send(("compiled", dict(ok=bool(r["compiled"]), ms=r["compile_ms_median"], error=err,
+                                    reason=None if err is None else _classify(name, case["schema"], err))))
+        acc = section_accept([case], {name: sys_}, handles, tok)[name] if r["compiled"] else None
+        conn.send(("accepted", acc))
+        del handles
+        gc.collect()
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class CaseWorker:
+    """One system's worker process, with the budget of the case it is running (see _case_worker)."""
+
+    def __init__(self, name, model_path, vocab_size, eos):
+        import multiprocessing
+        self.name, self.args = name, (name, str(model_path), int(vocab_size), int(eos))
+        self.ctx = multiprocessing.get_context("spawn")  # no fork of a parent that has JAX threads
+        self.proc = self.conn = None
+        self.task = None  # (case index, case, start time, compiled message)
+        self.restarts = 0
+        self.start()
+
+    def start(self):
+        self.conn, child = self.ctx.Pipe()
+        self.proc = self.ctx.Process(target=_case_worker, args=(child,) + self.args, daemon=True)
+        self.proc.start()
+        child.close()
+        self.ready = False
+
+    def wait_ready(self, timeout=600.0) -> str | None:
+        """None when ready, else why not (the system is then left out). timeout 0: do not wait (then
+        'starting' while it starts)."""
+        if self.ready:
+            return None
+        if not timeout and not self.conn.poll():
+            return "starting"
+        if not self.conn.poll(timeout):
+            self.kill()
+            return f"worker did not start within {timeout:.0f} s"
+        try:
+            kind, text = self.conn.recv()
+        except EOFError:
+            return f"worker died while starting (exit code {self.proc.exitcode})"
+        self.ready = kind == "ready"
+        return None if self.ready else text
+
+    def submit(self, i, case):
+        err = self.wait_ready()
+        if err:
+            raise RuntimeError(f"{self.name}: {err}")
+        self.conn.send(case)
+        self.task = [i, case, time.perf_counter(), None]
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.join()
+        self.conn.close()
+
+    def poll(self, timeout_s: float, memory_bytes: int):
+        """None while the case runs; else (case index, outcome dict) and the worker is free again."""
+        i, case, t0, compiled = self.task
+        try:
+            while self.conn.poll():
+                kind, payload = self.conn.recv()
+                if kind == "compiled":
+                    self.task[3] = compiled = payload
+                elif kind == "accepted":
+                    self.task = None
+                    return i, dict(compiled, accept=payload)
+        except (EOFError, OSError):
+            return self._fail(i, "crashed", f"the worker died (exit code {self.proc.exitcode})", compiled)
+        if not self.proc.is_alive():
+            return self._fail(i, "crashed", f"the worker died (exit code {self.proc.exitcode})", compiled)
+        elapsed = time.perf_counter() - t0
+        if timeout_s and elapsed > timeout_s:
+            return self._fail(i, "timeout", f"no result within the {timeout_s:g} s budget", compiled)
+        rss = _rss_bytes(self.proc.pid)
+        if memory_bytes and rss > memory_bytes:
+            return self._fail(i, "memory", f"resident memory {rss / 2**30:.1f} GB passed the "
+                                           f"{memory_bytes / 2**30:g} GB budget after {elapsed:.0f} s", compiled)
+        return None
+
+    def _fail(self, i, reason, text, compiled):
+        stage = "accepting" if compiled else "compiling"
+        self.kill()
+        self.task = None
+        self.restarts += 1
+        self.start()  # the next case gets a fresh worker (it starts while others run)
+        return i, dict(ok=False, ms=None, error=f"{reason} while {stage}: {text}", reason=reason, accept=None)
+
+    def close(self):
+        if self.proc is not None and self.proc.is_alive():
+            try:
+                self.conn.send(None)
+            except OSError:
+                pass
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.kill()
+
+
+def section_compile_accept_budget(cases, names, model_path, vocab_size, eos, args,
+                                  checkpoint=None) -> tuple[dict, dict]:
+    """The compile and accept sections' results (same fields and meaning), one case at a time (memory
+    stays one case's worth: the whole suite's indices held together outgrew 24 GB at case ~150), each
+    (case, system) pair run in that system's worker under the budget (--case-timeout seconds of compile
+    + accept, --case-memory-gb of resident memory): a pair past it is killed and counted as not compiled,
+    its reason kept. --jobs pairs run at once (different systems; 1 = one at a time). checkpoint(comp,
+    acc, cases done) is called every 10 finished cases (a long run leaves its partial results)."""
+    workers = {}
+    for name in names:
+        w = CaseWorker(name, model_path, vocab_size, eos)
+        err = w.wait_ready()
+        if err:
+            log(f"{name}: left out ({err})")
+            w.close()
+            continue
+        workers[name] = w
+    mem = int(args.case_memory_gb * 2**30)
+    comp = {name: dict(compiled=0, of=len(cases), times=[], errors={}, failures=dict.fromkeys(REASONS, 0))
+            for name in workers}
     acc = {name: dict(invalid=0, invalid_accepted=0, valid=0, valid_rejected=0, examples_invalid_accepted=[])
-           for name in systems}
-    for i, case in enumerate(cases):
-        handles, r = section_compile([case], systems)
-        a = section_accept([case], systems, handles, tokenizer)
-        for name in systems:
-            comp[name]["compiled"] += r[name]["compiled"]
-            comp[name]["errors"].update(r[name]["errors"])
-            if r[name]["compiled"]:
-                comp[name]["times"].append(r[name]["compile_ms_median"])
-            for k in ("invalid", "invalid_accepted", "valid", "valid_rejected"):
-                acc[name][k] += a[name][k]
-            acc[name]["examples_invalid_accepted"] += a[name]["examples_invalid_accepted"]
-        if (i + 1) % 25 == 0:
-            log(f"  compile + accept: {i + 1}/{len(cases)} schemas")
-    for name in systems:
-        t = comp[name].pop("times")
-        comp[name].update(fraction=round(comp[name]["compiled"] / max(len(cases), 1), 3),
-                          compile_ms_median=round(statistics.median(t), 3) if t else None,
-                          compile_ms_max=round(max(t), 3) if t else None)
-        acc[name]["invalid_accepted_fraction"] = round(acc[name]["invalid_accepted"] / max(acc[name]["invalid"], 1), 3)
-        acc[name]["examples_invalid_accepted"] = acc[name]["examples_invalid_accepted"][:10]
-    return comp, acc
+           for name in workers}
+    todo = {name: list(range(len(cases))) for name in workers}  # each worker runs its cases in order
+    done_cases = dict.fromkeys(range(len(cases)), 0)
+    failed_starts = dict.fromkeys(workers, 0)
+    t_start, finished = time.perf_counter(), 0
+    try:
+        while any(todo.values()) or any(w.task for w in workers.values()):
+            busy = sum(w.task is not None for w in workers.values())
+            # start the worker furthest behind first, so systems stay on the same cases
+            for name in sorted(workers, key=lambda n: -len(todo[n])):
+                w = workers[name]
+                if busy >= args.jobs or w.task is not None or not todo[name]:
+                    continue
+                err = w.wait_ready(0)  # never block: other workers' budgets are being watched
+                if err == "starting":
+                    continue
+                if err:  # a restarted worker that failed to start (e.g. a source file caught mid-edit): retry
+                    failed_starts[name] += 1
+                    log(f"  {name}: worker restart failed ({err}); attempt {failed_starts[name]} of 5")
+                    if failed_starts[name] >= 5:
+                        raise RuntimeError(f"{name}: its worker failed to start 5 times in a row: {err}")
+                    time.sleep(5)
+                    w.start()
+                    continue
+                failed_starts[name] = 0
+                i = todo[name].pop(0)
+                w.submit(i, cases[i])
+                busy += 1
+            time.sleep(0.05)
+            for name, w in workers.items():
+                if w.task is None:
+                    continue
+                out = w.poll(args.case_timeout, mem)
+                if out is None:
+                    continue
+                i, r = out
+                case = cases[i]
+                if r["ok"]:
+                    comp[name]["compiled"] += 1
+                    comp[name]["times"].append(r["ms"])
+                    for k in ("invalid", "invalid_accepted", "valid", "valid_rejected"):
+                        acc[name][k] += r["accept"][k]
+                    acc[name]["examples_invalid_accepted"] += r["accept"]["examples_invalid_accepted"]
+                else:
+                    comp[name]["errors"][case["name"]] = r["error"]
+                    comp[name]["failures"][r["reason"]] += 1
+                    if r["reason"] in ("timeout", "memory", "crashed"):
+                        log(f"  {case['name']} {name}: {r['error']}")
+                done_cases[i] += 1
+                if done_cases[i] == len(workers):
+                    finished += 1
+                    if finished % 25 == 0 or finished == len(cases):
+                        log(f"  compile + accept: {finished}/{len(cases)} schemas, "
+                            f"{time.perf_counter() - t_start:.0f} s")
+                    if checkpoint is not None and finished % 10 == 0:
+                        checkpoint(*_budget_summary(comp, acc, workers, len(cases), args), finished)
+    finally:
+        for w in workers.values():
+            w.close()
+    return _budget_summary(comp, acc, workers, len(cases), args)
+
+
+def _budget_summary(comp, acc, workers, n, args) -> tuple[dict, dict]:
+    """The running tallies as the sections' result dicts (copies: the tallies go on)."""
+    c_out, a_out = {}, {}
+    for name in comp:
+        c = dict(comp[name], errors=dict(comp[name]["errors"]), failures=dict(comp[name]["failures"]))
+        t = c.pop("times")
+        c.update(fraction=round(c["compiled"] / max(n, 1), 3),
+                 compile_ms_median=round(statistics.median(t), 3) if t else None,
+                 compile_ms_max=round(max(t), 3) if t else None, worker_restarts=workers[name].restarts,
+                 budget=dict(case_timeout_s=args.case_timeout, case_memory_gb=args.case_memory_gb))
+        c_out[name] = c
+        a = dict(acc[name])
+        a["invalid_accepted_fraction"] = round(a["invalid_accepted"] / max(a["invalid"], 1), 3)
+        a["examples_invalid_accepted"] = a["examples_invalid_accepted"][:10]
+        a_out[name] = a
+    return c_out, a_out
 
 
 def _validates(schema, text) -> bool | None:
@@ -510,6 +747,15 @@ def main(argv=None) -> int:
     ap.add_argument("--spec-batch", type=int, default=None, help="rows of the spec section")
     ap.add_argument("--vocab32k", action="store_true", help="mask section also at V = 32k (a BPE trained here)")
     ap.add_argument("--out", default=None, help="write the result JSON here too")
+    ap.add_argument("--case-timeout", type=float, default=60.0,
+                    help="compile + accept sections alone: seconds one system may spend on one case (compile + "
+                         "accept, in its worker process) before it is killed and counted not compiled; 0 = no limit")
+    ap.add_argument("--case-memory-gb", type=float, default=6.0,
+                    help="compile + accept sections alone: resident memory (GB) of a system's worker past which the "
+                         "case is killed and counted not compiled; 0 = no limit")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="compile + accept sections alone: (case, system) pairs run at once, each in its "
+                         "system's worker (memory: up to jobs x --case-memory-gb)")
     args = ap.parse_args(argv)
     args.quick = bool(args.quick)
     for k, v in (QUICK if args.quick else FULL).items():
@@ -519,6 +765,9 @@ def main(argv=None) -> int:
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         ap.error(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}")
+    if args.case_timeout < 0 or args.case_memory_gb < 0 or args.jobs < 1:
+        ap.error(f"--case-timeout ({args.case_timeout}) and --case-memory-gb ({args.case_memory_gb}) must be >= 0 "
+                 f"(0 = no limit) and --jobs ({args.jobs}) >= 1")
 
     import jax
 
@@ -529,16 +778,28 @@ def main(argv=None) -> int:
     tok, v, eos = model.tokenizer, model.config.vocab_size, model.config.eos_token_ids[0]
     cases = load_suite(args.limit, QUICK_FILES if args.quick else None)
     log(f"{len(cases)} schemas from {SUITE}")
-    systems = make_systems(tok, v, eos)
     result = dict(bench="structured", device=str(jax.devices()[0]), jax=jax.__version__, schemas=len(cases),
                   vocab_size=v, versions=_versions(), settings={k: getattr(args, k) for k in QUICK})
-    if set(sections) <= {"compile", "accept"}:  # nothing later needs the handles: one case at a time
-        result["compile"], accept = section_compile_accept(cases, systems, tok)
+    if set(sections) <= {"compile", "accept"}:  # nothing later needs the handles: a case at a time, budgeted
+        result["settings"].update(case_timeout=args.case_timeout, case_memory_gb=args.case_memory_gb, jobs=args.jobs)
+        t0 = time.perf_counter()
+
+        def checkpoint(comp, acc, done):  # partial results on disk while a long run goes on
+            if args.out:
+                partial = dict(result, compile=comp, partial=dict(cases_done=done, seconds=round(time.perf_counter() - t0, 1)))
+                if "accept" in sections:
+                    partial["accept"] = acc
+                with open(args.out, "w") as f:
+                    json.dump(partial, f, indent=1, default=float)
+        result["compile"], accept = section_compile_accept_budget(cases, [c.name for c in SYSTEM_CLASSES],
+                                                                  model.path, v, eos, args, checkpoint)
+        result["seconds"] = round(time.perf_counter() - t0, 1)
         if "accept" in sections:
             result["accept"] = accept
         log("  compile: " + ", ".join(f"{k} {r['compiled']}/{r['of']}" for k, r in result["compile"].items()))
         write_result(result, args.out)
         return 0
+    systems = make_systems(tok, v, eos)
     handles, result["compile"] = section_compile(cases, systems)
     log("  compile: " + ", ".join(f"{k} {r['compiled']}/{r['of']}" for k, r in result["compile"].items()))
     if "accept" in sections:
