@@ -701,11 +701,8 @@ def _grammar_infill(s: _Static, grammar, answer_lengths, suffix, prompt, max_con
     """The grammar bound for infilling (DC.GrammarInfill): each row's first witness, a whole answer that
     its suffix closes, found by the host search DC.grammar_infill_witness; rows without one are an error
     naming them (no answer of that many slots fits, or the search gave up)."""
-    concrete = [_concrete("answer_lengths", answer_lengths), _concrete("suffix_tokens", suffix[0]),
-                _concrete("suffix_lengths", suffix[1])]
-    if prompt is not None:
-        concrete += [_concrete(n, x) for n, x in zip(("prompt_tokens", "prompt_lengths", "constraint_prefix"), prompt)]
-    if any(x is None for x in concrete):
+    concrete = _constraint_inputs(answer_lengths, suffix, prompt)
+    if concrete is None:
         raise DiffusionError("infilling under a grammar searches each row's first filling on the host before the "
                              "decode: pass concrete answer_lengths / suffix_tokens / suffix_lengths (and prompt, "
                              "constraint_prefix), i.e. call diffusion_decode outside jax.jit, or constrain the infill "
@@ -746,16 +743,23 @@ def _check_constraint_prefix(constraint_prefix, prompt_lengths):
     return jnp.broadcast_to(jnp.asarray(constraint_prefix, jnp.int32), (b,))
 
 
+def _constraint_inputs(answer_lengths, suffix, prompt):
+    """[answer_lengths, suffix_tokens, suffix_lengths, prompt_tokens, prompt_lengths, constraint_prefix] as
+    numpy arrays (suffix / prompt parts only when given), or None when any is traced (under jit)."""
+    named = [("answer_lengths", answer_lengths)]
+    if suffix is not None:
+        named += [("suffix_tokens", suffix[0]), ("suffix_lengths", suffix[1])]
+    if prompt is not None:
+        named += list(zip(("prompt_tokens", "prompt_lengths", "constraint_prefix"), prompt))
+    arrays = [_concrete(n, x) for n, x in named]
+    return None if any(x is None for x in arrays) else arrays
+
+
 def _check_constraint_rows(s: _Static, auto, answer_lengths, suffix, constraint, prompt=None):
     """Raise DiffusionError naming the rows whose pattern no answer of their length (+ suffix) matches
     (the emptiness check before decoding; skipped under jit, where stats['constraint_empty'] reports)."""
-    concrete_in = [_concrete("answer_lengths", answer_lengths)]
-    if suffix is not None:
-        concrete_in += [_concrete("suffix_tokens", suffix[0]), _concrete("suffix_lengths", suffix[1])]
-    if prompt is not None:
-        concrete_in += [_concrete("prompt_tokens", prompt[0]), _concrete("prompt_lengths", prompt[1]),
-                        _concrete("constraint_prefix", prompt[2])]
-    if any(x is None for x in concrete_in):
+    concrete_in = _constraint_inputs(answer_lengths, suffix, prompt)
+    if concrete_in is None:
         return
     DC.check_suffix_tokens(suffix, s.eos_ids)
     empty = np.asarray(_empty_rows(s, auto, answer_lengths, suffix, prompt))

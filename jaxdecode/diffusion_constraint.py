@@ -411,6 +411,13 @@ class GrammarInfill:
     witness: jax.Array  # int32[B, A]
 
 
+def _config_key(q, depth, stack) -> bytes:
+    """A configuration's identity (the stack entries above its depth are no part of it), as the search's
+    per-level keys are laid out: int32 (q, depth, stack...)."""
+    stack = np.where(np.arange(stack.shape[-1]) < depth, stack, 0)
+    return np.concatenate([np.asarray([q, depth]), stack]).astype(np.int32).tobytes()
+
+
 def _bucket(n: int) -> int:
     return max(8, 1 << (max(n, 1) - 1).bit_length())
 
@@ -455,8 +462,14 @@ def grammar_infill_witness(constraint, start, suffix, answer_lengths, *, answer_
     for r in range(b):
         q, d, stk = q0[r:r + 1], d0[r:r + 1], s0[r:r + 1]
         parents = []  # per level: (parent index int[N], token int[N]) of each configuration
+        # with EOS any length up to the row's works, so a configuration seen at an earlier length is not
+        # expanded again (it did not close then and its successors are already queued); without EOS the
+        # answer must fill exactly n slots, so only each length's own duplicates are dropped
+        seen = {_config_key(q0[r], d0[r], s0[r])} if eos_ids else None
         found, truncated, n = None, False, int(lengths[r])
         for level in range(n + 1):
+            if len(q) == 0:  # every configuration reachable is explored: none closes
+                break
             nb = _bucket(len(q))  # padded to a power of two: few compiled shapes
             at = np.pad(np.arange(len(q)), (0, nb - len(q)))
             sfx = (np.repeat(st_tok[r:r + 1], nb, 0), np.repeat(st_len[r:r + 1], nb, 0))
@@ -483,7 +496,12 @@ def grammar_infill_witness(constraint, start, suffix, answer_lengths, *, answer_
             ns = np.where(np.arange(dmax)[None, :] < nd[:, None], ns, 0)  # entries above the depth: no part of it
             key = np.concatenate([nq[:, None], nd[:, None], ns], axis=1)[live]
             _, first = np.unique(key, axis=0, return_index=True)
-            keep = np.flatnonzero(live)[np.sort(first)]
+            first = np.sort(first)
+            if seen is not None:
+                fresh = [bytes(key[i].tobytes()) not in seen for i in first]
+                first = first[np.asarray(fresh, bool)] if len(first) else first
+                seen.update(key[i].tobytes() for i in first)
+            keep = np.flatnonzero(live)[first]
             if keep.size > max_configs:  # the shallowest stacks are the likeliest to be closed by the suffix
                 keep = keep[np.argsort(nd[keep], kind="stable")[:max_configs]]
                 truncated = True
