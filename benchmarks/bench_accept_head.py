@@ -1,14 +1,17 @@
-"""The acceptance head against the best fixed draft length, on the embedded target + draft LM.
+"""The acceptance head against the best fixed draft length of the drafter it wraps, on the embedded target.
 
     python benchmarks/bench_accept_head.py [--prompts 8 --prompt-tokens 128 --new 128 --ks 1,2,3,4,5,6,7,8
                                             --head-k 8 --thresholds 0.3,0.5,0.7,0.8,0.9 --temperatures 0,0.7
-                                            --head DIR | --head-out DIR --train-prompts 64 --steps 400
-                                            --json FILE]
+                                            --head DIR [--inner-dir DIR] | --head-out DIR --train-prompts 64
+                                            --steps 400 --json FILE]
 
-Batch 1, held-out prompts (stdlib files of the embedded corpus's held-out split). For each temperature:
-plain decoding (the baseline), draft_lm chain:K for every K in --ks, and the acceptance head over
-draft_lm chain:--head-k at each threshold h, with the draft LM's loop stopped at the cut ("stop") and,
-with --tail-only, only the verification shrunk ("tail"). Each row: tau, verification calls, tokens/s,
+Batch 1, held-out prompts (stdlib files of the embedded corpus's held-out split). The inner drafter is
+the one the head was trained over (its config's `inner`: the embedded draft LM, or a trained kind such
+as eagle3, from --inner-dir or the target's shipped drafters). For each temperature: plain decoding (the
+baseline), the inner drafter's chain:K for every K in --ks, and the acceptance head over chain:--head-k
+at each threshold h, with the inner drafter's level loop stopped at the cut ("stop") and, with
+--tail-only, only the verification shrunk ("tail"). Every configuration is compiled first, then all are
+timed round robin (--repeats rounds, the median per configuration), so load drift hits them alike. Each row: tau, verification calls, tokens/s,
 speedup over plain, and (greedy) whether the output equals plain greedy token for token. The summary
 compares the best head row, and the row at the head's saved threshold, with the best fixed K (the
 issue's goal: >= 10% more tokens/s).
@@ -27,12 +30,12 @@ import time
 
 import jax
 import numpy as np
-from _common import heldout_prompts, timed, write_result
+from _common import heldout_prompts, interleaved_medians, write_result
 
 import jaxdecode
 from jaxdecode.api import embedded_model_path
 from jaxdecode.autoregressive import decode, pad_prompts
-from jaxdecode.drafters import DraftLM, load_drafter
+from jaxdecode.drafters import DraftLM, load_drafter, make_drafter
 from jaxdecode.drafters.accept_head import AcceptHeadDrafter
 from jaxdecode.drafters.builders import ChainBuilder
 from jaxdecode.sampling import SamplerConfig
@@ -83,8 +86,10 @@ def main(argv=None):
     ap.add_argument("--thresholds", default="0.3,0.5,0.7,0.8,0.9")
     ap.add_argument("--temperatures", default="0,0.7")
     ap.add_argument("--tail-only", action="store_true", help="also time the head without the early stop")
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3, help="timing rounds (round robin over configurations)")
     ap.add_argument("--head", default=None, help="a trained accept_head directory (default: train one)")
+    ap.add_argument("--inner-dir", default=None, help="the trained inner drafter's directory (head over a "
+                    "trained kind; default: the target's shipped one)")
     ap.add_argument("--head-out", default=None, help="where the trained head goes (default: a temp dir)")
     ap.add_argument("--train-prompts", type=int, default=64)
     ap.add_argument("--train-new", type=int, default=96)
@@ -117,38 +122,41 @@ def main(argv=None):
               file=sys.stderr)
     head = load_drafter(head_dir, target)
 
+    inner_kind = head.cfg.inner
+    result["inner"] = inner_kind
+
+    def inner_chain(k: int, rule: str):
+        if inner_kind == "draft_lm":
+            return DraftLM(params=draft.params, config=draft.config, builder=ChainBuilder(k, rule))
+        return make_drafter(inner_kind, target, tree=ChainBuilder(k, rule), drafter_dir=args.inner_dir)
+
     for temp in [float(t) for t in args.temperatures.split(",")]:
         sampler = SamplerConfig(temperature=temp)
         verifier = get_verifier("greedy" if temp == 0 else "chain")
         rule = "argmax" if temp == 0 else "sample"
-        base_out = [None]
-
-        def plain():
-            base_out[0] = run_rows(target, None, prompts, args.new, sampler, None, eos, 0)
-        _, base_s = timed(plain, args.repeats)
-        ref, base_n, _ = base_out[0]
-        base_tps = base_n / base_s
-        result["rows"].append({"T": temp, "config": "plain", "tokens_per_s": base_tps, "speedup": 1.0})
-        print(f"T={temp:g} plain: {base_tps:.1f} tok/s", file=sys.stderr)
-
-        configs = [(f"draft_lm chain:{k}", DraftLM(params=draft.params, config=draft.config,
-                                                   builder=ChainBuilder(k, rule)))
-                   for k in (int(x) for x in args.ks.split(","))]
-        inner = DraftLM(params=draft.params, config=draft.config, builder=ChainBuilder(args.head_k, rule))
+        configs = {"plain": None}
+        configs.update({f"{inner_kind} chain:{k}": inner_chain(k, rule) for k in (int(x) for x in args.ks.split(","))})
+        inner = inner_chain(args.head_k, rule)
         # the sweep, plus the threshold saved with the head (train_accept_head's speed_estimate choice)
         for h in sorted({float(x) for x in args.thresholds.split(",")} | {float(head.cfg.threshold)}):
             for stop in ((True, False) if args.tail_only else (True,)):
-                configs.append((f"accept_head chain:{args.head_k} h={h:g} {'stop' if stop else 'tail'}",
-                                AcceptHeadDrafter.wrap(inner, head.params, head.cfg, h, stop)))
-        for name, drafter in configs:
-            out = [None]
-
-            def run():
-                out[0] = run_rows(target, drafter, prompts, args.new, sampler, verifier, eos, 0)
-            _, secs = timed(run, args.repeats)
-            toks, n, calls = out[0]
+                configs[f"accept_head chain:{args.head_k} h={h:g} {'stop' if stop else 'tail'}"] = (
+                    AcceptHeadDrafter.wrap(inner, head.params, head.cfg, h, stop))
+        outs = {name: run_rows(target, d, prompts, args.new, sampler, verifier, eos, 0)  # compile + outputs
+                for name, d in configs.items()}
+        secs = interleaved_medians({name: (lambda d=d: run_rows(target, d, prompts, args.new, sampler, verifier,
+                                                                eos, 0)) for name, d in configs.items()},
+                                   args.repeats)
+        ref, base_n, _ = outs["plain"]
+        base_tps = base_n / secs["plain"]
+        print(f"T={temp:g} plain: {base_tps:.1f} tok/s", file=sys.stderr)
+        result["rows"].append({"T": temp, "config": "plain", "tokens_per_s": base_tps, "speedup": 1.0})
+        for name in configs:
+            if name == "plain":
+                continue
+            toks, n, calls = outs[name]
             row = {"T": temp, "config": name, "tau": n / max(calls, 1), "verify_calls": calls,
-                   "tokens_per_s": n / secs, "speedup": (n / secs) / base_tps}
+                   "tokens_per_s": n / secs[name], "speedup": (n / secs[name]) / base_tps}
             if temp == 0:
                 row["equals_greedy"] = toks == ref
             result["rows"].append(row)
@@ -156,7 +164,8 @@ def main(argv=None):
                   f"x{row['speedup']:.2f}" + (f" equal={row['equals_greedy']}" if temp == 0 else ""),
                   file=sys.stderr)
         rows = [r for r in result["rows"] if r["T"] == temp]
-        fixed = max((r for r in rows if r["config"].startswith("draft_lm")), key=lambda r: r["tokens_per_s"])
+        fixed = max((r for r in rows if r["config"].startswith(f"{inner_kind} chain:")),
+                    key=lambda r: r["tokens_per_s"])
         best = max((r for r in rows if r["config"].startswith("accept_head")), key=lambda r: r["tokens_per_s"])
         saved = next(r for r in rows if r["config"].startswith(f"accept_head chain:{args.head_k} "
                                                                 f"h={float(head.cfg.threshold):g} stop"))

@@ -291,3 +291,132 @@ def test_save_load_decode_round_trip(trained):
     wrong = ModelConfig(**{**dataclasses.asdict(CFG), "hidden_size": 48, "head_dim": 12})
     with pytest.raises(jaxdecode.drafters.DrafterLoadError, match="hidden_size"):
         load_drafter(trained.out_dir, jaxdecode.Model(config=wrong, params=None))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The head over a drafter that reads the target's features (EAGLE-3; DSpark's confidence head).
+def eagle3_inner(cfg, params, k=K, rule="argmax", seed=4, noise=0.5, oracle=False):
+    """An EAGLE-3 chain drafter: random, or (oracle, for test_eagle3's bigram target) one that predicts
+    the target up to head noise."""
+    from jaxdecode.drafters import eagle3 as e3
+    from test_eagle3 import oracle_params, random_drafter_params
+    ec = e3.default_config(cfg)
+    p = (oracle_params(ec, cfg, params, noise=noise) if oracle else
+         random_drafter_params(ec, cfg, seed=seed, noise=noise))
+    return e3.Eagle3Drafter.build(p, ec, cfg, params, ChainBuilder(k, rule)), ec, p
+
+
+def bigram_target():
+    from test_eagle3 import tiny
+    return tiny(bigram=True)
+
+
+def projected_head(cfg: AcceptHeadConfig, d: int):
+    """manual_head plus a (small, random) projection of the target's bonus-slot state."""
+    head = manual_head(cfg)
+    head["inp"]["kernel"] = head["inp"]["kernel"].at[-cfg.target_proj:, 1].set(0.1)
+    head["target"] = {"kernel": 0.3 * jax.random.normal(jax.random.PRNGKey(3), (d, cfg.target_proj)),
+                      "bias": jnp.zeros((cfg.target_proj,))}
+    return head
+
+
+@pytest.mark.parametrize("target_proj", [0, 4])
+def test_head_over_eagle3_greedy_equals_plain_greedy(target_proj):
+    """Batch 4, ragged prompts: the head cuts (and stops) EAGLE-3's chain; the inner drafter gets its own
+    features, the head the bonus-slot state after them; output == plain greedy for every h."""
+    from jaxdecode.speculative import FINAL
+    mcfg, params = bigram_target()
+    inner, _, _ = eagle3_inner(mcfg, params, noise=0.1, oracle=True)
+    cfg = dataclasses.replace(HEAD, target_proj=target_proj, inner="eagle3")
+    head = projected_head(cfg, mcfg.hidden_size) if target_proj else manual_head(cfg)
+    toks, lens = pad_prompts(PROMPTS)
+    ref = np.asarray(decode(mcfg, params, toks, lens, max_new_tokens=24, sampler=GREEDY, method="greedy").tokens)
+    for h in (0.0, 0.5, 1.0):
+        drafter = AcceptHeadDrafter.wrap(inner, head, cfg, h)
+        assert drafter._can_stop_early()
+        assert drafter.feature_layers == inner.feature_layers + ((FINAL,) if target_proj else ())
+        out = speculative_decode(mcfg, params, drafter, toks, lens, max_new_tokens=24,
+                                 verifier=get_verifier("greedy"))
+        np.testing.assert_array_equal(np.asarray(out.tokens), ref, err_msg=f"h={h}")
+        hist = np.asarray(out.stats["accept_hist"]).sum(0)
+        if h == 0.0:
+            assert hist[2:].sum() == 0
+        if h == 1.0:
+            assert np.asarray(out.stats["tau"]).max() > 1.2, "the inner drafter should get drafts accepted"
+
+
+def test_head_over_eagle3_sampling_is_lossless():
+    """χ² through the model loop (1e5 rows per case) with EAGLE-3 sampling the chain under the head: the
+    chain and block verifiers match the target's law; the wrong cut (it drops the node whose own
+    confidence crossed h) fails the same test."""
+    from test_verifier_pairs import RowBlocks
+    import jaxdecode.speculative as spec
+    cfg, target, _ = tiny_pair(vocab=SV, layers=2, hidden=8, noise=0.5)
+    prompt = [2, 5]
+    per = ROWS // CHUNKS
+    cases = (("chain", "lossless"), ("block", "lossless"), ("chain", "broken"))
+    inner, _, _ = eagle3_inner(cfg, target, k=2, rule="sample", noise=1.0)
+    head_cfg = dataclasses.replace(HEAD, inner="eagle3")
+    drafter = CutRows(inner=inner, params=manual_head(head_cfg, slope=4.0, bias=3.0), threshold=jnp.float32(0.4),
+                      head_config=head_cfg, stop_drafting=False, wrong_from=2 * per)
+    spans = {}
+    for i, (name, _) in enumerate(cases):
+        spans.setdefault(name, []).append((i * per, (i + 1) * per))
+    verifier = RowBlocks(tuple((get_verifier(n), tuple(sp)) for n, sp in spans.items()))
+    toks = np.tile(np.asarray(prompt, np.int32), (len(cases) * per, 1))
+    lens = np.full((len(toks),), len(prompt), np.int32)
+    outs = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(spec, "check_combination", lambda *a: None)
+        for chunk in range(CHUNKS):
+            out = speculative_decode(cfg, target, drafter, toks, lens, max_new_tokens=2, verifier=verifier,
+                                     sampler=SamplerConfig(temperature=1.0),
+                                     key=jax.random.key(300 + chunk, impl="rbg"))
+            outs.append(np.asarray(out.tokens))
+    joint = exact_joint(cfg, target, prompt, SV)
+    report = [(name, expect, chi2_pvalue(np.concatenate([o[i * per:(i + 1) * per] for o in outs]), joint))
+              for i, (name, expect) in enumerate(cases)]
+    print(report)
+    for name, expect, p in report:
+        assert (p > 1e-4) if expect == "lossless" else (p < 1e-6), report
+    spec.check_combination(cfg, AcceptHeadDrafter.wrap(inner, drafter.params, head_cfg), get_verifier("block"),
+                           SamplerConfig(temperature=1.0))
+
+
+def test_train_over_eagle3_save_load_decode(tmp_path):
+    """train_accept_head(inner='eagle3') labels real runs of a saved EAGLE-3 drafter, records the inner
+    kind in the config, and make_drafter('accept_head') rebuilds head + EAGLE-3 from the directories:
+    greedy == plain greedy. A draft LM given to an EAGLE-3 head is refused."""
+    from jaxdecode.drafters.trained import save_drafter
+    from jaxdecode.training.accept_head import train_accept_head
+    from jaxdecode.training.trainer import TrainConfig
+    mcfg, params = bigram_target()
+    _, ec, p = eagle3_inner(mcfg, params, noise=0.1, oracle=True)
+    e3_dir = save_drafter(tmp_path / "eagle3", "eagle3", ec, p, mcfg)
+    target = jaxdecode.Model(config=mcfg, params=params)
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(1, V, rng.integers(2, 9))] for _ in range(24)]
+    tc = TrainConfig(steps=60, learning_rate=1e-2, warmup_steps=5, log_every=30, eval_every=0,
+                     checkpoint_every=0, progress=False, data_parallel=1)
+    run = train_accept_head(target, None, out_dir=tmp_path / "head", train_config=tc, k=K, temperatures=(0.0,),
+                            train_prompts=prompts[:16], heldout_prompts=prompts[16:], new_tokens=16,
+                            batch_rows=8, batch_size=64, inner="eagle3", inner_dir=e3_dir,
+                            config_overrides={"hidden": HEAD.hidden, "max_depth": HEAD.max_depth})
+    assert run.cfg.inner == "eagle3" and run.train_data["x"].shape[1:] == (K, 3)
+    lab = run.train_data["label"][run.train_data["mask"] > 0]
+    assert 0.1 < lab.mean() < 0.95, "the noisy oracle should have some drafts accepted and some rejected"
+    loaded = load_drafter(run.out_dir, target)
+    assert loaded.cfg.inner == "eagle3" and loaded.extra["inner"] == "eagle3"
+    drafter = make_drafter("accept_head", target, drafter_dir=run.out_dir, inner_dir=e3_dir, threshold=0.5)
+    assert isinstance(drafter, AcceptHeadDrafter) and drafter.num_nodes == K
+    toks, lens = pad_prompts(PROMPTS)
+    out = speculative_decode(mcfg, params, drafter, toks, lens, max_new_tokens=24, verifier=get_verifier("greedy"))
+    ref = decode(mcfg, params, toks, lens, max_new_tokens=24, sampler=GREEDY, method="greedy").tokens
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref))
+    draft = jaxdecode.Model(config=mcfg, params=params)
+    with pytest.raises(SpeculativeError, match="without a draft LM"):
+        make_drafter("accept_head", target, drafter_dir=run.out_dir, inner_dir=e3_dir, draft=draft)
+    with pytest.raises(ValueError, match="drafts without a draft LM"):
+        train_accept_head(target, draft, out_dir=tmp_path / "x",
+                          train_config=tc, inner="eagle3", inner_dir=e3_dir, train_prompts=prompts,
+                          heldout_prompts=prompts)

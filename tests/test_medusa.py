@@ -137,6 +137,21 @@ def test_hydra_head_reads_only_earlier_tokens():
         np.testing.assert_array_equal(changed, np.arange(K) >= j)
 
 
+def test_one_hydra_head_equals_that_head_of_all():
+    """Decoding runs only the head of a level's depth (hydra_head): the same output as head k of
+    hydra_hidden, for a batch of nodes and every k (traced)."""
+    from jaxdecode.drafters.medusa import hydra_head
+    cfg = CONFIGS["hydra"]
+    p = jax.tree.map(lambda a: jax.random.normal(jax.random.PRNGKey(4), a.shape) / 4,
+                     init_params(cfg, 32, jax.random.PRNGKey(2)))
+    h = jax.random.normal(jax.random.PRNGKey(1), (3, 1, 32))
+    e = jax.random.normal(jax.random.PRNGKey(5), (3, 2, K, 32))
+    every = hydra_hidden(p, h, e)  # [3, 2, K, 32]
+    one = jax.jit(lambda k: hydra_head(p, h, e, k))
+    for k in range(K):
+        np.testing.assert_allclose(np.asarray(one(jnp.int32(k))), np.asarray(every[..., k, :]), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
 def test_training_raises_acceptance(kind):
     """A few seconds of training: held-out loss falls, head-1 top-1 accuracy and greedy tau rise."""

@@ -25,7 +25,8 @@ import optax
 from flax import nnx
 
 from jaxdecode.drafters.builders import ChainBuilder
-from jaxdecode.drafters.accept_head import (AcceptHeadConfig, bonus_slot_feature, chain_features, head_logits,
+from jaxdecode.drafters.accept_head import (AcceptHeadConfig, bonus_slot_feature, chain_features, final_index,
+                                            head_feature_layers, head_logits, inner_features, inner_observation,
                                             prefill_bonus_feature)
 from jaxdecode.speculative import FINAL, speculative_decode
 
@@ -95,10 +96,11 @@ _SINK: list = []  # host records of the running collect_labels
 @dataclasses.dataclass(frozen=True)
 class LabelRecorder:
     """The inner chain drafter unchanged, plus a host record of each verification: the head's inputs
-    at proposal time and the verifier's verdict (num_accepted)."""
+    at proposal time and the verifier's verdict (num_accepted). Features: the inner drafter's own, then
+    the target's bonus-slot state (FINAL) for the head's optional projection."""
     inner: Any
-    feature_layers = (FINAL,)
 
+    feature_layers = property(lambda self: head_feature_layers(self.inner, 1))
     num_nodes = property(lambda self: self.inner.num_nodes)
     max_depth = property(lambda self: self.inner.max_depth)
     child_rule = property(lambda self: self.inner.child_rule)
@@ -107,8 +109,11 @@ class LabelRecorder:
 
     def init(self, prompt_tokens, prompt_lengths, cache_len, key, features=None):
         b, k = prompt_tokens.shape[0], self.num_nodes
-        return (self.inner.init(prompt_tokens, prompt_lengths, cache_len, key),
-                prefill_bonus_feature(features, prompt_lengths), jnp.zeros((b, k, 3), jnp.float32))
+        own = inner_features(features, self.inner)
+        inner = self.inner.init(prompt_tokens, prompt_lengths, cache_len, key,
+                                **({} if own is None else {"features": own}))
+        return (inner, prefill_bonus_feature(features, prompt_lengths, final_index(self.feature_layers)),
+                jnp.zeros((b, k, 3), jnp.float32))
 
     def propose(self, state, ctx, sampler):
         inner, tfeat, _ = state
@@ -119,7 +124,8 @@ class LabelRecorder:
         inner, tfeat, x = state
         jax.debug.callback(lambda *a: _SINK.append(tuple(np.asarray(v) for v in a)),
                            x, tfeat, obs.num_accepted, obs.active)
-        return self.inner.observe(inner, obs), bonus_slot_feature(obs, tfeat), x
+        return (self.inner.observe(inner, inner_observation(obs, self.inner)),
+                bonus_slot_feature(obs, tfeat, final_index(self.feature_layers)), x)
 
 
 def labels_from_records(records, k: int) -> dict:
@@ -281,33 +287,49 @@ def heldout_report(params, cfg: AcceptHeadConfig, sets: dict, train_data: dict) 
     return out
 
 
-def train_accept_head(target, draft, corpus_dir=None, out_dir=None, *, train_config: TrainConfig, k: int = 8,
+def train_accept_head(target, draft=None, corpus_dir=None, out_dir=None, *, train_config: TrainConfig, k: int = 8,
                       temperatures=(0.0, 0.7), train_prompts=None, heldout_prompts=None, prompts: int = 64,
                       heldout: int = 16, prompt_len: int = 32, new_tokens: int = 64, batch_rows: int = 8,
                       batch_size: int = 256, workdir=None, config_overrides: dict | None = None, seed: int = 0,
-                      draft_cost: float = 0.2, node_cost: float = 0.05):
-    """The whole recipe: label runs of the draft LM chain:k on the target (one per temperature: greedy
-    verification at 0, the chain verifier on sampled chains above) over training prompts, the head
-    trained on them, BCE / ECE on label runs over held-out prompts, and the drafter directory written to
-    out_dir (extra: the held-out report). target / draft: Models or directories. Prompts: lists of token
-    ids, or (when None) `prompts` / `heldout` windows of corpus_dir's train / held-out splits.
+                      draft_cost: float = 0.2, node_cost: float = 0.05, inner: str = "draft_lm", inner_dir=None):
+    """The whole recipe: label runs of the inner drafter's chain:k on the target (one per temperature:
+    greedy verification at 0, the chain verifier on sampled chains above) over training prompts, the
+    head trained on them, BCE / ECE on label runs over held-out prompts, and the drafter directory
+    written to out_dir (extra: the held-out report). The inner drafter: the draft LM `draft` (inner
+    "draft_lm"), or a trained kind (inner="eagle3", "hydra", ...: from inner_dir, default the target's
+    shipped one). target / draft: Models or directories. Prompts: lists of token ids, or (when None)
+    `prompts` / `heldout` windows of corpus_dir's train / held-out splits.
     The saved config's threshold maximises `speed_estimate` (draft_cost: one draft forward / one target
     step; node_cost: per verified node) on the training runs; the report adds that estimate against
     the best fixed length on the held-out runs.
     Returns an AcceptHeadRun (head, held-out report, the label sets, the config saved)."""
-    from jaxdecode.drafters import DraftLM
+    from jaxdecode.drafters import DraftLM, make_drafter
     from jaxdecode.drafters.trained import save_drafter
     from jaxdecode.sampling import SamplerConfig
     from jaxdecode.verifiers import get_verifier
 
     from .drafters import _load_target
 
-    target, draft = _load_target(target), _load_target(draft)
-    if draft.config.vocab_size != target.config.vocab_size:
-        raise ValueError(f"the draft LM's vocabulary ({draft.config.vocab_size}) differs from the target's "
-                         f"({target.config.vocab_size})")
+    target = _load_target(target)
+    if inner == "draft_lm":
+        if draft is None:
+            raise ValueError("an acceptance head over a draft LM needs the draft model (draft=, CLI --draft DIR); "
+                             "or train it over a trained drafter (inner='eagle3', CLI --set inner=eagle3)")
+        draft = _load_target(draft)
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise ValueError(f"the draft LM's vocabulary ({draft.config.vocab_size}) differs from the target's "
+                             f"({target.config.vocab_size})")
+    elif draft is not None:
+        raise ValueError(f"the acceptance head is trained over the {inner!r} drafter, which drafts without a "
+                         f"draft LM: drop draft (CLI --draft)")
+
+    def inner_drafter(rule):
+        if inner == "draft_lm":
+            return DraftLM(params=draft.params, config=draft.config, builder=ChainBuilder(k, rule))
+        return make_drafter(inner, target, tree=ChainBuilder(k, rule), drafter_dir=inner_dir)
+
     cfg = AcceptHeadConfig(**{"max_depth": max(k, AcceptHeadConfig.max_depth), **(config_overrides or {}),
-                              "draft_len": k})
+                              "draft_len": k, "inner": inner})
     if train_prompts is None or heldout_prompts is None:
         if corpus_dir is None:
             raise ValueError("train_accept_head needs a corpus_dir or both train_prompts and heldout_prompts")
@@ -322,12 +344,12 @@ def train_accept_head(target, draft, corpus_dir=None, out_dir=None, *, train_con
     train_sets, held_sets = [], {}
     for i, t in enumerate(temperatures):
         rule, verifier = ("argmax", "greedy") if t == 0 else ("sample", "chain")
-        inner = DraftLM(params=draft.params, config=draft.config, builder=ChainBuilder(k, rule))
+        chain = inner_drafter(rule)
         run = dict(verifier=get_verifier(verifier), sampler=SamplerConfig(temperature=float(t)),
                    max_new_tokens=new_tokens, batch_size=batch_rows, eos_ids=eos)
-        train_sets.append(collect_labels(target.config, target.params, inner, list(train_prompts),
+        train_sets.append(collect_labels(target.config, target.params, chain, list(train_prompts),
                                          key=jax.random.PRNGKey(seed * 100 + 2 * i), **run))
-        held_sets[f"T={t:g}"] = collect_labels(target.config, target.params, inner, list(heldout_prompts),
+        held_sets[f"T={t:g}"] = collect_labels(target.config, target.params, chain, list(heldout_prompts),
                                                key=jax.random.PRNGKey(seed * 100 + 2 * i + 1), **run)
     data = concat_labels(*train_sets)
     workdir = workdir or (Path(out_dir).with_name(Path(out_dir).name + ".train") if out_dir else None)
@@ -348,7 +370,9 @@ def train_accept_head(target, draft, corpus_dir=None, out_dir=None, *, train_con
     if out_dir is not None:
         save_drafter(out_dir, "accept_head", cfg, res.params, target.config,
                      extra={"k": k, "temperatures": list(temperatures), "train_examples": int(len(data["x"])),
-                            "steps": int(res.result.step), "draft": str(draft.path), "heldout": report})
+                            "steps": int(res.result.step), "heldout": report,
+                            **({"draft": str(draft.path)} if inner == "draft_lm" else
+                               {"inner": inner, "inner_dir": str(inner_dir) if inner_dir else "shipped"})})
     return AcceptHeadRun(head=res, report=report, train_data=data, heldout_data=held_sets,
                          out_dir=Path(out_dir) if out_dir is not None else None, cfg=cfg)
 

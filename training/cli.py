@@ -160,6 +160,10 @@ def add_drafter_parser(sub, command: str) -> argparse.ArgumentParser:
         p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                        help="a field of the kind's config (e.g. num_heads=4), value as JSON; repeatable")
         p.add_argument("--draft", default=None, help="draft model directory, for kinds that draft with one")
+        if command == "accept-head":
+            p.add_argument("--inner-dir", default=None,
+                           help="with --set inner=KIND (a trained drafter, e.g. eagle3): its directory "
+                                "(default: the one shipped with the target)")
         p.add_argument("--export-dtype", default=None, choices=("float32", "bfloat16"),
                        help="store the exported weights in this dtype (loading casts them to the target's "
                             "compute dtype); default: as trained (float32)")
@@ -351,25 +355,37 @@ def _run_filter(args, task, out: Path, work: Path) -> int:
 
 
 def _run_accept_head(args, target, corpus_dir, out: Path, work: Path, tcfg) -> int:
-    """`jaxdecode train accept-head`: label runs of the --draft LM's chains on the target, then the head
-    (training.accept_head.train_accept_head); --data does not apply."""
+    """`jaxdecode train accept-head`: label runs of the inner drafter's chains on the target (the --draft
+    LM, or a trained kind: --set inner=eagle3 [--inner-dir DIR]), then the head
+    (training.accept_head.train_accept_head); --data does not apply. --set draft_len=K: the chain length."""
     import jaxdecode
 
     from .accept_head import train_accept_head
-    if args.draft is None:
-        raise ValueError("train accept-head learns when the target accepts a draft LM's tokens: pass the "
-                         "draft model with --draft DIR")
+    sets = _parse_sets(args.set)
+    inner = sets.pop("inner", "draft_lm")
+    k = sets.pop("draft_len", 8)
+    if inner == "draft_lm" and args.draft is None:
+        raise ValueError("train accept-head learns when the target accepts a drafter's tokens: pass the draft "
+                         "model with --draft DIR, or name a trained drafter with --set inner=eagle3 (hydra, "
+                         "medusa, ...)")
+    if inner != "draft_lm" and args.draft is not None:
+        raise ValueError(f"--set inner={inner} drafts without a draft LM: drop --draft")
+    if inner == "draft_lm" and args.inner_dir is not None:
+        raise ValueError("--inner-dir is the directory of a trained inner drafter (--set inner=KIND); a draft LM "
+                         "is given with --draft DIR")
     if args.data != "corpus":
         raise ValueError(f"train accept-head trains on labels from verification runs on corpus prompts; "
                          f"--data {args.data} does not apply: drop it")
-    run = train_accept_head(target, jaxdecode.load(args.draft, dtype="float32"), corpus_dir, out,
+    draft = jaxdecode.load(args.draft, dtype="float32") if args.draft else None
+    run = train_accept_head(target, draft, corpus_dir, out, k=int(k),
                             train_config=tcfg, prompts=args.prompts, heldout=args.eval_prompts,
                             prompt_len=args.prompt_len, new_tokens=args.eval_new_tokens, workdir=work,
-                            config_overrides=_parse_sets(args.set), seed=args.seed)
+                            config_overrides=sets, seed=args.seed, inner=inner, inner_dir=args.inner_dir)
     report = "; ".join(f"{t}: ECE {r['ece']:.3f}, BCE {r['bce']:.3f}" for t, r in run.report.items()
                        if isinstance(r, dict) and "ece" in r)
+    using = f"--draft {args.draft}" if draft is not None else f"(over {inner})"
     print(f"trained accept-head; held-out {report}; drafter -> {out} (jaxdecode generate ... --drafter "
-          f"accept_head --drafter-dir {out} --draft {args.draft}); logs -> {work / 'metrics.jsonl'}")
+          f"accept_head --drafter-dir {out} {using}); logs -> {work / 'metrics.jsonl'}")
     return 0
 
 

@@ -1,16 +1,19 @@
 """Acceptance head (SpecDec++; DSpark's confidence head): draft, and verify, only what is likely kept.
 
 `AcceptHeadDrafter(inner, params, head_config, threshold)` wraps any chain drafter that gives draft
-probabilities (a draft LM with tree="chain:K"). A tiny MLP predicts, for each draft position i, the
+probabilities: a draft LM with tree="chain:K", or a trained drafter that reads the target's features
+(EAGLE-3, Hydra, Medusa: `AcceptHeadConfig.inner` names the kind the head was trained over; DSpark puts
+its confidence head on such a feature drafter). A tiny MLP predicts, for each draft position i, the
 probability p_i that the target accepts token i given that tokens < i were accepted (the SpecDec++
 convention). Drafting stops after the first position where the risk of a rejection so far,
 1 - prod_{j<=i} p_j, exceeds the threshold h: that position is still verified, the ones after it are
 marked invalid (tree.valid False). Consequences:
 
 - h = 0 verifies one node per step, h = 1 all K.
-- With `stop_drafting` (the default) the draft LM's level loop is a `lax.while_loop` that exits once
-  every row has stopped, so the drafter does not pay for levels nobody verifies; without it the draft
-  LM drafts all K levels and only the verification shrinks.
+- With `stop_drafting` (the default) the inner drafter's level loop (any drafter that drafts through its
+  `builder` field and `build_tree`: draft LM, EAGLE-3, Hydra, Medusa) is a `lax.while_loop` that exits
+  once every row has stopped, so the drafter does not pay for levels nobody verifies; without it the
+  inner drafter drafts all K levels and only the verification shrinks.
 - `verify_widths` (1, 2, 4, ..., K) lets the verification forward shrink to what is proposed.
 - Invalid nodes are never accepted, so the output law does not change: greedy equals plain greedy and
   sampling verifiers stay lossless (tests/test_accept_head.py).
@@ -48,11 +51,15 @@ class AcceptHeadConfig:
     target_proj: int = 0  # width of the projected target bonus-slot feature; 0 = not used
     threshold: float = 0.5  # default h: stop once 1 - prod p_i > h
     draft_len: int = 8  # K of the chain it was trained on: the default tree chain:K
+    inner: str = "draft_lm"  # the drafter it was trained over: "draft_lm" or a trained kind (e.g. "eagle3")
 
     def __post_init__(self):
         if self.hidden < 1 or self.max_depth < 1 or self.target_proj < 0 or not 1 <= self.draft_len:
             raise ValueError(f"AcceptHeadConfig needs hidden >= 1, max_depth >= 1, target_proj >= 0 and "
                              f"draft_len >= 1, got {self}")
+        if not isinstance(self.inner, str) or not self.inner:
+            raise ValueError(f"AcceptHeadConfig.inner names the drafter the head was trained over ('draft_lm' "
+                             f"or a trained kind such as 'eagle3'), got {self.inner!r}")
         check_threshold(self.threshold)
 
     @property
@@ -119,6 +126,31 @@ def default_widths(k: int) -> tuple:
         ws.append(w)
         w *= 2
     return tuple(ws) + (k,)
+
+
+# ----------------------------------------------------------------------------- features of head + inner
+def head_feature_layers(inner, target_proj: int) -> tuple:
+    """The target features a head over `inner` asks for: the inner drafter's own, then FINAL (the
+    bonus-slot state) when the head projects it and the inner drafter does not read it already."""
+    own = tuple(getattr(inner, "feature_layers", ()) or ())
+    return own + ((FINAL,) if target_proj and FINAL not in own else ())
+
+
+def inner_features(features, inner):
+    """The inner drafter's slice of features f32[F, ...] asked for by head_feature_layers (its own come
+    first); None when it reads none."""
+    n = len(tuple(getattr(inner, "feature_layers", ()) or ()))
+    return features[:n] if n and features is not None else None
+
+
+def final_index(layers: tuple) -> int:
+    """Where FINAL sits in a feature request."""
+    return layers.index(FINAL)
+
+
+def inner_observation(obs, inner):
+    """obs with only the inner drafter's features (the head's FINAL may follow them)."""
+    return dataclasses.replace(obs, features=inner_features(obs.features, inner))
 
 
 # ----------------------------------------------------------------------------- early-stopping chain
@@ -199,19 +231,18 @@ class AcceptHeadDrafter:
 
     @property
     def feature_layers(self) -> tuple:
-        return (FINAL,) if self.head_config.target_proj else ()
+        return head_feature_layers(self.inner, self.head_config.target_proj)
 
     @classmethod
     def wrap(cls, inner, params, head_config: AcceptHeadConfig, threshold=None, stop_drafting: bool = True):
         """Checked construction: `inner` must propose chains with draft probabilities."""
         if not getattr(inner, "is_chain", False):
             raise SpeculativeError("the acceptance head cuts chains: wrap a chain drafter (e.g. draft_lm "
-                                   "with tree='chain:8'), not a branching tree")
+                                   "or eagle3 with tree='chain:8'), not a branching tree")
         if inner.child_rule == "point":
             raise SpeculativeError("the acceptance head reads the drafter's probabilities, but this drafter "
-                                   "proposes point masses: wrap a draft LM (drafter='draft_lm')")
-        if getattr(inner, "feature_layers", ()):
-            raise SpeculativeError("the acceptance head cannot wrap a drafter that reads target features")
+                                   "proposes point masses: wrap a drafter with a distribution (draft_lm, "
+                                   "eagle3, hydra, medusa)")
         if inner.num_nodes > head_config.max_depth:
             raise SpeculativeError(f"this acceptance head knows draft positions 1..{head_config.max_depth}, "
                                    f"but the chain has {inner.num_nodes}: use tree='chain:"
@@ -225,10 +256,12 @@ class AcceptHeadDrafter:
         return self.stop_drafting and isinstance(self.builder, ChainBuilder) and hasattr(self.inner, "builder")
 
     def init(self, prompt_tokens, prompt_lengths, cache_len, key, features=None):
-        inner = self.inner.init(prompt_tokens, prompt_lengths, cache_len, key)
-        if features is None:
+        own = inner_features(features, self.inner)
+        kw = {} if own is None else {"features": own}
+        inner = self.inner.init(prompt_tokens, prompt_lengths, cache_len, key, **kw)
+        if not self.head_config.target_proj:
             return inner, jnp.zeros((prompt_tokens.shape[0], 0), jnp.float32)
-        return inner, prefill_bonus_feature(features, prompt_lengths)
+        return inner, prefill_bonus_feature(features, prompt_lengths, final_index(self.feature_layers))
 
     def propose(self, state, ctx, sampler):
         inner_state, tfeat = state
@@ -260,25 +293,26 @@ class AcceptHeadDrafter:
 
     def observe(self, state, obs):
         inner_state, tfeat = state
-        inner_state = self.inner.observe(inner_state, obs)
+        inner_state = self.inner.observe(inner_state, inner_observation(obs, self.inner))
         if self.head_config.target_proj:
-            tfeat = bonus_slot_feature(obs, tfeat)
+            tfeat = bonus_slot_feature(obs, tfeat, final_index(self.feature_layers))
         return inner_state, tfeat
 
 
-def prefill_bonus_feature(features, prompt_lengths):
+def prefill_bonus_feature(features, prompt_lengths, index: int = 0):
     """The state that produced the first pending root (the last prompt token), at position P-2 of the
-    prefill's features f32[F, B, P, D] -> f32[B, D] (zeros for a one-token prompt: there is none)."""
+    prefill's features f32[F, B, P, D] (feature `index` of F) -> f32[B, D] (zeros for a one-token
+    prompt: there is none)."""
     pos = jnp.maximum(prompt_lengths - 2, 0)
-    f = jnp.take_along_axis(features[0], pos[:, None, None], axis=1)[:, 0]
+    f = jnp.take_along_axis(features[index], pos[:, None, None], axis=1)[:, 0]
     return jnp.where((prompt_lengths >= 2)[:, None], f, 0.0)
 
 
-def bonus_slot_feature(obs, previous):
-    """The target's FINAL state at the step's bonus slot, f32[B, D]; `previous` for rows that
-    committed nothing (inactive)."""
+def bonus_slot_feature(obs, previous, index: int = 0):
+    """The target's FINAL state (feature `index` of obs.features) at the step's bonus slot, f32[B, D];
+    `previous` for rows that committed nothing (inactive)."""
     feats, count = accepted_features(obs)  # [F, B, D+1, Dm]
-    last = jnp.take_along_axis(feats[0], jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
+    last = jnp.take_along_axis(feats[index], jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
     return jnp.where((count > 0)[:, None], last, previous)
 
 
@@ -292,14 +326,31 @@ def param_shapes(cfg: AcceptHeadConfig, target_config) -> dict:
 
 
 def make(params, cfg: AcceptHeadConfig, target, tree, temperature: float, draft_model=None, threshold=None,
-         stop_drafting: bool = True):
-    """DrafterKind.make: the head over a draft LM chain (tree 'chain:K', default K = cfg.draft_len).
-    draft_model: the draft LM the head was trained with, a Model or its directory (by name:
-    drafter_options={"draft_model": DIR}); default the embedded draft model. threshold: h (default the
-    config's). stop_drafting: end the draft LM's level loop at the cut (default) or only shrink the
-    verification."""
-    from jaxdecode.drafters import tree_from_option
+         stop_drafting: bool = True, inner_dir=None):
+    """DrafterKind.make: the head over the chain drafter it was trained with (cfg.inner), tree 'chain:K'
+    (default K = cfg.draft_len).
+    cfg.inner == "draft_lm": draft_model is the draft LM (a Model or its directory; by name:
+    drafter_options={"draft_model": DIR}; default the embedded draft model).
+    A trained kind (e.g. "eagle3"): inner_dir is its directory (drafter_options={"inner_dir": DIR};
+    default <target_dir>/drafters/<kind>, the shipped one).
+    threshold: h (default the config's). stop_drafting: end the inner drafter's level loop at the cut
+    (default) or only shrink the verification."""
+    from jaxdecode.drafters import make_drafter, tree_from_option
     from jaxdecode.drafters.draft_lm import DraftLM
+    builder = tree_from_option(tree, f"chain:{min(cfg.draft_len, cfg.max_depth)}", temperature)
+    if not isinstance(builder, ChainBuilder):
+        raise SpeculativeError(f"the acceptance head cuts chains: use tree='chain:K' (K <= {cfg.max_depth}), "
+                               f"got {tree!r}")
+    if cfg.inner != "draft_lm":
+        if draft_model is not None:
+            raise SpeculativeError(f"this acceptance head was trained over the {cfg.inner!r} drafter, which "
+                                   f"drafts without a draft LM: drop draft / draft_model (its directory, if "
+                                   f"not the shipped one: drafter_options={{'inner_dir': DIR}})")
+        inner = make_drafter(cfg.inner, target, tree=builder, temperature=temperature, drafter_dir=inner_dir)
+        return AcceptHeadDrafter.wrap(inner, params, cfg, threshold, stop_drafting)
+    if inner_dir is not None:
+        raise SpeculativeError("this acceptance head was trained over a draft LM (inner 'draft_lm'): give the "
+                               "draft model as draft= (drafter_options={'draft_model': DIR}), not inner_dir")
     draft = draft_model
     if draft is None:
         from jaxdecode.model import embedded_model_path
@@ -313,10 +364,6 @@ def make(params, cfg: AcceptHeadConfig, target, tree, temperature: float, draft_
     if draft.config.vocab_size != target.config.vocab_size:
         raise SpeculativeError(f"the draft model's vocabulary ({draft.config.vocab_size}) differs from the "
                                f"target's ({target.config.vocab_size})")
-    builder = tree_from_option(tree, f"chain:{min(cfg.draft_len, cfg.max_depth)}", temperature)
-    if not isinstance(builder, ChainBuilder):
-        raise SpeculativeError(f"the acceptance head cuts chains: use tree='chain:K' (K <= {cfg.max_depth}), "
-                               f"got {tree!r}")
     inner = DraftLM(params=draft.params, config=draft.config, builder=builder)
     return AcceptHeadDrafter.wrap(inner, params, cfg, threshold, stop_drafting)
 

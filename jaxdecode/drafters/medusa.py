@@ -124,6 +124,18 @@ def hydra_hidden(params, h, emb):
     return h[..., None, :] + jnp.einsum("...km,kmd->...kd", jax.nn.silu(pre), params["w_out"])
 
 
+def hydra_head(params, h, emb, k):
+    """Head k alone (a traced int32 scalar): hydra_hidden(params, h, emb)[..., k, :] at a K-th of its
+    cost, for the usual case where every node a tree level expands sits at the same depth.
+    h [..., D] (broadcast against emb's leading dims), emb [..., K, D] -> [..., D]."""
+    pick = lambda w: jax.lax.dynamic_index_in_dim(w, k, keepdims=False)  # noqa: E731
+    num = params["w_e"].shape[0]
+    upto = (jnp.arange(num) <= k).astype(emb.dtype)[:, None]  # [K, 1]: e_j for j <= k
+    pre = (jnp.einsum("...d,dm->...m", h, pick(params["w_h"]))
+           + jnp.einsum("...jd,jdm->...m", emb * upto, pick(params["w_e"])) + pick(params["b"]))
+    return h + jnp.einsum("...m,md->...d", jax.nn.silu(pre), pick(params["w_out"]))
+
+
 def head_logits(x, embed, lm_head):
     """The target's LM head on x [..., D] -> f32[..., V]; lm_head [D, V], or None when tied to embed [V, D]."""
     x = x.astype(jnp.float32)
@@ -197,8 +209,16 @@ class HeadsDrafter:
                                     emb.shape[:-2] + e0.shape[-1:])
             emb = jnp.concatenate([lead[..., None, :], emb], axis=-2)  # [..., K, D]
             hb = h.reshape((b,) + (1,) * (emb.ndim - 3) + h.shape[-1:])
-            z = hydra_hidden(self.params, hb, emb)  # [..., K, D]
-            z = jnp.take_along_axis(z, head[..., None, None], axis=-2)[..., 0, :]
+            first = head.reshape(-1)[0]
+
+            def every_head(_):  # nodes of different depths in one call: all heads, each node picks its own
+                z = hydra_hidden(self.params, hb, emb)  # [..., K, D]
+                return jnp.take_along_axis(z, head[..., None, None], axis=-2)[..., 0, :]
+
+            def one_head(_):  # a tree level: every node at one depth, so only that depth's head runs
+                return jnp.broadcast_to(hydra_head(self.params, hb, emb, first), emb.shape[:-2] + h.shape[-1:])
+
+            z = jax.lax.cond(jnp.all(head == first), one_head, every_head, None)
             return self._logq(z, sampler)
 
         work = getattr(self.builder, "working_size", self.builder.num_nodes)
