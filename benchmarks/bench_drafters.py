@@ -45,6 +45,7 @@ CONFIGS = [
     ("hydra static:4,2,2,1", "hydra", "static:4,2,2,1", {}),
     ("eagle3 chain:5", "eagle3", "chain:5", {}),
     ("eagle3 eagle:6,4,24", "eagle3", "eagle:depth=6,topk=4,total=24", {}),
+    ("eagle3 chain:8", "eagle3", "chain:8", {}),  # the block drafter's tree, for its tau comparison
     ("block chain:8", "block", "chain:8", {}),
     ("accept_head (draft_lm chain:8)", "accept_head", "chain:8", {}),
     ("swift chain:4", "swift", "chain:4", {}),

@@ -168,6 +168,30 @@ def test_decode_and_training_see_the_same_context(trained):
     np.testing.assert_allclose(np.asarray(q_dec), np.asarray(jax.nn.log_softmax(logits[:, 0])), atol=1e-4)
 
 
+def test_context_window_hides_older_context(trained):
+    """context_window = W: q depends only on the newest W committed positions (garbage in older slots
+    changes nothing; without the window it does), and greedy speculative output stays plain greedy."""
+    target, params, prompts = trained["target"], trained["params"], trained["heldout"]
+    w = 3
+    windowed = make_block_drafter(params, dataclasses.replace(CFG, context_window=w), target, tree=f"chain:{K}")
+    full = make_block_drafter(params, CFG, target, tree=f"chain:{K}")
+    toks = jnp.asarray(np.tile(np.arange(1, 13, dtype=np.int32), (2, 1)))
+    lengths = jnp.asarray([9, 11], jnp.int32)
+    dcfg = drafter_model_config(CFG, target.config)
+    k = jax.random.normal(jax.random.PRNGKey(0), (dcfg.num_layers, 2, dcfg.num_kv_heads, 16, dcfg.head_dim))
+    v = jax.random.normal(jax.random.PRNGKey(1), k.shape)
+    old = (jnp.arange(16)[None, :] < (lengths - w)[:, None])[None, :, None, :, None]  # slots before the window
+    k2, v2 = jnp.where(old, 5.0, k), jnp.where(old, -5.0, v)
+    ctx = DraftContext(history=toks, hist_len=lengths + 1, key=jax.random.PRNGKey(0))
+    q = lambda d, kk, vv: np.asarray(d.block_logprobs(BlockState(k=kk, v=vv, lengths=lengths), ctx, T0))  # noqa: E731
+    np.testing.assert_allclose(q(windowed, k, v), q(windowed, k2, v2), atol=1e-5)
+    assert np.abs(q(full, k, v) - q(full, k2, v2)).max() > 1e-3
+    out = _spec(target, windowed, prompts, NEW)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(_greedy(target, prompts, NEW).tokens))
+    with pytest.raises(BlockDrafterError, match="context_window"):
+        BlockConfig(context_window=-1)
+
+
 def test_save_load_decode_round_trip(trained, tmp_path):
     target = trained["target"]
     cfg = default_config(target.config, block_size=K, num_layers=1, anchors=8, gamma=2.0)

@@ -224,6 +224,8 @@ def train_drafter(kind: str, target, corpus_dir, out_dir=None, *, train_config, 
     overrides = dict(config_overrides or {})
     if tk.resolve_overrides is not None:
         overrides = tk.resolve_overrides(overrides, target, corpus_dir)
+    if "context_window" in {f.name for f in dataclasses.fields(dk.config_cls)} and "context_window" not in overrides:
+        overrides["context_window"] = seq_len  # decode within the distances training sees (BlockConfig)
     cfg = tk.default_config(target.config, **overrides)
     module = tk.module(cfg, target.config, _nnx.Rngs(train_config.seed))
     batches, data_info = _data_batches(data, corpus_dir, target, workdir, batch_size=batch_size,

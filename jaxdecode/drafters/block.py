@@ -68,13 +68,18 @@ class BlockConfig:
     # ~1/2 the cost of one target forward); 0 = every position (k+1 drafter tokens per text token)
     anchors: int = 16
     rope_theta: float = 10000.0
+    # decoding: attend to the newest context_window committed positions only (0 = all). Training sees
+    # contexts of at most --seq-len tokens, and a drafter trained on short windows does not extrapolate
+    # its RoPE attention to longer distances (acceptance collapses past them), so `train block` sets it
+    # to the training sequence length.
+    context_window: int = 0
 
     def __post_init__(self):
         for name in ("block_size", "num_layers"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise BlockDrafterError(f"BlockConfig.{name} must be an int >= 1, got {v!r}")
-        for name in ("num_heads", "num_kv_heads", "head_dim", "intermediate_size", "anchors"):
+        for name in ("num_heads", "num_kv_heads", "head_dim", "intermediate_size", "anchors", "context_window"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise BlockDrafterError(f"BlockConfig.{name} must be an int >= 0 (0 = default), got {v!r}")
@@ -272,7 +277,11 @@ class BlockDrafter:
         root = ctx.history[jnp.arange(b), t]
         x = block_inputs(self.params, self.embed, root, k)[:, None]  # [B, 1, k+1, D]
         positions = (t[:, None] + jnp.arange(k + 1))[:, None]
-        visible = (jnp.arange(st.k.shape[3])[None, :] < st.lengths[:, None])[:, None]  # [B, 1, S]
+        slot = jnp.arange(st.k.shape[3])[None, :]
+        visible = slot < st.lengths[:, None]  # [B, S]
+        if self.cfg.context_window:  # only distances training saw
+            visible &= slot >= st.lengths[:, None] - self.cfg.context_window
+        visible = visible[:, None]  # [B, 1, S]
         h = block_hidden(self.dcfg, self.params, x, positions, st.k, st.v, visible)[:, 0, 1:]
         return draft_logprobs(head_logits(h, self.embed, self.lm_head), sampler)
 
