@@ -169,18 +169,17 @@ class CutRows(AcceptHeadDrafter):
         return tree.replace(valid=tree.valid & keep), slots, (inner_state, tfeat)
 
 
-def test_sampling_is_lossless_through_the_model_loop():
-    """One compiled loop: rows verified by the chain verifier, rows by the block verifier, and rows
-    with the wrong cut (chain verifier), 1e5 each; χ² of the first two tokens against the exact law."""
+def check_lossless_through_the_loop(cfg, target, inner, head_cfg, seed: int):
+    """One compiled loop: rows verified by the chain verifier, rows by the block verifier, and rows with
+    the wrong cut (chain verifier), 1e5 each, `inner` sampling a chain:2 under the head; χ² of the first
+    two tokens against the exact law: the first two pass, the wrong cut fails."""
     from test_verifier_pairs import RowBlocks
     import jaxdecode.speculative as spec
-    cfg, target, draft = tiny_pair(vocab=SV, layers=1, hidden=8, noise=0.5)
     prompt = [2, 5]
     per = ROWS // CHUNKS
     cases = (("chain", "lossless"), ("block", "lossless"), ("chain", "broken"))
-    inner = DraftLM(params=draft, config=cfg, builder=ChainBuilder(2, "sample"))
-    drafter = CutRows(inner=inner, params=manual_head(HEAD, slope=4.0, bias=3.0), threshold=jnp.float32(0.4),
-                      head_config=HEAD, stop_drafting=False, wrong_from=2 * per)
+    drafter = CutRows(inner=inner, params=manual_head(head_cfg, slope=4.0, bias=3.0), threshold=jnp.float32(0.4),
+                      head_config=head_cfg, stop_drafting=False, wrong_from=2 * per)
     spans = {}
     for i, (name, _) in enumerate(cases):
         spans.setdefault(name, []).append((i * per, (i + 1) * per))
@@ -193,19 +192,24 @@ def test_sampling_is_lossless_through_the_model_loop():
         for chunk in range(CHUNKS):
             out = speculative_decode(cfg, target, drafter, toks, lens, max_new_tokens=2, verifier=verifier,
                                      sampler=SamplerConfig(temperature=1.0),
-                                     key=jax.random.key(200 + chunk, impl="rbg"))
+                                     key=jax.random.key(seed + chunk, impl="rbg"))
             outs.append(np.asarray(out.tokens))
     joint = exact_joint(cfg, target, prompt, SV)
-    report = []
-    for i, (name, expect) in enumerate(cases):
-        p = chi2_pvalue(np.concatenate([o[i * per:(i + 1) * per] for o in outs]), joint)
-        report.append((name, expect, p))
+    report = [(name, expect, chi2_pvalue(np.concatenate([o[i * per:(i + 1) * per] for o in outs]), joint))
+              for i, (name, expect) in enumerate(cases)]
     print(report)
     for name, expect, p in report:
         assert (p > 1e-4) if expect == "lossless" else (p < 1e-6), report
     # the lossless rows are verified as the engine would verify them by name
-    spec.check_combination(cfg, AcceptHeadDrafter.wrap(inner, drafter.params, HEAD), get_verifier("block"),
+    spec.check_combination(cfg, AcceptHeadDrafter.wrap(inner, drafter.params, head_cfg), get_verifier("block"),
                            SamplerConfig(temperature=1.0))
+
+
+def test_sampling_is_lossless_through_the_model_loop():
+    """The head over a draft LM chain (see check_lossless_through_the_loop)."""
+    cfg, target, draft = tiny_pair(vocab=SV, layers=1, hidden=8, noise=0.5)
+    inner = DraftLM(params=draft, config=cfg, builder=ChainBuilder(2, "sample"))
+    check_lossless_through_the_loop(cfg, target, inner, HEAD, seed=200)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -346,41 +350,10 @@ def test_head_over_eagle3_greedy_equals_plain_greedy(target_proj):
 
 
 def test_head_over_eagle3_sampling_is_lossless():
-    """χ² through the model loop (1e5 rows per case) with EAGLE-3 sampling the chain under the head: the
-    chain and block verifiers match the target's law; the wrong cut (it drops the node whose own
-    confidence crossed h) fails the same test."""
-    from test_verifier_pairs import RowBlocks
-    import jaxdecode.speculative as spec
+    """The head over EAGLE-3 sampling the chain (see check_lossless_through_the_loop)."""
     cfg, target, _ = tiny_pair(vocab=SV, layers=2, hidden=8, noise=0.5)
-    prompt = [2, 5]
-    per = ROWS // CHUNKS
-    cases = (("chain", "lossless"), ("block", "lossless"), ("chain", "broken"))
     inner, _, _ = eagle3_inner(cfg, target, k=2, rule="sample", noise=1.0)
-    head_cfg = dataclasses.replace(HEAD, inner="eagle3")
-    drafter = CutRows(inner=inner, params=manual_head(head_cfg, slope=4.0, bias=3.0), threshold=jnp.float32(0.4),
-                      head_config=head_cfg, stop_drafting=False, wrong_from=2 * per)
-    spans = {}
-    for i, (name, _) in enumerate(cases):
-        spans.setdefault(name, []).append((i * per, (i + 1) * per))
-    verifier = RowBlocks(tuple((get_verifier(n), tuple(sp)) for n, sp in spans.items()))
-    toks = np.tile(np.asarray(prompt, np.int32), (len(cases) * per, 1))
-    lens = np.full((len(toks),), len(prompt), np.int32)
-    outs = []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(spec, "check_combination", lambda *a: None)
-        for chunk in range(CHUNKS):
-            out = speculative_decode(cfg, target, drafter, toks, lens, max_new_tokens=2, verifier=verifier,
-                                     sampler=SamplerConfig(temperature=1.0),
-                                     key=jax.random.key(300 + chunk, impl="rbg"))
-            outs.append(np.asarray(out.tokens))
-    joint = exact_joint(cfg, target, prompt, SV)
-    report = [(name, expect, chi2_pvalue(np.concatenate([o[i * per:(i + 1) * per] for o in outs]), joint))
-              for i, (name, expect) in enumerate(cases)]
-    print(report)
-    for name, expect, p in report:
-        assert (p > 1e-4) if expect == "lossless" else (p < 1e-6), report
-    spec.check_combination(cfg, AcceptHeadDrafter.wrap(inner, drafter.params, head_cfg), get_verifier("block"),
-                           SamplerConfig(temperature=1.0))
+    check_lossless_through_the_loop(cfg, target, inner, dataclasses.replace(HEAD, inner="eagle3"), seed=300)
 
 
 def test_train_over_eagle3_save_load_decode(tmp_path):
