@@ -26,9 +26,9 @@ from flax import nnx
 
 from jaxdecode.drafters.builders import ChainBuilder
 from jaxdecode.drafters.accept_head import (AcceptHeadConfig, bonus_slot_feature, chain_features, final_index,
-                                            head_feature_layers, head_logits, inner_features, inner_observation,
+                                            head_feature_layers, head_logits, init_inner, inner_observation,
                                             prefill_bonus_feature)
-from jaxdecode.speculative import FINAL, speculative_decode
+from jaxdecode.speculative import speculative_decode
 
 from .trainer import TrainConfig, train
 
@@ -109,9 +109,7 @@ class LabelRecorder:
 
     def init(self, prompt_tokens, prompt_lengths, cache_len, key, features=None):
         b, k = prompt_tokens.shape[0], self.num_nodes
-        own = inner_features(features, self.inner)
-        inner = self.inner.init(prompt_tokens, prompt_lengths, cache_len, key,
-                                **({} if own is None else {"features": own}))
+        inner = init_inner(self.inner, prompt_tokens, prompt_lengths, cache_len, key, features)
         return (inner, prefill_bonus_feature(features, prompt_lengths, final_index(self.feature_layers)),
                 jnp.zeros((b, k, 3), jnp.float32))
 

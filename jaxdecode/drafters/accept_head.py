@@ -143,6 +143,12 @@ def inner_features(features, inner):
     return features[:n] if n and features is not None else None
 
 
+def init_inner(inner, prompt_tokens, prompt_lengths, cache_len, key, features):
+    """The inner drafter's init, handed its own slice of the head's features (none if it reads none)."""
+    own = inner_features(features, inner)
+    return inner.init(prompt_tokens, prompt_lengths, cache_len, key, **({} if own is None else {"features": own}))
+
+
 def final_index(layers: tuple) -> int:
     """Where FINAL sits in a feature request."""
     return layers.index(FINAL)
@@ -256,9 +262,7 @@ class AcceptHeadDrafter:
         return self.stop_drafting and isinstance(self.builder, ChainBuilder) and hasattr(self.inner, "builder")
 
     def init(self, prompt_tokens, prompt_lengths, cache_len, key, features=None):
-        own = inner_features(features, self.inner)
-        kw = {} if own is None else {"features": own}
-        inner = self.inner.init(prompt_tokens, prompt_lengths, cache_len, key, **kw)
+        inner = init_inner(self.inner, prompt_tokens, prompt_lengths, cache_len, key, features)
         if not self.head_config.target_proj:
             return inner, jnp.zeros((prompt_tokens.shape[0], 0), jnp.float32)
         return inner, prefill_bonus_feature(features, prompt_lengths, final_index(self.feature_layers))
