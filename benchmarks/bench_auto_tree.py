@@ -1,15 +1,16 @@
 """tree="auto" against hand-picked trees, per drafter of the embedded target: tokens/s side by side and the
 ratio auto / best hand-picked (the issue's goal: within 5%).
 
-    python benchmarks/bench_auto_tree.py [--only draft_lm,medusa --prompts 4 --prompt-tokens 128 --new 96
-                                          --batch-size 1 --temperatures 0,0.7 --repeats 1 --json FILE]
+    python benchmarks/bench_auto_tree.py [--only draft_lm,medusa --prompts 4 --calibration-prompts 16 --new 96
+                                          --batch-size 1 --temperatures 0,0.7 --repeats 3 --json FILE]
 
 For each drafter (draft_lm over the embedded draft; the trained drafters shipped in
 models/embedded/target/drafters) and temperature: the auto tree is chosen by jaxdecode.treeopt
 (acceptance profile on a calibration set of held-out prompts — other windows than the timed ones — and
 the cost table of this batch size; both cached under $JAXDECODE_CACHE_DIR or --cache-dir), then every
 tree decodes the same held-out prompts with the fixed engine (no adaptive policy, so trees are compared
-as trees), compiled once before it is timed. Greedy rows check the output against plain greedy. A hand
+as trees), compiled once, then all trees and plain decoding timed round robin (--repeats rounds,
+median each). Greedy rows check the output against plain greedy. A hand
 tree a drafter refuses (deeper than its heads) is skipped and listed.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ import platform
 
 import jax
 import numpy as np
-from _common import heldout_prompts, load_target_and_draft, timed, write_result
+from _common import heldout_prompts, interleaved_medians, load_target_and_draft, write_result
 
 from jaxdecode.autoregressive import decode, pad_prompts
 from jaxdecode.decoders import DEFAULT_VERIFIER
@@ -31,7 +32,7 @@ from jaxdecode.treeopt import resolve_auto_tree
 from jaxdecode.verifiers import get_verifier
 
 DRAFTERS = ("draft_lm", "medusa", "hydra", "eagle3", "prompt_lookup")
-HAND_TREES = (None, "chain:3", "chain:4", "chain:5", "static:2,2,1", "static:3,2,1,1",
+HAND_TREES = (None, "chain:2", "chain:3", "chain:4", "chain:5", "chain:6", "static:2,2,1", "static:3,2,1,1",
               "eagle:depth=5,topk=8,total=32")  # None: the drafter's own default
 
 
@@ -40,7 +41,9 @@ def main(argv=None):
     ap.add_argument("--target", default=None, help="target model dir (default: the embedded target)")
     ap.add_argument("--draft", default=None, help="draft model dir (default: the embedded draft)")
     ap.add_argument("--only", default=None, help=f"comma list of drafters (default: {','.join(DRAFTERS)})")
-    ap.add_argument("--prompts", type=int, default=4, help="timed prompts (and as many calibration prompts)")
+    ap.add_argument("--prompts", type=int, default=4, help="timed prompts")
+    ap.add_argument("--calibration-prompts", type=int, default=16,
+                    help="prompts the acceptance profile decodes (other held-out windows than the timed ones)")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new", type=int, default=96)
     ap.add_argument("--batch-size", type=int, default=1)
@@ -48,14 +51,14 @@ def main(argv=None):
     ap.add_argument("--auto", default="auto", help="the auto spec, e.g. auto:width=8,depth=6,tokens=128")
     ap.add_argument("--trees", default=None, help="hand trees separated by ';' (default: a fixed list)")
     ap.add_argument("--cache-dir", default=None, help="profiles and cost tables (default: the user cache)")
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3, help="timing rounds, round robin over the trees (median)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
     target_dir, target, draft = load_target_and_draft(args)
     cfg = target.config
     prompts = heldout_prompts(target.tokenizer, args.prompts, args.prompt_tokens, seed=0)
-    calib = heldout_prompts(target.tokenizer, args.prompts, args.prompt_tokens, seed=1)
+    calib = heldout_prompts(target.tokenizer, args.calibration_prompts, args.prompt_tokens, seed=1)
     cal_toks, cal_lens = pad_prompts(calib)
     batches = [pad_prompts(prompts[i:i + args.batch_size]) for i in range(0, len(prompts), args.batch_size)]
     n_tok = args.new * len(prompts)
@@ -69,21 +72,12 @@ def main(argv=None):
         sampler = SamplerConfig(temperature=t)
         key = jax.random.PRNGKey(0)
 
-        def run(fn):
-            outs, secs = [], 0.0
-            for pt, pl in batches:
-                (toks, steps), sec = timed(lambda: fn(pt, pl), args.repeats)
-                outs.append((np.asarray(toks), steps))
-                secs += sec
-            return [o for o, _ in outs], secs, sum(s for _, s in outs)
-
         def plain(pt, pl):
             out = decode(cfg, target.params, pt, pl, max_new_tokens=args.new, sampler=sampler, key=key,
                          method="greedy" if t == 0 else "sample")
             return jax.block_until_ready(out.tokens), args.new * pt.shape[0]
 
-        base, base_s, _ = run(plain)
-        print(f"\nT={t}: plain {n_tok / base_s:.1f} tok/s", flush=True)
+        base = [np.asarray(plain(pt, pl)[0]) for pt, pl in batches]  # also compiles plain decoding
         for name in names:
             def build(tree, name=name):
                 return make_drafter(name, target, draft=draft if name in ("draft_lm", "accept_head") else None,
@@ -91,13 +85,13 @@ def main(argv=None):
             try:
                 auto_tree, info = resolve_auto_tree(target, build, cal_toks, cal_lens, spec=args.auto,
                                                     sampler=sampler, max_new_tokens=args.new,
-                                                    cache_dir=args.cache_dir)
+                                                    cache_dir=args.cache_dir, batch_size=args.batch_size)
             except (ValueError, FileNotFoundError) as e:
                 skipped.append(f"{name} T={t}: auto: {e}")
                 continue
-            print(f"  {name}: auto -> {info['tree']} (expected tau {info['tree_expected_tau']}, expected "
+            print(f"\nT={t} {name}: auto -> {info['tree']} (expected tau {info['tree_expected_tau']}, expected "
                   f"speedup {info['tree_expected_speedup']})", flush=True)
-            results = {}
+            configs, first = {"plain": plain}, {}
             for label, tree in [("auto", auto_tree)] + [(h or "default", h) for h in hand]:
                 try:
                     drafter = build(tree)
@@ -111,11 +105,19 @@ def main(argv=None):
                                              verifier=verifier, sampler=sampler, key=key)
                     return jax.block_until_ready(out.tokens), int(np.sum(out.stats["verify_calls"]))
 
-                outs, secs, steps = run(spec)
-                same = all(np.array_equal(a, b) for a, b in zip(outs, base))
+                configs[label] = spec
+                first[label] = (drafter.num_nodes, [spec(pt, pl) for pt, pl in batches])  # compile + outputs
+            # Every configuration (plain included) timed round robin: load drift hits them alike.
+            secs = interleaved_medians({label: (lambda fn=fn: [fn(pt, pl) for pt, pl in batches])
+                                        for label, fn in configs.items()}, max(1, args.repeats))
+            results = {}
+            for label, (nodes, outs) in first.items():
+                same = all(np.array_equal(np.asarray(o), b) for (o, _), b in zip(outs, base))
+                steps = sum(s for _, s in outs)
                 row = dict(temperature=t, batch=args.batch_size, drafter=name, tree=label if label != "auto"
-                           else f"auto = {info['tree']}", nodes=drafter.num_nodes, tau=n_tok / max(steps, 1),
-                           tok_s=n_tok / secs, speedup=base_s / secs, equal=same if t == 0 else None)
+                           else f"auto = {info['tree']}", nodes=nodes, tau=n_tok / max(steps, 1),
+                           tok_s=n_tok / secs[label], speedup=secs["plain"] / secs[label],
+                           plain_tok_s=n_tok / secs["plain"], equal=same if t == 0 else None)
                 rows.append(row)
                 results[label] = row
                 print(f"    {row['tree'][:60]:60s} nodes {row['nodes']:3d}  tau {row['tau']:.2f}  "

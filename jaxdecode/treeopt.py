@@ -16,8 +16,10 @@ heads, block drafters); a vector means the same p at every depth.
 - `sequoia_tree` / `sequoia_values`: the dynamic program over (nodes, depth, branching) that maximises
   the expected accepted tokens; `expected_accepted(paths, p)` scores any static tree.
 - `choose_tree`: for every (node budget, depth limit) the optimal tree, its expected tokens per second
-  (1 + E[accepted]) / (draft cost of its depth + verification cost of its size, from a measured
-  jaxdecode.costmodel.CostTable): the best one (PPD / Sequoia hardware-aware size).
+  (1 + E[accepted]) / (draft cost of its depth and size + verification cost of its size, from a measured
+  jaxdecode.costmodel.CostTable): the best one (PPD / Sequoia hardware-aware size). The draft cost is
+  levels x per-level + nodes x per-node seconds (`split_draft_cost`: from the propose times of the
+  profiling comb and of a chain of the same depth).
 - `resolve_auto_tree`: what `generate(method="speculative", tree="auto")` runs: profile (cached on
   disk) + cost table (jaxdecode.costmodel.load_or_calibrate) -> a StaticTreeBuilder (or 'chain:L' for
   drafters that retrieve chains) and the numbers for the stats.
@@ -42,7 +44,8 @@ import numpy as np
 from jaxdecode.tree import TreeError, static_tree_layout
 
 __all__ = ["AcceptanceProfile", "TreeChoice", "comb_paths", "acceptance_profile", "acceptance_matrix",
-           "is_auto", "sequoia_values", "sequoia_tree", "expected_accepted", "choose_tree", "tree_spec",
+           "is_auto", "sequoia_values", "sequoia_tree", "expected_accepted", "choose_tree", "split_draft_cost", "SizedCosts",
+           "tree_spec",
            "resolve_auto_tree", "parse_auto", "AUTO_DEFAULTS"]
 
 
@@ -210,10 +213,13 @@ class TreeChoice:
 
 
 def choose_tree(p, costs, max_nodes: int, max_depth: int, draft_seconds_per_level: float | None = None,
-                *, draft_levels: int = 1) -> TreeChoice:
+                *, draft_levels: int = 1, draft_seconds_per_node: float = 0.0) -> TreeChoice:
     """The hardware-aware tree: over node budgets 1..max_nodes and depth limits 1..max_depth, Sequoia's
     tree and its expected tokens per second (1 + E[accepted]) / (depth * draft_seconds_per_level +
-    costs.step_at(nodes)); the fastest (ties: fewer nodes, then shallower).
+    nodes * draft_seconds_per_node + costs.step_at(nodes)); the fastest (ties: fewer nodes, then
+    shallower). draft_seconds_per_node: the part of drafting that grows with the nodes drafted (heads
+    run per node: a chain of 4 costs far less than 4 levels of an 8-wide comb); `split_draft_cost`
+    measures both parts.
 
     costs: a jaxdecode.costmodel.CostTable (step_at (or verify_at), draft_seconds, widths): step_at is
     the engine's whole step without the drafter, as the adaptive policy prices it. draft_seconds_per_level:
@@ -230,8 +236,10 @@ def choose_tree(p, costs, max_nodes: int, max_depth: int, draft_seconds_per_leve
         if isinstance(draft_levels, bool) or not isinstance(draft_levels, int) or draft_levels < 1:
             raise ValueError(f"draft_levels must be an int >= 1, got {draft_levels!r}")
         draft_seconds_per_level = float(costs.draft_seconds) / draft_levels
-    if not (math.isfinite(draft_seconds_per_level) and draft_seconds_per_level >= 0):
-        raise ValueError(f"draft_seconds_per_level must be a finite number >= 0, got {draft_seconds_per_level}")
+    for name, v in (("draft_seconds_per_level", draft_seconds_per_level),
+                    ("draft_seconds_per_node", draft_seconds_per_node)):
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.floating)) or not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
     step_at = getattr(costs, "step_at", None) or costs.verify_at
     plain = 1.0 / float(step_at(0))
     seen: dict[tuple, tuple] = {}
@@ -244,7 +252,7 @@ def choose_tree(p, costs, max_nodes: int, max_depth: int, draft_seconds_per_leve
                 continue
             nodes, d = len(paths), max(len(q) for q in paths)
             acc = expected_accepted(paths, p)
-            seconds = d * draft_seconds_per_level + float(step_at(nodes))
+            seconds = d * draft_seconds_per_level + nodes * draft_seconds_per_node + float(step_at(nodes))
             seen[paths] = (nodes, d, 1.0 + acc, (1.0 + acc) / seconds, seconds, acc)
     best = max(seen.items(), key=lambda kv: (kv[1][3], -kv[1][0], -kv[1][1]))
     paths, (nodes, d, tau, rate, seconds, acc) = best
@@ -252,6 +260,48 @@ def choose_tree(p, costs, max_nodes: int, max_depth: int, draft_seconds_per_leve
     return TreeChoice(paths=paths, num_nodes=nodes, depth=d, expected_accepted=acc, expected_tau=tau,
                       step_seconds=seconds, tokens_per_second=rate, plain_tokens_per_second=plain,
                       candidates=cands)
+
+
+def split_draft_cost(comb_seconds: float, width: int, depth: int, chain_seconds: float) -> tuple[float, float]:
+    """(seconds per level, seconds per node) of drafting, from one propose on the profiling comb (`width`
+    x `depth` nodes, `depth` levels) and one on a chain of the same depth (`depth` nodes and levels):
+    comb = depth * (level + width * node), chain = depth * (level + node). Timing noise never makes a
+    part negative."""
+    _check_sizes(width, depth)
+    if width == 1:
+        return max(comb_seconds, 0.0) / depth, 0.0
+    per_node = max(0.0, (comb_seconds - chain_seconds) / (depth * (width - 1)))
+    per_level = max(0.0, chain_seconds / depth - per_node)
+    return per_level, per_node
+
+
+@dataclasses.dataclass(frozen=True)
+class SizedCosts:
+    """A cost table measured with a drafter of `measured_nodes` nodes, re-priced for a tree of its own
+    size: a drafting step's bookkeeping (compaction, observe, statistics over the drafter's node slots)
+    grows with the drafter's node count, not only with the verified width, so the profiling comb's
+    table overprices small trees. step_at(w > 0) = table.step_at(w) - per_node * (measured_nodes - w);
+    the plain step (w = 0) is kept. per_node comes from the width-1 steps of the comb and of a chain."""
+    table: Any
+    measured_nodes: int
+    per_node: float
+
+    @property
+    def widths(self):
+        return self.table.widths
+
+    @property
+    def draft_seconds(self):
+        return self.table.draft_seconds
+
+    def verify_at(self, width) -> float:
+        return self.table.verify_at(width)
+
+    def step_at(self, width) -> float:
+        base = (getattr(self.table, "step_at", None) or self.table.verify_at)(width)
+        if width <= 0:
+            return base
+        return max(self.table.verify_at(width), base - self.per_node * max(self.measured_nodes - width, 0))
 
 
 # ----------------------------------------------------------------------------- measuring p
@@ -528,7 +578,8 @@ def _emit(progress, line: str) -> None:
 
 def resolve_auto_tree(model, build_drafter: Callable[[Any], Any], prompt_tokens, prompt_lengths, *,
                       spec: str = "auto", sampler=None, verifier=None, eos_ids: tuple = (),
-                      max_new_tokens: int | None = None, cache_dir=None, progress=True, key=None):
+                      max_new_tokens: int | None = None, cache_dir=None, progress=True, key=None,
+                      batch_size: int | None = None):
     """What tree='auto' becomes for this drafter, model, batch and sampler: (tree, stats).
 
     build_drafter(tree) builds the drafter on a tree option (a builder or a spec string). The acceptance
@@ -538,7 +589,9 @@ def resolve_auto_tree(model, build_drafter: Callable[[Any], Any], prompt_tokens,
     StaticTreeBuilder(paths, rule) for drafters that take builders, 'chain:L' for drafters that
     retrieve chains; stats: tree (spec string), tree_parents, tree_nodes, tree_depth, tree_expected_tau,
     tree_expected_speedup (against plain decoding, from the cost table) and tree_auto_seconds (the time
-    this took: profiling and calibrating on a cache miss, reading the caches on a hit)."""
+    this took: profiling and calibrating on a cache miss, reading the caches on a hit). batch_size: the
+    batch decoding will run at, whose cost table prices the trees (default: the prompts' rows, as in
+    generate; give it when the prompts are a calibration set of another size)."""
     from jaxdecode.costmodel import load_or_calibrate
     from jaxdecode.drafters.builders import StaticTreeBuilder
     from jaxdecode.sampling import SamplerConfig
@@ -575,18 +628,36 @@ def resolve_auto_tree(model, build_drafter: Callable[[Any], Any], prompt_tokens,
                                      max_new_tokens=tokens, eos_ids=eos_ids, key=key)
         _write_profile(path, pkey, profile)
 
-    batch = int(np.asarray(prompt_tokens).shape[0])
+    batch = int(np.asarray(prompt_tokens).shape[0]) if batch_size is None else batch_size
+    if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     context = int(np.max(np.asarray(prompt_lengths))) + (max_new_tokens or settings["tokens"]) // 2
     limit = model.config.max_position_embeddings - drafter.max_depth - 1
     costs = load_or_calibrate(model, drafter, batch, context_len=max(2, min(context, limit)), sampler=sampler,
                               verifier=verifier, cache_dir=cache_dir, progress=progress)
     max_nodes = min(settings["max_nodes"] or drafter.num_nodes, max(costs.widths))
-    choice = choose_tree(profile.p_by_depth(), costs, max_nodes, depth, draft_levels=depth)
+    per_level, per_node = costs.draft_seconds / depth, 0.0
+    if not chain:  # drafting cost = levels + nodes: a chain of the comb's depth tells the two apart
+        try:
+            chain_drafter = build_drafter(f"chain:{depth}")
+        except (ValueError, TypeError):
+            chain_drafter = None  # a drafter that takes no chain: its cost is priced per level
+        if chain_drafter is not None and chain_drafter.num_nodes == depth:
+            chain_costs = load_or_calibrate(model, chain_drafter, batch, widths=(1,),
+                                            context_len=max(2, min(context, limit)), sampler=sampler,
+                                            cache_dir=cache_dir, progress=progress)
+            per_level, per_node = split_draft_cost(costs.draft_seconds, width, depth, chain_costs.draft_seconds)
+            bookkeeping = (costs.step_at(1) - chain_costs.step_at(1)) / max(drafter.num_nodes - depth, 1)
+            costs = SizedCosts(costs, drafter.num_nodes, max(0.0, bookkeeping))
+    choice = choose_tree(profile.p_by_depth(), costs, max_nodes, depth, draft_seconds_per_level=per_level,
+                         draft_seconds_per_node=per_node)
     parents, _, _ = static_tree_layout(choice.paths)
     if chain:
         tree, spec_str = f"chain:{choice.num_nodes}", f"chain:{choice.num_nodes}"
     else:
         tree, spec_str = StaticTreeBuilder(choice.paths, rule), tree_spec(choice.paths, rule)
     stats = {"tree": spec_str, "tree_parents": [int(x) for x in parents], **choice.stats(),
+             "tree_draft_ms_per_level": round(per_level * 1e3, 4), "tree_draft_ms_per_node": round(per_node * 1e3, 4),
+             "tree_step_ms_per_node": round(getattr(costs, "per_node", 0.0) * 1e3, 4),
              "tree_auto_seconds": round(time.perf_counter() - start, 4)}  # profiling + calibration
     return tree, stats

@@ -6,7 +6,8 @@ import functools
 import numpy as np
 import pytest
 
-from jaxdecode.treeopt import (AcceptanceProfile, acceptance_matrix, choose_tree, comb_paths,
+from jaxdecode.treeopt import (AcceptanceProfile, acceptance_matrix, choose_tree, comb_paths, split_draft_cost,
+                               SizedCosts,
                                expected_accepted, sequoia_tree, sequoia_values, tree_spec)
 from jaxdecode.tree import TreeError
 
@@ -113,6 +114,32 @@ def test_choose_tree_follows_the_cost_curve():
     assert shallow.depth < deep.depth
     with pytest.raises(ValueError, match="widest"):
         choose_tree(P_REAL, _Costs(widths, [1.0] * 7), max_nodes=64, max_depth=4)
+
+
+def test_draft_cost_per_level_and_per_node():
+    # comb 8 x 4 and chain of 4 from level = 2, node = 0.5: comb = 4 * (2 + 8 * 0.5), chain = 4 * 2.5
+    assert split_draft_cost(24.0, 8, 4, 10.0) == pytest.approx((2.0, 0.5))
+    assert split_draft_cost(9.0, 8, 4, 10.0) == (2.5, 0.0)  # noise: the comb timed faster, nothing negative
+    assert split_draft_cost(8.0, 1, 4, 99.0) == (2.0, 0.0)  # a chain comb: all per level
+    widths = (0, 1, 2, 4, 8, 16)
+    flat = _Costs(widths, [1.0] * 6)
+    # Medusa-like: depth-1 heads are good at every rank, deeper ones only at rank 0.
+    p = ((0.5, 0.4, 0.3, 0.3), (0.8, 0.05, 0.05, 0.05), (0.8, 0.05, 0.05, 0.05))
+    per_node = choose_tree(p, flat, 12, 3, draft_seconds_per_level=0.0, draft_seconds_per_node=0.2)
+    per_level = choose_tree(p, flat, 12, 3, draft_seconds_per_level=0.8, draft_seconds_per_node=0.0)
+    # priced per node, every node must pay for itself: a small tree; per level, extra nodes are free
+    assert per_node.num_nodes < per_level.num_nodes
+    assert per_node.step_seconds == pytest.approx(1.0 + 0.2 * per_node.num_nodes)
+    assert per_level.step_seconds == pytest.approx(1.0 + 0.8 * per_level.depth)
+    with pytest.raises(ValueError, match="draft_seconds_per_node"):
+        choose_tree(p, flat, 12, 3, draft_seconds_per_node=-1.0)
+    # a table measured with a 12-node drafter, re-priced for smaller trees; never below the forward alone
+    table = _Costs(widths, [1.0, 1.2, 1.2, 1.2, 1.2, 1.2])
+    table.step_at = lambda w: 1.0 if w == 0 else 2.0  # whole steps: the forward + bookkeeping of 12 slots
+    sized = SizedCosts(table, measured_nodes=12, per_node=0.05)
+    assert sized.step_at(0) == 1.0 and sized.step_at(12) == pytest.approx(2.0)
+    assert sized.step_at(2) == pytest.approx(2.0 - 0.05 * 10)
+    assert SizedCosts(table, 12, per_node=1.0).step_at(1) == pytest.approx(1.2)  # the forward's floor
 
 
 def test_profile_json_and_estimates():
