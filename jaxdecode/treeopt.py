@@ -21,8 +21,10 @@ heads, block drafters); a vector means the same p at every depth.
   levels x per-level + nodes x per-node seconds (`split_draft_cost`: from the propose times of the
   profiling comb and of a chain of the same depth).
 - `resolve_auto_tree`: what `generate(method="speculative", tree="auto")` runs: profile (cached on
-  disk) + cost table (jaxdecode.costmodel.load_or_calibrate) -> a StaticTreeBuilder (or 'chain:L' for
-  drafters that retrieve chains) and the numbers for the stats.
+  disk) + cost table (jaxdecode.costmodel.load_or_calibrate) -> the model's best tree of each size class
+  (`size_finalists`), whose whole engine steps are then timed side by side
+  (jaxdecode.costmodel.load_or_measure_trees) -> a StaticTreeBuilder (or 'chain:L' for drafters that
+  retrieve chains) and the numbers for the stats.
 """
 from __future__ import annotations
 
@@ -43,10 +45,9 @@ import numpy as np
 
 from jaxdecode.tree import TreeError, static_tree_layout
 
-__all__ = ["AcceptanceProfile", "TreeChoice", "comb_paths", "acceptance_profile", "acceptance_matrix",
-           "is_auto", "sequoia_values", "sequoia_tree", "expected_accepted", "choose_tree", "split_draft_cost", "SizedCosts",
-           "tree_spec",
-           "resolve_auto_tree", "parse_auto", "AUTO_DEFAULTS"]
+__all__ = ["AcceptanceProfile", "TreeChoice", "SizedCosts", "comb_paths", "acceptance_profile", "acceptance_matrix",
+           "is_auto", "sequoia_values", "sequoia_tree", "expected_accepted", "choose_tree", "split_draft_cost",
+           "size_finalists", "tree_spec", "resolve_auto_tree", "parse_auto", "AUTO_DEFAULTS"]
 
 
 # ----------------------------------------------------------------------------- the acceptance model
@@ -200,6 +201,7 @@ class TreeChoice:
     tokens_per_second: float  # expected_tau / step_seconds (per row)
     plain_tokens_per_second: float  # 1 / the plain step's seconds (costs.step_at(0)), per row
     candidates: tuple  # (num_nodes, depth, expected_tau, tokens_per_second) of every distinct tree scored
+    ranked: tuple = ()  # the distinct trees' paths, best expected tokens per second first
 
     @property
     def speedup(self) -> float:
@@ -254,12 +256,12 @@ def choose_tree(p, costs, max_nodes: int, max_depth: int, draft_seconds_per_leve
             acc = expected_accepted(paths, p)
             seconds = d * draft_seconds_per_level + nodes * draft_seconds_per_node + float(step_at(nodes))
             seen[paths] = (nodes, d, 1.0 + acc, (1.0 + acc) / seconds, seconds, acc)
-    best = max(seen.items(), key=lambda kv: (kv[1][3], -kv[1][0], -kv[1][1]))
-    paths, (nodes, d, tau, rate, seconds, acc) = best
+    ranked = sorted(seen.items(), key=lambda kv: (-kv[1][3], kv[1][0], kv[1][1]))
+    paths, (nodes, d, tau, rate, seconds, acc) = ranked[0]
     cands = tuple(sorted((v[0], v[1], round(v[2], 4), v[3]) for v in seen.values()))
     return TreeChoice(paths=paths, num_nodes=nodes, depth=d, expected_accepted=acc, expected_tau=tau,
                       step_seconds=seconds, tokens_per_second=rate, plain_tokens_per_second=plain,
-                      candidates=cands)
+                      candidates=cands, ranked=tuple(kv[0] for kv in ranked))
 
 
 def split_draft_cost(comb_seconds: float, width: int, depth: int, chain_seconds: float) -> tuple[float, float]:
@@ -293,6 +295,10 @@ class SizedCosts:
     @property
     def draft_seconds(self):
         return self.table.draft_seconds
+
+    @property
+    def idle_seconds(self):
+        return getattr(self.table, "idle_seconds", 0.0)
 
     def verify_at(self, width) -> float:
         return self.table.verify_at(width)
@@ -452,11 +458,22 @@ def acceptance_profile(model, build_drafter: Callable[[Any], Any], prompt_tokens
                              tuple(map(tuple, accepted.tolist())), meta)
 
 
+def size_finalists(ranked, k: int) -> tuple:
+    """The best tree of each size class (1, 2-3, 4-7, 8-15, ... nodes), best class first, at most k:
+    the model's next-best trees are mostly its best one give or take a node, and its error is in how
+    cost grows with size, so the finalists to time should differ in size."""
+    best = {}
+    for paths in ranked:  # best first: the first tree of a class is its best
+        best.setdefault(len(paths).bit_length(), paths)
+    return tuple(best.values())[:k]
+
+
 # ----------------------------------------------------------------------------- tree="auto"
 # Settings of tree="auto" ("auto:width=4,depth=4" overrides them): the profiling comb's ranks per node
 # and depth, the largest tree considered (default: the comb's size, the widest verification the cost
-# table measures), and new tokens per prompt of the profiling run.
-AUTO_DEFAULTS = {"width": 8, "depth": 6, "max_nodes": None, "tokens": 128}
+# table measures), new tokens per prompt of the profiling run, and how many of the model's best trees
+# are then timed side by side (`finalists`; 1: the model's choice, untimed).
+AUTO_DEFAULTS = {"width": 8, "depth": 6, "max_nodes": None, "tokens": 128, "finalists": 4}
 PROFILE_SCHEMA = 1
 _PROFILE_ROWS = 16  # prompts the profiling run decodes at most (the first ones)
 
@@ -474,8 +491,8 @@ def parse_auto(spec: str) -> dict:
     for item in filter(None, rest.split(",")):
         name, eq, value = item.partition("=")
         if name not in AUTO_DEFAULTS or not eq or not value.strip().isdigit() or int(value) < 1:
-            raise ValueError(f"bad tree spec {spec!r}: 'auto' takes width=, depth=, max_nodes=, tokens= "
-                             f"(ints >= 1), e.g. 'auto:width=4,depth=5', got {item!r}")
+            raise ValueError(f"bad tree spec {spec!r}: 'auto' takes width=, depth=, max_nodes=, tokens=, "
+                             f"finalists= (ints >= 1), e.g. 'auto:width=4,depth=5', got {item!r}")
         out[name] = int(value)
     return out
 
@@ -592,7 +609,7 @@ def resolve_auto_tree(model, build_drafter: Callable[[Any], Any], prompt_tokens,
     this took: profiling and calibrating on a cache miss, reading the caches on a hit). batch_size: the
     batch decoding will run at, whose cost table prices the trees (default: the prompts' rows, as in
     generate; give it when the prompts are a calibration set of another size)."""
-    from jaxdecode.costmodel import load_or_calibrate
+    from jaxdecode.costmodel import load_or_calibrate, load_or_measure_trees
     from jaxdecode.drafters.builders import StaticTreeBuilder
     from jaxdecode.sampling import SamplerConfig
     from jaxdecode.verifiers import default_verifier, get_verifier
@@ -649,14 +666,30 @@ def resolve_auto_tree(model, build_drafter: Callable[[Any], Any], prompt_tokens,
             per_level, per_node = split_draft_cost(costs.draft_seconds, width, depth, chain_costs.draft_seconds)
             bookkeeping = (costs.step_at(1) - chain_costs.step_at(1)) / max(drafter.num_nodes - depth, 1)
             costs = SizedCosts(costs, drafter.num_nodes, max(0.0, bookkeeping))
-    choice = choose_tree(profile.p_by_depth(), costs, max_nodes, depth, draft_seconds_per_level=per_level,
+    p = profile.p_by_depth()
+    choice = choose_tree(p, costs, max_nodes, depth, draft_seconds_per_level=per_level,
                          draft_seconds_per_node=per_node)
+
+    def as_tree(paths):  # (the drafter's tree option, its display spec)
+        return (f"chain:{len(paths)}",) * 2 if chain else (StaticTreeBuilder(paths, rule), tree_spec(paths, rule))
+
+    finalists = size_finalists(choice.ranked, settings["finalists"])
+    timed = []
+    if len(finalists) > 1:  # the model's best few timed side by side: the pick is measured, not modelled
+        drafters = [build_drafter(as_tree(paths)[0]) for paths in finalists]
+        secs = load_or_measure_trees(model, drafters, batch, context_len=max(2, min(context, limit)),
+                                     sampler=sampler, verifier=given, cache_dir=cache_dir, progress=progress)
+        timed = [(paths, 1.0 + expected_accepted(paths, p), sec) for paths, sec in zip(finalists, secs)]
+        paths, tau, sec = max(timed, key=lambda t: t[1] / t[2])
+        plain = float(costs.step_at(0)) + float(getattr(costs, "idle_seconds", 0.0) or 0.0)
+        choice = dataclasses.replace(choice, paths=paths, num_nodes=len(paths), depth=max(map(len, paths)),
+                                     expected_accepted=tau - 1.0, expected_tau=tau, step_seconds=sec,
+                                     tokens_per_second=tau / sec, plain_tokens_per_second=1.0 / plain)
     parents, _, _ = static_tree_layout(choice.paths)
-    if chain:
-        tree, spec_str = f"chain:{choice.num_nodes}", f"chain:{choice.num_nodes}"
-    else:
-        tree, spec_str = StaticTreeBuilder(choice.paths, rule), tree_spec(choice.paths, rule)
+    tree, spec_str = as_tree(choice.paths)
     stats = {"tree": spec_str, "tree_parents": [int(x) for x in parents], **choice.stats(),
+             "tree_finalists": [{"tree": as_tree(q)[1], "expected_tau": round(t, 4), "step_ms": round(s * 1e3, 4)}
+                                for q, t, s in timed],
              "tree_draft_ms_per_level": round(per_level * 1e3, 4), "tree_draft_ms_per_node": round(per_node * 1e3, 4),
              "tree_step_ms_per_node": round(getattr(costs, "per_node", 0.0) * 1e3, 4),
              "tree_auto_seconds": round(time.perf_counter() - start, 4)}  # profiling + calibration

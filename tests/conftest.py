@@ -86,6 +86,10 @@ def _synthetic_cost_tables(request, monkeypatch):
                                        draft_seconds=2e-4, idle_seconds=0.0, batch_size=int(batch_size),
                                        meta={"synthetic": "tests/conftest.py"})
         monkeypatch.setattr(costmodel, "load_or_calibrate", synthetic)
+
+        def synthetic_trees(model, drafters, batch_size, **kw):  # tree="auto"'s finalists: the same curve
+            return [1e-3 * (1 + 0.05 * d.num_nodes) + 2e-4 for d in drafters]
+        monkeypatch.setattr(costmodel, "load_or_measure_trees", synthetic_trees)
     yield
 
 

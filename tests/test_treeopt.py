@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxdecode.treeopt import (AcceptanceProfile, acceptance_matrix, choose_tree, comb_paths, split_draft_cost,
-                               SizedCosts,
+                               SizedCosts, size_finalists,
                                expected_accepted, sequoia_tree, sequoia_values, tree_spec)
 from jaxdecode.tree import TreeError
 
@@ -142,6 +142,13 @@ def test_draft_cost_per_level_and_per_node():
     assert SizedCosts(table, 12, per_node=1.0).step_at(1) == pytest.approx(1.2)  # the forward's floor
 
 
+def test_finalists_differ_in_size():
+    ranked = [((0,),) * 1 + tuple((0,) * d for d in range(2, n + 1)) for n in (16, 15, 17, 4, 5, 8, 2, 1)]
+    sizes = [len(q) for q in size_finalists(ranked, 4)]
+    assert sizes == [16, 15, 4, 2]  # the best of 16-31, of 8-15, of 4-7, of 2-3 nodes
+    assert [len(q) for q in size_finalists(ranked, 9)] == [16, 15, 4, 2, 1]
+
+
 def test_profile_json_and_estimates():
     prof = AcceptanceProfile(2, 2, tried=((10, 4), (6, 3)), accepted=((6, 1), (3, 0)))
     np.testing.assert_allclose(prof.p, [9 / 16, 1 / 7])
@@ -201,6 +208,8 @@ def flat_costs(monkeypatch, tmp_path):
         return cm.CostTable(widths=widths, verify_seconds=(1e-3,) * len(widths), draft_seconds=0.0,
                             idle_seconds=0.0, batch_size=batch_size)
     monkeypatch.setattr(cm, "load_or_calibrate", fake)
+    # the finalists timed side by side: flat too (each test may set its own)
+    monkeypatch.setattr(cm, "load_or_measure_trees", lambda model, drafters, b, **kw: [1e-3] * len(drafters))
     return calls
 
 
@@ -222,6 +231,33 @@ def test_generate_auto_tree_greedy_exact(pair, flat_costs, monkeypatch):
     monkeypatch.setattr(to, "acceptance_profile", lambda *a, **k: pytest.fail("profile not cached"))
     again = jaxdecode.generate(target, PROMPTS, **kw)
     assert again[0].batch_stats["tree"] == s["tree"] and [r.tokens for r in again] == [r.tokens for r in plain]
+
+
+def test_auto_tree_times_finalists_of_different_sizes(pair, flat_costs, monkeypatch):
+    import jaxdecode
+    import jaxdecode.costmodel as cm
+    target, other = pair
+    timed = []
+
+    def steep(model, drafters, b, **kw):  # every node costs as much as a plain step: small trees win
+        timed.append([d.num_nodes for d in drafters])
+        return [1e-3 * (1 + d.num_nodes) for d in drafters]
+    monkeypatch.setattr(cm, "load_or_measure_trees", steep)
+    plain = jaxdecode.generate(target, PROMPTS, method="greedy", max_new_tokens=10, eos_ids=())
+    out = jaxdecode.generate(target, PROMPTS, method="speculative", draft=other, max_new_tokens=10, eos_ids=(),
+                             tree="auto:width=3,depth=3,tokens=12")
+    assert [r.tokens for r in out] == [r.tokens for r in plain]
+    s = out[0].batch_stats
+    (sizes,) = timed
+    assert len(sizes) > 1 and len({n.bit_length() for n in sizes}) == len(sizes)  # one per size class
+    assert s["tree_nodes"] < 9 and s["tree_nodes"] in sizes  # the model alone (flat costs) picks all 9
+    assert [f["step_ms"] for f in s["tree_finalists"]] == pytest.approx([1 + n for n in sizes])
+    best = max(s["tree_finalists"], key=lambda f: f["expected_tau"] / f["step_ms"])
+    assert best["tree"] == s["tree"] and s["tree_expected_tau"] == pytest.approx(best["expected_tau"])
+    # finalists=1: the model's choice, nothing timed
+    one = jaxdecode.generate(target, PROMPTS, method="speculative", draft=other, max_new_tokens=10, eos_ids=(),
+                             tree="auto:width=3,depth=3,tokens=12,finalists=1")
+    assert one[0].batch_stats["tree_nodes"] == 9 and one[0].batch_stats["tree_finalists"] == [] and len(timed) == 1
 
 
 def test_generate_auto_chain_for_retrieval_drafters(pair, flat_costs):
