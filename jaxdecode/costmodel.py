@@ -544,7 +544,7 @@ def _forced_steps(config, params, drafter, prompt, lengths, widths, sampler, ver
     cache_len = round_up(context_len + max_new + drafter.num_nodes + grow + 1, 64)
     # Estimates fixed at 1 (decay 1, no drift, no reach limit): every kept node stays verifiable.
     policy = AdaptivePolicy(widths=widths, decay=1.0, prior=1.0, explore=0.0, min_reach=0.0, margin=0.0,
-                            shape="proposal", plain_run=1)  # one step per trip, plain ones too
+                            shape="proposal")
     static = dict(verifier=_verifier(drafter, sampler, verifier), sampler=sampler, max_new_tokens=max_new,
                   eos_ids=(), cache_len=cache_len, hist_cap=context_len + max_new + grow + 1,
                   attn_impl=attn_impl, verify_widths=widths, mesh=mesh, policy=policy)
