@@ -51,8 +51,9 @@ over
 The blockwise form runs the same two steps per (row, KV head) with one loop for the whole batch over
 the union of the rows' block ranges: in a block outside its own range every slot of a row is masked
 (-1e30), which weighs exactly 0 once the row's query has seen a visible key, so the result is the
-same. Its default block is BLOCKWISE_BLOCK_K slots; a cache of at most that many slots is one block
-(no loop); a last block that would pass S is moved back to end at S, its overlap dropped.
+same. Its default block is `blockwise_block_k()` slots (64 on CPU, BLOCKWISE_BLOCK_K elsewhere); a
+cache of at most that many slots is one block (no loop); a last block that would pass S is moved back to
+end at S, its overlap dropped.
 Masked prefix slots score -1e30 (present but invisible, as in the reference); slots that are not
 keys at all (tree padding, cache padding past S) score -inf and weigh exactly 0. The running max
 starts at -1e30, so no exp(-inf - -inf) NaN can occur.
@@ -632,7 +633,16 @@ def tree_attention_pallas(q, k_cache, v_cache, lengths, tree_mask, *, q_position
 
 
 # ----------------------------------------------------------------------------- blockwise (jnp)
-BLOCKWISE_BLOCK_K = 256  # prefix slots per step of the blockwise form
+BLOCKWISE_BLOCK_K = 256  # prefix slots per step of the blockwise form (accelerators)
+# On CPU a loop step costs little and every slot swept costs its share: with 64-slot blocks the sweep
+# follows the committed prefix instead of the whole cache (BENCHMARKS.md, issue 11: plain decoding
+# 1.0-1.5x faster at 128-384-token prompts, and the speculative engine's extra tree room nearly free).
+BLOCKWISE_BLOCK_K_CPU = 64
+
+
+def blockwise_block_k() -> int:
+    """The blockwise form's default block for the default backend."""
+    return BLOCKWISE_BLOCK_K_CPU if jax.default_backend() == "cpu" else BLOCKWISE_BLOCK_K
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k"))
@@ -680,11 +690,13 @@ def _blockwise_forward(q, k_cache, v_cache, lengths, tree_mask, q_positions, key
 
 
 def tree_attention_blockwise(q, k_cache, v_cache, lengths, tree_mask, *, q_positions=None, window=0,
-                             sm_scale=None, key_positions=None, layer=None, block_k=BLOCKWISE_BLOCK_K):
+                             sm_scale=None, key_positions=None, layer=None, block_k=None):
     """The kernel's math in jnp (XLA on any backend): cost follows the longest committed prefix in the
-    batch, not the cache capacity. block_k: prefix slots per step (any positive int)."""
+    batch, not the cache capacity. block_k: prefix slots per step (any positive int; None:
+    `blockwise_block_k()`)."""
     hd = _check_inputs(q, k_cache, v_cache, lengths, tree_mask, q_positions, window, sm_scale, key_positions,
                        layer)[-1]
+    block_k = blockwise_block_k() if block_k is None else block_k
     if isinstance(block_k, (bool, np.bool_)) or not isinstance(block_k, (int, np.integer)) or block_k <= 0:
         raise ValueError(f"block_k must be a positive int, got {block_k!r}")
     k_cache, v_cache, layer = _as_stacked(k_cache, v_cache, layer)
@@ -714,8 +726,7 @@ def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, q_positions=None,
     if impl == "reference":
         return tree_attention_reference(q, k_cache, v_cache, lengths, tree_mask, **kw)
     if impl == "blockwise":
-        return tree_attention_blockwise(q, k_cache, v_cache, lengths, tree_mask,
-                                        block_k=BLOCKWISE_BLOCK_K if block_k is None else block_k, **kw)
+        return tree_attention_blockwise(q, k_cache, v_cache, lengths, tree_mask, block_k=block_k, **kw)
     return tree_attention_pallas(q, k_cache, v_cache, lengths, tree_mask, interpret=impl == "interpret",
                                  block_k=block_k, **kw)
 
