@@ -281,6 +281,13 @@ def check_widths(widths, num_nodes: int) -> tuple:
     return tuple(sorted({0, *(int(w) for w in widths)}))
 
 
+def check_batch_size(batch_size) -> int:
+    """batch_size as an int >= 1; a ValueError saying what is wrong otherwise."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    return int(batch_size)
+
+
 def _emit(progress, line: str) -> None:
     if progress is True:
         print(line, file=sys.stderr, flush=True)
@@ -424,8 +431,7 @@ def measure(model, drafter, batch_size: int, *, widths=None, context_len: int | 
                                        feature_request, select_features)
 
     config, params = _config_and_params(model)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    check_batch_size(batch_size)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     b = int(batch_size)
@@ -581,8 +587,7 @@ def measure_trees(model, drafters, batch_size: int, *, context_len: int | None =
     drafters = list(drafters)
     if not drafters:
         raise ValueError("measure_trees needs at least one drafter")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    check_batch_size(batch_size)
     deepest = max(drafters, key=lambda d: d.max_depth)
     context_len = resolve_context(config, deepest, context_len)
     sampler = sampler or SamplerConfig(temperature=0.0)
@@ -685,8 +690,7 @@ def cache_key(model, drafter, batch_size: int, *, widths=None, context_len: int 
     """Everything a table depends on (the file name is the sha256 of its JSON). widths / context_len as
     in `load_or_calibrate`; the context is already bucketed here."""
     config, params = _config_and_params(model)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    check_batch_size(batch_size)
     widths = check_widths(widths, drafter.num_nodes)
     context_len = resolve_context(config, drafter, context_len)
     if attn_impl is None:

@@ -609,7 +609,7 @@ def resolve_auto_tree(model, build_drafter: Callable[[Any], Any], prompt_tokens,
     this took: profiling and calibrating on a cache miss, reading the caches on a hit). batch_size: the
     batch decoding will run at, whose cost table prices the trees (default: the prompts' rows, as in
     generate; give it when the prompts are a calibration set of another size)."""
-    from jaxdecode.costmodel import load_or_calibrate, load_or_measure_trees
+    from jaxdecode.costmodel import check_batch_size, load_or_calibrate, load_or_measure_trees
     from jaxdecode.drafters.builders import StaticTreeBuilder
     from jaxdecode.sampling import SamplerConfig
     from jaxdecode.verifiers import default_verifier, get_verifier
@@ -645,9 +645,7 @@ def resolve_auto_tree(model, build_drafter: Callable[[Any], Any], prompt_tokens,
                                      max_new_tokens=tokens, eos_ids=eos_ids, key=key)
         _write_profile(path, pkey, profile)
 
-    batch = int(np.asarray(prompt_tokens).shape[0]) if batch_size is None else batch_size
-    if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    batch = int(np.asarray(prompt_tokens).shape[0]) if batch_size is None else check_batch_size(batch_size)
     context = int(np.max(np.asarray(prompt_lengths))) + (max_new_tokens or settings["tokens"]) // 2
     limit = model.config.max_position_embeddings - drafter.max_depth - 1
     costs = load_or_calibrate(model, drafter, batch, context_len=max(2, min(context, limit)), sampler=sampler,
