@@ -36,6 +36,22 @@ def _timed(model, prompts, method, max_new_tokens, **opts):
     return out, time.perf_counter() - start
 
 
+def _side_by_side(model, prompts, max_new_tokens, spec_opts, repeats: int = 3):
+    """(greedy outputs, speculative outputs, greedy seconds, speculative seconds): each compiled first,
+    then timed alternately `repeats` times (medians), so a change in the machine's load between the
+    two does not show up as a speedup or a slowdown."""
+    runs = {"greedy": {}, "speculative": spec_opts}
+    outs = {m: generate(model, prompts, method=m, max_new_tokens=max_new_tokens, eos_ids=(), **o)  # compile
+            for m, o in runs.items()}
+    secs = {m: [] for m in runs}
+    for _ in range(repeats):
+        for m, o in runs.items():
+            start = time.perf_counter()
+            outs[m] = generate(model, prompts, method=m, max_new_tokens=max_new_tokens, eos_ids=(), **o)
+            secs[m].append(time.perf_counter() - start)
+    return outs["greedy"], outs["speculative"], float(np.median(secs["greedy"])), float(np.median(secs["speculative"]))
+
+
 def run_demo(max_new_tokens: int = 64) -> int:
     print(f"jaxdecode demo on {jax.devices()[0].platform} ({jax.device_count()} device(s))")
     if embedded_model_path("target") is not None:
@@ -62,15 +78,13 @@ def run_demo(max_new_tokens: int = 64) -> int:
         print("speculative decoding needs the embedded draft model (`make models`); skipped")
         return 0
     draft = load("draft")
-    print(f"\nspeculative decoding (greedy, lossless), measured side by side with plain greedy; the "
-          f"default is adaptive: each step drafts only as deep as pays, from costs measured once on this "
-          f"machine (cached) and the rows' acceptance so far")
-    one, one_secs = _timed(model, prompts[:1], "greedy", max_new_tokens, eos_ids=())
-    one_new = one[0].stats["new_tokens"]
+    print(f"\nspeculative decoding (greedy, lossless), measured side by side with plain greedy (median of "
+          f"3 alternating calls each); the default is adaptive: each step drafts only as deep as pays, from "
+          f"costs measured once on this machine (cached) and the rows' acceptance so far")
     for label, batch, opts in SPEC_CONFIGS:
-        ref, ref_secs, n = (one, one_secs, one_new) if batch == 1 else (out, secs, n_new)
-        spec, spec_secs = _timed(model, prompts[:batch], "speculative", max_new_tokens, eos_ids=(),
-                                 **({"draft": draft} if opts.get("drafter") == "draft_lm" else {}), **opts)
+        opts = dict(opts, **({"draft": draft} if opts.get("drafter") == "draft_lm" else {}))
+        ref, spec, ref_secs, spec_secs = _side_by_side(model, prompts[:batch], max_new_tokens, opts)
+        n = sum(g.stats["new_tokens"] for g in ref)
         same = [g.tokens for g in spec] == [g.tokens for g in ref]
         tau = sum(g.stats["tau"] for g in spec) / len(spec)
         print(f"  batch {batch}  {label:40s} tau {tau:4.2f}  {n / spec_secs:7.1f} tokens/s  speedup "

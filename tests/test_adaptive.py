@@ -126,9 +126,10 @@ def test_greedy_exact_while_depth_changes_between_steps_and_rows(models):
         assert (s["width_hist"] > 0).sum() >= 2, (tree, s["width_hist"])  # the width changed between steps
 
 
-def test_idle_keeps_a_draft_lm_current(models):
+def test_a_draft_lm_catches_up_after_plain_steps(models):
     """With drafting off for stretches (expensive drafts), a self-draft LM must still draft the right
-    tokens whenever the policy probes: its cache catches up while idle."""
+    tokens whenever the policy probes: its cache, left behind by the plain steps, catches up on every
+    token committed meanwhile (several blocks of max_depth + 1) before it drafts."""
     (cfg, params), _ = models
     prompts, lengths = pad_prompts(PROMPTS_4)
     n = 32

@@ -11,6 +11,7 @@ import pytest
 
 from jaxdecode.autoregressive import decode, pad_prompts
 from jaxdecode.drafters.aded import ADEDDrafter, mcts_tree, table_add, table_lookup
+from jaxdecode.drafters.builders import parse_tree_spec
 from jaxdecode.drafters.draft_lm import DraftLM
 from jaxdecode.drafters.dyspec import DySpecBuilder
 from jaxdecode.drafters.ngram import AggressiveDrafter, PromptLookupDrafter
@@ -526,3 +527,27 @@ def test_point_mass_sampling_runs_and_is_reproducible(setup, name):
     assert toks.min() >= 0 and toks.max() < V
     np.testing.assert_array_equal(np.asarray(a.lengths), [NEW] * 4)
     assert np.all(np.asarray(a.stats["tau"]) >= 1.0)
+
+
+def test_draft_lm_catches_up_over_several_blocks(setup):
+    """A draft LM left behind by steps that drafted nothing (the adaptive policy's plain steps) catches
+    up on all the committed tokens it missed, a padded block of max_depth + 1 per forward, and then
+    proposes exactly what it proposes from a cache prefilled with the same history; rows lagging by
+    different amounts (here 2, 6 and 12 tokens against blocks of 3) end up alike."""
+    s = setup
+    drafter = DraftLM(params=s["dparams"], config=s["dcfg"], builder=parse_tree_spec("chain:2"))
+    rows = [[3, 9, 27, 4, 1, 7, 7, 2, 5, 8, 13, 21, 34, 55], [8, 2, 6, 1, 9, 4, 4, 3, 2, 1, 0, 5, 6, 7],
+            [5, 5, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]
+    history = jnp.asarray(rows, jnp.int32)
+    start = jnp.asarray([13, 9, 3], jnp.int32)  # init saw start - 1 tokens; the pending root is at start - 1
+    full = jnp.full((3,), 14, jnp.int32)
+    key = jax.random.PRNGKey(0)
+    lagging = drafter.init(history, start, 32, key)
+    fresh = drafter.init(history, full, 32, key)  # prefilled with all but the last token
+    ctx = DraftContext(history=history, hist_len=full, key=key)
+    tree_a, probs_a, cache_a = drafter.propose(lagging, ctx, GREEDY)
+    tree_b, probs_b, cache_b = drafter.propose(fresh, ctx, GREEDY)
+    np.testing.assert_array_equal(np.asarray(cache_a.lengths), np.asarray(full))
+    np.testing.assert_array_equal(np.asarray(tree_a.tokens), np.asarray(tree_b.tokens))
+    if probs_b is not None:
+        np.testing.assert_allclose(np.asarray(probs_a), np.asarray(probs_b), atol=1e-5)

@@ -1,8 +1,10 @@
 """Any jaxdecode model as a draft LM, with its own KV cache, composed with any tree builder.
 
 The draft cache holds committed tokens only. Each proposal first catches up on the tokens the target
-committed since the last step (the accepted path and the bonus: at most max_depth + 1, one padded
-forward), which yields the root distribution; the builder then grows the tree level by level, each
+committed since the last proposal, in padded forwards of max_depth + 1 tokens (after a drafting step:
+the accepted path and the bonus, one forward; after steps the adaptive policy did not draft, one
+forward per block of the tokens committed meanwhile, instead of one draft forward every plain step),
+which yields the root distribution; the builder then grows the tree level by level, each
 level one forward that writes beyond the committed prefix (`write_offset`) and sees its ancestors
 through a window mask. Nothing written while drafting is ever committed, so `observe` has nothing to
 undo.
@@ -49,21 +51,32 @@ class DraftLM:
         return cache
 
     def _catch_up(self, cache, ctx):
-        """Run the draft LM over the tokens committed since the last step (at most max_depth + 1, one
-        padded forward): (the root's logits [B, V], the cache holding every committed token)."""
+        """Run the draft LM over the committed tokens its cache lacks, in padded blocks of max_depth + 1
+        (at least one: the pending token is always new when the engine drafts): (the root's logits
+        [B, V], the cache holding every committed token). No `idle`: steps that draft nothing leave the
+        cache behind, and the next proposal catches up on them here, a block per forward."""
         catch = self.max_depth + 1
-        idx = cache.lengths[:, None] + jnp.arange(catch)[None, :]  # [B, C] history positions
-        valid = idx < ctx.hist_len[:, None]
-        toks = jnp.take_along_axis(ctx.history, jnp.minimum(idx, ctx.history.shape[1] - 1), axis=1)
-        logits, _, cache = forward(self.config, self.params, jnp.where(valid, toks, 0), idx, cache,
-                                   padded_causal_mask(valid))
-        n_new = valid.sum(axis=1)
-        root_logits = jnp.take_along_axis(logits, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
-        return root_logits, advance(cache, n_new)
+        hist_cap = ctx.history.shape[1]
 
-    def idle(self, cache, ctx):
-        """A step without a proposal (adaptive speculation off): keep the cache current, draft nothing."""
-        return self._catch_up(cache, ctx)[1]
+        def block(carry):
+            root, cache, _ = carry
+            idx = cache.lengths[:, None] + jnp.arange(catch)[None, :]  # [B, C] history positions
+            valid = idx < ctx.hist_len[:, None]
+            toks = jnp.take_along_axis(ctx.history, jnp.minimum(idx, hist_cap - 1), axis=1)
+            logits, _, cache = forward(self.config, self.params, jnp.where(valid, toks, 0), idx, cache,
+                                       padded_causal_mask(valid))
+            n_new = valid.sum(axis=1)
+            last = jnp.take_along_axis(logits, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
+            last = last.astype(jnp.float32)
+            # A row caught up in an earlier block keeps that block's root.
+            return jnp.where((n_new > 0)[:, None], last, root), advance(cache, n_new), jnp.bool_(False)
+
+        def behind(carry):
+            return carry[2] | jnp.any(carry[1].lengths < ctx.hist_len)
+
+        root0 = jnp.zeros((ctx.hist_len.shape[0], self.config.vocab_size), jnp.float32)
+        root, cache, _ = jax.lax.while_loop(behind, block, (root0, cache, jnp.bool_(True)))
+        return root, cache
 
     def propose(self, cache, ctx, sampler: SamplerConfig):
         cfg, params = self.config, self.params
