@@ -46,7 +46,7 @@ import numpy as np
 from jaxdecode.kernels.common import next_pow2, round_up
 
 SCHEMA = 4  # version of the cache file layout and of the key; bump when either changes meaning
-# (4: DraftLM lost its idle step, so tables measured before hold an idle cost it no longer pays)
+# (4: DraftLM and self-speculation lost their idle step: older tables hold an idle cost no longer paid)
 DEFAULT_CONTEXT_LEN = 256
 # Parameters up to this many bytes are hashed whole; above it every leaf is hashed by shape, dtype and
 # a strided sample of SAMPLE_ELEMENTS elements (hashing gigabytes would cost more than it saves).

@@ -285,3 +285,23 @@ def test_kangaroo_training_lowers_loss_raises_tau_and_round_trips(tmp_path):
 def _tau(target, drafter):
     out = greedy_check(target, drafter, PROMPTS4, new=24)
     return float(np.sum(out.lengths) / np.sum(out.stats["verify_calls"]))
+
+
+@pytest.mark.parametrize("skip_sets", [[[1]], [[1], [2]]])
+def test_catches_up_over_several_blocks(skip_sets):
+    """Left behind by steps that drafted nothing (no idle step), the self-draft catches up on every
+    committed token it missed, max_depth + 1 per forward, and proposes exactly what it proposes from
+    a cache prefilled with the same history; rows 2, 6 and 12 tokens behind end up alike."""
+    from jaxdecode.speculative import DraftContext
+    target = tiny()
+    drafter = ss.make_swift(target, "chain:2", skip_sets=skip_sets)
+    history = jnp.asarray(np.random.RandomState(0).randint(1, 64, size=(3, 14)), jnp.int32)
+    start = jnp.asarray([13, 9, 3], jnp.int32)  # init saw start - 1 tokens
+    full = jnp.full((3,), 14, jnp.int32)
+    key = jax.random.PRNGKey(0)
+    lagging, fresh = drafter.init(history, start, 32, key), drafter.init(history, full, 32, key)
+    ctx = DraftContext(history=history, hist_len=full, key=key)
+    tree_a, _, state_a = drafter.propose(lagging, ctx, GREEDY)
+    tree_b, _, _ = drafter.propose(fresh, ctx, GREEDY)
+    np.testing.assert_array_equal(np.asarray(state_a.cache.lengths), np.asarray(full))
+    np.testing.assert_array_equal(np.asarray(tree_a.tokens), np.asarray(tree_b.tokens))

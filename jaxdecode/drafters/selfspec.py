@@ -320,7 +320,25 @@ class SelfSpecDrafter:
         return run
 
     def _catch_up(self, state: SelfSpecState, history, hist_len, block: int):
-        """(root logits [B, V], cache) of the chosen candidate after the committed tokens."""
+        """(root logits [B, V], cache) of the chosen candidate after all the committed tokens: blocks of
+        `block` tokens until every row has caught up (at least one block). No `idle`: steps that draft
+        nothing leave the cache behind, and the next proposal catches up on them here."""
+        def step(carry):
+            root, st, _ = carry
+            new_root, cache = self._catch_up_block(st, history, hist_len, block)
+            took = (cache.lengths > st.cache.lengths)[:, None]  # a row done earlier keeps its root
+            st = dataclasses.replace(st, cache=cache, built=st.choice)  # a rebuild happens once
+            return jnp.where(took, new_root.astype(jnp.float32), root), st, jnp.bool_(False)
+
+        def behind(carry):
+            return carry[2] | jnp.any(carry[1].cache.lengths < hist_len)
+
+        root0 = jnp.zeros((history.shape[0], self.config.vocab_size), jnp.float32)
+        root, state, _ = jax.lax.while_loop(behind, step, (root0, state, jnp.bool_(True)))
+        return root, state.cache
+
+    def _catch_up_block(self, state: SelfSpecState, history, hist_len, block: int):
+        """One block of `_catch_up`: (root logits [B, V], cache) after at most `block` more tokens."""
         if self.policy == "del":  # the deepest exit writes every candidate's layers; read the chosen exit
             deepest = max(s.stop_at_layer for s in self.candidates)
             ids = tuple(s.stop_at_layer - 1 for s in self.candidates)
@@ -364,11 +382,6 @@ class SelfSpecDrafter:
         # Everything but the pending root (the last prompt token), with the first candidate.
         _, cache = self._catch_up(state, prompt_tokens, prompt_lengths - 1, prompt_tokens.shape[1])
         return dataclasses.replace(state, cache=cache)
-
-    def idle(self, state: SelfSpecState, ctx):
-        """A step without a proposal (adaptive speculation off): keep the cache current, draft nothing."""
-        _, cache = self._catch_up(state, ctx.history, ctx.hist_len, self.max_depth + 1)
-        return dataclasses.replace(state, cache=cache, built=state.choice)
 
     def propose(self, state: SelfSpecState, ctx, sampler):
         root_logits, cache = self._catch_up(state, ctx.history, ctx.hist_len, self.max_depth + 1)
