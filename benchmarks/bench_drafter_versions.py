@@ -18,6 +18,7 @@ have different fingerprints).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -48,8 +49,6 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args(argv)
     os.environ["JAXDECODE_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxdecode-costs-")
-
-    import dataclasses
 
     import jaxdecode
     from jaxdecode.api import embedded_model_path

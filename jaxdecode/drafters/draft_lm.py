@@ -31,6 +31,26 @@ def draft_logprobs(logits, sampler: SamplerConfig):
     return process_logits(logits, sampler.replace(repetition_penalty=1.0))
 
 
+def catch_up_blocks(block, state, lengths_of, hist_len, vocab_size: int):
+    """A drafter's cache brought up to the committed tokens, one block per forward: `block(state)` ->
+    (root logits [B, V] after the block's last token, state) feeds each row's next committed tokens;
+    it runs until `lengths_of(state)` int32[B] reaches hist_len for every row, at least once (when the
+    engine drafts, the pending token is always new). A row that took nothing in a later block keeps its
+    root from an earlier one. Returns (root logits f32[B, V], state)."""
+    def step(carry):
+        root, st, _ = carry
+        new_root, new_st = block(st)
+        took = (lengths_of(new_st) > lengths_of(st))[:, None]
+        return jnp.where(took, new_root.astype(jnp.float32), root), new_st, jnp.bool_(False)
+
+    def behind(carry):
+        return carry[2] | jnp.any(lengths_of(carry[1]) < hist_len)
+
+    root0 = jnp.zeros((hist_len.shape[0], vocab_size), jnp.float32)
+    root, state, _ = jax.lax.while_loop(behind, step, (root0, state, jnp.bool_(True)))
+    return root, state
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DraftLM:
@@ -51,32 +71,23 @@ class DraftLM:
         return cache
 
     def _catch_up(self, cache, ctx):
-        """Run the draft LM over the committed tokens its cache lacks, in padded blocks of max_depth + 1
-        (at least one: the pending token is always new when the engine drafts): (the root's logits
-        [B, V], the cache holding every committed token). No `idle`: steps that draft nothing leave the
-        cache behind, and the next proposal catches up on them here, a block per forward."""
+        """Run the draft LM over the committed tokens its cache lacks, in padded blocks of max_depth + 1:
+        (the root's logits [B, V], the cache holding every committed token). No `idle`: steps that
+        draft nothing leave the cache behind, and the next proposal catches up on them here."""
         catch = self.max_depth + 1
         hist_cap = ctx.history.shape[1]
 
-        def block(carry):
-            root, cache, _ = carry
+        def block(cache):
             idx = cache.lengths[:, None] + jnp.arange(catch)[None, :]  # [B, C] history positions
             valid = idx < ctx.hist_len[:, None]
             toks = jnp.take_along_axis(ctx.history, jnp.minimum(idx, hist_cap - 1), axis=1)
             logits, _, cache = forward(self.config, self.params, jnp.where(valid, toks, 0), idx, cache,
                                        padded_causal_mask(valid))
             n_new = valid.sum(axis=1)
-            last = jnp.take_along_axis(logits, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
-            last = last.astype(jnp.float32)
-            # A row caught up in an earlier block keeps that block's root.
-            return jnp.where((n_new > 0)[:, None], last, root), advance(cache, n_new), jnp.bool_(False)
+            root = jnp.take_along_axis(logits, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
+            return root, advance(cache, n_new)
 
-        def behind(carry):
-            return carry[2] | jnp.any(carry[1].lengths < ctx.hist_len)
-
-        root0 = jnp.zeros((ctx.hist_len.shape[0], self.config.vocab_size), jnp.float32)
-        root, cache, _ = jax.lax.while_loop(behind, block, (root0, cache, jnp.bool_(True)))
-        return root, cache
+        return catch_up_blocks(block, cache, lambda c: c.lengths, ctx.hist_len, self.config.vocab_size)
 
     def propose(self, cache, ctx, sampler: SamplerConfig):
         cfg, params = self.config, self.params

@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdecode.drafters.builders import build_tree
-from jaxdecode.drafters.draft_lm import draft_logprobs
+from jaxdecode.drafters.draft_lm import catch_up_blocks, draft_logprobs
 from jaxdecode.models import KVCache, ModelConfig, advance, forward, init_cache, padded_causal_mask
 from jaxdecode.models.transformer import _norm
 from jaxdecode.speculative import FINAL, accepted_features, run_if, switch_in_place
@@ -319,22 +319,15 @@ class SelfSpecDrafter:
                            layer_ids=ids, num_layers_run=count)
         return run
 
-    def _catch_up(self, state: SelfSpecState, history, hist_len, block: int):
+    def _catch_up(self, state: SelfSpecState, history, hist_len, block_len: int):
         """(root logits [B, V], cache) of the chosen candidate after all the committed tokens: blocks of
-        `block` tokens until every row has caught up (at least one block). No `idle`: steps that draft
+        `block_len` tokens until every row has caught up (at least one block). No `idle`: steps that draft
         nothing leave the cache behind, and the next proposal catches up on them here."""
-        def step(carry):
-            root, st, _ = carry
-            new_root, cache = self._catch_up_block(st, history, hist_len, block)
-            took = (cache.lengths > st.cache.lengths)[:, None]  # a row done earlier keeps its root
-            st = dataclasses.replace(st, cache=cache, built=st.choice)  # a rebuild happens once
-            return jnp.where(took, new_root.astype(jnp.float32), root), st, jnp.bool_(False)
+        def block(st):
+            root, cache = self._catch_up_block(st, history, hist_len, block_len)
+            return root, dataclasses.replace(st, cache=cache, built=st.choice)  # a rebuild happens once
 
-        def behind(carry):
-            return carry[2] | jnp.any(carry[1].cache.lengths < hist_len)
-
-        root0 = jnp.zeros((history.shape[0], self.config.vocab_size), jnp.float32)
-        root, state, _ = jax.lax.while_loop(behind, step, (root0, state, jnp.bool_(True)))
+        root, state = catch_up_blocks(block, state, lambda st: st.cache.lengths, hist_len, self.config.vocab_size)
         return root, state.cache
 
     def _catch_up_block(self, state: SelfSpecState, history, hist_len, block: int):
