@@ -43,11 +43,14 @@ its first m (the kept siblings are always the first by rank) are a draw of m wit
 Chain verifiers see a prefix of the chain; GBV ("paths") sees the first K' paths, which it truncates
 to the shortest kept one, as it does any proposal.
 
-Estimates: a key tried this step (a kept node whose parent was committed, or a kept child of the
-root) moves toward 1 if its node was committed, else 0 (weight 1 - decay); an untried key drifts by
-`explore` toward the estimate of the key above it (its parent node; depth 1: toward 1), so a row that
-stopped speculating probes again now and then, and a drafter that is always right grows its tree
-until the cost says stop.
+Estimates start at `prior`, or per depth at `prior_by_depth`: a trained drafter declares its held-out
+acceptance by depth (`acceptance_prior`, measured under greedy verification), which `policy_for` uses
+when decoding greedily, so a drafter that is good enough to pay is tried from the first step rather
+than judged at a flat prior it may never climb out of. A key tried this step (a kept node whose
+parent was committed, or a kept child of the root) moves toward 1 if its node was committed, else 0
+(weight 1 - decay); an untried key drifts by `explore` toward the estimate of the key above it (its
+parent node; depth 1: toward 1), so a row that stopped speculating probes again now and then, and a
+drafter that is always right grows its tree until the cost says stop.
 """
 from __future__ import annotations
 
@@ -78,6 +81,10 @@ class AdaptivePolicy:
     # judged on the previous proposal: sampling with a shape that follows the sampled tokens). See the
     # module docstring.
     shape: str = "proposal"
+    # Per-depth starting estimates (depth 1, 2, ...; deeper keys take the last), in place of `prior`: a
+    # trained drafter's held-out acceptance (its `acceptance_prior`). Without it a good drafter can
+    # look too weak to try at the flat prior, and a row that never drafts never learns otherwise.
+    prior_by_depth: tuple = ()
 
     def __post_init__(self):
         ws = tuple(int(w) for w in self.widths)
@@ -87,6 +94,11 @@ class AdaptivePolicy:
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"AdaptivePolicy.{name} must lie in [0, 1], got {v}")
+        prior = tuple(float(a) for a in self.prior_by_depth)
+        if not all(0.0 <= a <= 1.0 for a in prior):
+            raise ValueError(f"AdaptivePolicy.prior_by_depth must hold acceptance rates in [0, 1], got "
+                             f"{self.prior_by_depth}")
+        object.__setattr__(self, "prior_by_depth", prior)
         if self.shape not in ("proposal", "structure", "none"):
             raise ValueError(f"AdaptivePolicy.shape must be 'proposal', 'structure' or 'none', got {self.shape!r}")
         object.__setattr__(self, "widths", ws)
@@ -131,11 +143,12 @@ class PolicyState:
 
 def init_state(policy: AdaptivePolicy, batch: int, max_depth: int, num_nodes: int, static_parents=None,
                is_chain: bool = False) -> PolicyState:
-    """Estimates at the prior. A drafter with a static shape (`static_parents`, [N]) gets one key per
-    node and that shape; any other gets (depth, sibling rank) keys (depth alone for chains) and, until
-    its first proposal, a guessed shape: a chain of max_depth nodes for chain drafters, else a binary
-    tree in level order (N nodes at most, max_depth deep) — a chain would undervalue a tree drafter,
-    which might then never draft and never show its real shape."""
+    """Estimates at the prior (by key depth with `prior_by_depth`). A drafter with a static shape
+    (`static_parents`, [N]) gets one key per node and that shape; any other gets (depth, sibling rank)
+    keys (depth alone for chains) and, until its first proposal, a guessed shape: a chain of max_depth
+    nodes for chain drafters, else a binary tree in level order (N nodes at most, max_depth deep) — a
+    chain would undervalue a tree drafter, which might then never draft and never show its real
+    shape."""
     n = num_nodes
     idx = np.arange(n)
     if static_parents is not None:
@@ -151,7 +164,17 @@ def init_state(policy: AdaptivePolicy, batch: int, max_depth: int, num_nodes: in
         parents = parents.astype(np.int32)
         k = np.arange(max_depth * ranks)
         above = np.where(k >= ranks, (k // ranks - 1) * ranks, -1)  # (d, r) -> (d - 1, 0)
-    return PolicyState(accept=jnp.full((batch, len(above)), policy.prior, jnp.float32),
+    start = np.full(len(above), policy.prior, np.float32)
+    if policy.prior_by_depth:
+        if ranks:  # key (d, r): depth d
+            key_depth = np.arange(len(above)) // ranks + 1
+        else:  # key = node: its depth (parents come before their children)
+            key_depth = np.ones(len(above), np.int64)
+            for key in range(len(above)):
+                key_depth[key] += key_depth[above[key]] if above[key] >= 0 else 0
+        table = np.asarray(policy.prior_by_depth, np.float32)
+        start = table[np.minimum(key_depth, len(table)) - 1]
+    return PolicyState(accept=jnp.broadcast_to(jnp.asarray(start), (batch, len(above))),
                        above=jnp.asarray(above, jnp.int32),
                        parents=jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (batch, n)),
                        shaped=jnp.broadcast_to(jnp.asarray(shaped), (batch, n)), ranks=ranks, depth=max_depth)

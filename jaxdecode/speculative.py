@@ -90,7 +90,11 @@ class Drafter(Protocol):
     """What a drafter implements (a pytree dataclass; see jaxdecode/drafters for examples).
 
     Required: num_nodes, max_depth, child_rule, init, propose, observe. Optional attributes:
-    is_chain (default False), verify_widths (see speculative_decode), feature_layers (default ()).
+    is_chain (default False), verify_widths (see speculative_decode), feature_layers (default ()),
+    acceptance_prior (default (): the adaptive policy's greedy estimates start at its flat prior; else
+    per depth 1, 2, ... the rate at which the target accepted the drafter's node given its parent, as
+    measured on held-out text: trained drafters carry what their training measured), idle (run on the
+    adaptive policy's plain steps, to keep the drafter's state current).
 
     feature_layers: target hidden states the drafter reads, a static tuple of layer ids (0..L-1: the
     output of that decoder layer) and/or FINAL (the last hidden state after the final norm, what the
@@ -829,7 +833,10 @@ def policy_for(drafter, sampler: SamplerConfig, **overrides) -> "adaptive_mod.Ad
     """The adaptive policy for this drafter: widths 0, powers of two, N (and the drafter's own
     verify_widths); `need` from the proposal when decoding greedily, from the tree's fixed structure
     when sampling with a static shape, all-or-nothing when sampling with a shape that follows the
-    sampled tokens (jaxdecode.adaptive, "Lossless")."""
+    sampled tokens (jaxdecode.adaptive, "Lossless"). Greedy decoding starts the estimates at the
+    drafter's `acceptance_prior` (held-out acceptance by depth, measured greedily) when it declares one."""
+    if sampler.is_greedy:
+        overrides.setdefault("prior_by_depth", tuple(getattr(drafter, "acceptance_prior", None) or ()))
     static = getattr(getattr(drafter, "builder", None), "static_parents", None) is not None
     # Children that are a function of q (top-k, argmax, point masses) make the whole proposal a
     # function of the past: any truncation of it is too. Sampled children: only the fixed shape.

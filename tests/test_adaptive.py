@@ -44,6 +44,7 @@ class OracleDrafter:
     depth: int = dataclasses.field(metadata=dict(static=True))
     shift: int = dataclasses.field(metadata=dict(static=True))
     vocab: int = dataclasses.field(metadata=dict(static=True))
+    acceptance_prior: tuple = dataclasses.field(default=(), metadata=dict(static=True))
     child_rule = "point"
     is_chain = True
     num_nodes = property(lambda self: self.depth)
@@ -80,13 +81,14 @@ def _run(cfg, params, drafter, prompts, lengths, n, costs=Costs(), sampler=GREED
                               verifier=get_verifier(verifier), sampler=sampler, adaptive=policy, costs=costs)
 
 
-def _oracle_stats(models, prompts, n, shift):
+def _oracle_stats(models, prompts, n, shift, costs=Costs(), prior=()):
     """Stats of an adaptive run with an OracleDrafter (chain of 4) over `prompts`; greedy-exact."""
     (cfg, params), _ = models
     prompts, lengths = pad_prompts(prompts)
     ref = _greedy(cfg, params, prompts, lengths, n)
-    drafter = OracleDrafter(continuation=ref.tokens, prompt_lengths=lengths, depth=4, shift=shift, vocab=64)
-    out = _run(cfg, params, drafter, prompts, lengths, n)
+    drafter = OracleDrafter(continuation=ref.tokens, prompt_lengths=lengths, depth=4, shift=shift, vocab=64,
+                            acceptance_prior=prior)
+    out = _run(cfg, params, drafter, prompts, lengths, n, costs=costs)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
     return jax.tree.map(np.asarray, out.stats)
 
@@ -108,6 +110,35 @@ def test_always_right_drafts_grow_to_the_maximum(models):
     # Every step after the first verifies the whole chain (4 nodes): tau = 5 but for the row ends.
     assert s["width_hist"][widths.index(4)] >= s["width_hist"].sum() - 1, s["width_hist"]
     assert np.all(s["tau"] > 4.0), s["tau"]
+
+
+def test_a_declared_acceptance_prior_gets_a_good_drafter_tried(models):
+    """A draft so costly that, at the flat prior (0.6 per level), a chain of 4 is not worth trying:
+    the policy never drafts and never learns the drafter is always right. Declaring the drafter's
+    measured acceptance (`acceptance_prior`, as trained drafters do) makes it draft from the first
+    step; greedy output stays exact either way (_oracle_stats)."""
+    n, costly = 40, Costs(per_node=0.05, draft=1.0)
+    flat = _oracle_stats(models, PROMPTS_4[:1], n, shift=0, costs=costly)
+    assert int(flat["speculative_steps"][0]) <= int(flat["verify_calls"][0]) // 4, flat["width_hist"]
+    told = _oracle_stats(models, PROMPTS_4[:1], n, shift=0, costs=costly, prior=(0.95, 0.95, 0.95, 0.95))
+    assert int(told["speculative_steps"][0]) == int(told["verify_calls"][0]), told["width_hist"]
+    assert told["tau"][0] > 4.0, told["tau"]
+
+
+def test_acceptance_prior_seeds_the_estimates_by_depth_for_greedy_decoding_only():
+    static = np.array([-1, -1, 0, 1, 2], np.int32)  # depths 1, 1, 2, 2, 3
+    policy = adaptive.AdaptivePolicy(widths=(0, 1, 2, 5), prior_by_depth=(0.9, 0.8))
+    np.testing.assert_allclose(np.asarray(adaptive.init_state(policy, 2, 3, 5, static).accept),
+                               [[0.9, 0.9, 0.8, 0.8, 0.8]] * 2)  # deeper than the table: its last rate
+    keyed = adaptive.init_state(policy, 1, 3, 8)  # (depth, rank) keys: every rank of a depth alike
+    np.testing.assert_allclose(np.asarray(keyed.accept)[0], [0.9] * 8 + [0.8] * 16)
+    with pytest.raises(ValueError, match="prior_by_depth"):
+        adaptive.AdaptivePolicy(widths=(0, 1), prior_by_depth=(1.5,))
+    drafter = OracleDrafter(continuation=jnp.zeros((1, 4), jnp.int32), prompt_lengths=jnp.ones((1,), jnp.int32),
+                            depth=4, shift=0, vocab=64, acceptance_prior=(0.7, 0.6))
+    assert policy_for(drafter, GREEDY).prior_by_depth == (0.7, 0.6)
+    # The rates were measured under greedy verification: sampling starts at the flat prior.
+    assert policy_for(drafter, SamplerConfig(temperature=0.7)).prior_by_depth == ()
 
 
 def test_greedy_exact_while_depth_changes_between_steps_and_rows(models):

@@ -200,6 +200,20 @@ def test_save_load_decode_round_trip(tmp_path):
         load_drafter(tmp_path / "medusa", markov_target(hidden=16))
 
 
+def test_held_out_acceptance_from_training_becomes_the_drafters_prior(tmp_path):
+    """What training measured (extra.heldout.accept_by_depth) is the drafter's `acceptance_prior`, the
+    adaptive policy's starting estimates; a directory without it (or with rates outside [0, 1]) gives
+    none."""
+    params = trained("hydra")[0]
+    rates = [0.9, 0.8, 0.5]
+    told = save_drafter(tmp_path / "told", "hydra", CONFIGS["hydra"], params, TARGET.config,
+                        extra={"heldout": {"tau": 3.1, "accept_by_depth": rates}})
+    assert make_drafter("hydra", TARGET, tree=TREES[0], drafter_dir=told).acceptance_prior == tuple(rates)
+    for name, extra in (("silent", {"steps": 1}), ("bad", {"heldout": {"accept_by_depth": [1.5]}})):
+        d = save_drafter(tmp_path / name, "hydra", CONFIGS["hydra"], params, TARGET.config, extra=extra)
+        assert make_drafter("hydra", TARGET, tree=TREES[0], drafter_dir=d).acceptance_prior == ()
+
+
 # ----------------------------------------------------------------------------------------------------
 # Sampling stays lossless: chi-square of the first two tokens through the model loop (the harness of
 # tests/test_verifier_pairs.py: a V = 6 target, 1e5 rows in chunks), the lossy control failing.

@@ -213,6 +213,8 @@ class Eagle3Drafter:
     builder: object = dataclasses.field(metadata=dict(static=True))
     feature_layers: tuple = dataclasses.field(metadata=dict(static=True))
     vocab_size: int = dataclasses.field(metadata=dict(static=True))  # the target's V
+    # Held-out acceptance by depth from training (TrainedDrafter.make): the adaptive policy's start.
+    acceptance_prior: tuple = dataclasses.field(default=(), metadata=dict(static=True))
 
     num_nodes = property(lambda self: self.builder.num_nodes)
     max_depth = property(lambda self: self.builder.max_depth)

@@ -167,6 +167,8 @@ class HeadsDrafter:
     cfg: object = dataclasses.field(metadata=dict(static=True))
     builder: object = dataclasses.field(metadata=dict(static=True))
     feature_layers: tuple = dataclasses.field(default=(FINAL,), metadata=dict(static=True))
+    # Held-out acceptance by depth from training (TrainedDrafter.make): the adaptive policy's start.
+    acceptance_prior: tuple = dataclasses.field(default=(), metadata=dict(static=True))
 
     num_nodes = property(lambda self: self.builder.num_nodes)
     max_depth = property(lambda self: self.builder.max_depth)

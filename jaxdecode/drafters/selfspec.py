@@ -256,6 +256,8 @@ class SelfSpecDrafter:
     ema: float = dataclasses.field(default=0.3, metadata=dict(static=True))  # swift: weight of a new τ
     decay: float = dataclasses.field(default=0.9, metadata=dict(static=True))  # del: per-step decay
     warmup_positions: int = dataclasses.field(default=64, metadata=dict(static=True))  # del: prompt tail
+    # Held-out acceptance by depth from training (TrainedDrafter.make): the adaptive policy's start.
+    acceptance_prior: tuple = dataclasses.field(default=(), metadata=dict(static=True))
 
     def __post_init__(self):
         if self.policy not in POLICIES:

@@ -154,7 +154,25 @@ class TrainedDrafter:
     def make(self, target, tree=None, temperature: float = 0.0, **drafter_options):
         """The Drafter for `target` (checked against the target this drafter was trained for)."""
         check_target(self, target)
-        return self.kind.make(self.params, self.cfg, target, tree, temperature, **drafter_options)
+        drafter = self.kind.make(self.params, self.cfg, target, tree, temperature, **drafter_options)
+        prior = self.acceptance_prior
+        declares = dataclasses.is_dataclass(drafter) and "acceptance_prior" in {
+            f.name for f in dataclasses.fields(drafter)}
+        if prior and declares and not drafter.acceptance_prior:
+            drafter = dataclasses.replace(drafter, acceptance_prior=prior)
+        return drafter
+
+    @property
+    def acceptance_prior(self) -> tuple:
+        """The target's acceptance by depth of this drafter's nodes on held-out prompts, as its training
+        measured it (greedy verification; `extra["heldout"]["accept_by_depth"]`), or () if not recorded."""
+        heldout = (self.extra or {}).get("heldout")
+        rates = (heldout.get("accept_by_depth") if isinstance(heldout, dict) else None) or ()
+        try:
+            rates = tuple(float(a) for a in rates)
+        except (TypeError, ValueError):
+            return ()
+        return rates if all(0.0 <= a <= 1.0 for a in rates) else ()
 
 
 # ----------------------------------------------------------------------------- pytree <-> flat tensors
