@@ -60,7 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode.tree import Tree
+from jaxdecode.tree import Tree, depths
 
 MAX_RANK_KEYS = 16  # sibling ranks told apart in a changing tree's (depth, rank) keys; later ones share
 
@@ -164,17 +164,12 @@ def init_state(policy: AdaptivePolicy, batch: int, max_depth: int, num_nodes: in
         parents = parents.astype(np.int32)
         k = np.arange(max_depth * ranks)
         above = np.where(k >= ranks, (k // ranks - 1) * ranks, -1)  # (d, r) -> (d - 1, 0)
-    start = np.full(len(above), policy.prior, np.float32)
-    if policy.prior_by_depth:
-        if ranks:  # key (d, r): depth d
-            key_depth = np.arange(len(above)) // ranks + 1
-        else:  # key = node: its depth (parents come before their children)
-            key_depth = np.ones(len(above), np.int64)
-            for key in range(len(above)):
-                key_depth[key] += key_depth[above[key]] if above[key] >= 0 else 0
-        table = np.asarray(policy.prior_by_depth, np.float32)
-        start = table[np.minimum(key_depth, len(table)) - 1]
-    return PolicyState(accept=jnp.broadcast_to(jnp.asarray(start), (batch, len(above))),
+    start = jnp.full((len(above),), policy.prior, jnp.float32)
+    if policy.prior_by_depth:  # each key's depth: d of a (d, r) key, a node key's node depth
+        key_depth = jnp.arange(len(above)) // ranks + 1 if ranks else depths(jnp.asarray(parents))
+        table = jnp.asarray(policy.prior_by_depth, jnp.float32)
+        start = table[jnp.minimum(key_depth, len(table)) - 1]
+    return PolicyState(accept=jnp.broadcast_to(start, (batch, len(above))),
                        above=jnp.asarray(above, jnp.int32),
                        parents=jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (batch, n)),
                        shaped=jnp.broadcast_to(jnp.asarray(shaped), (batch, n)), ranks=ranks, depth=max_depth)
