@@ -136,11 +136,64 @@ def test_decode_matches_the_training_unroll(vocab):
                       bonus=None, target_logits=None, history=jnp.asarray([seq]), hist_len=jnp.asarray([p + k + 1]),
                       active=jnp.asarray([True]), features=obs_feats, committed=jnp.asarray([k + 1]))
     st = drafter.observe(st, obs)
+    assert int(st.cache.lengths[0]) == p - 1, "observe only stores the features: the layer runs lazily"
+    # The next proposal's catch-up runs the layer over them (in blocks of max_depth + 1 = 4 entries).
+    cache, root = drafter._catch_up(st, DraftContext(history=jnp.asarray([seq + [0] * 8]),
+                                                     hist_len=jnp.asarray([p + k + 1]), key=None))
     whole = drafter.init(jnp.asarray([seq]), jnp.asarray([p + k + 1]), 32, jax.random.PRNGKey(0), features=feats)
-    assert int(st[0].lengths[0]) == int(whole[0].lengths[0]) == p + k
-    np.testing.assert_allclose(np.asarray(st[1]), np.asarray(whole[1]), atol=1e-5)
-    np.testing.assert_allclose(np.asarray(st[0].k[:, :, :, :p + k]), np.asarray(whole[0].k[:, :, :, :p + k]),
+    assert int(cache.lengths[0]) == int(whole.cache.lengths[0]) == p + k
+    np.testing.assert_allclose(np.asarray(root), np.asarray(whole.root), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(cache.k[:, :, :, :p + k]), np.asarray(whole.cache.k[:, :, :, :p + k]),
                                atol=1e-5)
+
+
+def test_plain_steps_only_store_features_and_the_next_proposal_catches_up_in_blocks():
+    """Steps that draft nothing (the adaptive policy's plain steps) hand observe one committed slot
+    each; the layer runs over them only at the next proposal, in several blocks of max_depth + 1, and
+    ends exactly where an init over the whole sequence does."""
+    cfg, params = tiny()
+    ec = e3.default_config(cfg)
+    drafter = e3.Eagle3Drafter.build(random_drafter_params(ec, cfg), ec, cfg, params, ChainBuilder(3))
+    seq = [5, 17, 3, 40, 22, 9, 31, 8, 2]
+    p, n = 2, len(seq)
+    feats = target_features(cfg, params, seq, ec.feature_layers)  # [F, 1, T, D]
+    prefix = seq[:p] + [0] * (n - p)
+    st = drafter.init(jnp.asarray([prefix]), jnp.asarray([p]), 32, jax.random.PRNGKey(0),
+                      features=target_features(cfg, params, prefix, ec.feature_layers))
+    for hist_len in range(p + 1, n + 1):  # each plain step runs the pending token and commits one
+        slot_feats = jnp.pad(feats[:, :, hist_len - 2:hist_len - 1], ((0, 0), (0, 0), (0, 3), (0, 0)))
+        obs = Observation(tree=None, path=jnp.full((1, 3), -1), num_accepted=jnp.asarray([0]), bonus=None,
+                          target_logits=None, history=jnp.asarray([seq]), hist_len=jnp.asarray([hist_len]),
+                          active=jnp.asarray([True]), features=slot_feats, committed=jnp.asarray([1]))
+        st = drafter.observe(st, obs)
+    assert int(st.cache.lengths[0]) == p - 1  # nothing ran yet
+    cache, root = drafter._catch_up(st, DraftContext(history=jnp.asarray([seq + [0] * 4]),
+                                                     hist_len=jnp.asarray([n]), key=None))
+    whole = drafter.init(jnp.asarray([seq]), jnp.asarray([n]), 32, jax.random.PRNGKey(0), features=feats)
+    assert int(cache.lengths[0]) == int(whole.cache.lengths[0]) == n - 1  # 7 new entries: 2 blocks of 4
+    np.testing.assert_allclose(np.asarray(root), np.asarray(whole.root), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(cache.k[:, :, :, :n - 1]), np.asarray(whole.cache.k[:, :, :, :n - 1]),
+                               atol=1e-5)
+
+
+def test_drafts_stay_right_across_the_adaptive_policys_plain_steps():
+    """End to end: with drafting off for stretches, an oracle drafter's proposals after them are as
+    good as when it drafts every step (a stale cache or root would break its bigram predictions), and
+    greedy output is exact."""
+    from jaxdecode.speculative import policy_for
+    from test_adaptive import Costs
+    cfg, params = tiny(bigram=True)
+    ec = e3.default_config(cfg)
+    drafter = e3.Eagle3Drafter.build(oracle_params(ec, cfg, params), ec, cfg, params, ChainBuilder(3))
+    toks, lens = pad_prompts(PROMPTS)
+    ref = decode(cfg, params, toks, lens, max_new_tokens=32, sampler=GREEDY, method="greedy")
+    # Drafting does not pay at the prior; the estimate drifts up (explore) until the policy probes.
+    out = speculative_decode(cfg, params, drafter, toks, lens, max_new_tokens=32, verifier=get_verifier("greedy"),
+                             adaptive=policy_for(drafter, GREEDY, prior=0.3, explore=0.1), costs=Costs(draft=0.6))
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    s = jax.tree.map(np.asarray, out.stats)
+    assert s["width_hist"][0] > 0 and np.all(s["speculative_steps"] > 0), s["width_hist"]
+    assert s["accept_rate_by_depth"][0] > 0.95, s["accept_rate_by_depth"]  # the oracle is always right
 
 
 # ----------------------------------------------------------------------------- greedy == plain greedy

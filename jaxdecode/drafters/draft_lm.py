@@ -31,12 +31,13 @@ def draft_logprobs(logits, sampler: SamplerConfig):
     return process_logits(logits, sampler.replace(repetition_penalty=1.0))
 
 
-def catch_up_blocks(block, state, lengths_of, hist_len, vocab_size: int):
-    """A drafter's cache brought up to the committed tokens, one block per forward: `block(state)` ->
-    (root logits [B, V] after the block's last token, state) feeds each row's next committed tokens;
-    it runs until `lengths_of(state)` int32[B] reaches hist_len for every row, at least once (when the
-    engine drafts, the pending token is always new). A row that took nothing in a later block keeps its
-    root from an earlier one. Returns (root logits f32[B, V], state)."""
+def catch_up_blocks(block, state, lengths_of, target_len, width: int, root=None):
+    """A drafter's cache brought up to `target_len` int32[B] entries, one block per forward:
+    `block(state)` -> (root [B, width] after the block's last entry: logits or a layer output, state)
+    feeds each row's next entries; a row that took nothing in a later block keeps its root from an
+    earlier one. `root` [B, width]: the root before catching up (the loop runs only while a row is
+    behind); None: zeros, and at least one block runs (a drafter that keeps no root: when the engine
+    drafts, the pending token is always new). Returns (root f32[B, width], state)."""
     def step(carry):
         root, st, _ = carry
         new_root, new_st = block(st)
@@ -44,10 +45,11 @@ def catch_up_blocks(block, state, lengths_of, hist_len, vocab_size: int):
         return jnp.where(took, new_root.astype(jnp.float32), root), new_st, jnp.bool_(False)
 
     def behind(carry):
-        return carry[2] | jnp.any(lengths_of(carry[1]) < hist_len)
+        return carry[2] | jnp.any(lengths_of(carry[1]) < target_len)
 
-    root0 = jnp.zeros((hist_len.shape[0], vocab_size), jnp.float32)
-    root, state, _ = jax.lax.while_loop(behind, step, (root0, state, jnp.bool_(True)))
+    once = root is None
+    root0 = jnp.zeros((target_len.shape[0], width), jnp.float32) if once else root.astype(jnp.float32)
+    root, state, _ = jax.lax.while_loop(behind, step, (root0, state, jnp.bool_(once)))
     return root, state
 
 

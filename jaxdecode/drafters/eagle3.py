@@ -8,8 +8,10 @@ Where the drafter runs ahead of the target (the tree), the feature of a node is 
 layer output at its parent ("training-time test": the model is trained on exactly that unroll).
 
 Decode (the Drafter protocol): the drafter's cache holds one entry per committed position t whose
-target feature is known, paired with token x_{t+1}; `init` fills it from the prefill's features,
-`observe` appends the committed slots (`accepted_features`). The last entry's output predicts the
+target feature is known, paired with token x_{t+1}; `init` fills it from the prefill's features.
+`observe` only stores the committed slots' fused features g_t (`accepted_features`) by position: the
+layer runs over them lazily, at the next `propose`, in blocks (`catch_up_blocks`), so the adaptive
+policy's plain steps do not pay for a drafter they do not use. The last entry's output predicts the
 tree's first level; `propose` grows any tree through the builders' `expand`, each level one forward
 that writes beyond the committed entries (`write_offset`, an ancestor window mask), like DraftLM.
 
@@ -27,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdecode.drafters.builders import build_tree
-from jaxdecode.drafters.draft_lm import draft_logprobs
+from jaxdecode.drafters.draft_lm import catch_up_blocks, draft_logprobs
 from jaxdecode.models import ModelConfig, advance, forward, init_cache, padded_causal_mask
 from jaxdecode.models import init_params as model_init_params
 from jaxdecode.models import param_shapes as model_param_shapes
@@ -205,6 +207,16 @@ def head_logits(params, head, eps: float, h):
 # ----------------------------------------------------------------------------- the drafter
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class Eagle3State:
+    cache: object  # the decoder layer's KV cache: entries t = 0 .. cache.lengths - 1
+    root: jax.Array  # [B, D] the layer output of entry cache.lengths - 1 (zeros before any entry)
+    # [B, cache_len, D] fused target features g_t by position t: the entries the next propose runs
+    # (t >= cache.lengths) and older ones (already in the cache, kept so positions stay fixed).
+    fused: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class Eagle3Drafter:
     params: dict  # the params pytree, with "head" [D, M] (target columns + delta) precomputed
     embed: jax.Array  # the target's token embedding [V, D]
@@ -245,21 +257,41 @@ class Eagle3Drafter:
         full = jnp.full(lp.shape[:-1] + (self.vocab_size,), -jnp.inf, lp.dtype)
         return full.at[..., self.d2t].set(lp)
 
-    def _append(self, cache, tokens, feats, valid):
-        """Commit entries (feature feats[:, :, j], token tokens[:, j]) for valid j (a prefix per row)
-        after the cache's entries; returns (cache, layer outputs [B, T, D])."""
-        x = self._inputs(jnp.where(valid, tokens, 0), fuse_features(self.params, feats))
+    def _append(self, cache, tokens, fused, valid):
+        """Commit entries (fused feature fused[:, j], token tokens[:, j]) for valid j (a prefix per
+        row) after the cache's entries; returns (cache, layer outputs [B, T, D])."""
+        x = self._inputs(jnp.where(valid, tokens, 0), fused)
         t = tokens.shape[1]
         positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         h, _, cache = run_layer(self.layer_config, self.params, None, x, positions, cache, padded_causal_mask(valid))
         return advance(cache, valid.sum(axis=1)), h
+
+    def _catch_up(self, state: Eagle3State, ctx):
+        """Run the layer over the stored entries its cache lacks (t < hist_len - 1: the pending token
+        is the last one paired), in padded blocks of max_depth + 1: (cache, root [B, D])."""
+        catch = self.max_depth + 1
+        hist_cap, buf_cap = ctx.history.shape[1], state.fused.shape[1]
+
+        def block(st):
+            cache, fused = st
+            t = cache.lengths[:, None] + jnp.arange(catch, dtype=jnp.int32)[None, :]  # [B, C] positions
+            valid = t < (ctx.hist_len - 1)[:, None]
+            tokens = jnp.take_along_axis(ctx.history, jnp.minimum(t + 1, hist_cap - 1), axis=1)  # x_{t+1}
+            g = jnp.take_along_axis(fused, jnp.minimum(t, buf_cap - 1)[..., None], axis=1)  # [B, C, D]
+            cache, h = self._append(cache, tokens, g, valid)
+            n_new = valid.sum(axis=1)
+            return jnp.take_along_axis(h, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0], (cache, fused)
+
+        root, (cache, _) = catch_up_blocks(block, (state.cache, state.fused), lambda st: st[0].lengths,
+                                           ctx.hist_len - 1, state.root.shape[1], root=state.root)
+        return cache, root.astype(state.root.dtype)
 
     def init(self, prompt_tokens, prompt_lengths, cache_len, key, features=None):
         if features is None:
             raise Eagle3Error("the eagle3 drafter reads the target's features: run it through "
                               "speculative_decode (it passes features= to init)")
         b, p = prompt_tokens.shape
-        # Room: the committed entries, one observe block and the working tree beyond them.
+        # Room: the committed entries, one catch-up block and the working tree beyond them.
         cache = init_cache(self.layer_config, b, cache_len + self.builder.working_size + self.max_depth + 1)
         # Lengths 0, computed from an input: with constant lengths XLA constant-folds the empty prefix's
         # attention at the batch size (minutes of compile time at 1e4 rows on CPU).
@@ -267,25 +299,25 @@ class Eagle3Drafter:
         # Entry t pairs the feature after token t with token t+1: t = 0 .. len-2.
         nxt = jnp.concatenate([prompt_tokens[:, 1:], jnp.zeros((b, 1), prompt_tokens.dtype)], axis=1)
         valid = jnp.arange(p)[None, :] < (prompt_lengths - 1)[:, None]
-        cache, h = self._append(cache, nxt, features, valid)
+        g = fuse_features(self.params, features)  # [B, P, D]
+        cache, h = self._append(cache, nxt, g, valid)
         root = jnp.take_along_axis(h, jnp.maximum(prompt_lengths - 2, 0)[:, None, None], axis=1)[:, 0]
-        return cache, jnp.where((prompt_lengths >= 2)[:, None], root, 0.0)
+        fused = jnp.zeros((b, max(cache_len, p), g.shape[-1]), g.dtype).at[:, :p].set(g)
+        return Eagle3State(cache=cache, root=jnp.where((prompt_lengths >= 2)[:, None], root, 0.0), fused=fused)
 
-    def observe(self, state, obs):
-        cache, root = state
+    def observe(self, state: Eagle3State, obs):
+        """Store the committed slots' fused features; the layer runs over them at the next propose."""
         feats, count = accepted_features(obs)  # [F, B, D+1, Dm]: slot j = state after token p0 + j
-        t = feats.shape[2]
-        j = jnp.arange(t, dtype=jnp.int32)[None, :]
-        valid = j < count[:, None]
-        # Slot j pairs with the committed token after it: history[hist_len - count + j].
-        idx = jnp.clip(obs.hist_len[:, None] - count[:, None] + j, 0, obs.history.shape[1] - 1)
-        tokens = jnp.take_along_axis(obs.history, idx, axis=1)
-        cache, h = self._append(cache, tokens, feats, valid)
-        last = jnp.take_along_axis(h, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
-        return cache, jnp.where((count > 0)[:, None], last.astype(root.dtype), root)
+        j = jnp.arange(feats.shape[2], dtype=jnp.int32)[None, :]
+        # Slot j is entry t = hist_len - count - 1 + j (paired with the committed token after it);
+        # slots past `count` go out of range, and the scatter drops them.
+        t = jnp.where(j < count[:, None], obs.hist_len[:, None] - count[:, None] - 1 + j, state.fused.shape[1])
+        rows = jnp.arange(t.shape[0])[:, None]
+        g = fuse_features(self.params, feats).astype(state.fused.dtype)  # [B, D+1, D]
+        return dataclasses.replace(state, fused=state.fused.at[rows, t].set(g, mode="drop"))
 
-    def propose(self, state, ctx, sampler: SamplerConfig):
-        cache, root = state
+    def propose(self, state: Eagle3State, ctx, sampler: SamplerConfig):
+        cache, root = self._catch_up(state, ctx)  # every committed entry: root predicts the first level
         eps, head = self.layer_config.norm_eps, self.params["head"]
         b, d = root.shape
         root_pos = cache.lengths - 1  # the newest entry's position; a depth-k node sits k after it
@@ -308,7 +340,9 @@ class Eagle3Drafter:
 
         hbuf = jnp.zeros((b, self.builder.working_size, d), root.dtype)
         tree, slots, (cache, _) = build_tree(self.builder, ctx, (cache, hbuf), logq_root, expand, ctx.key)
-        return tree, slots, (cache, root)
+        # The scratch cache: the tree's entries lie beyond its lengths (never attended), and keeping
+        # the caught-up one would make XLA copy it before the tree writes.
+        return tree, slots, Eagle3State(cache=cache, root=root, fused=state.fused)
 
 
 def make(params, cfg: Eagle3Config, target, tree=None, temperature: float = 0.0, **options):
@@ -328,6 +362,6 @@ def _register():
 
 _register()
 
-__all__ = ["Eagle3Config", "Eagle3Drafter", "Eagle3Error", "default_config", "default_feature_layers",
+__all__ = ["Eagle3Config", "Eagle3Drafter", "Eagle3Error", "Eagle3State", "default_config", "default_feature_layers",
            "init_params", "param_shapes", "layer_config", "make", "fuse_features", "layer_inputs",
            "run_layer", "head_logits", "draft_head", "target_head", "DEFAULT_TREE"]
