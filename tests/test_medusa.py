@@ -200,6 +200,33 @@ def test_save_load_decode_round_trip(tmp_path):
         load_drafter(tmp_path / "medusa", markov_target(hidden=16))
 
 
+def test_a_trained_drafter_by_name_is_built_once_until_its_files_or_target_change(tmp_path):
+    """generate(drafter="hydra") calls make_drafter on every call: the weights are read (and hashed
+    for the cost table) once, while the target lives and the directory's files are unchanged."""
+    import gc
+
+    from jaxdecode import drafters
+    params = trained("hydra")[0]
+    d = save_drafter(tmp_path / "hydra", "hydra", CONFIGS["hydra"], params, TARGET.config)
+    first = make_drafter("hydra", TARGET, tree=TREES[0], drafter_dir=d)
+    assert make_drafter("hydra", TARGET, tree=TREES[0], drafter_dir=d) is first
+    assert make_drafter("hydra", TARGET, tree=TREES[1], drafter_dir=d) is not first  # another tree
+    assert make_drafter("hydra", TARGET, tree=TREES[0], temperature=0.7, drafter_dir=d) is not first
+    # Retrained in place: read again.
+    bumped = jax.tree.map(lambda x: x + 1.0, params)
+    save_drafter(d, "hydra", CONFIGS["hydra"], bumped, TARGET.config)
+    again = make_drafter("hydra", TARGET, tree=TREES[0], drafter_dir=d)
+    assert again is not first
+    jax.tree.map(np.testing.assert_array_equal, again.params, load_drafter(d, TARGET).params)
+    # Another target object (even an equal one) builds anew, and a dropped target takes its entry along.
+    other = Model(config=TARGET.config, params=TARGET.params, tokenizer=None, path=None)
+    assert make_drafter("hydra", other, tree=TREES[0], drafter_dir=d) is not again
+    n = len(drafters._recent_trained)
+    del other
+    gc.collect()
+    assert len(drafters._recent_trained) == n - 1
+
+
 def test_held_out_acceptance_from_training_becomes_the_drafters_prior(tmp_path):
     """What training measured (extra.heldout.accept_by_depth) is the drafter's `acceptance_prior`, the
     adaptive policy's starting estimates; a directory without it (or with rates outside [0, 1]) gives

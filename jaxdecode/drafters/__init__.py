@@ -10,12 +10,14 @@ Tree specs: see `builders.parse_tree_spec`.
 from __future__ import annotations
 
 import os
+import weakref
+from collections import OrderedDict
 
 from jaxdecode.drafters.builders import (ChainBuilder, DynamicTreeBuilder, StaticTreeBuilder,
                                          parse_tree_spec)
 from jaxdecode.drafters.draft_lm import DraftLM
-from jaxdecode.drafters.trained import (BUILTIN_KIND_MODULES, DrafterKind, DrafterLoadError, TrainedDrafter,
-                                        find_drafter_dir, is_trained_kind, kind_names, load_drafter,
+from jaxdecode.drafters.trained import (BUILTIN_KIND_MODULES, CONFIG_FILE, TENSOR_FILE, DrafterKind,
+                                        DrafterLoadError, TrainedDrafter, find_drafter_dir, is_trained_kind, kind_names, load_drafter,
                                         read_drafter_config, register_kind, save_drafter)
 
 UNTRAINED = ("draft_lm", "dllm", "prompt_lookup", "aggressive", "token_recycling", "aded", "swift", "del")
@@ -94,7 +96,63 @@ def make_drafter(name, target, draft=None, tree=None, temperature: float = 0.0, 
     raise ValueError(f"unknown drafter {name!r}; choose one of {drafter_names()}")
 
 
+# The last few trained drafters built (key -> (weak references, drafter)). generate(drafter="eagle3")
+# would otherwise read the weights from disk and hash them for the cost table on every call (tens of
+# ms a call on CPU, a tenth of a short generation).
+_recent_trained: OrderedDict = OrderedDict()
+RECENT_TRAINED = 4
+
+
+def _recent_key(name, target, tree, temperature, drafter_dir, draft, kw):
+    """(key, objects the build depends on by identity) of a trained drafter build, or (None, ()) when it
+    is not cached: drafter options given, an unhashable tree, or no weights' directory found (the build
+    then raises its own clear error). The weights' files count by size and modification time, so a
+    retrained drafter is read again."""
+    if kw:
+        return None, ()
+    where = drafter_dir
+    if where is None and isinstance(name, str):
+        where = find_drafter_dir(target, name)
+    files = ()
+    if where is not None:
+        try:
+            files = tuple((f, st.st_size, st.st_mtime_ns)
+                          for f in (CONFIG_FILE, TENSOR_FILE) for st in [os.stat(os.path.join(where, f))])
+        except OSError:
+            return None, ()
+    elif not isinstance(name, TrainedDrafter):
+        return None, ()
+    objects = tuple(o for o in (target, draft, name) if o is not None and not isinstance(o, str))
+    key = (name if isinstance(name, str) else None, str(where), files, tree, float(temperature),
+           tuple(id(o) for o in objects))
+    try:
+        hash(key)
+    except TypeError:
+        return None, ()
+    return key, objects
+
+
 def _make_trained(name, target, tree, temperature, drafter_dir, draft, **kw):
+    """A trained drafter, the same object again for the same arguments while they live (drafters are
+    immutable pytrees; see _recent_trained)."""
+    key, objects = _recent_key(name, target, tree, temperature, drafter_dir, draft, kw)
+    hit = _recent_trained.get(key) if key is not None else None
+    if hit is not None and all(ref() is obj for ref, obj in zip(hit[0], objects)):
+        _recent_trained.move_to_end(key)
+        return hit[1]
+    drafter = _build_trained(name, target, tree, temperature, drafter_dir, draft, **kw)
+    if key is not None:
+        try:  # an entry goes when any object it was built from does
+            refs = tuple(weakref.ref(o, lambda _, k=key: _recent_trained.pop(k, None)) for o in objects)
+        except TypeError:  # not weak-referenceable: not cached
+            return drafter
+        _recent_trained[key] = (refs, drafter)
+        while len(_recent_trained) > RECENT_TRAINED:
+            _recent_trained.popitem(last=False)
+    return drafter
+
+
+def _build_trained(name, target, tree, temperature, drafter_dir, draft, **kw):
     """A trained drafter: from a TrainedDrafter, a kind name (+ drafter_dir or the target's own), or a
     drafter_dir alone (its config.json names the kind). `draft` (a draft Model) goes to kinds whose
     `make` takes `draft_model`."""
