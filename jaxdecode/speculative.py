@@ -145,7 +145,8 @@ def select_features(hidden: dict, feature_layers: tuple):
 
 
 def accepted_features(obs: Observation):
-    """The committed slots' features in order: f32[F, B, D+1, Dm] for [root, accepted nodes...], and
+    """The committed slots' features in order: f32[F, B, N+1, Dm] for [root, accepted nodes...] (at most
+    max_depth + 1 are ever valid: a drafter may slice them off before heavy work on them), and
     int32[B] how many are valid (obs.committed: num_accepted + 1 unless EOS / max_new_tokens cut the
     row; 0 for inactive rows). Slot j holds the state after history token
     hist_len - committed - 1 + j (the pending root is j = 0), the one that predicted the step's

@@ -315,7 +315,7 @@ def prefill_bonus_feature(features, prompt_lengths, index: int = 0):
 def bonus_slot_feature(obs, previous, index: int = 0):
     """The target's FINAL state (feature `index` of obs.features) at the step's bonus slot, f32[B, D];
     `previous` for rows that committed nothing (inactive)."""
-    feats, count = accepted_features(obs)  # [F, B, D+1, Dm]
+    feats, count = accepted_features(obs)  # [F, B, N+1, Dm]
     last = jnp.take_along_axis(feats[index], jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
     return jnp.where((count > 0)[:, None], last, previous)
 

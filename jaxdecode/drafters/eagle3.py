@@ -170,9 +170,11 @@ def draft_head(params, base_head, draft_vocab: tuple):
 
 def fuse_features(params, feats):
     """g = fc([f_1; ...; f_F]): feats [F, B, T, D] -> [B, T, D]."""
-    f, _, _, d = feats.shape
-    w = params["fc"].reshape(f, d, -1)  # [F, D, D']
-    return jnp.einsum("fbtd,fde->bte", feats.astype(w.dtype), w)
+    f, b, t, d = feats.shape
+    w = params["fc"]  # [F*D, D']: row f*D + d reads feature f's dimension d
+    # The activations are rearranged, not the weight (a reshaped weight is copied on every call).
+    x = jnp.moveaxis(feats.astype(w.dtype), 0, 2).reshape(b, t, f * d)  # [B, T, F*D]
+    return x @ w
 
 
 def layer_inputs(params, eps: float, emb, feat):
@@ -307,13 +309,14 @@ class Eagle3Drafter:
 
     def observe(self, state: Eagle3State, obs):
         """Store the committed slots' fused features; the layer runs over them at the next propose."""
-        feats, count = accepted_features(obs)  # [F, B, D+1, Dm]: slot j = state after token p0 + j
+        feats, count = accepted_features(obs)  # [F, B, N+1, Dm]: slot j = state after token p0 + j
+        feats = feats[:, :, :self.max_depth + 1]  # at most max_depth + 1 are ever committed
         j = jnp.arange(feats.shape[2], dtype=jnp.int32)[None, :]
         # Slot j is entry t = hist_len - count - 1 + j (paired with the committed token after it);
         # slots past `count` go out of range, and the scatter drops them.
         t = jnp.where(j < count[:, None], obs.hist_len[:, None] - count[:, None] - 1 + j, state.fused.shape[1])
         rows = jnp.arange(t.shape[0])[:, None]
-        g = fuse_features(self.params, feats).astype(state.fused.dtype)  # [B, D+1, D]
+        g = fuse_features(self.params, feats).astype(state.fused.dtype)  # [B, max_depth + 1, D]
         return dataclasses.replace(state, fused=state.fused.at[rows, t].set(g, mode="drop"))
 
     def propose(self, state: Eagle3State, ctx, sampler: SamplerConfig):

@@ -241,7 +241,7 @@ class HeadsDrafter:
         return tree, slots, h
 
     def observe(self, h, obs):
-        feats, count = accepted_features(obs)  # [1, B, D+1, D]
+        feats, count = accepted_features(obs)  # [1, B, N+1, D]
         last = feats[0, jnp.arange(h.shape[0]), jnp.maximum(count - 1, 0)]
         return jnp.where((count > 0)[:, None], last, h)
 

@@ -462,7 +462,7 @@ class SelfSpecDrafter:
         return self._del_choose(state, hits, jnp.broadcast_to(ok.sum(), hits.shape))
 
     def _del_observe(self, state, obs):
-        feats, count = accepted_features(obs)  # [F, B, D+1, D], int32[B]
+        feats, count = accepted_features(obs)  # [F, B, N+1, D], int32[B]
         slots = jnp.concatenate([jnp.zeros_like(obs.path[:, :1]), jnp.maximum(obs.path, 0) + 1], axis=1)
         top = jnp.argmax(jnp.take_along_axis(obs.target_logits, slots[..., None], axis=1), axis=-1)
         ok = (jnp.arange(slots.shape[1])[None, :] < count[:, None]).astype(jnp.float32)
