@@ -17,8 +17,9 @@ from jaxdecode.drafters.builders import (ChainBuilder, DynamicTreeBuilder, Stati
                                          parse_tree_spec)
 from jaxdecode.drafters.draft_lm import DraftLM
 from jaxdecode.drafters.trained import (BUILTIN_KIND_MODULES, CONFIG_FILE, TENSOR_FILE, DrafterKind,
-                                        DrafterLoadError, TrainedDrafter, find_drafter_dir, is_trained_kind, kind_names, load_drafter,
-                                        read_drafter_config, register_kind, save_drafter)
+                                        DrafterLoadError, TrainedDrafter, find_drafter_dir, is_trained_kind,
+                                        kind_names, load_drafter, read_drafter_config, register_kind,
+                                        save_drafter)
 
 UNTRAINED = ("draft_lm", "dllm", "prompt_lookup", "aggressive", "token_recycling", "aded", "swift", "del")
 DRAFTERS = UNTRAINED + tuple(BUILTIN_KIND_MODULES)  # names built in; registered kinds add to drafter_names()
