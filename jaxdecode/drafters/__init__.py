@@ -10,6 +10,7 @@ Tree specs: see `builders.parse_tree_spec`.
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from collections import OrderedDict
 
@@ -102,6 +103,7 @@ def make_drafter(name, target, draft=None, tree=None, temperature: float = 0.0, 
 # ms a call on CPU, a tenth of a short generation).
 _recent_trained: OrderedDict = OrderedDict()
 RECENT_TRAINED = 4
+_recent_lock = threading.Lock()  # generate may be called from several threads
 
 
 def _recent_key(name, target, tree, temperature, drafter_dir, draft, kw):
@@ -137,19 +139,21 @@ def _make_trained(name, target, tree, temperature, drafter_dir, draft, **kw):
     """A trained drafter, the same object again for the same arguments while they live (drafters are
     immutable pytrees; see _recent_trained)."""
     key, objects = _recent_key(name, target, tree, temperature, drafter_dir, draft, kw)
-    hit = _recent_trained.get(key) if key is not None else None
-    if hit is not None and all(ref() is obj for ref, obj in zip(hit[0], objects)):
-        _recent_trained.move_to_end(key)
-        return hit[1]
+    with _recent_lock:
+        hit = _recent_trained.get(key) if key is not None else None
+        if hit is not None and all(ref() is obj for ref, obj in zip(hit[0], objects)):
+            _recent_trained.move_to_end(key)
+            return hit[1]
     drafter = _build_trained(name, target, tree, temperature, drafter_dir, draft, **kw)
     if key is not None:
         try:  # an entry goes when any object it was built from does
             refs = tuple(weakref.ref(o, lambda _, k=key: _recent_trained.pop(k, None)) for o in objects)
         except TypeError:  # not weak-referenceable: not cached
             return drafter
-        _recent_trained[key] = (refs, drafter)
-        while len(_recent_trained) > RECENT_TRAINED:
-            _recent_trained.popitem(last=False)
+        with _recent_lock:
+            _recent_trained[key] = (refs, drafter)
+            while len(_recent_trained) > RECENT_TRAINED:
+                _recent_trained.popitem(last=False)
     return drafter
 
 

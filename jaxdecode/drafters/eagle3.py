@@ -274,18 +274,17 @@ class Eagle3Drafter:
         catch = self.max_depth + 1
         hist_cap, buf_cap = ctx.history.shape[1], state.fused.shape[1]
 
-        def block(st):
-            cache, fused = st
+        def block(cache):  # the feature buffer is only read: closed over, not carried
             t = cache.lengths[:, None] + jnp.arange(catch, dtype=jnp.int32)[None, :]  # [B, C] positions
             valid = t < (ctx.hist_len - 1)[:, None]
             tokens = jnp.take_along_axis(ctx.history, jnp.minimum(t + 1, hist_cap - 1), axis=1)  # x_{t+1}
-            g = jnp.take_along_axis(fused, jnp.minimum(t, buf_cap - 1)[..., None], axis=1)  # [B, C, D]
+            g = jnp.take_along_axis(state.fused, jnp.minimum(t, buf_cap - 1)[..., None], axis=1)  # [B, C, D]
             cache, h = self._append(cache, tokens, g, valid)
             n_new = valid.sum(axis=1)
-            return jnp.take_along_axis(h, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0], (cache, fused)
+            return jnp.take_along_axis(h, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0], cache
 
-        root, (cache, _) = catch_up_blocks(block, (state.cache, state.fused), lambda st: st[0].lengths,
-                                           ctx.hist_len - 1, state.root.shape[1], root=state.root)
+        root, cache = catch_up_blocks(block, state.cache, lambda c: c.lengths, ctx.hist_len - 1,
+                                      state.root.shape[1], root=state.root)
         return cache, root.astype(state.root.dtype)
 
     def init(self, prompt_tokens, prompt_lengths, cache_len, key, features=None):
