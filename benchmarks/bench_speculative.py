@@ -43,6 +43,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=1, help="prompts decoded together")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--torch-device", default="cpu", help="where transformers runs (cpu, cuda)")
     ap.add_argument("--verify-curve", default="1,2,4,8,16,32,64,128")
     ap.add_argument("--out", default=None, help="write all results as JSON here")
     args = ap.parse_args(argv)
@@ -136,10 +137,19 @@ def bench_transformers(args, prompts, results):
     import torch
     import transformers as tf
     torch.set_num_threads(getattr(args, "torch_threads", None) or os.cpu_count())
+    device = torch.device(getattr(args, "torch_device", None) or "cpu")
     tgt = tf.AutoModelForCausalLM.from_pretrained(args.target or embedded_model_path("target"),
-                                                  dtype=torch.float32).eval()
+                                                  dtype=torch.float32).eval().to(device)
     dft = tf.AutoModelForCausalLM.from_pretrained(args.draft or embedded_model_path("draft"),
-                                                  dtype=torch.float32).eval()
+                                                  dtype=torch.float32).eval().to(device)
+
+    def synced(fn):  # CUDA runs asynchronously: the timed call ends when the device is done
+        def call():
+            out = fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            return out
+        return call
     jd_greedy = None
     target = jaxdecode.load(args.target or embedded_model_path("target"), dtype="float32")
     pt, pl = pad_prompts(prompts)
@@ -150,14 +160,14 @@ def bench_transformers(args, prompts, results):
                      ("transformers prompt lookup", {"prompt_lookup_num_tokens": 10})]:
         total, same = 0.0, True
         for i, p in enumerate(prompts):
-            ids = torch.tensor([p])
+            ids = torch.tensor([p], device=device)
             gen = lambda: tgt.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                        max_new_tokens=args.new, min_new_tokens=args.new, eos_token_id=None,
                                        pad_token_id=0, **kw)
             with torch.no_grad():
-                out, s = timed(gen, args.repeats)
+                out, s = timed(synced(gen), args.repeats)
             total += s
-            same &= bool(np.array_equal(out[0, len(p):].numpy(), ref[i]))
+            same &= bool(np.array_equal(out[0, len(p):].cpu().numpy(), ref[i]))
         n_tok = args.new * len(prompts)
         rows.append(dict(method=name, tok_s=n_tok / total, equal_to_jaxdecode_greedy=same))
         print(f"  {name:40s} {n_tok / total:.1f} tok/s  {'same tokens' if same else 'differs'}", flush=True)

@@ -4,7 +4,7 @@
     python benchmarks/bench_vs_hf_assisted.py --quick      # tiny sizes: a smoke run
 
 The embedded target and draft, float32 in both libraries (transformers: AutoModelForCausalLM on torch
-CPU; it supports assisted generation at batch 1 only, so every row here is batch 1). Same held-out
+CPU, or `--torch-device cuda` on a GPU machine; it supports assisted generation at batch 1 only, so every row here is batch 1). Same held-out
 prompts, same max_new_tokens, no EOS (every row generates exactly that many tokens).
 
 transformers rows come from bench_speculative.bench_transformers: plain greedy `generate`, assisted
@@ -60,6 +60,8 @@ def main(argv=None):
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="torch intra-op threads (default: every core, as jax uses; on a loaded machine 1 is "
                          "far faster, since torch's threads spin waiting for each other)")
+    ap.add_argument("--torch-device", default="cpu",
+                    help="where transformers runs: cpu, or cuda on a GPU machine (jaxdecode uses JAX's default)")
     ap.add_argument("--cost-cache", default=None, help="directory of the measured cost tables (sets "
                     "JAXDECODE_CACHE_DIR; a fresh one calibrates on this machine now)")
     ap.add_argument("--quick", action="store_true", help=f"tiny sizes for a smoke run: {QUICK}")
@@ -80,7 +82,8 @@ def main(argv=None):
 
     # transformers: greedy / assisted / prompt lookup, each prompt warmed up then timed
     hf = bench_transformers(argparse.Namespace(target=target_dir, draft=draft_dir, new=args.max_new_tokens,
-                                               repeats=max(args.repeats, 1), torch_threads=args.torch_threads),
+                                               repeats=max(args.repeats, 1), torch_threads=args.torch_threads,
+                                               torch_device=args.torch_device),
                             prompts, None)
     hf_s = {r["method"]: n_tok / r["tok_s"] for r in hf}
     hf_plain, hf_assisted = hf_s["transformers greedy"], hf_s["transformers assisted (draft model)"]
@@ -118,7 +121,7 @@ def main(argv=None):
     import torch
     write_result(dict(jax=jax.__version__, platform=jax.devices()[0].platform, cpu_count=os.cpu_count(),
                       adaptive_option=has_option("adaptive"), assistant=assistant_schedule(draft_dir),
-                      torch_threads=torch.get_num_threads(),
+                      torch_threads=torch.get_num_threads(), torch_device=args.torch_device,
                       args=vars(args), rows=rows), args.json_out)
     return all(r["equal"] for r in rows if r["library"] == "jaxdecode")
 

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The accelerator figures of BENCHMARKS.md, as produced on a lent GPU machine (the workplace's device
+# tool: no network there, JAX / flax / optax / orbax / transformers / torch preinstalled). jaxdecode is
+# laid out under /tmp as its wheel installs it (one import root: jaxdecode, jaxdecode.models,
+# jaxdecode.training, jaxdecode.kernels), so nothing is fetched.
+#
+#   bash benchmarks/gpu_session.sh PART OUTDIR
+#     PART  kernels   bench_kernels (Pallas kernels compiled for real vs their references), the cost
+#                     tables of `jaxdecode calibrate` (verify forward at 0..256 nodes, batch 1/4/16) and
+#                     bench_adaptive (the default method at batch 1, 4, 16)
+#           drafters  bench_drafters (every drafter, batch 1 and 4, T=0 and 0.7)
+#           peers     bench_vs_hf_assisted (transformers on CUDA) and bench_auto_tree
+# Each step runs under its own time limit, so one slow or failing step leaves the others' results.
+set -u
+part=${1:?PART: kernels, drafters or peers}
+out=${2:-/tmp/jaxdecode_gpu}
+mkdir -p "$out"
+site=/tmp/jaxdecode_site
+rm -rf "$site" && mkdir -p "$site/jaxdecode"
+cp -r jaxdecode/. "$site/jaxdecode/"
+ln -s "$PWD/models" "$site/jaxdecode/models"
+ln -s "$PWD/training" "$site/jaxdecode/training"
+ln -s "$PWD/pallas_kernels" "$site/jaxdecode/kernels"
+export PYTHONPATH="$site" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.5
+export JAXDECODE_CACHE_DIR=/tmp/jaxdecode_cache
+PY=${PYTHON:-python3}
+log="$out/$part.log"
+
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, its output appended to the part's log
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (limit ${limit}s) $(date -u +%T)" | tee -a "$log"
+    timeout "$limit" "$@" >> "$log" 2>&1
+    echo "=== $name rc $? $(date -u +%T)" | tee -a "$log"
+}
+
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+    $PY -c "import jax, flax, optax, transformers; print('jax', jax.__version__, jax.devices(), 'flax', flax.__version__, 'transformers', transformers.__version__)"
+} >> "$log" 2>&1
+
+case $part in
+kernels)
+    step bench_kernels 170 $PY benchmarks/bench_kernels.py --repeats 30 --json "$out/kernels.json"
+    step calibrate 130 $PY -m jaxdecode calibrate --batch-size 1,4,16 --widths 0,1,2,4,8,16,32,64,128,256 --json
+    step bench_adaptive 230 $PY benchmarks/bench_adaptive.py --batch-sizes 1,4,16 --temperatures 0,0.7 \
+        --prompts 4 --max-new-tokens 128 --json-out "$out/adaptive.json"
+    ;;
+drafters)
+    step bench_drafters 520 $PY benchmarks/bench_drafters.py --batch-sizes 1,4 --temperatures 0,0.7 \
+        --prompts 4 --new 128 --json "$out/drafters.json"
+    ;;
+peers)
+    step bench_vs_hf_assisted 220 $PY benchmarks/bench_vs_hf_assisted.py --torch-device cuda --prompts 4 \
+        --max-new-tokens 128 --json-out "$out/vs_hf.json"
+    step bench_auto_tree 280 $PY benchmarks/bench_auto_tree.py --prompts 4 --calibration-prompts 8 --new 128 \
+        --temperatures 0 --repeats 3 --json "$out/auto_tree.json"
+    ;;
+*)
+    echo "unknown part $part" >&2
+    exit 2
+    ;;
+esac
+grep -E "^\| |^=== " "$log" | tail -n 120
