@@ -72,7 +72,7 @@ Two lowerings of the same kernel math (`_prefix_step`, `_tree_step`, `_online_up
     (dynamic bounds read from the lengths/bounds inputs), K/V read block by block at the layer from
     the [L, S, hd] ref of the program's (row, head). Every loaded tensor is a power of two (Triton's
     requirement; dots need >= 16): M, W and hd are padded to powers of two >= 16 (hd by masked loads
-    of the cache, as the official Pallas GPU attention does), block_k in {64, 32, 16}, block_m <= 64.
+    of the cache, as the official Pallas GPU attention does), block_k in {64, 32, 16}, block_m <= 32 by default.
 A cache whose S has no legal block size (TPU: S > 1024 and not a multiple of 128; GPU: S not a
 multiple of 16) is padded along S for the call, which copies its layer: allocate caches accordingly.
 A [B, KV, S, hd] cache is layer 0 of a one-layer stack for both (a free reshape).
@@ -96,6 +96,7 @@ _MASKED = -1e30  # invisible key: same finite value as models.transformer (all-m
 _ABSENT = float("-inf")  # not a key at all (padding): weight exactly 0
 _IMPLS = ("auto", "pallas", "interpret", "blockwise", "reference")
 _VARIANTS = ("tpu", "gpu")
+GPU_BLOCK_M = 32  # default query rows per program of the GPU (Triton) lowering
 _LANES = 128  # TPU lane width: m/l scratch is stored lane-replicated, as Mosaic kernels do
 
 
@@ -496,7 +497,9 @@ def block_plan(variant: str, s: int, m: int, w: int, hd: int, block_k: int | Non
         raise ValueError(f"GPU block_k must be a power of two >= 16, got {block_k}")
     m_pow2 = next_pow2(max(m, 16))
     if block_m is None:
-        block_m = min(m_pow2, 64)  # bounds the f32 accumulator a program keeps in registers
+        # bounds what a program keeps in registers: on an H200 (f32, hd 64) 64 rows spilled and ran
+        # 7x slower than 32 (BENCHMARKS.md, 'The Pallas kernels on a GPU')
+        block_m = min(m_pow2, GPU_BLOCK_M)
     elif block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"GPU block_m must be a power of two >= 16, got {block_m}")
     return dict(block_k=block_k, block_m=block_m, s_pad=round_up(s, block_k), m_pad=max(m_pow2, block_m),

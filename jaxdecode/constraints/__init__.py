@@ -1,4 +1,4 @@
-"""Constrained decoding over item sets (generative retrieval, STATIC; ALGORITHMS.md §6).
+r"""Constrained decoding over item sets (generative retrieval, STATIC; ALGORITHMS.md §6).
 
     index = build_index(items_or_file, vocab_size)          # sorted, de-duplicated CSR trie (host)
     index.save("items.npz"); index = load_index("items.npz")
