@@ -8,7 +8,9 @@
 #     PART  kernels   bench_kernels (Pallas kernels compiled for real vs their references), the cost
 #                     tables of `jaxdecode calibrate` (verify forward at 0..256 nodes, batch 1/4/16) and
 #                     bench_adaptive (the default method at batch 1, 4, 16)
-#           drafters  bench_drafters (every drafter, batch 1 and 4, T=0 and 0.7)
+#           drafters  bench_drafters (every drafter, batch 1 and 4, T=0 and 0.7) and bench_verify_cost
+#                     (the target's forward over 1..256 nodes per attention implementation, a trace)
+#           adaptive  bench_adaptive at T=0 with EAGLE-3 beside the default (calibrations take long)
 #           peers     bench_vs_hf_assisted (transformers on CUDA) and bench_auto_tree
 # Each step runs under its own time limit, so one slow or failing step leaves the others' results.
 set -u
@@ -50,8 +52,15 @@ kernels)
         --prompts 16 --max-new-tokens 128 --json-out "$out/adaptive.json"
     ;;
 drafters)
-    step bench_drafters 520 $PY benchmarks/bench_drafters.py --batch-sizes 1,4 --temperatures 0,0.7 \
-        --prompts 4 --new 128 --json "$out/drafters.json"
+    step bench_drafters 380 $PY benchmarks/bench_drafters.py --batch-sizes 1,4 --temperatures 0,0.7 \
+        --sources heldout --prompts 4 --new 128 --json "$out/drafters.json"
+    step bench_verify_cost 100 $PY benchmarks/bench_verify_cost.py --trace /tmp/verify_trace \
+        --json "$out/verify_cost.json"
+    tar czf "$out/verify_trace.tgz" -C /tmp verify_trace 2>/dev/null
+    ;;
+adaptive)
+    step bench_adaptive 330 $PY benchmarks/bench_adaptive.py --batch-sizes 1,4,16 --temperatures 0 \
+        --drafter eagle3 --prompts 16 --max-new-tokens 128 --json-out "$out/adaptive.json"
     ;;
 peers)
     step bench_vs_hf_assisted 220 $PY benchmarks/bench_vs_hf_assisted.py --torch-device cuda --prompts 4 \
