@@ -10,6 +10,7 @@
 #                     bench_adaptive (the default method at batch 1, 4, 16)
 #           drafters  bench_drafters (every drafter, batch 1 and 4, T=0 and 0.7) and bench_verify_cost
 #                     (the target's forward over 1..256 nodes per attention implementation, a trace)
+#           final     the cost tables and bench_drafters at batch 1 for the main drafters
 #           adaptive  bench_adaptive at T=0 with EAGLE-3 beside the default (calibrations take long)
 #           peers     bench_vs_hf_assisted (transformers on CUDA) and bench_auto_tree
 # Each step runs under its own time limit, so one slow or failing step leaves the others' results.
@@ -57,6 +58,13 @@ drafters)
     step bench_verify_cost 100 $PY benchmarks/bench_verify_cost.py --trace /tmp/verify_trace \
         --json "$out/verify_cost.json"
     tar czf "$out/verify_trace.tgz" -C /tmp verify_trace 2>/dev/null
+    ;;
+final)
+    step calibrate 90 bash -c "cd /tmp && $PY -m jaxdecode calibrate --batch-size 1,4,16 \
+        --widths 0,1,2,4,8,16,32,64,128,256 --json"
+    step bench_drafters 300 $PY benchmarks/bench_drafters.py --batch-sizes 1 --temperatures 0,0.7 \
+        --only prompt_lookup,medusa,hydra,eagle3,draft_lm --sources heldout --prompts 4 --new 128 \
+        --json "$out/drafters.json"
     ;;
 adaptive)
     step bench_adaptive 330 $PY benchmarks/bench_adaptive.py --batch-sizes 1,4,16 --temperatures 0 \

@@ -75,32 +75,26 @@ def validate_parents(parents, num_nodes: int | None = None) -> np.ndarray:
 
 def depths(parents: jax.Array) -> jax.Array:
     """Depth of each node (root's children have depth 1). parents: [..., N] -> int32[..., N]."""
-    n = parents.shape[-1]
-    if n == 0:  # an empty tree (a verification of the pending token alone)
-        return jnp.zeros(parents.shape, jnp.int32)
-
-    def body(i, d):
-        par = parents[..., i]
-        parent_depth = jnp.take_along_axis(d, jnp.maximum(par, 0)[..., None], axis=-1)[..., 0]
-        return d.at[..., i].set(jnp.where(par < 0, 1, parent_depth + 1))
-
-    return jax.lax.fori_loop(0, n, body, jnp.zeros(parents.shape, jnp.int32))
+    return jnp.sum(ancestor_mask(parents), axis=-1, dtype=jnp.int32)
 
 
 def ancestor_mask(parents: jax.Array) -> jax.Array:
-    """A[..., i, j] = node j is node i or an ancestor of i. parents: [..., N] -> bool[..., N, N]."""
+    """A[..., i, j] = node j is node i or an ancestor of i. parents: [..., N] -> bool[..., N, N].
+
+    Pointer jumping: after round k, row i holds i and its 2^k - 1 nearest ancestors, and jump[i] is its
+    2^k-th ancestor (-1 past the root); so ceil(log2 N) rounds of a row gather, not a loop over the N
+    nodes (one device round trip per node on a GPU: ~15 us each, which made a 256-node verification
+    cost 10 ms there). Parents come before their children (`validate_parents`)."""
     n = parents.shape[-1]
-    eye = jnp.broadcast_to(jnp.eye(n, dtype=bool), parents.shape + (n,))
-    if n == 0:  # an empty tree (a verification of the pending token alone)
-        return eye
-
-    def body(i, a):
-        par = parents[..., i]
-        parent_row = jnp.take_along_axis(a, jnp.maximum(par, 0)[..., None, None], axis=-2)[..., 0, :]
-        row = jnp.where((par >= 0)[..., None], parent_row, False) | eye[..., i, :]
-        return a.at[..., i, :].set(row)
-
-    return jax.lax.fori_loop(0, n, body, eye)
+    reach = jnp.broadcast_to(jnp.eye(n, dtype=bool), parents.shape + (n,))
+    jump = parents.astype(jnp.int32)
+    for _ in range(max(n - 1, 0).bit_length()):
+        has = jump >= 0
+        safe = jnp.maximum(jump, 0)
+        above = jnp.take_along_axis(reach, safe[..., :, None], axis=-2)  # row i = reach[jump[i]]
+        reach = reach | (above & has[..., None])
+        jump = jnp.where(has, jnp.take_along_axis(jump, safe, axis=-1), -1)
+    return reach
 
 
 def tree_attention_mask(tree: Tree) -> jax.Array:
