@@ -266,9 +266,10 @@ def default_widths(num_nodes: int) -> tuple:
     return policy_widths(num_nodes)
 
 
-def check_widths(widths, num_nodes: int) -> tuple:
+def check_widths(widths, num_nodes: int, stepped: bool = True) -> tuple:
     """Normalise measured widths to an ascending tuple of distinct ints that starts at 0 (the plain
-    step is always measured: the adaptive engine needs it)."""
+    step is always measured: the adaptive engine needs it). stepped: the engine's whole step is timed at
+    each width too, so none may exceed the drafter's tree (`num_nodes`)."""
     if widths is None:
         return default_widths(num_nodes)
     if isinstance(widths, (str, bytes)) or not hasattr(widths, "__iter__"):
@@ -279,6 +280,12 @@ def check_widths(widths, num_nodes: int) -> tuple:
         raise ValueError(f"widths must be node counts (ints >= 0), got {bad}")
     if len(set(widths)) != len(widths):
         raise ValueError(f"widths {widths} repeat a width: give each once")
+    wide = [int(w) for w in widths if w > num_nodes]
+    if stepped and wide:
+        raise ValueError(f"widths {wide} exceed the drafter's tree ({num_nodes} nodes): a step never verifies "
+                         f"more nodes than its tree holds. Give widths <= {num_nodes}, or a larger tree "
+                         f"(e.g. --tree chain:{max(wide)}); benchmarks/bench_verify_cost.py times the target's "
+                         f"forward alone at any node count")
     return tuple(sorted({0, *(int(w) for w in widths)}))
 
 
@@ -436,7 +443,7 @@ def measure(model, drafter, batch_size: int, *, widths=None, context_len: int | 
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     b = int(batch_size)
-    widths = check_widths(widths, drafter.num_nodes)
+    widths = check_widths(widths, drafter.num_nodes, stepped=whole_step)
     context_len = resolve_context(config, drafter, context_len)
     sampler = sampler or SamplerConfig(temperature=0.0)
     if attn_impl is None:

@@ -94,6 +94,9 @@ def test_default_widths():
     assert costmodel.default_widths(6) == (0, 1, 2, 4, 6)
     assert costmodel.default_widths(1) == (0, 1)
     assert costmodel.check_widths([4, 1], 4) == (0, 1, 4)
+    with pytest.raises(ValueError, match=r"widths \[16\] exceed the drafter's tree \(4 nodes\)"):
+        costmodel.check_widths([1, 16], 4)  # a whole step cannot verify more than the tree holds
+    assert costmodel.check_widths([1, 16], 4, stepped=False) == (0, 1, 16)  # the forward alone can
     with pytest.raises(ValueError, match="repeat"):
         costmodel.check_widths([1, 1], 4)
     with pytest.raises(ValueError, match="ints >= 0"):
