@@ -7,7 +7,9 @@ verify-cost curve the cost model and tree="auto" read, split by what the attenti
 The model forward alone (jaxdecode.models.forward, float32, a binary-ish tree, 256 committed tokens in
 a 512-slot cache), jit-compiled, timed as calls queued back to back and blocked once (best of three
 batches), so the figure is device time, not dispatch. attn_impl "xla" is the blockwise jnp form, "tree"
-the Pallas kernel on GPU / TPU (the blockwise form on CPU).
+the Pallas kernel on GPU / TPU (the blockwise form on CPU); "step" is the engine's whole verification
+(`speculative._verify_forward`: the tree's mask and positions built on the device, then the forward with
+the backend's default attention), the curve `jaxdecode calibrate` times up to the drafter's tree size.
 --trace DIR writes a jax.profiler trace of the largest N per impl (open it in Perfetto / TensorBoard).
 """
 from __future__ import annotations
@@ -27,7 +29,8 @@ from _common import write_result  # noqa: E402
 import jaxdecode  # noqa: E402
 from jaxdecode.model import embedded_model_path  # noqa: E402
 from jaxdecode.models import advance, forward, init_cache  # noqa: E402
-from jaxdecode.tree import ancestor_mask  # noqa: E402
+from jaxdecode.speculative import _verify_forward  # noqa: E402
+from jaxdecode.tree import Tree, ancestor_mask  # noqa: E402
 
 
 def queued_us(fn, repeats: int) -> float:
@@ -46,7 +49,7 @@ def main(argv=None):
     ap.add_argument("--target", default=None)
     ap.add_argument("--nodes", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--batch-sizes", default="1,4")
-    ap.add_argument("--impls", default="xla,tree")
+    ap.add_argument("--impls", default="step,tree,xla")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--trace", default=None)
@@ -55,6 +58,7 @@ def main(argv=None):
     target = jaxdecode.load(args.target or embedded_model_path("target"), dtype="float32")
     cfg, params = target.config, target.params
     nodes = [int(x) for x in args.nodes.split(",")]
+    default_impl = "xla" if jax.default_backend() == "cpu" else "tree"  # what speculative_decode uses
     rows = []
     for b in [int(x) for x in args.batch_sizes.split(",")]:
         for impl in args.impls.split(","):
@@ -63,8 +67,14 @@ def main(argv=None):
                 parents = jnp.broadcast_to(jnp.asarray(np.arange(n) // 2 - 1)[None], (b, n))
                 toks = jnp.asarray(np.random.default_rng(n).integers(0, cfg.vocab_size, (b, n)), jnp.int32)
                 pos = args.context + jnp.broadcast_to(jnp.arange(n)[None], (b, n))
-                mask = ancestor_mask(parents)
-                fn = lambda: forward(cfg, params, toks, pos, cache, mask, attn_impl=impl)[0]  # noqa: E731
+                if impl == "step":  # the engine's verification: tree mask and positions built, then the forward
+                    tree = Tree(tokens=toks, parents=parents, valid=jnp.ones((b, n), bool))
+                    pending, active = toks[:, 0], jnp.ones((b,), bool)
+                    step = jax.jit(lambda t, p, c: _verify_forward(cfg, params, t, p, c, active, (n,), default_impl)[0])
+                    fn = lambda: step(tree, pending, cache)  # noqa: E731
+                else:
+                    mask = ancestor_mask(parents)
+                    fn = lambda: forward(cfg, params, toks, pos, cache, mask, attn_impl=impl)[0]  # noqa: E731
                 us = queued_us(fn, args.repeats)
                 rows.append(dict(batch=b, impl=impl, nodes=n, us=us))
                 print(f"batch {b} {impl:9s} {n:4d} nodes: {us / 1e3:8.3f} ms", flush=True)

@@ -6,16 +6,18 @@
 #
 #   bash benchmarks/gpu_session.sh PART OUTDIR
 #     PART  kernels   bench_kernels (Pallas kernels compiled for real vs their references), the cost
-#                     tables of `jaxdecode calibrate` (verify forward at 0..256 nodes, batch 1/4/16) and
-#                     bench_adaptive (the default method at batch 1, 4, 16)
+#                     tables of `jaxdecode calibrate` (batch 1/4/16; widths up to the drafter's tree:
+#                     bench_verify_cost times any node count) and bench_adaptive (batch 1, 4, 16)
 #           drafters  bench_drafters (every drafter, batch 1 and 4, T=0 and 0.7) and bench_verify_cost
 #                     (the target's forward over 1..256 nodes per attention implementation, a trace)
+#           peers     bench_vs_hf_assisted (transformers on CUDA) and bench_auto_tree
 #           final     the cost tables and bench_drafters at batch 1 for the main drafters
 #           adaptive  bench_adaptive at T=0 with EAGLE-3 beside the default (calibrations take long)
-#           peers     bench_vs_hf_assisted (transformers on CUDA) and bench_auto_tree
 # Each step runs under its own time limit, so one slow or failing step leaves the others' results.
+# The workplace's device tool carries at most 64 MiB of working tree: run it from a branch whose index
+# leaves models/embedded/dllm/model.safetensors out (none of these parts needs the dLLM).
 set -u
-part=${1:?PART: kernels, drafters or peers}
+part=${1:?PART: kernels, drafters, final, adaptive or peers}
 out=${2:-/tmp/jaxdecode_gpu}
 mkdir -p "$out"
 site=/tmp/jaxdecode_site
@@ -47,8 +49,7 @@ kernels)
     step bench_kernels 200 $PY benchmarks/bench_kernels.py --json "$out/kernels.json"
     # from /tmp: `python -m` puts the working directory first on sys.path, and the checkout's jaxdecode/
     # folder is not the laid-out package
-    step calibrate 120 bash -c "cd /tmp && $PY -m jaxdecode calibrate --batch-size 1,4,16 \
-        --widths 0,1,2,4,8,16,32,64,128,256 --json"
+    step calibrate 120 bash -c "cd /tmp && $PY -m jaxdecode calibrate --batch-size 1,4,16 --json"
     step bench_adaptive 220 $PY benchmarks/bench_adaptive.py --batch-sizes 1,4,16 --temperatures 0,0.7 \
         --prompts 16 --max-new-tokens 128 --json-out "$out/adaptive.json"
     ;;
@@ -60,8 +61,7 @@ drafters)
     tar czf "$out/verify_trace.tgz" -C /tmp verify_trace 2>/dev/null
     ;;
 final)
-    step calibrate 90 bash -c "cd /tmp && $PY -m jaxdecode calibrate --batch-size 1,4,16 \
-        --widths 0,1,2,4,8,16,32,64,128,256 --json"
+    step calibrate 90 bash -c "cd /tmp && $PY -m jaxdecode calibrate --batch-size 1,4,16 --json"
     step bench_drafters 300 $PY benchmarks/bench_drafters.py --batch-sizes 1 --temperatures 0,0.7 \
         --only prompt_lookup,medusa,hydra,eagle3,draft_lm --sources heldout --prompts 4 --new 128 \
         --json "$out/drafters.json"

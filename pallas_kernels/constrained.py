@@ -44,8 +44,9 @@ ones both backends lower everywhere. `block_plan` gives the padded sizes and til
 The CSR rows themselves (contiguous int16 slices of the trie) are gathered by XLA before the call:
 a per-row DMA of a few dozen ids costs more than one batched gather.
 
-Where it runs: `impl="auto"` is this kernel on GPU / TPU and the jnp reference on CPU. The trie
-constraint (jaxdecode.constraints) calls it for every constrained step on GPU / TPU: greedy and
+Where it runs: `impl="auto"` is this kernel on TPU and the jnp reference on GPU (measured faster
+there, see `resolve_impl`) and CPU. The trie constraint (jaxdecode.constraints) calls the op for
+every constrained step (the kernel on TPU): greedy and
 sampling do not (they mask the logits), beam search does at every step, per row for the first step
 and per beam then per group (the group's top-k over the beams' kernel winners) for the others.
 
@@ -427,11 +428,16 @@ def constrained_topk_pallas(logits, k: int, *, candidates=None, mask=None, inter
 
 # ----------------------------------------------------------------------------- public ops
 def resolve_impl(impl: str) -> str:
-    """'auto' -> 'pallas' on GPU/TPU, 'reference' on CPU; checks the name and the backend."""
+    """'auto' -> 'pallas' on TPU, 'reference' on GPU and CPU; checks the name and the backend.
+
+    GPU: the Triton lowering runs one program per row block, sweeping the whole vocabulary alone, so at
+    V = 32k it took 250-380 us on an H200 against XLA's reference in under 80 us (BENCHMARKS.md, 'The
+    Pallas kernels on a GPU'); a vocabulary split across programs would be needed to win there.
+    impl='pallas' still runs it."""
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
     if impl == "auto":
-        return "pallas" if jax.default_backend() in ("gpu", "tpu") else "reference"
+        return "pallas" if jax.default_backend() == "tpu" else "reference"
     if impl == "pallas" and jax.default_backend() not in ("gpu", "tpu"):
         raise ValueError(f"impl='pallas' compiles the kernel for a GPU or TPU, but the default backend is "
                          f"{jax.default_backend()!r}: use impl='interpret' (or 'reference', or 'auto')")
@@ -441,7 +447,7 @@ def resolve_impl(impl: str) -> str:
 def constrained_topk(logits, k: int, *, candidates=None, mask=None, impl: str = "auto"):
     """Top-k allowed tokens per row by log-probability. See the module docstring.
 
-    impl: "auto" (the kernel on gpu/tpu, the reference on cpu), "pallas", "interpret" (the kernel in
+    impl: "auto" (the kernel on tpu, the reference on gpu and cpu: see `resolve_impl`), "pallas", "interpret" (the kernel in
     Pallas interpret mode, for tests), "reference".
     """
     impl = resolve_impl(impl)
