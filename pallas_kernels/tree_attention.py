@@ -51,7 +51,8 @@ over
 The blockwise form runs the same two steps per (row, KV head) with one loop for the whole batch over
 the union of the rows' block ranges: in a block outside its own range every slot of a row is masked
 (-1e30), which weighs exactly 0 once the row's query has seen a visible key, so the result is the
-same. Its default block is `blockwise_block_k()` slots (64 on CPU, BLOCKWISE_BLOCK_K elsewhere); a
+same. Its default block is `blockwise_block_k()` slots (64 on CPU, 4096 on GPU, BLOCKWISE_BLOCK_K
+on TPU); a
 cache of at most that many slots is one block (no loop); a last block that would pass S is moved back to
 end at S, its overlap dropped.
 Masked prefix slots score -1e30 (present but invisible, as in the reference); slots that are not
@@ -641,11 +642,16 @@ BLOCKWISE_BLOCK_K = 256  # prefix slots per step of the blockwise form (accelera
 # follows the committed prefix instead of the whole cache (BENCHMARKS.md, issue 11: plain decoding
 # 1.0-1.5x faster at 128-384-token prompts, and the speculative engine's extra tree room nearly free).
 BLOCKWISE_BLOCK_K_CPU = 64
+# On a GPU each trip of the block loop is a device round trip, while sweeping a whole cache costs next to
+# nothing: on an H200 the 256-slot loop took 128 us (cache 512) and 462 us (cache 4096, 7B-like heads)
+# against 58 and 47 us for one dense sweep (BENCHMARKS.md, "On a GPU"). Caches up to 4096 slots are one block.
+BLOCKWISE_BLOCK_K_GPU = 4096
 
 
 def blockwise_block_k() -> int:
     """The blockwise form's default block for the default backend."""
-    return BLOCKWISE_BLOCK_K_CPU if jax.default_backend() == "cpu" else BLOCKWISE_BLOCK_K
+    backend = jax.default_backend()
+    return {"cpu": BLOCKWISE_BLOCK_K_CPU, "gpu": BLOCKWISE_BLOCK_K_GPU}.get(backend, BLOCKWISE_BLOCK_K)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k"))
