@@ -296,6 +296,23 @@ def test_bad_layer_selection_is_a_clear_error(layered, select, message):
         forward(LAYERED, params, tokens, positions, None, mask, **select)
 
 
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 33, 130])
+def test_device_ancestor_mask_and_depths_equal_the_host_walk(n):
+    """jaxdecode.tree builds them by pointer jumping (log2 N gathers, no loop over the nodes): on random
+    trees (bushy and chain-like, batched) they equal walking each node's parents."""
+    from jaxdecode.tree import ancestor_mask as device_mask
+    from jaxdecode.tree import depths
+    rng = np.random.default_rng(n)
+    parents = np.full((3, n), -1, np.int32)
+    for row, chainy in enumerate((0.0, 0.5, 1.0)):  # chainy: how often a node hangs off the previous one
+        for i in range(1, n):
+            parents[row, i] = i - 1 if rng.random() < chainy else rng.integers(-1, i)
+    got_mask, got_depth = np.asarray(device_mask(jnp.asarray(parents))), np.asarray(depths(jnp.asarray(parents)))
+    for row in range(3):
+        np.testing.assert_array_equal(got_mask[row], ancestor_mask(parents[row]))
+        np.testing.assert_array_equal(got_depth[row], tree_depths(parents[row]) + 1)
+
+
 def test_tree_grown_level_by_level_with_write_offset_equals_one_tree_forward():
     """Writing a tree in two forwards (W > T window, write_offset) equals one forward over it."""
     import jax

@@ -268,6 +268,14 @@ def test_kernel_bad_input_and_dispatch():
     np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
 
 
+@pytest.mark.parametrize("backend,want", [("cpu", "reference"), ("gpu", "reference"), ("tpu", "pallas")])
+def test_auto_dispatch_by_backend(monkeypatch, backend, want):
+    """auto: the kernel on TPU only; on a GPU the reference (measured faster there, BENCHMARKS.md)."""
+    from jaxdecode.kernels.constrained import resolve_impl
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    assert resolve_impl("auto") == want
+
+
 @pytest.fixture(scope="module")
 def mesh():
     assert jax.device_count() >= 8, "tests/conftest.py should simulate 8 CPU devices"
