@@ -38,6 +38,23 @@ def interleaved_medians(fns: dict, repeats: int) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def queued_us(fn, repeats: int) -> float:
+    """Microseconds per call of `fn()` (a jitted JAX call) with calls queued back to back and blocked
+    once at the end, best of three such batches after two warm-ups: the device time per call once it
+    exceeds the host's dispatch time, which a call blocked on its own (~40-80 us through jit on a GPU)
+    would hide."""
+    import jax
+    jax.block_until_ready(fn())
+    jax.block_until_ready(fn())
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        outs = [fn() for _ in range(repeats)]
+        jax.block_until_ready(outs)
+        best = min(best, (time.perf_counter() - t0) / repeats)
+    return 1e6 * best
+
+
 def timed(fn, repeats: int):
     """(result of the last call, median seconds): one untimed call first (compile / warm-up)."""
     out = [fn()]

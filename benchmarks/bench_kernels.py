@@ -33,39 +33,21 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_result  # noqa: E402
+from _common import queued_us, write_result  # noqa: E402
 
 from jaxdecode.kernels.constrained import constrained_topk_pallas, constrained_topk_reference  # noqa: E402
 from jaxdecode.kernels.tree_attention import (tree_attention_blockwise, tree_attention_pallas,  # noqa: E402
                                               tree_attention_reference)
+from jaxdecode.tree import ancestor_mask, depths  # noqa: E402
 
 ACCEL = jax.default_backend() in ("gpu", "tpu")
-
-
-def device_us(fn, repeats: int) -> float:
-    """Microseconds per call of `fn()` with calls queued back to back (blocked once at the end), after
-    two warm-up calls: the device time per call once it exceeds the host's dispatch time, which a call
-    blocked on its own (~60-80 us through jit on the GPU machine) would hide."""
-    jax.block_until_ready(fn())
-    jax.block_until_ready(fn())
-    best = float("inf")
-    for _ in range(3):  # best of three batches of calls: the least disturbed
-        t0 = time.perf_counter()
-        outs = [fn() for _ in range(repeats)]
-        jax.block_until_ready(outs)
-        best = min(best, (time.perf_counter() - t0) / repeats)
-    return 1e6 * best
 
 
 def random_tree(rng, n):
     """Ancestor mask bool[n, n] and depth of a random tree (node i's parent is a random earlier node, or
     the root's slot -1)."""
-    parents = [-1] + [int(rng.integers(-1, i)) for i in range(1, n)]
-    anc = np.eye(n, dtype=bool)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            anc[i] |= anc[p]
-    return anc, anc.sum(axis=1)
+    parents = jnp.asarray([-1] + [int(rng.integers(-1, i)) for i in range(1, n)], jnp.int32)
+    return np.asarray(ancestor_mask(parents)), np.asarray(depths(parents))
 
 
 def tree_inputs(seed, b, n, h, kv, s, hd, dtype):
@@ -117,10 +99,10 @@ def bench_tree(args):
                     row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
                     row["ok"] = False
                 if ACCEL and "error" not in row:
-                    row["pallas_us"] = device_us(lambda: _call(pallas, inp), args.repeats)
+                    row["pallas_us"] = queued_us(lambda: _call(pallas, inp), args.repeats)
                     if block_m is None:  # the jnp forms once per shape, beside the default kernel
                         for label, fn in (("blockwise", blockwise), ("reference", reference)):
-                            row[f"{label}_us"] = device_us(lambda fn=fn: _call(fn, inp), args.repeats)
+                            row[f"{label}_us"] = queued_us(lambda fn=fn: _call(fn, inp), args.repeats)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     return rows
@@ -156,7 +138,7 @@ def bench_constrained(args):
             row["ok"] = False
         if ACCEL and "error" not in row:
             for label, fn in (("pallas", pallas), ("reference", reference)):
-                row[f"{label}_us"] = device_us(lambda fn=fn: fn(logits, **kw), args.repeats)
+                row[f"{label}_us"] = queued_us(lambda fn=fn: fn(logits, **kw), args.repeats)
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

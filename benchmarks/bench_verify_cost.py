@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -24,24 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_result  # noqa: E402
+from _common import queued_us, write_result  # noqa: E402
 
 import jaxdecode  # noqa: E402
 from jaxdecode.model import embedded_model_path  # noqa: E402
 from jaxdecode.models import advance, forward, init_cache  # noqa: E402
 from jaxdecode.speculative import _verify_forward  # noqa: E402
 from jaxdecode.tree import Tree, ancestor_mask  # noqa: E402
-
-
-def queued_us(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        outs = [fn() for _ in range(repeats)]
-        jax.block_until_ready(outs)
-        best = min(best, (time.perf_counter() - t0) / repeats)
-    return 1e6 * best
 
 
 def main(argv=None):
