@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdecode.kernels.common import concrete
-from jaxdecode.tree import Tree, TreeError, depths, validate_parents
+from jaxdecode.tree import Tree, TreeError, ancestor_mask, depths, validate_parents
 
 __all__ = [
     "VerifyResult", "Verifier", "VerifierInputError", "TreeKindError",
@@ -338,6 +338,26 @@ class GreedyVerifier(_SequentialVerifier):
 
     def _emit(self, row, info, state, cur, u):
         return info["argmax"][cur]
+
+    def _verify_row(self, p, q, tokens, parents, valid, u):
+        """The sequential walk's verdict without its loop over the N nodes (one device round trip per
+        node on a GPU): node i is on the accepted path iff every node from the root down to i carries the
+        argmax at its parent's slot and is the first such child of that parent in index order (the walk
+        descends into the first match, so a later sibling is never tested)."""
+        argmax = (p if p.ndim == 1 else jnp.argmax(p, axis=-1)).astype(jnp.int32)  # [N+1]
+        n = tokens.shape[0]
+        if n == 0:
+            return jnp.zeros((0,), jnp.int32), jnp.int32(0), argmax[0]
+        idx = jnp.arange(n)
+        match = valid & (tokens == argmax[parents + 1])                                   # [N]
+        earlier_sibling = (parents[:, None] == parents[None, :]) & (idx[None, :] < idx[:, None])  # [i, j]
+        first = match & ~jnp.any(earlier_sibling & match[None, :], axis=1)
+        lineage = ancestor_mask(parents)                                                 # [i, j]: j is i or above
+        on_path = jnp.all(~lineage | first[None, :], axis=1)
+        depth = jnp.sum(lineage, axis=1)                                                 # root's children: 1
+        path = jnp.full((n,), -1, jnp.int32).at[jnp.where(on_path, depth - 1, n)].set(idx, mode="drop")
+        cur = jnp.max(jnp.where(on_path, idx + 1, 0))  # the deepest accepted node's slot (ids grow downwards)
+        return path, jnp.sum(on_path).astype(jnp.int32), argmax[cur]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -639,3 +639,30 @@ def test_greedy_verdict_from_the_argmax_alone_is_the_full_verdict():
     for a, c in zip(jax.tree.leaves(full), jax.tree.leaves(fast)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
     assert int(jnp.sum(full.num_accepted)) > 0  # the test sees acceptances, not only empty paths
+
+
+@pytest.mark.parametrize("n", [1, 5, 24])
+def test_greedy_walk_without_a_node_loop_matches_the_sequential_walk(n):
+    """GreedyVerifier decides with [N, N] masks instead of a loop over the nodes; on random trees (ids in
+    parent-first order, siblings sharing tokens, invalid nodes anywhere, 3 tokens so matches are
+    frequent) its path, count and bonus equal the sequential walk's."""
+    ver = vf.get_verifier("greedy")
+    sequential = jax.jit(jax.vmap(functools.partial(vf._SequentialVerifier._verify_row, ver)))
+    vectorised = jax.jit(jax.vmap(ver._verify_row))
+    rng = np.random.default_rng(n)
+    b, v = 64, 3
+    parents = np.stack([[rng.integers(-1, i) if i else -1 for i in range(n)] for _ in range(b)]).reshape(b, n)
+    args = (jnp.asarray(rng.integers(0, v, (b, n + 1)), jnp.int32), jnp.zeros((b, 1)),
+            jnp.asarray(rng.integers(0, v, (b, n)), jnp.int32), jnp.asarray(parents, jnp.int32),
+            jnp.asarray(rng.random((b, n)) < 0.85), jnp.zeros((b, 2 * n + 2)))
+    for a, c in zip(sequential(*args), vectorised(*args)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+    if n > 1:
+        assert int(jnp.max(vectorised(*args)[1])) >= 2  # deep paths are exercised, not only empty ones
+
+
+def test_greedy_walk_of_an_empty_tree_emits_the_root_argmax():
+    empty = jnp.zeros((0,), jnp.int32)
+    path, num, bonus = vf.get_verifier("greedy")._verify_row(jnp.asarray([2], jnp.int32), None, empty, empty,
+                                                              empty.astype(bool), None)
+    assert path.shape == (0,) and int(num) == 0 and int(bonus) == 2
