@@ -18,7 +18,8 @@ import sysconfig
 import time
 from pathlib import Path
 
-from .recipe import HELD_OUT_FRACTION, VOCAB_SIZE, phases, recipe
+from .recipe import (HELD_OUT_FRACTION, PACKAGE_FILE_MAX_BYTES, PACKAGE_SAMPLE_BYTES, PACKAGES, VOCAB_SIZE,
+                     phase_corpus, phases, recipe)
 from .tokenizer import load_tokenizer_dir, train_tokenizer
 
 STAGES = ("tokenizer", "corpus", "target", "draft", "report", "dllm")
@@ -55,6 +56,28 @@ def stage_corpus(work: Path):
         return Corpus.open(work / "corpus")
 
 
+def stage_package_corpus(work: Path):
+    """The stdlib plus a fixed slice of installed packages (`recipe.PACKAGES`), for the phases in
+    `recipe.PACKAGE_PHASES`. The stdlib files keep their split; package files get one by the same rule."""
+    import json
+
+    from .corpus import Corpus, CorpusError, build_corpus, sample_package_sources
+    tok = stage_tokenizer(work)
+    try:
+        corpus = Corpus.open(work / "corpus-packages")
+        corpus.check_tokenizer(tok)
+        return corpus
+    except CorpusError:
+        src = work / "packages-src"
+        if not (src / "packages.json").exists():
+            record = sample_package_sources(PACKAGES, src / "packages", budget_bytes=PACKAGE_SAMPLE_BYTES,
+                                            max_file_bytes=PACKAGE_FILE_MAX_BYTES)
+            (src / "packages.json").write_text(json.dumps(record, indent=1))
+        build_corpus([stdlib_root(), src / "packages"], tok, work / "corpus-packages",
+                     held_out_fraction=HELD_OUT_FRACTION)
+        return Corpus.open(work / "corpus-packages")
+
+
 def stage_train(work: Path, name: str, progress: bool):
     """Every phase of one model in turn; each resumes from its own checkpoints."""
     from .lm import train_lm
@@ -65,8 +88,10 @@ def stage_train(work: Path, name: str, progress: bool):
     params, result, previous = None, None, None
     for dirname, tcfg in phases(name):
         tcfg = dataclasses.replace(tcfg, progress=progress)
-        result = train_lm(work / "corpus", work / "tokenizer", config, tcfg, work / dirname, spec=spec,
-                          init_from=params, init_info=previous)
+        if phase_corpus(dirname) != "corpus":
+            stage_package_corpus(work)
+        result = train_lm(work / phase_corpus(dirname), work / "tokenizer", config, tcfg, work / dirname,
+                          spec=spec, init_from=params, init_info=previous)
         params, previous = result.module.raw_params(), f"{dirname} step {result.step}"
     return result
 

@@ -290,3 +290,56 @@ def iter_texts(roots: Sequence, patterns: Sequence[str] = ("*.py",), held_out_fr
         text, why = read_text(path)
         if text:
             yield text
+
+
+def sample_package_sources(packages: Sequence[str], out_dir, *, budget_bytes: int, max_file_bytes: int,
+                           exclude_dirs: Sequence[str] = ("_distutils", "__pycache__"),
+                           salt: str = "pkgs") -> dict:
+    """Copy a fixed slice of installed packages' `*.py` files into `out_dir/<package>/` (a corpus root).
+
+    Per package, files are taken in the order of a salted hash of "package/relative path" until
+    `budget_bytes` is reached (so one large package cannot drown the others, and the slice does not
+    depend on file-system order); empty files and files over `max_file_bytes` (generated tables) are
+    passed over. `exclude_dirs`: vendored copies of stdlib modules (setuptools' `_distutils`) would
+    leak the stdlib's held-out files into training. Packages are found without importing them.
+    Returns {package: {"version", "files", "bytes"}}; a package that is not installed is an error.
+    """
+    import importlib.metadata
+    import importlib.util
+    import shutil
+    out_dir = Path(out_dir)
+    record = {}
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            raise CorpusError(f"package {name!r} is not installed (or is a single module); install it or "
+                              f"drop it from the package list")
+        root = Path(list(spec.submodule_search_locations)[0])
+        files = sorted((p for p in root.rglob("*.py")
+                        if not any(part in exclude_dirs for part in p.relative_to(root).parts)),
+                       key=lambda p: hashlib.sha256(f"{salt}:{name}/{p.relative_to(root).as_posix()}"
+                                                    .encode()).hexdigest())
+        taken, nbytes = 0, 0
+        for path in files:
+            if nbytes >= budget_bytes:
+                break
+            size = path.stat().st_size
+            if size == 0 or size > max_file_bytes:
+                continue
+            dst = out_dir / name / path.relative_to(root)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, dst)
+            taken, nbytes = taken + 1, nbytes + size
+        record[name] = {"version": _installed_version(name), "files": taken, "bytes": nbytes}
+    return record
+
+
+def _installed_version(package: str) -> str:
+    """The version of the distribution that installs import package `package` (PIL -> pillow)."""
+    import importlib.metadata
+    for dist in importlib.metadata.packages_distributions().get(package, [package]):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"

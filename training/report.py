@@ -19,7 +19,7 @@ from jaxdecode.models import init_params, load_params
 from .baselines import ngram_baselines, token_byte_lengths
 from .corpus import Corpus, eval_batches
 from .lm import CausalLM, evaluate_heldout, export_lm
-from .recipe import EXPORT_DTYPE, SEQ_LEN, phases, recipe
+from .recipe import EXPORT_DTYPE, SEQ_LEN, phase_corpus, phases, recipe
 from .tokenizer import eos_id, load_tokenizer_dir
 from .trainer import read_metrics, restore_latest
 
@@ -65,7 +65,9 @@ def export_latest(work: Path, name: str, out_dir: Path, tokenizer) -> dict:
     return {"step": steps_before + step, "phase": phase + 1, "phase_step": step,
             "selected_by_eval_loss": eval_loss,
             "phases": [{"workdir": d, "steps": c.steps, "learning_rate": c.learning_rate,
-                        "warmup_steps": c.warmup_steps, "seed": c.seed} for d, c in plan],
+                        "warmup_steps": c.warmup_steps, "seed": c.seed, "corpus": phase_corpus(d)}
+                       for d, c in plan],
+            "phases_logged": [d for d, _ in plan if (work / d / "metrics.jsonl").exists()],
             "planned_steps": sum(c.steps for _, c in plan),
             "tokens_seen": (steps_before + step) * spec.batch_size * spec.seq_len,
             "batch_size": spec.batch_size, "seq_len": spec.seq_len, "learning_rate": plan[0][1].learning_rate,
@@ -136,9 +138,45 @@ def plot_curves(curves: dict, baselines: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def compression_report(out: Path, names, context: int = SEQ_LEN, progress=None) -> dict:
+def _package_corpus(work: Path) -> dict | None:
+    """What the package phases trained on: the packages' slices and the corpus's split sizes."""
+    record, corpus_dir = work / "packages-src" / "packages.json", work / "corpus-packages"
+    if not record.exists() or not (corpus_dir / "manifest.json").exists():
+        return None
+    splits = Corpus.open(corpus_dir).manifest["splits"]
+    return {"packages": json.loads(record.read_text()),
+            "splits": {s: {k: v for k, v in splits[s].items() if k != "shards"} for s in ("train", "heldout")}}
+
+
+def _previous_release_rows(previous: dict, models: dict, retrained) -> dict:
+    """label -> label in the earlier report, for the rows that show a retrained model's previous weights:
+    the earlier report's own row when it shipped other weights, else the row it kept as the previous
+    release (a report rerun on the same run must not call the new weights the previous ones)."""
+    rows = {}
+    for n in retrained:
+        old = previous.get("models", {}).get(n)
+        if old is None:
+            continue
+        same = (old.get("phase"), old.get("phase_step")) == (models[n]["phase"], models[n]["phase_step"])
+        rows[f"{n}, previous release"] = f"{n}, previous release" if same else n
+    return rows
+
+
+def _reusable_rows(compression: dict | None, rows: dict) -> dict:
+    """{split: {label: row}} of an earlier report's model rows (`rows`: label -> its label there) that
+    can stand beside new ones: same weights (the caller's promise) and the same files (checked)."""
+    if not compression or compression.get("context") != SEQ_LEN:
+        return {}
+    return {split: {label: col["models"][old] for label, old in rows.items() if old in col["models"]}
+            | {"_files": (col["files"], col["bytes"])}
+            for split, col in compression["splits"].items()}
+
+
+def compression_report(out: Path, names, context: int = SEQ_LEN, progress=None, reuse: dict | None = None) -> dict:
     """Bits/byte of the shipped models in `out` (scored per file, training.compression) against bz2,
-    gzip and xz, on the held-out stdlib files and on a fixed sample of sources outside the corpus."""
+    gzip and xz, on the held-out stdlib files and on a fixed sample of sources outside the corpus.
+    `reuse` ({split: {label: row, "_files": (files, bytes)}}, `_reusable_rows`): rows of models scored
+    by an earlier report, added after the new ones when that split's files are the same."""
     from jaxdecode.models import load_params
 
     from .compression import compressor_bits_per_byte, heldout_stdlib_files, model_bits_per_byte, outside_files
@@ -152,6 +190,9 @@ def compression_report(out: Path, names, context: int = SEQ_LEN, progress=None) 
             config, params = load_params(out / name, dtype="float32")
             row["models"][name] = model_bits_per_byte(config, params, load_tokenizer_dir(out / name), files,
                                                       context, progress=progress)
+        earlier = dict((reuse or {}).get(split, {}))
+        if earlier.pop("_files", None) == (row["files"], row["bytes"]):
+            row["models"].update(earlier)
         res["splits"][split] = row
     return res
 
@@ -195,9 +236,16 @@ def build_report(work: Path, out: Path, command: str, eval_windows: int = 256) -
               "date": time.strftime("%Y-%m-%d"), "models": {}}
     report["baselines"] = ngram_baselines(train_tokens, batches, len(tokenizer), byte_lengths)
     report["eval"] = {"windows": eval_windows or "all", "seq_len": SEQ_LEN}
-    curves = {}
+    previous = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").exists() else {}
+    package_corpus = _package_corpus(work)
+    if package_corpus:
+        report["package_corpus"] = package_corpus
+    curves, carried = {}, []
     for name in NAMES:
-        if not (work / name / "checkpoints").is_dir():
+        if not any((work / d / "checkpoints").is_dir() for d, _ in phases(name)):
+            if name in previous.get("models", {}):  # its run is gone: keep what its own report recorded
+                report["models"][name] = {**previous["models"][name], "carried_over": previous.get("date")}
+                carried.append(name)
             continue
         info = export_latest(work, name, out / name, tokenizer)
         config, params = load_params(out / name, dtype="float32")
@@ -212,7 +260,10 @@ def build_report(work: Path, out: Path, command: str, eval_windows: int = 256) -
         curves[name] = (info["batch_size"] * info["seq_len"], metrics,
                         [int(b) for b in starts if b < info["step"]])
     plot_curves(curves, report["baselines"], out / "loss_curves.png")
-    report["compression"] = compression_report(out, list(report["models"]))
+    report["compression"] = compression_report(
+        out, [n for n in report["models"] if n not in carried],
+        reuse=_reusable_rows(previous.get("compression"), {n: n for n in carried}
+                             | _previous_release_rows(previous, report["models"], curves)))
     with open(out / "metrics.json", "w") as f:
         json.dump(report, f, indent=1)
     (out / "MODEL_CARD.md").write_text(model_card(report))
@@ -273,17 +324,49 @@ def compression_section(c: dict | None) -> list[str]:
     return lines
 
 
+def _package_lines(pc: dict | None) -> list[str]:
+    if not pc:
+        return []
+    pk, sp = pc["packages"], pc["splits"]
+    return [
+        f"- Package phase (`corpus-packages`): the stdlib above plus {len(pk)} installed packages, at most",
+        f"  {max(v['bytes'] for v in pk.values()) / 1e6:.1f} MB of `*.py` each, files taken in the order of a salted hash of their path",
+        "  (`jaxdecode.training.corpus.sample_package_sources`; vendored stdlib copies such as setuptools'",
+        "  `_distutils` excluded, so no held-out stdlib file leaks in; never a package of the outside-corpus",
+        "  sample below): " + ", ".join(f"{k} {v['version']}" for k, v in pk.items()) + ".",
+        f"  Train: {sp['train']['documents']} files, {sp['train']['bytes']:,} bytes, {sp['train']['tokens']:,} tokens;"
+        f" held-out: {sp['heldout']['documents']} files, {sp['heldout']['tokens']:,} tokens",
+        "  (the stdlib files keep their split; package files get one by the same rule).",
+    ]
+
+
+def _curve_gaps(models: dict) -> list[str]:
+    """Say which phases the plot lacks (their logs did not survive) and which models were not retrained."""
+    out = []
+    for n, i in models.items():
+        if i.get("carried_over"):
+            out.append(f"The {n} was not retrained for this report: its row and figures are those its own report "
+                       f"recorded ({i['carried_over']}), and the plot has no curve of it.")
+        elif "phases_logged" in i and len(i["phases_logged"]) < len(i["phases"]):
+            out.append(f"The {n}'s curve shows only " + ", ".join(i["phases_logged"]) + " (the logs of the earlier "
+                       "phases were not kept); a package phase's held-out dots are on its own held-out split "
+                       "(stdlib + packages), the table above on the stdlib's.")
+    return out
+
+
 def model_card(r: dict) -> str:
     b = r["baselines"]
     c = r["corpus"]
+    pc = r.get("package_corpus")
     lines = [
         "# jaxdecode embedded models: `target` and `draft`",
         "",
         "Two small Llama-style causal LMs that share one byte-level BPE tokenizer, trained from scratch",
-        "by `jaxdecode.training` on the Python sources of the CPython standard library, so that the",
-        "decoders, tests and benchmarks run offline on any machine. They are tiny and undertrained: use",
-        "them to exercise and measure decoding (speculative decoding needs a target and a draft that",
-        "agree often), not as code assistants.",
+        "by `jaxdecode.training` on the Python sources of the CPython standard library"
+        + (" (the target's last phase also on a slice of installed packages' sources)" if pc else "") + ", so that",
+        "the decoders, tests and benchmarks run offline on any machine. They are tiny: use them to exercise and",
+        "measure decoding (speculative decoding needs a target and a draft that agree often), not as code",
+        "assistants.",
         "",
         "## Corpus and split",
         f"- Source: every `*.py` file of the CPython {r['python']} standard library (the `sysconfig` stdlib path,",
@@ -294,6 +377,7 @@ def model_card(r: dict) -> str:
         f"  Held-out: {c['heldout']['documents']} files, {c['heldout']['bytes']:,} bytes, {c['heldout']['tokens']:,} tokens.",
         f"- {len(r['skipped_files'])} files were skipped (not UTF-8 or empty); `runs/embedded/corpus/manifest.json`",
         "  lists each with its reason.",
+        *_package_lines(pc),
         f"- Tokenizer: byte-level BPE, {r['vocab_size']} tokens (`tokenizers` library), `<|endoftext|>` = id 0 is",
         "  EOS / BOS / padding. Saved with `PreTrainedTokenizerFast`: `AutoTokenizer.from_pretrained(dir)` works offline.",
         "",
@@ -313,7 +397,8 @@ def model_card(r: dict) -> str:
         row("context (trained / max)", lambda i: f"{i['seq_len']} / {i['config']['max_position_embeddings']}"),
         row("steps (of planned)", lambda i: f"{i['step']} ({i['planned_steps']})"),
         row("training phases (steps, peak LR, warmup, data seed)", lambda i: "; ".join(
-            f"{p['steps']}, {p['learning_rate']}, {p['warmup_steps']}, {p['seed']}" for p in i["phases"])),
+            f"{p['steps']}, {p['learning_rate']}, {p['warmup_steps']}, {p['seed']}"
+            + (" (stdlib + packages)" if p.get("corpus", "corpus") != "corpus" else "") for p in i["phases"])),
         row("shipped checkpoint", lambda i: f"phase {i['phase']} step {i['phase_step']}"),
         row("tokens seen", lambda i: f"{i['tokens_seen'] / 1e6:.2f} M"),
         row("batch x seq", lambda i: f"{i['batch_size']} x {i['seq_len']}"),
@@ -344,6 +429,7 @@ def model_card(r: dict) -> str:
         "[loss_curves.png](loss_curves.png): training loss (thin) and held-out loss during training (dots: 32 windows of",
         "256 tokens spread over the held-out split, for speed) against tokens seen; grey lines: the baselines on the",
         "tokens scored above; dotted verticals: a new training phase starts.",
+        *_curve_gaps(m),
         "",
     ]
     lines += compression_section(r.get("compression"))
@@ -353,7 +439,8 @@ def model_card(r: dict) -> str:
         "global-norm clipping at 1.0, float32 on CPU, random windows of the training stream (batch order a pure",
         "function of (seed, step), so runs resume exactly). Each further phase restarts AdamW with its own warmup,",
         "cosine and data seed from the previous phase's final weights (the time a run would get on a shared CPU was",
-        "not known in advance, and a finished cosine cannot be extended). The shipped checkpoint is the kept one",
+        "not known in advance, and a finished cosine cannot be extended). A package phase reads the stdlib plus the",
+        "package slice above from the previous phase's weights. The shipped checkpoint is the kept one",
         "with the lowest periodic held-out loss (a mild selection on the held-out split). The draft is trained from",
         "scratch, not distilled, so both could train at once; `jaxdecode train lm --teacher DIR` distils one.",
         "Throughput was measured during these runs, on 2 CPU cores shared with other jobs.",
