@@ -13,12 +13,15 @@ import numpy as np
 from jaxdecode.api import Model, embedded_model_path, generate, load
 
 # Openings of functions from files of the CPython standard library that the embedded models never
-# trained on (held out by the corpus split: heapq.py, genericpath.py, subprocess.py).
-PROMPTS = ["def heappush(heap, item):\n    \"\"\"Push item onto heap, maintaining the heap invariant.\"\"\"\n",
+# trained on (held out by the corpus split: heapq.py, genericpath.py, subprocess.py). Each ends at the
+# end of a line, not after its newline: the byte-level BPE merges a newline with the next line's
+# indentation ("\n        " is one token), so a prompt ending in a bare "\n" is a token boundary the
+# model never saw in training, and it answers with blank lines and dedents.
+PROMPTS = ["def heappush(heap, item):\n    \"\"\"Push item onto heap, maintaining the heap invariant.\"\"\"",
            "def exists(path):\n    \"\"\"Test whether a path exists.  Returns False for broken symbolic links\"\"\"\n"
-           "    try:\n",
+           "    try:",
            "def check_call(*popenargs, **kwargs):\n    \"\"\"Run command with arguments.  Wait for command to "
-           "complete.\n"]
+           "complete."]
 
 
 def _random_model() -> Model:
@@ -58,7 +61,7 @@ def run_demo(max_new_tokens: int = 64) -> int:
         model = load()
         prompts = PROMPTS
         print(f"model: embedded target ({model.config.num_parameters() / 1e6:.1f} M parameters), "
-              f"trained on the CPython standard library")
+              f"trained on Python sources (the CPython standard library, then installed packages)")
     else:
         model = _random_model()
         rng = np.random.RandomState(0)

@@ -19,7 +19,7 @@ from jaxdecode.models import init_params, load_params
 from .baselines import ngram_baselines, token_byte_lengths
 from .corpus import Corpus, eval_batches
 from .lm import CausalLM, evaluate_heldout, export_lm
-from .recipe import EXPORT_DTYPE, SEQ_LEN, phase_corpus, phases, recipe
+from .recipe import EXPORT_DTYPE, PACKAGE_SAMPLE_BYTES, SEQ_LEN, phase_corpus, phases, recipe
 from .tokenizer import eos_id, load_tokenizer_dir
 from .trainer import read_metrics, restore_latest
 
@@ -324,16 +324,22 @@ def compression_section(c: dict | None) -> list[str]:
     return lines
 
 
+def _wrapped(text: str, indent: str, width: int = 110) -> list[str]:
+    import textwrap
+    return textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=indent)
+
+
 def _package_lines(pc: dict | None) -> list[str]:
     if not pc:
         return []
     pk, sp = pc["packages"], pc["splits"]
     return [
-        f"- Package phase (`corpus-packages`): the stdlib above plus {len(pk)} installed packages, at most",
-        f"  {max(v['bytes'] for v in pk.values()) / 1e6:.1f} MB of `*.py` each, files taken in the order of a salted hash of their path",
+        f"- Package phase (`corpus-packages`): the stdlib above plus {len(pk)} installed packages, about",
+        f"  {PACKAGE_SAMPLE_BYTES / 1e6:.1f} MB of `*.py` each, files taken in the order of a salted hash of their path",
         "  (`jaxdecode.training.corpus.sample_package_sources`; vendored stdlib copies such as setuptools'",
         "  `_distutils` excluded, so no held-out stdlib file leaks in; never a package of the outside-corpus",
-        "  sample below): " + ", ".join(f"{k} {v['version']}" for k, v in pk.items()) + ".",
+        "  sample below):",
+        *_wrapped(", ".join(f"{k} {v['version']}" for k, v in pk.items()) + ".", "  "),
         f"  Train: {sp['train']['documents']} files, {sp['train']['bytes']:,} bytes, {sp['train']['tokens']:,} tokens;"
         f" held-out: {sp['heldout']['documents']} files, {sp['heldout']['tokens']:,} tokens",
         "  (the stdlib files keep their split; package files get one by the same rule).",
