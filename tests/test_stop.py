@@ -23,9 +23,9 @@ from jaxdecode.stop import StopError, check_stops, compile_stops, stop_constrain
 N = 24
 PROMPTS = ["def fib(n):", "import os\n", "class Foo:"]
 # From the embedded model's greedy output (checked by test_greedy_rows_stop_separately): row 0 writes
-# "self.assertEqual(b'a..." ("(b" spans the tokens "(" and "b"), row 1 "import sys\n..." ("ys" sits
-# inside the token " sys"), row 2 contains neither.
-STOPS = ["(b", "ys"]
+# "return np.array(np..." ("(n" spans the tokens "(" and "n"), row 1 "from . import os\n..." ("mpo" sits
+# inside the token " import"), row 2 ("self.assertEqual(f.get_...") contains neither.
+STOPS = ["(n", "mpo"]
 
 
 def first_stop_len(tb, tokens, stops, eos=(0,)):
@@ -115,16 +115,16 @@ def test_greedy_rows_stop_separately(model, tb, inputs, greedy_ref):
     want = [first_stop_len(tb, r, STOPS) for r in greedy_ref]
     assert want[0] != want[1] and want[2] == N  # rows end at different steps; row 2 never does
     last0 = tb[greedy_ref[0][want[0] - 1]]
-    assert b"(b" not in last0 and b"(b" in b"".join(tb[t] for t in greedy_ref[0][want[0] - 2:want[0]])
-    assert b"ys" in tb[greedy_ref[1][want[1] - 1]]  # inside one token
+    assert b"(n" not in last0 and b"(n" in b"".join(tb[t] for t in greedy_ref[0][want[0] - 2:want[0]])
+    assert b"mpo" in tb[greedy_ref[1][want[1] - 1]]  # inside one token
     out = decode(model.config, model.params, *inputs, max_new_tokens=N, eos_ids=(0,), method="greedy",
                  constraint=stop_constraint(model, STOPS))
     got = rows(out)
     assert got == [r[:k] for r, k in zip(greedy_ref, want)]
     text, hit = trim_at_stop(model.decode(got[0]), STOPS)
     full = model.decode(greedy_ref[0])
-    assert hit == "(b" and text == full[:full.index("(b")]
-    assert trim_at_stop(model.decode(got[1]), STOPS) == ("import s", "ys")
+    assert hit == "(n" and text == full[:full.index("(n")]
+    assert trim_at_stop(model.decode(got[1]), STOPS) == ("from . i", "mpo")
     assert trim_at_stop(model.decode(got[2]), STOPS)[1] is None
 
 
@@ -254,11 +254,11 @@ def test_stop_with_regex(model, tb, inputs):
 def test_generate_stop(model, greedy_ref):
     """generate(..., stop=...): the text trimmed before the stop string, finish_reason 'stop'."""
     res = jaxdecode.generate(model, PROMPTS, method="greedy", max_new_tokens=N, stop=STOPS)
-    assert [r.stop for r in res] == ["(b", "ys", None]
+    assert [r.stop for r in res] == ["(n", "mpo", None]
     assert [r.finish_reason for r in res][:2] == ["stop", "stop"]
-    assert res[1].text == "import s"
+    assert res[1].text == "from . i"
     full = model.decode(greedy_ref[0])
-    assert res[0].text == full[:full.index("(b")]
+    assert res[0].text == full[:full.index("(n")]
 
 
 # ----------------------------------------------------------------------------- text and bad input

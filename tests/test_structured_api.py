@@ -35,9 +35,11 @@ def _check_schema(results, schemas):
 
 @pytest.mark.parametrize("method", [m for m in STRUCTURED if m in METHOD_OPTIONS])
 def test_json_schema_with_every_method(model, method):
-    out = jaxdecode.generate(model, PROMPTS, method=method, max_new_tokens=16, json_schema=SCHEMA,
+    # A boolean field: an integer has no length limit, and beam search on the embedded target can prefer
+    # writing digits past max_new_tokens to closing the object (the test checks completion, not taste).
+    out = jaxdecode.generate(model, PROMPTS, method=method, max_new_tokens=16, json_schema=OTHER,
                              **METHOD_OPTIONS[method])
-    _check_schema(out, [SCHEMA] * 2)
+    _check_schema(out, [OTHER] * 2)
 
 
 def test_regex_fullmatches_and_says_valid(model):
