@@ -44,16 +44,21 @@ def stage_tokenizer(work: Path):
                            VOCAB_SIZE, tok_dir)
 
 
-def stage_corpus(work: Path):
+def _corpus(work: Path, name: str, roots):
+    """work/<name>, reused when it matches the tokenizer, else built from `roots()`."""
     from .corpus import Corpus, CorpusError, build_corpus
     tok = stage_tokenizer(work)
     try:
-        corpus = Corpus.open(work / "corpus")
+        corpus = Corpus.open(work / name)
         corpus.check_tokenizer(tok)
         return corpus
     except CorpusError:
-        build_corpus([stdlib_root()], tok, work / "corpus", held_out_fraction=HELD_OUT_FRACTION)
-        return Corpus.open(work / "corpus")
+        build_corpus(roots(), tok, work / name, held_out_fraction=HELD_OUT_FRACTION)
+        return Corpus.open(work / name)
+
+
+def stage_corpus(work: Path):
+    return _corpus(work, "corpus", lambda: [stdlib_root()])
 
 
 def stage_package_corpus(work: Path):
@@ -61,21 +66,16 @@ def stage_package_corpus(work: Path):
     `recipe.PACKAGE_PHASES`. The stdlib files keep their split; package files get one by the same rule."""
     import json
 
-    from .corpus import Corpus, CorpusError, build_corpus, sample_package_sources
-    tok = stage_tokenizer(work)
-    try:
-        corpus = Corpus.open(work / "corpus-packages")
-        corpus.check_tokenizer(tok)
-        return corpus
-    except CorpusError:
+    from .corpus import sample_package_sources
+
+    def roots():
         src = work / "packages-src"
         if not (src / "packages.json").exists():
             record = sample_package_sources(PACKAGES, src / "packages", budget_bytes=PACKAGE_SAMPLE_BYTES,
                                             max_file_bytes=PACKAGE_FILE_MAX_BYTES)
             (src / "packages.json").write_text(json.dumps(record, indent=1))
-        build_corpus([stdlib_root(), src / "packages"], tok, work / "corpus-packages",
-                     held_out_fraction=HELD_OUT_FRACTION)
-        return Corpus.open(work / "corpus-packages")
+        return [stdlib_root(), src / "packages"]
+    return _corpus(work, "corpus-packages", roots)
 
 
 def stage_train(work: Path, name: str, progress: bool):
