@@ -36,7 +36,8 @@ CONTINUATIONS = {
 # of the stdlib alone: a model that has only seen the stdlib compresses other Python badly (2.67
 # bits/byte outside the corpus after phase 2, against 1.82 on the held-out stdlib).
 PACKAGE_PHASES = ("target-3",)
-# Import names, each given at most PACKAGE_SAMPLE_BYTES of its sources (`corpus.sample_package_sources`).
+# Import names, each given about PACKAGE_SAMPLE_BYTES of its sources (`corpus.sample_package_sources`: the
+# file that crosses the budget is kept).
 # Never the packages of the outside-corpus compression sample (compression.OUTSIDE_PACKAGES).
 PACKAGES = ("jax", "numpy", "transformers", "torch", "scipy", "sympy", "networkx", "matplotlib", "pip",
             "setuptools", "pygments", "huggingface_hub", "orbax", "IPython", "tornado", "pydantic", "_pytest",
