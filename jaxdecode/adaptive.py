@@ -267,6 +267,28 @@ def should_draft(policy: AdaptivePolicy, state: PolicyState, costs, remaining):
     return best > 0
 
 
+def plain_run_length(policy: AdaptivePolicy, state: PolicyState, costs, remaining, cap: int):
+    """int32[]: how many plain steps to take in a row from here, when this step does not draft: the
+    steps until `should_draft` would say yes on the estimates drifted step by step (and each row's
+    remaining tokens shrinking), read on the grid 1, 2, 4, ..., cap and rounded down to a grid point
+    (at least 1), so a run ends no later than the probe it would have made step by step."""
+    grid = [1]
+    while grid[-1] * 2 <= cap:
+        grid.append(grid[-1] * 2)
+    if grid[-1] < cap:
+        grid.append(cap)
+    active = remaining > 0
+
+    def drafts_after(k):
+        st = drift(policy, state, jnp.where(active, k, 0))
+        return should_draft(policy, st, costs, jnp.maximum(remaining - k, 0))
+
+    ks = jnp.asarray(grid, jnp.int32)
+    flips = jax.vmap(drafts_after)(ks)  # [G]: would step k draft?
+    before = jnp.concatenate([jnp.ones((1,), jnp.int32), ks[:-1]])  # the grid point before each
+    return jnp.where(jnp.any(flips), before[jnp.argmax(flips)], ks[-1]).astype(jnp.int32)
+
+
 def truncate(policy: AdaptivePolicy, state: PolicyState, costs, tree: Tree, remaining):
     """Keep each row's best nodes for the chosen width: (tree with only they valid, nodes kept int32[B],
     state with this proposal's shape). remaining: as in `should_draft`."""
@@ -343,10 +365,24 @@ def update(policy: AdaptivePolicy, state: PolicyState, tree: Tree, path, committ
     accepted_k = jnp.zeros((b, k + 1), bool).at[rows, keys].max(tried & on_path)[:, :k]
     a = state.accept
     seen = policy.decay * a + (1.0 - policy.decay) * accepted_k.astype(jnp.float32)
-    # Untried keys drift up: depth 1 toward 1 (optimism: a row that stopped drafting probes again
-    # once its estimate crosses what pays; the cheaper the draft, the sooner, and the cheaper the probe),
-    # a deeper one toward the key above (a drafter that is always right grows its tree).
-    above = jnp.where(state.above[None] >= 0, a[:, jnp.maximum(state.above, 0)], 1.0)
-    drift = a + policy.explore * (above - a)
-    new = jnp.where(tried_k, seen, drift)
+    new = jnp.where(tried_k, seen, _drifted(state, policy.explore))
     return dataclasses.replace(state, accept=jnp.where(active[:, None], new, a))
+
+
+def _drifted(state: PolicyState, rate):
+    """Every estimate moved by `rate` (a scalar, or f32[B, 1] per row) toward where an untried key
+    drifts: depth 1 toward 1 (optimism: a row that stopped drafting probes again once its estimate
+    crosses what pays; the cheaper the draft, the sooner, and the cheaper the probe), a deeper one
+    toward the key above (a drafter that is always right grows its tree)."""
+    a = state.accept
+    above = jnp.where(state.above[None] >= 0, a[:, jnp.maximum(state.above, 0)], 1.0)
+    return a + rate * (above - a)
+
+
+def drift(policy: AdaptivePolicy, state: PolicyState, steps):
+    """The estimates after `steps` int32[B] plain steps per row (no key tried): `update`'s drift
+    compounded, rate 1 - (1 - explore)^steps toward where each key drifts — exact for depth-1 keys;
+    a deeper key drifts toward its key above as that stood before the steps (a little slower than
+    step by step)."""
+    rate = 1.0 - (1.0 - policy.explore) ** steps.astype(jnp.float32)[:, None]
+    return dataclasses.replace(state, accept=_drifted(state, rate))

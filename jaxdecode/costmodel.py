@@ -561,7 +561,8 @@ def _forced_steps(config, params, drafter, prompt, lengths, widths, sampler, ver
                             shape="proposal")
     static = dict(verifier=_verifier(drafter, sampler, verifier), sampler=sampler, max_new_tokens=max_new,
                   eos_ids=(), cache_len=cache_len, hist_cap=context_len + max_new + grow + 1,
-                  attn_impl=attn_impl, verify_widths=widths, mesh=mesh, policy=policy)
+                  attn_impl=attn_impl, verify_widths=widths, mesh=mesh, policy=policy,
+                  plain_run=1)  # a trip is one step: width 0 is priced per plain token
 
     def engine(p, d, costs):
         return _engine(config, p, d, costs, **static)

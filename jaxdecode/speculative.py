@@ -94,7 +94,10 @@ class Drafter(Protocol):
     acceptance_prior (default (): the adaptive policy's greedy estimates start at its flat prior; else
     per depth 1, 2, ... the rate at which the target accepted the drafter's node given its parent, as
     measured on held-out text: trained drafters carry what their training measured), idle (run on the
-    adaptive policy's plain steps, to keep the drafter's state current).
+    adaptive policy's plain steps, to keep the drafter's state current), history_only (default False:
+    True declares that `observe` is the identity and there is no `idle` — the drafter reads all it
+    needs from the history when it proposes — so when drafting does not pay the engine may decode
+    several plain steps in a row without calling the drafter; see PLAIN_RUN).
 
     feature_layers: target hidden states the drafter reads, a static tuple of layer ids (0..L-1: the
     output of that decoder layer) and/or FINAL (the last hidden state after the final norm, what the
@@ -116,6 +119,13 @@ class Drafter(Protocol):
 
 
 FINAL = "final"  # in Drafter.feature_layers: the target's last hidden state (after the final norm)
+
+# The most plain steps the adaptive engine takes in a row, once the policy judges that drafting does
+# not pay, for a `history_only` drafter: a lean inner loop (forward, next token, commit one token)
+# with no drafter, verifier or per-step policy bookkeeping, which cost 5-15% of a plain step of a
+# small model. The run stops where the drifting estimates would make the policy probe again
+# (adaptive.plain_run_length), so probes come when they would step by step.
+PLAIN_RUN = 32
 
 
 def feature_request(feature_layers) -> tuple:
@@ -342,10 +352,14 @@ class _Engine:
 
 def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, sampler, max_new_tokens, eos_ids,
             cache_len, hist_cap, attn_impl, verify_widths, mesh=None, policy=None, logprobs=False,
-            top_logprobs=0, stream_handle=None) -> _Engine:
+            top_logprobs=0, stream_handle=None, plain_run: int | None = None) -> _Engine:
     n, max_d = drafter.num_nodes, drafter.max_depth
     pad = pad_id_for(eos_ids)
     feature_layers = tuple(getattr(drafter, "feature_layers", ()) or ())
+    plain_run = PLAIN_RUN if plain_run is None else plain_run
+    # Plain steps as a lean run (`plain_steps`) where nothing but the token needs a step's care.
+    lean_plain = (policy is not None and constraint is None and not logprobs
+                  and bool(getattr(drafter, "history_only", False)) and getattr(drafter, "idle", None) is None)
     # Greedy decoding with a verifier that reads only the target's argmax: no [B, N+1, V] distribution.
     argmax_only = sampler.is_greedy and callable(getattr(verifier, "verify_argmax", None))
 
@@ -574,7 +588,41 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
             return finish(st, empty_tree, dstate, st.policy_state, key, active,
                           verify_nothing(st, empty_tree, active, k_verify, allowed), plain=True, slot_states=slots)
 
-        return switch_in_place(drafting.astype(jnp.int32), [plain, draft_and_verify], st)
+        plain_branch = partial(plain_steps, remaining=remaining) if lean_plain else plain
+        return switch_in_place(drafting.astype(jnp.int32), [plain_branch, draft_and_verify], st)
+
+    def plain_steps(st, remaining):
+        """Up to `plain_run` plain decoding steps in one inner loop (as many as the policy would take
+        before its next probe, adaptive.plain_run_length) (a history_only drafter: nothing to
+        observe or idle): each runs the pending token alone through the target and commits the next
+        token (greedy: the argmax, as every verifier does for an empty tree), with the statistics of
+        that many engine plain steps; the policy's estimates drift once for the steps taken."""
+        b = st.history.shape[0]
+        rows = jnp.arange(b)
+        ctx = DraftContext(history=st.history, hist_len=st.hist_len, key=st.key)
+        empty_tree, _ = _empty_proposal(drafter, st.drafter_state, ctx, sampler)
+
+        def one(carry):
+            i, s = carry
+            key, k_verify = jax.random.split(s.key)
+            active = ~s.done
+            _, _, cache, res, nonfinite = verify_nothing(s, empty_tree, active, k_verify)
+            count = active.astype(jnp.int32)
+            # A finished row writes nothing (its column index is out of range: dropped).
+            history = s.history.at[rows, jnp.where(active, s.hist_len, hist_cap)].set(res.bonus, mode="drop")
+            hist_len, num_new = s.hist_len + count, s.num_new + count
+            done = s.done | (active & (is_eos(res.bonus, eos_ids) | (num_new >= max_new_tokens)))
+            if stream_handle is not None:
+                done = done | streaming.emit(stream_handle, history, hist_len - num_new, s.num_new, num_new, done)
+            s = s.replace(cache=advance(cache, count), history=history, hist_len=hist_len, num_new=num_new,
+                          done=done, key=key, nonfinite=nonfinite, target_calls=s.target_calls + 1,
+                          steps=s.steps + count, accept_hist=s.accept_hist.at[:, 0].add(count),
+                          width_hist=s.width_hist.at[0].add(1))
+            return i + 1, s
+
+        run = adaptive_mod.plain_run_length(policy, st.policy_state, costs, remaining, plain_run)
+        _, out = jax.lax.while_loop(lambda c: (c[0] < run) & ~jnp.all(c[1].done), one, (jnp.int32(0), st))
+        return out.replace(policy_state=adaptive_mod.drift(policy, out.policy_state, out.steps - st.steps))
 
     def _verified_shapes(st, tree, active, k_verify):
         """Zeros shaped like `verify`'s result (the operand of the switch between the two)."""

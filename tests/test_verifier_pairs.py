@@ -118,6 +118,8 @@ class RowRanges:
     """Rows [start, stop) draft with `builder` (static, contiguous ranges covering the batch)."""
     logq: jax.Array
     ranges: tuple = dataclasses.field(metadata=dict(static=True))  # ((builder, start, stop), ...)
+    # True: the adaptive engine's plain steps run as its lean plain run (observe is the identity).
+    history_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     num_nodes = property(lambda self: self.ranges[0][0].num_nodes)
     max_depth = property(lambda self: max(b.max_depth for b, _, _ in self.ranges))
@@ -249,7 +251,9 @@ class StepCosts:
 # verifies both depths; a row whose first draft was rejected then verifies depth 1 only ("partial")
 # or, its estimate below what pays, drafts nothing and decodes plainly ("off"). Worked out from the
 # finish time step(w) * remaining / E(w).
-ADAPTIVE_COSTS = {"partial": StepCosts(per_node=0.29, draft=0.1), "off": StepCosts(per_node=0.28, draft=0.3)}
+# "off-lean": "off" with a history_only drafter, whose plain steps run as the engine's lean plain run.
+ADAPTIVE_COSTS = {"partial": StepCosts(per_node=0.29, draft=0.1), "off": StepCosts(per_node=0.28, draft=0.3),
+                  "off-lean": StepCosts(per_node=0.28, draft=0.3)}
 
 
 def decode_chunks(drafter, verifier, rows: int, adaptive: str | None = None):
@@ -260,6 +264,8 @@ def decode_chunks(drafter, verifier, rows: int, adaptive: str | None = None):
     lengths = np.full((rows,), len(PROMPT), np.int32)
     need = len(PROMPT) + new + drafter.num_nodes + 1 + drafter.max_depth + 1
     outs = []
+    if adaptive == "off-lean":
+        drafter = dataclasses.replace(drafter, history_only=True)
     # Each pair was judged by check_combination above; the composite drafter / verifier are not
     # drafts of one rule, so the engine's host check is skipped for this run only.
     with pytest.MonkeyPatch.context() as mp:
@@ -274,7 +280,7 @@ def decode_chunks(drafter, verifier, rows: int, adaptive: str | None = None):
             assert np.all(np.asarray(out.lengths) == new)
             if adaptive is not None:  # the policy did what the costs were picked for
                 hist = np.asarray(out.stats["width_hist"])
-                assert hist[-1] > 0 and hist[{"partial": 1, "off": 0}[adaptive]] > 0, hist
+                assert hist[-1] > 0 and hist[{"partial": 1, "off": 0, "off-lean": 0}[adaptive]] > 0, hist
             outs.append((np.asarray(out.tokens)[:, :2], np.asarray(out.stats["verify_calls"])))
     return outs
 

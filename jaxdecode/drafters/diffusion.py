@@ -76,6 +76,7 @@ class DiffusionDrafter:
     max_depth = property(lambda self: self.builder.max_depth)
     child_rule = property(lambda self: self.builder.rule)
     is_chain = True
+    history_only = True  # observe is the identity: see speculative.Drafter
 
     @property
     def mask_slots(self) -> int:

@@ -64,6 +64,7 @@ class DraftLM:
     max_depth = property(lambda self: self.builder.max_depth)
     child_rule = property(lambda self: self.builder.rule)
     is_chain = property(lambda self: self.builder.is_chain)
+    history_only = True  # observe is the identity: see speculative.Drafter
 
     def init(self, prompt_tokens, prompt_lengths, cache_len, key):
         # Room for the committed tokens, one catch-up block and the working tree.

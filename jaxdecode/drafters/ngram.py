@@ -104,6 +104,7 @@ class PromptLookupDrafter:
     child_rule = "point"
     is_chain = True
     max_depth = property(lambda self: self.num_nodes)
+    history_only = True  # observe is the identity: see speculative.Drafter
 
     def __post_init__(self):
         check_int("PromptLookupDrafter", "num_nodes", self.num_nodes, 1)
@@ -218,6 +219,7 @@ class AggressiveDrafter:
     child_rule = "point"
     is_chain = True
     max_depth = property(lambda self: self.num_nodes)
+    history_only = True  # observe is the identity: see speculative.Drafter
 
     def __post_init__(self):
         check_int("AggressiveDrafter", "num_nodes", self.num_nodes, 1)
