@@ -45,8 +45,9 @@ import numpy as np
 
 from jaxdecode.kernels.common import next_pow2, round_up
 
-SCHEMA = 4  # version of the cache file layout and of the key; bump when either changes meaning
-# (4: DraftLM and self-speculation lost their idle step: older tables hold an idle cost no longer paid)
+SCHEMA = 5  # version of the cache file layout and of the key; bump when either changes meaning
+# (4: DraftLM and self-speculation lost their idle step: older tables hold an idle cost no longer paid;
+# 5: plain steps of history_only drafters run as lean runs, priced per token)
 DEFAULT_CONTEXT_LEN = 256
 # Parameters up to this many bytes are hashed whole; above it every leaf is hashed by shape, dtype and
 # a strided sample of SAMPLE_ELEMENTS elements (hashing gigabytes would cost more than it saves).
@@ -539,15 +540,16 @@ def _measure_steps(config, params, drafter, prompt, lengths, widths, sampler, ve
     """Seconds of the engine's whole step at each width (speculative._engine's step, the very function
     the decoding loop runs), each width forced (`_forced_steps`). Every timed loop starts from the same
     prefilled state, and the room for `max_trips` steps is reserved in the cache and history."""
-    loops, state0 = _forced_steps(config, params, drafter, prompt, lengths, widths, sampler, verifier,
-                                  attn_impl, mesh, key, max_trips)
-    return _time_loops(loops, state0, repeats, target_seconds, max_trips=max_trips, fresh=True)
+    loops, state0, plain_tokens = _forced_steps(config, params, drafter, prompt, lengths, widths, sampler,
+                                                verifier, attn_impl, mesh, key, max_trips)
+    secs = _time_loops(loops, state0, repeats, target_seconds, max_trips=max_trips, fresh=True)
+    return [secs[0] / plain_tokens] + list(secs[1:])  # width 0: seconds per plain token
 
 
 def _forced_steps(config, params, drafter, prompt, lengths, widths, sampler, verifier, attn_impl, mesh, key,
                   max_trips: int):
     """(one _Loop per width running the engine's step with that width forced, the prefilled state they
-    start from). A width is forced by the policy's costs and by a drafter whose proposals keep exactly
+    start from, the tokens a forced plain trip commits: the engine's `plain_tokens`). A width is forced by the policy's costs and by a drafter whose proposals keep exactly
     that many nodes; each trip returns the policy's width histogram (which width the step verified)."""
     from jaxdecode.adaptive import AdaptivePolicy
     from jaxdecode.speculative import _engine
@@ -562,7 +564,10 @@ def _forced_steps(config, params, drafter, prompt, lengths, widths, sampler, ver
     static = dict(verifier=_verifier(drafter, sampler, verifier), sampler=sampler, max_new_tokens=max_new,
                   eos_ids=(), cache_len=cache_len, hist_cap=context_len + max_new + grow + 1,
                   attn_impl=attn_impl, verify_widths=widths, mesh=mesh, policy=policy,
-                  plain_run=1)  # a trip is one step: width 0 is priced per plain token
+                  # A lean plain run (history_only drafters) of `grow` steps per trip, the room each trip
+                  # has: the policy prices a plain token at what a run of them costs, not one run's
+                  # overhead (the probe-time check of adaptive.plain_run_length) per token.
+                  plain_run=grow)
 
     def engine(p, d, costs):
         return _engine(config, p, d, costs, **static)
@@ -579,7 +584,7 @@ def _forced_steps(config, params, drafter, prompt, lengths, widths, sampler, ver
     for i, w in enumerate(widths):
         args = (params, _FirstNodes(drafter, jnp.int32(w)), _forcing_costs(widths, i))
         loops.append(_Loop(step, args, same_as=loops[0] if loops else None))
-    return loops, state0
+    return loops, state0, engine(params, drafter, None).plain_tokens
 
 
 def measure_trees(model, drafters, batch_size: int, *, context_len: int | None = None, sampler=None,
@@ -611,8 +616,8 @@ def measure_trees(model, drafters, batch_size: int, *, context_len: int | None =
         params, prompt, lengths = shard_params(params, mesh), shard_batch(prompt, mesh), shard_batch(lengths, mesh)
     loops, states = [], []
     for d in drafters:
-        ls, st0 = _forced_steps(config, params, d, prompt, lengths, (0, d.num_nodes), sampler, verifier,
-                                attn_impl, mesh, jax.random.fold_in(key, 1), max_trips=32)
+        ls, st0, _ = _forced_steps(config, params, d, prompt, lengths, (0, d.num_nodes), sampler, verifier,
+                                   attn_impl, mesh, jax.random.fold_in(key, 1), max_trips=32)
         loops.append(ls[1])
         states.append(st0)
     secs = _time_loops(loops, None, repeats, target_seconds, max_trips=32, states=states)

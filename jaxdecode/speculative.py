@@ -348,6 +348,9 @@ class _Engine:
     start: Any
     step: Any
     finish: Any
+    # Tokens a plain step commits at most: `plain_run` for a lean plain run (history_only drafters),
+    # else 1. The cost model divides a plain trip's time by it (a trip that never ends its run early).
+    plain_tokens: int = 1
 
 
 def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, sampler, max_new_tokens, eos_ids,
@@ -651,7 +654,7 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
             stats.update(st.logprobs.stats(max_new_tokens, st.num_new))
         return SpecOutput(tokens=out, lengths=st.num_new, stats=stats)
 
-    return _Engine(start=start, step=body, finish=output)
+    return _Engine(start=start, step=body, finish=output, plain_tokens=plain_run if lean_plain else 1)
 
 
 def _start(config, params, drafter, prompt_tokens, prompt_lengths, key, *, cache_len, hist_cap, pad,

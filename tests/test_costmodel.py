@@ -148,12 +148,16 @@ def test_the_step_timing_runs_the_engine_at_each_forced_width(sampled):
     cfg, params = tiny(layers=1)
     widths = (0, 1, 2, 4)
     prompt = jax.random.randint(jax.random.PRNGKey(0), (2, 8), 0, cfg.vocab_size, jnp.int32)
-    loops, state0 = costmodel._forced_steps(
+    loops, state0, plain_tokens = costmodel._forced_steps(
         cfg, params, PromptLookupDrafter(num_nodes=4), prompt, jnp.full((2,), 8, jnp.int32), widths,
         SamplerConfig(temperature=0.7 if sampled else 0.0), None, "xla", None, jax.random.PRNGKey(1), max_trips=2)
+    # Prompt lookup is history_only: a plain trip is a lean run of max_depth + 1 = 5 plain steps, and
+    # the measured width-0 time is divided by them (a price per plain token).
+    assert plain_tokens == 5
     for i, loop in enumerate(loops):
         _, hist = loop._run(loop.args, jax.tree.map(lambda x: jnp.array(x, copy=True), state0), 2)
-        assert np.asarray(hist).tolist() == [2 if j == i else 0 for j in range(len(widths))], (i, hist)
+        per_trip = plain_tokens if i == 0 else 1
+        assert np.asarray(hist).tolist() == [2 * per_trip if j == i else 0 for j in range(len(widths))], (i, hist)
     assert costmodel.cache_key((cfg, params), PromptLookupDrafter(num_nodes=4), 1)["verifier"] != \
         costmodel.cache_key((cfg, params), PromptLookupDrafter(num_nodes=4), 1, verifier="point_mass")["verifier"]
 
