@@ -126,6 +126,28 @@ def test_lean_plain_runs_probe_when_step_by_step_would(models, shift):
         assert lean["width_hist"][0] >= n - 4 - n // 8, lean["width_hist"]
 
 
+def test_drift_compounds_and_the_plain_run_ends_at_the_next_probe():
+    """`drift` over k steps equals k single-step drifts for depth-1 keys (toward 1), and
+    `plain_run_length` is the grid point before the first step at which `should_draft` would say yes."""
+    policy = adaptive.AdaptivePolicy(widths=(0, 1), prior=0.2, explore=0.05, margin=0.0)
+    state = adaptive.init_state(policy, 2, 1, 1, np.array([-1], np.int32))
+    steps = jnp.array([3, 0], jnp.int32)
+    once = state
+    for _ in range(3):
+        once = adaptive.drift(policy, once, jnp.array([1, 0], jnp.int32))
+    np.testing.assert_allclose(adaptive.drift(policy, state, steps).accept, once.accept, rtol=1e-6)
+    assert float(once.accept[1, 0]) == pytest.approx(0.2)  # a row with no steps keeps its estimate
+    # One node: drafting pays once the estimate a clears cost(1) / cost(0) - 1 = 0.5: 0.2 -> 0.5 at
+    # 0.05 a step takes 10 steps (1 - 0.8 * 0.95^k >= 0.5), so a run from here takes 8 (grid 1..32).
+    costs = jnp.asarray([1.0, 1.5, 0.0, 0.0], jnp.float32)  # verify at widths 0 / 1, draft, idle
+    remaining = jnp.full((2,), 100, jnp.int32)
+    assert not bool(adaptive.should_draft(policy, state, costs, remaining))
+    assert int(adaptive.plain_run_length(policy, state, costs, remaining, 32)) == 8
+    never = jnp.asarray([1.0, 100.0, 0.0, 0.0], jnp.float32)
+    assert int(adaptive.plain_run_length(policy, state, never, remaining, 32)) == 32
+    assert int(adaptive.plain_run_length(policy, state, never, remaining, 5)) == 5  # the cap, off the grid
+
+
 def test_always_right_drafts_grow_to_the_maximum(models):
     s = _oracle_stats(models, PROMPTS_4, 40, shift=0)
     widths = list(s["policy_widths"])
