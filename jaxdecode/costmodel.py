@@ -549,8 +549,9 @@ def _measure_steps(config, params, drafter, prompt, lengths, widths, sampler, ve
 def _forced_steps(config, params, drafter, prompt, lengths, widths, sampler, verifier, attn_impl, mesh, key,
                   max_trips: int):
     """(one _Loop per width running the engine's step with that width forced, the prefilled state they
-    start from, the tokens a forced plain trip commits: the engine's `plain_tokens`). A width is forced by the policy's costs and by a drafter whose proposals keep exactly
-    that many nodes; each trip returns the policy's width histogram (which width the step verified)."""
+    start from, the tokens a forced plain trip commits: the engine's `plain_tokens`). A width is forced
+    by the policy's costs and by a drafter whose proposals keep exactly that many nodes; each trip
+    returns the policy's width histogram (which width the step verified)."""
     from jaxdecode.adaptive import AdaptivePolicy
     from jaxdecode.speculative import _engine
 

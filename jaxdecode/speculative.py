@@ -597,11 +597,11 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
         return switch_in_place(drafting.astype(jnp.int32), [plain_branch, draft_and_verify], st)
 
     def plain_steps(st, remaining):
-        """Up to `plain_run` plain decoding steps in one inner loop (as many as the policy would take
-        before its next probe, adaptive.plain_run_length) (a history_only drafter: nothing to
-        observe or idle): each runs the pending token alone through the target and commits the next
-        token (greedy: the argmax, as every verifier does for an empty tree), with the statistics of
-        that many engine plain steps; the policy's estimates drift once for the steps taken."""
+        """Plain decoding steps in one inner loop, for a history_only drafter (nothing to observe or
+        idle): as many as the policy would take before its next probe (adaptive.plain_run_length), at
+        most `plain_run`. Each runs the pending token alone through the target and commits the next
+        token (greedy: the argmax, as every verifier does for an empty tree); the statistics are those
+        of that many engine plain steps, and the policy's estimates drift once for the steps taken."""
         b = st.history.shape[0]
         rows = jnp.arange(b)
         ctx = DraftContext(history=st.history, hist_len=st.hist_len, key=st.key)
