@@ -45,3 +45,31 @@ def test_report_keeps_the_previous_release_row_and_never_mislabels_a_rerun():
     rerun = _previous_release_rows({"models": {"target": now["target"]}}, now, ["target"])
     assert _reusable_rows(earlier, rerun)["heldout"]["target, previous release"] == row(1.8)
     assert _reusable_rows({**earlier, "context": 128}, rerun) == {}  # scored another way: not comparable
+
+
+def test_the_card_tells_a_distilled_draft_from_a_from_scratch_one():
+    import json
+    from pathlib import Path
+
+    from jaxdecode.training.report import model_card
+    report = json.loads((Path(__file__).resolve().parents[1] / "models/embedded/metrics.json").read_text())
+    scratch = {**report["models"]["draft"], "phases": [{"workdir": "draft", "steps": 600, "learning_rate": 0.003,
+                                                        "warmup_steps": 30, "seed": 1, "corpus": "corpus"}]}
+    scratch.pop("distilled", None)
+    report["models"]["draft"] = scratch
+    card = model_card(report)
+    assert "The draft is trained from\nscratch, not distilled" in card and "own continuations" not in card
+    acc = [{"step": 500, "tau": 1.9, "accept_by_depth": [0.5], "eval_loss": 5.0},
+           {"step": 1000, "tau": 2.5, "accept_by_depth": [0.6], "eval_loss": 4.9}]
+    report["models"]["draft"] = {**scratch, "phases": [{"workdir": "draft-distilled", "steps": 1000,
+                                                        "learning_rate": 0.003, "warmup_steps": 50, "seed": 0,
+                                                        "corpus": "self"}],
+                                 "distilled": {"data": "self", "num_prompts": 8192, "prompt_len": 32,
+                                               "new_tokens": 64, "temperature": 0.7, "greedy_fraction": 0.5,
+                                               "continuation_tokens": 524288, "date": "2026-11-26",
+                                               "heldout_acceptance": acc}}
+    card = model_card(report)
+    assert "distilled on-policy" in card and "not distilled" not in card
+    assert "1000, 0.003, 50, 0 (the target's own continuations)" in card  # the phase names its data
+    assert "tau 1.90 at step 500, 2.50 at step 1000" in " ".join(card.split())
+    assert "8192 training-split prompts" in " ".join(card.split())

@@ -1,13 +1,15 @@
 """Build the embedded default models: corpus -> tokenizer -> target + draft -> export -> card -> dLLM.
 
     python -m jaxdecode.training.build_embedded [--workdir runs/embedded] [--out models/embedded]
-        [--stages tokenizer,corpus,target,draft,report,dllm]
+        [--stages tokenizer,corpus,target,draft,report,dllm,distill-draft]
 
 Every stage resumes: the tokenizer and corpus are reused when present, training continues from the
 latest checkpoint in <workdir>/<model>/checkpoints, and `report` exports the latest checkpoint of
 each model (bf16 safetensors), evaluates it on the whole held-out split, computes the unigram and
 bigram baselines, plots the loss curves and writes MODEL_CARD.md. The target and draft stages can run
-as separate processes at the same time (`--stages target` and `--stages draft`).
+as separate processes at the same time (`--stages target` and `--stages draft`). `distill-draft` then
+replaces the shipped draft by one distilled on-policy from the exported target (`recipe.DISTILLED_DRAFT`)
+and records it in the card; a later `report` keeps it.
 """
 from __future__ import annotations
 
@@ -18,11 +20,11 @@ import sysconfig
 import time
 from pathlib import Path
 
-from .recipe import (HELD_OUT_FRACTION, PACKAGE_FILE_MAX_BYTES, PACKAGE_SAMPLE_BYTES, PACKAGES, VOCAB_SIZE,
-                     phase_corpus, phases, recipe)
+from .recipe import (DISTILLED_DRAFT, HELD_OUT_FRACTION, PACKAGE_FILE_MAX_BYTES, PACKAGE_SAMPLE_BYTES, PACKAGES,
+                     VOCAB_SIZE, phase_corpus, phases, recipe)
 from .tokenizer import load_tokenizer_dir, train_tokenizer
 
-STAGES = ("tokenizer", "corpus", "target", "draft", "report", "dllm")
+STAGES = ("tokenizer", "corpus", "target", "draft", "report", "dllm", "distill-draft")
 
 # The embedded diffusion LM (`load("dllm")`): the exported target adapted Dream-style (bidirectional
 # attention, logits shifted by one, MASK token added) on the target's own corpus split.
@@ -107,6 +109,30 @@ def stage_dllm(work: Path, out: Path, progress: bool) -> int:
                        "--workdir", str(work / "dllm"), *DLLM_FLAGS] + ([] if progress else ["--no-progress"]))
 
 
+def stage_distill_draft(work: Path, out: Path, progress: bool, command: str) -> int:
+    """Replace the shipped draft by one distilled on-policy from the shipped target (`recipe.DISTILLED_DRAFT`,
+    `jaxdecode train draft-lm --data self`; resumes), then record it in the card (report.record_distilled_draft).
+    A later `report` stage keeps it rather than re-export the from-scratch draft's checkpoints."""
+    from .cli import main as train_main
+    from .report import record_distilled_draft
+    if not (out / "target" / "config.json").exists() or not (out / "metrics.json").exists():
+        raise SystemExit(f"stage distill-draft distils from the exported target {out / 'target'} and records into "
+                         f"{out / 'metrics.json'}: run the report stage first")
+    stage_corpus(work)
+    r, run_dir = DISTILLED_DRAFT, work / "draft-distilled"
+    flags = ["--steps", r["steps"], "--batch-size", r["batch_size"], "--lr", r["learning_rate"],
+             "--warmup", r["warmup_steps"], "--seed", r["seed"], "--prompts", r["prompts"],
+             "--prompt-len", r["prompt_len"], "--seq-len", r["seq_len"], "--temperature", r["temperature"],
+             "--greedy-fraction", r["greedy_fraction"], "--eval-every", r["eval_every"]]
+    rc = train_main(["draft-lm", "--target", str(out / "target"), "--corpus", str(work / "corpus"), "--data", "self",
+                     "--size", "draft", "--out", str(run_dir / "export"), "--workdir", str(run_dir),
+                     *map(str, flags)] + ([] if progress else ["--no-progress"]))
+    if rc:
+        return rc
+    record_distilled_draft(work, out, run_dir, run_dir / "export", command, r)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jaxdecode.training.build_embedded",
                                  description=__doc__.split("\n\n")[0])
@@ -137,6 +163,9 @@ def main(argv=None) -> int:
             stage_train(work, s, not args.no_progress)
         elif s == "dllm":
             stage_dllm(work, Path(args.out), not args.no_progress)
+        elif s == "distill-draft":
+            stage_distill_draft(work, Path(args.out), not args.no_progress, " ".join(
+                ["python -m jaxdecode.training.build_embedded"] + (argv if argv is not None else sys.argv[1:])))
         elif s == "report":
             from .report import build_report, refresh_report
             cmd = " ".join(["python -m jaxdecode.training.build_embedded"]

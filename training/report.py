@@ -242,8 +242,11 @@ def build_report(work: Path, out: Path, command: str, eval_windows: int = 256) -
         report["package_corpus"] = package_corpus
     curves, carried = {}, []
     for name in NAMES:
-        if not any((work / d / "checkpoints").is_dir() for d, _ in phases(name)):
-            if name in previous.get("models", {}):  # its run is gone: keep what its own report recorded
+        distilled = previous.get("models", {}).get(name, {}).get("distilled")
+        if distilled or not any((work / d / "checkpoints").is_dir() for d, _ in phases(name)):
+            # Its run is gone, or it was replaced by the distilled draft (`record_distilled_draft`, which the
+            # from-scratch run must not overwrite): keep what its own report recorded.
+            if name in previous.get("models", {}):
                 report["models"][name] = {**previous["models"][name], "carried_over": previous.get("date")}
                 carried.append(name)
             continue
@@ -264,6 +267,66 @@ def build_report(work: Path, out: Path, command: str, eval_windows: int = 256) -
         out, [n for n in report["models"] if n not in carried],
         reuse=_reusable_rows(previous.get("compression"), {n: n for n in carried}
                              | _previous_release_rows(previous, report["models"], curves)))
+    with open(out / "metrics.json", "w") as f:
+        json.dump(report, f, indent=1)
+    (out / "MODEL_CARD.md").write_text(model_card(report))
+    return report
+
+
+def record_distilled_draft(work: Path, out: Path, run_dir: Path, export_dir: Path, command: str,
+                           recipe: dict, eval_windows: int = 256) -> dict:
+    """Ship the draft LM distilled on-policy from the shipped target (`jaxdecode train draft-lm --data self`
+    with `recipe` (recipe.DISTILLED_DRAFT), its work directory `run_dir`, its export `export_dir`) as
+    `out/draft`: bf16 weights; in metrics.json its training facts, held-out loss on the report's windows,
+    bits/byte and the transformers check, the replaced draft's compression rows kept as "draft, previous
+    release"; the card rewritten."""
+    from jaxdecode.models.hf import load_tokenizer
+
+    from .compression import heldout_stdlib_files, model_bits_per_byte, outside_files
+    report = json.loads((out / "metrics.json").read_text())
+    tokenizer = load_tokenizer_dir(out / "target")
+    config, params = load_params(export_dir, dtype="float32")
+    export_lm(config, params, load_tokenizer(export_dir), out / "draft", dtype=EXPORT_DTYPE)
+    config, params = load_params(out / "draft", dtype="float32")  # scored as shipped: bf16 weights
+    heldout = Corpus.open(work / "corpus").tokens("heldout")
+    batches = eval_batches(heldout, 8, SEQ_LEN, max_batches=-(-eval_windows // 8) if eval_windows else None)
+    metrics = read_metrics(run_dir / "run" / "metrics.jsonl")
+    evals = [m for m in metrics if "tau" in m]
+    shards = sorted((run_dir / "data").glob("self-*/manifest.json"))
+    if len(shards) != 1:
+        raise SystemExit(f"expected one self-distillation data set under {run_dir / 'data'}, found {len(shards)}")
+    data = json.loads(shards[0].read_text())
+    step, seq_len = max(m["step"] for m in metrics), data["seq_len"]
+    r = recipe
+    report["models"]["draft"] = {
+        "step": step, "phase": 1, "phase_step": step, "planned_steps": r["steps"],
+        "phases": [{"workdir": run_dir.name, "steps": r["steps"], "learning_rate": r["learning_rate"],
+                    "warmup_steps": r["warmup_steps"], "seed": r["seed"], "corpus": "self"}],
+        "tokens_seen": step * r["batch_size"] * seq_len, "batch_size": r["batch_size"],
+        "seq_len": seq_len, "learning_rate": r["learning_rate"],
+        "warmup_steps": r["warmup_steps"], "seed": r["seed"],
+        "parameters": config.num_parameters(), "config": json.loads((out / "draft" / "config.json").read_text()),
+        "heldout": evaluate_heldout(config, params, batches, token_byte_lengths(tokenizer)),
+        "train_tokens_per_s": throughput(metrics),
+        "train_loss_last": next((m["loss"] for m in reversed(metrics) if "loss" in m), None),
+        "hf_max_logit_diff": hf_logit_diff(out / "draft", heldout[:64].astype(np.int32)),
+        "bytes_on_disk": sum(f.stat().st_size for f in (out / "draft").iterdir()),
+        "distilled": {"data": "self", **data["key"]["options"], "rows": data["rows"],
+                      "continuation_tokens": data["continuation_tokens"],
+                      "date": time.strftime("%Y-%m-%d"),
+                      "heldout_acceptance": [{k: e[k] for k in ("step", "tau", "accept_by_depth", "eval_loss")}
+                                             for e in evals]},
+    }
+    compression = report.get("compression")
+    if compression:  # the new draft's rows; the replaced draft's kept beside them
+        files = {"heldout": heldout_stdlib_files(), "outside": outside_files()[0]}
+        for split, col in compression["splits"].items():
+            old = col["models"].pop("draft", None)
+            col["models"]["draft"] = model_bits_per_byte(config, params, tokenizer, files[split],
+                                                         compression["context"])
+            if old is not None:
+                col["models"]["draft, previous release"] = old
+    report.update(command=_portable(command), date=time.strftime("%Y-%m-%d"))
     with open(out / "metrics.json", "w") as f:
         json.dump(report, f, indent=1)
     (out / "MODEL_CARD.md").write_text(model_card(report))
@@ -360,6 +423,29 @@ def _curve_gaps(models: dict) -> list[str]:
     return out
 
 
+# How the card names a training phase's data (its `corpus` field).
+_PHASE_DATA = {"corpus": "", "corpus-packages": " (stdlib + packages)", "self": " (the target's own continuations)"}
+
+
+def _distilled_lines(m: dict) -> list[str]:
+    """The Training section's account of the draft: distilled on-policy, or trained from scratch."""
+    d = m.get("draft", {}).get("distilled")
+    if not d:
+        return ["with the lowest periodic held-out loss (a mild selection on the held-out split). The draft is trained from",
+                "scratch, not distilled, so both could train at once; `jaxdecode train lm --teacher DIR` distils one."]
+    acc = d["heldout_acceptance"]
+    return ["with the lowest periodic held-out loss (a mild selection on the held-out split).", "", *_wrapped(
+        f"The draft is distilled on-policy from the shipped target ({d['date']}, stage `distill-draft`): "
+        f"`jaxdecode train draft-lm --data self` trains it from scratch on the target's own continuations of "
+        f"{d['num_prompts']} training-split prompts ({d['prompt_len']} prompt tokens + {d['new_tokens']}, "
+        f"{d['greedy_fraction']:.0%} greedy, the rest sampled at T = {d['temperature']}; "
+        f"{d['continuation_tokens']:,} continuation tokens). It learns what the target writes rather than the "
+        f"corpus, so its held-out loss on corpus text is higher than a corpus-trained draft's while the target "
+        f"accepts more of its drafts. Held-out acceptance during training (greedy speculative runs of the target "
+        f"on held-out prompts, chain of 4): tau " + ", ".join(f"{e['tau']:.2f} at step {e['step']}" for e in acc)
+        + ". The plot above has no curve of it (its loss is on other text).", "")]
+
+
 def model_card(r: dict) -> str:
     b = r["baselines"]
     c = r["corpus"]
@@ -369,7 +455,9 @@ def model_card(r: dict) -> str:
         "",
         "Two small Llama-style causal LMs that share one byte-level BPE tokenizer, trained from scratch",
         "by `jaxdecode.training` on the Python sources of the CPython standard library"
-        + (" (the target's last phase also on a slice of installed packages' sources)" if pc else "") + ", so that",
+        + (" (the target's last phase also on a slice of installed packages' sources)" if pc else "")
+        + (" and, for the draft, on the target's own continuations (distilled on-policy)"
+           if r["models"].get("draft", {}).get("distilled") else "") + ", so that",
         "the decoders, tests and benchmarks run offline on any machine. They are tiny: use them to exercise and",
         "measure decoding (speculative decoding needs a target and a draft that agree often), not as code",
         "assistants.",
@@ -404,7 +492,7 @@ def model_card(r: dict) -> str:
         row("steps (of planned)", lambda i: f"{i['step']} ({i['planned_steps']})"),
         row("training phases (steps, peak LR, warmup, data seed)", lambda i: "; ".join(
             f"{p['steps']}, {p['learning_rate']}, {p['warmup_steps']}, {p['seed']}"
-            + (" (stdlib + packages)" if p.get("corpus", "corpus") != "corpus" else "") for p in i["phases"])),
+            + _PHASE_DATA.get(p.get("corpus", "corpus"), f" ({p.get('corpus')})") for p in i["phases"])),
         row("shipped checkpoint", lambda i: f"phase {i['phase']} step {i['phase_step']}"),
         row("tokens seen", lambda i: f"{i['tokens_seen'] / 1e6:.2f} M"),
         row("batch x seq", lambda i: f"{i['batch_size']} x {i['seq_len']}"),
@@ -447,16 +535,17 @@ def model_card(r: dict) -> str:
         "cosine and data seed from the previous phase's final weights (the time a run would get on a shared CPU was",
         "not known in advance, and a finished cosine cannot be extended). A package phase reads the stdlib plus the",
         "package slice above from the previous phase's weights. The shipped checkpoint is the kept one",
-        "with the lowest periodic held-out loss (a mild selection on the held-out split). The draft is trained from",
-        "scratch, not distilled, so both could train at once; `jaxdecode train lm --teacher DIR` distils one.",
+        *_distilled_lines(m),
         "Throughput was measured during these runs, on 2 CPU cores shared with other jobs.",
         "",
         "## Reproduce",
         "```",
         "python -m jaxdecode.training.build_embedded          # or: make models",
         "```",
-        "Stages (`--stages tokenizer,corpus,target,draft,report`) resume from `runs/embedded/`; `report` re-exports the",
-        "latest checkpoints into `models/embedded/` and rewrites this card and `metrics.json`. This card was written by:",
+        "Stages (`--stages tokenizer,corpus,target,draft,report,dllm,distill-draft`) resume from `runs/embedded/`;",
+        "`report` re-exports the latest checkpoints into `models/embedded/` and rewrites this card and `metrics.json`;",
+        "`distill-draft` replaces the draft by one distilled from the exported target and records it here (a later",
+        "`report` keeps it). This card was written by:",
         "```",
         _portable(r["command"]),
         "```",
