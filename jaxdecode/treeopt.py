@@ -461,11 +461,18 @@ def acceptance_profile(model, build_drafter: Callable[[Any], Any], prompt_tokens
 def size_finalists(ranked, k: int) -> tuple:
     """The best tree of each size class (1, 2-3, 4-7, 8-15, ... nodes), best class first, at most k:
     the model's next-best trees are mostly its best one give or take a node, and its error is in how
-    cost grows with size, so the finalists to time should differ in size."""
+    cost grows with size, so the finalists to time should differ in size. The smallest class is always
+    one of them (k >= 2): where drafting costs more than the model says, the smallest tree wins, and
+    the model may rank it last (the distilled draft LM on this CPU: BENCHMARKS.md, 2026-11-26)."""
     best = {}
     for paths in ranked:  # best first: the first tree of a class is its best
         best.setdefault(len(paths).bit_length(), paths)
-    return tuple(best.values())[:k]
+    classes = list(best.values())
+    smallest = min(classes, key=len) if classes else None
+    picked = classes[:k]
+    if k >= 2 and smallest is not None and all(p is not smallest for p in picked):
+        picked[-1] = smallest
+    return tuple(picked)
 
 
 # ----------------------------------------------------------------------------- tree="auto"

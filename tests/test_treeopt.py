@@ -145,8 +145,9 @@ def test_draft_cost_per_level_and_per_node():
 def test_finalists_differ_in_size():
     ranked = [((0,),) * 1 + tuple((0,) * d for d in range(2, n + 1)) for n in (16, 15, 17, 4, 5, 8, 2, 1)]
     sizes = [len(q) for q in size_finalists(ranked, 4)]
-    assert sizes == [16, 15, 4, 2]  # the best of 16-31, of 8-15, of 4-7, of 2-3 nodes
+    assert sizes == [16, 15, 4, 1]  # the best of 16-31, of 8-15, of 4-7 nodes, and the smallest tree
     assert [len(q) for q in size_finalists(ranked, 9)] == [16, 15, 4, 2, 1]
+    assert [len(q) for q in size_finalists(ranked, 1)] == [16]  # the model's choice alone
 
 
 def test_profile_json_and_estimates():
