@@ -109,7 +109,7 @@ def stage_dllm(work: Path, out: Path, progress: bool) -> int:
                        "--workdir", str(work / "dllm"), *DLLM_FLAGS] + ([] if progress else ["--no-progress"]))
 
 
-def stage_distill_draft(work: Path, out: Path, progress: bool, command: str) -> int:
+def stage_distill_draft(work: Path, out: Path, progress: bool, command: str, eval_windows: int = 256) -> int:
     """Replace the shipped draft by one distilled on-policy from the shipped target (`recipe.DISTILLED_DRAFT`,
     `jaxdecode train draft-lm --data self`; resumes), then record it in the card (report.record_distilled_draft).
     A later `report` stage keeps it rather than re-export the from-scratch draft's checkpoints."""
@@ -129,7 +129,7 @@ def stage_distill_draft(work: Path, out: Path, progress: bool, command: str) -> 
                      *map(str, flags)] + ([] if progress else ["--no-progress"]))
     if rc:
         return rc
-    record_distilled_draft(work, out, run_dir, run_dir / "export", command, r)
+    record_distilled_draft(work, out, run_dir, run_dir / "export", command, r, eval_windows=eval_windows)
     return 0
 
 
@@ -161,11 +161,13 @@ def main(argv=None) -> int:
             stage_corpus(work)
         elif s in ("target", "draft"):
             stage_train(work, s, not args.no_progress)
-        elif s == "dllm":
-            stage_dllm(work, Path(args.out), not args.no_progress)
-        elif s == "distill-draft":
-            stage_distill_draft(work, Path(args.out), not args.no_progress, " ".join(
-                ["python -m jaxdecode.training.build_embedded"] + (argv if argv is not None else sys.argv[1:])))
+        elif s in ("dllm", "distill-draft"):  # a failed training run stops the build with its exit status
+            rc = (stage_dllm(work, Path(args.out), not args.no_progress) if s == "dllm" else stage_distill_draft(
+                work, Path(args.out), not args.no_progress, " ".join(
+                    ["python -m jaxdecode.training.build_embedded"] + (argv if argv is not None else sys.argv[1:])),
+                eval_windows=args.eval_windows))
+            if rc:
+                return rc
         elif s == "report":
             from .report import build_report, refresh_report
             cmd = " ".join(["python -m jaxdecode.training.build_embedded"]
