@@ -113,16 +113,22 @@ def default_widths(num_nodes: int, extra=()) -> tuple:
 
 
 def cost_vector(policy: AdaptivePolicy, costs) -> jnp.ndarray:
-    """f32[W + 2]: seconds of an engine step per policy width with drafting excluded (the table's
-    `step_at`: the forward, the verifier, the commit, ...), then the drafter's propose and idle seconds.
+    """f32[2W + 1]: seconds of an engine step per policy width with drafting excluded (the table's
+    `step_at`: the forward, the verifier, the commit, ...), then the drafter's propose seconds per
+    width (entry 0: the whole proposal; a `level_capped` drafter's draft of w nodes costs the table's
+    `draft_at(w)`, any other drafter's its whole proposal at every width), then its idle seconds.
     `costs`: a jaxdecode.costmodel.CostTable (anything with step_at or verify_at / draft_seconds /
-    idle_seconds)."""
+    idle_seconds, and optionally draft_at)."""
     at = getattr(costs, "step_at", None) or costs.verify_at
     # A wider verification never costs less than a narrower one: a table measured under noise (other
-    # jobs on the machine) is made monotone, so noise cannot make a wide tree look free.
+    # jobs on the machine) is made monotone, so noise cannot make a wide tree look free. Likewise a
+    # deeper capped draft never costs less than a shallower one.
     verify = np.maximum.accumulate([float(at(w)) for w in policy.widths]).tolist()
-    vec = np.asarray(verify + [float(costs.draft_seconds), float(getattr(costs, "idle_seconds", 0.0))],
-                     np.float32)
+    full = float(costs.draft_seconds)
+    draft_at = getattr(costs, "draft_at", None)
+    draft = [full] + ([float(draft_at(w)) for w in policy.widths[1:]] if draft_at else [full] * (len(verify) - 1))
+    draft = [draft[0]] + np.maximum.accumulate(draft[1:]).tolist() if len(draft) > 1 else draft
+    vec = np.asarray(verify + draft + [float(getattr(costs, "idle_seconds", 0.0))], np.float32)
     if not np.all(np.isfinite(vec)) or np.any(vec < 0) or vec[0] <= 0:
         raise ValueError(f"the cost table gives unusable seconds {vec.tolist()} (need finite, >= 0, and a "
                          f"plain step > 0): re-measure it (jaxdecode calibrate --refresh)")
@@ -253,18 +259,28 @@ def _best_width(policy, reach, order, eligible, costs, remaining, drafted: bool)
     gain = jnp.minimum(gain, jnp.maximum(remaining, 1)[None].astype(jnp.float32))
     steps_left = jnp.max(jnp.where(active[None], remaining[None].astype(jnp.float32) / gain, 0.0), axis=1)  # [W]
     w = len(policy.widths)
-    verify, draft, idle = costs[:w], costs[w], costs[w + 1]
-    step = verify + jnp.where(drafted | (widths > 0), draft, idle)
+    verify, draft, idle = costs[:w], costs[w:2 * w], costs[2 * w]
+    # Before drafting, a width costs its own draft (a capped draft is shorter); after it, what was
+    # drafted is spent whatever is kept: the same cost at every width (entry 0, the whole proposal).
+    step = verify + jnp.where(drafted, draft[0], jnp.where(widths > 0, draft, idle))
     finish = step * steps_left * jnp.where(widths > 0, 1.0 + policy.margin, 1.0)  # seconds to finish the batch
     return jnp.argmin(finish), count
+
+
+def draft_plan(policy: AdaptivePolicy, state: PolicyState, costs, remaining):
+    """(bool[]: does drafting pay this step, int32[B]: the nodes each row would verify at the best
+    width), judged before drafting on the previous proposal's shape; the second is what a
+    `level_capped` drafter is told to draft at most (DraftContext.max_nodes). remaining: int32[B],
+    tokens each row still has to go (0: done)."""
+    values = _node_values(policy, state, state.parents, state.shaped)
+    best, count = _best_width(policy, *values, costs, remaining, drafted=False)
+    return best > 0, count[best]
 
 
 def should_draft(policy: AdaptivePolicy, state: PolicyState, costs, remaining):
     """bool[]: does drafting pay this step (judged on the previous proposal's shape)? remaining:
     int32[B], tokens each row still has to go (0: done)."""
-    values = _node_values(policy, state, state.parents, state.shaped)
-    best, _ = _best_width(policy, *values, costs, remaining, drafted=False)
-    return best > 0
+    return draft_plan(policy, state, costs, remaining)[0]
 
 
 def plain_run_length(policy: AdaptivePolicy, state: PolicyState, costs, remaining, cap: int):
@@ -289,15 +305,19 @@ def plain_run_length(policy: AdaptivePolicy, state: PolicyState, costs, remainin
     return jnp.where(jnp.any(flips), before[jnp.argmax(flips)], ks[-1]).astype(jnp.int32)
 
 
-def truncate(policy: AdaptivePolicy, state: PolicyState, costs, tree: Tree, remaining):
+def truncate(policy: AdaptivePolicy, state: PolicyState, costs, tree: Tree, remaining, shape_valid=None):
     """Keep each row's best nodes for the chosen width: (tree with only they valid, nodes kept int32[B],
-    state with this proposal's shape). remaining: as in `should_draft`."""
+    state with this proposal's shape). remaining: as in `should_draft`. shape_valid: bool[B, N], the
+    nodes the proposal would have had uncapped, when the drafter drafted only DraftContext.max_nodes
+    levels (the shape recorded for the next step's plan; only drafted nodes are kept): without it a
+    draft capped at one node would record a one-node shape, and the plan could never grow again."""
     active = remaining > 0
     valid = tree.valid
+    shape_nodes = valid if shape_valid is None else shape_valid
     # A row whose proposal is empty this step (e.g. no n-gram match) says nothing about the shape of
     # its next one: keep its last shape, or it would judge every later step undraftable and stop.
-    has = jnp.any(valid, axis=1)[:, None]
-    shaped = valid if policy.shape == "proposal" else jnp.ones_like(valid)  # "structure": parents only
+    has = jnp.any(shape_nodes, axis=1)[:, None]
+    shaped = shape_nodes if policy.shape == "proposal" else jnp.ones_like(valid)  # "structure": parents only
     new = dataclasses.replace(state, parents=jnp.where(has, tree.parents, state.parents),
                               shaped=jnp.where(has, shaped, state.shaped))
     # "none": the shape follows this step's sampled tokens, so the choice is made on the previous one.

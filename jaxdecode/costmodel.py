@@ -3,6 +3,7 @@
     table = load_or_calibrate(model, drafter, batch_size)   # cached on disk, measured on a miss
     table.verify_at(6)      # seconds of one target verification over [pending + 6 nodes], whole batch
     table.draft_seconds     # one drafter.propose;  table.idle_seconds: one drafter.idle (0 without one)
+    table.draft_at(2)       # a level_capped drafter's propose capped at 2 nodes (else draft_seconds)
     table.step_at(6)        # seconds of a whole engine step verifying 6 nodes, drafting excluded
 
 `measure` times, compile excluded, exactly what the engine runs each step: the target's verification
@@ -45,9 +46,11 @@ import numpy as np
 
 from jaxdecode.kernels.common import next_pow2, round_up
 
-SCHEMA = 5  # version of the cache file layout and of the key; bump when either changes meaning
+SCHEMA = 6  # version of the cache file layout and of the key; bump when either changes meaning
 # (4: DraftLM and self-speculation lost their idle step: older tables hold an idle cost no longer paid;
-# 5: plain steps of history_only drafters run as lean runs, priced per token)
+# 5: plain steps of history_only drafters run as lean runs, priced per token;
+# 6: level_capped drafters draft only the levels a step verifies: draft_by_width, and forced steps
+# that draft w levels)
 DEFAULT_CONTEXT_LEN = 256
 # Parameters up to this many bytes are hashed whole; above it every leaf is hashed by shape, dtype and
 # a strided sample of SAMPLE_ELEMENTS elements (hashing gigabytes would cost more than it saves).
@@ -72,6 +75,9 @@ class CostTable:
     # The engine's whole step with each width forced, drafting (w > 0) or idling (w = 0) included; ()
     # when not measured (a table written by hand): the policy then prices a step by its forward alone.
     step_seconds: tuple = ()
+    # A level_capped drafter's propose capped at each width's node count (entry 0, the plain step's, is
+    # 0.0); () for drafters that draft their whole proposal whatever is verified.
+    draft_by_width: tuple = ()
     meta: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)  # for display
 
     def __post_init__(self):
@@ -85,7 +91,11 @@ class CostTable:
         if not isinstance(self.step_seconds, tuple) or len(self.step_seconds) not in (0, len(w)):
             raise CostTableError(f"step_seconds must be () or a tuple with one entry per width ({len(w)}), "
                                  f"got {self.step_seconds!r}")
+        if not isinstance(self.draft_by_width, tuple) or len(self.draft_by_width) not in (0, len(w)):
+            raise CostTableError(f"draft_by_width must be () or a tuple with one entry per width ({len(w)}), "
+                                 f"got {self.draft_by_width!r}")
         for name, x in ([("verify_seconds", s) for s in v] + [("step_seconds", s) for s in self.step_seconds]
+                        + [("draft_by_width", s) for s in self.draft_by_width]
                         + [("draft_seconds", self.draft_seconds), ("idle_seconds", self.idle_seconds)]):
             if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
                 raise CostTableError(f"{name} must hold finite numbers >= 0, got {x!r}")
@@ -100,14 +110,22 @@ class CostTable:
         about linearly in the node count once the device is busy)."""
         return _interpolate(self.widths, self.verify_seconds, width)
 
+    def draft_at(self, width) -> float:
+        """Seconds of the drafter's propose when the step verifies `width` > 0 nodes: a level_capped
+        drafter drafts only those levels (`draft_by_width`, interpolated), any other its whole proposal."""
+        if not self.draft_by_width:
+            return float(self.draft_seconds)
+        return _interpolate(self.widths[1:], self.draft_by_width[1:], max(width, self.widths[1])) \
+            if len(self.widths) > 1 else float(self.draft_seconds)
+
     def step_at(self, width) -> float:
         """Seconds of a whole engine step that verifies `width` nodes (0: a plain decoding step),
-        drafting excluded (the policy adds draft_seconds or idle_seconds): the measured step less the
+        drafting excluded (the policy adds draft_at(width) or idle_seconds): the measured step less the
         drafter's part, never below the forward alone. Tables without step_seconds: `verify_at`."""
         forward = self.verify_at(width)
         if not self.step_seconds:
             return forward
-        drafter = self.draft_seconds if width > 0 else self.idle_seconds
+        drafter = self.draft_at(width) if width > 0 else self.idle_seconds
         return max(forward, _interpolate(self.widths, self.step_seconds, width) - drafter)
 
     @property
@@ -117,7 +135,8 @@ class CostTable:
 
     def to_json(self) -> dict:
         return {"widths": list(self.widths), "verify_seconds": list(self.verify_seconds),
-                "step_seconds": list(self.step_seconds), "draft_seconds": self.draft_seconds,
+                "step_seconds": list(self.step_seconds), "draft_by_width": list(self.draft_by_width),
+                "draft_seconds": self.draft_seconds,
                 "idle_seconds": self.idle_seconds, "batch_size": self.batch_size, "meta": self.meta}
 
     @classmethod
@@ -129,7 +148,7 @@ class CostTable:
             except json.JSONDecodeError as e:
                 raise CostTableError(f"not JSON: {e}") from None
         fields = {"widths", "verify_seconds", "draft_seconds", "idle_seconds", "batch_size", "meta"}
-        optional = {"step_seconds"}  # absent in tables written before it was measured
+        optional = {"step_seconds", "draft_by_width"}  # absent in tables written before they were measured
         if not isinstance(data, dict) or not fields <= set(data) <= fields | optional:
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise CostTableError(f"a cost table is an object with fields {sorted(fields)} (and optionally "
@@ -137,6 +156,7 @@ class CostTable:
         try:
             return cls(widths=tuple(data["widths"]), verify_seconds=tuple(data["verify_seconds"]),
                        step_seconds=tuple(data.get("step_seconds", ())),
+                       draft_by_width=tuple(data.get("draft_by_width", ())),
                        draft_seconds=data["draft_seconds"], idle_seconds=data["idle_seconds"],
                        batch_size=data["batch_size"], meta=data["meta"])
         except TypeError as e:  # e.g. widths not a list
@@ -415,7 +435,7 @@ class _FirstNodes:
 
 def _forcing_costs(widths: tuple, index: int) -> jnp.ndarray:
     """A policy cost vector under which width `index` is always the best choice (engine timing only)."""
-    vec = np.ones(len(widths) + 2, np.float32)
+    vec = np.ones(2 * len(widths) + 1, np.float32)  # adaptive.cost_vector's layout
     vec[index] = 1e-9
     vec[len(widths):] = 0.0  # drafting and idling free: the width alone decides
     return jnp.asarray(vec)
@@ -501,21 +521,31 @@ def measure(model, drafter, batch_size: int, *, widths=None, context_len: int | 
     history = jnp.zeros((b, hist_cap), jnp.int32).at[:, :context_len].set(prompt)
     ctx_args = (drafter, history, lengths, k_draft)
 
-    def ctx_at(a, i):
-        return DraftContext(history=a[1], hist_len=a[2], key=jax.random.fold_in(a[3], i))
+    def ctx_at(a, i, max_nodes=None):
+        return DraftContext(history=a[1], hist_len=a[2], key=jax.random.fold_in(a[3], i), max_nodes=max_nodes)
 
     def draft_step(a, state, i):
-        tree, probs, state = a[0].propose(state, ctx_at(a, i), sampler)
+        tree, probs, state = a[0].propose(state, ctx_at(a, i, a[4] if len(a) > 4 else None), sampler)
         return state, (tree, probs)
 
     loops = [_Loop(draft_step, ctx_args)]
     if callable(getattr(drafter, "idle", None)):  # what the drafter does on a step that drafts nothing
         loops.append(_Loop(lambda a, state, i: (a[0].idle(state, ctx_at(a, i)), ()), ctx_args))
-    draft, idle = (_time_loops(loops, state0, repeats, target_seconds) + [0.0])[:2]
+    capped = []
+    if getattr(drafter, "level_capped", False) and getattr(drafter, "is_chain", False):
+        # Drafted only as deep as each width (DraftContext.max_nodes): one compile, the cap traced.
+        for w in widths[1:]:
+            capped.append(_Loop(draft_step, ctx_args + (jnp.full((b,), w, jnp.int32),),
+                                same_as=capped[0] if capped else None))
+    secs = _time_loops(loops + capped, state0, repeats, target_seconds)
+    draft, idle = (secs[:len(loops)] + [0.0])[:2]
+    draft_by_width = (0.0,) + tuple(secs[len(loops):]) if capped else ()
     name = type(drafter).__name__
     _emit(progress, f"calibrate: draft  ({name}, {where}): {draft * 1e3:9.3f} ms")
     if len(loops) > 1:
         _emit(progress, f"calibrate: idle   ({name}, {where}): {idle * 1e3:9.3f} ms")
+    for w, secs_w in zip(widths[1:], draft_by_width[1:]):
+        _emit(progress, f"calibrate: draft  {w:4d} levels ({name}, {where}): {secs_w * 1e3:9.3f} ms")
     steps = ()
     if whole_step:
         steps = _measure_steps(config, params, drafter, prompt, lengths, widths, sampler, verifier, attn_impl,
@@ -524,7 +554,7 @@ def measure(model, drafter, batch_size: int, *, widths=None, context_len: int | 
             _emit(progress, f"calibrate: step   {w:4d} nodes ({where}): {secs * 1e3:9.3f} ms")
     meta["verifier"] = getattr(_verifier(drafter, sampler, verifier), "name", "?")
     return CostTable(widths=widths, verify_seconds=tuple(verify), step_seconds=tuple(steps), draft_seconds=draft,
-                     idle_seconds=idle, batch_size=b, meta=meta)
+                     idle_seconds=idle, batch_size=b, draft_by_width=draft_by_width, meta=meta)
 
 
 def _verifier(drafter, sampler, verifier):

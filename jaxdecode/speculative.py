@@ -63,6 +63,10 @@ class DraftContext:
     # draft under it through drafters.builders.build_tree; the engine prunes what they propose anyway.
     constraint: Any = None
     cstate: Any = None
+    # int32[B] or None: the nodes the adaptive policy will verify at most in each row this step, chosen
+    # before drafting (from past acceptance only, never from this step's tokens). A `level_capped`
+    # drafter drafts no more chain levels than that; the others ignore it (the engine trims anyway).
+    max_nodes: Any = None
 
 
 @jax.tree_util.register_dataclass
@@ -97,7 +101,11 @@ class Drafter(Protocol):
     adaptive policy's plain steps, to keep the drafter's state current), history_only (default False:
     True declares that `observe` is the identity and there is no `idle` — the drafter reads all it
     needs from the history when it proposes — so when drafting does not pay the engine may decode
-    several plain steps in a row without calling the drafter; see PLAIN_RUN).
+    several plain steps in a row without calling the drafter; see PLAIN_RUN), level_capped (default
+    False: True declares a chain drafter whose `propose` drafts at most DraftContext.max_nodes[b]
+    levels in row b when it is set, each level costing a draft step; the adaptive policy then sets it
+    before drafting and prices a draft of w nodes at what w levels cost, the cost table's
+    draft_by_width, instead of the whole chain).
 
     feature_layers: target hidden states the drafter reads, a static tuple of layer ids (0..L-1: the
     output of that decoder layer) and/or FINAL (the last hidden state after the final norm, what the
@@ -371,6 +379,8 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
                   and bool(getattr(drafter, "history_only", False)) and getattr(drafter, "idle", None) is None)
     # Greedy decoding with a verifier that reads only the target's argmax: no [B, N+1, V] distribution.
     argmax_only = sampler.is_greedy and callable(getattr(verifier, "verify_argmax", None))
+    # A chain drafter that drafts only the levels the policy's plan will verify (Drafter.level_capped).
+    level_capped = policy is not None and bool(getattr(drafter, "level_capped", False))
 
     def start(prompt_tokens, prompt_lengths, key) -> _SpecState:
         st = _start(config, params, drafter, prompt_tokens, prompt_lengths, key, cache_len=cache_len,
@@ -545,7 +555,7 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
         ctx = DraftContext(history=st.history, hist_len=st.hist_len, key=k_draft, constraint=constraint,
                            cstate=st.cstate)
 
-        def propose(st):
+        def propose(st, ctx=ctx):
             """The drafter's proposal, pruned under the constraint: (tree, draft_probs, drafter state,
             slot states, allowed [B, N+1, V]; the last two None without a constraint)."""
             tree, draft_probs, dstate = drafter.propose(st.drafter_state, ctx, sampler)
@@ -559,12 +569,17 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
             verified = verify(st, tree, draft_probs, active, k_verify, allowed)
             return finish(st, tree, dstate, None, key, active, verified, slot_states=slots)
         remaining = jnp.where(active, max_new_tokens - st.num_new, 0)  # tokens each row still has to go
-        drafting = adaptive_mod.should_draft(policy, st.policy_state, costs, remaining)
+        drafting, plan_nodes = adaptive_mod.draft_plan(policy, st.policy_state, costs, remaining)
         empty_tree, empty_probs = _empty_proposal(drafter, st.drafter_state, ctx, sampler)
 
         def draft_and_verify(st):
-            tree, draft_probs, dstate, slots, allowed = propose(st)
-            tree, _, pstate = adaptive_mod.truncate(policy, st.policy_state, costs, tree, remaining)
+            shape_valid = None
+            if level_capped:  # draft only the levels the plan verifies; the uncapped shape is the whole chain
+                tree, draft_probs, dstate, slots, allowed = propose(st, dataclasses.replace(ctx, max_nodes=plan_nodes))
+                shape_valid = tree.valid | (jnp.arange(n)[None, :] >= plan_nodes[:, None])
+            else:
+                tree, draft_probs, dstate, slots, allowed = propose(st)
+            tree, _, pstate = adaptive_mod.truncate(policy, st.policy_state, costs, tree, remaining, shape_valid)
             # The kept nodes into the first slots, so the forward's width is what is kept (a chain's
             # kept nodes are a prefix already).
             chain = bool(getattr(drafter, "is_chain", False))

@@ -35,6 +35,19 @@ class Costs:
     idle_seconds = property(lambda self: self.idle)
 
 
+@dataclasses.dataclass(frozen=True)
+class LevelCosts(Costs):
+    """Costs of a level_capped drafter: a draft of w levels costs base + per_level * w (draft_at)."""
+    base: float = 0.1
+    per_level: float = 0.2
+    levels: int = 4
+
+    def draft_at(self, width):
+        return self.base + self.per_level * width
+
+    draft_seconds = property(lambda self: self.draft_at(self.levels))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class OracleDrafter:
@@ -236,3 +249,64 @@ def test_bad_adaptive_arguments(models):
         adaptive.AdaptivePolicy(widths=(1, 4))
     with pytest.raises(ValueError, match="unusable seconds"):
         adaptive.cost_vector(adaptive.AdaptivePolicy(widths=(0, 4)), Costs(draft=float("nan")))
+
+
+def test_a_capped_chain_drafts_only_its_rows_levels():
+    """capped_chain: row b drafts max_nodes[b] levels (at least one), and the level loop stops once
+    every row is done: expand runs max(max_nodes) - 1 times, not depth - 1."""
+    from jaxdecode.drafters.builders import ChainBuilder, capped_chain
+    v, b = 16, 3
+    logq = jnp.log(jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(0), (v, v)), axis=-1))
+
+    def expand(calls, start, toks, parents):
+        return logq[toks], calls + 1
+
+    root = logq[jnp.arange(b)]
+    full, full_slots, full_calls = ChainBuilder(4, "argmax").build(jnp.int32(0), root, expand, jax.random.PRNGKey(1))
+    tree, slots, calls = capped_chain(ChainBuilder(4, "argmax"), jnp.array([1, 3, 0], jnp.int32)).build(
+        jnp.int32(0), root, expand, jax.random.PRNGKey(1))
+    assert int(full_calls) == 3 and int(calls) == 2
+    np.testing.assert_array_equal(np.asarray(tree.valid), [[1, 0, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0]])
+    # the levels drafted are the uncapped chain's: same tokens, same draft distributions
+    keep = np.asarray(tree.valid)
+    np.testing.assert_array_equal(np.asarray(tree.tokens)[keep], np.asarray(full.tokens)[keep])
+    np.testing.assert_allclose(np.asarray(slots)[:, :2], np.asarray(full_slots)[:, :2])
+
+
+def test_a_level_capped_draft_lm_drafts_what_pays_and_grows_when_right(models):
+    """A chain draft LM is level_capped: the policy picks the depth before drafting, from costs that
+    price each level (LevelCosts), and the draft LM drafts only that deep. At the prior, 2 levels pay
+    and 4 do not; a self-draft (always right) then grows to the whole chain, because the shape the
+    policy keeps is the uncapped chain's, not the capped draft's (levels never drafted while capped
+    reach their parents' estimates by the explore drift, here fast). Greedy output is exact throughout."""
+    (cfg, params), (dcfg, dparams) = models
+    prompts, lengths = pad_prompts(PROMPTS_4)
+    n = 32
+    ref = _greedy(cfg, params, prompts, lengths, n)
+    costs = LevelCosts(per_node=0.05, base=0.1, per_level=0.2)
+    seen, drafted = [], []
+    real = DraftLM.propose
+
+    def spy(self, cache, ctx, sampler):  # the cap the engine hands the drafter; the levels it drafted
+        seen.append(ctx.max_nodes is not None)
+        tree, slots, cache = real(self, cache, ctx, sampler)
+        jax.debug.callback(lambda v: drafted.append(int(v)), jnp.max(jnp.sum(tree.valid, axis=1)))
+        return tree, slots, cache
+
+    with mock.patch.object(DraftLM, "propose", spy):
+        for name, (c, p) in {"weak": (dcfg, dparams), "self": (cfg, params)}.items():
+            drafter = DraftLM(params=p, config=c, builder=parse_tree_spec("chain:4"))
+            assert drafter.level_capped
+            out = _run(cfg, params, drafter, prompts, lengths, n, costs=costs, explore=0.2 if name == "self" else 0.005)
+            np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens), err_msg=name)
+            s = jax.tree.map(np.asarray, out.stats)
+            widths = list(s["policy_widths"])
+            if name == "weak":  # the first step drafts 2 levels (the plan at the prior), not the chain's 4
+                assert drafted and drafted[0] == 2 and s["width_hist"][widths.index(2)] > 0, (drafted, s["width_hist"])
+                drafted.clear()
+            else:
+                # from 2 levels at the prior to the whole chain (a one- or two-node shape would never grow)
+                assert s["width_hist"][widths.index(4)] >= 2, s["width_hist"]
+                assert np.all(s["tau"] > 3.0), s["tau"]
+    assert any(seen)
+    assert not DraftLM(params=dparams, config=dcfg, builder=parse_tree_spec("static:2,1")).level_capped

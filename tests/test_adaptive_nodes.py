@@ -139,7 +139,8 @@ def test_selection_is_the_best_reach_closed_under_parents_and_earlier_siblings()
     state = dataclasses.replace(state, accept=acc)
     tree = Tree(tokens=jnp.arange(10, dtype=jnp.int32).reshape(2, 5), parents=jnp.asarray(np.tile(parents, (2, 1))),
                 valid=jnp.ones((2, 5), bool))
-    costs = jnp.asarray([1.0, 9.0, 9.0, 1.0, 9.0, 0.0, 0.0], jnp.float32)  # width 3 is nearly free
+    # adaptive.cost_vector's layout: step per width, draft per width, idle; width 3 is nearly free
+    costs = jnp.asarray([1.0, 9.0, 9.0, 1.0, 9.0] + [0.0] * 5 + [0.0], jnp.float32)
     kept, count, _ = adaptive.truncate(policy, state, costs, tree, jnp.asarray([10, 10]))
     np.testing.assert_array_equal(np.asarray(kept.valid), [[1, 0, 1, 0, 1], [1, 1, 0, 1, 0]])
     np.testing.assert_array_equal(np.asarray(count), [3, 3])
@@ -180,8 +181,8 @@ def _start_at(policy, batch, max_depth, num_nodes, static_parents=None, is_chain
 def _keep_by_token(real, rows):
     """The deliberate bug, on rows >= `rows` only: after the policy's choice, drop a depth-1 node (and
     its child) when its sampled token is in the upper half of the vocabulary."""
-    def truncate(policy, state, costs, tree, remaining):
-        tree, count, state = real(policy, state, costs, tree, remaining)
+    def truncate(policy, state, costs, tree, remaining, shape_valid=None):
+        tree, count, state = real(policy, state, costs, tree, remaining, shape_valid)
         low = tree.tokens < V // 2
         keep = jnp.where(tree.parents < 0, low, jnp.take_along_axis(low, jnp.maximum(tree.parents, 0), axis=1))
         keep = keep | (jnp.arange(keep.shape[0]) < rows)[:, None]

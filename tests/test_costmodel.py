@@ -67,10 +67,30 @@ def test_a_step_is_priced_by_the_whole_engine_step():
     assert t.step_at(2) == pytest.approx(max(4e-3 - 5e-4, t.verify_at(2)))
     assert CostTable.from_json(t.to_json()) == t
     vec = cost_vector(AdaptivePolicy(widths=(0, 1, 2, 4)), t).tolist()
-    assert vec[:4] == pytest.approx([2.8e-3, 4.5e-3, 4.5e-3, 8.5e-3]) and vec[4:] == pytest.approx([5e-4, 2e-4])
+    # steps per width, then the draft per width (a drafter that drafts its whole proposal: the same), idle
+    assert vec[:4] == pytest.approx([2.8e-3, 4.5e-3, 4.5e-3, 8.5e-3]) and vec[4:] == pytest.approx([5e-4] * 4 + [2e-4])
     assert table().step_at(2) == table().verify_at(2)  # nothing measured but the forward
     old = {k: v for k, v in table().to_json().items() if k != "step_seconds"}  # a table from before
     assert CostTable.from_json(old) == table()
+
+
+def test_a_level_capped_draft_is_priced_at_the_levels_it_drafts():
+    """draft_by_width (a level_capped drafter's propose capped at each width): draft_at interpolates it,
+    step_at subtracts the draft the forced step paid at that width, the policy's costs carry one draft
+    per width (made non-decreasing); a table without it prices every width at the whole proposal."""
+    from jaxdecode.adaptive import AdaptivePolicy, cost_vector
+    t = dataclasses.replace(table(draft=8e-4), step_seconds=(3e-3, 5e-3, 6e-3, 9e-3),
+                            draft_by_width=(0.0, 2e-4, 4e-4, 8e-4))
+    assert t.draft_at(1) == pytest.approx(2e-4) and t.draft_at(3) == pytest.approx(6e-4)
+    assert t.step_at(1) == pytest.approx(5e-3 - 2e-4) and t.step_at(4) == pytest.approx(9e-3 - 8e-4)
+    assert CostTable.from_json(json.loads(json.dumps(t.to_json()))) == t
+    vec = cost_vector(AdaptivePolicy(widths=(0, 1, 2, 4)), t).tolist()
+    assert vec[4:] == pytest.approx([8e-4, 2e-4, 4e-4, 8e-4, 0.0])  # whole proposal, per width, idle
+    noisy = dataclasses.replace(t, draft_by_width=(0.0, 3e-4, 2e-4, 8e-4))  # a deeper draft measured cheaper
+    assert cost_vector(AdaptivePolicy(widths=(0, 1, 2, 4)), noisy).tolist()[5:7] == pytest.approx([3e-4, 3e-4])
+    assert table(draft=8e-4).draft_at(1) == pytest.approx(8e-4)
+    with pytest.raises(CostTableError, match="draft_by_width must be"):
+        dataclasses.replace(t, draft_by_width=(0.0, 1e-4))
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -83,7 +103,7 @@ def test_a_step_is_priced_by_the_whole_engine_step():
 ])
 def test_bad_tables_are_refused(bad, match):
     fields = dict(table().to_json(), **bad)
-    for name in ("widths", "verify_seconds", "step_seconds"):
+    for name in ("widths", "verify_seconds", "step_seconds", "draft_by_width"):
         fields[name] = tuple(fields[name])
     with pytest.raises(CostTableError, match=match):
         CostTable(**fields)
@@ -120,7 +140,9 @@ def test_measure_times_every_item(tmp_path, monkeypatch):
     assert t.meta["context_len"] == 8 and t.meta["drafter"] == "DraftLM" and t.meta["verifier"] == "greedy"
     assert lines[0].startswith("calibrate: measuring") and str(tmp_path) in lines[0]
     kinds = [line.split()[1] for line in lines[1:]]
-    assert kinds == ["verify", "verify", "draft", "step", "step"], lines
+    # a chain draft LM is level_capped: its propose is also timed capped at each drafting width
+    assert kinds == ["verify", "verify", "draft", "draft", "step", "step"], lines
+    assert len(t.draft_by_width) == 2 and t.draft_by_width[0] == 0.0 and t.draft_by_width[1] > 0
     lines.clear()
     again = costmodel.load_or_calibrate((cfg, params), drafter, 2, widths=(0, 2), context_len=8,
                                         cache_dir=tmp_path, progress=lines.append)

@@ -33,7 +33,7 @@ from jaxdecode import verifiers as vf
 from jaxdecode.adaptive import AdaptivePolicy, default_widths
 from jaxdecode.decoders import DEFAULT_VERIFIER
 from jaxdecode.drafters.builders import RULES as BUILDER_RULES
-from jaxdecode.drafters.builders import ChainBuilder, DynamicTreeBuilder, StaticTreeBuilder
+from jaxdecode.drafters.builders import ChainBuilder, DynamicTreeBuilder, StaticTreeBuilder, capped_chain
 from jaxdecode.models import ModelConfig, causal_mask, forward, init_params
 from jaxdecode.sampling import SamplerConfig
 from jaxdecode.speculative import DraftContext, SpeculativeError, check_combination, speculative_decode
@@ -120,6 +120,8 @@ class RowRanges:
     ranges: tuple = dataclasses.field(metadata=dict(static=True))  # ((builder, start, stop), ...)
     # True: the adaptive engine's plain steps run as its lean plain run (observe is the identity).
     history_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # True: chain rows draft only the levels the adaptive policy's plan verifies (DraftContext.max_nodes).
+    level_capped: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     num_nodes = property(lambda self: self.ranges[0][0].num_nodes)
     max_depth = property(lambda self: max(b.max_depth for b, _, _ in self.ranges))
@@ -127,8 +129,12 @@ class RowRanges:
     observe = TableDrafter.observe
 
     def propose(self, state, ctx, sampler):
-        parts = [_draft(b, self.logq, DraftContext(history=ctx.history[a:z], hist_len=ctx.hist_len[a:z],
-                                                   key=jax.random.fold_in(ctx.key, k)))
+        def capped(b, a, z):
+            if ctx.max_nodes is None or not isinstance(b, ChainBuilder):
+                return b
+            return capped_chain(b, ctx.max_nodes[a:z])
+        parts = [_draft(capped(b, a, z), self.logq, DraftContext(history=ctx.history[a:z], hist_len=ctx.hist_len[a:z],
+                                                                 key=jax.random.fold_in(ctx.key, k)))
                  for k, (b, a, z) in enumerate(self.ranges)]
         tree, slots = jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
         return tree, slots, state
@@ -252,8 +258,10 @@ class StepCosts:
 # or, its estimate below what pays, drafts nothing and decodes plainly ("off"). Worked out from the
 # finish time step(w) * remaining / E(w).
 # "off-lean": "off" with a history_only drafter, whose plain steps run as the engine's lean plain run.
+# "partial-capped": "partial" with level_capped chains: a row the plan gives depth 1 drafts one level.
 ADAPTIVE_COSTS = {"partial": StepCosts(per_node=0.29, draft=0.1), "off": StepCosts(per_node=0.28, draft=0.3),
-                  "off-lean": StepCosts(per_node=0.28, draft=0.3)}
+                  "off-lean": StepCosts(per_node=0.28, draft=0.3),
+                  "partial-capped": StepCosts(per_node=0.29, draft=0.1)}
 
 
 def decode_chunks(drafter, verifier, rows: int, adaptive: str | None = None):
@@ -266,6 +274,8 @@ def decode_chunks(drafter, verifier, rows: int, adaptive: str | None = None):
     outs = []
     if adaptive == "off-lean":
         drafter = dataclasses.replace(drafter, history_only=True)
+    if adaptive == "partial-capped":
+        drafter = dataclasses.replace(drafter, level_capped=True)
     # Each pair was judged by check_combination above; the composite drafter / verifier are not
     # drafts of one rule, so the engine's host check is skipped for this run only.
     with pytest.MonkeyPatch.context() as mp:
@@ -280,7 +290,7 @@ def decode_chunks(drafter, verifier, rows: int, adaptive: str | None = None):
             assert np.all(np.asarray(out.lengths) == new)
             if adaptive is not None:  # the policy did what the costs were picked for
                 hist = np.asarray(out.stats["width_hist"])
-                assert hist[-1] > 0 and hist[{"partial": 1, "off": 0, "off-lean": 0}[adaptive]] > 0, hist
+                assert hist[-1] > 0 and hist[{"partial": 1, "off": 0, "off-lean": 0, "partial-capped": 1}[adaptive]] > 0, hist
             outs.append((np.asarray(out.tokens)[:, :2], np.asarray(out.stats["verify_calls"])))
     return outs
 

@@ -17,6 +17,7 @@ Each returns (Tree, q_slots[B, N+1, V] draft probabilities per parent slot, scor
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +82,70 @@ class ChainBuilder:
                 slots = slots.at[:, d + 1].set(jnp.exp(logq))
         tree = Tree(tokens=tokens, parents=parents, valid=jnp.ones((b, n), bool))
         return tree, slots, scorer_state
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StoppingChainBuilder:
+    """ChainBuilder(depth, rule) whose levels run in a `lax.while_loop` that ends when `stop` says
+    every row is done: the drafter's cost follows the draft length it picks (an acceptance head's cut,
+    or the adaptive policy's depth: `capped_chain`).
+
+    stop(d, logq [B, V], token [B], carry) -> (keep_next bool[B], carry): called after token d was
+    drafted from logq; keep_next False ends the row's chain after node d. Created per propose call
+    (it closes over traced values), never hashed as jit static data."""
+    base: ChainBuilder
+    stop: Callable
+    carry0: Any
+
+    num_nodes = property(lambda self: self.base.num_nodes)
+    max_depth = property(lambda self: self.base.max_depth)
+    working_size = property(lambda self: self.base.working_size)
+    static_parents = property(lambda self: self.base.static_parents)
+    rule = property(lambda self: self.base.rule)
+    is_chain = True
+
+    def build(self, scorer_state, logq_root, expand, key):
+        b, v = logq_root.shape
+        n = self.base.depth
+        parents = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) - 1, (b, n))
+        keys = jax.random.split(key, n)
+
+        def draft(d, logq, st):  # token d from logq; the head decides whether the row goes on
+            tok = _ranked(logq, 1, self.base.rule, keys[d])[:, 0]
+            going, carry = self.stop(d, logq, tok, st["carry"])
+            going = going & st["going"]
+            return tok, going, {**st, "carry": carry,
+                                "tokens": st["tokens"].at[:, d].set(tok),
+                                "valid": st["valid"].at[:, d].set(st["going"]),
+                                "going": going}
+
+        slots = jnp.zeros((b, n + 1, v), jnp.float32).at[:, 0].set(jnp.exp(logq_root))
+        st = {"carry": self.carry0, "tokens": jnp.zeros((b, n), jnp.int32), "valid": jnp.zeros((b, n), bool),
+              "going": jnp.ones((b,), bool), "slots": slots, "scorer": scorer_state, "d": jnp.int32(0)}
+        tok, going, st = draft(0, logq_root, st)
+
+        def cond(st):
+            return (st["d"] + 1 < n) & jnp.any(st["going"])
+
+        def body(st):
+            d = st["d"]
+            tok = st["tokens"][:, d]
+            logq, scorer = expand(st["scorer"], d, tok[:, None], parents)
+            logq = logq[:, 0]
+            st = {**st, "scorer": scorer, "slots": st["slots"].at[:, d + 1].set(jnp.exp(logq)), "d": d + 1}
+            _, _, st = draft(d + 1, logq, st)
+            return st
+
+        st = jax.lax.while_loop(cond, body, st)
+        tree = Tree(tokens=st["tokens"], parents=parents, valid=st["valid"])
+        return tree, st["slots"], st["scorer"]
+
+
+def capped_chain(base: ChainBuilder, max_nodes) -> StoppingChainBuilder:
+    """`base` drafting at most max_nodes[b] levels in row b (int32[B]; at least one level is drafted,
+    the engine drops what it does not verify): the adaptive policy's depth, chosen before drafting,
+    so a draft LM pays for the levels it verifies, not for its whole chain."""
+    return StoppingChainBuilder(base, lambda d, logq, tok, cap: (d + 1 < cap, cap), max_nodes)
 
 
 @dataclasses.dataclass(frozen=True)

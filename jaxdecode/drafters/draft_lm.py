@@ -16,7 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxdecode.drafters.builders import build_tree
+from jaxdecode.drafters.builders import ChainBuilder, build_tree, capped_chain
 from jaxdecode.autoregressive import prefill
 from jaxdecode.models import ModelConfig, advance, forward, init_cache, padded_causal_mask
 from jaxdecode.sampling import SamplerConfig, process_logits
@@ -65,6 +65,9 @@ class DraftLM:
     child_rule = property(lambda self: self.builder.rule)
     is_chain = property(lambda self: self.builder.is_chain)
     history_only = True  # observe is the identity: see speculative.Drafter
+    # A chain drafts level by level: under the adaptive policy it drafts only the levels it will verify
+    # (DraftContext.max_nodes), so a short draft costs a short draft (speculative.Drafter).
+    level_capped = property(lambda self: isinstance(self.builder, ChainBuilder))
 
     def init(self, prompt_tokens, prompt_lengths, cache_len, key):
         # Room for the committed tokens, one catch-up block and the working tree.
@@ -108,8 +111,10 @@ class DraftLM:
                                      write_offset=jnp.full((b,), start, jnp.int32))
             return draft_logprobs(lg, sampler), scratch
 
-        tree, slots, scratch = build_tree(self.builder, ctx, cache, draft_logprobs(root_logits, sampler), expand,
-                                          ctx.key)
+        builder = self.builder
+        if getattr(ctx, "max_nodes", None) is not None and self.level_capped:
+            builder = capped_chain(builder, ctx.max_nodes)
+        tree, slots, scratch = build_tree(builder, ctx, cache, draft_logprobs(root_logits, sampler), expand, ctx.key)
         # The scratch cache, not `cache`: the tree's entries lie beyond `lengths` (never attended), and
         # keeping `cache` would make XLA copy it before the tree writes, every step.
         return tree, slots, scratch.replace(lengths=cache.lengths)
