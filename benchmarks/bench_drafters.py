@@ -38,6 +38,11 @@ CONFIGS = [
     ("draft_lm eagle:6,4,24", "draft_lm", "eagle:depth=6,topk=4,total=24", {}),
     ("draft_lm (second draft) chain:4", "draft_lm", "chain:4", {"second_draft": True}),
     ("prompt_lookup chain:3", "prompt_lookup", "chain:3", {}),
+    ("prompt_lookup chain:4", "prompt_lookup", "chain:4", {}),
+    ("retrieval chain:4", "retrieval", "chain:4", {}),
+    ("retrieval chain:8", "retrieval", "chain:8", {}),
+    ("retrieval chain:8, no confidence cut", "retrieval", "chain:8", {"min_reach": 0.0}),
+    ("retrieval chain:12", "retrieval", "chain:12", {}),
     ("token_recycling", "token_recycling", None, {}),
     ("medusa chain:4", "medusa", "chain:4", {}),
     ("medusa static:4,2,2,1", "medusa", "static:4,2,2,1", {}),
@@ -52,7 +57,7 @@ CONFIGS = [
     ("del chain:4", "del", "chain:4", {}),
     ("kangaroo chain:6", "kangaroo", "chain:6", {}),
 ]
-TRAINED = {"medusa", "hydra", "eagle3", "block", "accept_head", "kangaroo"}
+TRAINED = {"medusa", "hydra", "eagle3", "block", "accept_head", "kangaroo", "retrieval"}
 
 
 def drafter_dir(name: str, target_dir: Path, root: str | None) -> Path | None:

@@ -195,10 +195,11 @@ _TABLE = (
     Option("draft", "str", "draft model directory (drafter draft_lm; dllm: a masked-diffusion LM; trained "
            "drafters over a draft LM, e.g. accept_head)", ("speculative",),
            default_doc="none", objects="a jaxdecode Model"),
-    Option("drafter", "str", "who proposes the draft tree (trained kinds: medusa .. kangaroo, and kinds "
+    Option("drafter", "str", "who proposes the draft tree (trained kinds: medusa .. retrieval, and kinds "
            "registered with jaxdecode.drafters.trained.register_kind, load their weights from drafter_dir)",
            ("speculative",), choices=_drafters, more_choices=_registered_drafters,
-           default_doc="draft_lm with a draft model (dllm with a diffusion one), else prompt_lookup; the kind in "
+           default_doc="draft_lm with a draft model (dllm with a diffusion one), else retrieval when the target "
+           "ships a datastore (<target_dir>/drafters/retrieval), else prompt_lookup; the kind in "
            "drafter_dir's config.json with drafter_dir", objects="a Drafter object or a TrainedDrafter (load_drafter)"),
     Option("drafter_dir", "str", "trained drafter directory (config.json + model.safetensors, written by "
            "`jaxdecode train KIND` / save_drafter)", ("speculative",), objects="a pathlib.Path",

@@ -1,4 +1,4 @@
-"""Training-free drafters (prompt lookup, aggressive decoding, Token Recycling, ADED) and the DySpec tree
+"""Training-free drafters (prompt lookup, aggressive decoding, Token Recycling, ADED, retrieval) and the DySpec tree
 builder: proposal logic in isolation, then exactness against plain greedy decoding through the engine
 (batch 1 and 4, a random model and a repetitive one where drafts are accepted), and point-mass
 sampling that runs and is reproducible."""
@@ -16,6 +16,7 @@ from jaxdecode.drafters.draft_lm import DraftLM
 from jaxdecode.drafters.dyspec import DySpecBuilder
 from jaxdecode.drafters.ngram import AggressiveDrafter, PromptLookupDrafter
 from jaxdecode.drafters.recycling import DEFAULT_TEMPLATE, TokenRecyclingDrafter, recycling_template
+from jaxdecode.drafters.retrieval import RetrievalDrafter, build_table
 from jaxdecode.models import ModelConfig, init_params
 from jaxdecode.sampling import SamplerConfig
 from jaxdecode.speculative import DraftContext, Observation, speculative_decode
@@ -472,6 +473,8 @@ def make(name, s, params):
                                                                                        max_depth=4))
     if name == "aded":
         return ADEDDrafter(vocab_size=V, num_nodes=8, max_depth=4, table_size=256, topk=4)
+    if name == "retrieval":  # a datastore of the model's own greedy output on other prompts
+        return RetrievalDrafter(table=datastore(s["cfg"], params), num_nodes=6, history_ngram=4)
     if name == "dyspec":  # the target as its own draft model
         return DraftLM(params=params, config=s["cfg"], builder=DySpecBuilder(num_nodes=8, topk=3))
     if name == "dyspec_other":  # a separate, weaker draft model: drafts get rejected too
@@ -479,7 +482,16 @@ def make(name, s, params):
     raise KeyError(name)
 
 
-DRAFTERS = ["prompt_lookup", "prompt_lookup_adaptive", "aggressive", "recycling", "aded", "dyspec"]
+DRAFTERS = ["prompt_lookup", "prompt_lookup_adaptive", "aggressive", "recycling", "aded", "retrieval", "dyspec"]
+
+
+def datastore(cfg, params):
+    """A retrieval table of the model's greedy continuations of 16 random prompts (not the tests')."""
+    prompts = np.random.default_rng(7).integers(1, V, size=(16, 4))
+    out = decode(cfg, params, jnp.asarray(prompts, jnp.int32), jnp.full((16,), 4, jnp.int32), max_new_tokens=12,
+                 sampler=GREEDY, method="greedy")
+    rows = np.concatenate([prompts, np.asarray(out.tokens)], axis=1)
+    return build_table(rows, starts=np.full(16, 4), max_order=4)[0]
 
 
 @pytest.mark.parametrize("name", DRAFTERS)
@@ -511,7 +523,8 @@ def test_greedy_exact_batch1(setup, name):
 
 
 # Aggressive decoding verifies exactly like prompt lookup (a copied chain): one of them suffices here.
-@pytest.mark.parametrize("name", ["prompt_lookup", "prompt_lookup_adaptive", "recycling", "aded", "dyspec_other"])
+@pytest.mark.parametrize("name", ["prompt_lookup", "prompt_lookup_adaptive", "recycling", "aded", "retrieval",
+                                  "dyspec_other"])
 def test_point_mass_sampling_runs_and_is_reproducible(setup, name):
     s = setup
     prompts, lengths = s["random"]

@@ -38,7 +38,7 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
     train = subparsers.add_parser("train", help="train models (causal LMs, draft models)")
     sub = train.add_subparsers(dest="train_command",
-                               metavar="{lm," + ",".join(DRAFTER_COMMANDS + DLLM_COMMANDS) + "}")
+                               metavar="{lm," + ",".join(DRAFTER_COMMANDS + ("retrieval",) + DLLM_COMMANDS) + "}")
     sub.required = True
     lm = sub.add_parser(
         "lm", help="train a causal LM from scratch or distil one from a teacher; export HF format",
@@ -97,6 +97,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     lm.add_argument("--no-progress", action="store_true", help="no progress bar")
     for command in DRAFTER_COMMANDS:
         add_drafter_parser(sub, command)
+    add_retrieval_parser(sub)
     add_dllm_parsers(sub)
     return train
 
@@ -173,6 +174,81 @@ def add_drafter_parser(sub, command: str) -> argparse.ArgumentParser:
     p.add_argument("--keep-checkpoints", type=int, default=3, help="checkpoints kept (the newest)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
+
+
+def add_retrieval_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "retrieval", help="build a datastore of the target's own continuations (the retrieval drafter)",
+        formatter_class=_DefaultsFormatter,
+        description="Build the retrieval drafter's datastore: the target continues corpus prompts (cached "
+                    "in WORKDIR/data, resumable), the continuations are kept as token rows, and the "
+                    "drafter's n-gram table is built from them when it is loaded. Nothing is optimised. "
+                    "The held-out acceptance of a real greedy speculative run is printed and stored "
+                    "with the export (the adaptive policy starts from it).")
+    p.add_argument("--target", required=True, help="the target model's HF directory (with its tokenizer)")
+    p.add_argument("--out", required=True, help="output directory (written whole at the end)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--corpus", help="a corpus directory built with the target's tokenizer (manifest.json)")
+    src.add_argument("--sources", nargs="+",
+                     help="source files/directories, tokenized with the target's tokenizer into WORKDIR/corpus")
+    p.add_argument("--workdir", default=None, help="generated data (default: OUT.train)")
+    p.add_argument("--patterns", default=DEFAULT_PATTERNS, help="file globs taken from --sources directories")
+    p.add_argument("--held-out-fraction", type=float, default=0.05, help="files held out (by path hash)")
+    p.add_argument("--prompts", type=int, default=4096, help="corpus prompts the target continues (rows)")
+    p.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt")
+    p.add_argument("--seq-len", type=int, default=128, help="prompt + continuation tokens per row")
+    p.add_argument("--greedy-fraction", type=float, default=1.0, help="continuations decoded greedily")
+    p.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled continuations")
+    p.add_argument("--gen-batch-size", type=int, default=32, help="rows per batched decode call")
+    p.add_argument("--seed", type=int, default=0, help="prompt-choice and sampling seed")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a field of RetrievalConfig (max_order, history_ngram, num_nodes, ways, load), "
+                        "value as JSON; repeatable")
+    e = p.add_argument_group("held-out evaluation")
+    e.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts decoded speculatively")
+    e.add_argument("--eval-new-tokens", type=int, default=64, help="tokens decoded per held-out prompt")
+    e.add_argument("--tree", default=None, help="chain of the held-out runs (default: chain:num_nodes)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def run_train_retrieval(args) -> int:
+    """Run `jaxdecode train retrieval`."""
+    import argparse as _ap
+
+    import jaxdecode
+
+    from .distill_data import DistillOptions
+    from .drafters import EvalOptions
+    from .retrieval import build_retrieval
+
+    out = Path(args.out)
+    work = Path(args.workdir) if args.workdir else out.with_name(out.name + ".train")
+    work.mkdir(parents=True, exist_ok=True)
+    target = jaxdecode.load(args.target, dtype="float32")
+    if target.tokenizer is None:
+        raise ValueError(f"the target {args.target} has no tokenizer files: prompts are tokenized with the "
+                         f"target's tokenizer")
+    if args.seq_len <= args.prompt_len:
+        raise ValueError(f"--seq-len ({args.seq_len}) must exceed --prompt-len ({args.prompt_len}): the "
+                         f"difference is the continuation the datastore keeps")
+    ns = _ap.Namespace(corpus=[args.corpus] if args.corpus else args.sources, tokenizer=args.target,
+                       patterns=args.patterns, held_out_fraction=args.held_out_fraction, vocab_size=None)
+    _, corpus_dir = prepare_data(ns, work)
+    distill = DistillOptions(num_prompts=args.prompts, prompt_len=args.prompt_len,
+                             new_tokens=args.seq_len - args.prompt_len, temperature=args.temperature,
+                             greedy_fraction=args.greedy_fraction, batch_size=args.gen_batch_size, seed=args.seed)
+    evals = EvalOptions(prompts=args.eval_prompts, prompt_len=args.prompt_len, new_tokens=args.eval_new_tokens,
+                        tree=args.tree, seed=args.seed)
+    res = build_retrieval(target, corpus_dir, out, distill=distill, workdir=work,
+                          config_overrides=_parse_sets(args.set), eval_options=evals,
+                          progress=not args.no_progress)
+    s, h = res.stats, res.heldout
+    print(f"built a retrieval datastore of {s['rows']} rows ({s['predicted_positions']} predicted tokens, "
+          f"{s['entries']} table entries, {s['build_seconds']} s to build); held-out tau {h['tau']:.3f}, "
+          f"acceptance by depth {', '.join(f'{a:.2f}' for a in h['accept_by_depth'])}; drafter -> {out} "
+          f"(jaxdecode generate ... --drafter retrieval --drafter-dir {out})")
+    return 0
 
 
 # `jaxdecode train dllm | filter`: diffusion LMs (training.dllm) and their Learn2PD filter (training.filter).
@@ -539,6 +615,8 @@ def run_train(args) -> int:
     command = getattr(args, "train_command", "lm")
     if command in DRAFTER_COMMANDS:
         return run_train_drafter(args)
+    if command == "retrieval":
+        return run_train_retrieval(args)
     if command in DLLM_COMMANDS:
         return run_train_dllm(args)
     if command != "lm":

@@ -3,8 +3,10 @@
 Names: "draft_lm" (any jaxdecode model as a draft LM, with any tree builder), "dllm" (a masked-diffusion
 LM drafting a chain in one forward: drafters.diffusion), "prompt_lookup",
 "aggressive", "token_recycling", "aded", and the trained kinds ("medusa", "hydra", "eagle3", "block",
-"accept_head", "kangaroo", and any kind registered with `trained.register_kind`), whose weights come
-from a drafter directory (`drafter_dir=`, or `<target_dir>/drafters/<kind>` when the target ships one).
+"accept_head", "kangaroo", "retrieval" (a datastore of the target's own output), and any kind registered
+with `trained.register_kind`), whose weights come from a drafter directory (`drafter_dir=`, or
+`<target_dir>/drafters/<kind>` when the target ships one). Without a drafter, draft model or drafter
+directory, a target that ships a retrieval datastore drafts from it, any other prompt lookup.
 Tree specs: see `builders.parse_tree_spec`.
 """
 from __future__ import annotations
@@ -54,6 +56,8 @@ def make_drafter(name, target, draft=None, tree=None, temperature: float = 0.0, 
     if drafter_dir is not None and not isinstance(drafter_dir, (str, os.PathLike)):
         raise ValueError(f"drafter_dir must be a directory path (str or pathlib.Path), got "
                          f"{type(drafter_dir).__name__}")
+    if name is None and draft is None and drafter_dir is None and find_drafter_dir(target, "retrieval"):
+        name = "retrieval"  # a target that ships a datastore of its own output drafts from it by default
     if isinstance(name, TrainedDrafter) or is_trained_kind(name) or (name is None and drafter_dir is not None):
         return _make_trained(name, target, tree, temperature, drafter_dir, draft, **kw)
     if drafter_dir is not None:

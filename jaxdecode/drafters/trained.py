@@ -44,6 +44,7 @@ BUILTIN_KIND_MODULES = {
     "block": "jaxdecode.drafters.block",
     "accept_head": "jaxdecode.drafters.accept_head",
     "kangaroo": "jaxdecode.drafters.selfspec",
+    "retrieval": "jaxdecode.drafters.retrieval",
 }
 
 

@@ -1,0 +1,261 @@
+"""The retrieval drafter: its hashed datastore, its longest-match rule against a reference, and what
+it drafts through the engine (greedy == plain greedy; lossless sampling is the point-mass chain pair of
+test_verifier_pairs)."""
+from __future__ import annotations
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdecode.drafters.retrieval import RetrievalDrafter, build_table, context_hashes
+
+
+# ----------------------------------------------------------------------------- reference rule
+def reference_store(rows, starts, max_order):
+    """{context tuple: most frequent next token (ties: the lower id)} over the predicted positions."""
+    counts = collections.defaultdict(collections.Counter)
+    for row, start in zip(rows, starts):
+        row = list(row)
+        for t in range(max(start, 1), len(row)):
+            for k in range(1, max_order + 1):
+                if t - k < 0:
+                    break
+                counts[tuple(row[t - k:t])][row[t]] += 1
+    return {c: min(cnt, key=lambda tok: (-cnt[tok], tok)) for c, cnt in counts.items()}
+
+
+def reference_draft(history, store, max_order, history_ngram, num_nodes):
+    """The module docstring's rule, one token at a time in Python."""
+    h, out = list(history), []
+    for _ in range(num_nodes):
+        n_hist, tok_hist = 0, None
+        for e in range(len(h) - 2, -1, -1):  # most recent first: a later equal match does not replace it
+            n = 0
+            while n < history_ngram and e - n >= 0 and h[e - n] == h[len(h) - 1 - n]:
+                n += 1
+            if n > n_hist:
+                n_hist, tok_hist = n, h[e + 1]
+        n_store, tok_store = 0, None
+        for k in range(min(max_order, len(h)), 0, -1):
+            if tuple(h[-k:]) in store:
+                n_store, tok_store = k, store[tuple(h[-k:])]
+                break
+        if max(n_hist, n_store) == 0:
+            break
+        tok = tok_hist if n_hist >= n_store else tok_store
+        out.append(tok)
+        h.append(tok)
+    return out
+
+
+def _run_draft(drafter, histories, width=48):
+    hist = np.zeros((len(histories), width), np.int32)
+    for i, h in enumerate(histories):
+        hist[i, :len(h)] = h
+    toks, valid = jax.jit(drafter.draft)(jnp.asarray(hist), jnp.asarray([len(h) for h in histories], jnp.int32))
+    return [list(np.asarray(t)[np.asarray(v)]) for t, v in zip(toks, valid)]
+
+
+# ----------------------------------------------------------------------------- tests
+def test_hashes_agree_between_numpy_and_jax():
+    x = np.random.default_rng(0).integers(0, 5000, size=(3, 17))
+    for a, b in zip(context_hashes(x, 5, np), context_hashes(jnp.asarray(x), 5, jnp)):
+        assert a.dtype == np.uint32 and a.shape == (5, 3, 17)
+        np.testing.assert_array_equal(a, np.asarray(b))
+    fingerprints = context_hashes(x, 5, np)[1]
+    assert np.all(fingerprints != 0)  # 0 marks an empty slot
+
+
+def _look(table, ctx):
+    """(token, order) the table answers for the context `ctx` (a list, newest last)."""
+    last = np.full((1, table.max_order), -1, np.int32)
+    last[0, table.max_order - len(ctx):] = ctx
+    tok, order = table.lookup(jnp.asarray(last))
+    return int(tok[0]), int(order[0])
+
+
+@pytest.mark.parametrize("prune", [False, True])
+def test_table_holds_the_most_frequent_next_token_and_backs_off(prune):
+    rows = np.array([[1, 2, 3, 1, 2, 4, 1, 2, 4, 5, 6, 7],
+                     [9, 1, 2, 3, 8, 8, 8, 8, 8, 8, 1, 2]])
+    table, stats = build_table(rows, max_order=3, prune=prune)
+    ref = reference_store(rows, [1, 1], 3)
+    assert ref[(1, 2)] == 3  # 3 and 4 follow (1, 2) twice each: the lower id wins
+    assert _look(table, [1, 2]) == (3, 1 if prune else 2)  # pruned: (2,) -> 3 already says it
+    assert _look(table, [2, 4, 1]) == (2, 1 if prune else 3)
+    assert _look(table, [6, 7])[1] == 0  # 7 is never followed by a predicted token
+    assert _look(table, [42])[1] == 0  # unseen
+    for ctx, tok in ref.items():  # every context answers as the reference does, pruned or not
+        assert _look(table, list(ctx))[0] == tok, ctx
+    assert stats["contexts"] == [len([c for c in ref if len(c) == k]) for k in (1, 2, 3)]
+    assert stats["entries"] + stats["overflow"] == sum(stats["contexts"]) - sum(stats["redundant"])
+    assert (sum(stats["redundant"]) > 0) == prune
+
+
+def test_starts_and_lengths_limit_what_is_predicted():
+    rows = np.array([[5, 6, 7, 5, 6, 9, 9, 9]])
+    table, stats = build_table(rows, lengths=[6], starts=[4], max_order=2, prune=False)  # predicts 4 and 5
+    assert stats["predicted_positions"] == 2
+    assert _look(table, [5, 6]) == (9, 2)
+    assert _look(table, [7, 5]) == (6, 2)
+    assert _look(table, [6, 7])[1] == 0  # 7 -> 5 is at position 3: context only
+    assert _look(table, [9, 9])[1] == 0  # past the row's length
+
+
+def test_drafts_follow_the_reference_rule():
+    rng = np.random.default_rng(1)
+    rows = rng.integers(0, 6, size=(40, 30))
+    max_order, ng = 4, 3
+    table, stats = build_table(rows, starts=np.full(40, 5), max_order=max_order, load=0.1)
+    assert stats["overflow"] == 0  # a full bucket would drop contexts the reference keeps
+    store = reference_store(rows, [5] * 40, max_order)
+    histories = [list(rng.integers(0, 6, size=n)) for n in (1, 2, 5, 11, 20, 33)]
+    drafter = RetrievalDrafter(table=table, num_nodes=7, history_ngram=ng)
+    got = _run_draft(drafter, histories)
+    for h, g in zip(histories, got):
+        assert g == reference_draft(h, store, max_order, ng, 7), h
+
+
+def test_history_only_drafter_is_prompt_lookup_that_rematches():
+    histories = [[1, 2, 3, 4, 1, 2, 3], [7, 7], [5], [1, 2, 9, 1, 2, 8, 1, 2]]
+    got = _run_draft(RetrievalDrafter(table=None, num_nodes=5, history_ngram=4), histories)
+    assert got[0] == [4, 1, 2, 3, 4]
+    assert got[1] == [7, 7, 7, 7, 7]
+    assert got[2] == []  # nothing to match: no draft
+    assert got[3][:1] == [8]  # the most recent occurrence of the longest match
+    for h, g in zip(histories, got):
+        assert g == reference_draft(h, {}, 1, 4, 5)
+
+
+def test_bad_input_is_refused_clearly():
+    with pytest.raises(ValueError, match="rows must be an int array"):
+        build_table(np.zeros((3,), int))
+    with pytest.raises(ValueError, match="negative token ids"):
+        build_table(np.array([[1, -1, 2]]))
+    with pytest.raises(ValueError, match="one entry per row"):
+        build_table(np.array([[1, 2, 3]]), lengths=[3, 3])
+    with pytest.raises(ValueError, match="max_order"):
+        build_table(np.array([[1, 2, 3]]), max_order=0)
+    with pytest.raises(ValueError, match="num_nodes"):
+        RetrievalDrafter(num_nodes=0)
+    with pytest.raises(ValueError, match="table must be an NgramTable"):
+        RetrievalDrafter(table=np.zeros(3))
+
+
+# ----------------------------------------------------------------------------- a shipped datastore
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(target Model, corpus dir, datastore dir) from `jaxdecode train retrieval` on a tiny trained LM."""
+    from jaxdecode.cli import main
+    from jaxdecode.training.fixtures import build_tiny_lm
+    import jaxdecode
+    root = tmp_path_factory.mktemp("retrieval")
+    target = jaxdecode.load(build_tiny_lm(root / "lm", steps=40))
+    out = root / "store"
+    rc = main(["train", "retrieval", "--target", target.path, "--corpus", str(root / "lm" / "corpus"),
+               "--out", str(out), "--prompts", "32", "--prompt-len", "8", "--seq-len", "40", "--gen-batch-size",
+               "16", "--eval-prompts", "4", "--eval-new-tokens", "16", "--set", "max_order=4", "--no-progress"])
+    assert rc == 0
+    return target, root / "lm" / "corpus", out
+
+
+def test_cli_builds_a_datastore_that_decodes_exactly(built, capsys):
+    import jaxdecode
+    from jaxdecode.drafters import load_drafter, make_drafter
+    target, _, out = built
+    loaded = load_drafter(out, target)
+    assert loaded.name == "retrieval" and loaded.cfg.max_order == 4
+    rows = np.asarray(loaded.params["rows"])
+    assert rows.dtype == np.uint16 and rows.shape == (32, 40 - 8 + 4)  # 4 context tokens + the continuation
+    extra = loaded.extra
+    assert extra["data"]["rows"] == 32 and extra["table"]["entries"] > 0
+    assert extra["heldout"]["tau"] >= 1.0 and len(extra["heldout"]["accept_by_depth"]) == 8
+    drafter = make_drafter("retrieval", target, drafter_dir=str(out), tree="chain:5")
+    assert drafter.num_nodes == 5 and drafter.acceptance_prior == tuple(extra["heldout"]["accept_by_depth"])
+    prompts = ["def f(x):", "import os\n", "class A"]
+    greedy = jaxdecode.generate(target, prompts, "greedy", 24, eos_ids=[])
+    for adaptive in (False, True):
+        spec = jaxdecode.generate(target, prompts, "speculative", 24, eos_ids=[], drafter="retrieval",
+                                  drafter_dir=str(out), adaptive=adaptive)
+        assert [g.tokens for g in spec] == [g.tokens for g in greedy]
+
+
+def test_a_target_that_ships_a_datastore_drafts_from_it_by_default(built, tmp_path):
+    import shutil
+
+    import jaxdecode
+    from jaxdecode.drafters import make_drafter
+    from jaxdecode.drafters.ngram import PromptLookupDrafter
+    target, _, out = built
+    assert isinstance(make_drafter(None, target), PromptLookupDrafter)
+    shipped = tmp_path / "target"
+    shutil.copytree(target.path, shipped)
+    shutil.copytree(out, shipped / "drafters" / "retrieval")
+    with_store = jaxdecode.load(shipped)
+    assert isinstance(make_drafter(None, with_store), RetrievalDrafter)
+    draft_given = make_drafter(None, with_store, draft=with_store)  # a draft model still means draft_lm
+    assert type(draft_given).__name__ == "DraftLM"
+
+
+def test_a_datastore_for_another_target_is_refused(built, tmp_path):
+    import json
+
+    from jaxdecode.drafters import make_drafter
+    from jaxdecode.drafters.retrieval import RetrievalConfig, RetrievalError, datastore_params
+    from jaxdecode.drafters.trained import DrafterLoadError, DrafterTargetError, save_drafter
+    target, _, out = built
+    other = target.config.replace(vocab_size=target.config.vocab_size + 1)
+    foreign = tmp_path / "foreign"
+    save_drafter(foreign, "retrieval", RetrievalConfig(), datastore_params(np.ones((2, 5), int), [5, 5], [1, 1]),
+                 other)
+    with pytest.raises(DrafterTargetError, match="vocab_size"):
+        make_drafter("retrieval", target, drafter_dir=str(foreign))
+    # ids outside the vocabulary (a datastore tokenized otherwise, its config.json edited)
+    wide = tmp_path / "wide"
+    save_drafter(wide, "retrieval", RetrievalConfig(),
+                 datastore_params(np.full((2, 5), target.config.vocab_size + 3), [5, 5], [1, 1]), target.config)
+    with pytest.raises(RetrievalError, match="outside the target's vocabulary"):
+        make_drafter("retrieval", target, drafter_dir=str(wide))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"jaxdecode_drafter": "retrieval"}))
+    with pytest.raises(DrafterLoadError, match="no 'config' object"):
+        make_drafter("retrieval", target, drafter_dir=str(broken))
+    with pytest.raises(RetrievalError, match="unknown retrieval drafter options"):
+        make_drafter("retrieval", target, drafter_dir=str(out), max_depth=3)
+
+
+def test_sharded_retrieval_equals_single_device():
+    """On a (data x model) mesh the datastore's table is replicated and the rows' histories split over
+    data: the same tokens and verification counts as on one device."""
+    from jaxdecode.autoregressive import decode, pad_prompts
+    from jaxdecode.models import ModelConfig, init_params
+    from jaxdecode.sampling import SamplerConfig
+    from jaxdecode.sharding import make_mesh, shard_batch, shard_params
+    from jaxdecode.speculative import speculative_decode
+    from jaxdecode.verifiers import get_verifier
+
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128)
+    params = init_params(cfg, jax.random.PRNGKey(0), std=0.3)
+    greedy = SamplerConfig(temperature=0.0)
+    seed_prompts = np.random.default_rng(3).integers(1, 64, size=(8, 3))
+    own = decode(cfg, params, jnp.asarray(seed_prompts, jnp.int32), jnp.full((8,), 3, jnp.int32), max_new_tokens=16,
+                 sampler=greedy, method="greedy")
+    table, _ = build_table(np.concatenate([seed_prompts, np.asarray(own.tokens)], axis=1), starts=np.full(8, 3),
+                           max_order=4)
+    drafter = RetrievalDrafter(table=table, num_nodes=4)
+    prompts, lengths = pad_prompts([[3, 9, 27, 4, 1], [8, 2], [5, 5, 5], [60, 1, 33, 7]])
+    kw = dict(max_new_tokens=12, verifier=get_verifier("greedy"), sampler=greedy)
+    ref = speculative_decode(cfg, params, drafter, prompts, lengths, **kw)
+    mesh = make_mesh(data=2, model=4, devices=jax.devices()[:8])
+    got = speculative_decode(cfg, shard_params(params, mesh), drafter, shard_batch(prompts, mesh),
+                             shard_batch(lengths, mesh), mesh=mesh, **kw)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
+    np.testing.assert_array_equal(np.asarray(got.stats["verify_calls"]), np.asarray(ref.stats["verify_calls"]))
+    plain = decode(cfg, params, prompts, lengths, max_new_tokens=12, sampler=greedy, method="greedy")
+    np.testing.assert_array_equal(np.asarray(ref.tokens), np.asarray(plain.tokens))
+    assert float(np.max(np.asarray(ref.stats["tau"]))) > 1.0  # it drafted something the target accepted
