@@ -46,7 +46,17 @@ to the shortest kept one, as it does any proposal.
 Estimates start at `prior`, or per depth at `prior_by_depth`: a trained drafter declares its held-out
 acceptance by depth (`acceptance_prior`, measured under greedy verification), which `policy_for` uses
 when decoding greedily, so a drafter that is good enough to pay is tried from the first step rather
-than judged at a flat prior it may never climb out of. A key tried this step (a kept node whose
+than judged at a flat prior it may never climb out of.
+
+Confidence classes. A drafter whose every node comes with a confidence of its own, a function of the
+past (the retrieval drafter: the length of the match a token was retrieved on), declares
+`confidence_classes` C and labels its nodes (Tree.classes); `policy_for` then keys the estimates by class
+(`AdaptivePolicy.classes`): a_c = P(a node of class c is accepted | its parent was), per row, started
+at the drafter's own measurement (`class_prior`). A position says little about such a drafter's next
+token (a strong match at depth 5 beats a weak one at depth 1), its class does. Before drafting the
+next proposal's classes are unknown, so the plan judges the previous shape as if every node were of
+the best class (drafting is a lookup: proposing costs next to nothing); after drafting, `truncate`
+keeps each row's nodes by this proposal's classes. A key tried this step (a kept node whose
 parent was committed, or a kept child of the root) moves toward 1 if its node was committed, else 0
 (weight 1 - decay); an untried key drifts by `explore` toward the estimate of the key above it (its
 parent node; depth 1: toward 1), so a row that stopped speculating probes again now and then, and a
@@ -85,6 +95,11 @@ class AdaptivePolicy:
     # trained drafter's held-out acceptance (its `acceptance_prior`). Without it a good drafter can
     # look too weak to try at the flat prior, and a row that never drafts never learns otherwise.
     prior_by_depth: tuple = ()
+    # Keys by the drafter's confidence class (Tree.classes) instead of by position: C > 0 classes, the
+    # estimate of class c starting at prior_by_class[c] (the last entry for later classes; () = prior).
+    # Only with shape "proposal" (the classes are read from the proposal). See "Confidence classes".
+    classes: int = 0
+    prior_by_class: tuple = ()
 
     def __post_init__(self):
         ws = tuple(int(w) for w in self.widths)
@@ -101,6 +116,16 @@ class AdaptivePolicy:
         object.__setattr__(self, "prior_by_depth", prior)
         if self.shape not in ("proposal", "structure", "none"):
             raise ValueError(f"AdaptivePolicy.shape must be 'proposal', 'structure' or 'none', got {self.shape!r}")
+        if isinstance(self.classes, bool) or not isinstance(self.classes, int) or self.classes < 0:
+            raise ValueError(f"AdaptivePolicy.classes must be an int >= 0, got {self.classes!r}")
+        if self.classes and self.shape != "proposal":
+            raise ValueError("AdaptivePolicy.classes reads each proposal's classes: it needs shape='proposal' "
+                             "(proposals that are a function of the past)")
+        by_class = tuple(float(a) for a in self.prior_by_class)
+        if not all(0.0 <= a <= 1.0 for a in by_class) or (by_class and not self.classes):
+            raise ValueError(f"AdaptivePolicy.prior_by_class must hold acceptance rates in [0, 1], with classes > 0, "
+                             f"got {self.prior_by_class} (classes={self.classes})")
+        object.__setattr__(self, "prior_by_class", by_class)
         object.__setattr__(self, "widths", ws)
 
 
@@ -142,9 +167,11 @@ class PolicyState:
     above: jax.Array  # int32[K]: the key an untried key's estimate drifts toward (-1: toward 1)
     parents: jax.Array  # int32[B, N]: the latest proposal's shape (parents) ...
     shaped: jax.Array  # bool[B, N]: ... and its nodes (the valid ones, or all of a fixed structure)
+    node_classes: jax.Array  # int32[B, N]: ... and their confidence classes (class-keyed policies; else 0)
     # 0: keys are node indices (a fixed structure); R > 0: key = (depth - 1) * R + min(sibling rank, R - 1).
     ranks: int = dataclasses.field(default=0, metadata=dict(static=True))
     depth: int = dataclasses.field(default=1, metadata=dict(static=True))  # the drafter's max_depth
+    classes: int = dataclasses.field(default=0, metadata=dict(static=True))  # C > 0: key = the node's class
 
 
 def init_state(policy: AdaptivePolicy, batch: int, max_depth: int, num_nodes: int, static_parents=None,
@@ -175,10 +202,18 @@ def init_state(policy: AdaptivePolicy, batch: int, max_depth: int, num_nodes: in
         key_depth = jnp.arange(len(above)) // ranks + 1 if ranks else depths(jnp.asarray(parents))
         table = jnp.asarray(policy.prior_by_depth, jnp.float32)
         start = table[jnp.minimum(key_depth, len(table)) - 1]
+    if policy.classes:  # one key per class, each drifting toward 1 when untried (as a depth-1 key does)
+        above = np.full(policy.classes, -1)
+        start = jnp.full((policy.classes,), policy.prior, jnp.float32)
+        if policy.prior_by_class:
+            table = jnp.asarray(policy.prior_by_class, jnp.float32)
+            start = table[jnp.minimum(jnp.arange(policy.classes), len(table) - 1)]
     return PolicyState(accept=jnp.broadcast_to(start, (batch, len(above))),
                        above=jnp.asarray(above, jnp.int32),
                        parents=jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (batch, n)),
-                       shaped=jnp.broadcast_to(jnp.asarray(shaped), (batch, n)), ranks=ranks, depth=max_depth)
+                       shaped=jnp.broadcast_to(jnp.asarray(shaped), (batch, n)),
+                       node_classes=jnp.zeros((batch, n), jnp.int32), ranks=ranks, depth=max_depth,
+                       classes=policy.classes)
 
 
 def _down(parents, own, root, combine, steps: int):
@@ -210,6 +245,8 @@ def node_keys(state: PolicyState, parents, rank=None):
     than the estimates reach."""
     b, n = parents.shape
     k = state.accept.shape[1]
+    if state.classes:  # the node's confidence class (the shape's, as stored with it)
+        return jnp.clip(state.node_classes, 0, state.classes - 1).astype(jnp.int32)
     if state.ranks == 0:
         return jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
     if rank is None:
@@ -272,6 +309,8 @@ def draft_plan(policy: AdaptivePolicy, state: PolicyState, costs, remaining):
     width), judged before drafting on the previous proposal's shape; the second is what a
     `level_capped` drafter is told to draft at most (DraftContext.max_nodes). remaining: int32[B],
     tokens each row still has to go (0: done)."""
+    if state.classes:  # the next proposal's classes are unknown: judge it as if all were the best class
+        state = dataclasses.replace(state, node_classes=jnp.full_like(state.node_classes, state.classes - 1))
     values = _node_values(policy, state, state.parents, state.shaped)
     best, count = _best_width(policy, *values, costs, remaining, drafted=False)
     return best > 0, count[best]
@@ -320,6 +359,12 @@ def truncate(policy: AdaptivePolicy, state: PolicyState, costs, tree: Tree, rema
     shaped = shape_nodes if policy.shape == "proposal" else jnp.ones_like(valid)  # "structure": parents only
     new = dataclasses.replace(state, parents=jnp.where(has, tree.parents, state.parents),
                               shaped=jnp.where(has, shaped, state.shaped))
+    if state.classes:
+        if tree.classes is None:
+            raise ValueError("an adaptive policy keyed by confidence class needs proposals with Tree.classes "
+                             "(the drafter's confidence_classes); this drafter's trees have none")
+        new = dataclasses.replace(new, node_classes=jnp.where(has, tree.classes.astype(jnp.int32),
+                                                              state.node_classes))
     # "none": the shape follows this step's sampled tokens, so the choice is made on the previous one.
     judged = state if policy.shape == "none" else new
     reach, order, eligible = _node_values(policy, judged, judged.parents, judged.shaped)

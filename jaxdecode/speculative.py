@@ -913,10 +913,19 @@ def policy_for(drafter, sampler: SamplerConfig, **overrides) -> "adaptive_mod.Ad
     verify_widths); `need` from the proposal when decoding greedily, from the tree's fixed structure
     when sampling with a static shape, all-or-nothing when sampling with a shape that follows the
     sampled tokens (jaxdecode.adaptive, "Lossless"). Greedy decoding starts the estimates at the
-    drafter's `acceptance_prior` (held-out acceptance by depth, measured greedily) when it declares one."""
+    drafter's `acceptance_prior` (held-out acceptance by depth, measured greedily) when it declares one.
+    A drafter declaring `confidence_classes` gets estimates keyed by class (adaptive, "Confidence
+    classes"), started at its `class_prior` when decoding greedily."""
     if sampler.is_greedy:
         overrides.setdefault("prior_by_depth", tuple(getattr(drafter, "acceptance_prior", None) or ()))
     static = getattr(getattr(drafter, "builder", None), "static_parents", None) is not None
+    classes = int(getattr(drafter, "confidence_classes", 0) or 0)
+    if classes and (sampler.is_greedy or drafter.child_rule in ("point", "topk", "argmax")):
+        # estimates per confidence class (adaptive, "Confidence classes"); the drafter's measured rates
+        # are greedy ones, so sampling starts at the flat prior
+        overrides.setdefault("classes", classes)
+        if sampler.is_greedy:
+            overrides.setdefault("prior_by_class", tuple(getattr(drafter, "class_prior", None) or ()))
     # Children that are a function of q (top-k, argmax, point masses) make the whole proposal a
     # function of the past: any truncation of it is too. Sampled children: only the fixed shape.
     deterministic = sampler.is_greedy or drafter.child_rule in ("point", "topk", "argmax")

@@ -28,6 +28,10 @@ class Tree:
     tokens: jax.Array  # int32[B, N]
     parents: jax.Array  # int32[B, N]; -1 = root's child; parents[i] < i
     valid: jax.Array  # bool[B, N]
+    # int32[B, N] or None: the drafter's confidence class of each node (the retrieval drafter: the
+    # length of the match it was retrieved on, minus one), a function of the past. An adaptive policy
+    # keyed by class (AdaptivePolicy.classes) estimates acceptance per class rather than per position.
+    classes: jax.Array | None = None
 
     @property
     def num_nodes(self) -> int:

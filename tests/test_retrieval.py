@@ -259,3 +259,86 @@ def test_sharded_retrieval_equals_single_device():
     plain = decode(cfg, params, prompts, lengths, max_new_tokens=12, sampler=greedy, method="greedy")
     np.testing.assert_array_equal(np.asarray(ref.tokens), np.asarray(plain.tokens))
     assert float(np.max(np.asarray(ref.stats["tau"]))) > 1.0  # it drafted something the target accepted
+
+
+# ----------------------------------------------------------------------------- class-keyed adaptive policy
+def test_a_class_keyed_policy_learns_per_class_and_plans_for_the_best():
+    from jaxdecode import adaptive
+    from jaxdecode.tree import chain_tree
+
+    policy = adaptive.AdaptivePolicy(widths=(0, 1, 2), shape="proposal", classes=3, prior_by_class=(0.01, 0.9))
+    st = adaptive.init_state(policy, 1, 2, 2, is_chain=True)
+    np.testing.assert_allclose(np.asarray(st.accept), [[0.01, 0.9, 0.9]])  # later classes take the last
+    costs = jnp.asarray([1.0, 1.2, 1.3, 0.0, 0.0, 0.0, 0.0], jnp.float32)  # [step x W, draft x W, idle]
+    remaining = jnp.asarray([5])
+
+    def keep(classes, state=st):
+        tree = chain_tree(jnp.asarray([[1, 2]], jnp.int32)).replace(classes=jnp.asarray([classes], jnp.int32))
+        kept_tree, kept, new = adaptive.truncate(policy, state, costs, tree, remaining)
+        return int(kept[0]), kept_tree, new
+
+    n, _, after_weak = keep([0, 0])
+    assert n == 0  # class 0 is not worth a node
+    # ... yet the plan drafts next step: the next proposal is judged as if of the best class
+    assert bool(adaptive.should_draft(policy, after_weak, costs, remaining))
+    assert keep([2, 0])[0] == 1 and keep([1, 1])[0] == 2  # what each proposal's own classes are worth
+    # a kept class-2 node accepted, and (another step) a class-1 node rejected: only those classes move
+    _, tree, st2 = keep([2, 0])
+    st3 = adaptive.update(policy, st2, tree, jnp.asarray([[0, -1]]), jnp.asarray([1]), jnp.asarray([1]),
+                          jnp.asarray([True]))
+    _, tree, st4 = keep([1, 1], st3)
+    st5 = adaptive.update(policy, st4, tree, jnp.asarray([[-1, -1]]), jnp.asarray([0]), jnp.asarray([0]),
+                          jnp.asarray([True]))
+    got = np.asarray(st5.accept)[0]
+    assert got[2] > 0.9 and got[1] < 0.9 and abs(got[0] - 0.01) < 0.02
+    with pytest.raises(ValueError, match="shape='proposal'"):
+        adaptive.AdaptivePolicy(widths=(0, 1), shape="structure", classes=2)
+    with pytest.raises(ValueError, match="Tree.classes"):
+        adaptive.truncate(policy, st, costs, chain_tree(jnp.ones((1, 2), jnp.int32)), remaining)
+
+
+def test_policy_for_keys_by_class_when_the_drafter_has_a_confidence_table():
+    from jaxdecode.sampling import SamplerConfig
+    from jaxdecode.speculative import policy_for
+    with_conf = RetrievalDrafter(num_nodes=4, confidence=(0.3, 0.6, 0.9))
+    greedy = policy_for(with_conf, SamplerConfig(temperature=0.0))
+    assert greedy.classes == 3 and greedy.prior_by_class == (0.3, 0.6, 0.9)
+    sampled = policy_for(with_conf, SamplerConfig(temperature=0.7))
+    assert sampled.classes == 3 and sampled.prior_by_class == ()  # measured greedily: not a sampling prior
+    assert policy_for(RetrievalDrafter(num_nodes=4), SamplerConfig()).classes == 0
+
+
+@pytest.mark.parametrize("verifier,lossless", [("point_mass", True), ("typical", False)])
+def test_class_keyed_adaptive_sampling_is_lossless(verifier, lossless):
+    """1e5 rows of the chi-squared harness's target (tests/test_verifier_pairs.py) sampled at T = 1 with
+    the retrieval drafter under a class-keyed policy whose costs keep strong matches and drop weak
+    ones, so rows verify different depths by the classes of their own proposals: the first two tokens
+    follow the target's law; the lossy `typical` verifier fails the same test."""
+    import test_verifier_pairs as vp
+
+    from jaxdecode import adaptive
+    from jaxdecode.speculative import speculative_decode
+    from jaxdecode.verifiers import get_verifier
+
+    rows = np.random.default_rng(2).integers(0, vp.V, size=(64, 12))
+    table, _ = build_table(rows, max_order=2)
+    drafter = RetrievalDrafter(table=table, num_nodes=2, history_ngram=2, confidence=(0.25, 0.9))
+    policy = adaptive.AdaptivePolicy(widths=(0, 1, 2), shape="proposal", classes=2, prior_by_class=(0.25, 0.9),
+                                     margin=0.0)
+    costs = vp.StepCosts(per_node=0.35, draft=0.0)  # a node pays from a ~0.35 estimate: class 1, not class 0
+    n, chunks = 100_000, 5
+    prompts = np.tile(np.asarray(vp.PROMPT, np.int32), (n // chunks, 1))
+    lengths = np.full((n // chunks,), len(vp.PROMPT), np.int32)
+    toks, plain_steps, drafting_steps = [], 0, 0
+    for c in range(chunks):
+        out = speculative_decode(vp.CFG, vp.PARAMS, drafter, prompts, lengths, max_new_tokens=3,
+                                 verifier=get_verifier(verifier), sampler=vp.T1,
+                                 key=jax.random.key(200 + c, impl="rbg"), adaptive=policy, costs=costs)
+        toks.append(np.asarray(out.tokens)[:, :2])
+        spec = np.asarray(out.stats["speculative_steps"])
+        plain_steps += int(np.sum(np.asarray(out.stats["verify_calls"]) - spec))
+        drafting_steps += int(np.sum(spec))
+    if lossless:  # the policy mixed: rows drafted on some steps and not on others
+        assert plain_steps > 0 and drafting_steps > 0, (plain_steps, drafting_steps)
+    p = vp.chi2_pvalue(np.concatenate(toks), vp.exact_joint(vp.CFG, vp.PARAMS, vp.PROMPT, vp.V))
+    assert (p > vp.P_OK) if lossless else (p < vp.P_BROKEN), p

@@ -1,7 +1,7 @@
 """Build the embedded default models: corpus -> tokenizer -> target + draft -> export -> card -> dLLM.
 
     python -m jaxdecode.training.build_embedded [--workdir runs/embedded] [--out models/embedded]
-        [--stages tokenizer,corpus,target,draft,report,dllm,distill-draft]
+        [--stages tokenizer,corpus,target,draft,report,dllm,distill-draft,retrieval]
 
 Every stage resumes: the tokenizer and corpus are reused when present, training continues from the
 latest checkpoint in <workdir>/<model>/checkpoints, and `report` exports the latest checkpoint of
@@ -9,7 +9,8 @@ each model (bf16 safetensors), evaluates it on the whole held-out split, compute
 bigram baselines, plots the loss curves and writes MODEL_CARD.md. The target and draft stages can run
 as separate processes at the same time (`--stages target` and `--stages draft`). `distill-draft` then
 replaces the shipped draft by one distilled on-policy from the exported target (`recipe.DISTILLED_DRAFT`)
-and records it in the card; a later `report` keeps it.
+and records it in the card; a later `report` keeps it. `retrieval` builds the target's retrieval datastore
+(`recipe.RETRIEVAL`: its own greedy continuations of training prompts) into target/drafters/retrieval.
 """
 from __future__ import annotations
 
@@ -21,10 +22,10 @@ import time
 from pathlib import Path
 
 from .recipe import (DISTILLED_DRAFT, HELD_OUT_FRACTION, PACKAGE_FILE_MAX_BYTES, PACKAGE_SAMPLE_BYTES, PACKAGES,
-                     VOCAB_SIZE, phase_corpus, phases, recipe)
+                     RETRIEVAL, VOCAB_SIZE, phase_corpus, phases, recipe)
 from .tokenizer import load_tokenizer_dir, train_tokenizer
 
-STAGES = ("tokenizer", "corpus", "target", "draft", "report", "dllm", "distill-draft")
+STAGES = ("tokenizer", "corpus", "target", "draft", "report", "dllm", "distill-draft", "retrieval")
 
 # The embedded diffusion LM (`load("dllm")`): the exported target adapted Dream-style (bidirectional
 # attention, logits shifted by one, MASK token added) on the target's own corpus split.
@@ -133,6 +134,22 @@ def stage_distill_draft(work: Path, out: Path, progress: bool, command: str, eva
     return 0
 
 
+def stage_retrieval(work: Path, out: Path, progress: bool) -> int:
+    """The target's retrieval datastore (`recipe.RETRIEVAL`, `jaxdecode train retrieval`; the generated
+    continuations are cached in the work directory) into out/target/drafters/retrieval."""
+    from .cli import main as train_main
+    if not (out / "target" / "config.json").exists():
+        raise SystemExit(f"stage retrieval continues prompts with the exported target {out / 'target'}: run "
+                         f"the report stage first")
+    stage_corpus(work)
+    r = RETRIEVAL
+    flags = ["--prompts", r["prompts"], "--prompt-len", r["prompt_len"], "--seq-len", r["seq_len"],
+             "--greedy-fraction", r["greedy_fraction"], "--seed", r["seed"]]
+    return train_main(["retrieval", "--target", str(out / "target"), "--corpus", str(work / "corpus"),
+                       "--out", str(out / "target" / "drafters" / "retrieval"), "--workdir", str(work / "retrieval"),
+                       *map(str, flags)] + ([] if progress else ["--no-progress"]))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jaxdecode.training.build_embedded",
                                  description=__doc__.split("\n\n")[0])
@@ -166,6 +183,10 @@ def main(argv=None) -> int:
                 work, Path(args.out), not args.no_progress, " ".join(
                     ["python -m jaxdecode.training.build_embedded"] + (argv if argv is not None else sys.argv[1:])),
                 eval_windows=args.eval_windows))
+            if rc:
+                return rc
+        elif s == "retrieval":
+            rc = stage_retrieval(work, Path(args.out), not args.no_progress)
             if rc:
                 return rc
         elif s == "report":

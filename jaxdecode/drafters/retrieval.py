@@ -289,9 +289,22 @@ class RetrievalDrafter:
             return None
         return tuple(sorted({w for w in (1, 2, 3, 4, 6, 8, 12, 16, 24) if w < self.num_nodes} | {self.num_nodes}))
 
+    @property
+    def confidence_classes(self) -> int:
+        """Classes of the adaptive policy's estimates (speculative.policy_for): one per match length
+        the confidence table tells apart, 0 without one."""
+        return len(self.confidence)
+
+    @property
+    def class_prior(self) -> tuple:
+        return self.confidence
+
     def propose(self, state, ctx, sampler):
-        tokens, valid = self.draft(ctx.history, ctx.hist_len)
-        return chain_tree(tokens, valid), None, state
+        tokens, valid, strength = self.draft(ctx.history, ctx.hist_len, with_match=True)
+        tree = chain_tree(tokens, valid)
+        if self.confidence:  # class = match length - 1 (longer ones share the last class)
+            tree = tree.replace(classes=jnp.clip(strength, 1, len(self.confidence)) - 1)
+        return tree, None, state
 
     def observe(self, state, obs):
         return state
