@@ -106,6 +106,37 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
 DRAFTER_COMMANDS = ("medusa", "hydra", "eagle3", "block", "accept-head", "kangaroo", "draft-lm")
 
 
+def _add_target_and_sources(p, workdir: str) -> None:
+    """The frozen target, the output and the corpus of a drafter command (train KIND, train retrieval)."""
+    p.add_argument("--target", required=True, help="the target model's HF directory (with its tokenizer)")
+    p.add_argument("--out", required=True, help="output directory (written whole at the end)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--corpus", help="a corpus directory built with the target's tokenizer (manifest.json)")
+    src.add_argument("--sources", nargs="+",
+                     help="source files/directories, tokenized with the target's tokenizer into WORKDIR/corpus")
+    p.add_argument("--workdir", default=None, help=f"{workdir} (default: OUT.train)")
+    p.add_argument("--patterns", default=DEFAULT_PATTERNS, help="file globs taken from --sources directories")
+    p.add_argument("--held-out-fraction", type=float, default=0.05, help="files held out (by path hash)")
+
+
+def _target_and_corpus(args, why: str):
+    """(target Model, out dir, work dir, corpus dir) of a drafter command: the target loaded in float32
+    (it must have its tokenizer: `why` says what it tokenizes), the corpus prepared in the work dir."""
+    import argparse as _ap
+
+    import jaxdecode
+    out = Path(args.out)
+    work = Path(args.workdir) if args.workdir else out.with_name(out.name + ".train")
+    work.mkdir(parents=True, exist_ok=True)
+    target = jaxdecode.load(args.target, dtype="float32")
+    if target.tokenizer is None:
+        raise ValueError(f"the target {args.target} has no tokenizer files: {why} with the target's tokenizer")
+    ns = _ap.Namespace(corpus=[args.corpus] if args.corpus else args.sources, tokenizer=args.target,
+                       patterns=args.patterns, held_out_fraction=args.held_out_fraction, vocab_size=None)
+    _, corpus_dir = prepare_data(ns, work)
+    return target, out, work, corpus_dir
+
+
 def add_drafter_parser(sub, command: str) -> argparse.ArgumentParser:
     is_lm = command == "draft-lm"
     what = ("a small draft LM on the target's own continuations (on-policy), exported as an HF "
@@ -119,18 +150,10 @@ def add_drafter_parser(sub, command: str) -> argparse.ArgumentParser:
                     f"speculative runs on held-out prompts) go to WORKDIR/metrics.jsonl and the plot "
                     f"WORKDIR/training.png. Rerunning the same command resumes from the last checkpoint; "
                     f"self-distillation data is generated once and cached in WORKDIR/data.")
-    p.add_argument("--target", required=True, help="the target model's HF directory (with its tokenizer)")
-    p.add_argument("--out", required=True, help="output directory (written whole at the end)")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--corpus", help="a corpus directory built with the target's tokenizer (manifest.json)")
-    src.add_argument("--sources", nargs="+",
-                     help="source files/directories, tokenized with the target's tokenizer into WORKDIR/corpus")
+    _add_target_and_sources(p, workdir="checkpoints, logs, data")
     p.add_argument("--data", choices=("corpus", "self", "mix"), default="self" if is_lm else "corpus",
                    help="training text: corpus windows, the target's own continuations of corpus prompts "
                         "(self-distillation), or half of each")
-    p.add_argument("--workdir", default=None, help="checkpoints, logs, data (default: OUT.train)")
-    p.add_argument("--patterns", default=DEFAULT_PATTERNS, help="file globs taken from --sources directories")
-    p.add_argument("--held-out-fraction", type=float, default=0.05, help="files held out (by path hash)")
     p.add_argument("--steps", type=int, default=2000 if is_lm else 1000, help="optimizer steps to train to")
     p.add_argument("--batch-size", type=int, default=8 if is_lm else 16, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=96,
@@ -185,15 +208,7 @@ def add_retrieval_parser(sub) -> argparse.ArgumentParser:
                     "drafter's n-gram table is built from them when it is loaded. Nothing is optimised. "
                     "The held-out acceptance of a real greedy speculative run is printed and stored "
                     "with the export (the adaptive policy starts from it).")
-    p.add_argument("--target", required=True, help="the target model's HF directory (with its tokenizer)")
-    p.add_argument("--out", required=True, help="output directory (written whole at the end)")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--corpus", help="a corpus directory built with the target's tokenizer (manifest.json)")
-    src.add_argument("--sources", nargs="+",
-                     help="source files/directories, tokenized with the target's tokenizer into WORKDIR/corpus")
-    p.add_argument("--workdir", default=None, help="generated data (default: OUT.train)")
-    p.add_argument("--patterns", default=DEFAULT_PATTERNS, help="file globs taken from --sources directories")
-    p.add_argument("--held-out-fraction", type=float, default=0.05, help="files held out (by path hash)")
+    _add_target_and_sources(p, workdir="generated data")
     p.add_argument("--prompts", type=int, default=4096, help="corpus prompts the target continues (rows)")
     p.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt")
     p.add_argument("--seq-len", type=int, default=128, help="prompt + continuation tokens per row")
@@ -214,27 +229,14 @@ def add_retrieval_parser(sub) -> argparse.ArgumentParser:
 
 def run_train_retrieval(args) -> int:
     """Run `jaxdecode train retrieval`."""
-    import argparse as _ap
-
-    import jaxdecode
-
     from .distill_data import DistillOptions
     from .drafters import EvalOptions
     from .retrieval import build_retrieval
 
-    out = Path(args.out)
-    work = Path(args.workdir) if args.workdir else out.with_name(out.name + ".train")
-    work.mkdir(parents=True, exist_ok=True)
-    target = jaxdecode.load(args.target, dtype="float32")
-    if target.tokenizer is None:
-        raise ValueError(f"the target {args.target} has no tokenizer files: prompts are tokenized with the "
-                         f"target's tokenizer")
     if args.seq_len <= args.prompt_len:
         raise ValueError(f"--seq-len ({args.seq_len}) must exceed --prompt-len ({args.prompt_len}): the "
                          f"difference is the continuation the datastore keeps")
-    ns = _ap.Namespace(corpus=[args.corpus] if args.corpus else args.sources, tokenizer=args.target,
-                       patterns=args.patterns, held_out_fraction=args.held_out_fraction, vocab_size=None)
-    _, corpus_dir = prepare_data(ns, work)
+    target, out, work, corpus_dir = _target_and_corpus(args, "prompts are tokenized")
     distill = DistillOptions(num_prompts=args.prompts, prompt_len=args.prompt_len,
                              new_tokens=args.seq_len - args.prompt_len, temperature=args.temperature,
                              greedy_fraction=args.greedy_fraction, batch_size=args.gen_batch_size, seed=args.seed)
@@ -495,8 +497,6 @@ def _parse_sets(items) -> dict:
 
 def run_train_drafter(args) -> int:
     """Run `jaxdecode train KIND` (a trained-drafter kind or draft-lm)."""
-    import argparse as _ap
-
     import jaxdecode
 
     from .distill_data import DistillOptions
@@ -505,16 +505,7 @@ def run_train_drafter(args) -> int:
 
     command = args.train_command
     kind = None if command == "draft-lm" else get_train_kind(command.replace("-", "_"))  # clear error first
-    out = Path(args.out)
-    work = Path(args.workdir) if args.workdir else out.with_name(out.name + ".train")
-    work.mkdir(parents=True, exist_ok=True)
-    target = jaxdecode.load(args.target, dtype="float32")
-    if target.tokenizer is None:
-        raise ValueError(f"the target {args.target} has no tokenizer files: training data is tokenized "
-                         f"with the target's tokenizer")
-    ns = _ap.Namespace(corpus=[args.corpus] if args.corpus else args.sources, tokenizer=args.target,
-                       patterns=args.patterns, held_out_fraction=args.held_out_fraction, vocab_size=None)
-    _, corpus_dir = prepare_data(ns, work)
+    target, out, work, corpus_dir = _target_and_corpus(args, "training data is tokenized")
     tcfg = TrainConfig(steps=args.steps, learning_rate=args.lr, warmup_steps=args.warmup,
                        weight_decay=args.weight_decay, seed=args.seed, eval_every=args.eval_every,
                        checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
