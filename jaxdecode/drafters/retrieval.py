@@ -15,13 +15,18 @@ token, given the row's history plus the tokens drafted so far:
   - the longer match wins, the history on a tie (it is this row's own text); no match ends the chain.
 
 The datastore (`NgramTable`) is built on the host from token rows (`build_table`): for every order k
-and every context of k tokens seen before a predicted position, the most frequent next token. An entry
-whose token equals what its (k-1)-token suffix already predicts is dropped (a longest-match lookup
-then backs off to the same token), which keeps the table a fraction of the raw n-gram count. Entries
+and every context of k tokens seen before a predicted position, the most frequent next token. Entries
 live in a set-associative hash table: a context's two 32-bit hashes choose its bucket and check its
 fingerprint, so a lookup is one gather of `ways` slots per order, vectorised over the batch and the
 orders; the hashes are computed identically by numpy (build) and jax (lookup). A hash collision can
-only make a draft token wrong, never the output: the verifier decides.
+only make a draft token wrong, never the output: the verifier decides. (`prune=True` drops the entries
+whose token their (k-1)-token suffix already predicts: the same back-off tokens from a tenth of the
+entries, but the datastore's match then looks shorter than it is and loses ties it should win.)
+
+The match length is the draft's confidence: with `confidence` (the acceptance by match length, measured
+where the datastore was built, `match_acceptance`) the chain stops where the product of its tokens'
+rates falls below `min_reach`, and each node's class (its match length) keys the adaptive policy's
+estimates (jaxdecode.adaptive, "Confidence classes").
 
 The shipped datastore (`jaxdecode train retrieval`) is the target's greedy continuations of training
 prompts, stored as token rows in the trained-drafter format; the table is built when it is loaded.
