@@ -74,12 +74,20 @@ def context_hashes(tokens, max_order: int, xp=jnp):
     hb = xp.full(tok.shape, _SEED_FINGER, xp.uint32)
     outs_a, outs_b = [], []
     for k in range(max_order):  # static: the order grows by one token read further back
-        shifted = xp.roll(tok, k, axis=-1)
-        ha = (ha ^ shifted) * xp.uint32(_PRIME)
-        hb = (hb ^ (shifted * xp.uint32(0x9E3779B1))) * xp.uint32(_PRIME)
+        ha, hb = _extend(ha, hb, xp.roll(tok, k, axis=-1), xp)
         outs_a.append(_fmix32(ha, xp))
-        outs_b.append(_fmix32(hb, xp) | xp.uint32(1))
+        outs_b.append(_fingerprint(hb, xp))
     return xp.stack(outs_a), xp.stack(outs_b)
+
+
+def _fingerprint(hb, xp):
+    return _fmix32(hb, xp) | xp.uint32(1)  # never 0: 0 marks an empty slot
+
+
+def _extend(ha, hb, tok, xp):
+    """The running (bucket, fingerprint) hash states extended by one more token read backwards (uint32,
+    token id + 1): one hash update of `context_hashes`, shared with the lookup of the newest context."""
+    return (ha ^ tok) * xp.uint32(_PRIME), (hb ^ (tok * xp.uint32(0x9E3779B1))) * xp.uint32(_PRIME)
 
 
 @jax.tree_util.register_dataclass
@@ -94,15 +102,19 @@ class NgramTable:
     def num_buckets(self) -> int:
         return self.fingerprints.shape[0]
 
-    @property
-    def num_entries(self) -> int:
-        return int(np.count_nonzero(np.asarray(self.fingerprints)))
-
     def lookup(self, last_tokens):
         """The longest stored context among the suffixes of `last_tokens` int32[B, K] (K = max_order,
         newest last; entries < 0 are no token): (token int32[B], order int32[B], 0 = no match)."""
-        ha, hb = context_hashes(last_tokens, self.max_order)  # [K, B, K]: the contexts ending last
-        ha, hb = ha[:, :, -1], hb[:, :, -1]  # [K(order), B]
+        # the hashes of the contexts ending at the newest token only (context_hashes' values there)
+        newest_first = last_tokens[:, ::-1].astype(jnp.uint32) + jnp.uint32(1)  # [B, K]
+        ha = jnp.full(newest_first.shape[:1], _SEED_BUCKET, jnp.uint32)
+        hb = jnp.full(newest_first.shape[:1], _SEED_FINGER, jnp.uint32)
+        outs_a, outs_b = [], []
+        for k in range(self.max_order):  # static
+            ha, hb = _extend(ha, hb, newest_first[:, k], jnp)
+            outs_a.append(_fmix32(ha, jnp))
+            outs_b.append(_fingerprint(hb, jnp))
+        ha, hb = jnp.stack(outs_a), jnp.stack(outs_b)  # [K(order), B]
         shift = 32 - int(np.log2(self.num_buckets))
         bucket = (ha >> jnp.uint32(shift)).astype(jnp.int32) if shift < 32 else jnp.zeros_like(ha, jnp.int32)
         fp = self.fingerprints[bucket]  # [K, B, W]
