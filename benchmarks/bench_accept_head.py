@@ -2,27 +2,29 @@
 
     python benchmarks/bench_accept_head.py [--prompts 8 --prompt-tokens 128 --new 128 --ks 1,2,3,4,5,6,7,8
                                             --head-k 8 --thresholds 0.3,0.5,0.7,0.8,0.9 --temperatures 0,0.7
-                                            --head DIR [--inner-dir DIR] | --head-out DIR --train-prompts 64
-                                            --steps 400 --json FILE]
+                                            --head DIR [--inner-dir DIR] | [--inner KIND] [--target-proj P]
+                                            --head-out DIR --train-prompts 64 --steps 400 --json FILE]
 
 Batch 1, held-out prompts (stdlib files of the embedded corpus's held-out split). The inner drafter is
 the one the head was trained over (its config's `inner`: the embedded draft LM, or a trained kind such
-as eagle3, from --inner-dir or the target's shipped drafters). For each temperature: plain decoding (the
-baseline), the inner drafter's chain:K for every K in --ks, and the acceptance head over chain:--head-k
+as eagle3 or retrieval, from --inner-dir or the target's shipped drafters). For each temperature: plain
+decoding (the baseline), the inner drafter's chain:K for every K in --ks (a drafter's own cut, such as
+retrieval's min_reach, off; with it on as one more row), and the acceptance head over chain:--head-k
 at each threshold h, with the inner drafter's level loop stopped at the cut ("stop") and, with
 --tail-only, only the verification shrunk ("tail"). Every configuration is compiled first, then all are
-timed round robin (--repeats rounds, the median per configuration), so load drift hits them alike. Each row: tau, verification calls, tokens/s,
-speedup over plain, and (greedy) whether the output equals plain greedy token for token. The summary
+timed round robin (--repeats rounds, the median per configuration), so load drift hits them alike. Each
+row: tau, verification calls, tokens/s, speedup over plain, and (greedy) whether the output equals plain greedy token for token. The summary
 compares the best head row, and the row at the head's saved threshold, with the best fixed K (the
 issue's goal: >= 10% more tokens/s).
 
-Without --head, a head is trained first (training/accept_head.py: label runs of chain:--head-k at T=0
-and T=0.7 on --train-prompts windows of the corpus's train split, then BCE) and saved to --head-out
-(default: a temporary directory); its held-out BCE and ECE are printed. Compile time is excluded.
+Without --head, a head is trained first over --inner (default the draft LM; training/accept_head.py:
+label runs of chain:--head-k at T=0 and T=0.7 on --train-prompts windows of the corpus's train split,
+then BCE) and saved to --head-out (default: a temporary directory); its held-out BCE and ECE are printed. Compile time is excluded.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import sys
 import tempfile
@@ -90,6 +92,10 @@ def main(argv=None):
     ap.add_argument("--head", default=None, help="a trained accept_head directory (default: train one)")
     ap.add_argument("--inner-dir", default=None, help="the trained inner drafter's directory (head over a "
                     "trained kind; default: the target's shipped one)")
+    ap.add_argument("--inner", default="draft_lm", help="the drafter a head trained here wraps (draft_lm, or a "
+                    "trained kind: eagle3, retrieval, ...)")
+    ap.add_argument("--target-proj", type=int, default=0, help="a head trained here also reads the target's "
+                    "bonus-slot state, projected to this many dims (AcceptHeadConfig.target_proj)")
     ap.add_argument("--head-out", default=None, help="where the trained head goes (default: a temp dir)")
     ap.add_argument("--train-prompts", type=int, default=64)
     ap.add_argument("--train-new", type=int, default=96)
@@ -113,7 +119,9 @@ def main(argv=None):
         tc = TrainConfig(steps=args.steps, learning_rate=3e-3, warmup_steps=min(20, args.steps - 1),
                          log_every=50, eval_every=0, checkpoint_every=0, progress=False, data_parallel=1)
         held = heldout_prompts(target.tokenizer, 16, args.prompt_tokens, seed=7)  # not the timed prompts
-        report = train_accept_head(target, draft, out_dir=head_dir, train_config=tc, k=args.head_k,
+        report = train_accept_head(target, draft if args.inner == "draft_lm" else None, out_dir=head_dir,
+                                      inner=args.inner, inner_dir=args.inner_dir,
+                                      config_overrides={"target_proj": args.target_proj}, train_config=tc, k=args.head_k,
                                       train_prompts=train_prompts(target.tokenizer, args.train_prompts,
                                                                   args.prompt_tokens),
                                       heldout_prompts=held, new_tokens=args.train_new).report
@@ -125,18 +133,22 @@ def main(argv=None):
     inner_kind = head.cfg.inner
     result["inner"] = inner_kind
 
-    def inner_chain(k: int, rule: str):
+    def inner_chain(k: int, rule: str, own_cut: bool = False):
         if inner_kind == "draft_lm":
             return DraftLM(params=draft.params, config=draft.config, builder=ChainBuilder(k, rule))
-        return make_drafter(inner_kind, target, tree=ChainBuilder(k, rule), drafter_dir=args.inner_dir)
+        d = make_drafter(inner_kind, target, tree=ChainBuilder(k, rule), drafter_dir=args.inner_dir)
+        return d if own_cut or getattr(d, "min_reach", 0) <= 0 else dataclasses.replace(d, min_reach=0.0)
 
     for temp in [float(t) for t in args.temperatures.split(",")]:
         sampler = SamplerConfig(temperature=temp)
-        verifier = get_verifier("greedy" if temp == 0 else "chain")
         rule = "argmax" if temp == 0 else "sample"
+        inner = inner_chain(args.head_k, rule)
+        verifier = get_verifier("greedy" if temp == 0 else "point_mass" if inner.child_rule == "point" else "chain")
         configs = {"plain": None}
         configs.update({f"{inner_kind} chain:{k}": inner_chain(k, rule) for k in (int(x) for x in args.ks.split(","))})
-        inner = inner_chain(args.head_k, rule)
+        own = inner_chain(args.head_k, rule, own_cut=True)
+        if getattr(own, "min_reach", 0) > 0:
+            configs[f"{inner_kind} chain:{args.head_k} own cut"] = own
         # the sweep, plus the threshold saved with the head (train_accept_head's speed_estimate choice)
         for h in sorted({float(x) for x in args.thresholds.split(",")} | {float(head.cfg.threshold)}):
             for stop in ((True, False) if args.tail_only else (True,)):
@@ -164,7 +176,8 @@ def main(argv=None):
                   f"x{row['speedup']:.2f}" + (f" equal={row['equals_greedy']}" if temp == 0 else ""),
                   file=sys.stderr)
         rows = [r for r in result["rows"] if r["T"] == temp]
-        fixed = max((r for r in rows if r["config"].startswith(f"{inner_kind} chain:")),
+        fixed = max((r for r in rows if r["config"].startswith(f"{inner_kind} chain:")
+                     and not r["config"].endswith("own cut")),
                     key=lambda r: r["tokens_per_s"])
         best = max((r for r in rows if r["config"].startswith("accept_head")), key=lambda r: r["tokens_per_s"])
         saved = next(r for r in rows if r["config"].startswith(f"accept_head chain:{args.head_k} "
@@ -173,7 +186,9 @@ def main(argv=None):
             "saved_threshold": head.cfg.threshold, "saved_head_tps": saved["tokens_per_s"],
             "saved_over_fixed": saved["tokens_per_s"] / fixed["tokens_per_s"],
             "best_fixed": fixed["config"], "best_fixed_tps": fixed["tokens_per_s"], "best_head": best["config"],
-            "best_head_tps": best["tokens_per_s"], "head_over_fixed": best["tokens_per_s"] / fixed["tokens_per_s"]}
+            "best_head_tps": best["tokens_per_s"], "head_over_fixed": best["tokens_per_s"] / fixed["tokens_per_s"],
+            **{f"own_cut_{k}": r[k] for r in rows if r["config"].endswith("own cut")
+               for k in ("tokens_per_s", "speedup")}}
     write_result(result, args.json)
 
 

@@ -126,7 +126,7 @@ def test_early_stop_drafts_what_the_tail_cut_keeps(rule="sample", temperature=1.
             assert v.sum(1).tolist() == [1] * len(PROMPTS)
         if h == 1.0:
             assert v.all()
-    assert wrapped(0.5).verify_widths == (1, 2, 4)
+    assert wrapped(0.5).verify_widths == (1, 2, 3, 4)
 
 
 def test_bad_inner_drafters_and_thresholds_are_refused():

@@ -342,3 +342,97 @@ def test_class_keyed_adaptive_sampling_is_lossless(verifier, lossless):
         assert plain_steps > 0 and drafting_steps > 0, (plain_steps, drafting_steps)
     p = vp.chi2_pvalue(np.concatenate(toks), vp.exact_joint(vp.CFG, vp.PARAMS, vp.PROMPT, vp.V))
     assert (p > vp.P_OK) if lossless else (p < vp.P_BROKEN), p
+
+
+# ----------------------------------------------------------------------------- under an acceptance head
+def class_head(classes: int, max_depth: int = 8, slope: float = 8.0, bias: float = 3.0):
+    """(AcceptHeadConfig, params) of a head over confidence classes that trusts every class but the
+    first (the weakest match): logit bias for strong classes, bias - slope * silu(1) for class 0."""
+    from jaxdecode.drafters.accept_head import AcceptHeadConfig
+    cfg = AcceptHeadConfig(hidden=4, max_depth=max_depth, classes=classes, inner="retrieval")
+    w = np.zeros((cfg.input_dim, cfg.hidden), np.float32)
+    w[0, 0] = 1.0  # hidden unit 0 fires on class 0
+    out = np.zeros((cfg.hidden, 1), np.float32)
+    out[0, 0] = -slope
+    return cfg, {"inp": {"kernel": jnp.asarray(w), "bias": jnp.zeros((cfg.hidden,))},
+                 "out": {"kernel": jnp.asarray(out), "bias": jnp.full((1,), bias)}}
+
+
+@pytest.mark.parametrize("verifier,lossless", [("point_mass", True), ("typical", False)])
+def test_an_acceptance_head_over_retrieval_stays_lossless(verifier, lossless):
+    """The head cuts each chain after its first weak-class node (a function of the text before it), so
+    rows verify different lengths by their own matches: 1e5 rows at T = 1 follow the target's law with
+    the point-mass verifier; the lossy `typical` fails the same test."""
+    import test_verifier_pairs as vp
+
+    from jaxdecode.drafters.accept_head import AcceptHeadDrafter
+    from jaxdecode.speculative import speculative_decode
+    from jaxdecode.verifiers import get_verifier
+
+    rows = np.random.default_rng(2).integers(0, vp.V, size=(64, 12))
+    table, _ = build_table(rows, max_order=2)
+    inner = RetrievalDrafter(table=table, num_nodes=2, history_ngram=2, confidence=(0.25, 0.9), min_reach=0.5)
+    cfg, params = class_head(2)
+    drafter = AcceptHeadDrafter.wrap(inner, params, cfg, threshold=0.5)
+    assert drafter.inner.min_reach == 0.0, "the head decides where the chain ends"
+    n, chunks = 100_000, 5
+    prompts = np.tile(np.asarray(vp.PROMPT, np.int32), (n // chunks, 1))
+    lengths = np.full((n // chunks,), len(vp.PROMPT), np.int32)
+    toks, hist = [], 0
+    for c in range(chunks):
+        out = speculative_decode(vp.CFG, vp.PARAMS, drafter, prompts, lengths, max_new_tokens=3,
+                                 verifier=get_verifier(verifier), sampler=vp.T1,
+                                 key=jax.random.key(300 + c, impl="rbg"))
+        toks.append(np.asarray(out.tokens)[:, :2])
+        hist = hist + np.asarray(out.stats["accept_hist"]).sum(0)
+    p = vp.chi2_pvalue(np.concatenate(toks), vp.exact_joint(vp.CFG, vp.PARAMS, vp.PROMPT, vp.V))
+    assert (p > vp.P_OK) if lossless else (p < vp.P_BROKEN), p
+
+
+def test_bad_heads_over_retrieval_are_refused():
+    from jaxdecode.drafters.accept_head import AcceptHeadConfig, AcceptHeadDrafter
+    from jaxdecode.speculative import SpeculativeError
+    inner = RetrievalDrafter(num_nodes=4, confidence=(0.3, 0.6, 0.9))
+    cfg, params = class_head(2)
+    with pytest.raises(SpeculativeError, match="reads 2 confidence classes.*has 3"):
+        AcceptHeadDrafter.wrap(inner, params, cfg)
+    with pytest.raises(SpeculativeError, match="point masses.*retrieval"):
+        AcceptHeadDrafter.wrap(inner, params, AcceptHeadConfig(hidden=4, max_depth=8))
+    with pytest.raises(ValueError, match="classes >= 0"):
+        AcceptHeadConfig(classes=-1)
+
+
+def test_train_a_head_over_the_datastore_then_decode(built, tmp_path):
+    """train_accept_head(inner='retrieval') labels real runs of the shipped datastore's chains (its own
+    cut off), greedy and point-mass sampled; the inputs are the match-length class one-hot; the saved
+    head rebuilds over the datastore by name and greedy == plain greedy (batch 3, ragged)."""
+    from jaxdecode.autoregressive import decode, pad_prompts
+    from jaxdecode.drafters import load_drafter, make_drafter
+    from jaxdecode.drafters.accept_head import AcceptHeadDrafter
+    from jaxdecode.sampling import SamplerConfig
+    from jaxdecode.speculative import speculative_decode
+    from jaxdecode.training.accept_head import train_accept_head
+    from jaxdecode.training.trainer import TrainConfig
+    from jaxdecode.verifiers import get_verifier
+    target, corpus, store = built
+    classes = make_drafter("retrieval", target, drafter_dir=str(store)).confidence_classes
+    assert classes > 0
+    tc = TrainConfig(steps=40, learning_rate=1e-2, warmup_steps=5, log_every=20, eval_every=0,
+                     checkpoint_every=0, progress=False, data_parallel=1)
+    run = train_accept_head(target, None, corpus, tmp_path / "head", train_config=tc, k=4, prompts=16,
+                            heldout=8, prompt_len=8, new_tokens=16, batch_rows=8, batch_size=64,
+                            inner="retrieval", inner_dir=store, config_overrides={"hidden": 8, "max_depth": 8})
+    assert run.cfg.classes == classes and run.train_data["x"].shape[1:] == (4, classes)
+    assert np.allclose(run.train_data["x"].sum(-1), 1.0)  # one class per position
+    assert set(run.report) == {"T=0", "T=0.7"}
+    loaded = load_drafter(run.out_dir, target)
+    assert loaded.cfg.inner == "retrieval" and loaded.cfg.classes == classes
+    drafter = make_drafter("accept_head", target, drafter_dir=run.out_dir, inner_dir=str(store), threshold=0.5)
+    assert isinstance(drafter, AcceptHeadDrafter) and drafter.num_nodes == 4 and drafter.inner.min_reach == 0
+    ids = [target.tokenizer.encode(p) for p in ("def f(x):", "import os\n", "class A")]
+    toks, lens = pad_prompts(ids)
+    out = speculative_decode(target.config, target.params, drafter, toks, lens, max_new_tokens=24,
+                             verifier=get_verifier("greedy"))
+    ref = decode(target.config, target.params, toks, lens, max_new_tokens=24,
+                 sampler=SamplerConfig(temperature=0.0), method="greedy").tokens
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref))

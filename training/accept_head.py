@@ -6,7 +6,8 @@
 
 Labels: the engine decodes the training prompts with the inner chain drafter (e.g. a draft LM, chain:K)
 and a `LabelRecorder` wrapped around it hands every verification's per-position inputs to the host:
-x f32[K, 3] (log q(token), log max q, entropy), the target's bonus-slot state f32[D] of the previous
+x f32[K, 3] (log q(token), log max q, entropy; for a drafter of point masses with confidence classes,
+such as retrieval, x f32[K, C] the class one-hot), the target's bonus-slot state f32[D] of the previous
 verification, and the verifier's verdict. Convention (SpecDec++): the head predicts
 P(accept_i | tokens < i accepted), so position i carries label 1 if accepted, 0 at the first
 rejection, and positions after the first rejection are masked out of the BCE (mask 0): their
@@ -25,9 +26,9 @@ import optax
 from flax import nnx
 
 from jaxdecode.drafters.builders import ChainBuilder
-from jaxdecode.drafters.accept_head import (AcceptHeadConfig, bonus_slot_feature, chain_features, final_index,
+from jaxdecode.drafters.accept_head import (NUM_SCALARS, AcceptHeadConfig, bonus_slot_feature, final_index,
                                             head_feature_layers, head_logits, init_inner, inner_observation,
-                                            prefill_bonus_feature)
+                                            node_inputs, prefill_bonus_feature)
 from jaxdecode.speculative import speculative_decode
 
 from .trainer import TrainConfig, train
@@ -47,7 +48,7 @@ class AcceptHeadModule(nnx.Module):
             self.target = nnx.Linear(target_config.hidden_size, cfg.target_proj, rngs=rngs)
 
     def __call__(self, x, tfeat=None):
-        """x f32[B, K, 3], tfeat f32[B, D] -> logits f32[B, K] (the decode function itself)."""
+        """x f32[B, K, node_dim], tfeat f32[B, D] -> logits f32[B, K] (the decode function itself)."""
         params = nnx.to_pure_dict(nnx.state(self, nnx.Param))
         return head_logits(params, self.cfg, x, jnp.arange(x.shape[1]), tfeat)
 
@@ -97,8 +98,10 @@ _SINK: list = []  # host records of the running collect_labels
 class LabelRecorder:
     """The inner chain drafter unchanged, plus a host record of each verification: the head's inputs
     at proposal time and the verifier's verdict (num_accepted). Features: the inner drafter's own, then
-    the target's bonus-slot state (FINAL) for the head's optional projection."""
+    the target's bonus-slot state (FINAL) for the head's optional projection. classes > 0: the inputs
+    are the one-hot of the drafter's confidence classes (node_inputs)."""
     inner: Any
+    classes: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     feature_layers = property(lambda self: head_feature_layers(self.inner, 1))
     num_nodes = property(lambda self: self.inner.num_nodes)
@@ -111,12 +114,12 @@ class LabelRecorder:
         b, k = prompt_tokens.shape[0], self.num_nodes
         inner = init_inner(self.inner, prompt_tokens, prompt_lengths, cache_len, key, features)
         return (inner, prefill_bonus_feature(features, prompt_lengths, final_index(self.feature_layers)),
-                jnp.zeros((b, k, 3), jnp.float32))
+                jnp.zeros((b, k, self.classes or NUM_SCALARS), jnp.float32))
 
     def propose(self, state, ctx, sampler):
         inner, tfeat, _ = state
         tree, slots, inner = self.inner.propose(inner, ctx, sampler)
-        return tree, slots, (inner, tfeat, chain_features(tree, slots))
+        return tree, slots, (inner, tfeat, node_inputs(tree, slots, self.classes))
 
     def observe(self, state, obs):
         inner, tfeat, x = state
@@ -127,7 +130,7 @@ class LabelRecorder:
 
 
 def labels_from_records(records, k: int) -> dict:
-    """Host records [(x [B,K,3], tfeat [B,D], num_accepted [B], active [B])] -> a label set."""
+    """Host records [(x [B,K,node_dim], tfeat [B,D], num_accepted [B], active [B])] -> a label set."""
     xs, ts, acc = [], [], []
     for x, t, n, active in records:
         xs.append(x[active])
@@ -142,14 +145,18 @@ def labels_from_records(records, k: int) -> dict:
 
 def collect_labels(config, params, inner, prompts, *, verifier, sampler, max_new_tokens: int,
                    batch_size: int = 8, key=None, eos_ids: tuple = ()) -> dict:
-    """Run the engine with `inner` (a chain drafter with draft probabilities) over `prompts` (lists of
-    token ids) and return the label set of every active row-step."""
+    """Run the engine with `inner` (a chain drafter with draft probabilities, or of point masses with
+    confidence classes) over `prompts` (lists of token ids) and return the label set of every active
+    row-step."""
     from jaxdecode.autoregressive import pad_prompts
-    if not getattr(inner, "is_chain", False) or inner.child_rule == "point":
+    classes = int(getattr(inner, "confidence_classes", 0) or 0) if inner.child_rule == "point" else 0
+    if not getattr(inner, "is_chain", False) or (inner.child_rule == "point" and not classes):
         raise ValueError("acceptance labels come from a chain drafter with draft probabilities (e.g. a "
-                         "draft LM with tree='chain:K')")
+                         "draft LM with tree='chain:K') or with confidence classes (retrieval)")
+    if getattr(inner, "min_reach", 0) > 0:  # every position is labelled: the head learns where to cut
+        inner = dataclasses.replace(inner, min_reach=0.0)
     key = jax.random.PRNGKey(0) if key is None else key
-    recorder = LabelRecorder(inner)
+    recorder = LabelRecorder(inner, classes)
     _SINK.clear()
     for start in range(0, len(prompts), batch_size):
         chunk = list(prompts[start:start + batch_size])
@@ -289,7 +296,8 @@ def train_accept_head(target, draft=None, corpus_dir=None, out_dir=None, *, trai
                       temperatures=(0.0, 0.7), train_prompts=None, heldout_prompts=None, prompts: int = 64,
                       heldout: int = 16, prompt_len: int = 32, new_tokens: int = 64, batch_rows: int = 8,
                       batch_size: int = 256, workdir=None, config_overrides: dict | None = None, seed: int = 0,
-                      draft_cost: float = 0.2, node_cost: float = 0.05, inner: str = "draft_lm", inner_dir=None):
+                      draft_cost: float | None = None, node_cost: float = 0.05, inner: str = "draft_lm",
+                      inner_dir=None):
     """The whole recipe: label runs of the inner drafter's chain:k on the target (one per temperature:
     greedy verification at 0, the chain verifier on sampled chains above) over training prompts, the
     head trained on them, BCE / ECE on label runs over held-out prompts, and the drafter directory
@@ -298,8 +306,8 @@ def train_accept_head(target, draft=None, corpus_dir=None, out_dir=None, *, trai
     shipped one). target / draft: Models or directories. Prompts: lists of token ids, or (when None)
     `prompts` / `heldout` windows of corpus_dir's train / held-out splits.
     The saved config's threshold maximises `speed_estimate` (draft_cost: one draft forward / one target
-    step; node_cost: per verified node) on the training runs; the report adds that estimate against
-    the best fixed length on the held-out runs.
+    step, default 0.2, 0 for a drafter of point masses; node_cost: per verified node) on the training
+    runs; the report adds that estimate against the best fixed length on the held-out runs.
     Returns an AcceptHeadRun (head, held-out report, the label sets, the config saved)."""
     from jaxdecode.drafters import DraftLM, make_drafter
     from jaxdecode.drafters.trained import save_drafter
@@ -326,8 +334,12 @@ def train_accept_head(target, draft=None, corpus_dir=None, out_dir=None, *, trai
             return DraftLM(params=draft.params, config=draft.config, builder=ChainBuilder(k, rule))
         return make_drafter(inner, target, tree=ChainBuilder(k, rule), drafter_dir=inner_dir)
 
+    point = inner_drafter("argmax").child_rule == "point"  # retrieval: point masses with confidence classes
+    classes = int(getattr(inner_drafter("argmax"), "confidence_classes", 0) or 0) if point else 0
+    if draft_cost is None:  # a drafter of point masses looks its drafts up: no forward to pay for
+        draft_cost = 0.0 if point else 0.2
     cfg = AcceptHeadConfig(**{"max_depth": max(k, AcceptHeadConfig.max_depth), **(config_overrides or {}),
-                              "draft_len": k, "inner": inner})
+                              "draft_len": k, "inner": inner, "classes": classes})
     if train_prompts is None or heldout_prompts is None:
         if corpus_dir is None:
             raise ValueError("train_accept_head needs a corpus_dir or both train_prompts and heldout_prompts")
@@ -341,7 +353,7 @@ def train_accept_head(target, draft=None, corpus_dir=None, out_dir=None, *, trai
     eos = tuple(getattr(target.config, "eos_token_ids", ()) or ())
     train_sets, held_sets = [], {}
     for i, t in enumerate(temperatures):
-        rule, verifier = ("argmax", "greedy") if t == 0 else ("sample", "chain")
+        rule, verifier = ("argmax", "greedy") if t == 0 else ("sample", "point_mass" if point else "chain")
         chain = inner_drafter(rule)
         run = dict(verifier=get_verifier(verifier), sampler=SamplerConfig(temperature=float(t)),
                    max_new_tokens=new_tokens, batch_size=batch_rows, eos_ids=eos)

@@ -186,8 +186,8 @@ def add_drafter_parser(sub, command: str) -> argparse.ArgumentParser:
         p.add_argument("--draft", default=None, help="draft model directory, for kinds that draft with one")
         if command == "accept-head":
             p.add_argument("--inner-dir", default=None,
-                           help="with --set inner=KIND (a trained drafter, e.g. eagle3): its directory "
-                                "(default: the one shipped with the target)")
+                           help="with --set inner=KIND (a trained drafter, e.g. eagle3 or retrieval): its "
+                                "directory (default: the one shipped with the target)")
         p.add_argument("--export-dtype", default=None, choices=("float32", "bfloat16"),
                        help="store the exported weights in this dtype (loading casts them to the target's "
                             "compute dtype); default: as trained (float32)")
@@ -445,7 +445,7 @@ def _run_accept_head(args, target, corpus_dir, out: Path, work: Path, tcfg) -> i
     if inner == "draft_lm" and args.draft is None:
         raise ValueError("train accept-head learns when the target accepts a drafter's tokens: pass the draft "
                          "model with --draft DIR, or name a trained drafter with --set inner=eagle3 (hydra, "
-                         "medusa, ...)")
+                         "medusa, retrieval, ...)")
     if inner != "draft_lm" and args.draft is not None:
         raise ValueError(f"--set inner={inner} drafts without a draft LM: drop --draft")
     if inner == "draft_lm" and args.inner_dir is not None:

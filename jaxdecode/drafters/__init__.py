@@ -203,11 +203,14 @@ def _with_draft(kind, draft, kw: dict) -> dict:
 
 
 def _node_budget(tree, default: int) -> int:
-    """Node budget for retrieval drafters: 'chain:N', 'nodes:N' or an int."""
+    """Node budget for retrieval drafters: 'chain:N', 'nodes:N', an int or a ChainBuilder (a wrapper's
+    chain, e.g. the acceptance head's; the rule does not apply to a drafter of point masses)."""
     if tree is None:
         return default
     if isinstance(tree, int):
         return tree
+    if isinstance(tree, ChainBuilder):
+        return tree.depth
     if isinstance(tree, str) and tree.split(":")[0] in ("chain", "nodes"):
         return int(tree.split(":")[1])
     raise ValueError(f"drafters that retrieve a continuation propose chains: use tree='chain:N', got "

@@ -14,7 +14,7 @@ marked invalid (tree.valid False). Consequences:
   `builder` field and `build_tree`: draft LM, EAGLE-3, Hydra, Medusa) is a `lax.while_loop` that exits
   once every row has stopped, so the drafter does not pay for levels nobody verifies; without it the
   inner drafter drafts all K levels and only the verification shrinks.
-- `verify_widths` (1, 2, 4, ..., K) lets the verification forward shrink to what is proposed.
+- `verify_widths` (1, 2, 3, 4, 6, 8, ..., K: builders.chain_widths) lets the verification forward shrink to what is proposed.
 - Invalid nodes are never accepted, so the output law does not change: greedy equals plain greedy and
   sampling verifiers stay lossless (tests/test_accept_head.py).
 
@@ -22,10 +22,15 @@ Inputs per position i, all known when token i is drafted: log q_i(token), log ma
 q_i (q_i: the inner drafter's distribution the token came from), the depth i (one-hot), and optionally
 the target's last hidden state at the "bonus slot" of the previous verification (the state whose
 logits produced the pending root; `feature_layers=(FINAL,)`), projected to `target_proj` dims.
+A drafter of point masses has no q; one that labels its nodes with a confidence class of its own
+(`Tree.classes`, `confidence_classes`: the retrieval drafter's match length) gives the head the class
+one-hot instead of the three scalars (`AcceptHeadConfig.classes` = C > 0). Such a drafter's own cut
+(`min_reach`) is turned off under the head: the head decides where the chain ends.
 
 The params pytree is the training module's `nnx.Param` state as a pure dict (training/accept_head.py):
 {"inp": {"kernel" [Din, H], "bias" [H]}, "out": {"kernel" [H, 1], "bias" [1]},
- "target": {"kernel" [D, P], "bias" [P]} (only with target_proj = P > 0)}, Din = 3 + max_depth + P.
+ "target": {"kernel" [D, P], "bias" [P]} (only with target_proj = P > 0)}, Din = node_dim + max_depth +
+P, node_dim = 3 (or C with classes).
 """
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxdecode.drafters.builders import ChainBuilder, StoppingChainBuilder
+from jaxdecode.drafters.builders import ChainBuilder, StoppingChainBuilder, chain_widths
 from jaxdecode.speculative import FINAL, SpeculativeError, accepted_features
 from jaxdecode.tree import Tree
 
@@ -52,19 +57,26 @@ class AcceptHeadConfig:
     threshold: float = 0.5  # default h: stop once 1 - prod p_i > h
     draft_len: int = 8  # K of the chain it was trained on: the default tree chain:K
     inner: str = "draft_lm"  # the drafter it was trained over: "draft_lm" or a trained kind (e.g. "eagle3")
+    classes: int = 0  # > 0: per-node inputs are the one-hot of the drafter's confidence class (Tree.classes)
 
     def __post_init__(self):
-        if self.hidden < 1 or self.max_depth < 1 or self.target_proj < 0 or not 1 <= self.draft_len:
-            raise ValueError(f"AcceptHeadConfig needs hidden >= 1, max_depth >= 1, target_proj >= 0 and "
-                             f"draft_len >= 1, got {self}")
+        if (self.hidden < 1 or self.max_depth < 1 or self.target_proj < 0 or not 1 <= self.draft_len
+                or self.classes < 0):
+            raise ValueError(f"AcceptHeadConfig needs hidden >= 1, max_depth >= 1, target_proj >= 0, "
+                             f"draft_len >= 1 and classes >= 0, got {self}")
         if not isinstance(self.inner, str) or not self.inner:
             raise ValueError(f"AcceptHeadConfig.inner names the drafter the head was trained over ('draft_lm' "
                              f"or a trained kind such as 'eagle3'), got {self.inner!r}")
         check_threshold(self.threshold)
 
     @property
+    def node_dim(self) -> int:
+        """Per-node inputs: the class one-hot, or the scalars of the drafter's distribution."""
+        return self.classes or NUM_SCALARS
+
+    @property
     def input_dim(self) -> int:
-        return NUM_SCALARS + self.max_depth + self.target_proj
+        return self.node_dim + self.max_depth + self.target_proj
 
 
 def check_threshold(h) -> float:
@@ -93,8 +105,19 @@ def chain_features(tree: Tree, slots):
     return scalar_features(jnp.log(jnp.maximum(q, 1e-30)), tree.tokens)
 
 
+def node_inputs(tree: Tree, slots, classes: int):
+    """The head's per-node inputs f32[B, K, node_dim]: the one-hot of the node's confidence class when
+    `classes` > 0 (a point-mass drafter that labels its nodes), else chain_features."""
+    if not classes:
+        return chain_features(tree, slots)
+    if tree.classes is None:
+        raise SpeculativeError("this acceptance head reads the drafter's confidence classes, but the drafter "
+                               "proposed a tree without them (Tree.classes)")
+    return jax.nn.one_hot(tree.classes, classes, dtype=jnp.float32)
+
+
 def head_logits(params, cfg: AcceptHeadConfig, feats, depth, target_feat=None):
-    """Logit of P(accept) per position. feats f32[B, K, 3], depth int32[K] (0 = first draft token),
+    """Logit of P(accept) per position. feats f32[B, K, node_dim], depth int32[K] (0 = first draft token),
     target_feat f32[B, D] (required iff cfg.target_proj) -> f32[B, K]."""
     b, k, _ = feats.shape
     parts = [feats, jnp.broadcast_to(jax.nn.one_hot(depth, cfg.max_depth), (b, k, cfg.max_depth))]
@@ -117,15 +140,6 @@ def keep_mask(logits, threshold):
     risk = 1.0 - jnp.exp(jnp.cumsum(log_accept(logits), axis=1))  # [B, K], non-decreasing in i
     before = jnp.concatenate([jnp.zeros_like(risk[:, :1]), risk[:, :-1]], axis=1)
     return before <= threshold
-
-
-def default_widths(k: int) -> tuple:
-    """Verification widths 1, 2, 4, ... and K."""
-    ws, w = [], 1
-    while w < k:
-        ws.append(w)
-        w *= 2
-    return tuple(ws) + (k,)
 
 
 # ----------------------------------------------------------------------------- features of head + inner
@@ -175,7 +189,7 @@ class AcceptHeadDrafter:
     child_rule = property(lambda self: self.inner.child_rule)
     is_chain = True
     builder = property(lambda self: getattr(self.inner, "builder", None))
-    verify_widths = property(lambda self: default_widths(self.num_nodes))
+    verify_widths = property(lambda self: chain_widths(self.num_nodes))
 
     @property
     def feature_layers(self) -> tuple:
@@ -187,10 +201,18 @@ class AcceptHeadDrafter:
         if not getattr(inner, "is_chain", False):
             raise SpeculativeError("the acceptance head cuts chains: wrap a chain drafter (e.g. draft_lm "
                                    "or eagle3 with tree='chain:8'), not a branching tree")
-        if inner.child_rule == "point":
+        classes = int(getattr(inner, "confidence_classes", 0) or 0)
+        if head_config.classes and classes != head_config.classes:
+            raise SpeculativeError(f"this acceptance head reads {head_config.classes} confidence classes of the "
+                                   f"drafter it was trained over ({head_config.inner!r}), but this drafter has "
+                                   f"{classes}: wrap the drafter the head was trained with")
+        if inner.child_rule == "point" and not head_config.classes:
             raise SpeculativeError("the acceptance head reads the drafter's probabilities, but this drafter "
                                    "proposes point masses: wrap a drafter with a distribution (draft_lm, "
-                                   "eagle3, hydra, medusa)")
+                                   "eagle3, hydra, medusa), or train the head over its confidence classes "
+                                   "(retrieval)")
+        if getattr(inner, "min_reach", 0) > 0:  # the head decides where the chain ends (module docstring)
+            inner = dataclasses.replace(inner, min_reach=0.0)
         if inner.num_nodes > head_config.max_depth:
             raise SpeculativeError(f"this acceptance head knows draft positions 1..{head_config.max_depth}, "
                                    f"but the chain has {inner.num_nodes}: use tree='chain:"
@@ -227,7 +249,7 @@ class AcceptHeadDrafter:
         else:
             tree, slots, inner_state = self.inner.propose(inner_state, ctx, sampler)
             k = tree.tokens.shape[1]
-            lg = head_logits(self.params, cfg, chain_features(tree, slots), jnp.arange(k), tf)
+            lg = head_logits(self.params, cfg, node_inputs(tree, slots, cfg.classes), jnp.arange(k), tf)
             tree = tree.replace(valid=tree.valid & keep_mask(lg, self.threshold))
         return tree, slots, (inner_state, tfeat)
 

@@ -48,6 +48,13 @@ def _empty_slots(logq_root, n):
     return jnp.zeros((b, n + 1, v), jnp.float32).at[:, 0].set(jnp.exp(logq_root))
 
 
+def chain_widths(k: int) -> tuple:
+    """Verification widths for a chain of up to k nodes cut to a varying length (speculative_decode's
+    verify_widths): 1, 2, 3, 4, 6, 8, 12, 16, 24 below k, then k. Steps of about 1.5x: a cut chain
+    pads to at most ~1.5x its length, with one compiled forward per width."""
+    return tuple(sorted({w for w in (1, 2, 3, 4, 6, 8, 12, 16, 24) if w < k} | {k}))
+
+
 @dataclasses.dataclass(frozen=True)
 class ChainBuilder:
     depth: int

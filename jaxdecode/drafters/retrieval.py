@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdecode.drafters.builders import chain_widths
 from jaxdecode.drafters.ngram import check_int, suffix_match_maps
 from jaxdecode.drafters.trained import DrafterKind, register_kind
 from jaxdecode.tree import chain_tree
@@ -302,9 +303,7 @@ class RetrievalDrafter:
     def verify_widths(self):
         """With a confidence cut the chain's length varies: the forward runs over the smallest of these
         that holds it (speculative_decode's verify_widths)."""
-        if self.min_reach <= 0:
-            return None
-        return tuple(sorted({w for w in (1, 2, 3, 4, 6, 8, 12, 16, 24) if w < self.num_nodes} | {self.num_nodes}))
+        return chain_widths(self.num_nodes) if self.min_reach > 0 else None
 
     @property
     def confidence_classes(self) -> int:
