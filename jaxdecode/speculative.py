@@ -588,20 +588,35 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
             if allowed is not None and perm is not None:  # the allowed sets follow their slots
                 order = jnp.concatenate([jnp.zeros_like(perm[:, :1]), perm + 1], axis=1)  # [B, N+1]
                 vallowed = jnp.take_along_axis(allowed, order[:, :, None], axis=1)
-            # Nothing kept (the proposal was empty or not worth its forward): a plain step after all.
-            # The branches read the target cache from the switch's operand, so it is updated in place.
+            kept_any = jnp.any(vtree.valid & active[:, None]).astype(jnp.int32)
+
+            def finish_verified(st, verified):
+                slot_path = None
+                if perm is not None:  # the verdict back in the drafter's node indices (observe, estimates)
+                    logits, feats, cache, res, nonfinite = verified
+                    slot_path = res.path
+                    path, logits, feats = adaptive_mod.expand(perm, res.path, logits, feats)
+                    verified = (logits, feats, cache, dataclasses.replace(res, path=path), nonfinite)
+                return finish(st, tree, dstate, pstate, key, active, verified, slot_path=slot_path,
+                              slot_states=slots)
+
+            if lean_plain:
+                # Nothing kept (the proposal was empty or not worth its forward): the lean plain run,
+                # not an engine step over an empty tree (which costs more than a plain step). Its key
+                # is this step's fresh one: the discarded proposal drew on k_draft, which the plain
+                # tokens must not share.
+                return switch_in_place(kept_any, [
+                    lambda s: plain_steps(s.replace(drafter_state=dstate, policy_state=pstate, key=key),
+                                          remaining, empty_tree),
+                    lambda s: finish_verified(s, verify(s, vtree, vprobs, active, k_verify, vallowed))], st)
+            # Nothing kept: a plain step after all. The branches read the target cache from the
+            # switch's operand, so it is updated in place.
             verified = switch_in_place(
-                jnp.any(vtree.valid & active[:, None]).astype(jnp.int32),
+                kept_any,
                 [lambda c: verify_nothing(st.replace(cache=c[2]), vtree, active, k_verify, vallowed),
                  lambda c: verify(st.replace(cache=c[2]), vtree, vprobs, active, k_verify, vallowed)],
                 _verified_shapes(st, vtree, active, k_verify))
-            slot_path = None
-            if perm is not None:  # the verdict back in the drafter's node indices (observe, estimates)
-                logits, feats, cache, res, nonfinite = verified
-                slot_path = res.path
-                path, logits, feats = adaptive_mod.expand(perm, res.path, logits, feats)
-                verified = (logits, feats, cache, dataclasses.replace(res, path=path), nonfinite)
-            return finish(st, tree, dstate, pstate, key, active, verified, slot_path=slot_path, slot_states=slots)
+            return finish_verified(st, verified)
 
         def plain(st):  # drafting does not pay this step: the drafter only keeps its state current
             idle = getattr(drafter, "idle", None)
