@@ -32,8 +32,8 @@ from jaxdecode.speculative import speculative_decode
 from jaxdecode.treeopt import resolve_auto_tree
 from jaxdecode.verifiers import get_verifier
 
-DRAFTERS = ("draft_lm", "medusa", "hydra", "eagle3", "prompt_lookup")
-HAND_TREES = (None, "chain:2", "chain:3", "chain:4", "chain:5", "chain:6", "static:2,2,1", "static:3,2,1,1",
+DRAFTERS = ("draft_lm", "medusa", "hydra", "eagle3", "prompt_lookup", "retrieval")
+HAND_TREES = (None, "chain:2", "chain:3", "chain:4", "chain:5", "chain:6", "chain:8", "static:2,2,1", "static:3,2,1,1",
               "eagle:depth=5,topk=8,total=32")  # None: the drafter's own default
 
 

@@ -477,10 +477,12 @@ def size_finalists(ranked, k: int) -> tuple:
 
 # ----------------------------------------------------------------------------- tree="auto"
 # Settings of tree="auto" ("auto:width=4,depth=4" overrides them): the profiling comb's ranks per node
-# and depth, the largest tree considered (default: the comb's size, the widest verification the cost
+# and depth (unset: 6 for a comb, 12 for a chain, whose node a level costs what a comb's level of `width`
+# nodes does, and whose drafters, retrieving chains, are often right deep), the largest tree considered (default: the comb's size, the widest verification the cost
 # table measures), new tokens per prompt of the profiling run, and how many of the model's best trees
 # are then timed side by side (`finalists`; 1: the model's choice, untimed).
-AUTO_DEFAULTS = {"width": 8, "depth": 6, "max_nodes": None, "tokens": 128, "finalists": 4}
+AUTO_DEFAULTS = {"width": 8, "depth": None, "max_nodes": None, "tokens": 128, "finalists": 4}
+_DEFAULT_DEPTH = {"comb": 6, "chain": 12}
 PROFILE_SCHEMA = 1
 _PROFILE_ROWS = 16  # prompts the profiling run decodes at most (the first ones)
 
@@ -528,9 +530,9 @@ def _profile_drafter(build_drafter, settings: dict, rule: str, chains_only: bool
     take no tree builder (retrieval of chains), or all with chains_only, on 'chain:depth'. A ValueError
     naming why otherwise."""
     from jaxdecode.drafters.builders import StaticTreeBuilder
-    width, depth = settings["width"], settings["depth"]
-    errors = []
+    width, errors = settings["width"], []
     for chain in (True,) if chains_only else (False, True):
+        depth = settings["depth"] or _DEFAULT_DEPTH["chain" if chain else "comb"]
         for d in range(depth, 0, -1):  # trained heads draft to a fixed depth: the deepest they take
             tree = f"chain:{d}" if chain else StaticTreeBuilder(comb_paths(width, d), rule)
             try:
