@@ -477,9 +477,9 @@ def size_finalists(ranked, k: int) -> tuple:
 
 # ----------------------------------------------------------------------------- tree="auto"
 # Settings of tree="auto" ("auto:width=4,depth=4" overrides them): the profiling comb's ranks per node
-# and depth (unset: 6 for a comb, 12 for a chain, whose node a level costs what a comb's level of `width`
-# nodes does, and whose drafters, retrieving chains, are often right deep), the largest tree considered (default: the comb's size, the widest verification the cost
-# table measures), new tokens per prompt of the profiling run, and how many of the model's best trees
+# and depth (unset: 6 for a comb, 12 for a chain: a chain adds one node a level, not `width`, and the
+# drafters that retrieve chains are often right deep), the largest tree considered (default: the comb's
+# size, the widest verification the cost table measures), new tokens per prompt of the profiling run, and how many of the model's best trees
 # are then timed side by side (`finalists`; 1: the model's choice, untimed).
 AUTO_DEFAULTS = {"width": 8, "depth": None, "max_nodes": None, "tokens": 128, "finalists": 4}
 _DEFAULT_DEPTH = {"comb": 6, "chain": 12}

@@ -14,7 +14,8 @@ marked invalid (tree.valid False). Consequences:
   `builder` field and `build_tree`: draft LM, EAGLE-3, Hydra, Medusa) is a `lax.while_loop` that exits
   once every row has stopped, so the drafter does not pay for levels nobody verifies; without it the
   inner drafter drafts all K levels and only the verification shrinks.
-- `verify_widths` (1, 2, 3, 4, 6, 8, ..., K: builders.chain_widths) lets the verification forward shrink to what is proposed.
+- `verify_widths` (1, 2, 3, 4, 6, 8, ..., K: builders.chain_widths) lets the verification forward
+  shrink to what is proposed.
 - Invalid nodes are never accepted, so the output law does not change: greedy equals plain greedy and
   sampling verifiers stay lossless (tests/test_accept_head.py).
 
