@@ -13,18 +13,18 @@ retrieval's min_reach, off; with it on as one more row), and the acceptance head
 at each threshold h, with the inner drafter's level loop stopped at the cut ("stop") and, with
 --tail-only, only the verification shrunk ("tail"). Every configuration is compiled first, then all are
 timed round robin (--repeats rounds, the median per configuration), so load drift hits them alike. Each
-row: tau, verification calls, tokens/s, speedup over plain, and (greedy) whether the output equals plain greedy token for token. The summary
-compares the best head row, and the row at the head's saved threshold, with the best fixed K (the
-issue's goal: >= 10% more tokens/s).
+row: tau, verification calls, tokens/s, speedup over plain, and (greedy) whether the output equals plain
+greedy token for token. The summary compares the best head row, and the row at the head's saved
+threshold, with the best fixed K (the issue's goal: >= 10% more tokens/s).
 
 Without --head, a head is trained first over --inner (default the draft LM; training/accept_head.py:
 label runs of chain:--head-k at T=0 and T=0.7 on --train-prompts windows of the corpus's train split,
-then BCE) and saved to --head-out (default: a temporary directory); its held-out BCE and ECE are printed. Compile time is excluded.
+then BCE) and saved to --head-out (default: a temporary directory); its held-out BCE and ECE are
+printed. Compile time is excluded.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import platform
 import sys
 import tempfile
@@ -38,7 +38,7 @@ import jaxdecode
 from jaxdecode.api import embedded_model_path
 from jaxdecode.autoregressive import decode, pad_prompts
 from jaxdecode.drafters import DraftLM, load_drafter, make_drafter
-from jaxdecode.drafters.accept_head import AcceptHeadDrafter
+from jaxdecode.drafters.accept_head import AcceptHeadDrafter, without_own_cut
 from jaxdecode.drafters.builders import ChainBuilder
 from jaxdecode.sampling import SamplerConfig
 from jaxdecode.speculative import speculative_decode
@@ -120,8 +120,8 @@ def main(argv=None):
                          log_every=50, eval_every=0, checkpoint_every=0, progress=False, data_parallel=1)
         held = heldout_prompts(target.tokenizer, 16, args.prompt_tokens, seed=7)  # not the timed prompts
         report = train_accept_head(target, draft if args.inner == "draft_lm" else None, out_dir=head_dir,
-                                      inner=args.inner, inner_dir=args.inner_dir,
-                                      config_overrides={"target_proj": args.target_proj}, train_config=tc, k=args.head_k,
+                                      inner=args.inner, inner_dir=args.inner_dir, train_config=tc, k=args.head_k,
+                                      config_overrides={"target_proj": args.target_proj},
                                       train_prompts=train_prompts(target.tokenizer, args.train_prompts,
                                                                   args.prompt_tokens),
                                       heldout_prompts=held, new_tokens=args.train_new).report
@@ -137,7 +137,7 @@ def main(argv=None):
         if inner_kind == "draft_lm":
             return DraftLM(params=draft.params, config=draft.config, builder=ChainBuilder(k, rule))
         d = make_drafter(inner_kind, target, tree=ChainBuilder(k, rule), drafter_dir=args.inner_dir)
-        return d if own_cut or getattr(d, "min_reach", 0) <= 0 else dataclasses.replace(d, min_reach=0.0)
+        return d if own_cut else without_own_cut(d)
 
     for temp in [float(t) for t in args.temperatures.split(",")]:
         sampler = SamplerConfig(temperature=temp)

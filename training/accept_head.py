@@ -26,9 +26,10 @@ import optax
 from flax import nnx
 
 from jaxdecode.drafters.builders import ChainBuilder
-from jaxdecode.drafters.accept_head import (NUM_SCALARS, AcceptHeadConfig, bonus_slot_feature, final_index,
-                                            head_feature_layers, head_logits, init_inner, inner_observation,
-                                            node_inputs, prefill_bonus_feature)
+from jaxdecode.drafters.accept_head import (NUM_SCALARS, AcceptHeadConfig, bonus_slot_feature, drafter_classes,
+                                            final_index, head_feature_layers, head_logits, init_inner,
+                                            inner_observation, node_inputs, prefill_bonus_feature,
+                                            without_own_cut)
 from jaxdecode.speculative import speculative_decode
 
 from .trainer import TrainConfig, train
@@ -149,12 +150,11 @@ def collect_labels(config, params, inner, prompts, *, verifier, sampler, max_new
     confidence classes) over `prompts` (lists of token ids) and return the label set of every active
     row-step."""
     from jaxdecode.autoregressive import pad_prompts
-    classes = int(getattr(inner, "confidence_classes", 0) or 0) if inner.child_rule == "point" else 0
+    classes = drafter_classes(inner) if inner.child_rule == "point" else 0
     if not getattr(inner, "is_chain", False) or (inner.child_rule == "point" and not classes):
         raise ValueError("acceptance labels come from a chain drafter with draft probabilities (e.g. a "
                          "draft LM with tree='chain:K') or with confidence classes (retrieval)")
-    if getattr(inner, "min_reach", 0) > 0:  # every position is labelled: the head learns where to cut
-        inner = dataclasses.replace(inner, min_reach=0.0)
+    inner = without_own_cut(inner)  # every position is labelled: the head learns where to cut
     key = jax.random.PRNGKey(0) if key is None else key
     recorder = LabelRecorder(inner, classes)
     _SINK.clear()
@@ -334,8 +334,9 @@ def train_accept_head(target, draft=None, corpus_dir=None, out_dir=None, *, trai
             return DraftLM(params=draft.params, config=draft.config, builder=ChainBuilder(k, rule))
         return make_drafter(inner, target, tree=ChainBuilder(k, rule), drafter_dir=inner_dir)
 
-    point = inner_drafter("argmax").child_rule == "point"  # retrieval: point masses with confidence classes
-    classes = int(getattr(inner_drafter("argmax"), "confidence_classes", 0) or 0) if point else 0
+    probe = inner_drafter("argmax")
+    point = probe.child_rule == "point"  # retrieval: point masses with confidence classes
+    classes = drafter_classes(probe) if point else 0
     if draft_cost is None:  # a drafter of point masses looks its drafts up: no forward to pay for
         draft_cost = 0.0 if point else 0.2
     cfg = AcceptHeadConfig(**{"max_depth": max(k, AcceptHeadConfig.max_depth), **(config_overrides or {}),

@@ -144,6 +144,16 @@ def keep_mask(logits, threshold):
 
 
 # ----------------------------------------------------------------------------- features of head + inner
+def drafter_classes(drafter) -> int:
+    """How many confidence classes `drafter` labels its nodes with (Tree.classes); 0 for none."""
+    return int(getattr(drafter, "confidence_classes", 0) or 0)
+
+
+def without_own_cut(drafter):
+    """`drafter` with its own confidence cut (min_reach) off: under a head, the head ends the chain."""
+    return dataclasses.replace(drafter, min_reach=0.0) if getattr(drafter, "min_reach", 0) > 0 else drafter
+
+
 def head_feature_layers(inner, target_proj: int) -> tuple:
     """The target features a head over `inner` asks for: the inner drafter's own, then FINAL (the
     bonus-slot state) when the head projects it and the inner drafter does not read it already."""
@@ -202,7 +212,7 @@ class AcceptHeadDrafter:
         if not getattr(inner, "is_chain", False):
             raise SpeculativeError("the acceptance head cuts chains: wrap a chain drafter (e.g. draft_lm "
                                    "or eagle3 with tree='chain:8'), not a branching tree")
-        classes = int(getattr(inner, "confidence_classes", 0) or 0)
+        classes = drafter_classes(inner)
         if head_config.classes and classes != head_config.classes:
             raise SpeculativeError(f"this acceptance head reads {head_config.classes} confidence classes of the "
                                    f"drafter it was trained over ({head_config.inner!r}), but this drafter has "
@@ -212,8 +222,7 @@ class AcceptHeadDrafter:
                                    "proposes point masses: wrap a drafter with a distribution (draft_lm, "
                                    "eagle3, hydra, medusa), or train the head over its confidence classes "
                                    "(retrieval)")
-        if getattr(inner, "min_reach", 0) > 0:  # the head decides where the chain ends (module docstring)
-            inner = dataclasses.replace(inner, min_reach=0.0)
+        inner = without_own_cut(inner)  # the head decides where the chain ends (module docstring)
         if inner.num_nodes > head_config.max_depth:
             raise SpeculativeError(f"this acceptance head knows draft positions 1..{head_config.max_depth}, "
                                    f"but the chain has {inner.num_nodes}: use tree='chain:"
