@@ -98,6 +98,9 @@ def main(argv=None):
     ap.add_argument("--temperatures", default="0,0.7")
     ap.add_argument("--sources", default="heldout,outside")
     ap.add_argument("--only", default=None, help="comma list of drafter names to run")
+    ap.add_argument("--labels", default=None,
+                    help="';'-separated configuration labels to run (as in the table, e.g. 'hydra chain:4;"
+                         "retrieval chain:8'), for a short run; default: every configuration of --only")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -109,6 +112,10 @@ def main(argv=None):
     sources = {s: make_prompts[s](target.tokenizer, args.prompts, args.prompt_tokens)
                for s in args.sources.split(",")}
     only = set(args.only.split(",")) if args.only else None
+    labels = [x.strip() for x in args.labels.split(";") if x.strip()] if args.labels else None
+    known = [c[0] for c in CONFIGS]
+    if labels and set(labels) - set(known):
+        ap.error(f"--labels: unknown {sorted(set(labels) - set(known))}; known: {known}")
     print(f"target {cfg.num_parameters() / 1e6:.1f} M; {args.prompts} prompts x {args.prompt_tokens} tokens "
           f"per source ({', '.join(sources)}), {args.new} new; jax {jax.__version__} on "
           f"{jax.devices()[0].platform}, {os.cpu_count()} cores, {platform.machine()}", flush=True)
@@ -142,7 +149,7 @@ def main(argv=None):
                                  drafter_cost=0.0, tok_s=n_tok / base_s, speedup=1.0, equal=True))
                 print(f"\nT={t} batch {bs} {source}: plain {n_tok / base_s:.1f} tok/s", flush=True)
                 for label, name, tree, kw in CONFIGS:
-                    if only and name not in only:
+                    if (only and name not in only) or (labels and label not in labels):
                         continue
                     opts = dict(kw)
                     use_draft = draft

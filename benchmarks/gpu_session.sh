@@ -13,11 +13,14 @@
 #           peers     bench_vs_hf_assisted (transformers on CUDA) and bench_auto_tree
 #           final     the cost tables and bench_drafters at batch 1 for the main drafters
 #           adaptive  bench_adaptive at T=0 with EAGLE-3 beside the default (calibrations take long)
+#           retarget  everything the stronger target (2026-11-25 19:58) changed, in ~9 minutes: the verify
+#                     curve, the adaptive default at batch 1/4/16 (T=0, then T=0.7), the main drafters at
+#                     batch 1 and 4, the transformers peer on CUDA
 # Each step runs under its own time limit, so one slow or failing step leaves the others' results.
 # The workplace's device tool carries at most 64 MiB of working tree: run it from a branch whose index
 # leaves models/embedded/dllm/model.safetensors out (none of these parts needs the dLLM).
 set -u
-part=${1:?PART: kernels, drafters, final, adaptive or peers}
+part=${1:?PART: kernels, drafters, final, adaptive, peers or retarget}
 out=${2:-/tmp/jaxdecode_gpu}
 mkdir -p "$out"
 site=/tmp/jaxdecode_site
@@ -75,6 +78,19 @@ peers)
         --max-new-tokens 128 --json-out "$out/vs_hf.json"
     step bench_auto_tree 280 $PY benchmarks/bench_auto_tree.py --prompts 4 --calibration-prompts 8 --new 128 \
         --temperatures 0 --repeats 3 --json "$out/auto_tree.json"
+    ;;
+retarget)
+    step bench_verify_cost 50 $PY benchmarks/bench_verify_cost.py --batch-sizes 1,4 --impls step,tree \
+        --repeats 30 --json "$out/verify_cost.json"
+    step adaptive_greedy 170 $PY benchmarks/bench_adaptive.py --batch-sizes 1,4,16 --temperatures 0 \
+        --drafter '' --prompts 16 --max-new-tokens 128 --json-out "$out/adaptive_t0.json"
+    step bench_drafters 160 $PY benchmarks/bench_drafters.py --batch-sizes 1,4 --temperatures 0,0.7 \
+        --labels "retrieval chain:8;hydra chain:4;eagle3 chain:5;prompt_lookup chain:3" --sources heldout \
+        --prompts 4 --new 128 --json "$out/drafters.json"
+    step adaptive_sampling 100 $PY benchmarks/bench_adaptive.py --batch-sizes 1,4,16 --temperatures 0.7 \
+        --drafter '' --prompts 16 --max-new-tokens 128 --json-out "$out/adaptive_t07.json"
+    step bench_vs_hf_assisted 90 $PY benchmarks/bench_vs_hf_assisted.py --torch-device cuda --prompts 4 \
+        --max-new-tokens 128 --json-out "$out/vs_hf.json"
     ;;
 *)
     echo "unknown part $part" >&2
