@@ -16,11 +16,13 @@
 #           retarget  everything the stronger target (2026-11-25 19:58) changed, in ~9 minutes: the verify
 #                     curve, the adaptive default at batch 1/4/16 (T=0, then T=0.7), the main drafters at
 #                     batch 1 and 4, the transformers peer on CUDA
+#           probes    the adaptive default at batch 1 and 4 (T=0), then batch 1 at T=0.7, with cost tables
+#                     measured by `retarget` carried in (JAXDECODE_CACHE_DIR), so no time goes to calibration
 # Each step runs under its own time limit, so one slow or failing step leaves the others' results.
 # The workplace's device tool carries at most 64 MiB of working tree: run it from a branch whose index
 # leaves models/embedded/dllm/model.safetensors out (none of these parts needs the dLLM).
 set -u
-part=${1:?PART: kernels, drafters, final, adaptive, peers or retarget}
+part=${1:?PART: kernels, drafters, final, adaptive, peers, retarget or probes}
 out=${2:-/tmp/jaxdecode_gpu}
 mkdir -p "$out"
 site=/tmp/jaxdecode_site
@@ -30,7 +32,7 @@ ln -s "$PWD/models" "$site/jaxdecode/models"
 ln -s "$PWD/training" "$site/jaxdecode/training"
 ln -s "$PWD/pallas_kernels" "$site/jaxdecode/kernels"
 export PYTHONPATH="$site" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.5
-export JAXDECODE_CACHE_DIR=/tmp/jaxdecode_cache
+export JAXDECODE_CACHE_DIR=${JAXDECODE_CACHE_DIR:-/tmp/jaxdecode_cache}  # a carried cache skips calibrations
 PY=${PYTHON:-python3}
 log="$out/$part.log"
 
@@ -91,6 +93,12 @@ retarget)
         --drafter '' --prompts 16 --max-new-tokens 128 --json-out "$out/adaptive_t07.json"
     step bench_vs_hf_assisted 90 $PY benchmarks/bench_vs_hf_assisted.py --torch-device cuda --prompts 4 \
         --max-new-tokens 128 --json-out "$out/vs_hf.json"
+    ;;
+probes)
+    step adaptive_greedy 150 $PY benchmarks/bench_adaptive.py --batch-sizes 1,4 --temperatures 0 \
+        --drafter '' --prompts 16 --max-new-tokens 128 --json-out "$out/adaptive_t0.json"
+    step adaptive_sampling 80 $PY benchmarks/bench_adaptive.py --batch-sizes 1 --temperatures 0.7 \
+        --drafter '' --prompts 16 --max-new-tokens 128 --json-out "$out/adaptive_t07.json"
     ;;
 *)
     echo "unknown part $part" >&2

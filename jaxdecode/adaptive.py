@@ -61,6 +61,19 @@ parent was committed, or a kept child of the root) moves toward 1 if its node wa
 (weight 1 - decay); an untried key drifts by `explore` toward the estimate of the key above it (its
 parent node; depth 1: toward 1), so a row that stopped speculating probes again now and then, and a
 drafter that is always right grows its tree until the cost says stop.
+
+Shape probes. Estimates drift back toward trying, but the plan also judges the last proposal's shape
+(shape "proposal"), and that does not drift: a lookup drafter whose last proposal was a one-node weak
+match would be judged on one node for good, which never pays where a drafting step costs 2.5 plain
+steps (a GPU running a small target), and the row would never draft again. So a row that has waited
+long enough since its last proposal is judged on the drafter's full shape instead (its first
+proposal's guess, above): the plan drafts, and `truncate` keeps what this proposal's real nodes are
+worth (maybe nothing: the row then decodes plainly, having paid one draft). The wait starts at
+`probe_first` steps and doubles after each proposal whose shape does not pay, up to `probe_period`
+(at least `probe_every`; longer when a draft is dear, so that failed probes cost at most `probe_cost`
+of the time); a shape that pays resets it. Measured with the H200's cost table (a drafting step 2.7
+plain steps), probes took the retrieval default from never drafting after its first weak match (0.82x
+plain greedy) to 1.39x, measured with a fixed 21-step wait (BENCHMARKS.md, "On a GPU").
 """
 from __future__ import annotations
 
@@ -100,11 +113,29 @@ class AdaptivePolicy:
     # Only with shape "proposal" (the classes are read from the proposal). See "Confidence classes".
     classes: int = 0
     prior_by_class: tuple = ()
+    # Shape probes (shape "proposal"): a row's plan judges the shape of its last proposal, and a short
+    # one (a weak n-gram match) may never pay, so the row would never draft again and never see a longer
+    # one. A row whose last proposal did not pay is judged on the drafter's full shape once it has
+    # waited `probe_first` steps, twice as long after each further proposal that does not pay, up to
+    # `probe_every` steps or more when the draft is dear (so probes cost at most `probe_cost` of the
+    # plain steps: draft / (probe_cost * plain step)). See "Shape probes".
+    probe_first: int = 8
+    probe_every: int = 8
+    probe_cost: float = 0.02
 
     def __post_init__(self):
         ws = tuple(int(w) for w in self.widths)
         if not ws or ws[0] != 0 or list(ws) != sorted(set(ws)):
             raise ValueError(f"adaptive widths must be ascending node counts starting at 0, got {self.widths}")
+        for name in ("probe_first", "probe_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"AdaptivePolicy.{name} must be an int >= 1, got {v!r}")
+        if self.probe_first > self.probe_every:
+            raise ValueError(f"AdaptivePolicy.probe_first ({self.probe_first}) must not exceed probe_every "
+                             f"({self.probe_every}): the first wait is the shortest")
+        if not 0.0 < self.probe_cost <= 1.0:
+            raise ValueError(f"AdaptivePolicy.probe_cost must lie in (0, 1], got {self.probe_cost}")
         for name in ("decay", "prior", "explore", "min_reach", "margin"):
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
@@ -168,6 +199,10 @@ class PolicyState:
     parents: jax.Array  # int32[B, N]: the latest proposal's shape (parents) ...
     shaped: jax.Array  # bool[B, N]: ... and its nodes (the valid ones, or all of a fixed structure)
     node_classes: jax.Array  # int32[B, N]: ... and their confidence classes (class-keyed policies; else 0)
+    stale: jax.Array  # int32[B]: steps since the row's shape was recorded (a proposal with a node)
+    wait: jax.Array  # int32[B]: the steps after which the row's plan judges the full shape (a probe)
+    full_parents: jax.Array  # int32[N]: the drafter's full shape, which a shape probe judges ...
+    full_shaped: jax.Array  # bool[N]: ... and its nodes
     # 0: keys are node indices (a fixed structure); R > 0: key = (depth - 1) * R + min(sibling rank, R - 1).
     ranks: int = dataclasses.field(default=0, metadata=dict(static=True))
     depth: int = dataclasses.field(default=1, metadata=dict(static=True))  # the drafter's max_depth
@@ -212,8 +247,10 @@ def init_state(policy: AdaptivePolicy, batch: int, max_depth: int, num_nodes: in
                        above=jnp.asarray(above, jnp.int32),
                        parents=jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (batch, n)),
                        shaped=jnp.broadcast_to(jnp.asarray(shaped), (batch, n)),
-                       node_classes=jnp.zeros((batch, n), jnp.int32), ranks=ranks, depth=max_depth,
-                       classes=policy.classes)
+                       node_classes=jnp.zeros((batch, n), jnp.int32), stale=jnp.zeros((batch,), jnp.int32),
+                       wait=jnp.full((batch,), policy.probe_first, jnp.int32),
+                       full_parents=jnp.asarray(parents, jnp.int32), full_shaped=jnp.asarray(shaped),
+                       ranks=ranks, depth=max_depth, classes=policy.classes)
 
 
 def _down(parents, own, root, combine, steps: int):
@@ -304,16 +341,54 @@ def _best_width(policy, reach, order, eligible, costs, remaining, drafted: bool)
     return jnp.argmin(finish), count
 
 
+def probe_period(policy: AdaptivePolicy, costs):
+    """int32[]: the longest wait between shape probes: at least `probe_every`, and enough that a probe's
+    draft costs at most `probe_cost` of the plain steps between probes (a lookup drafter on a GPU costs
+    ~0.4 of a plain step: a probe every ~20 steps there)."""
+    w = len(policy.widths)
+    plain = costs[0] + costs[2 * w]  # a plain step and the drafter's idle
+    need = jnp.ceil(costs[w] / (policy.probe_cost * jnp.maximum(plain, 1e-9)))
+    return jnp.maximum(need, policy.probe_every).astype(jnp.int32)
+
+
+def _with_probe(policy: AdaptivePolicy, state: PolicyState, costs) -> PolicyState:
+    """The state whose shape the plan judges: rows due a probe (see AdaptivePolicy.probe_every) take
+    the drafter's full shape in place of their last proposal's."""
+    if policy.shape != "proposal":  # the shape is the fixed structure, or all or nothing: nothing to probe
+        return state
+    due = (state.stale >= state.wait)[:, None]
+    return dataclasses.replace(state, parents=jnp.where(due, state.full_parents[None], state.parents),
+                               shaped=jnp.where(due, state.full_shaped[None], state.shaped))
+
+
 def draft_plan(policy: AdaptivePolicy, state: PolicyState, costs, remaining):
     """(bool[]: does drafting pay this step, int32[B]: the nodes each row would verify at the best
-    width), judged before drafting on the previous proposal's shape; the second is what a
-    `level_capped` drafter is told to draft at most (DraftContext.max_nodes). remaining: int32[B],
-    tokens each row still has to go (0: done)."""
-    if state.classes:  # the next proposal's classes are unknown: judge it as if all were the best class
-        state = dataclasses.replace(state, node_classes=jnp.full_like(state.node_classes, state.classes - 1))
+    width), judged before drafting on the previous proposal's shape (the full shape for rows due a
+    probe); the second is what a `level_capped` drafter is told to draft at most
+    (DraftContext.max_nodes). remaining: int32[B], tokens each row still has to go (0: done)."""
+    state = _with_probe(policy, state, costs)
+    state = _as_next(state)
     values = _node_values(policy, state, state.parents, state.shaped)
     best, count = _best_width(policy, *values, costs, remaining, drafted=False)
     return best > 0, count[best]
+
+
+def _as_next(state: PolicyState) -> PolicyState:
+    """The state as the plan judges the next proposal: a class-keyed one's classes are unknown before
+    drafting, so every node is judged as of the best class (drafting is a lookup)."""
+    if not state.classes:
+        return state
+    return dataclasses.replace(state, node_classes=jnp.full_like(state.node_classes, state.classes - 1))
+
+
+def _rows_that_pay(policy: AdaptivePolicy, state: PolicyState, costs, remaining):
+    """bool[B]: would the plan draft for this row alone, on its recorded shape?"""
+    values = _node_values(policy, _as_next(state), state.parents, state.shaped)
+    rows = jnp.arange(remaining.shape[0])
+
+    def alone(b):
+        return _best_width(policy, *values, costs, jnp.where(rows == b, remaining, 0), drafted=False)[0] > 0
+    return jax.vmap(alone)(rows)
 
 
 def should_draft(policy: AdaptivePolicy, state: PolicyState, costs, remaining):
@@ -358,13 +433,18 @@ def truncate(policy: AdaptivePolicy, state: PolicyState, costs, tree: Tree, rema
     has = jnp.any(shape_nodes, axis=1)[:, None]
     shaped = shape_nodes if policy.shape == "proposal" else jnp.ones_like(valid)  # "structure": parents only
     new = dataclasses.replace(state, parents=jnp.where(has, tree.parents, state.parents),
-                              shaped=jnp.where(has, shaped, state.shaped))
+                              shaped=jnp.where(has, shaped, state.shaped), stale=jnp.where(has[:, 0], 0, state.stale))
     if state.classes:
         if tree.classes is None:
             raise ValueError("an adaptive policy keyed by confidence class needs proposals with Tree.classes "
                              "(the drafter's confidence_classes); this drafter's trees have none")
         new = dataclasses.replace(new, node_classes=jnp.where(has, tree.classes.astype(jnp.int32),
                                                               state.node_classes))
+    if policy.shape == "proposal":  # a shape that does not pay doubles the row's wait for a probe
+        pays = _rows_that_pay(policy, new, costs, remaining)
+        longer = jnp.minimum(2 * state.wait, probe_period(policy, costs))
+        new = dataclasses.replace(new, wait=jnp.where(has[:, 0], jnp.where(pays, policy.probe_first, longer),
+                                                      state.wait))
     # "none": the shape follows this step's sampled tokens, so the choice is made on the previous one.
     judged = state if policy.shape == "none" else new
     reach, order, eligible = _node_values(policy, judged, judged.parents, judged.shaped)
@@ -431,7 +511,8 @@ def update(policy: AdaptivePolicy, state: PolicyState, tree: Tree, path, committ
     a = state.accept
     seen = policy.decay * a + (1.0 - policy.decay) * accepted_k.astype(jnp.float32)
     new = jnp.where(tried_k, seen, _drifted(state, policy.explore))
-    return dataclasses.replace(state, accept=jnp.where(active[:, None], new, a))
+    return dataclasses.replace(state, accept=jnp.where(active[:, None], new, a),
+                               stale=state.stale + active.astype(jnp.int32))
 
 
 def _drifted(state: PolicyState, rate):
@@ -450,4 +531,4 @@ def drift(policy: AdaptivePolicy, state: PolicyState, steps):
     a deeper key drifts toward its key above as that stood before the steps (a little slower than
     step by step)."""
     rate = 1.0 - (1.0 - policy.explore) ** steps.astype(jnp.float32)[:, None]
-    return dataclasses.replace(state, accept=_drifted(state, rate))
+    return dataclasses.replace(state, accept=_drifted(state, rate), stale=state.stale + steps.astype(jnp.int32))

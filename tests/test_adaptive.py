@@ -60,6 +60,7 @@ class OracleDrafter:
     vocab: int = dataclasses.field(metadata=dict(static=True))
     acceptance_prior: tuple = dataclasses.field(default=(), metadata=dict(static=True))
     history_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    short_for: int = dataclasses.field(default=0, metadata=dict(static=True))  # 1-node chains until then
     child_rule = "point"
     is_chain = True
     num_nodes = property(lambda self: self.depth)
@@ -75,7 +76,9 @@ class OracleDrafter:
         toks = jnp.take_along_axis(self.continuation, jnp.clip(j, 0, t - 1), axis=1)
         toks = (toks + self.shift) % self.vocab
         parents = jnp.broadcast_to(jnp.arange(self.depth, dtype=jnp.int32) - 1, (b, self.depth))
-        return Tree(tokens=toks, parents=parents, valid=j < t), None, state
+        # For the first `short_for` new tokens only the first node is proposed (a weak lookup match).
+        short = (j[:, :1] < self.short_for) & (jnp.arange(self.depth)[None, :] > 0)
+        return Tree(tokens=toks, parents=parents, valid=(j < t) & ~short), None, state
 
     def observe(self, state, obs):
         return state
@@ -159,6 +162,68 @@ def test_drift_compounds_and_the_plain_run_ends_at_the_next_probe():
     never = jnp.asarray([1.0, 100.0, 0.0, 0.0], jnp.float32)
     assert int(adaptive.plain_run_length(policy, state, never, remaining, 32)) == 32
     assert int(adaptive.plain_run_length(policy, state, never, remaining, 5)) == 5  # the cap, off the grid
+
+
+def test_a_short_proposal_does_not_stop_a_row_for_good():
+    """The plan judges the last proposal's shape; a one-node proposal never pays where a drafting step
+    costs 2.9 plain steps, so without shape probes the row would never draft again. Once the row has
+    waited (probe_first steps, doubled after each further shape that does not pay, up to
+    probe_period) the plan judges the full chain, and drafts."""
+    policy = adaptive.AdaptivePolicy(widths=(0, 1, 2, 4), prior=0.95, margin=0.15, probe_first=8, probe_every=8)
+    state = adaptive.init_state(policy, 1, 4, 4, is_chain=True)
+    costs = jnp.asarray([1.0, 1.05, 1.1, 1.2, 1.5, 1.5, 1.5, 1.5, 0.0], jnp.float32)  # verify, draft, idle
+    remaining = jnp.full((1,), 1000, jnp.int32)
+    assert bool(adaptive.should_draft(policy, state, costs, remaining))  # the full chain pays
+    # a draft of 1.5 plain steps costs at most 2% of the plain steps between probes: 1.5 / 0.02
+    assert int(adaptive.probe_period(policy, costs)) == 75
+    one = Tree(tokens=jnp.zeros((1, 4), jnp.int32), parents=jnp.array([[-1, 0, 1, 2]], jnp.int32),
+               valid=jnp.array([[True, False, False, False]]))
+    full = one.replace(valid=jnp.ones((1, 4), bool))
+
+    def due_after(state):  # the plain steps until the plan drafts again
+        return next(k for k in range(200) if bool(adaptive.should_draft(
+            policy, adaptive.drift(policy, state, jnp.array([k])), costs, remaining)))
+
+    waits = []
+    for _ in range(5):  # shapes of one node, one after another: 16, 32, 64, then the cap
+        _, _, state = adaptive.truncate(policy, state, costs, one, remaining)
+        assert not bool(adaptive.should_draft(policy, state, costs, remaining))  # not worth a drafting step
+        waits.append(due_after(state))
+    assert waits == [16, 32, 64, 75, 75]
+    assert int(adaptive.plain_run_length(policy, state, costs, remaining, 128)) == 64  # the grid point before
+    _, _, state = adaptive.truncate(policy, state, costs, full, remaining)  # a shape that pays: wait reset
+    assert bool(adaptive.should_draft(policy, state, costs, remaining))
+    _, _, state = adaptive.truncate(policy, state, costs, one, remaining)
+    assert due_after(state) == 16
+    cheap = dataclasses.replace(policy, probe_cost=0.5)  # cheap probes: every probe_every steps at most
+    assert int(adaptive.probe_period(cheap, costs)) == cheap.probe_every == 8
+    for bad, match in [(dict(probe_every=0), "probe_every"), (dict(probe_first=0), "probe_first"),
+                       (dict(probe_first=9, probe_every=8), "must not exceed"), (dict(probe_cost=0.0), "probe_cost")]:
+        with pytest.raises(ValueError, match=match):
+            adaptive.AdaptivePolicy(widths=(0, 1), **bad)
+
+
+@pytest.mark.parametrize("probe_every", [8, 10_000])
+def test_a_row_drafts_again_after_a_stretch_of_short_proposals(models, probe_every):
+    """An always-right drafter that proposes a single node for its first 8 tokens (a weak match), where
+    a drafting step costs 2.5 plain steps: one node never pays, the full chain does. With shape probes
+    the row drafts whole chains once they come back; without them (probe_every beyond the run) it
+    would decode plainly to the end (the control: no probe within the run).
+    Greedy output is exact either way."""
+    (cfg, params), _ = models
+    prompts, lengths = pad_prompts(PROMPTS_4[:2])
+    n = 64
+    ref = _greedy(cfg, params, prompts, lengths, n)
+    drafter = OracleDrafter(continuation=ref.tokens, prompt_lengths=lengths, depth=4, shift=0, vocab=64,
+                            acceptance_prior=(0.95,), short_for=8)
+    out = _run(cfg, params, drafter, prompts, lengths, n, costs=Costs(per_node=0.05, draft=1.5),
+               probe_first=2 if probe_every == 8 else probe_every, probe_every=probe_every, probe_cost=0.5)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    tau = np.asarray(out.stats["tau"])
+    if probe_every == 8:
+        assert np.all(tau > 2.5), (tau, out.stats["width_hist"])
+    else:  # the control: stuck on the one-node shape
+        assert np.all(tau < 1.2), (tau, out.stats["width_hist"])
 
 
 def test_always_right_drafts_grow_to_the_maximum(models):
