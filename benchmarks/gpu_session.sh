@@ -19,6 +19,10 @@
 #           probes    the adaptive default at batch 1 and 4 (T=0), then batch 1 at T=0.7, with cost tables
 #                     measured by `retarget` carried in (JAXDECODE_CACHE_DIR), so no time goes to calibration
 # Each step runs under its own time limit, so one slow or failing step leaves the others' results.
+# On the H200 (2026-11-28) a first-use cost calibration took ~50 s per (drafter, batch size, greedy or
+# sampled) and each generate configuration ~7-30 s of compile: `retarget` hit every step's limit. Carry
+# the cost tables of an earlier run in (JAXDECODE_CACHE_DIR, as `probes` does) to spend the time on
+# the measurements.
 # The workplace's device tool carries at most 64 MiB of working tree: run it from a branch whose index
 # leaves models/embedded/dllm/model.safetensors out (none of these parts needs the dLLM).
 set -u
