@@ -104,6 +104,11 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    # checked before any model loads: a typo fails at once
+    labels = [x.strip() for x in args.labels.split(";") if x.strip()] if args.labels else None
+    known = [c[0] for c in CONFIGS]
+    if labels and set(labels) - set(known):
+        ap.error(f"--labels: unknown {sorted(set(labels) - set(known))}; known: {known}")
 
     target_dir, target, draft = load_target_and_draft(args)
     second = jaxdecode.load(args.second_draft, dtype="float32") if args.second_draft else None
@@ -112,10 +117,6 @@ def main(argv=None):
     sources = {s: make_prompts[s](target.tokenizer, args.prompts, args.prompt_tokens)
                for s in args.sources.split(",")}
     only = set(args.only.split(",")) if args.only else None
-    labels = [x.strip() for x in args.labels.split(";") if x.strip()] if args.labels else None
-    known = [c[0] for c in CONFIGS]
-    if labels and set(labels) - set(known):
-        ap.error(f"--labels: unknown {sorted(set(labels) - set(known))}; known: {known}")
     print(f"target {cfg.num_parameters() / 1e6:.1f} M; {args.prompts} prompts x {args.prompt_tokens} tokens "
           f"per source ({', '.join(sources)}), {args.new} new; jax {jax.__version__} on "
           f"{jax.devices()[0].platform}, {os.cpu_count()} cores, {platform.machine()}", flush=True)
