@@ -10,8 +10,7 @@ Everything goes through `jaxdecode.generate` as a user calls it, on the embedded
 prompts no model trained on (held-out stdlib files; `--sources heldout,outside` adds installed packages
 outside the corpus). Per (temperature, batch size, source) the rows are:
 
-- plain decoding (`greedy`, or `sample` at T > 0): the baseline, timed before and after the other rows
-  (their mean is the ratio's denominator, so load drifting during the run shows up on both sides);
+- plain decoding (`greedy`, or `sample` at T > 0): the baseline, the ratio's denominator;
 - `speculative (default)`: method="speculative" with no drafter / tree / verifier options (with
   `--draft DIR` the draft model is passed too, as a user with one would);
 - `speculative adaptive=False`: the same, fixed configuration (only once generate has the option);
@@ -19,7 +18,8 @@ outside the corpus). Per (temperature, batch size, source) the rows are:
   tree (or `--drafter-tree`), adaptive when generate has the option.
 
 Each configuration is called once untimed first (compile, and a cost-table calibration if one runs),
-then every batch is timed (median of --repeats). Rows generate exactly --max-new-tokens tokens (no EOS,
+then every batch is timed round robin over the configurations, --repeats rounds, the median of each
+(so load drifting during the run hits every row alike). Rows generate exactly --max-new-tokens tokens (no EOS,
 unless --eos) so every method does the same work. Columns: tokens/s, ratio to plain, tau (new tokens
 per verification call), and at T=0 whether the output equals plain greedy token for token. Exit status
 1 when a greedy row differs.
@@ -34,13 +34,14 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from _common import finish_args, heldout_prompts, median_seconds, outside_prompts, write_result
+from _common import finish_args, heldout_prompts, interleaved_medians, outside_prompts, write_result
 
 import jaxdecode
 from jaxdecode.api import embedded_model_path
 
 FULL = dict(prompts=16, prompt_tokens=128, max_new_tokens=128, batch_sizes="1,4,16", temperatures="0,0.7")
 QUICK = dict(prompts=4, prompt_tokens=32, max_new_tokens=16, batch_sizes="1,4", temperatures="0,0.7")
+PLAIN = "plain"  # the baseline's key among a cell's configurations
 KNOWN_STATS = {"new_tokens", "seconds", "compile_seconds", "nonfinite_logits", "target_calls", "tau",
                "verify_calls", "accept_hist", "accept_rate_by_depth"}
 
@@ -60,39 +61,59 @@ def cost_cache_dir() -> str:
     return str(default_cache_dir() / "costs")
 
 
-def run_config(model, batches: list, kw: dict, repeats: int) -> dict:
-    """generate(model, batch, **kw) over every batch: one untimed call first (compile, calibration), then
-    the median of `repeats` timed calls per batch. Returns outputs (token lists, prompt order), seconds
-    (summed over batches), warmup_seconds, tau and calls per token over all rows, and the stats this
-    script does not know: scalars averaged over rows and `*_hist` lists summed (extra), every list
-    stat per batch (batch_stats)."""
+def run_configs(model, batches: list, kws: dict, repeats: int, skipped: list) -> dict:
+    """{name: result} of generate(model, batch, **kws[name]) over every batch. Each configuration is
+    called once untimed first (compile, calibration; one the engine refuses lands in `skipped`), then
+    every batch is timed round robin over the configurations, `repeats` rounds (the median of each):
+    drift in the machine's load hits every configuration alike, where timing one configuration after
+    another made a cell's plain baseline move by up to 30%. A result holds outputs (token lists, prompt
+    order), seconds (summed over batches), warmup_seconds, tau and calls per token over all rows, and
+    the stats this script does not know: scalars averaged over rows and `*_hist` lists summed (extra),
+    every list stat per batch (batch_stats)."""
     import time
-    t0 = time.perf_counter()
-    jaxdecode.generate(model, batches[0], **kw)
-    warmup = time.perf_counter() - t0
-    outs, secs, new, verify, calls, extra, batch_stats = [], 0.0, 0, 0, 0, {}, {}
+    warm = {}
+    for name, kw in kws.items():
+        t0 = time.perf_counter()
+        try:
+            jaxdecode.generate(model, batches[0], **kw)
+        except (ValueError, KeyError) as e:  # e.g. an option pair the engine refuses
+            skipped.append(f"{name}: {type(e).__name__}: {e}")
+            print(f"  skip {name}: {e}", flush=True)
+            continue
+        warm[name] = time.perf_counter() - t0
+    acc = {name: dict(outs=[], seconds=0.0, warmup_seconds=w, new=0, verify=0, calls=0, extra={},
+                      batch_stats={}) for name, w in warm.items()}
     for batch in batches:
-        holder = []
-        secs += median_seconds(lambda h=holder, b=batch: h.append(jaxdecode.generate(model, b, **kw)), repeats)
-        res = holder[-1]
-        outs += [r.tokens for r in res]
-        new += sum(r.stats["new_tokens"] for r in res)
-        # verify_calls is per row (the steps the row took part in); plain decoding: one call per token
-        verify += sum(int(r.stats.get("verify_calls", r.stats["new_tokens"])) for r in res)
-        calls += int(res[0].batch_stats["target_calls"]) * len(res)  # one batched call serves every row
-        for k, v in {**res[0].batch_stats, **res[0].stats}.items():  # stats a newer engine adds (the policy's)
-            if k in KNOWN_STATS:
-                continue
-            if isinstance(v, (int, float, bool)):  # per row: their mean over rows
-                extra.setdefault(k, []).extend(float({**r.batch_stats, **r.stats}[k]) for r in res)
-            else:  # lists (per batch or per row): kept per batch
-                batch_stats.setdefault(k, []).append(v)
-    extra = {k: float(np.mean(v)) for k, v in extra.items()}
-    for k, v in batch_stats.items():  # histograms (e.g. verify widths chosen) summed over batches
-        if k.endswith("_hist") and len({len(x) for x in v}) == 1:
-            extra[k] = np.sum(np.asarray(v, float), axis=0).astype(int).tolist()
-    return dict(outs=outs, seconds=secs, warmup_seconds=warmup, new_tokens=new, tau=new / max(verify, 1),
-                calls_per_token=calls / max(new, 1), extra=extra, batch_stats=batch_stats)
+        last = {}
+
+        def call(name, b=batch):
+            last[name] = jaxdecode.generate(model, b, **kws[name])
+        secs = interleaved_medians({name: (lambda n=name: call(n)) for name in warm}, max(repeats, 1))
+        for name, a in acc.items():
+            res = last[name]
+            a["seconds"] += secs[name]
+            a["outs"] += [r.tokens for r in res]
+            a["new"] += sum(r.stats["new_tokens"] for r in res)
+            # verify_calls is per row (the steps the row took part in); plain decoding: one call per token
+            a["verify"] += sum(int(r.stats.get("verify_calls", r.stats["new_tokens"])) for r in res)
+            a["calls"] += int(res[0].batch_stats["target_calls"]) * len(res)  # one batched call serves every row
+            for k, v in {**res[0].batch_stats, **res[0].stats}.items():  # stats a newer engine adds (the policy's)
+                if k in KNOWN_STATS:
+                    continue
+                if isinstance(v, (int, float, bool)):  # per row: their mean over rows
+                    a["extra"].setdefault(k, []).extend(float({**r.batch_stats, **r.stats}[k]) for r in res)
+                else:  # lists (per batch or per row): kept per batch
+                    a["batch_stats"].setdefault(k, []).append(v)
+    out = {}
+    for name, a in acc.items():
+        extra = {k: float(np.mean(v)) for k, v in a["extra"].items()}
+        for k, v in a["batch_stats"].items():  # histograms (e.g. verify widths chosen) summed over batches
+            if k.endswith("_hist") and len({len(x) for x in v}) == 1:
+                extra[k] = np.sum(np.asarray(v, float), axis=0).astype(int).tolist()
+        out[name] = dict(outs=a["outs"], seconds=a["seconds"], warmup_seconds=a["warmup_seconds"],
+                         new_tokens=a["new"], tau=a["new"] / max(a["verify"], 1),
+                         calls_per_token=a["calls"] / max(a["new"], 1), extra=extra, batch_stats=a["batch_stats"])
+    return out
 
 
 def configs(target_dir: Path, target, draft, kinds: list[str], drafter_tree, skipped: list) -> list:
@@ -134,7 +155,8 @@ def main(argv=None):
     ap.add_argument("--batch-sizes", default=None, help=f"({FULL['batch_sizes']})")
     ap.add_argument("--temperatures", default=None, help=f"({FULL['temperatures']})")
     ap.add_argument("--sources", default="heldout", help="heldout and/or outside, comma separated")
-    ap.add_argument("--repeats", type=int, default=1, help="timed calls per batch (median)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed rounds per batch, round robin over the rows (median; default 3)")
     ap.add_argument("--eos", action="store_true", help="stop rows at the model's EOS (default: fixed length)")
     ap.add_argument("--cost-cache", default=None,
                     help="directory of the measured cost tables (sets JAXDECODE_CACHE_DIR; a fresh directory "
@@ -177,30 +199,21 @@ def main(argv=None):
             for source, prompts in sources.items():
                 batches = [prompts[i:i + bs] for i in range(0, len(prompts), bs)]
                 head = dict(temperature=t, batch=bs, source=source)
-                plain = run_config(target, batches, plain_kw, args.repeats)
-                print(f"\nT={t} batch {bs} {source}: plain {plain['new_tokens'] / plain['seconds']:.1f} tok/s "
-                      f"(compile {plain['warmup_seconds']:.1f} s)", flush=True)
-                measured = []
-                for label, kw in spec_rows:
-                    try:
-                        m = run_config(target, batches, kw | sampling | common, args.repeats)
-                    except (ValueError, KeyError) as e:  # e.g. an option pair the engine refuses
-                        skipped.append(f"{label} (T={t}, batch {bs}): {type(e).__name__}: {e}")
-                        print(f"  skip {label}: {e}", flush=True)
-                        continue
-                    measured.append((label, m))
-                # plain again, compiled already: load that drifted during the rows weighs on both sides
-                again = run_config(target, batches, plain_kw, args.repeats)
-                plain_s = (plain["seconds"] + again["seconds"]) / 2
+                results = run_configs(target, batches, {PLAIN: plain_kw} | {label: kw | sampling | common
+                                                                            for label, kw in spec_rows},
+                                      args.repeats, skipped)
+                plain = results.pop(PLAIN)
                 n_tok = plain["new_tokens"]
-                rows.append(dict(head, method=f"plain ({plain_kw['method']})", tok_s=n_tok / plain_s, ratio=1.0,
-                                 tau=1.0, calls_per_token=plain["calls_per_token"], equal=True if t == 0 else None,
-                                 compile_seconds=plain["warmup_seconds"],
-                                 plain_tok_s_before_after=[n_tok / plain["seconds"], n_tok / again["seconds"]]))
-                for label, m in measured:
+                print(f"\nT={t} batch {bs} {source}: plain {n_tok / plain['seconds']:.1f} tok/s "
+                      f"(compile {plain['warmup_seconds']:.1f} s)", flush=True)
+                rows.append(dict(head, method=f"plain ({plain_kw['method']})", tok_s=n_tok / plain["seconds"],
+                                 ratio=1.0, tau=1.0, calls_per_token=plain["calls_per_token"],
+                                 equal=True if t == 0 else None, compile_seconds=plain["warmup_seconds"]))
+                for label, m in results.items():
                     same = m["outs"] == plain["outs"] if t == 0 else None  # sampled rows: other draws
-                    row = dict(head, method=label, tok_s=m["new_tokens"] / m["seconds"], ratio=plain_s / m["seconds"],
-                               tau=m["tau"], calls_per_token=m["calls_per_token"], equal=same,
+                    row = dict(head, method=label, tok_s=m["new_tokens"] / m["seconds"],
+                               ratio=plain["seconds"] / m["seconds"], tau=m["tau"],
+                               calls_per_token=m["calls_per_token"], equal=same,
                                compile_seconds=m["warmup_seconds"], stats=m["extra"],
                                batch_stats=m["batch_stats"])
                     rows.append(row)
@@ -209,7 +222,6 @@ def main(argv=None):
                           f"{'  ' + str(m['extra']) if m['extra'] else ''}"
                           f"{''.join(f'  {k} {v[0]}' for k, v in m['batch_stats'].items() if k.endswith('_widths'))}",
                           flush=True)
-                print(f"  plain again {n_tok / again['seconds']:.1f} tok/s", flush=True)
 
     print_table(rows, skipped)
     write_result(dict(jax=jax.__version__, platform=jax.devices()[0].platform, cpu_count=os.cpu_count(),

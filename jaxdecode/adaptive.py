@@ -399,24 +399,20 @@ def should_draft(policy: AdaptivePolicy, state: PolicyState, costs, remaining):
 
 def plain_run_length(policy: AdaptivePolicy, state: PolicyState, costs, remaining, cap: int):
     """int32[]: how many plain steps to take in a row from here, when this step does not draft: the
-    steps until `should_draft` would say yes on the estimates drifted step by step (and each row's
-    remaining tokens shrinking), read on the grid 1, 2, 4, ..., cap and rounded down to a grid point
-    (at least 1), so a run ends no later than the probe it would have made step by step."""
-    grid = [1]
-    while grid[-1] * 2 <= cap:
-        grid.append(grid[-1] * 2)
-    if grid[-1] < cap:
-        grid.append(cap)
+    first k in 1..cap at which `should_draft` would say yes on the estimates drifted k steps (and each
+    row's remaining tokens shrunk by k), else cap. So a run ends exactly where the step-by-step engine
+    would draft (or probe) again. Every k is checked: a coarser grid (1, 2, 4, ...) rounded down cut a
+    run due in 8 steps into runs of 4, 2, 1 and 1, and each run's end costs a whole engine step (on the
+    CPU, sampling with prompt lookup, 67 such steps for 128 tokens and 12% slower than plain decoding)."""
     active = remaining > 0
 
     def drafts_after(k):
         st = drift(policy, state, jnp.where(active, k, 0))
         return should_draft(policy, st, costs, jnp.maximum(remaining - k, 0))
 
-    ks = jnp.asarray(grid, jnp.int32)
-    flips = jax.vmap(drafts_after)(ks)  # [G]: would step k draft?
-    before = jnp.concatenate([jnp.ones((1,), jnp.int32), ks[:-1]])  # the grid point before each
-    return jnp.where(jnp.any(flips), before[jnp.argmax(flips)], ks[-1]).astype(jnp.int32)
+    ks = jnp.arange(1, cap + 1, dtype=jnp.int32)
+    flips = jax.vmap(drafts_after)(ks)  # [cap]: would the step after k plain ones draft?
+    return jnp.where(jnp.any(flips), ks[jnp.argmax(flips)], cap).astype(jnp.int32)
 
 
 def truncate(policy: AdaptivePolicy, state: PolicyState, costs, tree: Tree, remaining, shape_valid=None):
@@ -443,8 +439,14 @@ def truncate(policy: AdaptivePolicy, state: PolicyState, costs, tree: Tree, rema
     if policy.shape == "proposal":  # a shape that does not pay doubles the row's wait for a probe
         pays = _rows_that_pay(policy, new, costs, remaining)
         longer = jnp.minimum(2 * state.wait, probe_period(policy, costs))
-        new = dataclasses.replace(new, wait=jnp.where(has[:, 0], jnp.where(pays, policy.probe_first, longer),
-                                                      state.wait))
+        # A probe that came back empty (no match) was a probe all the same: the row waits again, or it
+        # would probe every step until a match (an engine step per token: 12% slower than plain
+        # decoding, prompt lookup sampling on the CPU).
+        empty_probe = (state.stale >= state.wait) & ~has[:, 0]
+        new = dataclasses.replace(
+            new, wait=jnp.where(has[:, 0], jnp.where(pays, policy.probe_first, longer),
+                                jnp.where(empty_probe, longer, state.wait)),
+            stale=jnp.where(empty_probe, 0, new.stale))
     # "none": the shape follows this step's sampled tokens, so the choice is made on the previous one.
     judged = state if policy.shape == "none" else new
     reach, order, eligible = _node_values(policy, judged, judged.parents, judged.shaped)

@@ -144,7 +144,7 @@ def test_lean_plain_runs_probe_when_step_by_step_would(models, shift):
 
 def test_drift_compounds_and_the_plain_run_ends_at_the_next_probe():
     """`drift` over k steps equals k single-step drifts for depth-1 keys (toward 1), and
-    `plain_run_length` is the grid point before the first step at which `should_draft` would say yes."""
+    `plain_run_length` is the first step at which `should_draft` would say yes."""
     policy = adaptive.AdaptivePolicy(widths=(0, 1), prior=0.2, explore=0.05, margin=0.0)
     state = adaptive.init_state(policy, 2, 1, 1, np.array([-1], np.int32))
     steps = jnp.array([3, 0], jnp.int32)
@@ -154,14 +154,15 @@ def test_drift_compounds_and_the_plain_run_ends_at_the_next_probe():
     np.testing.assert_allclose(adaptive.drift(policy, state, steps).accept, once.accept, rtol=1e-6)
     assert float(once.accept[1, 0]) == pytest.approx(0.2)  # a row with no steps keeps its estimate
     # One node: drafting pays once the estimate a clears cost(1) / cost(0) - 1 = 0.5: 0.2 -> 0.5 at
-    # 0.05 a step takes 10 steps (1 - 0.8 * 0.95^k >= 0.5), so a run from here takes 8 (grid 1..32).
+    # 0.05 a step takes 10 steps (1 - 0.8 * 0.95^k >= 0.5), so a run from here takes 10.
     costs = jnp.asarray([1.0, 1.5, 0.0, 0.0], jnp.float32)  # verify at widths 0 / 1, draft, idle
     remaining = jnp.full((2,), 100, jnp.int32)
     assert not bool(adaptive.should_draft(policy, state, costs, remaining))
-    assert int(adaptive.plain_run_length(policy, state, costs, remaining, 32)) == 8
+    assert int(adaptive.plain_run_length(policy, state, costs, remaining, 32)) == 10
+    assert int(adaptive.plain_run_length(policy, state, costs, remaining, 6)) == 6  # the cap
     never = jnp.asarray([1.0, 100.0, 0.0, 0.0], jnp.float32)
     assert int(adaptive.plain_run_length(policy, state, never, remaining, 32)) == 32
-    assert int(adaptive.plain_run_length(policy, state, never, remaining, 5)) == 5  # the cap, off the grid
+    assert int(adaptive.plain_run_length(policy, state, never, remaining, 5)) == 5  # the cap
 
 
 def test_a_short_proposal_does_not_stop_a_row_for_good():
@@ -190,7 +191,7 @@ def test_a_short_proposal_does_not_stop_a_row_for_good():
         assert not bool(adaptive.should_draft(policy, state, costs, remaining))  # not worth a drafting step
         waits.append(due_after(state))
     assert waits == [16, 32, 64, 75, 75]
-    assert int(adaptive.plain_run_length(policy, state, costs, remaining, 128)) == 64  # the grid point before
+    assert int(adaptive.plain_run_length(policy, state, costs, remaining, 128)) == 75  # up to the probe
     _, _, state = adaptive.truncate(policy, state, costs, full, remaining)  # a shape that pays: wait reset
     assert bool(adaptive.should_draft(policy, state, costs, remaining))
     _, _, state = adaptive.truncate(policy, state, costs, one, remaining)
@@ -201,6 +202,23 @@ def test_a_short_proposal_does_not_stop_a_row_for_good():
                        (dict(probe_first=9, probe_every=8), "must not exceed"), (dict(probe_cost=0.0), "probe_cost")]:
         with pytest.raises(ValueError, match=match):
             adaptive.AdaptivePolicy(widths=(0, 1), **bad)
+
+
+def test_an_empty_probe_waits_like_a_failed_one():
+    """A probe whose proposal is empty (no match) restarts the row's wait, doubled like a shape that
+    does not pay; it used to leave the row due, so it probed (an engine step) on every step until a
+    match came. A row not due keeps its wait and its shape."""
+    policy = adaptive.AdaptivePolicy(widths=(0, 1, 2, 4), prior=0.95, margin=0.15, probe_first=4, probe_every=16)
+    state = adaptive.init_state(policy, 2, 4, 4, is_chain=True)
+    costs = jnp.asarray([1.0, 1.05, 1.1, 1.2, 1.5, 1.5, 1.5, 1.5, 0.0], jnp.float32)  # verify, draft, idle
+    remaining = jnp.full((2,), 1000, jnp.int32)
+    state = dataclasses.replace(state, stale=jnp.array([4, 1], jnp.int32))  # row 0 due a probe, row 1 not
+    empty = Tree(tokens=jnp.zeros((2, 4), jnp.int32), parents=jnp.broadcast_to(jnp.array([-1, 0, 1, 2]), (2, 4)),
+                 valid=jnp.zeros((2, 4), bool))
+    _, kept, after = adaptive.truncate(policy, state, costs, empty, remaining)
+    assert kept.tolist() == [0, 0]
+    assert after.stale.tolist() == [0, 1] and after.wait.tolist() == [8, 4]
+    np.testing.assert_array_equal(after.shaped, state.shaped)  # the shape is kept
 
 
 @pytest.mark.parametrize("probe_every", [8, 10_000])

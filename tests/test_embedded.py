@@ -38,3 +38,16 @@ def test_greedy_speculative_equals_greedy_on_embedded_models(embedded, batch, op
                               adaptive=batch > 1, **extra, **opts)
     assert [r.tokens for r in spec] == [r.tokens for r in plain]
     assert np.mean([r.stats["tau"] for r in spec]) >= 1.0
+
+
+def test_shipped_drafters_fit_the_model_file_budget():
+    """The trained drafters shipped beside the embedded target stay within 20 MB on disk (issue 10's
+    budget for model files), and each is a whole drafter directory that loads."""
+    from jaxdecode.drafters.trained import read_drafter_config
+    root = embedded_model_path("target") / "drafters"
+    dirs = sorted(p for p in root.iterdir() if p.is_dir())
+    assert dirs, f"{root} ships no drafters"
+    size = sum(f.stat().st_size for d in dirs for f in d.rglob("*") if f.is_file())
+    assert size <= 20e6, f"the shipped drafters take {size / 1e6:.1f} MB, over the 20 MB budget"
+    for d in dirs:
+        assert read_drafter_config(d)["jaxdecode_drafter"] == d.name
