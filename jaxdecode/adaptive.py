@@ -425,7 +425,7 @@ def truncate(policy: AdaptivePolicy, state: PolicyState, costs, tree: Tree, rema
     valid = tree.valid
     shape_nodes = valid if shape_valid is None else shape_valid
     # A row whose proposal is empty this step (e.g. no n-gram match) says nothing about the shape of
-    # its next one: keep its last shape, or it would judge every later step undraftable and stop.
+    # its next one: keep its last shape (shape "proposal": until its next probe, below).
     has = jnp.any(shape_nodes, axis=1)[:, None]
     shaped = shape_nodes if policy.shape == "proposal" else jnp.ones_like(valid)  # "structure": parents only
     new = dataclasses.replace(state, parents=jnp.where(has, tree.parents, state.parents),
@@ -437,16 +437,22 @@ def truncate(policy: AdaptivePolicy, state: PolicyState, costs, tree: Tree, rema
         new = dataclasses.replace(new, node_classes=jnp.where(has, tree.classes.astype(jnp.int32),
                                                               state.node_classes))
     if policy.shape == "proposal":  # a shape that does not pay doubles the row's wait for a probe
+        # (an empty row still holds its last shape here: `pays` says whether the plan drafted for it)
         pays = _rows_that_pay(policy, new, costs, remaining)
         longer = jnp.minimum(2 * state.wait, probe_period(policy, costs))
-        # A probe that came back empty (no match) was a probe all the same: the row waits again, or it
-        # would probe every step until a match (an engine step per token: 12% slower than plain
-        # decoding, prompt lookup sampling on the CPU).
-        empty_probe = (state.stale >= state.wait) & ~has[:, 0]
+        empty = ~has[:, 0]
+        # An empty proposal (no match) at a probe was a probe all the same: the row waits again, twice
+        # as long. One from a row drafting on a shape that pays: the row stops drafting and probes
+        # after one step, then 2, 4, ... while probes come back empty. Either way it no longer runs an
+        # engine step per token until a match (12% slower than plain decoding, prompt lookup sampling
+        # on the CPU); its last shape is the one a probe replaces.
+        due = state.stale >= state.wait
+        stopped = empty & ~due & pays
         new = dataclasses.replace(
             new, wait=jnp.where(has[:, 0], jnp.where(pays, policy.probe_first, longer),
-                                jnp.where(empty_probe, longer, state.wait)),
-            stale=jnp.where(empty_probe, 0, new.stale))
+                                jnp.where(due, longer, jnp.where(pays, 1, state.wait))),
+            stale=jnp.where(empty & (due | pays), 0, new.stale),
+            shaped=jnp.where(stopped[:, None], False, new.shaped))
     # "none": the shape follows this step's sampled tokens, so the choice is made on the previous one.
     judged = state if policy.shape == "none" else new
     reach, order, eligible = _node_values(policy, judged, judged.parents, judged.shaped)

@@ -204,21 +204,36 @@ def test_a_short_proposal_does_not_stop_a_row_for_good():
             adaptive.AdaptivePolicy(widths=(0, 1), **bad)
 
 
-def test_an_empty_probe_waits_like_a_failed_one():
-    """A probe whose proposal is empty (no match) restarts the row's wait, doubled like a shape that
-    does not pay; it used to leave the row due, so it probed (an engine step) on every step until a
-    match came. A row not due keeps its wait and its shape."""
+def test_an_empty_proposal_backs_off_until_a_match():
+    """An empty proposal (no match) at a probe restarts the row's wait, doubled like a shape that does
+    not pay; one from a row drafting on a shape that pays stops the row, which probes after 1 step,
+    then 2, 4, ... while probes come back empty. Before, both rows stayed drafting-worthy and ran an
+    engine step per token until a match came."""
     policy = adaptive.AdaptivePolicy(widths=(0, 1, 2, 4), prior=0.95, margin=0.15, probe_first=4, probe_every=16)
     state = adaptive.init_state(policy, 2, 4, 4, is_chain=True)
     costs = jnp.asarray([1.0, 1.05, 1.1, 1.2, 1.5, 1.5, 1.5, 1.5, 0.0], jnp.float32)  # verify, draft, idle
     remaining = jnp.full((2,), 1000, jnp.int32)
     state = dataclasses.replace(state, stale=jnp.array([4, 1], jnp.int32))  # row 0 due a probe, row 1 not
+    assert bool(adaptive.should_draft(policy, state, costs, remaining))  # the full chain pays
     empty = Tree(tokens=jnp.zeros((2, 4), jnp.int32), parents=jnp.broadcast_to(jnp.array([-1, 0, 1, 2]), (2, 4)),
                  valid=jnp.zeros((2, 4), bool))
-    _, kept, after = adaptive.truncate(policy, state, costs, empty, remaining)
+    _, kept, state = adaptive.truncate(policy, state, costs, empty, remaining)
     assert kept.tolist() == [0, 0]
-    assert after.stale.tolist() == [0, 1] and after.wait.tolist() == [8, 4]
-    np.testing.assert_array_equal(after.shaped, state.shaped)  # the shape is kept
+    assert state.stale.tolist() == [0, 0] and state.wait.tolist() == [8, 1]
+    assert not bool(adaptive.should_draft(policy, state, costs, remaining))  # neither drafts now
+    waits = []
+    for _ in range(4):  # row 1's probes come back empty: it waits 1, 2, 4, 8 steps
+        run = int(adaptive.plain_run_length(policy, state, costs, remaining, 32))
+        waits.append(run)
+        state = adaptive.drift(policy, state, jnp.full((2,), run, jnp.int32))
+        assert bool(adaptive.should_draft(policy, state, costs, remaining))  # a probe is due
+        _, _, state = adaptive.truncate(policy, state, costs, empty, remaining)
+    assert waits == [1, 2, 4, 8]
+    full = empty.replace(valid=jnp.ones((2, 4), bool))  # a match: the row drafts again, its wait reset
+    state = adaptive.drift(policy, state, jnp.full((2,), 16, jnp.int32))
+    _, kept, state = adaptive.truncate(policy, state, costs, full, remaining)
+    assert kept.tolist() == [4, 4] and state.wait.tolist() == [4, 4]
+    assert bool(adaptive.should_draft(policy, state, costs, remaining))
 
 
 @pytest.mark.parametrize("probe_every", [8, 10_000])
