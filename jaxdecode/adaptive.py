@@ -74,6 +74,10 @@ worth (maybe nothing: the row then decodes plainly, having paid one draft). The 
 of the time); a shape that pays resets it. Measured with the H200's cost table (a drafting step 2.7
 plain steps), probes took the retrieval default from never drafting after its first weak match (0.82x
 plain greedy) to 1.39x, measured with a fixed 21-step wait (BENCHMARKS.md, "On a GPU").
+An empty proposal (no match) is a probe that failed when the row was due one; from a row drafting on a
+shape that pays, it stops the row, which probes after 1 step, then 2, 4, ... up to `probe_period`
+while probes come back empty. A plain stretch between probes runs as one lean run (`plain_run_length`
+finds the step at which the plan would draft), not as an engine step per token.
 """
 from __future__ import annotations
 
@@ -168,6 +172,19 @@ def default_widths(num_nodes: int, extra=()) -> tuple:
     return tuple(sorted(ws))
 
 
+def isotonic(values) -> np.ndarray:
+    """The non-decreasing sequence nearest `values` in least squares (pool adjacent violators): a run
+    that decreases is replaced by its mean."""
+    blocks: list = []  # [sum, count] of pooled runs, each mean above the previous one
+    for v in map(float, values):
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return np.asarray([s / c for s, c in blocks for _ in range(c)], np.float64)
+
+
 def cost_vector(policy: AdaptivePolicy, costs) -> jnp.ndarray:
     """f32[2W + 1]: seconds of an engine step per policy width with drafting excluded (the table's
     `step_at`: the forward, the verifier, the commit, ...), then the drafter's propose seconds per
@@ -177,13 +194,16 @@ def cost_vector(policy: AdaptivePolicy, costs) -> jnp.ndarray:
     idle_seconds, and optionally draft_at)."""
     at = getattr(costs, "step_at", None) or costs.verify_at
     # A wider verification never costs less than a narrower one: a table measured under noise (other
-    # jobs on the machine) is made monotone, so noise cannot make a wide tree look free. Likewise a
-    # deeper capped draft never costs less than a shallower one.
-    verify = np.maximum.accumulate([float(at(w)) for w in policy.widths]).tolist()
+    # jobs on the machine) is made monotone, so noise cannot make a wide tree look free. The drafting
+    # widths get the least-squares monotone fit (a running maximum let one slow spell at 3 nodes price
+    # every wider tree at it), and none costs less than the plain step. Likewise a deeper capped draft
+    # never costs less than a shallower one.
+    plain, *wider = [float(at(w)) for w in policy.widths]
+    verify = [plain] + np.maximum(isotonic(wider), plain).tolist()
     full = float(costs.draft_seconds)
     draft_at = getattr(costs, "draft_at", None)
     draft = [full] + ([float(draft_at(w)) for w in policy.widths[1:]] if draft_at else [full] * (len(verify) - 1))
-    draft = [draft[0]] + np.maximum.accumulate(draft[1:]).tolist() if len(draft) > 1 else draft
+    draft = [draft[0]] + isotonic(draft[1:]).tolist()
     vec = np.asarray(verify + draft + [float(getattr(costs, "idle_seconds", 0.0))], np.float32)
     if not np.all(np.isfinite(vec)) or np.any(vec < 0) or vec[0] <= 0:
         raise ValueError(f"the cost table gives unusable seconds {vec.tolist()} (need finite, >= 0, and a "
@@ -449,7 +469,8 @@ def truncate(policy: AdaptivePolicy, state: PolicyState, costs, tree: Tree, rema
         due = state.stale >= state.wait
         stopped = empty & ~due & pays
         new = dataclasses.replace(
-            new, wait=jnp.where(has[:, 0], jnp.where(pays, policy.probe_first, longer),
+            # (a weak match after such a stop waits probe_first at least, as any shape that does not pay)
+            new, wait=jnp.where(has[:, 0], jnp.where(pays, policy.probe_first, jnp.maximum(longer, policy.probe_first)),
                                 jnp.where(due, longer, jnp.where(pays, 1, state.wait))),
             stale=jnp.where(empty & (due | pays), 0, new.stale),
             shaped=jnp.where(stopped[:, None], False, new.shaped))

@@ -204,6 +204,24 @@ def test_a_short_proposal_does_not_stop_a_row_for_good():
             adaptive.AdaptivePolicy(widths=(0, 1), **bad)
 
 
+def test_noisy_costs_are_fit_monotone_not_raised_to_their_worst():
+    """The policy's step costs per drafting width are the least-squares non-decreasing fit of the
+    measured ones (one slow spell at a narrow width no longer prices every wider tree at it), never
+    below the plain step; a decreasing run is pooled at its mean."""
+    assert adaptive.isotonic([4.9, 8.5, 9.8, 16.1, 14.7, 15.0, 12.7]).tolist() == pytest.approx(
+        [4.9, 8.5, 9.8, 14.625, 14.625, 14.625, 14.625])
+    assert adaptive.isotonic([1, 2, 3]).tolist() == [1, 2, 3] and adaptive.isotonic([]).size == 0
+
+    class Costs:
+        def __init__(self, steps):
+            self.steps, self.draft_seconds, self.idle_seconds = steps, 1e-4, 0.0
+
+        def step_at(self, w):
+            return self.steps[w]
+    vec = adaptive.cost_vector(adaptive.AdaptivePolicy(widths=(0, 1, 2, 3)), Costs([5.0, 4.0, 9.0, 7.0]))
+    assert vec[:4].tolist() == pytest.approx([5.0, 5.0, 8.0, 8.0])  # width 1 below plain: raised to it
+
+
 def test_an_empty_proposal_backs_off_until_a_match():
     """An empty proposal (no match) at a probe restarts the row's wait, doubled like a shape that does
     not pay; one from a row drafting on a shape that pays stops the row, which probes after 1 step,
@@ -221,6 +239,11 @@ def test_an_empty_proposal_backs_off_until_a_match():
     assert kept.tolist() == [0, 0]
     assert state.stale.tolist() == [0, 0] and state.wait.tolist() == [8, 1]
     assert not bool(adaptive.should_draft(policy, state, costs, remaining))  # neither drafts now
+    # a weak match (one node: does not pay) at row 1's probe waits probe_first, as any such shape
+    one = empty.replace(valid=jnp.array([[False] * 4, [True, False, False, False]]))
+    _, _, weak = adaptive.truncate(policy, adaptive.drift(policy, state, jnp.ones((2,), jnp.int32)), costs, one,
+                                   remaining)
+    assert int(weak.wait[1]) == policy.probe_first and int(weak.stale[1]) == 0
     waits = []
     for _ in range(4):  # row 1's probes come back empty: it waits 1, 2, 4, 8 steps
         run = int(adaptive.plain_run_length(policy, state, costs, remaining, 32))
