@@ -9,7 +9,7 @@ prompts, same max_new_tokens, no EOS (every row generates exactly that many toke
 
 transformers rows come from bench_speculative.bench_transformers: plain greedy `generate`, assisted
 generation (`assistant_model=` the draft) and prompt lookup. jaxdecode rows go through `generate` as a
-user calls it (bench_adaptive.run_config): plain greedy, `method="speculative"` with the draft model
+user calls it (bench_adaptive.run_configs, round robin): plain greedy, `method="speculative"` with the draft model
 (drafter draft_lm, its default tree; adaptive by default once generate has the option, and with
 adaptive=False beside it), and `method="speculative"` with no options at all. Each is compiled / warmed
 up before it is timed. Columns: tokens/s, ratio to the same library's plain greedy (side by side in this
@@ -25,7 +25,7 @@ import sys
 
 import jax
 from _common import finish_args, heldout_prompts, write_result
-from bench_adaptive import cost_cache_dir, has_option, run_config
+from bench_adaptive import cost_cache_dir, has_option, run_configs
 from bench_speculative import bench_transformers
 
 import jaxdecode
@@ -96,11 +96,12 @@ def main(argv=None):
         configs.append(("jaxdecode speculative draft_lm adaptive=False",
                         dict(method="speculative", draft=draft, adaptive=False)))
     configs.append(("jaxdecode speculative (default, no options)", dict(method="speculative")))
-    jd = {}
-    for label, kw in configs:
-        jd[label] = run_config(target, batches, kw | common, max(args.repeats, 1))
-        print(f"  {label:48s} {jd[label]['new_tokens'] / jd[label]['seconds']:.1f} tok/s  tau {jd[label]['tau']:.2f}",
-              flush=True)
+    skipped: list = []
+    jd = run_configs(target, batches, {label: kw | common for label, kw in configs}, max(args.repeats, 1), skipped)
+    for label, m in jd.items():
+        print(f"  {label:48s} {m['new_tokens'] / m['seconds']:.1f} tok/s  tau {m['tau']:.2f}", flush=True)
+    for line in skipped:
+        print(f"  skipped {line}", flush=True)
     ref = jd["jaxdecode greedy"]
     jd_plain = ref["seconds"]
 
