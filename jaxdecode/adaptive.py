@@ -76,7 +76,9 @@ plain steps), probes took the retrieval default from never drafting after its fi
 plain greedy) to 1.39x, measured with a fixed 21-step wait (BENCHMARKS.md, "On a GPU").
 An empty proposal (no match) is a probe that failed when the row was due one; from a row drafting on a
 shape that pays, it stops the row, which probes after 1 step, then 2, 4, ... up to `probe_period`
-while probes come back empty. A plain stretch between probes runs as one lean run (`plain_run_length`
+while probes come back empty. Keyed by class, a proposal that does not pay at its own classes (a weak
+match) counts as empty: the plan judges a recorded shape at the best class and would draft it again
+next step, only to keep nothing. A plain stretch between probes runs as one lean run (`plain_run_length`
 finds the step at which the plan would draft), not as an engine step per token.
 """
 from __future__ import annotations
@@ -395,15 +397,17 @@ def draft_plan(policy: AdaptivePolicy, state: PolicyState, costs, remaining):
 
 def _as_next(state: PolicyState) -> PolicyState:
     """The state as the plan judges the next proposal: a class-keyed one's classes are unknown before
-    drafting, so every node is judged as of the best class (drafting is a lookup)."""
+    drafting, so every node is judged as of the best class (drafting is a lookup; a row whose last
+    proposal did not pay at its own classes has no shape to judge, `_schedule_probes`)."""
     if not state.classes:
         return state
     return dataclasses.replace(state, node_classes=jnp.full_like(state.node_classes, state.classes - 1))
 
 
-def _rows_that_pay(policy: AdaptivePolicy, state: PolicyState, costs, remaining):
-    """bool[B]: would the plan draft for this row alone, on its recorded shape?"""
-    values = _node_values(policy, _as_next(state), state.parents, state.shaped)
+def _rows_that_pay(policy: AdaptivePolicy, state: PolicyState, costs, remaining, as_drafted: bool = False):
+    """bool[B]: would the plan draft for this row alone, on its recorded shape (as_drafted: at the
+    classes it was drafted with, not at the best class the plan assumes of the next proposal)?"""
+    values = _node_values(policy, state if as_drafted else _as_next(state), state.parents, state.shaped)
     rows = jnp.arange(remaining.shape[0])
 
     def alone(b):
@@ -435,6 +439,33 @@ def plain_run_length(policy: AdaptivePolicy, state: PolicyState, costs, remainin
     return jnp.where(jnp.any(flips), ks[jnp.argmax(flips)], cap).astype(jnp.int32)
 
 
+def _schedule_probes(policy: AdaptivePolicy, state: PolicyState, new: PolicyState, costs, remaining, empty):
+    """The state after a drafting step (shape "proposal"), its waits for a shape probe updated. `new`
+    holds this proposal's shape (an empty row's last one); empty: bool[B], rows that proposed nothing.
+
+    A row *missed* when its proposal was empty (no match) or, keyed by confidence class, did not pay at
+    its own classes (a weak match: the plan, which judges a recorded shape at the best class, would draft
+    it again next step, and the step would keep nothing). A miss at a probe was a probe all the same:
+    the row waits again, twice as long. A miss from a row drafting on a shape that pays stops the row: it
+    probes after one step, then 2, 4, ... while probes miss, its shape cleared until one pays. So no row
+    runs an engine step per token while its proposals keep nothing (prompt lookup sampling on the CPU:
+    12% slower than plain decoding; the retrieval default at T = 0.7 drafted on 58 of 60 steps and kept
+    nothing on 37). A proposal that does not pay from a position-keyed drafter is recorded (the plan
+    judges it as it is) and waits `probe_first` at least, doubling likewise."""
+    pays = _rows_that_pay(policy, new, costs, remaining, as_drafted=True)  # this proposal, alone
+    missed, was_paying = empty, pays  # (an empty row still holds its last shape in `new`)
+    if state.classes:
+        missed = empty | ~pays
+        was_paying = _rows_that_pay(policy, state, costs, remaining)  # what the plan judged before drafting
+    longer = jnp.minimum(2 * state.wait, probe_period(policy, costs))
+    due = state.stale >= state.wait
+    wait = jnp.where(missed, jnp.where(due, longer, jnp.where(was_paying, 1, state.wait)),
+                     jnp.where(pays, policy.probe_first, jnp.maximum(longer, policy.probe_first)))
+    stale = jnp.where(missed, jnp.where(due | was_paying, 0, state.stale), new.stale)
+    cleared = missed & (~empty | (~due & was_paying))
+    return dataclasses.replace(new, wait=wait, stale=stale, shaped=jnp.where(cleared[:, None], False, new.shaped))
+
+
 def truncate(policy: AdaptivePolicy, state: PolicyState, costs, tree: Tree, remaining, shape_valid=None):
     """Keep each row's best nodes for the chosen width: (tree with only they valid, nodes kept int32[B],
     state with this proposal's shape). remaining: as in `should_draft`. shape_valid: bool[B, N], the
@@ -456,26 +487,12 @@ def truncate(policy: AdaptivePolicy, state: PolicyState, costs, tree: Tree, rema
                              "(the drafter's confidence_classes); this drafter's trees have none")
         new = dataclasses.replace(new, node_classes=jnp.where(has, tree.classes.astype(jnp.int32),
                                                               state.node_classes))
-    if policy.shape == "proposal":  # a shape that does not pay doubles the row's wait for a probe
-        # (an empty row still holds its last shape here: `pays` says whether the plan drafted for it)
-        pays = _rows_that_pay(policy, new, costs, remaining)
-        longer = jnp.minimum(2 * state.wait, probe_period(policy, costs))
-        empty = ~has[:, 0]
-        # An empty proposal (no match) at a probe was a probe all the same: the row waits again, twice
-        # as long. One from a row drafting on a shape that pays: the row stops drafting and probes
-        # after one step, then 2, 4, ... while probes come back empty. Either way it no longer runs an
-        # engine step per token until a match (12% slower than plain decoding, prompt lookup sampling
-        # on the CPU); its last shape is the one a probe replaces.
-        due = state.stale >= state.wait
-        stopped = empty & ~due & pays
-        new = dataclasses.replace(
-            # (a weak match after such a stop waits probe_first at least, as any shape that does not pay)
-            new, wait=jnp.where(has[:, 0], jnp.where(pays, policy.probe_first, jnp.maximum(longer, policy.probe_first)),
-                                jnp.where(due, longer, jnp.where(pays, 1, state.wait))),
-            stale=jnp.where(empty & (due | pays), 0, new.stale),
-            shaped=jnp.where(stopped[:, None], False, new.shaped))
-    # "none": the shape follows this step's sampled tokens, so the choice is made on the previous one.
-    judged = state if policy.shape == "none" else new
+    # What this step keeps is judged on: "proposal", this proposal (an empty row has nothing to gain, not
+    # its last shape's worth); "structure", the fixed structure (validity may follow sampled tokens);
+    # "none", the previous proposal (the shape follows this step's sampled tokens).
+    judged = {"proposal": dataclasses.replace(new, shaped=new.shaped & has), "structure": new, "none": state}[policy.shape]
+    if policy.shape == "proposal":
+        new = _schedule_probes(policy, state, new, costs, remaining, ~has[:, 0])
     reach, order, eligible = _node_values(policy, judged, judged.parents, judged.shaped)
     best, count = _best_width(policy, reach, order, eligible, costs, remaining, drafted=True)
     if policy.shape == "none":

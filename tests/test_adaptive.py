@@ -259,6 +259,42 @@ def test_an_empty_proposal_backs_off_until_a_match():
     assert bool(adaptive.should_draft(policy, state, costs, remaining))
 
 
+def test_a_weak_class_proposal_backs_off_like_an_empty_one():
+    """Keyed by confidence class, the plan judges a row's next proposal as of the best class. A proposal
+    that does not pay at its own classes (a weak match) kept as the row's shape would be drafted again
+    every step and keep nothing (the retrieval default sampling at T = 0.7 drafted on 58 of 60 steps and
+    kept nothing on 37): it stops the row like an empty proposal, which probes after 1, 2, 4, ... steps
+    until a strong match pays."""
+    policy = adaptive.AdaptivePolicy(widths=(0, 1, 2, 4), classes=2, prior_by_class=(0.05, 0.95), margin=0.15,
+                                     probe_first=4, probe_every=16)
+    state = adaptive.init_state(policy, 1, 4, 4, is_chain=True)
+    costs = jnp.asarray([1.0, 1.05, 1.1, 1.2, 1e-3, 1e-3, 1e-3, 1e-3, 0.0], jnp.float32)  # verify, draft, idle
+    remaining = jnp.full((1,), 1000, jnp.int32)
+    assert bool(adaptive.should_draft(policy, state, costs, remaining))  # judged at the best class: pays
+    chain = jnp.array([[-1, 0, 1, 2]])
+
+    def proposal(cls):
+        return Tree(tokens=jnp.zeros((1, 4), jnp.int32), parents=chain, valid=jnp.ones((1, 4), bool),
+                    classes=jnp.full((1, 4), cls, jnp.int32))
+    _, kept, state = adaptive.truncate(policy, state, costs, proposal(0), remaining)
+    assert kept.tolist() == [0]  # the weak match is not verified ...
+    assert state.wait.tolist() == [1] and state.stale.tolist() == [0] and not bool(jnp.any(state.shaped))
+    assert not bool(adaptive.should_draft(policy, state, costs, remaining))  # ... nor drafted again at once
+    waits = []
+    for _ in range(4):  # weak probes: waits of 1, 2, 4, 8 steps
+        run = int(adaptive.plain_run_length(policy, state, costs, remaining, 32))
+        waits.append(run)
+        state = adaptive.drift(policy, state, jnp.full((1,), run, jnp.int32))
+        assert bool(adaptive.should_draft(policy, state, costs, remaining))
+        _, kept, state = adaptive.truncate(policy, state, costs, proposal(0), remaining)
+        assert kept.tolist() == [0]
+    assert waits == [1, 2, 4, 8]
+    state = adaptive.drift(policy, state, jnp.full((1,), 16, jnp.int32))
+    _, kept, state = adaptive.truncate(policy, state, costs, proposal(1), remaining)  # a strong match
+    assert kept.tolist() == [4] and state.wait.tolist() == [policy.probe_first]
+    assert bool(adaptive.should_draft(policy, state, costs, remaining))  # drafting goes on
+
+
 @pytest.mark.parametrize("probe_every", [8, 10_000])
 def test_a_row_drafts_again_after_a_stretch_of_short_proposals(models, probe_every):
     """An always-right drafter that proposes a single node for its first 8 tokens (a weak match), where

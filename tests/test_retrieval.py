@@ -279,8 +279,11 @@ def test_a_class_keyed_policy_learns_per_class_and_plans_for_the_best():
 
     n, _, after_weak = keep([0, 0])
     assert n == 0  # class 0 is not worth a node
-    # ... yet the plan drafts next step: the next proposal is judged as if of the best class
-    assert bool(adaptive.should_draft(policy, after_weak, costs, remaining))
+    # ... and the row stops (it drafted on a shape that paid: a weak match counts as no match), then
+    # probes after one plain step, its next proposal judged as if of the best class
+    assert not bool(adaptive.should_draft(policy, after_weak, costs, remaining))
+    assert int(after_weak.wait[0]) == 1
+    assert bool(adaptive.should_draft(policy, adaptive.drift(policy, after_weak, jnp.asarray([1])), costs, remaining))
     assert keep([2, 0])[0] == 1 and keep([1, 1])[0] == 2  # what each proposal's own classes are worth
     # a kept class-2 node accepted, and (another step) a class-1 node rejected: only those classes move
     _, tree, st2 = keep([2, 0])
