@@ -364,12 +364,15 @@ def _best_width(policy, reach, order, eligible, costs, remaining, drafted: bool)
 
 
 def probe_period(policy: AdaptivePolicy, costs):
-    """int32[]: the longest wait between shape probes: at least `probe_every`, and enough that a probe's
-    draft costs at most `probe_cost` of the plain steps between probes (a lookup drafter on a GPU costs
-    ~0.4 of a plain step: a probe every ~20 steps there)."""
+    """int32[]: the longest wait between shape probes: at least `probe_every`, and enough that a probe
+    that keeps nothing costs at most `probe_cost` of the plain steps between probes. Such a probe costs
+    its draft (a lookup drafter on a GPU: ~0.4 of a plain step, a probe every ~20 steps there) and an
+    engine step in place of a lean plain one, priced as the narrowest drafting width's extra (on the
+    CPU at batch 16, sampling: 0.27 of a plain step, where the draft costs ~0.001)."""
     w = len(policy.widths)
     plain = costs[0] + costs[2 * w]  # a plain step and the drafter's idle
-    need = jnp.ceil(costs[w] / (policy.probe_cost * jnp.maximum(plain, 1e-9)))
+    failed = costs[w] + jnp.maximum(costs[1] - costs[0], 0.0)
+    need = jnp.ceil(failed / (policy.probe_cost * jnp.maximum(plain, 1e-9)))
     return jnp.maximum(need, policy.probe_every).astype(jnp.int32)
 
 

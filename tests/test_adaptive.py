@@ -175,8 +175,9 @@ def test_a_short_proposal_does_not_stop_a_row_for_good():
     costs = jnp.asarray([1.0, 1.05, 1.1, 1.2, 1.5, 1.5, 1.5, 1.5, 0.0], jnp.float32)  # verify, draft, idle
     remaining = jnp.full((1,), 1000, jnp.int32)
     assert bool(adaptive.should_draft(policy, state, costs, remaining))  # the full chain pays
-    # a draft of 1.5 plain steps costs at most 2% of the plain steps between probes: 1.5 / 0.02
-    assert int(adaptive.probe_period(policy, costs)) == 75
+    # a probe that keeps nothing (a draft of 1.5 plain steps, and an engine step priced as the one-node
+    # step's extra, 0.05) costs at most 2% of the plain steps between probes: 1.55 / 0.02
+    assert int(adaptive.probe_period(policy, costs)) == 78
     one = Tree(tokens=jnp.zeros((1, 4), jnp.int32), parents=jnp.array([[-1, 0, 1, 2]], jnp.int32),
                valid=jnp.array([[True, False, False, False]]))
     full = one.replace(valid=jnp.ones((1, 4), bool))
@@ -190,8 +191,8 @@ def test_a_short_proposal_does_not_stop_a_row_for_good():
         _, _, state = adaptive.truncate(policy, state, costs, one, remaining)
         assert not bool(adaptive.should_draft(policy, state, costs, remaining))  # not worth a drafting step
         waits.append(due_after(state))
-    assert waits == [16, 32, 64, 75, 75]
-    assert int(adaptive.plain_run_length(policy, state, costs, remaining, 128)) == 75  # up to the probe
+    assert waits == [16, 32, 64, 78, 78]
+    assert int(adaptive.plain_run_length(policy, state, costs, remaining, 128)) == 78  # up to the probe
     _, _, state = adaptive.truncate(policy, state, costs, full, remaining)  # a shape that pays: wait reset
     assert bool(adaptive.should_draft(policy, state, costs, remaining))
     _, _, state = adaptive.truncate(policy, state, costs, one, remaining)
