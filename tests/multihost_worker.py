@@ -36,7 +36,9 @@ def run_cases(model, mesh, draft) -> dict:
 
 def main(process_id: int, num_processes: int, port: int, checkpoint: str, draft_dir: str,
          out_path: str) -> None:
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={LOCAL_DEVICES}"
+    # The suite's compile flags (tests/conftest.py) with this process's own device count.
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={LOCAL_DEVICES}"])
     import jax
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)

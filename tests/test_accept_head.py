@@ -205,6 +205,7 @@ def check_lossless_through_the_loop(cfg, target, inner, head_cfg, seed: int):
                            SamplerConfig(temperature=1.0))
 
 
+@pytest.mark.exec_bound  # 1e5 rows: running, not compiling (tests/conftest.py)
 def test_sampling_is_lossless_through_the_model_loop():
     """The head over a draft LM chain (see check_lossless_through_the_loop)."""
     cfg, target, draft = tiny_pair(vocab=SV, layers=1, hidden=8, noise=0.5)
@@ -349,6 +350,7 @@ def test_head_over_eagle3_greedy_equals_plain_greedy(target_proj):
             assert np.asarray(out.stats["tau"]).max() > 1.2, "the inner drafter should get drafts accepted"
 
 
+@pytest.mark.exec_bound  # 1e5 rows: running, not compiling (tests/conftest.py)
 def test_head_over_eagle3_sampling_is_lossless():
     """The head over EAGLE-3 sampling the chain (see check_lossless_through_the_loop)."""
     cfg, target, _ = tiny_pair(vocab=SV, layers=2, hidden=8, noise=0.5)

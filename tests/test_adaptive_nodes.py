@@ -190,6 +190,7 @@ def _keep_by_token(real, rows):
     return truncate
 
 
+@pytest.mark.exec_bound  # 1e5 rows: running, not compiling (tests/conftest.py)
 def test_node_truncation_is_lossless_and_a_token_dependent_choice_is_not():
     """One decode, ROWS rows per block (3 new tokens, the first two tested): the two lossless pairs,
     then the first pair again with the kept nodes chosen by their sampled tokens (must fail)."""

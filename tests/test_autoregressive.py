@@ -161,6 +161,7 @@ def first_tokens(params, **kw):
     return np.asarray(out.tokens[:, 0])
 
 
+@pytest.mark.exec_bound  # 1e5 rows: running, not compiling (tests/conftest.py)
 def test_decode_samples_the_processed_distribution(small):
     params, logits, seen = small
     cfg = SamplerConfig(temperature=0.8, top_k=6, top_p=0.95, repetition_penalty=1.8)
@@ -173,6 +174,7 @@ def test_decode_samples_the_processed_distribution(small):
     assert chi2_pvalue(drawn, wrong) < P_THRESHOLD
 
 
+@pytest.mark.exec_bound  # 1e5 rows: running, not compiling (tests/conftest.py)
 def test_decode_mirostat_first_token_follows_the_truncated_distribution(small):
     params, logits, _ = small
     processed = process_logits(logits, SamplerConfig())

@@ -228,6 +228,7 @@ def test_bad_trees_and_configs(trained):
     ("chain:2:sample", ("chain", "typical")),
     pytest.param("chain:2:sample", ("block",), marks=pytest.mark.slow),
     pytest.param("static:2,1:iid", ("specinfer", "topk"), marks=pytest.mark.slow)])
+@pytest.mark.exec_bound  # 1e5 rows: running, not compiling (tests/conftest.py)
 def test_sampling_is_lossless_through_the_model_loop(monkeypatch, tree, names):
     """chi-squared of the first two tokens (1e5 rows per pair) for the block drafter's sampled chains and
     i.i.d. trees with the lossless verifiers the engine accepts for them; the lossy `typical` rule fails

@@ -256,6 +256,7 @@ def _check_lossless(blocks):
         assert p > vp.P_OK, (name, masked, p)
 
 
+@pytest.mark.exec_bound  # 1e5 rows: running, not compiling (tests/conftest.py)
 def test_constrained_sampling_is_lossless():
     _check_lossless((PRUNED,))
 
@@ -266,6 +267,7 @@ def test_constrained_sampling_is_lossless_more_pairs():
     _check_lossless(BLOCKS)
 
 
+@pytest.mark.exec_bound  # 1e5 rows: running, not compiling (tests/conftest.py)
 def test_wrong_rule_fails_the_same_test():
     """Pruning forbidden children without renormalising q over the allowed ones: the survivors are
     draws from q restricted to the allowed set, verified as if drawn from q. Must fail."""

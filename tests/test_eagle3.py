@@ -249,6 +249,7 @@ def sample_pvalue(spec, vocab, verifier):
     ("eagle:depth=2,topk=2,total=4", (), "typical", "broken"),  # lossy control on the default tree kind
     pytest.param("eagle:depth=2,topk=2,total=4", (), "topk", "lossless", marks=pytest.mark.slow),
 ])
+@pytest.mark.exec_bound  # 1e5 rows: running, not compiling (tests/conftest.py)
 def test_sampling_matches_the_target(spec, vocab, verifier, expect):
     p = sample_pvalue(spec, vocab, verifier)
     if expect == "lossless":

@@ -283,6 +283,7 @@ class RowSplit:
         return jnp.concatenate([self.first.observe(s1, o1), self.second.observe(s2, o2)])
 
 
+@pytest.mark.exec_bound  # 1e5 rows: running, not compiling (tests/conftest.py)
 def test_sampling_is_lossless():
     """Medusa and Hydra on a static top-k tree, verified by `topk` (the default for their child rule):
     1e5 rows each match the target's law; Hydra rows verified by the lossy `typical` rule must fail."""

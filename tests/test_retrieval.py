@@ -312,6 +312,7 @@ def test_policy_for_keys_by_class_when_the_drafter_has_a_confidence_table():
 
 
 @pytest.mark.parametrize("verifier,lossless", [("point_mass", True), ("typical", False)])
+@pytest.mark.exec_bound  # 1e5 rows: running, not compiling (tests/conftest.py)
 def test_class_keyed_adaptive_sampling_is_lossless(verifier, lossless):
     """1e5 rows of the chi-squared harness's target (tests/test_verifier_pairs.py) sampled at T = 1 with
     the retrieval drafter under a class-keyed policy whose costs keep strong matches and drop weak
@@ -362,6 +363,7 @@ def class_head(classes: int, max_depth: int = 8, slope: float = 8.0, bias: float
 
 
 @pytest.mark.parametrize("verifier,lossless", [("point_mass", True), ("typical", False)])
+@pytest.mark.exec_bound  # 1e5 rows: running, not compiling (tests/conftest.py)
 def test_an_acceptance_head_over_retrieval_stays_lossless(verifier, lossless):
     """The head cuts each chain after its first weak-class node (a function of the text before it), so
     rows verify different lengths by their own matches: 1e5 rows at T = 1 follow the target's law with

@@ -109,6 +109,7 @@ def joint_pvalue(cfg, params, drafter, verifier, temperature=1.0):
 # A draft LM's own distributions reach the verifier (the pair matrix uses table drafters); the lossy
 # `typical` verifier failing the same χ² test is one of the matrix's negative controls.
 @pytest.mark.parametrize("tree,verifier", [("chain:3:sample", "chain"), ("static:2,2:gumbel", "rsd")])
+@pytest.mark.exec_bound  # 1e5 rows: running, not compiling (tests/conftest.py)
 def test_sampling_speculative_matches_target_distribution(small_vocab, tree, verifier):
     (cfg, params), (dcfg, dparams) = small_vocab
     drafter = DraftLM(params=dparams, config=dcfg, builder=parse_tree_spec(tree))

@@ -212,6 +212,7 @@ def toy_first_two(rows: int = 100_000):
     return np.asarray(out.tokens)
 
 
+@pytest.mark.exec_bound  # 1e5 rows: running, not compiling (tests/conftest.py)
 def test_sampled_speculative_with_stop_is_lossless():
     """χ² (1e5 rows) of the first two tokens against the target's law cut at the stop string."""
     import test_verifier_pairs as vp
@@ -220,6 +221,7 @@ def test_sampled_speculative_with_stop_is_lossless():
     assert vp.chi2_pvalue(toy_first_two(), law) > vp.P_OK
 
 
+@pytest.mark.exec_bound  # 1e5 rows: running, not compiling (tests/conftest.py)
 def test_ignoring_stops_inside_drafts_fails_the_same_test():
     """A deliberately wrong engine that checks stop strings only at the bonus token (not on the
     accepted draft path): rows go on past a stop inside a draft, and the same χ² test fails."""

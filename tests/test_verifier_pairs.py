@@ -383,6 +383,7 @@ _SIZES = sorted({builder_for(r, s).num_nodes for r, s, _ in all_pairs()})
 
 
 @pytest.mark.parametrize("num_nodes", [pytest.param(n, marks=pytest.mark.slow) if n == 4 else n for n in _SIZES])
+@pytest.mark.exec_bound  # 1e5 rows: running, not compiling (tests/conftest.py)
 def test_every_accepted_pair_matches_the_target(num_nodes):
     """χ² of the first two tokens (1e5 rows per pair) for every accepted lossless pair of this tree
     size; the negative controls in the same run must fail."""
@@ -396,6 +397,7 @@ def test_every_accepted_pair_matches_the_target(num_nodes):
 
 
 @pytest.mark.parametrize("adaptive", list(ADAPTIVE_COSTS))
+@pytest.mark.exec_bound  # 1e5 rows: running, not compiling (tests/conftest.py)
 def test_adaptive_policy_keeps_chains_lossless(adaptive):
     """The adaptive policy changes the draft depth between steps (both depths, then one or none for a
     row whose draft was rejected): every accepted chain pair stays lossless."""
@@ -465,6 +467,7 @@ def dllm_drafter(steps: int = 1):
                              "chain:2", 1.0, window=4, steps=steps)
 
 
+@pytest.mark.exec_bound  # 1e5 rows: running, not compiling (tests/conftest.py)
 def test_dllm_drafter_is_lossless_with_every_accepted_verifier():
     """χ² (1e5 rows each) for every lossless verifier the engine accepts for the dLLM drafter, and for
     its 2-forward refinement under the chain verifier; the lossy typical verifier and a verifier handed
