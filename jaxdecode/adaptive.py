@@ -493,9 +493,11 @@ def truncate(policy: AdaptivePolicy, state: PolicyState, costs, tree: Tree, rema
     # What this step keeps is judged on: "proposal", this proposal (an empty row has nothing to gain, not
     # its last shape's worth); "structure", the fixed structure (validity may follow sampled tokens);
     # "none", the previous proposal (the shape follows this step's sampled tokens).
-    judged = {"proposal": dataclasses.replace(new, shaped=new.shaped & has), "structure": new, "none": state}[policy.shape]
     if policy.shape == "proposal":
+        judged = dataclasses.replace(new, shaped=new.shaped & has)
         new = _schedule_probes(policy, state, new, costs, remaining, ~has[:, 0])
+    else:
+        judged = new if policy.shape == "structure" else state
     reach, order, eligible = _node_values(policy, judged, judged.parents, judged.shaped)
     best, count = _best_width(policy, reach, order, eligible, costs, remaining, drafted=True)
     if policy.shape == "none":

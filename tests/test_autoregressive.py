@@ -161,7 +161,6 @@ def first_tokens(params, **kw):
     return np.asarray(out.tokens[:, 0])
 
 
-@pytest.mark.exec_bound  # 1e5 rows: running, not compiling (tests/conftest.py)
 def test_decode_samples_the_processed_distribution(small):
     params, logits, seen = small
     cfg = SamplerConfig(temperature=0.8, top_k=6, top_p=0.95, repetition_penalty=1.8)
