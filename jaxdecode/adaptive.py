@@ -338,9 +338,10 @@ def _node_values(policy: AdaptivePolicy, state: PolicyState, parents, shaped):
     return jnp.where(ok, reach, 0.0), order, jnp.sum(ok, axis=1).astype(jnp.int32)
 
 
-def _best_width(policy, reach, order, eligible, costs, remaining, drafted: bool):
-    """(index of the best width, nodes each row keeps at each width int32[W, B]). remaining: int32[B],
-    the tokens each row still has to go (0: done)."""
+def _width_terms(policy, reach, order, eligible, costs, remaining, drafted: bool):
+    """(nodes each row keeps at each width int32[W, B], steps each row needs at each width f32[W, B]
+    (0 for a done row), seconds per step at each width f32[W], the margin included). remaining:
+    int32[B], the tokens each row still has to go (0: done)."""
     active = remaining > 0
     widths = jnp.asarray(policy.widths, jnp.int32)  # [W]
     if policy.shape == "none":  # all or nothing
@@ -353,14 +354,20 @@ def _best_width(policy, reach, order, eligible, costs, remaining, drafted: bool)
     # Tokens past a row's budget are dropped: a row with r tokens to go gains at most r (its last
     # token needs one step however many nodes it verifies).
     gain = jnp.minimum(gain, jnp.maximum(remaining, 1)[None].astype(jnp.float32))
-    steps_left = jnp.max(jnp.where(active[None], remaining[None].astype(jnp.float32) / gain, 0.0), axis=1)  # [W]
+    steps = jnp.where(active[None], remaining[None].astype(jnp.float32) / gain, 0.0)  # [W, B]
     w = len(policy.widths)
     verify, draft, idle = costs[:w], costs[w:2 * w], costs[2 * w]
     # Before drafting, a width costs its own draft (a capped draft is shorter); after it, what was
     # drafted is spent whatever is kept: the same cost at every width (entry 0, the whole proposal).
     step = verify + jnp.where(drafted, draft[0], jnp.where(widths > 0, draft, idle))
-    finish = step * steps_left * jnp.where(widths > 0, 1.0 + policy.margin, 1.0)  # seconds to finish the batch
-    return jnp.argmin(finish), count
+    return count, steps, step * jnp.where(widths > 0, 1.0 + policy.margin, 1.0)
+
+
+def _best_width(policy, reach, order, eligible, costs, remaining, drafted: bool):
+    """(index of the best width for the batch, nodes each row keeps at each width int32[W, B]): the
+    width that finishes the batch soonest (its slowest row's steps, seconds per step)."""
+    count, steps, step = _width_terms(policy, reach, order, eligible, costs, remaining, drafted)
+    return jnp.argmin(step * jnp.max(steps, axis=1)), count
 
 
 def probe_period(policy: AdaptivePolicy, costs):
@@ -411,11 +418,10 @@ def _rows_that_pay(policy: AdaptivePolicy, state: PolicyState, costs, remaining,
     """bool[B]: would the plan draft for this row alone, on its recorded shape (as_drafted: at the
     classes it was drafted with, not at the best class the plan assumes of the next proposal)?"""
     values = _node_values(policy, state if as_drafted else _as_next(state), state.parents, state.shaped)
-    rows = jnp.arange(remaining.shape[0])
-
-    def alone(b):
-        return _best_width(policy, *values, costs, jnp.where(rows == b, remaining, 0), drafted=False)[0] > 0
-    return jax.vmap(alone)(rows)
+    # Each row as a batch of its own (`_best_width` with the other rows done), for all rows at once:
+    # O(B) (a vmap over the batch of whole-batch plans was O(B^2): 1e5 rows slowed to a crawl).
+    _, steps, step = _width_terms(policy, *values, costs, remaining, drafted=False)
+    return jnp.argmin(step[:, None] * steps, axis=0) > 0
 
 
 def should_draft(policy: AdaptivePolicy, state: PolicyState, costs, remaining):

@@ -296,6 +296,31 @@ def test_a_weak_class_proposal_backs_off_like_an_empty_one():
     assert bool(adaptive.should_draft(policy, state, costs, remaining))  # drafting goes on
 
 
+def test_rows_that_pay_is_each_row_planned_alone():
+    """`_rows_that_pay` (each row judged as a batch of its own, in O(B)) equals the whole-batch plan
+    run once per row with every other row done, on random estimates, shapes, classes and budgets."""
+    rng = np.random.default_rng(0)
+    b, n = 24, 6
+    policy = adaptive.AdaptivePolicy(widths=(0, 1, 2, 4, 6), classes=3, margin=0.15)
+    state = adaptive.init_state(policy, b, n, n, is_chain=True)
+    parents = np.where(rng.random((b, n)) < 0.3, -1, np.maximum(np.arange(n) - 1, -1))
+    parents[:, 0] = -1
+    state = dataclasses.replace(state, accept=jnp.asarray(rng.random(state.accept.shape), jnp.float32),
+                                parents=jnp.asarray(parents, jnp.int32),
+                                shaped=jnp.asarray(rng.random((b, n)) < 0.8),
+                                node_classes=jnp.asarray(rng.integers(0, 3, (b, n)), jnp.int32))
+    costs = jnp.asarray([1.0, 1.1, 1.2, 1.4, 1.6] + [0.05] * 5 + [0.0], jnp.float32)
+    remaining = jnp.asarray(rng.integers(0, 6, b), jnp.int32)  # some rows done, some near the end
+    for as_drafted in (False, True):
+        got = np.asarray(adaptive._rows_that_pay(policy, state, costs, remaining, as_drafted=as_drafted))
+        judged = state if as_drafted else adaptive._as_next(state)
+        values = adaptive._node_values(policy, judged, state.parents, state.shaped)
+        want = [int(adaptive._best_width(policy, *values, costs, jnp.where(jnp.arange(b) == r, remaining, 0),
+                                         drafted=False)[0]) > 0 for r in range(b)]
+        assert got.tolist() == want
+        assert 0 < sum(want) < int(np.sum(np.asarray(remaining) > 0))  # the rows differ
+
+
 @pytest.mark.parametrize("probe_every", [8, 10_000])
 def test_a_row_drafts_again_after_a_stretch_of_short_proposals(models, probe_every):
     """An always-right drafter that proposes a single node for its first 8 tokens (a weak match), where
