@@ -419,7 +419,8 @@ def _rows_that_pay(policy: AdaptivePolicy, state: PolicyState, costs, remaining,
     classes it was drafted with, not at the best class the plan assumes of the next proposal)?"""
     values = _node_values(policy, state if as_drafted else _as_next(state), state.parents, state.shaped)
     # Each row as a batch of its own (`_best_width` with the other rows done), for all rows at once:
-    # O(B) (a vmap over the batch of whole-batch plans was O(B^2): 1e5 rows slowed to a crawl).
+    # O(B) (a vmap over the batch of whole-batch plans was O(B^2): truncate took 39.7 ms at batch 1024 on
+    # the CPU, 3.5 ms now).
     _, steps, step = _width_terms(policy, *values, costs, remaining, drafted=False)
     return jnp.argmin(step[:, None] * steps, axis=0) > 0
 
