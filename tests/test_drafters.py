@@ -564,3 +564,46 @@ def test_draft_lm_catches_up_over_several_blocks(setup):
     np.testing.assert_array_equal(np.asarray(tree_a.tokens), np.asarray(tree_b.tokens))
     if probs_b is not None:
         np.testing.assert_allclose(np.asarray(probs_a), np.asarray(probs_b), atol=1e-5)
+
+
+def test_a_draft_lm_starts_from_acceptance_recorded_for_its_target(tmp_path):
+    """A draft model's directory may record the target's held-out acceptance of its chain
+    (acceptance.json): make_drafter hands it to the adaptive policy as its start, but only for the target
+    whose weights it was measured on; a broken record is skipped with a warning, never an error."""
+    import json
+
+    import jaxdecode
+    from jaxdecode.costmodel import params_digest
+    from jaxdecode.drafters import make_drafter
+    from jaxdecode.drafters.draft_lm import ACCEPTANCE_FILE
+
+    cfg = ModelConfig(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=8, max_position_embeddings=64)
+    target = jaxdecode.Model(config=cfg, params=init_params(cfg, jax.random.PRNGKey(0)))
+    other = jaxdecode.Model(config=cfg, params=init_params(cfg, jax.random.PRNGKey(1)))
+    draft = jaxdecode.Model(config=cfg, params=init_params(cfg, jax.random.PRNGKey(2)), path=str(tmp_path))
+    assert make_drafter("draft_lm", target, draft=draft).acceptance_prior == ()  # nothing recorded
+
+    record = tmp_path / ACCEPTANCE_FILE
+    record.write_text(json.dumps({"target_params_sha256": params_digest(target.params),
+                                  "accept_by_depth": [0.8, 0.9]}))
+    assert make_drafter("draft_lm", target, draft=draft).acceptance_prior == (0.8, 0.9)
+    assert make_drafter("draft_lm", other, draft=draft).acceptance_prior == ()  # measured on another target
+
+    for broken in ("{not json", json.dumps({"accept_by_depth": [0.8]}),
+                   json.dumps({"target_params_sha256": params_digest(target.params), "accept_by_depth": [1.5]})):
+        record.write_text(broken)
+        with pytest.warns(UserWarning, match="not a draft acceptance record"):
+            assert make_drafter("draft_lm", target, draft=draft).acceptance_prior == ()
+
+
+def test_the_embedded_draft_records_its_acceptance_for_the_embedded_target():
+    import jaxdecode
+    from jaxdecode.drafters import make_drafter
+    from jaxdecode.model import embedded_model_path
+
+    if embedded_model_path("draft") is None:
+        pytest.skip("no embedded draft model")
+    target, draft = jaxdecode.load(), jaxdecode.load("draft")
+    prior = make_drafter("draft_lm", target, draft=draft).acceptance_prior
+    assert len(prior) == 4 and all(0.5 < a <= 1.0 for a in prior)

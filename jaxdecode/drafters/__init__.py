@@ -75,8 +75,10 @@ def make_drafter(name, target, draft=None, tree=None, temperature: float = 0.0, 
         if diffusion_draft:
             raise ValueError("the draft model is a masked-diffusion LM, which drafter 'draft_lm' would run as a "
                              "causal one: use drafter='dllm' (CLI: --drafter dllm)")
+        from jaxdecode.drafters.draft_lm import acceptance_prior_for
         return DraftLM(params=draft.params, config=draft.config,
-                       builder=_tree_or_default(tree, "chain:4", temperature))
+                       builder=_tree_or_default(tree, "chain:4", temperature),
+                       acceptance_prior=acceptance_prior_for(draft, target))
     if name == "token_recycling":
         from jaxdecode.drafters.recycling import TokenRecyclingDrafter
         from jaxdecode.drafters.recycling import recycling_template

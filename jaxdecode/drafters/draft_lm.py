@@ -12,6 +12,9 @@ undo.
 from __future__ import annotations
 
 import dataclasses
+import json
+import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +62,11 @@ class DraftLM:
     params: object
     config: ModelConfig = dataclasses.field(metadata=dict(static=True))
     builder: object = dataclasses.field(metadata=dict(static=True))
+    # The target's acceptance by depth of this draft's chain on held-out prompts (greedy), where it was
+    # measured for this target (`acceptance_prior_for`): the adaptive policy's greedy start. Without it
+    # the policy starts at its flat prior, at which a draft LM step rarely looks worth its cost, and a
+    # probe of so costly a drafter comes rarely, so a good draft can go untried.
+    acceptance_prior: tuple = dataclasses.field(default=(), metadata=dict(static=True))
 
     num_nodes = property(lambda self: self.builder.num_nodes)
     max_depth = property(lambda self: self.builder.max_depth)
@@ -121,3 +129,28 @@ class DraftLM:
 
     def observe(self, cache, obs):
         return cache
+
+
+ACCEPTANCE_FILE = "acceptance.json"
+
+
+def acceptance_prior_for(draft, target) -> tuple:
+    """The held-out acceptance by depth recorded beside a draft model (its directory's acceptance.json:
+    {"target_params_sha256": ..., "accept_by_depth": [...]}) when it was measured against this very
+    target (the digest of its weights), else (). A file that does not parse is skipped with a warning:
+    the prior only sets where the adaptive policy's estimates start, never what is decoded."""
+    path = Path(draft.path) / ACCEPTANCE_FILE if getattr(draft, "path", None) else None
+    if path is None or not path.is_file():
+        return ()
+    from jaxdecode.costmodel import params_digest
+    try:
+        record = json.loads(path.read_text())
+        rates = tuple(float(a) for a in record["accept_by_depth"])
+        if not rates or not all(0.0 <= a <= 1.0 for a in rates):
+            raise ValueError("accept_by_depth must be a non-empty list of rates in [0, 1]")
+        measured_for = str(record["target_params_sha256"])
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        warnings.warn(f"{path}: not a draft acceptance record ({err}); the adaptive policy starts at its "
+                      f"flat prior (delete or fix the file)", stacklevel=2)
+        return ()
+    return rates if measured_for == params_digest(target.params) else ()
