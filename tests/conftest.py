@@ -1,4 +1,5 @@
 """Test setup: 8 simulated CPU devices (for the 2x4 mesh tests) before JAX initialises."""
+import inspect
 import os
 
 
@@ -98,8 +99,9 @@ def _release_compiled_programs():
 # XLA's backend optimisation is off for the suite (compiling dominates it, see XLA_FLAGS above), but a
 # test marked `exec_bound` spends its time running what it compiled (1e5-row chi-squared runs), which
 # level 0 runs ~3x slower: its compiles get level 1 (the verifier-pairs adaptive run: 62 -> 41 s). The
-# training tests measured compile-bound: they stay at level 0. JAX has no public switch for one test's compiles, so this wraps the function that builds the
-# compile options; should a JAX release move it, the tests run unoptimised as before, only slower.
+# training tests measured compile-bound: they stay at level 0. JAX has no public switch for one test's
+# compiles, so this wraps the function that builds the compile options; should a JAX release move it,
+# the tests run unoptimised as before, only slower.
 # JD_TEST_XLA_OPT=all / none forces one level for every test (to measure which tests gain).
 _XLA_OPT = os.environ.get("JD_TEST_XLA_OPT", "")
 
@@ -111,16 +113,14 @@ def _optimise_exec_bound_compiles(request, monkeypatch):
     compiler = getattr(getattr(jax, "_src", None), "compiler", None)
     build = getattr(compiler, "get_compile_options", None)
     if want and build is not None:
-        def optimised(*args, **kwargs):
-            args = list(args)
-            at = 3 if len(args) > 3 else None  # env_options_overrides: 4th positional, or a keyword
-            env = dict((args[at] if at is not None else kwargs.get("env_options_overrides")) or {})
+        signature = inspect.signature(build)
+
+        def optimised(*args, **kwargs):  # env_options_overrides passed by position or by keyword
+            call = signature.bind(*args, **kwargs)
+            env = dict(call.arguments.get("env_options_overrides") or {})
             env.setdefault("xla_backend_optimization_level", 1)
-            if at is not None:
-                args[at] = env
-            else:
-                kwargs["env_options_overrides"] = env
-            return build(*args, **kwargs)
+            call.arguments["env_options_overrides"] = env
+            return build(*call.args, **call.kwargs)
         monkeypatch.setattr(compiler, "get_compile_options", optimised)
     yield
 

@@ -577,8 +577,8 @@ def test_a_draft_lm_starts_from_acceptance_recorded_for_its_target(tmp_path):
     from jaxdecode.drafters import make_drafter
     from jaxdecode.drafters.draft_lm import ACCEPTANCE_FILE
 
-    cfg = ModelConfig(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
-                      num_kv_heads=1, head_dim=8, max_position_embeddings=64)
+    cfg = ModelConfig(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=64)
     target = jaxdecode.Model(config=cfg, params=init_params(cfg, jax.random.PRNGKey(0)))
     other = jaxdecode.Model(config=cfg, params=init_params(cfg, jax.random.PRNGKey(1)))
     draft = jaxdecode.Model(config=cfg, params=init_params(cfg, jax.random.PRNGKey(2)), path=str(tmp_path))
@@ -600,10 +600,7 @@ def test_a_draft_lm_starts_from_acceptance_recorded_for_its_target(tmp_path):
 def test_the_embedded_draft_records_its_acceptance_for_the_embedded_target():
     import jaxdecode
     from jaxdecode.drafters import make_drafter
-    from jaxdecode.model import embedded_model_path
 
-    if embedded_model_path("draft") is None:
-        pytest.skip("no embedded draft model")
     target, draft = jaxdecode.load(), jaxdecode.load("draft")
     prior = make_drafter("draft_lm", target, draft=draft).acceptance_prior
     assert len(prior) == 4 and all(0.5 < a <= 1.0 for a in prior)
