@@ -48,6 +48,15 @@ acceptance by depth (`acceptance_prior`, measured under greedy verification), wh
 when decoding greedily, so a drafter that is good enough to pay is tried from the first step rather
 than judged at a flat prior it may never climb out of.
 
+Measured priors. A running estimate weighs each observation 1 - decay: it counts as 1 / (1 - decay)
+observations (5), and a flat prior, a guess, is worth no more. A drafter's measured acceptance is worth
+more: the embedded draft LM's 0.79 at depth 1 fell to 0.40 after three misses, and at batch 3, where
+two of the three openings reject its first drafts, the batch stopped drafting for good (0.86x plain
+greedy, the fixed chain 1.03x). Such a prior counts as `prior_weight` observations (`policy_for`:
+MEASURED_PRIOR_WEIGHT, 16): a key's weight n takes an observation at 1 / (decay * n + 1) and becomes
+decay * n + 1, which falls to the steady 1 / (1 - decay) after ~10 observations, from which on the
+estimate is the running one. Three misses now leave 0.61.
+
 Confidence classes. A drafter whose every node comes with a confidence of its own, a function of the
 past (the retrieval drafter: the length of the match a token was retrieved on), declares
 `confidence_classes` C and labels its nodes (Tree.classes); `policy_for` then keys the estimates by class
@@ -80,6 +89,14 @@ while probes come back empty. Keyed by class, a proposal that does not pay at it
 match) counts as empty: the plan judges a recorded shape at the best class and would draft it again
 next step, only to keep nothing. A plain stretch between probes runs as one lean run (`plain_run_length`
 finds the step at which the plan would draft), not as an engine step per token.
+
+Batch backoff. A batch drafts only when its plan pays for the slowest row, and a row whose proposal
+came back empty probes again one step later. In a large batch the rows miss in turn, so some row was
+always due and the plan drafted on step after step, kept nothing (the one empty row needs a step per
+token) and cut the lean runs short: the retrieval default sampling 64 tokens at batch 16 (held-out
+prompts) took 23 drafting steps that kept nothing, 18 with the hold. So a drafting step that keeps
+nothing for the whole batch holds the batch plain for `hold` steps, 1, then 2, 4, ... up to
+`probe_period`; a step that keeps a node ends it. At batch 1 the hold is the row's own wait.
 """
 from __future__ import annotations
 
@@ -91,6 +108,7 @@ import numpy as np
 
 from jaxdecode.tree import Tree, depths
 
+MEASURED_PRIOR_WEIGHT = 16.0  # observations a drafter's measured acceptance counts as ("Measured priors")
 MAX_RANK_KEYS = 16  # sibling ranks told apart in a changing tree's (depth, rank) keys; later ones share
 
 
@@ -114,6 +132,10 @@ class AdaptivePolicy:
     # trained drafter's held-out acceptance (its `acceptance_prior`). Without it a good drafter can
     # look too weak to try at the flat prior, and a row that never drafts never learns otherwise.
     prior_by_depth: tuple = ()
+    # Observations the starting estimates count as (see "Measured priors"): 0 = as many as a running
+    # estimate holds, 1 / (1 - decay); more for a prior measured over many held-out tokens, so that a
+    # few early misses do not wipe it out.
+    prior_weight: float = 0.0
     # Keys by the drafter's confidence class (Tree.classes) instead of by position: C > 0 classes, the
     # estimate of class c starting at prior_by_class[c] (the last entry for later classes; () = prior).
     # Only with shape "proposal" (the classes are read from the proposal). See "Confidence classes".
@@ -142,6 +164,10 @@ class AdaptivePolicy:
                              f"({self.probe_every}): the first wait is the shortest")
         if not 0.0 < self.probe_cost <= 1.0:
             raise ValueError(f"AdaptivePolicy.probe_cost must lie in (0, 1], got {self.probe_cost}")
+        if not (isinstance(self.prior_weight, (int, float)) and np.isfinite(self.prior_weight)
+                and self.prior_weight >= 0):
+            raise ValueError(f"AdaptivePolicy.prior_weight (observations the prior counts as) must be a finite "
+                             f"number >= 0, got {self.prior_weight!r}")
         for name in ("decay", "prior", "explore", "min_reach", "margin"):
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
@@ -217,6 +243,7 @@ def cost_vector(policy: AdaptivePolicy, costs) -> jnp.ndarray:
 @dataclasses.dataclass(frozen=True)
 class PolicyState:
     accept: jax.Array  # f32[B, K]: estimate of P(a node of key k accepted | its parent accepted)
+    weight: jax.Array  # f32[B, K]: observations the estimate counts as (see "Measured priors")
     above: jax.Array  # int32[K]: the key an untried key's estimate drifts toward (-1: toward 1)
     parents: jax.Array  # int32[B, N]: the latest proposal's shape (parents) ...
     shaped: jax.Array  # bool[B, N]: ... and its nodes (the valid ones, or all of a fixed structure)
@@ -225,6 +252,8 @@ class PolicyState:
     wait: jax.Array  # int32[B]: the steps after which the row's plan judges the full shape (a probe)
     full_parents: jax.Array  # int32[N]: the drafter's full shape, which a shape probe judges ...
     full_shaped: jax.Array  # bool[N]: ... and its nodes
+    hold: jax.Array  # int32[]: plain steps the batch takes before it may draft again (see "Batch backoff")
+    backoff: jax.Array  # int32[]: the hold after the next drafting step that keeps nothing
     # 0: keys are node indices (a fixed structure); R > 0: key = (depth - 1) * R + min(sibling rank, R - 1).
     ranks: int = dataclasses.field(default=0, metadata=dict(static=True))
     depth: int = dataclasses.field(default=1, metadata=dict(static=True))  # the drafter's max_depth
@@ -265,13 +294,16 @@ def init_state(policy: AdaptivePolicy, batch: int, max_depth: int, num_nodes: in
         if policy.prior_by_class:
             table = jnp.asarray(policy.prior_by_class, jnp.float32)
             start = table[jnp.minimum(jnp.arange(policy.classes), len(table) - 1)]
+    weight = max(float(policy.prior_weight), _steady_weight(policy))
     return PolicyState(accept=jnp.broadcast_to(start, (batch, len(above))),
+                       weight=jnp.full((batch, len(above)), weight, jnp.float32),
                        above=jnp.asarray(above, jnp.int32),
                        parents=jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (batch, n)),
                        shaped=jnp.broadcast_to(jnp.asarray(shaped), (batch, n)),
                        node_classes=jnp.zeros((batch, n), jnp.int32), stale=jnp.zeros((batch,), jnp.int32),
                        wait=jnp.full((batch,), policy.probe_first, jnp.int32),
                        full_parents=jnp.asarray(parents, jnp.int32), full_shaped=jnp.asarray(shaped),
+                       hold=jnp.int32(0), backoff=jnp.int32(1),
                        ranks=ranks, depth=max_depth, classes=policy.classes)
 
 
@@ -398,11 +430,12 @@ def draft_plan(policy: AdaptivePolicy, state: PolicyState, costs, remaining):
     width), judged before drafting on the previous proposal's shape (the full shape for rows due a
     probe); the second is what a `level_capped` drafter is told to draft at most
     (DraftContext.max_nodes). remaining: int32[B], tokens each row still has to go (0: done)."""
+    held = state.hold > 0
     state = _with_probe(policy, state, costs)
     state = _as_next(state)
     values = _node_values(policy, state, state.parents, state.shaped)
     best, count = _best_width(policy, *values, costs, remaining, drafted=False)
-    return best > 0, count[best]
+    return (best > 0) & ~held, count[best]
 
 
 def _as_next(state: PolicyState) -> PolicyState:
@@ -523,7 +556,16 @@ def truncate(policy: AdaptivePolicy, state: PolicyState, costs, tree: Tree, rema
         pos = jnp.argsort(order, axis=1)  # each node's place in the best-first order
         keep = pos < count[best][:, None]
     keep = keep & valid & active[:, None]
+    new = _back_off(policy, new, costs, jnp.any(keep))
     return tree.replace(valid=keep), jnp.sum(keep, axis=1).astype(jnp.int32), new
+
+
+def _back_off(policy: AdaptivePolicy, state: PolicyState, costs, kept_any) -> PolicyState:
+    """The batch's hold after a drafting step (see "Batch backoff"): none once it keeps a node; else the
+    backoff, which doubles up to `probe_period`."""
+    longer = jnp.minimum(2 * state.backoff, probe_period(policy, costs))
+    return dataclasses.replace(state, hold=jnp.where(kept_any, 0, state.backoff).astype(jnp.int32),
+                               backoff=jnp.where(kept_any, 1, longer).astype(jnp.int32))
 
 
 def compact(tree: Tree, draft_probs=None):
@@ -576,11 +618,22 @@ def update(policy: AdaptivePolicy, state: PolicyState, tree: Tree, path, committ
     keys = node_keys(state, tree.parents)
     tried_k = jnp.zeros((b, k + 1), bool).at[rows, keys].max(tried)[:, :k]
     accepted_k = jnp.zeros((b, k + 1), bool).at[rows, keys].max(tried & on_path)[:, :k]
-    a = state.accept
-    seen = policy.decay * a + (1.0 - policy.decay) * accepted_k.astype(jnp.float32)
+    a, n, x = state.accept, state.weight, accepted_k.astype(jnp.float32)
+    # A running estimate (weight 1 - decay per observation) once its weight is at the steady state; a
+    # heavier prior takes observations at 1 / (decay * n + 1) while its weight decays toward it.
+    heavy = n > _steady_weight(policy)
+    w = 1.0 / (policy.decay * n + 1.0)
+    seen = jnp.where(heavy, (1.0 - w) * a + w * x, policy.decay * a + (1.0 - policy.decay) * x)
     new = jnp.where(tried_k, seen, _drifted(state, policy.explore))
+    n_new = jnp.where(tried_k & heavy, jnp.maximum(policy.decay * n + 1.0, _steady_weight(policy)), n)
     return dataclasses.replace(state, accept=jnp.where(active[:, None], new, a),
-                               stale=state.stale + active.astype(jnp.int32))
+                               weight=jnp.where(active[:, None], n_new, n),
+                               stale=state.stale + active.astype(jnp.int32), hold=jnp.maximum(state.hold - 1, 0))
+
+
+def _steady_weight(policy: AdaptivePolicy) -> float:
+    """The observations a running estimate with this decay counts as: 1 / (1 - decay)."""
+    return 1.0 / max(1.0 - policy.decay, 1e-6)
 
 
 def _drifted(state: PolicyState, rate):
@@ -599,4 +652,5 @@ def drift(policy: AdaptivePolicy, state: PolicyState, steps):
     a deeper key drifts toward its key above as that stood before the steps (a little slower than
     step by step)."""
     rate = 1.0 - (1.0 - policy.explore) ** steps.astype(jnp.float32)[:, None]
-    return dataclasses.replace(state, accept=_drifted(state, rate), stale=state.stale + steps.astype(jnp.int32))
+    return dataclasses.replace(state, accept=_drifted(state, rate), stale=state.stale + steps.astype(jnp.int32),
+                               hold=jnp.maximum(state.hold - jnp.max(steps), 0).astype(jnp.int32))

@@ -933,6 +933,8 @@ def policy_for(drafter, sampler: SamplerConfig, **overrides) -> "adaptive_mod.Ad
     classes"), started at its `class_prior` when decoding greedily."""
     if sampler.is_greedy:
         overrides.setdefault("prior_by_depth", tuple(getattr(drafter, "acceptance_prior", None) or ()))
+        if overrides["prior_by_depth"]:  # measured over many held-out tokens: a few early misses must not undo it
+            overrides.setdefault("prior_weight", adaptive_mod.MEASURED_PRIOR_WEIGHT)
     static = getattr(getattr(drafter, "builder", None), "static_parents", None) is not None
     classes = int(getattr(drafter, "confidence_classes", 0) or 0)
     if classes and (sampler.is_greedy or drafter.child_rule in ("point", "topk", "argmax")):

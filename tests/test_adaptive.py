@@ -260,6 +260,35 @@ def test_an_empty_proposal_backs_off_until_a_match():
     assert bool(adaptive.should_draft(policy, state, costs, remaining))
 
 
+def test_a_batch_whose_drafts_keep_nothing_backs_off():
+    """Rows that miss in turn (row 1's proposal empty, then row 0's, ...) each probe again one step later,
+    so a batch whose plan needs every row to pay drafted on every other step and kept nothing (the
+    retrieval default at batch 16 sampling: 23 such steps in 64 tokens). The batch now holds off after a
+    drafting step that keeps nothing: 1 step, then 2, 4, 8; a step that keeps a node ends the hold."""
+    policy = adaptive.AdaptivePolicy(widths=(0, 1, 2, 4), prior=0.95, margin=0.15, probe_first=4, probe_every=16)
+    state = adaptive.init_state(policy, 2, 4, 4, is_chain=True)
+    costs = jnp.asarray([1.0, 1.05, 1.1, 1.2, 1.5, 1.5, 1.5, 1.5, 0.0], jnp.float32)  # verify, draft, idle
+    remaining = jnp.full((2,), 1000, jnp.int32)
+    chain = jnp.broadcast_to(jnp.array([-1, 0, 1, 2]), (2, 4))
+    assert bool(adaptive.should_draft(policy, state, costs, remaining))
+    runs = []
+    for step in range(4):
+        valid = jnp.ones((2, 4), bool).at[(step + 1) % 2].set(False)  # one row proposes nothing
+        tree = Tree(tokens=jnp.zeros((2, 4), jnp.int32), parents=chain, valid=valid)
+        _, kept, state = adaptive.truncate(policy, state, costs, tree, remaining)
+        assert kept.tolist() == [0, 0]  # the empty row needs a step per token: the batch verifies nothing
+        assert not bool(adaptive.should_draft(policy, state, costs, remaining))
+        run = int(adaptive.plain_run_length(policy, state, costs, remaining, 32))
+        runs.append(run)
+        state = adaptive.drift(policy, state, jnp.full((2,), run, jnp.int32))
+        assert bool(adaptive.should_draft(policy, state, costs, remaining))  # the hold is over: a probe
+    assert runs == [1, 2, 4, 8]
+    full = Tree(tokens=jnp.zeros((2, 4), jnp.int32), parents=chain, valid=jnp.ones((2, 4), bool))
+    _, kept, state = adaptive.truncate(policy, state, costs, full, remaining)
+    assert kept.tolist() == [4, 4] and int(state.hold) == 0 and int(state.backoff) == 1
+    assert bool(adaptive.should_draft(policy, state, costs, remaining))
+
+
 def test_a_weak_class_proposal_backs_off_like_an_empty_one():
     """Keyed by confidence class, the plan judges a row's next proposal as of the best class. A proposal
     that does not pay at its own classes (a weak match) kept as the row's shape would be drafted again
@@ -380,6 +409,37 @@ def test_acceptance_prior_seeds_the_estimates_by_depth_for_greedy_decoding_only(
     assert policy_for(drafter, GREEDY).prior_by_depth == (0.7, 0.6)
     # The rates were measured under greedy verification: sampling starts at the flat prior.
     assert policy_for(drafter, SamplerConfig(temperature=0.7)).prior_by_depth == ()
+    assert policy_for(drafter, GREEDY).prior_weight == adaptive.MEASURED_PRIOR_WEIGHT
+    assert policy_for(drafter, SamplerConfig(temperature=0.7)).prior_weight == 0.0
+
+
+def test_a_measured_prior_outweighs_a_few_early_misses():
+    """A running estimate (decay 0.8) took the draft LM's measured 0.79 at depth 1 to 0.40 after three
+    misses, and a batch whose openings rejected the first drafts never drafted again. Counted as 16
+    observations, the prior takes them at 1 / (0.8 n + 1), n falling toward the steady 5: 0.61 after
+    three misses, and the running estimate's own rate once the prior's weight is spent."""
+    chain = Tree(tokens=jnp.zeros((1, 4), jnp.int32), parents=jnp.array([[-1, 0, 1, 2]]), valid=jnp.ones((1, 4), bool))
+    miss = jnp.full((1, 4), -1, jnp.int32)
+
+    def after_misses(policy, k):
+        state = adaptive.init_state(policy, 1, 4, 4, is_chain=True)
+        for _ in range(k):
+            state = adaptive.update(policy, state, chain, miss, jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int32),
+                                    jnp.ones((1,), bool))
+        return state
+    measured = (0.79, 0.87, 0.89, 0.95)
+    running = after_misses(adaptive.AdaptivePolicy(widths=(0, 1, 2, 4), prior_by_depth=measured), 3)
+    weighed = after_misses(adaptive.AdaptivePolicy(widths=(0, 1, 2, 4), prior_by_depth=measured, prior_weight=16), 3)
+    assert float(running.accept[0, 0]) == pytest.approx(0.79 * 0.8 ** 3)
+    assert float(weighed.accept[0, 0]) == pytest.approx(0.79 * (12.8 / 13.8) * (11.04 / 12.04) * (9.632 / 10.632), rel=1e-4)
+    assert float(weighed.accept[0, 0]) > 0.6
+    np.testing.assert_allclose(np.asarray(weighed.accept[0, 1:]), measured[1:], atol=0.01)  # untried: drifted
+    np.testing.assert_allclose(np.asarray(weighed.weight[0, 1:]), 16.0)  # ... their weight kept
+    spent = after_misses(adaptive.AdaptivePolicy(widths=(0, 1, 2, 4), prior_by_depth=measured, prior_weight=16), 40)
+    assert float(spent.weight[0, 0]) == pytest.approx(5.0, abs=1e-2)  # the steady weight: a running estimate again
+    for bad in (-1.0, float("nan"), "16"):
+        with pytest.raises(ValueError, match="prior_weight"):
+            adaptive.AdaptivePolicy(widths=(0, 1), prior_weight=bad)
 
 
 def test_greedy_exact_while_depth_changes_between_steps_and_rows(models):
