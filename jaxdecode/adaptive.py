@@ -52,10 +52,11 @@ Measured priors. A running estimate weighs each observation 1 - decay: it counts
 observations (5), and a flat prior, a guess, is worth no more. A drafter's measured acceptance is worth
 more: the embedded draft LM's 0.79 at depth 1 fell to 0.40 after three misses, and at batch 3, where
 two of the three openings reject its first drafts, the batch stopped drafting for good (0.86x plain
-greedy, the fixed chain 1.03x). Such a prior counts as `prior_weight` observations (`policy_for`:
-MEASURED_PRIOR_WEIGHT, 16): a key's weight n takes an observation at 1 / (decay * n + 1) and becomes
-decay * n + 1, which falls to the steady 1 / (1 - decay) after ~10 observations, from which on the
-estimate is the running one. Three misses now leave 0.61.
+greedy, the fixed chain 1.03x). Such a prior (by depth, or a class-keyed drafter's by class) counts
+as `prior_weight` observations (`policy_for`: MEASURED_PRIOR_WEIGHT, 16): a key's weight n takes an
+observation at 1 / (decay * n + 1) and becomes decay * n + 1, which falls toward the steady
+1 / (1 - decay) within ~10 observations; the estimate is then the running one. Three misses now leave
+0.61.
 
 Confidence classes. A drafter whose every node comes with a confidence of its own, a function of the
 past (the retrieval drafter: the length of the match a token was retrieved on), declares

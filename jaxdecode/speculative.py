@@ -930,11 +930,10 @@ def policy_for(drafter, sampler: SamplerConfig, **overrides) -> "adaptive_mod.Ad
     sampled tokens (jaxdecode.adaptive, "Lossless"). Greedy decoding starts the estimates at the
     drafter's `acceptance_prior` (held-out acceptance by depth, measured greedily) when it declares one.
     A drafter declaring `confidence_classes` gets estimates keyed by class (adaptive, "Confidence
-    classes"), started at its `class_prior` when decoding greedily."""
+    classes"), started at its `class_prior` when decoding greedily. Measured starts count as
+    MEASURED_PRIOR_WEIGHT observations (adaptive, "Measured priors")."""
     if sampler.is_greedy:
         overrides.setdefault("prior_by_depth", tuple(getattr(drafter, "acceptance_prior", None) or ()))
-        if overrides["prior_by_depth"]:  # measured over many held-out tokens: a few early misses must not undo it
-            overrides.setdefault("prior_weight", adaptive_mod.MEASURED_PRIOR_WEIGHT)
     static = getattr(getattr(drafter, "builder", None), "static_parents", None) is not None
     classes = int(getattr(drafter, "confidence_classes", 0) or 0)
     if classes and (sampler.is_greedy or drafter.child_rule in ("point", "topk", "argmax")):
@@ -946,6 +945,9 @@ def policy_for(drafter, sampler: SamplerConfig, **overrides) -> "adaptive_mod.Ad
     # Children that are a function of q (top-k, argmax, point masses) make the whole proposal a
     # function of the past: any truncation of it is too. Sampled children: only the fixed shape.
     deterministic = sampler.is_greedy or drafter.child_rule in ("point", "topk", "argmax")
+    if overrides.get("prior_by_depth") or overrides.get("prior_by_class"):
+        # measured over many held-out tokens: a few early misses must not undo it (adaptive, "Measured priors")
+        overrides.setdefault("prior_weight", adaptive_mod.MEASURED_PRIOR_WEIGHT)
     shape = ("proposal" if deterministic
              else "structure" if static or getattr(drafter, "is_chain", False) else "none")
     overrides.setdefault("widths", adaptive_mod.default_widths(drafter.num_nodes,

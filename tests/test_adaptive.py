@@ -2,6 +2,7 @@
 depth changes between steps and rows; the policy stops drafting for a drafter that is never right and
 drafts to the maximum for one that always is (asserted on the stats, not on time)."""
 import dataclasses
+import types
 from unittest import mock
 
 import jax
@@ -411,6 +412,11 @@ def test_acceptance_prior_seeds_the_estimates_by_depth_for_greedy_decoding_only(
     assert policy_for(drafter, SamplerConfig(temperature=0.7)).prior_by_depth == ()
     assert policy_for(drafter, GREEDY).prior_weight == adaptive.MEASURED_PRIOR_WEIGHT
     assert policy_for(drafter, SamplerConfig(temperature=0.7)).prior_weight == 0.0
+    # a lookup drafter's measured rates by confidence class weigh as much; its sampling start (flat) does not
+    lookup = types.SimpleNamespace(num_nodes=4, max_depth=4, is_chain=True, child_rule="point", confidence_classes=2,
+                                   class_prior=(0.3, 0.9))
+    assert policy_for(lookup, GREEDY).prior_weight == adaptive.MEASURED_PRIOR_WEIGHT
+    assert policy_for(lookup, SamplerConfig(temperature=0.7)).prior_weight == 0.0
 
 
 def test_a_measured_prior_outweighs_a_few_early_misses():
