@@ -601,14 +601,14 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
                               slot_states=slots)
 
             if lean_plain:
-                # Nothing kept (the proposal was empty or not worth its forward): the lean plain run,
-                # not an engine step over an empty tree (which costs more than a plain step). Its key
-                # is this step's fresh one: the discarded proposal drew on k_draft, which the plain
-                # tokens must not share.
-                return switch_in_place(kept_any, [
-                    lambda s: plain_steps(s.replace(drafter_state=dstate, policy_state=pstate, key=key),
-                                          remaining, empty_tree),
-                    lambda s: finish_verified(s, verify(s, vtree, vprobs, active, k_verify, vallowed))], st)
+                # Nothing kept (the proposal was empty or not worth its forward): the lean plain run
+                # follows this branch (flagged), not an engine step over an empty tree (which costs more
+                # than a plain step). Its key is this step's fresh one: the discarded proposal drew on
+                # k_draft, which the plain tokens must not share.
+                skipped = st.replace(drafter_state=dstate, policy_state=pstate, key=key)
+                verified = run_if(kept_any > 0, lambda s: finish_verified(
+                    s, verify(s, vtree, vprobs, active, k_verify, vallowed)), skipped)
+                return verified, kept_any == 0
             # Nothing kept: a plain step after all. The branches read the target cache from the
             # switch's operand, so it is updated in place.
             verified = switch_in_place(
@@ -628,15 +628,24 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
             return finish(st, empty_tree, dstate, st.policy_state, key, active,
                           verify_nothing(st, empty_tree, active, k_verify, allowed), plain=True, slot_states=slots)
 
-        plain_branch = partial(plain_steps, remaining=remaining, empty_tree=empty_tree) if lean_plain else plain
-        return switch_in_place(drafting.astype(jnp.int32), [plain_branch, draft_and_verify], st)
+        if not lean_plain:
+            return switch_in_place(drafting.astype(jnp.int32), [plain, draft_and_verify], st)
+        # The lean plain run comes last in the step, after the drafting branch (which flags whether it
+        # kept nothing), not inside it: inside, its sampling steps ran 11-14% slower than `decode`'s at
+        # batch 1 on the 2-core CPU (greedy ones did not), within one process; last, 5-7% (BENCHMARKS.md,
+        # "The lean run after the drafting branch").
+        st, plain_next = switch_in_place(drafting.astype(jnp.int32),
+                                         [lambda c: (c[0], jnp.bool_(True)), lambda c: draft_and_verify(c[0])],
+                                         (st, jnp.bool_(False)))
+        return plain_steps(st, remaining, empty_tree, run_plain=plain_next)
 
-    def plain_steps(st, remaining, empty_tree):
+    def plain_steps(st, remaining, empty_tree, run_plain):
         """Plain decoding steps in one inner loop, for a history_only drafter (nothing to observe or
         idle): as many as the policy would take before its next probe (adaptive.plain_run_length), at
-        most `plain_run`. Each runs the pending token alone through the target and commits the next
-        token (greedy: the argmax, as every verifier does for an empty tree); the statistics are those
-        of that many engine plain steps, and the policy's estimates drift once for the steps taken."""
+        most `plain_run`; none unless `run_plain` (bool[]: the step verified nothing). Each runs the
+        pending token alone through the target and commits the next token (greedy: the argmax, as every
+        verifier does for an empty tree); the statistics are those of that many engine plain steps, and
+        the policy's estimates drift once for the steps taken."""
         b = st.history.shape[0]
         rows = jnp.arange(b)
 
@@ -659,7 +668,8 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
             return (i + 1, advance(cache, count), history, hist_len, new_num, done, key, nonfinite, taken + count,
                     jnp.where(active, res.bonus, pending))
 
-        run = adaptive_mod.plain_run_length(policy, st.policy_state, costs, remaining, plain_run)
+        run = adaptive_mod.plain_run_length(policy, st.policy_state, costs, remaining,
+                                            jnp.where(run_plain, plain_run, 0))
         carry = (jnp.int32(0), st.cache, st.history, st.hist_len, st.num_new, st.done, st.key, st.nonfinite,
                  jnp.zeros_like(st.steps), st.history[rows, st.hist_len - 1])
         trips, cache, history, hist_len, num_new, done, key, nonfinite, taken, _ = jax.lax.while_loop(
@@ -930,22 +940,25 @@ def policy_for(drafter, sampler: SamplerConfig, **overrides) -> "adaptive_mod.Ad
     sampled tokens (jaxdecode.adaptive, "Lossless"). Greedy decoding starts the estimates at the
     drafter's `acceptance_prior` (held-out acceptance by depth, measured greedily) when it declares one.
     A drafter declaring `confidence_classes` gets estimates keyed by class (adaptive, "Confidence
-    classes"), started at its `class_prior` when decoding greedily. Measured starts count as
-    MEASURED_PRIOR_WEIGHT observations (adaptive, "Measured priors")."""
+    classes"), started at its `class_prior` (measured greedily: when sampling, at the weight of a
+    guess). Measured starts count as MEASURED_PRIOR_WEIGHT observations when decoding greedily
+    (adaptive, "Measured priors")."""
     if sampler.is_greedy:
         overrides.setdefault("prior_by_depth", tuple(getattr(drafter, "acceptance_prior", None) or ()))
     static = getattr(getattr(drafter, "builder", None), "static_parents", None) is not None
     classes = int(getattr(drafter, "confidence_classes", 0) or 0)
     if classes and (sampler.is_greedy or drafter.child_rule in ("point", "topk", "argmax")):
-        # estimates per confidence class (adaptive, "Confidence classes"); the drafter's measured rates
-        # are greedy ones, so sampling starts at the flat prior
+        # estimates per confidence class (adaptive, "Confidence classes"), started at the drafter's
+        # measured rates. They are greedy ones; sampling starts there too, at a guess's weight: a point
+        # mass is accepted with the target's probability of its token, and a class whose tokens are
+        # rarely the target's likeliest is rarely drawn either (a flat 0.6 for every class had batch 16
+        # at T = 0.7 verify one node on 6-9 steps for nothing; BENCHMARKS.md, "Sampling starts")
         overrides.setdefault("classes", classes)
-        if sampler.is_greedy:
-            overrides.setdefault("prior_by_class", tuple(getattr(drafter, "class_prior", None) or ()))
+        overrides.setdefault("prior_by_class", tuple(getattr(drafter, "class_prior", None) or ()))
     # Children that are a function of q (top-k, argmax, point masses) make the whole proposal a
     # function of the past: any truncation of it is too. Sampled children: only the fixed shape.
     deterministic = sampler.is_greedy or drafter.child_rule in ("point", "topk", "argmax")
-    if overrides.get("prior_by_depth") or overrides.get("prior_by_class"):
+    if sampler.is_greedy and (overrides.get("prior_by_depth") or overrides.get("prior_by_class")):
         # measured over many held-out tokens: a few early misses must not undo it (adaptive, "Measured priors")
         overrides.setdefault("prior_weight", adaptive_mod.MEASURED_PRIOR_WEIGHT)
     shape = ("proposal" if deterministic

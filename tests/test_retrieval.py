@@ -301,13 +301,16 @@ def test_a_class_keyed_policy_learns_per_class_and_plans_for_the_best():
 
 
 def test_policy_for_keys_by_class_when_the_drafter_has_a_confidence_table():
+    from jaxdecode import adaptive
     from jaxdecode.sampling import SamplerConfig
     from jaxdecode.speculative import policy_for
     with_conf = RetrievalDrafter(num_nodes=4, confidence=(0.3, 0.6, 0.9))
     greedy = policy_for(with_conf, SamplerConfig(temperature=0.0))
     assert greedy.classes == 3 and greedy.prior_by_class == (0.3, 0.6, 0.9)
     sampled = policy_for(with_conf, SamplerConfig(temperature=0.7))
-    assert sampled.classes == 3 and sampled.prior_by_class == ()  # measured greedily: not a sampling prior
+    # measured greedily: sampling starts there too, weighed as a guess (not as a measurement)
+    assert sampled.classes == 3 and sampled.prior_by_class == (0.3, 0.6, 0.9) and sampled.prior_weight == 0.0
+    assert greedy.prior_weight == adaptive.MEASURED_PRIOR_WEIGHT
     assert policy_for(RetrievalDrafter(num_nodes=4), SamplerConfig()).classes == 0
 
 
