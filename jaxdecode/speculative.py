@@ -630,10 +630,18 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
 
         if not lean_plain:
             return switch_in_place(drafting.astype(jnp.int32), [plain, draft_and_verify], st)
-        # The lean plain run comes last in the step, after the drafting branch (which flags whether it
-        # kept nothing), not inside it: inside, its sampling steps ran 11-14% slower than `decode`'s at
-        # batch 1 on the 2-core CPU (greedy ones did not), within one process; last, 5-7% (BENCHMARKS.md,
-        # "The lean run after the drafting branch").
+        # Where the lean plain run sits decides its speed on the 2-core CPU, though its compiled loop is
+        # the same (BENCHMARKS.md, "The lean run after the drafting branch"). Sampling: last in the step,
+        # after the drafting branch (which flags whether it kept nothing); inside the branches its steps
+        # ran 11-14% slower than `decode`'s at batch 1, last 5-7%. Greedy: inside the branches, at
+        # `decode`'s speed; last, 5% slower at batch 4.
+        if sampler.is_greedy:
+            def drafted(s):
+                s, kept_nothing = draft_and_verify(s)
+                return plain_steps(s, remaining, empty_tree, run_plain=kept_nothing)
+            return switch_in_place(drafting.astype(jnp.int32),
+                                   [lambda s: plain_steps(s, remaining, empty_tree, run_plain=jnp.bool_(True)),
+                                    drafted], st)
         st, plain_next = switch_in_place(drafting.astype(jnp.int32),
                                          [lambda c: (c[0], jnp.bool_(True)), lambda c: draft_and_verify(c[0])],
                                          (st, jnp.bool_(False)))
