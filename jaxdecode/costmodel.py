@@ -52,8 +52,8 @@ SCHEMA = 8  # version of the cache file layout and of the key; bump when either 
 # 6: level_capped drafters draft only the levels a step verifies: draft_by_width, and forced steps
 # that draft w levels; 7: a lean plain run's length is found by a loop that stops at the first
 # flip, not a vmap that cost ~4 ms per run inside the engine at batch 1 on the CPU: older tables
-# overprice plain decoding; 8: the lean plain run follows the drafting branch instead of running
-# inside it, 5% faster per sampled token at batch 1 on the CPU)
+# overprice plain decoding; 8: when sampling, the lean plain run follows the drafting branch instead
+# of running inside it, 5% faster per sampled token at batch 1 on the CPU)
 DEFAULT_CONTEXT_LEN = 256
 # Parameters up to this many bytes are hashed whole; above it every leaf is hashed by shape, dtype and
 # a strided sample of SAMPLE_ELEMENTS elements (hashing gigabytes would cost more than it saves).
