@@ -468,13 +468,14 @@ def should_draft(policy: AdaptivePolicy, state: PolicyState, costs, remaining):
 def plain_run_length(policy: AdaptivePolicy, state: PolicyState, costs, remaining, cap):
     """int32[]: how many plain steps to take in a row from here, when this step does not draft (cap: an
     int, or int32[]; 0: none): the first k in 1..cap at which `should_draft` would say yes on the
-    estimates drifted k steps (and each row's remaining tokens shrunk by k), else cap. So a run ends exactly where the step-by-step engine
-    would draft (or probe) again. Every k is checked: a coarser grid (1, 2, 4, ...) rounded down cut a
-    run due in 8 steps into runs of 4, 2, 1 and 1, and each run's end costs a whole engine step (on the
-    CPU, sampling with prompt lookup, 67 such steps for 128 tokens and 12% slower than plain decoding).
-    The k are tried one after another and the search stops at the first flip: a vmap over all k at once
-    is faster alone (0.07 vs 0.10 ms for 32 at batch 1 on the CPU) but cost ~10 ms per run inside the
-    engine's loop there, 0.3 ms per plain token at batch 1 (benchmarks: "The plain run's length")."""
+    estimates drifted k steps (and each row's remaining tokens shrunk by k), else cap. So a run ends
+    exactly where the step-by-step engine would draft (or probe) again. Every k is checked: a coarser
+    grid (1, 2, 4, ...) rounded down cut a run due in 8 steps into runs of 4, 2, 1 and 1, and each run's
+    end costs a whole engine step (on the CPU, sampling with prompt lookup, 67 such steps for 128 tokens
+    and 12% slower than plain decoding). The k are tried one after another and the search stops at the
+    first flip: a vmap over all k at once is faster alone (0.07 vs 0.10 ms for 32 at batch 1 on the CPU)
+    but cost ~10 ms per run inside the engine's loop there, 0.3 ms per plain token at batch 1
+    (benchmarks: "The plain run's length")."""
     active = remaining > 0
 
     def drafts_after(k):
