@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxdecode import streaming
 from jaxdecode.kernels.common import concrete
-from jaxdecode.models import advance, forward, init_cache, padded_causal_mask
+from jaxdecode.models import advance, forward, init_cache, padded_causal_mask, split_layers
 from jaxdecode.sampling import (SamplerConfig, greedy, mirostat_init, mirostat_step, mirostat_truncate,
                                 process_logits, sample, token_presence, validate_mirostat)
 from jaxdecode.scoring import LogprobRecord, check_logprob_flags, token_logprobs
@@ -370,7 +370,7 @@ def decode(config, params, prompt_tokens, prompt_lengths, *, max_new_tokens: int
     if constraint is not None:
         constraint = constraint.prepare(config.vocab_size, eos_ids, max_new_tokens, prompt_tokens.shape[0])
     stream_handle = streaming.operand(stream, prompt_tokens.shape[0], max_new_tokens)
-    return _decode(config, params, prompt_tokens, prompt_lengths, key,
+    return _decode(config, split_layers(config, params), prompt_tokens, prompt_lengths, key,
                    jnp.float32(mirostat_tau), jnp.float32(mirostat_eta), constraint, stream_handle,
                    max_new_tokens=max_new_tokens, sampler=sampler, eos_ids=eos_ids,
                    cache_len=cache_len, method=method, logprobs=logprobs, top_logprobs=top_logprobs)

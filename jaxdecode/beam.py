@@ -44,7 +44,7 @@ import jax.numpy as jnp
 
 from jaxdecode.autoregressive import (PromptError, default_cache_len, is_eos, nonfinite_rows, pad_id_for,
                                       prefill, validate_eos_ids, validate_prompts)
-from jaxdecode.models import advance, forward, init_cache, reorder_rows
+from jaxdecode.models import advance, forward, init_cache, reorder_rows, split_layers
 
 
 class BeamConfigError(ValueError):
@@ -355,7 +355,7 @@ def beam_search(config, params, prompt_tokens, prompt_lengths, *, max_new_tokens
         cache_len = default_cache_len(prompt_tokens.shape[1], max_new_tokens)
     if constraint is not None:
         constraint = constraint.prepare(config.vocab_size, eos_ids, max_new_tokens, prompt_tokens.shape[0])
-    return _beam_search(config, params, prompt_tokens, prompt_lengths, constraint,
+    return _beam_search(config, split_layers(config, params), prompt_tokens, prompt_lengths, constraint,
                         max_new_tokens=max_new_tokens,
                         num_beams=num_beams, num_groups=num_groups, length_penalty=length_penalty,
                         diversity_penalty=diversity_penalty, eos_ids=eos_ids, cache_len=cache_len)

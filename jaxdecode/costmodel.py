@@ -46,14 +46,16 @@ import numpy as np
 
 from jaxdecode.kernels.common import next_pow2, round_up
 
-SCHEMA = 8  # version of the cache file layout and of the key; bump when either changes meaning
+SCHEMA = 9  # version of the cache file layout and of the key; bump when either changes meaning
 # (4: DraftLM and self-speculation lost their idle step: older tables hold an idle cost no longer paid;
 # 5: plain steps of history_only drafters run as lean runs, priced per token;
 # 6: level_capped drafters draft only the levels a step verifies: draft_by_width, and forced steps
 # that draft w levels; 7: a lean plain run's length is found by a loop that stops at the first
 # flip, not a vmap that cost ~4 ms per run inside the engine at batch 1 on the CPU: older tables
 # overprice plain decoding; 8: when sampling, the lean plain run follows the drafting branch instead
-# of running inside it, 5% faster per sampled token at batch 1 on the CPU)
+# of running inside it, 5% faster per sampled token at batch 1 on the CPU; 9: on the CPU the
+# decoders run the target's layers from one array each (models.split_layers), a third faster per
+# plain step at batch 1: older tables overprice every forward)
 DEFAULT_CONTEXT_LEN = 256
 # Parameters up to this many bytes are hashed whole; above it every leaf is hashed by shape, dtype and
 # a strided sample of SAMPLE_ELEMENTS elements (hashing gigabytes would cost more than it saves).
@@ -457,7 +459,7 @@ def measure(model, drafter, batch_size: int, *, widths=None, context_len: int | 
     (a Verifier or a name; default: what generate uses, `verifiers.default_verifier`). attn_impl /
     mesh: as speculative_decode. progress: True = one line per measured item on stderr, False =
     silent, a callable gets the lines. whole_step=False skips the whole-step timing (step_seconds ())."""
-    from jaxdecode.models import init_cache
+    from jaxdecode.models import init_cache, split_layers
     from jaxdecode.sampling import SamplerConfig
     from jaxdecode.speculative import (DraftContext, _verify_forward, check_feature_layers,
                                        feature_request, select_features)
@@ -485,12 +487,14 @@ def measure(model, drafter, batch_size: int, *, widths=None, context_len: int | 
     if mesh is not None:  # placed as generate places them: parameters over 'model', rows over 'data'
         from jaxdecode.sharding import shard_batch, shard_params
         params, prompt, lengths = shard_params(params, mesh), shard_batch(prompt, mesh), shard_batch(lengths, mesh)
+    model_digest = model_fingerprint((config, params))["params"][:12]
+    params = split_layers(config, params)  # the layout the decoders run (on the CPU, one array per layer)
     # The engine's state before a step: the cache holds all but the last prompt token (the pending one).
     _, cache, hidden = jax.jit(_prefill, static_argnums=(0, 5))(
         config, params, prompt, lengths - 1, init_cache(config, b, cache_len), feature_request(feature_layers))
     pending = prompt[:, -1]
     active = jnp.ones((b,), bool)
-    meta = {"model": model_fingerprint((config, params))["params"][:12],
+    meta = {"model": model_digest,
             "model_type": config.model_type, "num_parameters": config.num_parameters(),
             "dtype": config.dtype, "drafter": type(drafter).__name__, "num_nodes": n,
             "device": device_fingerprint(), "jax": jax.__version__, "context_len": context_len,
@@ -629,6 +633,7 @@ def measure_trees(model, drafters, batch_size: int, *, context_len: int | None =
     of tree="auto" (jaxdecode.treeopt), timed round robin in one run so they are compared under the
     same load. A table interpolated from one drafter's widths misprices other trees: the step's
     bookkeeping grows with the drafter's own node count and drafting with its levels and nodes."""
+    from jaxdecode.models import split_layers
     from jaxdecode.sampling import SamplerConfig
 
     config, params = _config_and_params(model)
@@ -648,6 +653,7 @@ def measure_trees(model, drafters, batch_size: int, *, context_len: int | None =
     if mesh is not None:
         from jaxdecode.sharding import shard_batch, shard_params
         params, prompt, lengths = shard_params(params, mesh), shard_batch(prompt, mesh), shard_batch(lengths, mesh)
+    params = split_layers(config, params)
     loops, states = [], []
     for d in drafters:
         ls, st0, _ = _forced_steps(config, params, d, prompt, lengths, (0, d.num_nodes), sampler, verifier,

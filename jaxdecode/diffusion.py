@@ -70,7 +70,7 @@ from jaxdecode.diffusion_rules import (  # noqa: F401  (the rules and the filter
     Dystruct, EntropyBounded, Factor, FreeDave, Greedy1, InfoGain, LLaDA, Learn2PD, LocalLeap, RandomRemask,
     Rule, StepContext, Threshold, Window, at_least_one, check_int, confidence, entropy, filter_apply, filter_features,
     init_filter, load_filter, make_rule, rank_desc, save_filter, top_n, with_top1)
-from jaxdecode.models import advance, bidirectional_mask, block_causal_mask, forward, init_cache
+from jaxdecode.models import advance, bidirectional_mask, block_causal_mask, forward, init_cache, split_layers
 
 CACHE_MODES = ("none", "prefix", "dual", "exact")
 _NEG = -1e30
@@ -694,7 +694,8 @@ def diffusion_decode(config, params, prompt_tokens, prompt_lengths, *, answer_le
                                None if prefix is None else (prompt_tokens, prompt_lengths, prefix))
     elif constraint_prefix is not None:
         raise DiffusionError("constraint_prefix was given without a constraint: pass constraint= too, or drop it")
-    return _decode(s, params, prompt_tokens, prompt_lengths, answer_lengths, key, suffix, auto, prefix)
+    return _decode(s, split_layers(s.config, params), prompt_tokens, prompt_lengths, answer_lengths, key, suffix, auto,
+                   prefix)
 
 
 def _grammar_infill(s: _Static, grammar, answer_lengths, suffix, prompt, max_configs: int = 4096):

@@ -39,7 +39,7 @@ from jaxdecode import adaptive as adaptive_mod
 from jaxdecode import streaming
 from jaxdecode.autoregressive import (default_cache_len, is_eos, nonfinite_rows, pad_id_for, prefill,
                                       validate_eos_ids, validate_prompts)
-from jaxdecode.models import advance, commit, forward, init_cache
+from jaxdecode.models import advance, commit, forward, init_cache, split_layers
 from jaxdecode.sampling import SamplerConfig, process_logits
 from jaxdecode.scoring import LogprobRecord, check_logprob_flags, token_logprobs
 from jaxdecode.tree import (Tree, allowed_slots, ancestor_mask, broadcast_slots, complete_slots, constrain_tree,
@@ -933,7 +933,8 @@ def speculative_decode(config, params, drafter, prompt_tokens, prompt_lengths, *
         cost_vec = adaptive_mod.cost_vector(adaptive, costs)
         widths = adaptive.widths
     stream_handle = streaming.operand(stream, prompt_tokens.shape[0], max_new_tokens, mesh)
-    return _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, cost_vec, constraint,
+    return _speculative(config, split_layers(config, params), drafter, prompt_tokens, prompt_lengths, key,
+                        cost_vec, constraint,
                         stream_handle,
                         verifier=verifier,
                         sampler=sampler, max_new_tokens=max_new_tokens, eos_ids=eos_ids,

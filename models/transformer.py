@@ -9,7 +9,8 @@ token also sees the row's committed prefix (slots < cache.lengths[b]). Without a
 the new tokens see only each other. Padding tokens are simply tokens nobody attends to.
 
 Layers are stacked along a leading axis and run under `lax.scan`, so compile time does not grow with
-depth. `stop_at_layer` / `skip_layers` select a sub-network statically (self-speculation) without a
+depth. On the CPU the decoders pass them split into one array per layer (`split_layers`), which the
+forward unrolls: XLA:CPU would copy each layer's weights out of the stack on every step. `stop_at_layer` / `skip_layers` select a sub-network statically (self-speculation) without a
 second copy of the weights; `return_layers` exposes chosen layers' hidden states (feature drafters).
 
 A forward costs what the rows occupy, not the cache's capacity S: the whole cache rides in the layer
@@ -30,6 +31,7 @@ Parameter pytree (L = layers, D = hidden, H/KV = heads, hd = head dim, F = MLP w
 from __future__ import annotations
 
 import math
+import weakref
 from functools import partial
 
 import jax
@@ -171,6 +173,59 @@ def _layer_ids(config: ModelConfig, stop_at_layer, skip_layers, return_layers) -
 
 
 # ----------------------------------------------------------------------------- forward
+# split_layers keeps the stacked form above these: the unrolled forward compiles in time linear in
+# its layers, and the split holds a second copy of the layer weights.
+MAX_SPLIT_LAYERS = 32
+MAX_SPLIT_BYTES = 1 << 30
+_splits: dict = {}  # id of the first layer leaf -> (weak refs to the stacked leaves, the split)
+
+
+def split_layers(config: ModelConfig, params):
+    """params for the decoders' loops on the CPU: the stacked layer weights as one array per layer
+    ('layers' a tuple of per-layer dicts), which `forward` runs unrolled; params unchanged elsewhere.
+
+    XLA:CPU copies each layer's slice of a stacked weight before its matmul, on every forward (under
+    a scan or a dynamic index alike): at batch 1 those copies took a third of a decode step of the
+    embedded model. Split once, the forward reads each layer's weights where they lie. The split is
+    memoised per stacked array (it lives as long as they do), so it is a second copy of the layer
+    weights: only for concrete CPU arrays of at most MAX_SPLIT_BYTES and MAX_SPLIT_LAYERS layers.
+    Traced params (inside a caller's jit), GPU and TPU arrays keep the stacked form: there a split
+    would copy the weights on every call, and the device's memory is the scarce resource.
+    """
+    layers = params["layers"]
+    leaves = jax.tree.leaves(layers)
+    if (isinstance(layers, tuple) or not leaves or config.num_layers > MAX_SPLIT_LAYERS
+            or sum(x.size * x.dtype.itemsize for x in leaves) > MAX_SPLIT_BYTES
+            or not all(_on_cpu(x) for x in leaves)):
+        return params
+    memo = _splits.get(id(leaves[0]))
+    if memo is not None and len(memo[0]) == len(leaves) and all(r() is x for r, x in zip(memo[0], leaves)):
+        return {**params, "layers": memo[1]}
+    split = _split(layers, config.num_layers)
+    try:
+        refs = tuple(weakref.ref(x) for x in leaves)
+        weakref.finalize(leaves[0], _splits.pop, id(leaves[0]), None)
+        _splits[id(leaves[0])] = (refs, split)
+    except TypeError:  # not weak-referenceable: split again next time
+        pass
+    return {**params, "layers": split}
+
+
+def _on_cpu(x) -> bool:
+    """x is a concrete array whose every shard is on a CPU device (not a tracer, not a NumPy array)."""
+    if not isinstance(x, jax.Array):
+        return False
+    try:
+        return {d.platform for d in x.devices()} == {"cpu"}
+    except jax.errors.ConcretizationTypeError:  # a tracer: inside a caller's jit
+        return False
+
+
+@partial(jax.jit, static_argnums=1)
+def _split(layers, num_layers: int):
+    return tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(num_layers))
+
+
 ATTN_IMPLS = ("xla", "tree", "interpret")
 # attn_impl -> the tree-attention op's impl (jaxdecode.kernels.tree_attention)
 _OP_IMPL = {"xla": "blockwise", "tree": "auto", "interpret": "interpret"}
@@ -267,7 +322,17 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
         return (x, k_all, v_all), (x if return_layers else None)
 
     init = (x, None, None) if cache is None else (x, cache.k, cache.v)
-    if ids is None:  # run-time layer list: a loop of num_layers_run trips, the cache in its carry
+    if isinstance(layers, tuple):  # one weight buffer per layer (split_layers): the layers unrolled
+        if ids is None:
+            raise ValueError("layer_ids (a sub-network chosen at run time) indexes the stacked layer weights; "
+                             "pass params whose 'layers' are stacked arrays, not split_layers' tuple")
+        carry, outs = init, []
+        for i in ids:
+            carry, out = body(carry, (jnp.int32(i), layers[i]))
+            outs.append(out)
+        x, new_k, new_v = carry
+        per_layer = jnp.stack(outs) if return_layers else None
+    elif ids is None:  # run-time layer list: a loop of num_layers_run trips, the cache in its carry
         run_ids = jnp.asarray(layer_ids, jnp.int32)
         n_run = run_ids.shape[0] if num_layers_run is None else num_layers_run
         x, new_k, new_v = jax.lax.fori_loop(0, n_run, lambda i, c: body(c, (run_ids[i], None))[0], init)

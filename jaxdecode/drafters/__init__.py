@@ -76,7 +76,8 @@ def make_drafter(name, target, draft=None, tree=None, temperature: float = 0.0, 
             raise ValueError("the draft model is a masked-diffusion LM, which drafter 'draft_lm' would run as a "
                              "causal one: use drafter='dllm' (CLI: --drafter dllm)")
         from jaxdecode.drafters.draft_lm import acceptance_prior_for
-        return DraftLM(params=draft.params, config=draft.config,
+        from jaxdecode.models import split_layers
+        return DraftLM(params=split_layers(draft.config, draft.params), config=draft.config,
                        builder=_tree_or_default(tree, "chain:4", temperature),
                        acceptance_prior=acceptance_prior_for(draft, target))
     if name == "token_recycling":
