@@ -66,15 +66,21 @@ def test_a_run_time_layer_list_needs_the_stacked_layers(params):
                 causal_mask(b, t), layer_ids=jnp.array([0, 2], jnp.int32))
 
 
-def test_decoding_is_the_same_on_either_layout(params):
+def test_decoding_is_the_same_on_either_layout(params, monkeypatch):
     prompts = jax.random.randint(jax.random.PRNGKey(2), (2, 6), 1, CONFIG.vocab_size)
     lengths = jnp.array([6, 4], jnp.int32)
     kw = dict(max_new_tokens=8, method="greedy", sampler=SamplerConfig(temperature=0.0))
     split = decode(CONFIG, params, prompts, lengths, **kw).tokens  # decode splits them itself
-    stacked = decode(CONFIG, {**params, "layers": params["layers"]}, prompts, lengths, **kw).tokens
-    with_jit = jax.jit(lambda p: decode(CONFIG, p, prompts, lengths, **kw).tokens)(params)  # traced: stacked
-    np.testing.assert_array_equal(np.asarray(split), np.asarray(stacked))
-    np.testing.assert_array_equal(np.asarray(with_jit), np.asarray(split))
+    with monkeypatch.context() as m:
+        m.setattr(transformer, "MAX_SPLIT_BYTES", 0)  # too big to split: the stacked scan
+        fresh = jax.tree.map(lambda a: a + 0, params)
+        assert split_layers(CONFIG, fresh) is fresh
+        stacked = decode(CONFIG, fresh, prompts, lengths, **kw).tokens
+    in_jit = jax.jit(lambda p: decode(CONFIG, p, prompts, lengths, **kw).tokens)
+    with_jit = in_jit(params)  # traced: stays stacked
+    split_in_jit = in_jit(split_layers(CONFIG, params))  # split outside, passed in: the unrolled loop
+    for out in (stacked, with_jit, split_in_jit):
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(split))
 
 
 def test_what_stays_stacked(params, monkeypatch):
