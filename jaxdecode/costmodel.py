@@ -46,7 +46,7 @@ import numpy as np
 
 from jaxdecode.kernels.common import next_pow2, round_up
 
-SCHEMA = 9  # version of the cache file layout and of the key; bump when either changes meaning
+SCHEMA = 10  # version of the cache file layout and of the key; bump when either changes meaning
 # (4: DraftLM and self-speculation lost their idle step: older tables hold an idle cost no longer paid;
 # 5: plain steps of history_only drafters run as lean runs, priced per token;
 # 6: level_capped drafters draft only the levels a step verifies: draft_by_width, and forced steps
@@ -55,8 +55,13 @@ SCHEMA = 9  # version of the cache file layout and of the key; bump when either 
 # overprice plain decoding; 8: when sampling, the lean plain run follows the drafting branch instead
 # of running inside it, 5% faster per sampled token at batch 1 on the CPU; 9: on the CPU the
 # decoders run the target's layers from one array each (models.split_layers), a third faster per
-# plain step at batch 1: older tables overprice every forward)
+# plain step at batch 1: older tables overprice every forward; 10: engine steps are timed over 16
+# trips at least: EAGLE-3's plain step at batch 4 measured 5.8-6.6 ms over 3 trips, 3.6 ms decoding)
 DEFAULT_CONTEXT_LEN = 256
+# Trips of a timed engine step, at least: the first steps from the prefilled state cost more than
+# later ones (EAGLE-3's plain step at batch 4: 6.0 ms per trip over 3 trips, 4.2 over 32, 3.6 in a
+# 96-token decode), and a dear step's 20 ms target allowed only 3.
+STEP_MIN_TRIPS = 16
 # Parameters up to this many bytes are hashed whole; above it every leaf is hashed by shape, dtype and
 # a strided sample of SAMPLE_ELEMENTS elements (hashing gigabytes would cost more than it saves).
 FULL_HASH_BYTES = 64 << 20
@@ -364,7 +369,7 @@ class _Loop:
 
 
 def _time_loops(loops: list, state, repeats: int, target_seconds: float, max_trips: int = 256,
-                fresh: bool = False, states: list | None = None):
+                fresh: bool = False, states: list | None = None, min_trips: int = 1):
     """Median seconds per trip of each loop, compile excluded; `state` is handed from loop to loop (one
     KV cache for every width), or with `fresh` every call starts from a copy of it (made untimed: loops
     whose state grows, like the engine's, then stay within the room they were given); `states`: one
@@ -386,7 +391,7 @@ def _time_loops(loops: list, state, repeats: int, target_seconds: float, max_tri
     for i, loop in enumerate(loops):
         state, _ = run(i, state, 1)  # compile + warm up
         state, first = run(i, state, 1)
-        loop.trips = int(min(max_trips, max(1, target_seconds // max(first, 1e-9))))
+        loop.trips = int(min(max_trips, max(min_trips, target_seconds // max(first, 1e-9))))
     for _ in range(repeats):
         for i, loop in enumerate(loops):
             state, secs = run(i, state, loop.trips)
@@ -579,7 +584,8 @@ def _measure_steps(config, params, drafter, prompt, lengths, widths, sampler, ve
     prefilled state, and the room for `max_trips` steps is reserved in the cache and history."""
     loops, state0, plain_tokens = _forced_steps(config, params, drafter, prompt, lengths, widths, sampler,
                                                 verifier, attn_impl, mesh, key, max_trips)
-    secs = _time_loops(loops, state0, repeats, target_seconds, max_trips=max_trips, fresh=True)
+    secs = _time_loops(loops, state0, repeats, target_seconds, max_trips=max_trips, fresh=True,
+                       min_trips=STEP_MIN_TRIPS)
     return [secs[0] / plain_tokens] + list(secs[1:])  # width 0: seconds per plain token
 
 
