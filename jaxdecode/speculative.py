@@ -934,9 +934,7 @@ def speculative_decode(config, params, drafter, prompt_tokens, prompt_lengths, *
         widths = adaptive.widths
     stream_handle = streaming.operand(stream, prompt_tokens.shape[0], max_new_tokens, mesh)
     return _speculative(config, split_layers(config, params), drafter, prompt_tokens, prompt_lengths, key,
-                        cost_vec, constraint,
-                        stream_handle,
-                        verifier=verifier,
+                        cost_vec, constraint, stream_handle, verifier=verifier,
                         sampler=sampler, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                         cache_len=cache_len, hist_cap=hist_cap, attn_impl=attn_impl, verify_widths=widths,
                         mesh=mesh, policy=adaptive, logprobs=logprobs, top_logprobs=top_logprobs)
