@@ -13,7 +13,6 @@ import argparse
 import json
 from pathlib import Path
 
-import numpy as np
 from _common import heldout_prompts
 
 
@@ -25,7 +24,6 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seed", type=int, default=7, help="window draw (the benchmarks use 0)")
     ap.add_argument("--write", action="store_true", help="write the draft's acceptance.json")
     args = ap.parse_args(argv)
@@ -37,23 +35,11 @@ def main(argv=None) -> int:
     target = jaxdecode.load(args.target)
     draft = jaxdecode.load(args.draft if args.draft else "draft")
     prompts = heldout_prompts(target.tokenizer, args.prompts, args.prompt_tokens, seed=args.seed)
-    tried = accepted = None
-    new_tokens = calls = 0
-    for i in range(0, len(prompts), args.batch_size):
-        out = jaxdecode.generate(target, prompts[i:i + args.batch_size], method="speculative", drafter="draft_lm",
-                                 draft=draft, tree=args.tree, adaptive=False, max_new_tokens=args.max_new_tokens,
-                                 eos_ids=())
-        for r in out:  # per row: its depth counts (rate x tried is not kept; recount from the histogram)
-            hist = np.asarray(r.stats["accept_hist"], np.int64)  # [D+1]: steps that committed k nodes
-            depth = len(hist) - 1
-            reached = np.array([hist[k:].sum() for k in range(depth + 1)])  # steps committing >= k nodes
-            t, a = reached[:depth], reached[1:]  # a chain: depth d tried when d-1 was accepted
-            tried = t if tried is None else tried + t
-            accepted = a if accepted is None else accepted + a
-            new_tokens += r.stats["new_tokens"]
-            calls += int(hist.sum())
-    rates = [round(float(x), 6) for x in accepted / np.maximum(tried, 1)]
-    tau = new_tokens / max(calls, 1)
+    # One batch: the engine's own per-depth counts over every row (greedy rows do not depend on each other).
+    out = jaxdecode.generate(target, prompts, method="speculative", drafter="draft_lm", draft=draft, tree=args.tree,
+                             adaptive=False, max_new_tokens=args.max_new_tokens, eos_ids=())
+    rates = [round(float(x), 6) for x in out[0].batch_stats["accept_rate_by_depth"]]
+    tau = sum(r.stats["new_tokens"] for r in out) / sum(int(r.stats["verify_calls"]) for r in out)
     print(f"{len(prompts)} held-out windows (seed {args.seed}) x {args.prompt_tokens} tokens, "
           f"{args.max_new_tokens} new, {args.tree}, greedy: tau {tau:.2f}, acceptance by depth {rates}")
     if args.write:
