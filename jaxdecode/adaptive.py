@@ -151,12 +151,18 @@ class AdaptivePolicy:
     probe_first: int = 8
     probe_every: int = 8
     probe_cost: float = 0.02
+    # The most plain steps the engine takes in a row once drafting does not pay: a lean inner loop
+    # (forward, next token, commit one token; the drafter's idle and observe only where it is not
+    # `history_only`) without the proposal, verifier and per-step policy bookkeeping, which cost 5-15% of
+    # a plain step of a small model. A run stops where the drifting estimates would make the policy probe
+    # again (plain_run_length), so probes come when they would step by step. 1: one engine step at a time.
+    plain_run: int = 32
 
     def __post_init__(self):
         ws = tuple(int(w) for w in self.widths)
         if not ws or ws[0] != 0 or list(ws) != sorted(set(ws)):
             raise ValueError(f"adaptive widths must be ascending node counts starting at 0, got {self.widths}")
-        for name in ("probe_first", "probe_every"):
+        for name in ("probe_first", "probe_every", "plain_run"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"AdaptivePolicy.{name} must be an int >= 1, got {v!r}")

@@ -46,7 +46,7 @@ import numpy as np
 
 from jaxdecode.kernels.common import next_pow2, round_up
 
-SCHEMA = 10  # version of the cache file layout and of the key; bump when either changes meaning
+SCHEMA = 11  # version of the cache file layout and of the key; bump when either changes meaning
 # (4: DraftLM and self-speculation lost their idle step: older tables hold an idle cost no longer paid;
 # 5: plain steps of history_only drafters run as lean runs, priced per token;
 # 6: level_capped drafters draft only the levels a step verifies: draft_by_width, and forced steps
@@ -56,7 +56,9 @@ SCHEMA = 10  # version of the cache file layout and of the key; bump when either
 # of running inside it, 5% faster per sampled token at batch 1 on the CPU; 9: on the CPU the
 # decoders run the target's layers from one array each (models.split_layers), a third faster per
 # plain step at batch 1: older tables overprice every forward; 10: engine steps are timed over 16
-# trips at least: EAGLE-3's plain step at batch 4 measured 5.8-6.6 ms over 3 trips, 3.6 ms decoding)
+# trips at least: EAGLE-3's plain step at batch 4 measured 5.8-6.6 ms over 3 trips, 3.6 ms decoding;
+# 11: every drafter's plain steps run as lean runs (the drafter's observe inside them), not only
+# history_only drafters)
 DEFAULT_CONTEXT_LEN = 256
 # Trips of a timed engine step, at least: the first steps from the prefilled state cost more than
 # later ones (EAGLE-3's plain step at batch 4: 6.0 ms per trip over 3 trips, 4.2 over 32, 3.6 in a
@@ -602,16 +604,15 @@ def _forced_steps(config, params, drafter, prompt, lengths, widths, sampler, ver
     grow = drafter.max_depth + 1  # most tokens a step commits
     max_new = max_trips * grow + 1  # rows never finish inside a timed loop
     cache_len = round_up(context_len + max_new + drafter.num_nodes + grow + 1, 64)
-    # Estimates fixed at 1 (decay 1, no drift, no reach limit): every kept node stays verifiable.
+    # Estimates fixed at 1 (decay 1, no drift, no reach limit): every kept node stays verifiable. A
+    # lean plain run of `grow` steps per trip, the room each trip has: the policy prices a plain token
+    # at what a run of them costs, not one run's overhead (the probe-time check of
+    # adaptive.plain_run_length) per token.
     policy = AdaptivePolicy(widths=widths, decay=1.0, prior=1.0, explore=0.0, min_reach=0.0, margin=0.0,
-                            shape="proposal")
+                            shape="proposal", plain_run=grow)
     static = dict(verifier=_verifier(drafter, sampler, verifier), sampler=sampler, max_new_tokens=max_new,
                   eos_ids=(), cache_len=cache_len, hist_cap=context_len + max_new + grow + 1,
-                  attn_impl=attn_impl, verify_widths=widths, mesh=mesh, policy=policy,
-                  # A lean plain run (history_only drafters) of `grow` steps per trip, the room each trip
-                  # has: the policy prices a plain token at what a run of them costs, not one run's
-                  # overhead (the probe-time check of adaptive.plain_run_length) per token.
-                  plain_run=grow)
+                  attn_impl=attn_impl, verify_widths=widths, mesh=mesh, policy=policy)
 
     def engine(p, d, costs):
         return _engine(config, p, d, costs, **static)

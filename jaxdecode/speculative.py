@@ -72,7 +72,9 @@ class DraftContext:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Observation:
-    """What a drafter learns after a verification (Token Recycling, ADED, draft-model upkeep)."""
+    """What a drafter learns after a verification (Token Recycling, ADED, draft-model upkeep). N is the
+    verified tree's node count: the drafter's own, or 0 for the plain steps of the adaptive engine's lean
+    runs (no tree: slot 0, the root, is all there is), so observe must read N from the arrays."""
     tree: Tree
     path: jax.Array  # int32[B, N] accepted node indices, -1 padded
     num_accepted: jax.Array  # int32[B]
@@ -100,8 +102,8 @@ class Drafter(Protocol):
     measured on held-out text: trained drafters carry what their training measured), idle (run on the
     adaptive policy's plain steps, to keep the drafter's state current), history_only (default False:
     True declares that `observe` is the identity and there is no `idle` — the drafter reads all it
-    needs from the history when it proposes — so when drafting does not pay the engine may decode
-    several plain steps in a row without calling the drafter; see PLAIN_RUN), level_capped (default
+    needs from the history when it proposes — so the engine's plain runs (AdaptivePolicy.plain_run)
+    never call the drafter), level_capped (default
     False: True declares a chain drafter whose `propose` drafts at most DraftContext.max_nodes[b]
     levels in row b when it is set, each level costing a draft step; the adaptive policy then sets it
     before drafting and prices a draft of w nodes at what w levels cost, the cost table's
@@ -127,13 +129,6 @@ class Drafter(Protocol):
 
 
 FINAL = "final"  # in Drafter.feature_layers: the target's last hidden state (after the final norm)
-
-# The most plain steps the adaptive engine takes in a row, once the policy judges that drafting does
-# not pay, for a `history_only` drafter: a lean inner loop (forward, next token, commit one token)
-# with no drafter, verifier or per-step policy bookkeeping, which cost 5-15% of a plain step of a
-# small model. The run stops where the drifting estimates would make the policy probe again
-# (adaptive.plain_run_length), so probes come when they would step by step.
-PLAIN_RUN = 32
 
 
 def feature_request(feature_layers) -> tuple:
@@ -362,21 +357,24 @@ class _Engine:
     start: Any
     step: Any
     finish: Any
-    # Tokens a plain step commits at most: `plain_run` for a lean plain run (history_only drafters),
-    # else 1. The cost model divides a plain trip's time by it (a trip that never ends its run early).
+    # Tokens a plain step commits at most: `plain_run` for a lean plain run, else 1. The cost model
+    # divides a plain trip's time by it (a trip that never ends its run early).
     plain_tokens: int = 1
 
 
 def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, sampler, max_new_tokens, eos_ids,
             cache_len, hist_cap, attn_impl, verify_widths, mesh=None, policy=None, logprobs=False,
-            top_logprobs=0, stream_handle=None, plain_run: int | None = None) -> _Engine:
+            top_logprobs=0, stream_handle=None) -> _Engine:
     n, max_d = drafter.num_nodes, drafter.max_depth
     pad = pad_id_for(eos_ids)
     feature_layers = tuple(getattr(drafter, "feature_layers", ()) or ())
-    plain_run = PLAIN_RUN if plain_run is None else plain_run
-    # Plain steps as a lean run (`plain_steps`) where nothing but the token needs a step's care.
-    lean_plain = (policy is not None and constraint is None and not logprobs
-                  and bool(getattr(drafter, "history_only", False)) and getattr(drafter, "idle", None) is None)
+    plain_run = 1 if policy is None else policy.plain_run
+    # Plain steps as a lean run (`plain_steps`) where nothing but the token and the drafter's upkeep
+    # needs a step's care (a constraint's state and log-probs are kept by the engine step).
+    lean_plain = policy is not None and constraint is None and not logprobs and plain_run > 1
+    idle = getattr(drafter, "idle", None)
+    # The drafter keeps state from what the target computed (observe) or on steps it does not draft (idle).
+    upkeep = idle is not None or not bool(getattr(drafter, "history_only", False))
     # Greedy decoding with a verifier that reads only the target's argmax: no [B, N+1, V] distribution.
     argmax_only = sampler.is_greedy and callable(getattr(verifier, "verify_argmax", None))
     # A chain drafter that drafts only the levels the policy's plan will verify (Drafter.level_capped).
@@ -484,6 +482,12 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
         ended = jnp.where(j < res.num_accepted[:, None], on_path, at_bonus & (j == res.num_accepted[:, None]))
         return ended, moved
 
+    def observe(dstate, tree, res, logits, feats, history, hist_len, active, count):
+        """The drafter's state after a verification of `tree` (history already committed)."""
+        return drafter.observe(dstate, Observation(
+            tree=tree, path=res.path, num_accepted=res.num_accepted, bonus=res.bonus, target_logits=logits,
+            history=history, hist_len=hist_len, active=active, features=feats, committed=count))
+
     def finish(st, tree, dstate, pstate, key, active, verified, plain: bool = False, slot_path=None,
                slot_states=None):
         """Commit a verification's accepted path and bonus; observe; statistics. plain: nothing was
@@ -524,10 +528,7 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
         if stream_handle is not None:  # streaming: the output so far to the host (whole blocks); rows end if abandoned
             done = done | streaming.emit(stream_handle, history, hist_len - num_new, st.num_new, num_new, done)
 
-        obs = Observation(tree=tree, path=res.path, num_accepted=res.num_accepted, bonus=res.bonus,
-                          target_logits=logits, history=history, hist_len=hist_len, active=active,
-                          features=feats, committed=count)
-        dstate = drafter.observe(dstate, obs)
+        dstate = observe(dstate, tree, res, logits, feats, history, hist_len, active, count)
         # Committed draft nodes: the path up to an EOS or the token budget (count includes the bonus).
         committed = jnp.minimum(res.num_accepted, count)
         hist, tried, accepted = _acceptance_stats(tree, res.path, res.num_accepted, committed, active, max_d)
@@ -619,7 +620,6 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
             return finish_verified(st, verified)
 
         def plain(st):  # drafting does not pay this step: the drafter only keeps its state current
-            idle = getattr(drafter, "idle", None)
             dstate = st.drafter_state if idle is None else idle(st.drafter_state, ctx)
             slots = allowed = None
             if constraint is not None:
@@ -648,24 +648,32 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
         return plain_steps(st, remaining, empty_tree, run_plain=plain_next)
 
     def plain_steps(st, remaining, empty_tree, run_plain):
-        """Plain decoding steps in one inner loop, for a history_only drafter (nothing to observe or
-        idle): as many as the policy would take before its next probe (adaptive.plain_run_length), at
-        most `plain_run`; none unless `run_plain` (bool[]: the step verified nothing). Each runs the
-        pending token alone through the target and commits the next token (greedy: the argmax, as every
-        verifier does for an empty tree); the statistics are those of that many engine plain steps, and
-        the policy's estimates drift once for the steps taken."""
+        """Plain decoding steps in one inner loop: as many as the policy would take before its next probe
+        (adaptive.plain_run_length), at most `plain_run`; none unless `run_plain` (bool[]: the step
+        verified nothing). Each runs the pending token alone through the target and commits the next
+        token (greedy: the argmax, as every verifier does for an empty tree); a drafter that keeps
+        state (not history_only) gets an engine plain step's idle and observe calls, the observation
+        over no nodes (N = 0: observing the N + 1 slots of its tree cost EAGLE-3 14% of a plain step
+        at batch 4 on the CPU, where one slot is all a plain step commits). The
+        statistics are those of that many engine plain steps, and the policy's estimates drift once for
+        the steps taken."""
         b = st.history.shape[0]
         rows = jnp.arange(b)
+        no_nodes = jax.tree.map(lambda x: x[:, :0], empty_tree)
 
         # The loop carries the pending token (a gather from the history per step cost ~0.25 ms of a 3 ms
         # step on CPU) and only what a plain step changes.
         def one(carry):
-            i, cache, history, hist_len, num_new, done, key, nonfinite, taken, pending = carry
+            i, cache, history, hist_len, num_new, done, key, nonfinite, taken, pending, dstate = carry
             # Greedy reads no randomness: no key split (a threefry loop per step on CPU).
-            key, k_verify = (key, key) if sampler.is_greedy else jax.random.split(key)
+            if idle is not None:
+                key, k_draft, k_verify = jax.random.split(key, 3)
+                dstate = idle(dstate, DraftContext(history=history, hist_len=hist_len, key=k_draft))
+            else:
+                key, k_verify = (key, key) if sampler.is_greedy else jax.random.split(key)
             active = ~done
             s = st.replace(cache=cache, history=history, hist_len=hist_len, nonfinite=nonfinite)
-            _, _, cache, res, nonfinite = verify_nothing(s, empty_tree, active, k_verify, pending=pending)
+            logits, feats, cache, res, nonfinite = verify_nothing(s, empty_tree, active, k_verify, pending=pending)
             count = active.astype(jnp.int32)
             # A finished row writes padding past its end (hist_len < hist_cap always: room for a tree).
             history = _write_rows(history, jnp.where(active, res.bonus, pad)[:, None], hist_len)
@@ -673,19 +681,23 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
             done = done | (active & (is_eos(res.bonus, eos_ids) | (new_num >= max_new_tokens)))
             if stream_handle is not None:
                 done = done | streaming.emit(stream_handle, history, hist_len - new_num, num_new, new_num, done)
+            if upkeep:  # observed as what it is, a verification of no nodes (N = 0: one slot, the root)
+                dstate = observe(dstate, no_nodes, dataclasses.replace(res, path=res.path[:, :0]), logits[:, :1],
+                                 None if feats is None else feats[:, :, :1], history, hist_len, active, count)
             return (i + 1, advance(cache, count), history, hist_len, new_num, done, key, nonfinite, taken + count,
-                    jnp.where(active, res.bonus, pending))
+                    jnp.where(active, res.bonus, pending), dstate)
 
         run = adaptive_mod.plain_run_length(policy, st.policy_state, costs, remaining,
                                             jnp.where(run_plain, plain_run, 0))
         carry = (jnp.int32(0), st.cache, st.history, st.hist_len, st.num_new, st.done, st.key, st.nonfinite,
-                 jnp.zeros_like(st.steps), st.history[rows, st.hist_len - 1])
-        trips, cache, history, hist_len, num_new, done, key, nonfinite, taken, _ = jax.lax.while_loop(
+                 jnp.zeros_like(st.steps), st.history[rows, st.hist_len - 1], st.drafter_state if upkeep else None)
+        trips, cache, history, hist_len, num_new, done, key, nonfinite, taken, _, dstate = jax.lax.while_loop(
             lambda c: (c[0] < run) & ~jnp.all(c[5]), one, carry)
         return st.replace(cache=cache, history=history, hist_len=hist_len, num_new=num_new, done=done, key=key,
                           nonfinite=nonfinite, target_calls=st.target_calls + trips, steps=st.steps + taken,
                           accept_hist=st.accept_hist.at[:, 0].add(taken), width_hist=st.width_hist.at[0].add(trips),
-                          policy_state=adaptive_mod.drift(policy, st.policy_state, taken))
+                          policy_state=adaptive_mod.drift(policy, st.policy_state, taken),
+                          drafter_state=dstate if upkeep else st.drafter_state)
 
     def _verified_shapes(st, tree, active, k_verify):
         """Zeros shaped like `verify`'s result (the operand of the switch between the two)."""

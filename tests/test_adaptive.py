@@ -100,14 +100,15 @@ def _run(cfg, params, drafter, prompts, lengths, n, costs=Costs(), sampler=GREED
                               verifier=get_verifier(verifier), sampler=sampler, adaptive=policy, costs=costs)
 
 
-def _oracle_stats(models, prompts, n, shift, costs=Costs(), prior=(), history_only=False):
-    """Stats of an adaptive run with an OracleDrafter (chain of 4) over `prompts`; greedy-exact."""
+def _oracle_stats(models, prompts, n, shift, costs=Costs(), prior=(), history_only=False, **policy):
+    """Stats of an adaptive run with an OracleDrafter (chain of 4) over `prompts` (policy: AdaptivePolicy
+    overrides); greedy-exact."""
     (cfg, params), _ = models
     prompts, lengths = pad_prompts(prompts)
     ref = _greedy(cfg, params, prompts, lengths, n)
     drafter = OracleDrafter(continuation=ref.tokens, prompt_lengths=lengths, depth=4, shift=shift, vocab=64,
                             acceptance_prior=prior, history_only=history_only)
-    out = _run(cfg, params, drafter, prompts, lengths, n, costs=costs)
+    out = _run(cfg, params, drafter, prompts, lengths, n, costs=costs, **policy)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
     return jax.tree.map(np.asarray, out.stats)
 
@@ -124,23 +125,25 @@ def test_never_accepted_drafts_stop_within_a_few_steps(models):
 
 @pytest.mark.parametrize("shift", [1, 0])
 def test_lean_plain_runs_probe_when_step_by_step_would(models, shift):
-    """A history_only drafter's plain steps run as the engine's lean plain run (up to PLAIN_RUN steps in
-    one inner loop, no drafter or per-step policy work); the run ends where the drifting estimates would
-    make the policy probe, so it drafts on (about) the same steps as the step-by-step engine, with the
-    same output and statistics (4 ragged prompts)."""
+    """Plain steps run as the engine's lean plain run (up to AdaptivePolicy.plain_run steps in one inner
+    loop, no proposal or per-step policy work; a drafter that is not history_only observes each step);
+    the run ends where the drifting estimates would make the policy probe, so it drafts on (about) the
+    same steps as the step-by-step engine (plain_run=1), with the same output and statistics (4 ragged
+    prompts)."""
     n = 48
     with mock.patch.object(adaptive, "plain_run_length", wraps=adaptive.plain_run_length) as runs:
-        step = _oracle_stats(models, PROMPTS_4, n, shift=shift)
-        assert not runs.called  # not history_only: one plain step at a time
-        lean = _oracle_stats(models, PROMPTS_4, n, shift=shift, history_only=True)
+        step = _oracle_stats(models, PROMPTS_4, n, shift=shift, plain_run=1)
+        assert not runs.called  # one plain engine step at a time
+        leans = [_oracle_stats(models, PROMPTS_4, n, shift=shift, history_only=h) for h in (False, True)]
         assert runs.called  # traced into the loop: plain steps run as lean runs
-    np.testing.assert_array_equal(lean["verify_calls"], step["verify_calls"])
-    np.testing.assert_array_equal(lean["target_calls"], step["target_calls"])
-    np.testing.assert_array_equal(lean["accept_hist"], step["accept_hist"])
-    np.testing.assert_allclose(lean["speculative_steps"], step["speculative_steps"], atol=1)
-    assert lean["width_hist"].sum() == step["width_hist"].sum()
-    if shift == 1:  # never right: mostly plain steps, counted per step like the engine's own
-        assert lean["width_hist"][0] >= n - 4 - n // 8, lean["width_hist"]
+    for lean in leans:
+        np.testing.assert_array_equal(lean["verify_calls"], step["verify_calls"])
+        np.testing.assert_array_equal(lean["target_calls"], step["target_calls"])
+        np.testing.assert_array_equal(lean["accept_hist"], step["accept_hist"])
+        np.testing.assert_allclose(lean["speculative_steps"], step["speculative_steps"], atol=1)
+        assert lean["width_hist"].sum() == step["width_hist"].sum()
+        if shift == 1:  # never right: mostly plain steps, counted per step like the engine's own
+            assert lean["width_hist"][0] >= n - 4 - n // 8, lean["width_hist"]
 
 
 def test_drift_compounds_and_the_plain_run_ends_at_the_next_probe():

@@ -118,8 +118,6 @@ class RowRanges:
     """Rows [start, stop) draft with `builder` (static, contiguous ranges covering the batch)."""
     logq: jax.Array
     ranges: tuple = dataclasses.field(metadata=dict(static=True))  # ((builder, start, stop), ...)
-    # True: the adaptive engine's plain steps run as its lean plain run (observe is the identity).
-    history_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
     # True: chain rows draft only the levels the adaptive policy's plan verifies (DraftContext.max_nodes).
     level_capped: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
@@ -257,17 +255,18 @@ class StepCosts:
 # verifies both depths; a row whose first draft was rejected then verifies depth 1 only ("partial")
 # or, its estimate below what pays, drafts nothing and decodes plainly ("off"). Worked out from the
 # finish time step(w) * remaining / E(w).
-# "off-lean": "off" with a history_only drafter, whose plain steps run as the engine's lean plain run.
+# "off" takes its plain steps as the engine's lean plain run; "off-step" one engine step at a time
+# (AdaptivePolicy.plain_run=1, the plain step a constraint or log-probs use).
 # "partial-capped": "partial" with level_capped chains: a row the plan gives depth 1 drafts one level.
 ADAPTIVE_COSTS = {"partial": StepCosts(per_node=0.29, draft=0.1), "off": StepCosts(per_node=0.28, draft=0.3),
-                  "off-lean": StepCosts(per_node=0.28, draft=0.3),
+                  "off-step": StepCosts(per_node=0.28, draft=0.3),
                   "partial-capped": StepCosts(per_node=0.29, draft=0.1)}
 
 
 # "partial-capped" caps ChainBuilder chains only (`capped_chain`; other builders draft as in "partial"),
-# and "off-lean" changes plain steps, where no verifier runs: both run the ChainBuilder blocks, which
+# and "off-step" changes plain steps, where no verifier runs: both run the ChainBuilder blocks, which
 # hold every verifier of the chain size (checked in test_adaptive_policy_keeps_chains_lossless).
-CHAIN_BUILDER_ONLY = ("partial-capped", "off-lean")
+CHAIN_BUILDER_ONLY = ("partial-capped", "off-step")
 
 
 def chain_builder_blocks(blocks):
@@ -282,8 +281,6 @@ def decode_chunks(drafter, verifier, rows: int, adaptive: str | None = None):
     lengths = np.full((rows,), len(PROMPT), np.int32)
     need = len(PROMPT) + new + drafter.num_nodes + 1 + drafter.max_depth + 1
     outs = []
-    if adaptive == "off-lean":
-        drafter = dataclasses.replace(drafter, history_only=True)
     if adaptive == "partial-capped":
         drafter = dataclasses.replace(drafter, level_capped=True)
     # Each pair was judged by check_combination above; the composite drafter / verifier are not
@@ -292,7 +289,8 @@ def decode_chunks(drafter, verifier, rows: int, adaptive: str | None = None):
         mp.setattr(spec, "check_combination", lambda *a: None)
         for chunk in range(CHUNKS):
             policy = None if adaptive is None else AdaptivePolicy(widths=default_widths(drafter.num_nodes),
-                                                                  shape="structure", margin=0.0)
+                                                                  shape="structure", margin=0.0,
+                                                                  plain_run=1 if adaptive == "off-step" else 32)
             out = speculative_decode(CFG, PARAMS, drafter, prompts, lengths, max_new_tokens=new,
                                      verifier=verifier, sampler=T1, cache_len=need,
                                      key=jax.random.key(100 + chunk, impl="rbg"),  # rbg: faster bits on CPU
@@ -300,7 +298,7 @@ def decode_chunks(drafter, verifier, rows: int, adaptive: str | None = None):
             assert np.all(np.asarray(out.lengths) == new)
             if adaptive is not None:  # the policy did what the costs were picked for
                 hist = np.asarray(out.stats["width_hist"])
-                assert hist[-1] > 0 and hist[{"partial": 1, "off": 0, "off-lean": 0, "partial-capped": 1}[adaptive]] > 0, hist
+                assert hist[-1] > 0 and hist[{"partial": 1, "off": 0, "off-step": 0, "partial-capped": 1}[adaptive]] > 0, hist
             outs.append((np.asarray(out.tokens)[:, :2], np.asarray(out.stats["verify_calls"])))
     return outs
 

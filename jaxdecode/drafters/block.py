@@ -301,7 +301,7 @@ class BlockDrafter:
 
     def observe(self, st: BlockState, obs):
         feats, count = accepted_features(obs)  # [F, B, N+1, D]: root, accepted nodes...
-        m = self.max_depth + 1  # a path holds at most max_depth nodes
+        m = min(self.max_depth + 1, feats.shape[2])  # a path holds at most max_depth nodes (N may be 0)
         feats = feats[:, :, :m]
         pos = st.lengths[:, None] + jnp.arange(m, dtype=jnp.int32)[None, :]
         k, v = context_kv(self.dcfg, self.params, feats, pos)  # [Ld, B, KV, m, hd]
