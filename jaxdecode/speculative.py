@@ -164,7 +164,7 @@ def accepted_features(obs: Observation):
     row; 0 for inactive rows). Slot j holds the state after history token
     hist_len - committed - 1 + j (the pending root is j = 0), the one that predicted the step's
     committed token j; the last valid one is the "bonus slot" (its logits produced the newest token)."""
-    slots = jnp.concatenate([jnp.zeros_like(obs.path[:, :1]), obs.path + 1], axis=1)  # [B, N+1]
+    slots = jnp.concatenate([jnp.zeros((obs.path.shape[0], 1), obs.path.dtype), obs.path + 1], axis=1)  # [B, N+1]
     slots = jnp.where(slots > 0, slots, 0)
     feats = jnp.take_along_axis(obs.features, slots[None, :, :, None], axis=2)
     count = obs.committed if obs.committed is not None else jnp.where(obs.active, obs.num_accepted + 1, 0)

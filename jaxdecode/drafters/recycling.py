@@ -195,7 +195,7 @@ class TokenRecyclingDrafter:
             raise ValueError(f"TokenRecyclingDrafter: built for vocab_size={self.vocab_size} but the "
                              f"target's logits have {logits.shape[-1]} entries")
         keys = jnp.concatenate([state.root[:, None], obs.tree.tokens], axis=1)  # [B, N+1] slot tokens
-        ok = jnp.concatenate([jnp.ones_like(obs.tree.valid[:, :1]), obs.tree.valid], axis=1)
+        ok = jnp.concatenate([jnp.ones((keys.shape[0], 1), bool), obs.tree.valid], axis=1)
         ok = ok & obs.active[:, None]
         cand = jax.lax.top_k(logits, self.topk)[1]  # [B, N+1, k]
         return dataclasses.replace(state, table=self._write_last(state.table, keys, ok, cand))

@@ -463,7 +463,8 @@ class SelfSpecDrafter:
 
     def _del_observe(self, state, obs):
         feats, count = accepted_features(obs)  # [F, B, N+1, D], int32[B]
-        slots = jnp.concatenate([jnp.zeros_like(obs.path[:, :1]), jnp.maximum(obs.path, 0) + 1], axis=1)
+        slots = jnp.concatenate([jnp.zeros((obs.path.shape[0], 1), obs.path.dtype), jnp.maximum(obs.path, 0) + 1],
+                                axis=1)
         top = jnp.argmax(jnp.take_along_axis(obs.target_logits, slots[..., None], axis=1), axis=-1)
         ok = (jnp.arange(slots.shape[1])[None, :] < count[:, None]).astype(jnp.float32)
         hits = (self._exit_matches(feats, top) * ok[None]).sum(axis=(1, 2))
