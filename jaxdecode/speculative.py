@@ -447,12 +447,14 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
         nonfinite = st.nonfinite | nonfinite_rows(logits, active, nodes)
         return logits, feats, cache, res, nonfinite
 
-    def verify_nothing(st, tree, active, k_verify, allowed=None, pending=None):
+    def verify_nothing(st, tree, active, k_verify, allowed=None, pending=None, padded: bool = True):
         """`verify` for a step that drafted nothing, done as a plain decoding step: the target over the
         pending token alone (no tree forward, no verifier), the next token drawn from its processed
         distribution — exactly what every verifier does for an empty tree (greedy: the argmax).
         allowed: bool[B, >=1, V], slot 0 the root's allowed tokens under a constraint. pending:
-        int32[B], the pending tokens when the caller has them (else read from the history)."""
+        int32[B], the pending tokens when the caller has them (else read from the history). padded:
+        logits, features and path shaped for `tree`'s N nodes as `verify` returns them; False: for no
+        nodes (N = 0, the lean plain run's observation)."""
         b = st.history.shape[0]
         if pending is None:
             pending = st.history[jnp.arange(b), st.hist_len - 1]
@@ -461,8 +463,10 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
                                                attn_impl, mesh, feature_layers)  # [B, 1, V]
         nonfinite = st.nonfinite | nonfinite_rows(logits, active, jnp.ones((b, 1), bool))
         root = logits[:, 0] if allowed is None else mask_logits(logits[:, 0], allowed[:, 0])
-        res = VerifyResult(path=jnp.full((b, n), -1, jnp.int32), num_accepted=jnp.zeros((b,), jnp.int32),
-                           bonus=next_token(root, k_verify))
+        res = VerifyResult(path=jnp.full((b, n if padded else 0), -1, jnp.int32),
+                           num_accepted=jnp.zeros((b,), jnp.int32), bonus=next_token(root, k_verify))
+        if not padded:
+            return logits, feats, cache, res, nonfinite
         logits = jnp.pad(logits, ((0, 0), (0, n), (0, 0)))  # slots of the (absent) nodes: zeros
         if feats is not None:
             feats = jnp.pad(feats, ((0, 0), (0, 0), (0, n), (0, 0)))
@@ -673,7 +677,8 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
                 key, k_verify = (key, key) if sampler.is_greedy else jax.random.split(key)
             active = ~done
             s = st.replace(cache=cache, history=history, hist_len=hist_len, nonfinite=nonfinite)
-            logits, feats, cache, res, nonfinite = verify_nothing(s, empty_tree, active, k_verify, pending=pending)
+            logits, feats, cache, res, nonfinite = verify_nothing(s, empty_tree, active, k_verify, pending=pending,
+                                                                  padded=False)  # [B, 1, V], [F, B, 1, D]
             count = active.astype(jnp.int32)
             # A finished row writes padding past its end (hist_len < hist_cap always: room for a tree).
             history = _write_rows(history, jnp.where(active, res.bonus, pad)[:, None], hist_len)
@@ -682,8 +687,7 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
             if stream_handle is not None:
                 done = done | streaming.emit(stream_handle, history, hist_len - new_num, num_new, new_num, done)
             if upkeep:  # observed as what it is, a verification of no nodes (N = 0: one slot, the root)
-                dstate = observe(dstate, no_nodes, dataclasses.replace(res, path=res.path[:, :0]), logits[:, :1],
-                                 None if feats is None else feats[:, :, :1], history, hist_len, active, count)
+                dstate = observe(dstate, no_nodes, res, logits, feats, history, hist_len, active, count)
             return (i + 1, advance(cache, count), history, hist_len, new_num, done, key, nonfinite, taken + count,
                     jnp.where(active, res.bonus, pending), dstate)
 
