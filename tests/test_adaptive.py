@@ -399,13 +399,58 @@ def test_a_declared_acceptance_prior_gets_a_good_drafter_tried(models):
     assert told["tau"][0] > 4.0, told["tau"]
 
 
+def test_later_siblings_are_judged_given_the_earlier_ones_missed():
+    """Estimates are P(accepted | parent accepted, earlier siblings missed): siblings' chances sum to
+    <= 1 and a first child that keeps missing leaves its mass to the next. Every prior (flat, or a
+    drafter's measured acceptance by depth) is a first child's; a later sibling starts at a guess
+    (sibling_share) weighing as one. When every rank of a depth started at the depth's prior,
+    Medusa's four depth-1 siblings were worth 0.68 each (capped to sum to 1), a full tree looked
+    worth 1 + depth tokens, and the policy drafted at 0.72x plain greedy (BENCHMARKS.md, "Later
+    siblings")."""
+    static = np.array([-1, -1, -1, -1, 0, 0], np.int32)  # four children of the root; two of node 0
+    policy = adaptive.AdaptivePolicy(widths=(0, 2, 6), prior_by_depth=(0.7,), prior_weight=16.0, min_reach=0.0)
+    st = adaptive.init_state(policy, 1, 2, 6, static)
+    np.testing.assert_allclose(np.asarray(st.accept)[0], [0.7, 1 / 3, 1 / 3, 1 / 3, 0.7, 1 / 3], rtol=1e-6)
+    # measured rates count as measured (16 observations); the later siblings' guess as 1 / (1 - decay)
+    np.testing.assert_allclose(np.asarray(st.weight)[0], [16, 5, 5, 5, 16, 5], rtol=1e-6)
+    reach, _, _ = adaptive._node_values(policy, st, st.parents, st.shaped)
+    a1 = 0.3 / 3  # node 1: node 0 missed (0.3), then it is right (1/3)
+    np.testing.assert_allclose(np.asarray(reach)[0],
+                               [0.7, a1, a1 * 2 / 3, a1 * 4 / 9, 0.49, 0.7 * a1], rtol=1e-5)
+    assert float(np.sum(np.asarray(reach)[0, :4])) < 1.0
+    # A first child that keeps missing leaves its mass to the next: rank 1 is worth its own rate.
+    missing = dataclasses.replace(st, accept=st.accept.at[:, 0].set(0.0))
+    reach, order, _ = adaptive._node_values(policy, missing, st.parents, st.shaped)
+    np.testing.assert_allclose(np.asarray(reach)[0, :4], [0.0, 1 / 3, 2 / 9, 4 / 27], rtol=1e-5)
+    # A later sibling is tried only where the earlier ones missed: node 0 accepted leaves node 1 as it was.
+    tree = Tree(tokens=jnp.zeros((1, 6), jnp.int32), parents=jnp.asarray(static)[None], valid=jnp.ones((1, 6), bool))
+    after = adaptive.update(policy, st, tree, jnp.asarray([[0, 4, -1, -1, -1, -1]]), jnp.asarray([2]),
+                            jnp.asarray([2]), jnp.asarray([True]))
+    acc = np.asarray(after.accept)[0]
+    assert acc[0] > 0.7 and acc[4] > 0.7 and acc[1] >= 1 / 3 - 1e-6 and acc[5] >= 1 / 3 - 1e-6, acc
+    after = adaptive.update(policy, st, tree, jnp.asarray([[1, -1, -1, -1, -1, -1]]), jnp.asarray([1]),
+                            jnp.asarray([1]), jnp.asarray([True]))
+    acc = np.asarray(after.accept)[0]
+    assert acc[0] < 0.7 and acc[1] > 1 / 3 and acc[2] >= 1 / 3 - 1e-6, acc  # node 2 untried: node 1 was right
+    # the flat prior likewise; a chain has no later siblings
+    flat = adaptive.init_state(adaptive.AdaptivePolicy(widths=(0, 2, 6)), 1, 2, 6, static)
+    np.testing.assert_allclose(np.asarray(flat.accept)[0, :2], [0.6, 1 / 3], rtol=1e-6)
+    chain = adaptive.init_state(adaptive.AdaptivePolicy(widths=(0, 4)), 1, 4, 4, is_chain=True)
+    np.testing.assert_allclose(np.asarray(chain.accept)[0], [0.6] * 4)
+    with pytest.raises(ValueError, match="sibling_share"):
+        adaptive.AdaptivePolicy(widths=(0, 1), sibling_share=1.5)
+
+
 def test_acceptance_prior_seeds_the_estimates_by_depth_for_greedy_decoding_only():
     static = np.array([-1, -1, 0, 1, 2], np.int32)  # depths 1, 1, 2, 2, 3
     policy = adaptive.AdaptivePolicy(widths=(0, 1, 2, 5), prior_by_depth=(0.9, 0.8))
+    # The rates are a first child's: node 1, node 0's later sibling, starts at the guess
+    # (AdaptivePolicy.sibling_share); deeper than the table: its last rate.
     np.testing.assert_allclose(np.asarray(adaptive.init_state(policy, 2, 3, 5, static).accept),
-                               [[0.9, 0.9, 0.8, 0.8, 0.8]] * 2)  # deeper than the table: its last rate
-    keyed = adaptive.init_state(policy, 1, 3, 8)  # (depth, rank) keys: every rank of a depth alike
-    np.testing.assert_allclose(np.asarray(keyed.accept)[0], [0.9] * 8 + [0.8] * 16)
+                               [[0.9, 1 / 3, 0.8, 0.8, 0.8]] * 2, rtol=1e-6)
+    keyed = adaptive.init_state(policy, 1, 3, 8)  # (depth, rank) keys: rank 0 at the depth's rate
+    np.testing.assert_allclose(np.asarray(keyed.accept)[0].reshape(3, 8),
+                               [[0.9] + [1 / 3] * 7] + [[0.8] + [1 / 3] * 7] * 2, rtol=1e-6)
     with pytest.raises(ValueError, match="prior_by_depth"):
         adaptive.AdaptivePolicy(widths=(0, 1), prior_by_depth=(1.5,))
     drafter = OracleDrafter(continuation=jnp.zeros((1, 4), jnp.int32), prompt_lengths=jnp.ones((1,), jnp.int32),
