@@ -80,10 +80,11 @@ token (a strong match at depth 5 beats a weak one at depth 1), its class does. B
 next proposal's classes are unknown, so the plan judges the previous shape as if every node were of
 the best class (drafting is a lookup: proposing costs next to nothing); after drafting, `truncate`
 keeps each row's nodes by this proposal's classes. A key tried this step (a kept node whose
-parent was committed, or a kept child of the root, and none of whose earlier siblings was) moves toward 1 if its node was committed, else 0
-(weight 1 - decay); an untried key drifts by `explore` toward the estimate of the key above it (its
-parent node; depth 1: toward 1), so a row that stopped speculating probes again now and then, and a
-drafter that is always right grows its tree until the cost says stop.
+parent was committed, or a kept child of the root, and none of whose earlier siblings was) moves
+toward 1 if its node was committed, else 0 (weight 1 - decay); an untried key drifts by `explore`
+toward the estimate of the key above it (its parent node; depth 1: toward 1), so a row that stopped
+speculating probes again now and then, and a drafter that is always right grows its tree until the
+cost says stop.
 
 Shape probes. Estimates drift back toward trying, but the plan also judges the last proposal's shape
 (shape "proposal"), and that does not drift: a lookup drafter whose last proposal was a one-node weak
@@ -311,8 +312,8 @@ def init_state(policy: AdaptivePolicy, batch: int, max_depth: int, num_nodes: in
         key_depth = jnp.arange(len(above)) // ranks + 1 if ranks else depths(jnp.asarray(parents))
         table = jnp.asarray(policy.prior_by_depth, jnp.float32)
         start = table[jnp.minimum(key_depth, len(table)) - 1]
-    # Each key's sibling rank: the priors are those of a first child; a later one starts at a share of
-    # what its first sibling leaves, as a guess ("Later siblings").
+    # Each key's sibling rank: the priors are a first child's; a later one starts at the guess
+    # sibling_share, given its earlier siblings missed ("Later siblings").
     if ranks:
         key_rank = np.arange(len(above)) % ranks
     else:  # a node's earlier siblings
@@ -380,10 +381,10 @@ def node_keys(state: PolicyState, parents, rank=None):
 def _node_values(policy: AdaptivePolicy, state: PolicyState, parents, shaped):
     """For each node of a shape: (reach f32[B, N], order int32[B, N], eligible count int32[B]).
     order lists the eligible nodes best first by a score: the product along the node's path of the
-    nodes' rates given their parents (a_i, module docstring) made non-increasing in sibling rank, so a node never scores above its parent nor its
-    previous sibling; ties go to the lower index, so every leading part of `order` is closed under
-    parents and earlier siblings. Eligible: a node of the shape whose earlier siblings and ancestors
-    (and theirs) are of the shape too, with a score >= min_reach."""
+    nodes' chances given their parents (a_i, module docstring) made non-increasing in sibling rank, so
+    a node never scores above its parent nor its previous sibling; ties go to the lower index, so every
+    leading part of `order` is closed under parents and earlier siblings. Eligible: a node of the shape
+    whose earlier siblings and ancestors (and theirs) are of the shape too, with a score >= min_reach."""
     rank, earlier = _siblings(parents)
     est = jnp.concatenate([state.accept, jnp.zeros_like(state.accept[:, :1])], axis=1)
     est = jnp.take_along_axis(est, node_keys(state, parents, rank), axis=1)  # [B, N]: conditional rates

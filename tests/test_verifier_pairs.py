@@ -123,6 +123,9 @@ class RowRanges:
 
     num_nodes = property(lambda self: self.ranges[0][0].num_nodes)
     max_depth = property(lambda self: max(b.max_depth for b, _, _ in self.ranges))
+    # Rows of chain builders only propose chains (the adaptive policy then keys its estimates by depth
+    # and starts from a chain's shape, not a guessed tree's).
+    is_chain = property(lambda self: all(isinstance(b, ChainBuilder) for b, _, _ in self.ranges))
     init = TableDrafter.init
     observe = TableDrafter.observe
 
