@@ -46,7 +46,7 @@ import numpy as np
 
 from jaxdecode.kernels.common import next_pow2, round_up
 
-SCHEMA = 11  # version of the cache file layout and of the key; bump when either changes meaning
+SCHEMA = 12  # version of the cache file layout and of the key; bump when either changes meaning
 # (4: DraftLM and self-speculation lost their idle step: older tables hold an idle cost no longer paid;
 # 5: plain steps of history_only drafters run as lean runs, priced per token;
 # 6: level_capped drafters draft only the levels a step verifies: draft_by_width, and forced steps
@@ -597,19 +597,23 @@ def _forced_steps(config, params, drafter, prompt, lengths, widths, sampler, ver
     start from, the tokens a forced plain trip commits: the engine's `plain_tokens`). A width is forced
     by the policy's costs and by a drafter whose proposals keep exactly that many nodes; each trip
     returns the policy's width histogram (which width the step verified)."""
-    from jaxdecode.adaptive import AdaptivePolicy
-    from jaxdecode.speculative import _engine
+    from jaxdecode.sampling import SamplerConfig
+    from jaxdecode.speculative import _engine, policy_for
 
     b, context_len = prompt.shape
     grow = drafter.max_depth + 1  # most tokens a step commits
     max_new = max_trips * grow + 1  # rows never finish inside a timed loop
     cache_len = round_up(context_len + max_new + drafter.num_nodes + grow + 1, 64)
-    # Estimates fixed at 1 (decay 1, no drift, no reach limit): every kept node stays verifiable. A
-    # lean plain run of `grow` steps per trip, the room each trip has: the policy prices a plain token
-    # at what a run of them costs, not one run's overhead (the probe-time check of
-    # adaptive.plain_run_length) per token.
-    policy = AdaptivePolicy(widths=widths, decay=1.0, prior=1.0, explore=0.0, min_reach=0.0, margin=0.0,
-                            shape="proposal", plain_run=grow)
+    # The drafter's own policy (keyed by confidence class where the engine keys it so: that bookkeeping
+    # is part of the step; timed without it, the retrieval default's 1-node step at batch 4, T = 0.7
+    # was priced at 1.23 plain tokens, with it 1.33, and the policy drafted at 0.91x plain decoding,
+    # now 0.98x: BENCHMARKS.md, "the policy's own bookkeeping priced"), with estimates fixed at 1
+    # (decay 1, no drift, no reach limit): every kept node stays verifiable. A lean plain run of `grow`
+    # steps per trip, the room each trip has: the policy prices a plain token at what a run of them
+    # costs, not one run's overhead (the probe-time check of adaptive.plain_run_length) per token.
+    policy = policy_for(drafter, sampler or SamplerConfig(temperature=0.0), widths=widths, decay=1.0, prior=1.0,
+                        explore=0.0, min_reach=0.0, margin=0.0, shape="proposal", plain_run=grow,
+                        prior_by_depth=(), prior_by_class=(), prior_weight=0.0)
     static = dict(verifier=_verifier(drafter, sampler, verifier), sampler=sampler, max_new_tokens=max_new,
                   eos_ids=(), cache_len=cache_len, hist_cap=context_len + max_new + grow + 1,
                   attn_impl=attn_impl, verify_widths=widths, mesh=mesh, policy=policy)
