@@ -314,10 +314,7 @@ def init_state(policy: AdaptivePolicy, batch: int, max_depth: int, num_nodes: in
         start = table[jnp.minimum(key_depth, len(table)) - 1]
     # Each key's sibling rank: the priors are a first child's; a later one starts at the guess
     # sibling_share, given its earlier siblings missed ("Later siblings").
-    if ranks:
-        key_rank = np.arange(len(above)) % ranks
-    else:  # a node's earlier siblings
-        key_rank = np.sum(np.tril(parents[:, None] == parents[None, :], -1), axis=1)
+    key_rank = jnp.arange(len(above)) % ranks if ranks else _siblings(jnp.asarray(parents)[None])[0][0]
     start = jnp.where(key_rank > 0, policy.sibling_share, start)
     if policy.classes:  # one key per class, each drifting toward 1 when untried (as a depth-1 key does)
         above = np.full(policy.classes, -1)
@@ -325,10 +322,10 @@ def init_state(policy: AdaptivePolicy, batch: int, max_depth: int, num_nodes: in
         if policy.prior_by_class:
             table = jnp.asarray(policy.prior_by_class, jnp.float32)
             start = table[jnp.minimum(jnp.arange(policy.classes), len(table) - 1)]
-        key_rank = np.zeros(policy.classes, np.int32)
-    weight = np.where(key_rank > 0, _steady_weight(policy), max(float(policy.prior_weight), _steady_weight(policy)))
+        key_rank = jnp.zeros(policy.classes, jnp.int32)
+    weight = jnp.where(key_rank > 0, _steady_weight(policy), max(float(policy.prior_weight), _steady_weight(policy)))
     return PolicyState(accept=jnp.broadcast_to(start, (batch, len(above))),
-                       weight=jnp.broadcast_to(jnp.asarray(weight, jnp.float32), (batch, len(above))),
+                       weight=jnp.broadcast_to(weight.astype(jnp.float32), (batch, len(above))),
                        above=jnp.asarray(above, jnp.int32),
                        parents=jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (batch, n)),
                        shaped=jnp.broadcast_to(jnp.asarray(shaped), (batch, n)),
