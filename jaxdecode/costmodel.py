@@ -371,21 +371,17 @@ class _Loop:
 
 
 def _time_loops(loops: list, state, repeats: int, target_seconds: float, max_trips: int = 256,
-                fresh: bool = False, states: list | None = None, min_trips: int = 1):
+                fresh: bool = False, min_trips: int = 1):
     """Median seconds per trip of each loop, compile excluded; `state` is handed from loop to loop (one
     KV cache for every width), or with `fresh` every call starts from a copy of it (made untimed: loops
-    whose state grows, like the engine's, then stay within the room they were given); `states`: one
-    such starting state per loop (loops of different drafters). The loops are timed round-robin, so a
-    slow spell of a busy machine spreads over all of them instead of bending the curve."""
+    whose state grows, like the engine's, then stay within the room they were given). The loops are
+    timed round-robin, so a slow spell of a busy machine spreads over all of them instead of bending
+    the curve."""
     def copy(s):  # private: it is donated
         return jax.block_until_ready(jax.tree.map(lambda x: jnp.array(x, copy=True), s))
 
-    if states is not None:
-        bases = [copy(s) for s in states]
-        fresh, state = True, None
-    else:
-        bases = [copy(state) if fresh else None] * len(loops)
-        state = copy(state)
+    bases = [copy(state) if fresh else None] * len(loops)
+    state = copy(state)
 
     def run(i, state, trips):
         return loops[i](copy(bases[i]) if fresh else state, trips)
@@ -634,89 +630,6 @@ def _forced_steps(config, params, drafter, prompt, lengths, widths, sampler, ver
         args = (params, _FirstNodes(drafter, jnp.int32(w)), _forcing_costs(widths, i))
         loops.append(_Loop(step, args, same_as=loops[0] if loops else None))
     return loops, state0, engine(params, drafter, None).plain_tokens
-
-
-def measure_trees(model, drafters, batch_size: int, *, context_len: int | None = None, sampler=None,
-                  verifier=None, repeats: int = 5, target_seconds: float = 0.1, attn_impl: str | None = None,
-                  mesh=None, seed: int = 0, progress=True) -> list:
-    """Seconds of the engine's whole step (draft, forward, verifier, commit, observe) for each drafter
-    verifying all of its tree, at `batch_size` rows over a cache of `context_len` tokens: the finalists
-    of tree="auto" (jaxdecode.treeopt), timed round robin in one run so they are compared under the
-    same load. A table interpolated from one drafter's widths misprices other trees: the step's
-    bookkeeping grows with the drafter's own node count and drafting with its levels and nodes."""
-    from jaxdecode.models import split_layers
-    from jaxdecode.sampling import SamplerConfig
-
-    config, params = _config_and_params(model)
-    drafters = list(drafters)
-    if not drafters:
-        raise ValueError("measure_trees needs at least one drafter")
-    check_batch_size(batch_size)
-    deepest = max(drafters, key=lambda d: d.max_depth)
-    context_len = resolve_context(config, deepest, context_len)
-    sampler = sampler or SamplerConfig(temperature=0.0)
-    if attn_impl is None:
-        attn_impl = "xla" if jax.default_backend() == "cpu" else "tree"
-    key = jax.random.PRNGKey(seed)
-    prompt = jax.random.randint(jax.random.fold_in(key, 0), (int(batch_size), context_len), 0, config.vocab_size,
-                                jnp.int32)
-    lengths = jnp.full((int(batch_size),), context_len, jnp.int32)
-    if mesh is not None:
-        from jaxdecode.sharding import shard_batch, shard_params
-        params, prompt, lengths = shard_params(params, mesh), shard_batch(prompt, mesh), shard_batch(lengths, mesh)
-    params = split_layers(config, params)
-    loops, states = [], []
-    for d in drafters:
-        ls, st0, _ = _forced_steps(config, params, d, prompt, lengths, (0, d.num_nodes), sampler, verifier,
-                                   attn_impl, mesh, jax.random.fold_in(key, 1), max_trips=32)
-        loops.append(ls[1])
-        states.append(st0)
-    secs = _time_loops(loops, None, repeats, target_seconds, max_trips=32, states=states)
-    for d, t in zip(drafters, secs):
-        _emit(progress, f"calibrate: tree of {d.num_nodes:3d} nodes, depth {d.max_depth} (batch {batch_size}, "
-                        f"context {context_len}): step {t * 1e3:9.3f} ms")
-    return secs
-
-
-def load_or_measure_trees(model, drafters, batch_size: int, *, context_len: int | None = None, sampler=None,
-                          verifier=None, cache_dir=None, progress=True, **kw) -> list:
-    """`measure_trees`, cached like the cost tables (<cache_dir>/trees/<sha256 of the key>.json, the key
-    holding every drafter's fingerprint); an unreadable or mismatched file is measured again with a
-    warning."""
-    config, params = _config_and_params(model)
-    drafters = list(drafters)
-    deepest = max(drafters, key=lambda d: d.max_depth)
-    limit = config.max_position_embeddings - deepest.max_depth - 1
-    context = context_bucket(resolve_context(config, deepest, context_len), limit)
-    key = {"schema": SCHEMA, "model": model_fingerprint((config, params)),
-           "drafters": [drafter_fingerprint(d) for d in drafters], "device": device_fingerprint(),
-           "batch_size": int(batch_size), "context_len": context,
-           "sampling": sampler is not None and not sampler.is_greedy,
-           "verifiers": [_stable(_verifier(d, sampler, verifier)) for d in drafters], "jax": jax.__version__}
-    key = json.loads(json.dumps(key))
-    path = Path(cache_dir or default_cache_dir()) / "trees" / \
-        f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()}.json"
-    try:
-        data = json.loads(path.read_text())
-        secs = data["seconds"] if isinstance(data, dict) and data.get("key") == key else None
-        if not (isinstance(secs, list) and len(secs) == len(drafters)
-                and all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in secs)):
-            raise ValueError("it holds no step times for these trees")
-        return [float(x) for x in secs]
-    except FileNotFoundError:
-        pass
-    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-        warnings.warn(f"tree cost cache file {path} is not valid ({e}); the trees are measured again and "
-                      f"the file replaced", stacklevel=2)
-    _emit(progress, f"calibrate: timing {len(drafters)} candidate trees at batch {batch_size} (once; cached in {path})")
-    secs = measure_trees((config, params), drafters, batch_size, context_len=context, sampler=sampler,
-                         verifier=verifier, progress=progress, **kw)
-    try:
-        write_json_atomic(path, {"key": key, "seconds": secs})
-    except OSError as e:
-        warnings.warn(f"cannot write the tree cost cache {path} ({e}); set JAXDECODE_CACHE_DIR to a writable "
-                      f"directory", stacklevel=2)
-    return secs
 
 
 def write_json_atomic(path: Path, obj) -> None:

@@ -21,10 +21,10 @@ heads, block drafters); a vector means the same p at every depth.
   levels x per-level + nodes x per-node seconds (`split_draft_cost`: from the propose times of the
   profiling comb and of a chain of the same depth).
 - `resolve_auto_tree`: what `generate(method="speculative", tree="auto")` runs: profile (cached on
-  disk) + cost table (jaxdecode.costmodel.load_or_calibrate) -> the model's best tree of each size class
-  (`size_finalists`), whose whole engine steps are then timed side by side
-  (jaxdecode.costmodel.load_or_measure_trees) -> a StaticTreeBuilder (or 'chain:L' for drafters that
-  retrieve chains) and the numbers for the stats.
+  disk) + cost table (jaxdecode.costmodel.load_or_calibrate) -> the model's ranking of trees -> a walk
+  over sizes from its best tree (`size_walk`), each step decoding the prompts with two trees and plain
+  decoding side by side (`time_runs`), kept while the measured tokens per second improve -> a
+  StaticTreeBuilder (or 'chain:L' for drafters that retrieve chains) and the numbers for the stats.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ from jaxdecode.tree import TreeError, static_tree_layout
 
 __all__ = ["AcceptanceProfile", "TreeChoice", "SizedCosts", "comb_paths", "acceptance_profile", "acceptance_matrix",
            "is_auto", "sequoia_values", "sequoia_tree", "expected_accepted", "choose_tree", "split_draft_cost",
-           "size_finalists", "tree_spec", "resolve_auto_tree", "parse_auto", "AUTO_DEFAULTS"]
+           "TreeRun", "time_runs", "size_walk", "tree_spec", "resolve_auto_tree", "parse_auto", "AUTO_DEFAULTS"]
 
 
 # ----------------------------------------------------------------------------- the acceptance model
@@ -458,33 +458,132 @@ def acceptance_profile(model, build_drafter: Callable[[Any], Any], prompt_tokens
                              tuple(map(tuple, accepted.tolist())), meta)
 
 
-def size_finalists(ranked, k: int) -> tuple:
-    """The best tree of each size class (1, 2-3, 4-7, 8-15, ... nodes), best class first, at most k:
-    the model's next-best trees are mostly its best one give or take a node, and its error is in how
-    cost grows with size, so the finalists to time should differ in size. The smallest class is always
-    one of them (k >= 2): where drafting costs more than the model says, the smallest tree wins, and
-    the model may rank it last (the distilled draft LM on this CPU: BENCHMARKS.md, 2026-11-26)."""
-    best = {}
-    for paths in ranked:  # best first: the first tree of a class is its best
-        best.setdefault(len(paths).bit_length(), paths)
-    classes = list(best.values())
-    smallest = min(classes, key=len) if classes else None
-    picked = classes[:k]
-    if k >= 2 and smallest is not None and all(p is not smallest for p in picked):
-        picked[-1] = smallest
-    return tuple(picked)
+# ----------------------------------------------------------------------------- the model's trees, run
+@dataclasses.dataclass(frozen=True)
+class TreeRun:
+    """What one configuration delivered decoding the calibration prompts: tau (new tokens per
+    verification of a row, as the engine's stats count it; 1 for plain decoding), seconds per target
+    forward of the batch (the prefill included), new tokens per second (every row)."""
+    tau: float
+    step_seconds: float
+    tokens_per_second: float
+
+
+def _batches(prompt_tokens, prompt_lengths, batch_size: int) -> list:
+    """The prompts as batches of exactly batch_size rows (rows taken cyclically: the last batch, or a
+    single one when there are fewer prompts than rows, is filled with the first prompts again)."""
+    toks, lens = np.asarray(prompt_tokens), np.asarray(prompt_lengths)
+    n = toks.shape[0]
+    order = np.arange(-(-n // batch_size) * batch_size) % n
+    return [(jnp.asarray(toks[order[i:i + batch_size]]), jnp.asarray(lens[order[i:i + batch_size]]))
+            for i in range(0, len(order), batch_size)]
+
+
+def time_runs(model, drafters, prompt_tokens, prompt_lengths, *, batch_size: int, max_new_tokens: int,
+              sampler=None, verifier=None, eos_ids: tuple = (), key=None, repeats: int = 3) -> list:
+    """A TreeRun per drafter (None: plain decoding): each decodes the prompts, batch_size rows at a time,
+    with the fixed engine (no adaptive policy: trees compared as trees); compiled by a first run, then
+    all timed round robin (`repeats` rounds, the median of each), so they share the load of the moment.
+    verifier: the given one, else each drafter's default for the sampler."""
+    from jaxdecode.autoregressive import decode
+    from jaxdecode.sampling import SamplerConfig
+    from jaxdecode.speculative import speculative_decode
+    from jaxdecode.verifiers import default_verifier, get_verifier
+
+    sampler = sampler or SamplerConfig(temperature=0.0)
+    key = key if key is not None else jax.random.PRNGKey(0)
+    batches = _batches(prompt_tokens, prompt_lengths, batch_size)
+
+    def runner(drafter):
+        if drafter is None:
+            def run():
+                outs = [decode(model.config, model.params, t, l, max_new_tokens=max_new_tokens, sampler=sampler,
+                               eos_ids=tuple(eos_ids), key=key, method="greedy" if sampler.is_greedy else "sample")
+                        for t, l in batches]
+                jax.block_until_ready([o.tokens for o in outs])
+                new = sum(int(np.asarray(o.lengths).sum()) for o in outs)
+                return new, new, sum(1 + int(np.asarray(o.lengths).max()) for o in outs)  # prefill + steps
+            return run
+        v = verifier if verifier is not None else default_verifier(drafter, sampler)
+        v = get_verifier(v) if isinstance(v, str) else v
+
+        def run():
+            outs = [speculative_decode(model.config, model.params, drafter, t, l, max_new_tokens=max_new_tokens,
+                                       verifier=v, sampler=sampler, eos_ids=tuple(eos_ids), key=key)
+                    for t, l in batches]
+            jax.block_until_ready([o.tokens for o in outs])
+            new = sum(int(np.asarray(o.lengths).sum()) for o in outs)
+            return (new, sum(int(np.asarray(o.stats["verify_calls"]).sum()) for o in outs),
+                    sum(int(np.asarray(o.stats["target_calls"]).max()) for o in outs))  # prefill included
+        return run
+
+    runs = [runner(d) for d in drafters]
+    counts = [run() for run in runs]  # compiles; (new tokens, row steps, forwards) are the same every time
+    secs = [[] for _ in runs]
+    for _ in range(max(1, int(repeats))):
+        for i, run in enumerate(runs):
+            t0 = time.perf_counter()
+            run()
+            secs[i].append(time.perf_counter() - t0)
+    out = []
+    for (new, row_steps, forwards), ss in zip(counts, secs):
+        sec = float(np.median(ss))
+        out.append(TreeRun(tau=new / max(row_steps, 1), step_seconds=sec / max(forwards, 1),
+                           tokens_per_second=new / sec))
+    return out
+
+
+def size_walk(ranked, measure: Callable[[list], list], budget: int, margin: float = 0.03) -> tuple:
+    """The tree the measurements prefer, walking over sizes from the model's best (ranked[0]): down by
+    halves (the model's best tree of (n/4, n/2] nodes, then of half that, ... to one node) while each
+    step measures faster than the best so far by more than `margin` (a tie within the noise of a
+    round robin keeps the tree the walk stands on: the measurement must overturn the model, and a
+    retrieval drafter's deeper chains pay on the repetitive prompts a short run may not hold); if the
+    first step down does not, up by doublings (its best of (n, 2n] nodes) the same way.
+    measure([best, candidate]) -> their tokens per second, measured side by side. At most `budget`
+    trees are measured (1: the model's choice, unmeasured). Why a walk:
+    the model's ranking is right about shape but its error grows with size (deep acceptance measured
+    on a comb's trajectory, branches off the top-1 path that heads do not condition on, step costs timed
+    on a random context), and the error is one-sided along a size axis, which a line search follows."""
+    best = ranked[0]
+    if budget <= 1:
+        return best
+    measured = 1
+
+    def pick(lo, hi):  # the model's best tree of lo < nodes <= hi
+        return next((q for q in ranked if lo < len(q) <= hi), None)
+
+    for direction in ("down", "up"):
+        moved = False
+        while measured < budget:
+            n = len(best)
+            cand = pick((n // 2) // 2, n // 2) if direction == "down" else pick(n, 2 * n)
+            if cand is None:
+                break
+            measured += 1
+            rate_best, rate_cand = measure([best, cand])
+            if rate_cand <= rate_best * (1.0 + margin):
+                break
+            best, moved = cand, True
+        if moved:
+            break
+    return best
 
 
 # ----------------------------------------------------------------------------- tree="auto"
 # Settings of tree="auto" ("auto:width=4,depth=4" overrides them): the profiling comb's ranks per node
 # and depth (unset: 6 for a comb, 12 for a chain: a chain adds one node a level, not `width`, and the
 # drafters that retrieve chains are often right deep), the largest tree considered (default: the comb's
-# size, the widest verification the cost table measures), new tokens per prompt of the profiling run, and how many of the model's best trees
-# are then timed side by side (`finalists`; 1: the model's choice, untimed).
+# size, the widest verification the cost table measures), new tokens per prompt of the profiling run
+# (and at most of the walk's runs, which decode the call's max_new_tokens), and how many trees the walk
+# over sizes may run (`finalists`; 1: the model's choice, nothing run).
 AUTO_DEFAULTS = {"width": 8, "depth": None, "max_nodes": None, "tokens": 128, "finalists": 4}
 _DEFAULT_DEPTH = {"comb": 6, "chain": 12}
 PROFILE_SCHEMA = 1
+TRIAL_SCHEMA = 1
 _PROFILE_ROWS = 16  # prompts the profiling run decodes at most (the first ones)
+_TRIAL_ROWS = 8  # prompts the walk's runs decode (the first ones; at least one batch)
+_WALK_MARGIN = 0.03  # how much faster a run must be to move the walk (the spread of one round robin)
 
 
 def is_auto(tree) -> bool:
@@ -559,39 +658,37 @@ def _profile_key(model, drafter, verifier_name: str, sampler, settings: dict, ch
             "width": 1 if chain else settings["width"], "depth": drafter.max_depth, "tokens": settings["tokens"]}
 
 
-def _profile_file(key: dict, cache_dir=None) -> Path:
+def _cache_file(kind: str, key: dict, cache_dir=None) -> Path:
+    """<cache_dir>/<kind>/<sha256 of the key>.json (kind: profiles, or trials: the walk's runs)."""
     from jaxdecode.costmodel import default_cache_dir
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-    return Path(cache_dir or default_cache_dir()) / "profiles" / f"{digest}.json"
+    return Path(cache_dir or default_cache_dir()) / kind / f"{digest}.json"
 
 
-def _read_profile(path: Path, key: dict) -> AcceptanceProfile | None:
-    """The profile cached at `path` for `key`, None when absent; a file that is unreadable or holds no
-    valid profile for this key is measured again with a warning, never an error."""
+def _read_cached(path: Path, key: dict, parse: Callable[[dict], Any], what: str):
+    """parse(the file's dict) when `path` holds one written for `key`, None when absent; a file that is
+    unreadable, written for another key or not parsed is measured again with a warning, never an
+    error."""
     try:
         data = json.loads(path.read_text())
         if not isinstance(data, dict) or data.get("key") != json.loads(json.dumps(key)):
             raise ValueError("it was written for another model / drafter / verifier / sampler")
-        return AcceptanceProfile.from_json(data["profile"])
+        return parse(data)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
-        warnings.warn(f"acceptance profile cache file {path} is not a valid profile ({e}); it is measured "
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:  # JSONDecodeError is a ValueError
+        warnings.warn(f"tree='auto' cache file {path} does not hold a valid {what} ({e}); it is measured "
                       f"again and the file replaced", stacklevel=3)
         return None
 
 
-def _write_profile(path: Path, key: dict, profile: AcceptanceProfile) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+def _write_cached(path: Path, key: dict, **content) -> None:
+    from jaxdecode.costmodel import write_json_atomic
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"key": key, "profile": profile.to_json()}, indent=1))
-        os.replace(tmp, path)
+        write_json_atomic(path, {"key": key, **content})
     except OSError as e:  # a read-only cache must not stop decoding
-        warnings.warn(f"cannot write the acceptance profile cache {path} ({e}); set JAXDECODE_CACHE_DIR to "
-                      f"a writable directory", stacklevel=3)
-    finally:
-        tmp.unlink(missing_ok=True)
+        warnings.warn(f"cannot write the tree='auto' cache {path} ({e}); set JAXDECODE_CACHE_DIR to a "
+                      f"writable directory", stacklevel=3)
 
 
 def _emit(progress, line: str) -> None:
@@ -600,6 +697,60 @@ def _emit(progress, line: str) -> None:
         print(line, file=sys.stderr, flush=True)
     elif callable(progress):
         progress(line)
+
+
+def _walk_measured(model, build_drafter, as_tree, ranked, prompt_tokens, prompt_lengths, *, budget: int, tokens: int,
+                   profile_key: dict, batch: int, sampler, verifier, eos_ids, key, cache_dir, progress):
+    """`size_walk` over the model's ranking, each step `time_runs` of the two trees and plain decoding
+    on the first prompts (at least one batch; _TRIAL_ROWS at batch 1); cached under trials/ (keyed by
+    the profile's key, the ranking, the batch size, the device and the settings). ({paths: (TreeRun,
+    plain decoding's tokens/s in the same round robin)}, the chosen paths)."""
+    from jaxdecode.costmodel import device_fingerprint
+    rows = max(batch, _TRIAL_ROWS)
+    ranking = hashlib.sha256(json.dumps([list(map(list, q)) for q in ranked]).encode()).hexdigest()
+    tkey = {"schema": TRIAL_SCHEMA, "profile": profile_key, "ranking": ranking, "batch_size": batch,
+            "device": device_fingerprint(), "jax": jax.__version__, "rows": rows, "tokens": tokens, "budget": budget,
+            "margin": _WALK_MARGIN}
+    path = _cache_file("trials", tkey, cache_dir)
+
+    def parse(d):
+        runs = {tuple(map(tuple, r["paths"])): (TreeRun(float(r["tau"]), float(r["step_seconds"]),
+                                                        float(r["tokens_per_second"])),
+                                                float(r["plain_tokens_per_second"])) for r in d["runs"]}
+        best = tuple(map(tuple, d["best"]))
+        if best not in runs or not all(v > 0 for r, pt in runs.values() for v in (*dataclasses.astuple(r), pt)):
+            raise ValueError("its runs do not hold the chosen tree")
+        return runs, best
+
+    cached = _read_cached(path, tkey, parse, "set of tree runs")
+    if cached is not None:
+        return cached
+    toks = np.asarray(prompt_tokens)[:rows]
+    lens = np.asarray(prompt_lengths)[:rows]
+    _emit(progress, f"tree=auto: decoding {len(toks)} prompts x {tokens} tokens with the model's best trees and "
+                    f"plain decoding side by side, walking over sizes (at most {budget} trees; once, cached in "
+                    f"{path})")
+    runs = {}
+
+    def measure(cands):
+        drafters = [None] + [build_drafter(as_tree(q)[0]) for q in cands]
+        plain, *got = time_runs(model, drafters, toks, lens, batch_size=batch, max_new_tokens=tokens,
+                                sampler=sampler, verifier=verifier, eos_ids=eos_ids, key=key)
+        for q, r in zip(cands, got):
+            runs[q] = (r, plain.tokens_per_second)
+            _emit(progress, f"tree=auto: {as_tree(q)[1]:40s} {len(q):3d} nodes: tau {r.tau:5.2f}, step "
+                            f"{r.step_seconds * 1e3:8.3f} ms, {r.tokens_per_second / plain.tokens_per_second:5.2f}x "
+                            f"plain decoding")
+        return [r.tokens_per_second for r in got]
+
+    best = size_walk(ranked, measure, budget, _WALK_MARGIN)
+    if best not in runs:  # no other size to walk to: the model's choice, run for the stats
+        measure([best])
+    _write_cached(path, tkey, best=[list(q) for q in best],
+                  runs=[{"paths": [list(x) for x in q], "tau": r.tau, "step_seconds": r.step_seconds,
+                         "tokens_per_second": r.tokens_per_second, "plain_tokens_per_second": pt}
+                        for q, (r, pt) in runs.items()])
+    return runs, best
 
 
 def resolve_auto_tree(model, build_drafter: Callable[[Any], Any], prompt_tokens, prompt_lengths, *,
@@ -611,14 +762,17 @@ def resolve_auto_tree(model, build_drafter: Callable[[Any], Any], prompt_tokens,
     build_drafter(tree) builds the drafter on a tree option (a builder or a spec string). The acceptance
     profile (`acceptance_profile` over the first prompts; cached as <cache_dir>/profiles/<sha256>.json,
     keyed by model, drafter, verifier, sampler and the settings) and the cost table of this batch size
-    (jaxdecode.costmodel.load_or_calibrate, same cache dir) feed `choose_tree`. tree is a
-    StaticTreeBuilder(paths, rule) for drafters that take builders, 'chain:L' for drafters that
-    retrieve chains; stats: tree (spec string), tree_parents, tree_nodes, tree_depth, tree_expected_tau,
-    tree_expected_speedup (against plain decoding, from the cost table) and tree_auto_seconds (the time
-    this took: profiling and calibrating on a cache miss, reading the caches on a hit). batch_size: the
+    (jaxdecode.costmodel.load_or_calibrate, same cache dir) feed `choose_tree`, whose ranking is then
+    walked over sizes by runs on the first prompts (`size_walk`, `time_runs`; cached under trials/).
+    tree is a StaticTreeBuilder(paths, rule) for drafters that take builders, 'chain:L' for drafters
+    that retrieve chains; stats: tree (spec string), tree_parents, tree_nodes, tree_depth,
+    tree_expected_tau and tree_expected_speedup (measured by the walk's runs against plain decoding;
+    from the model and the cost table with finalists=1), tree_finalists (each tree run: tree,
+    model_tau, tau, step_ms, speedup) and tree_auto_seconds (the time this took: profiling,
+    calibrating and running on a cache miss, reading the caches on a hit). batch_size: the
     batch decoding will run at, whose cost table prices the trees (default: the prompts' rows, as in
     generate; give it when the prompts are a calibration set of another size)."""
-    from jaxdecode.costmodel import check_batch_size, load_or_calibrate, load_or_measure_trees
+    from jaxdecode.costmodel import check_batch_size, load_or_calibrate
     from jaxdecode.drafters.builders import StaticTreeBuilder
     from jaxdecode.sampling import SamplerConfig
     from jaxdecode.verifiers import default_verifier, get_verifier
@@ -636,23 +790,23 @@ def resolve_auto_tree(model, build_drafter: Callable[[Any], Any], prompt_tokens,
     verifier = get_verifier(verifier) if isinstance(verifier, str) else verifier
 
     pkey = _profile_key(model, drafter, verifier.name, sampler, settings, chain, rule)
-    path = _profile_file(pkey, cache_dir)
-    profile = _read_profile(path, pkey)
+    path = _cache_file("profiles", pkey, cache_dir)
+    profile = _read_cached(path, pkey, lambda d: AcceptanceProfile.from_json(d["profile"]), "acceptance profile")
     toks = np.asarray(prompt_tokens)[:_PROFILE_ROWS]
     lens = np.asarray(prompt_lengths)[:_PROFILE_ROWS]
+    room = model.config.max_position_embeddings - toks.shape[1] - depth - 1  # new tokens the prompts allow
+    if room < 1:
+        raise ValueError(f"tree='auto' measures acceptance by decoding the prompts, but the prompts "
+                         f"({toks.shape[1]} tokens) leave no room below max_position_embeddings "
+                         f"({model.config.max_position_embeddings}): give the tree explicitly")
     if profile is None:
-        room = model.config.max_position_embeddings - toks.shape[1] - depth - 1
         tokens = min(settings["tokens"], room)
-        if tokens < 1:
-            raise ValueError(f"tree='auto' measures acceptance by decoding the prompts, but the prompts "
-                             f"({toks.shape[1]} tokens) leave no room below max_position_embeddings "
-                             f"({model.config.max_position_embeddings}): give the tree explicitly")
         _emit(progress, f"tree=auto: measuring acceptance by rank and depth ({len(toks)} prompts x "
                         f"{tokens} tokens; once, cached in {path})")
         profile = acceptance_profile(model, build_drafter, jnp.asarray(toks), jnp.asarray(lens), width=width,
                                      depth=depth, rule=rule, chain=chain, verifier=verifier, sampler=sampler,
                                      max_new_tokens=tokens, eos_ids=eos_ids, key=key)
-        _write_profile(path, pkey, profile)
+        _write_cached(path, pkey, profile=profile.to_json())
 
     batch = int(np.asarray(prompt_tokens).shape[0]) if batch_size is None else check_batch_size(batch_size)
     context = int(np.max(np.asarray(prompt_lengths))) + (max_new_tokens or settings["tokens"]) // 2
@@ -678,25 +832,28 @@ def resolve_auto_tree(model, build_drafter: Callable[[Any], Any], prompt_tokens,
                          draft_seconds_per_node=per_node)
 
     def as_tree(paths):  # (the drafter's tree option, its display spec)
-        return (f"chain:{len(paths)}",) * 2 if chain else (StaticTreeBuilder(paths, rule), tree_spec(paths, rule))
+        if chain or (rule == "topk" and all(q == (0,) * len(q) for q in paths)):  # greedy chains: 'chain:L'
+            return (f"chain:{len(paths)}",) * 2
+        return StaticTreeBuilder(paths, rule), tree_spec(paths, rule)
 
-    finalists = size_finalists(choice.ranked, settings["finalists"])
-    timed = []
-    if len(finalists) > 1:  # the model's best few timed side by side: the pick is measured, not modelled
-        drafters = [build_drafter(as_tree(paths)[0]) for paths in finalists]
-        secs = load_or_measure_trees(model, drafters, batch, context_len=max(2, min(context, limit)),
-                                     sampler=sampler, verifier=given, cache_dir=cache_dir, progress=progress)
-        timed = [(paths, 1.0 + expected_accepted(paths, p), sec) for paths, sec in zip(finalists, secs)]
-        paths, tau, sec = max(timed, key=lambda t: t[1] / t[2])
-        plain = float(costs.step_at(0)) + float(getattr(costs, "idle_seconds", 0.0) or 0.0)
-        choice = dataclasses.replace(choice, paths=paths, num_nodes=len(paths), depth=max(map(len, paths)),
-                                     expected_accepted=tau - 1.0, expected_tau=tau, step_seconds=sec,
-                                     tokens_per_second=tau / sec, plain_tokens_per_second=1.0 / plain)
+    runs = {}
+    if settings["finalists"] > 1:  # the model's ranking, walked over sizes by measured runs
+        tokens = max(1, min(settings["tokens"], max_new_tokens or settings["tokens"], room))  # what will run
+        runs, best = _walk_measured(model, build_drafter, as_tree, choice.ranked, prompt_tokens, prompt_lengths,
+                                    budget=settings["finalists"], tokens=tokens, profile_key=pkey, batch=batch,
+                                    sampler=sampler, verifier=given, eos_ids=eos_ids, key=key, cache_dir=cache_dir,
+                                    progress=progress)
+        run, plain_tps = runs[best]
+        choice = dataclasses.replace(choice, paths=best, num_nodes=len(best), depth=max(map(len, best)),
+                                     expected_accepted=run.tau - 1.0, expected_tau=run.tau,
+                                     step_seconds=run.step_seconds, tokens_per_second=run.tokens_per_second,
+                                     plain_tokens_per_second=plain_tps)
     parents, _, _ = static_tree_layout(choice.paths)
     tree, spec_str = as_tree(choice.paths)
     stats = {"tree": spec_str, "tree_parents": [int(x) for x in parents], **choice.stats(),
-             "tree_finalists": [{"tree": as_tree(q)[1], "expected_tau": round(t, 4), "step_ms": round(s * 1e3, 4)}
-                                for q, t, s in timed],
+             "tree_finalists": [{"tree": as_tree(q)[1], "model_tau": round(1.0 + expected_accepted(q, p), 4),
+                                 "tau": round(r.tau, 4), "step_ms": round(r.step_seconds * 1e3, 4),
+                                 "speedup": round(r.tokens_per_second / pt, 4)} for q, (r, pt) in runs.items()],
              "tree_draft_ms_per_level": round(per_level * 1e3, 4), "tree_draft_ms_per_node": round(per_node * 1e3, 4),
              "tree_step_ms_per_node": round(getattr(costs, "per_node", 0.0) * 1e3, 4),
              "tree_auto_seconds": round(time.perf_counter() - start, 4)}  # profiling + calibration

@@ -141,9 +141,13 @@ def _synthetic_cost_tables(request, monkeypatch):
                                        meta={"synthetic": "tests/conftest.py"})
         monkeypatch.setattr(costmodel, "load_or_calibrate", synthetic)
 
-        def synthetic_trees(model, drafters, batch_size, **kw):  # tree="auto"'s finalists: the same curve
-            return [1e-3 * (1 + 0.05 * d.num_nodes) + 2e-4 for d in drafters]
-        monkeypatch.setattr(costmodel, "load_or_measure_trees", synthetic_trees)
+        from jaxdecode import treeopt
+
+        def synthetic_runs(model, drafters, *a, **kw):  # tree="auto"'s walk over sizes: the same curve
+            return [treeopt.TreeRun(1.0, 1e-3, 1e3) if d is None else
+                    treeopt.TreeRun(1 + 0.5 * d.max_depth, 1.2e-3 + 5e-5 * d.num_nodes,
+                                    (1 + 0.5 * d.max_depth) / (1.2e-3 + 5e-5 * d.num_nodes)) for d in drafters]
+        monkeypatch.setattr(treeopt, "time_runs", synthetic_runs)
     yield
 
 

@@ -326,27 +326,3 @@ def test_cli_bad_batch_sizes(sizes, match, capsys):
     from jaxdecode.cli import main
     assert main(["calibrate", "--model", "unused", "--batch-size", sizes]) == 2
     assert match in capsys.readouterr().err
-
-
-# ----------------------------------------------------------------------------- tree="auto"'s finalists
-def test_measure_trees_times_each_tree_and_caches(tmp_path, monkeypatch):
-    cfg, params = model = tiny()
-    trees = [DraftLM(params=params, config=cfg, builder=parse_tree_spec(t)) for t in ("chain:1", "static:4,2")]
-    with pytest.raises(ValueError, match="at least one drafter"):
-        costmodel.measure_trees(model, [], 1)
-    secs = costmodel.load_or_measure_trees(model, trees, 1, context_len=32, cache_dir=tmp_path, progress=False,
-                                           repeats=2, target_seconds=0.005)
-    assert len(secs) == 2 and all(math.isfinite(s) and s > 0 for s in secs)
-    (path,) = (tmp_path / "trees").glob("*.json")
-    monkeypatch.setattr(costmodel, "measure_trees", lambda *a, **k: pytest.fail("cached trees measured again"))
-    assert costmodel.load_or_measure_trees(model, trees, 1, context_len=32, cache_dir=tmp_path,
-                                           progress=False) == secs
-    # another order of trees is another key; a corrupt file is measured again with a warning
-    calls = []
-    monkeypatch.setattr(costmodel, "measure_trees", lambda m, ds, b, **k: calls.append(len(ds)) or [1.0] * len(ds))
-    costmodel.load_or_measure_trees(model, trees[::-1], 1, context_len=32, cache_dir=tmp_path, progress=False)
-    path.write_text("{not json")
-    with pytest.warns(UserWarning, match="measured again"):
-        again = costmodel.load_or_measure_trees(model, trees, 1, context_len=32, cache_dir=tmp_path,
-                                                progress=False)
-    assert again == [1.0, 1.0] and calls == [2, 2]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxdecode.treeopt import (AcceptanceProfile, acceptance_matrix, choose_tree, comb_paths, split_draft_cost,
-                               SizedCosts, size_finalists,
+                               SizedCosts, size_walk,
                                expected_accepted, sequoia_tree, sequoia_values, tree_spec)
 from jaxdecode.tree import TreeError
 
@@ -142,12 +142,36 @@ def test_draft_cost_per_level_and_per_node():
     assert SizedCosts(table, 12, per_node=1.0).step_at(1) == pytest.approx(1.2)  # the forward's floor
 
 
-def test_finalists_differ_in_size():
-    ranked = [((0,),) * 1 + tuple((0,) * d for d in range(2, n + 1)) for n in (16, 15, 17, 4, 5, 8, 2, 1)]
-    sizes = [len(q) for q in size_finalists(ranked, 4)]
-    assert sizes == [16, 15, 4, 1]  # the best of 16-31, of 8-15, of 4-7 nodes, and the smallest tree
-    assert [len(q) for q in size_finalists(ranked, 9)] == [16, 15, 4, 2, 1]
-    assert [len(q) for q in size_finalists(ranked, 1)] == [16]  # the model's choice alone
+def _trees(*sizes):
+    """Stand-ins for the model's ranking: a chain per size, best first."""
+    return [tuple((0,) * d for d in range(1, n + 1)) for n in sizes]
+
+
+@pytest.mark.parametrize("peak, budget, measured, chosen", [
+    (2, 4, [(5, 2), (2, 1)], 2),  # down while faster: 5 -> 2 (faster) -> 1 (slower): stop at 2
+    (1, 4, [(5, 2), (2, 1)], 1),  # down to one node
+    (5, 4, [(5, 2), (5, 6)], 5),  # down is slower, up is slower: the model's choice
+    (20, 4, [(5, 2), (5, 6), (6, 9)], 9),  # down is slower: up (the best of (n, 2n] nodes) while faster
+    (20, 9, [(5, 2), (5, 6), (6, 9), (9, 18)], 18),
+    (20, 2, [(5, 2)], 5),  # the budget: two trees run
+    (1, 1, [], 5),  # budget 1: the model's choice, nothing run
+])
+def test_size_walk(peak, budget, measured, chosen):
+    ranked = _trees(5, 4, 6, 2, 9, 3, 1, 18, 12)
+    calls = []
+
+    def measure(cands):  # tokens/s peaked at `peak` nodes
+        calls.append(tuple(len(q) for q in cands))
+        return [100.0 * 0.8 ** abs(len(q) - peak) for q in cands]
+    assert len(size_walk(ranked, measure, budget)) == chosen
+    assert calls == measured
+
+
+def test_size_walk_keeps_its_tree_on_a_tie():
+    ranked = _trees(4, 2, 1, 8)
+    rates = {4: 100.0, 2: 102.0, 1: 110.0, 8: 90.0}  # 2 nodes: faster, but within the 3% margin
+    assert len(size_walk(ranked, lambda cands: [rates[len(q)] for q in cands], 4)) == 4
+    assert len(size_walk(ranked, lambda cands: [rates[len(q)] for q in cands], 4, margin=0.01)) == 1
 
 
 def test_profile_json_and_estimates():
@@ -200,6 +224,7 @@ def flat_costs(monkeypatch, tmp_path):
     """Profiles cached under tmp_path; every verification width costs the same and drafting nothing, so
     every node that may be accepted pays (the real calibration is tests/test_costmodel.py's)."""
     import jaxdecode.costmodel as cm
+    import jaxdecode.treeopt as to
     monkeypatch.setenv("JAXDECODE_CACHE_DIR", str(tmp_path))
     calls = []
 
@@ -209,8 +234,9 @@ def flat_costs(monkeypatch, tmp_path):
         return cm.CostTable(widths=widths, verify_seconds=(1e-3,) * len(widths), draft_seconds=0.0,
                             idle_seconds=0.0, batch_size=batch_size)
     monkeypatch.setattr(cm, "load_or_calibrate", fake)
-    # the finalists timed side by side: flat too (each test may set its own)
-    monkeypatch.setattr(cm, "load_or_measure_trees", lambda model, drafters, b, **kw: [1e-3] * len(drafters))
+    # the walk's runs: flat steps, each node accepted (each test may set its own)
+    monkeypatch.setattr(to, "time_runs", lambda model, drafters, *a, **kw: [
+        to.TreeRun(1.0 + (d.num_nodes if d else 0), 1e-3, 1e3 * (1.0 + (d.num_nodes if d else 0))) for d in drafters])
     return calls
 
 
@@ -234,31 +260,48 @@ def test_generate_auto_tree_greedy_exact(pair, flat_costs, monkeypatch):
     assert again[0].batch_stats["tree"] == s["tree"] and [r.tokens for r in again] == [r.tokens for r in plain]
 
 
-def test_auto_tree_times_finalists_of_different_sizes(pair, flat_costs, monkeypatch):
+def test_auto_tree_walks_down_by_measured_runs(pair, flat_costs, monkeypatch):
     import jaxdecode
-    import jaxdecode.costmodel as cm
+    import jaxdecode.treeopt as to
     target, other = pair
-    timed = []
+    ran = []
 
-    def steep(model, drafters, b, **kw):  # every node costs as much as a plain step: small trees win
-        timed.append([d.num_nodes for d in drafters])
-        return [1e-3 * (1 + d.num_nodes) for d in drafters]
-    monkeypatch.setattr(cm, "load_or_measure_trees", steep)
+    def steep(model, drafters, *a, **kw):  # every node costs as much as a plain step: small trees win
+        ran.append([d.num_nodes if d else 0 for d in drafters])
+        return [to.TreeRun(2.0 if d else 1.0, 1e-3 * (1 + (d.num_nodes if d else 0)),
+                           (2.0 if d else 1.0) / (1e-3 * (1 + (d.num_nodes if d else 0)))) for d in drafters]
+    monkeypatch.setattr(to, "time_runs", steep)
     plain = jaxdecode.generate(target, PROMPTS, method="greedy", max_new_tokens=10, eos_ids=())
-    out = jaxdecode.generate(target, PROMPTS, method="speculative", draft=other, max_new_tokens=10, eos_ids=(),
-                             tree="auto:width=3,depth=3,tokens=12")
+    kw = dict(method="speculative", draft=other, max_new_tokens=10, eos_ids=())
+    out = jaxdecode.generate(target, PROMPTS, tree="auto:width=3,depth=3,tokens=12", **kw)
     assert [r.tokens for r in out] == [r.tokens for r in plain]
     s = out[0].batch_stats
-    (sizes,) = timed
-    assert len(sizes) > 1 and len({n.bit_length() for n in sizes}) == len(sizes)  # one per size class
-    assert s["tree_nodes"] < 9 and s["tree_nodes"] in sizes  # the model alone (flat costs) picks all 9
-    assert [f["step_ms"] for f in s["tree_finalists"]] == pytest.approx([1 + n for n in sizes])
-    best = max(s["tree_finalists"], key=lambda f: f["expected_tau"] / f["step_ms"])
-    assert best["tree"] == s["tree"] and s["tree_expected_tau"] == pytest.approx(best["expected_tau"])
-    # finalists=1: the model's choice, nothing timed
-    one = jaxdecode.generate(target, PROMPTS, method="speculative", draft=other, max_new_tokens=10, eos_ids=(),
-                             tree="auto:width=3,depth=3,tokens=12,finalists=1")
-    assert one[0].batch_stats["tree_nodes"] == 9 and one[0].batch_stats["tree_finalists"] == [] and len(timed) == 1
+    # plain decoding beside each pair; the model's 9 nodes, then halving while faster, 4 trees run
+    assert ran == [[0, 9, 4], [0, 4, 2], [0, 2, 1]] and s["tree_nodes"] == 1
+    assert [f["step_ms"] for f in s["tree_finalists"]] == pytest.approx([10, 5, 3, 2])
+    assert s["tree_expected_tau"] == 2.0 and s["tree_expected_speedup"] == pytest.approx(1.0)
+    assert all(f["model_tau"] >= 1.0 and f["tau"] == 2.0 for f in s["tree_finalists"])
+    # the walk is cached: the same call runs nothing
+    again = jaxdecode.generate(target, PROMPTS, tree="auto:width=3,depth=3,tokens=12", **kw)
+    assert len(ran) == 3 and again[0].batch_stats["tree"] == s["tree"]
+    # finalists=1: the model's choice, nothing run
+    one = jaxdecode.generate(target, PROMPTS, tree="auto:width=3,depth=3,tokens=12,finalists=1", **kw)
+    assert one[0].batch_stats["tree_nodes"] == 9 and one[0].batch_stats["tree_finalists"] == [] and len(ran) == 3
+
+
+@pytest.mark.real_costs
+def test_time_runs_measures_each_configuration(pair):
+    """The primitive itself (the autouse fixture replaces it elsewhere): a perfect drafter's tau is its
+    depth + 1, plain decoding's is 1; rows are filled cyclically to whole batches."""
+    from jaxdecode.autoregressive import pad_prompts
+    from jaxdecode.drafters import DraftLM, parse_tree_spec
+    from jaxdecode.treeopt import time_runs
+    target, _ = pair
+    toks, lens = pad_prompts(PROMPTS[:3])
+    chain = DraftLM(params=target.params, config=target.config, builder=parse_tree_spec("chain:3"))
+    plain, spec = time_runs(target, [None, chain], toks, lens, batch_size=2, max_new_tokens=8, repeats=1)
+    assert plain.tau == 1.0 and spec.tau == 4.0
+    assert all(r.step_seconds > 0 and r.tokens_per_second > 0 for r in (plain, spec))
 
 
 def test_generate_auto_chain_for_retrieval_drafters(pair, flat_costs):
