@@ -2,6 +2,7 @@
 brute force, the hardware-aware choice on synthetic cost tables, the acceptance profile measured through
 the real engine, and generate(tree="auto")."""
 import functools
+import json
 
 import numpy as np
 import pytest
@@ -260,7 +261,7 @@ def test_generate_auto_tree_greedy_exact(pair, flat_costs, monkeypatch):
     assert again[0].batch_stats["tree"] == s["tree"] and [r.tokens for r in again] == [r.tokens for r in plain]
 
 
-def test_auto_tree_walks_down_by_measured_runs(pair, flat_costs, monkeypatch):
+def test_auto_tree_walks_down_by_measured_runs(pair, flat_costs, monkeypatch, tmp_path):
     import jaxdecode
     import jaxdecode.treeopt as to
     target, other = pair
@@ -284,9 +285,18 @@ def test_auto_tree_walks_down_by_measured_runs(pair, flat_costs, monkeypatch):
     # the walk is cached: the same call runs nothing
     again = jaxdecode.generate(target, PROMPTS, tree="auto:width=3,depth=3,tokens=12", **kw)
     assert len(ran) == 3 and again[0].batch_stats["tree"] == s["tree"]
+    # corrupt caches are measured again with a warning, never an error
+    (trials,) = (tmp_path / "trials").glob("*.json")
+    (profile,) = (tmp_path / "profiles").glob("*.json")
+    trials.write_text("{not json")
+    profile.write_text('{"key": "another"}')
+    with pytest.warns(UserWarning, match="measured again"):
+        third = jaxdecode.generate(target, PROMPTS, tree="auto:width=3,depth=3,tokens=12", **kw)
+    assert len(ran) == 6 and third[0].batch_stats["tree"] == s["tree"]
+    assert json.loads(trials.read_text())["best"] == [[0]]  # rewritten
     # finalists=1: the model's choice, nothing run
     one = jaxdecode.generate(target, PROMPTS, tree="auto:width=3,depth=3,tokens=12,finalists=1", **kw)
-    assert one[0].batch_stats["tree_nodes"] == 9 and one[0].batch_stats["tree_finalists"] == [] and len(ran) == 3
+    assert one[0].batch_stats["tree_nodes"] == 9 and one[0].batch_stats["tree_finalists"] == [] and len(ran) == 6
 
 
 @pytest.mark.real_costs
