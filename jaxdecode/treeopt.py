@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdecode.costmodel import _emit  # progress lines: stderr, or the caller's callable
 from jaxdecode.tree import TreeError, static_tree_layout
 
 __all__ = ["AcceptanceProfile", "TreeChoice", "SizedCosts", "comb_paths", "acceptance_profile", "acceptance_matrix",
@@ -470,13 +471,12 @@ class TreeRun:
 
 
 def _batches(prompt_tokens, prompt_lengths, batch_size: int) -> list:
-    """The prompts as batches of exactly batch_size rows (rows taken cyclically: the last batch, or a
-    single one when there are fewer prompts than rows, is filled with the first prompts again)."""
+    """The prompts as batches of exactly batch_size rows, the last filled by cycling from the first
+    prompt (jaxdecode.bench.batches_of, as `jaxdecode bench` batches)."""
+    from jaxdecode.bench import batches_of
     toks, lens = np.asarray(prompt_tokens), np.asarray(prompt_lengths)
-    n = toks.shape[0]
-    order = np.arange(-(-n // batch_size) * batch_size) % n
-    return [(jnp.asarray(toks[order[i:i + batch_size]]), jnp.asarray(lens[order[i:i + batch_size]]))
-            for i in range(0, len(order), batch_size)]
+    rows, _ = batches_of(toks.shape[0], batch_size)
+    return [(jnp.asarray(toks[r]), jnp.asarray(lens[r])) for r in rows]
 
 
 def time_runs(model, drafters, prompt_tokens, prompt_lengths, *, batch_size: int, max_new_tokens: int,
@@ -691,14 +691,6 @@ def _write_cached(path: Path, key: dict, **content) -> None:
                       f"writable directory", stacklevel=3)
 
 
-def _emit(progress, line: str) -> None:
-    if progress is True:
-        import sys
-        print(line, file=sys.stderr, flush=True)
-    elif callable(progress):
-        progress(line)
-
-
 def _walk_measured(model, build_drafter, as_tree, ranked, prompt_tokens, prompt_lengths, *, budget: int, tokens: int,
                    profile_key: dict, batch: int, sampler, verifier, eos_ids, key, cache_dir, progress):
     """`size_walk` over the model's ranking, each step `time_runs` of the two trees and plain decoding
@@ -730,10 +722,13 @@ def _walk_measured(model, build_drafter, as_tree, ranked, prompt_tokens, prompt_
     _emit(progress, f"tree=auto: decoding {len(toks)} prompts x {tokens} tokens with the model's best trees and "
                     f"plain decoding side by side, walking over sizes (at most {budget} trees; once, cached in "
                     f"{path})")
-    runs = {}
+    runs, built = {}, {}
 
-    def measure(cands):
-        drafters = [None] + [build_drafter(as_tree(q)[0]) for q in cands]
+    def measure(cands):  # the tree the walk stands on is re-run beside each candidate: built once
+        for q in cands:
+            if q not in built:
+                built[q] = build_drafter(as_tree(q)[0])
+        drafters = [None] + [built[q] for q in cands]
         plain, *got = time_runs(model, drafters, toks, lens, batch_size=batch, max_new_tokens=tokens,
                                 sampler=sampler, verifier=verifier, eos_ids=eos_ids, key=key)
         for q, r in zip(cands, got):
