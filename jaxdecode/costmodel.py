@@ -133,12 +133,16 @@ class CostTable:
     def step_at(self, width) -> float:
         """Seconds of a whole engine step that verifies `width` nodes (0: a plain decoding step),
         drafting excluded (the policy adds draft_at(width) or idle_seconds): the measured step less the
-        drafter's part, never below the forward alone. Tables without step_seconds: `verify_at`."""
+        drafter's part; a drafting width's never below the forward alone, while width 0 is a lean run's
+        token as the engine ran it (a floor at the forward timed alone, the larger of two noisy
+        timings, priced plain decoding up to 16% high and made near break-even drafting look worth
+        it). Tables without step_seconds: `verify_at`."""
         forward = self.verify_at(width)
         if not self.step_seconds:
             return forward
-        drafter = self.draft_at(width) if width > 0 else self.idle_seconds
-        return max(forward, _interpolate(self.widths, self.step_seconds, width) - drafter)
+        if width == 0:  # a lean run's token, measured as the engine runs it (the forward inside it)
+            return max(self.step_seconds[0] - self.idle_seconds, 1e-9)
+        return max(forward, _interpolate(self.widths, self.step_seconds, width) - self.draft_at(width))
 
     @property
     def plain_seconds(self) -> float:

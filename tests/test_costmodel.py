@@ -71,6 +71,23 @@ def test_a_step_is_priced_by_the_whole_engine_step():
     # (width 2 measured cheaper than width 1: the least-squares monotone fit pools them at their mean)
     assert vec[:4] == pytest.approx([2.8e-3, 4.0e-3, 4.0e-3, 8.5e-3]) and vec[4:] == pytest.approx([5e-4] * 4 + [2e-4])
     assert table().step_at(2) == table().verify_at(2)  # nothing measured but the forward
+
+
+def test_a_plain_token_is_priced_as_the_lean_run_measured_it():
+    """Width 0 is a lean run's token, timed as the engine runs it, forward included: no floor at the
+    forward timed alone. Two noisy timings' maximum priced plain decoding high: a table whose forward
+    alone measured 3.31 ms against a 2.85 ms lean token made Medusa's 4-node step look worth drafting
+    (1.9 plain tokens), and the policy drafted it 40 times in 512 sampled tokens, where the 2.85 ms
+    price drafts 11 times (0.90-0.92x plain decoding -> 0.89-0.96x, median 0.945x; 3 runs each)."""
+    t = dataclasses.replace(table(draft=5e-4, idle=2e-4), verify_seconds=(3.3e-3, 4e-3, 5e-3, 6e-3),
+                            step_seconds=(2.9e-3, 5e-3, 6e-3, 9e-3))
+    assert t.step_at(0) == pytest.approx(2.9e-3 - 2e-4)  # not the forward's 3.3 ms
+    assert t.step_at(1) == pytest.approx(max(5e-3 - 5e-4, 4e-3))  # drafting widths keep the floor
+    assert dataclasses.replace(t, step_seconds=()).step_at(0) == pytest.approx(3.3e-3)  # the forward alone
+
+
+def test_old_tables_read_without_step_seconds():
+    """A table written before whole steps were timed reads as one priced by the forward alone."""
     old = {k: v for k, v in table().to_json().items() if k != "step_seconds"}  # a table from before
     assert CostTable.from_json(old) == table()
 
