@@ -533,11 +533,11 @@ def time_runs(model, drafters, prompt_tokens, prompt_lengths, *, batch_size: int
     return out
 
 
-def size_walk(ranked, measure: Callable[[list], list], budget: int, margin: float = 0.05) -> tuple:
+def size_walk(ranked, measure: Callable[[list], list], budget: int, margin: float | None = None) -> tuple:
     """The tree the measurements prefer, walking over sizes from the model's best (ranked[0]): down by
     halves (the model's best tree of (n/4, n/2] nodes, then of half that, ... to one node) while each
-    step measures faster than the best so far by more than `margin` (a tie within the noise of a
-    round robin keeps the tree the walk stands on: the measurement must overturn the model, and a
+    step measures faster than the best so far by more than `margin` (default _WALK_MARGIN; a tie within
+    the noise of a round robin keeps the tree the walk stands on: the measurement must overturn the model, and a
     retrieval drafter's deeper chains pay on the repetitive prompts a short run may not hold); if the
     first step down does not, up by doublings (its best of (n, 2n] nodes) the same way.
     measure([best, candidate]) -> their tokens per second, measured side by side. At most `budget`
@@ -545,6 +545,7 @@ def size_walk(ranked, measure: Callable[[list], list], budget: int, margin: floa
     the model's ranking is right about shape but its error grows with size (deep acceptance measured
     on a comb's trajectory, branches off the top-1 path that heads do not condition on, step costs timed
     on a random context), and the error is one-sided along a size axis, which a line search follows."""
+    margin = _WALK_MARGIN if margin is None else margin
     best = ranked[0]
     if budget <= 1:
         return best
@@ -587,7 +588,8 @@ _PROFILE_ROWS = 16  # prompts the profiling run decodes at most (the first ones)
 # at T = 0.7 one node led on the 8 (1.03x, every chain 0.82-0.91x) but trailed on the 16.
 _TRIAL_ROWS = _PROFILE_ROWS
 # How much faster a run must be to move the walk: above the spread of one round robin on the 2-core CPU
-# (a tree re-run in the next step of one walk moved by 3.5-8%), and the goal's own tolerance: a tie
+# (a tree re-run in the next step of one walk moved by 3.5-4% in step time, by up to 13% against the
+# plain run beside it), and the goal's own tolerance: a tie
 # within it keeps the tree the walk stands on.
 _WALK_MARGIN = 0.05
 
