@@ -539,12 +539,17 @@ def size_walk(ranked, measure: Callable[[list], list], budget: int, margin: floa
     step measures faster than the best so far by more than `margin` (default _WALK_MARGIN; a tie within
     the noise of a round robin keeps the tree the walk stands on: the measurement must overturn the model, and a
     retrieval drafter's deeper chains pay on the repetitive prompts a short run may not hold); if the
-    first step down does not, up by doublings (its best of (n, 2n] nodes) the same way.
+    first step down does not, up by doublings (its best of (n, 2n] nodes) the same way. A tie is a flat
+    stretch, not a slope up: the walk looks one step past it (the next size from the tied tree, run
+    against the best) before it stops; a loss beyond the margin stops it at once.
     measure([best, candidate]) -> their tokens per second, measured side by side. At most `budget`
     trees are measured (1: the model's choice, unmeasured). Why a walk:
     the model's ranking is right about shape but its error grows with size (deep acceptance measured
     on a comb's trajectory, branches off the top-1 path that heads do not condition on, step costs timed
-    on a random context), and the error is one-sided along a size axis, which a line search follows."""
+    on a random context), and the error is one-sided along a size axis, which a line search follows.
+    Why a look past a tie: calibration prompts that suit the drafter better than the served ones flatten
+    the curve near the model's size (Hydra greedy: 8 nodes 0.83x of plain and 4 nodes 0.85x on them; 2
+    and 1 nodes faster on the served prompts)."""
     margin = _WALK_MARGIN if margin is None else margin
     best = ranked[0]
     if budget <= 1:
@@ -555,17 +560,21 @@ def size_walk(ranked, measure: Callable[[list], list], budget: int, margin: floa
         return next((q for q in ranked if lo < len(q) <= hi), None)
 
     for direction in ("down", "up"):
-        moved = False
+        moved, stand, past_tie = False, best, False  # stand: the size the next step starts from
         while measured < budget:
-            n = len(best)
+            n = len(stand)
             cand = pick((n // 2) // 2, n // 2) if direction == "down" else pick(n, 2 * n)
             if cand is None:
                 break
             measured += 1
             rate_best, rate_cand = measure([best, cand])
-            if rate_cand <= rate_best * (1.0 + margin):
+            if rate_cand > rate_best * (1.0 + margin):
+                best = stand = cand
+                moved, past_tie = True, False
+            elif rate_cand >= rate_best * (1.0 - margin) and not past_tie:
+                stand, past_tie = cand, True  # a tie: one step further from it, still measured against best
+            else:
                 break
-            best, moved = cand, True
         if moved:
             break
     return best
@@ -581,7 +590,7 @@ def size_walk(ranked, measure: Callable[[list], list], budget: int, margin: floa
 AUTO_DEFAULTS = {"width": 8, "depth": None, "max_nodes": None, "tokens": 128, "finalists": 4}
 _DEFAULT_DEPTH = {"comb": 6, "chain": 12}
 PROFILE_SCHEMA = 1
-TRIAL_SCHEMA = 1
+TRIAL_SCHEMA = 2  # 2: the walk looks one step past a tie
 _PROFILE_ROWS = 16  # prompts the profiling run decodes at most (the first ones)
 # Prompts the walk's runs decode (the first ones; at least one batch): the profile's own. With the first 8
 # of 16, retrieval's greedy curve over chains of 3-12 ran 1.37-1.68x there and 1.48-1.89x on all 16, and
