@@ -598,8 +598,8 @@ _PROFILE_ROWS = 16  # prompts the profiling run decodes at most (the first ones)
 _TRIAL_ROWS = _PROFILE_ROWS
 # How much faster a run must be to move the walk: above the spread of one round robin on the 2-core CPU
 # (a tree re-run in the next step of one walk moved by 3.5-4% in step time, by up to 13% against the
-# plain run beside it), and the goal's own tolerance: a tie
-# within it keeps the tree the walk stands on.
+# plain run beside it), and the goal's own tolerance: a tie within it keeps the tree the walk stands on
+# (and looks one size further, `size_walk`).
 _WALK_MARGIN = 0.05
 
 

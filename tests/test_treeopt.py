@@ -168,39 +168,35 @@ def test_size_walk(peak, budget, measured, chosen):
     assert calls == measured
 
 
-def test_size_walk_keeps_its_tree_on_a_tie():
-    ranked = _trees(4, 2, 1, 8)
-    rates = {4: 100.0, 2: 104.0, 1: 103.0, 8: 90.0}  # 2 and 1 nodes: faster, but within the 5% margin
+def _walk(sizes, rates, budget=4, margin=None):
+    """size_walk over chains of `sizes` (best first) whose tokens/s are rates[nodes]: (chosen size,
+    the sizes of each measured pair)."""
     calls = []
 
     def measure(cands):
         calls.append(tuple(len(q) for q in cands))
         return [rates[len(q)] for q in cands]
-    assert len(size_walk(ranked, measure, 4)) == 4
-    assert calls == [(4, 2), (4, 1), (4, 8)]  # a tie looks one step further (1 node, against 4), then up
-    assert len(size_walk(ranked, measure, 4, margin=0.01)) == 2
+    return len(size_walk(_trees(*sizes), measure, budget, margin)), calls
+
+
+def test_size_walk_keeps_its_tree_on_a_tie():
+    rates = {4: 100.0, 2: 104.0, 1: 103.0, 8: 90.0}  # 2 and 1 nodes: faster, but within the 5% margin
+    # a tie looks one step further (1 node, against 4), then up
+    assert _walk((4, 2, 1, 8), rates) == (4, [(4, 2), (4, 1), (4, 8)])
+    assert _walk((4, 2, 1, 8), rates, margin=0.01)[0] == 2
 
 
 def test_size_walk_looks_past_a_tie():
-    ranked = _trees(8, 4, 2, 1, 16)
-    calls = []
-
-    def walk(rates, budget=4):
-        calls.clear()
-        return len(size_walk(ranked, lambda cands: calls.append(tuple(len(q) for q in cands))
-                             or [rates[len(q)] for q in cands], budget))
+    sizes = (8, 4, 2, 1, 16)
     # Hydra's shape: 8 -> 4 a tie, 2 faster than 8 by more than the margin, 1 slower than 2
-    assert walk({8: 83.0, 4: 85.0, 2: 95.0, 1: 80.0, 16: 60.0}) == 2
-    assert calls == [(8, 4), (8, 2), (2, 1)]
+    hydra = {8: 83.0, 4: 85.0, 2: 95.0, 1: 80.0, 16: 60.0}
+    assert _walk(sizes, hydra) == (2, [(8, 4), (8, 2), (2, 1)])
     # one look past a tie, not two: 8 -> 4 a tie -> 2 a tie: stop, then up
-    assert walk({8: 83.0, 4: 85.0, 2: 84.0, 1: 120.0, 16: 60.0}) == 8
-    assert calls == [(8, 4), (8, 2), (8, 16)]
+    assert _walk(sizes, {8: 83.0, 4: 85.0, 2: 84.0, 1: 120.0, 16: 60.0}) == (8, [(8, 4), (8, 2), (8, 16)])
     # a tie that ends at a loss beyond the margin stops the direction
-    assert walk({8: 83.0, 4: 82.0, 2: 70.0, 1: 120.0, 16: 90.0}) == 16
-    assert calls == [(8, 4), (8, 2), (8, 16)]
+    assert _walk(sizes, {8: 83.0, 4: 82.0, 2: 70.0, 1: 120.0, 16: 90.0}) == (16, [(8, 4), (8, 2), (8, 16)])
     # the look-ahead counts against the budget
-    assert walk({8: 83.0, 4: 85.0, 2: 95.0, 1: 80.0, 16: 60.0}, budget=2) == 8
-    assert calls == [(8, 4)]
+    assert _walk(sizes, hydra, budget=2) == (8, [(8, 4)])
 
 
 def test_profile_json_and_estimates():
