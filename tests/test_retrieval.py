@@ -183,6 +183,27 @@ def test_cli_builds_a_datastore_that_decodes_exactly(built, capsys):
         assert [g.tokens for g in spec] == [g.tokens for g in greedy]
 
 
+def test_a_datastore_with_options_is_built_once(built):
+    """generate(drafter="retrieval", drafter_options={...}) builds the drafter on every call: with plain
+    option values it is the same object again (uncached, each call re-read the datastore and rebuilt its
+    table: 7x slower than plain decoding); other values, or an array option, build anew, on the same
+    loaded datastore and table, however many configurations take turns."""
+    from jaxdecode.drafters import make_drafter
+    target, _, out = built
+    first = make_drafter("retrieval", target, drafter_dir=str(out), min_reach=0.15)
+    assert make_drafter("retrieval", target, drafter_dir=str(out), min_reach=0.15) is first
+    assert first.min_reach == 0.15
+    other = make_drafter("retrieval", target, drafter_dir=str(out), min_reach=0.35)
+    assert other is not first and other.min_reach == 0.35
+    assert make_drafter("retrieval", target, drafter_dir=str(out), min_reach=0.15, history_ngram=4) is not first
+    assert make_drafter("retrieval", target, drafter_dir=str(out), min_reach=0.15) is first
+    unplain = make_drafter("retrieval", target, drafter_dir=str(out), min_reach=np.float32(0.15))
+    assert unplain is not first and unplain is not make_drafter("retrieval", target, drafter_dir=str(out),
+                                                                min_reach=np.float32(0.15))
+    for n in range(1, 9):  # more configurations than the builds kept: each still reads the same table
+        assert make_drafter("retrieval", target, drafter_dir=str(out), tree=f"chain:{n}").table is first.table
+
+
 def test_a_target_that_ships_a_datastore_drafts_from_it_by_default(built, tmp_path):
     import shutil
 

@@ -20,9 +20,9 @@ from jaxdecode.drafters.builders import (ChainBuilder, DynamicTreeBuilder, Stati
                                          parse_tree_spec)
 from jaxdecode.drafters.draft_lm import DraftLM
 from jaxdecode.drafters.trained import (BUILTIN_KIND_MODULES, CONFIG_FILE, TENSOR_FILE, DrafterKind,
-                                        DrafterLoadError, TrainedDrafter, find_drafter_dir, is_trained_kind,
-                                        kind_names, load_drafter, read_drafter_config, register_kind,
-                                        save_drafter)
+                                        DrafterLoadError, TrainedDrafter, find_drafter_dir, get_kind,
+                                        is_trained_kind, kind_names, load_drafter, read_drafter_config,
+                                        register_kind, save_drafter)
 
 UNTRAINED = ("draft_lm", "dllm", "prompt_lookup", "aggressive", "token_recycling", "aded", "swift", "del")
 DRAFTERS = UNTRAINED + tuple(BUILTIN_KIND_MODULES)  # names built in; registered kinds add to drafter_names()
@@ -109,32 +109,35 @@ def make_drafter(name, target, draft=None, tree=None, temperature: float = 0.0, 
 # would otherwise read the weights from disk and hash them for the cost table on every call (tens of
 # ms a call on CPU, a tenth of a short generation).
 _recent_trained: OrderedDict = OrderedDict()
+_recent_loaded: OrderedDict = OrderedDict()  # the directories they were read from (_loaded)
 RECENT_TRAINED = 4
 _recent_lock = threading.Lock()  # generate may be called from several threads
 
 
 def _recent_key(name, target, tree, temperature, drafter_dir, draft, kw):
     """(key, objects the build depends on by identity) of a trained drafter build, or (None, ()) when it
-    is not cached: drafter options given, an unhashable tree, or no weights' directory found (the build
-    then raises its own clear error). The weights' files count by size and modification time, so a
-    retrained drafter is read again."""
-    if kw:
+    is not cached: a drafter option that is not a plain value, an unhashable tree, or no weights'
+    directory found (the build then raises its own clear error). The weights' files count by size and
+    modification time, so a retrained drafter is read again. Options of plain values (numbers, strings,
+    tuples of them) are part of the key: uncached, generate(drafter="retrieval",
+    drafter_options={"min_reach": 0.15}) re-read the datastore and rebuilt its table on every call, 7x
+    slower than plain decoding on the CPU."""
+    options = _plain_options(kw)
+    if options is None:
         return None, ()
     where = drafter_dir
     if where is None and isinstance(name, str):
         where = find_drafter_dir(target, name)
     files = ()
     if where is not None:
-        try:
-            files = tuple((f, st.st_size, st.st_mtime_ns)
-                          for f in (CONFIG_FILE, TENSOR_FILE) for st in [os.stat(os.path.join(where, f))])
-        except OSError:
+        files = _weight_files(where)
+        if files is None:
             return None, ()
     elif not isinstance(name, TrainedDrafter):
         return None, ()
     objects = tuple(o for o in (target, draft, name) if o is not None and not isinstance(o, str))
     key = (name if isinstance(name, str) else None, str(where), files, tree, float(temperature),
-           tuple(id(o) for o in objects))
+           tuple(id(o) for o in objects), options)
     try:
         hash(key)
     except TypeError:
@@ -142,26 +145,79 @@ def _recent_key(name, target, tree, temperature, drafter_dir, draft, kw):
     return key, objects
 
 
+def _plain_options(kw: dict):
+    """The drafter options as a sorted tuple of typed values when every value is a plain one (None,
+    bool, int, float, str, or a tuple / list of them: equal options build equal drafters), else None
+    (not cached: an array or object may change under the same name)."""
+    def plain(v):
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return type(v).__name__, v  # typed: True and 1 are equal keys, not equal options
+        if isinstance(v, (tuple, list)):
+            items = tuple(plain(x) for x in v)
+            return _NOT_PLAIN if any(x is _NOT_PLAIN for x in items) else (type(v).__name__, items)
+        return _NOT_PLAIN
+    items = tuple((k, plain(v)) for k, v in sorted(kw.items()))
+    return None if any(v is _NOT_PLAIN for _, v in items) else items
+
+
+_NOT_PLAIN = object()
+
+
 def _make_trained(name, target, tree, temperature, drafter_dir, draft, **kw):
     """A trained drafter, the same object again for the same arguments while they live (drafters are
     immutable pytrees; see _recent_trained)."""
     key, objects = _recent_key(name, target, tree, temperature, drafter_dir, draft, kw)
+    return _remember(_recent_trained, RECENT_TRAINED, key, objects,
+                     lambda: _build_trained(name, target, tree, temperature, drafter_dir, draft, **kw))
+
+
+def _remember(cache: OrderedDict, size: int, key, objects: tuple, build):
+    """cache[key] while every object in `objects` is alive (held by weak reference: an entry goes when
+    one of them does), else build() stored there, the least recently used of more than `size` dropped;
+    key None: build() alone."""
+    if key is None:
+        return build()
     with _recent_lock:
-        hit = _recent_trained.get(key) if key is not None else None
+        hit = cache.get(key)
         if hit is not None and all(ref() is obj for ref, obj in zip(hit[0], objects)):
-            _recent_trained.move_to_end(key)
+            cache.move_to_end(key)
             return hit[1]
-    drafter = _build_trained(name, target, tree, temperature, drafter_dir, draft, **kw)
-    if key is not None:
-        try:  # an entry goes when any object it was built from does
-            refs = tuple(weakref.ref(o, lambda _, k=key: _recent_trained.pop(k, None)) for o in objects)
-        except TypeError:  # not weak-referenceable: not cached
-            return drafter
+    value = build()
+    try:
+        refs = tuple(weakref.ref(o, lambda _, k=key: cache.pop(k, None)) for o in objects)
+    except TypeError:  # not weak-referenceable: not cached
+        return value
+    with _recent_lock:
+        cache[key] = (refs, value)
+        while len(cache) > size:
+            cache.popitem(last=False)
+    return value
+
+
+def _loaded(drafter_dir, target) -> TrainedDrafter:
+    """load_drafter(drafter_dir, target), the same object again while the target lives and the
+    directory's files are unchanged: builds of one directory with other trees or options then share its
+    weights (and a retrieval datastore its table, built once per rows object). Read anew per build, a
+    benchmark cycling over five retrieval configurations re-read the datastore and rebuilt its table on
+    every call."""
+    files = _weight_files(drafter_dir)
+    key = None if files is None else (str(drafter_dir), files, id(target))
+    load = lambda: load_drafter(drafter_dir, target)  # noqa: E731
+    td = _remember(_recent_loaded, RECENT_TRAINED, key, (target,), load)
+    if td.kind is not get_kind(td.kind.name):  # its kind was registered anew since: load with that one
         with _recent_lock:
-            _recent_trained[key] = (refs, drafter)
-            while len(_recent_trained) > RECENT_TRAINED:
-                _recent_trained.popitem(last=False)
-    return drafter
+            _recent_loaded.pop(key, None)
+        td = _remember(_recent_loaded, RECENT_TRAINED, key, (target,), load)
+    return td
+
+
+def _weight_files(where):
+    """((file, size, mtime_ns), ...) of a drafter directory's config and weights, None when unreadable."""
+    try:
+        return tuple((f, st.st_size, st.st_mtime_ns)
+                     for f in (CONFIG_FILE, TENSOR_FILE) for st in [os.stat(os.path.join(where, f))])
+    except OSError:
+        return None
 
 
 def _build_trained(name, target, tree, temperature, drafter_dir, draft, **kw):
@@ -188,7 +244,7 @@ def _build_trained(name, target, tree, temperature, drafter_dir, draft, **kw):
             raise ValueError(f"drafter_dir {drafter_dir} holds a {found!r} drafter, but drafter={name!r} was "
                              f"asked: pass drafter={found!r}, or leave drafter unset to use the directory's "
                              f"kind")
-    td = load_drafter(drafter_dir, target)
+    td = _loaded(drafter_dir, target)
     return td.make(target, tree=tree, temperature=temperature, **_with_draft(td.kind, draft, kw))
 
 
