@@ -15,7 +15,9 @@ outside the corpus). Per (temperature, batch size, source) the rows are:
   `--draft DIR` the draft model is passed too, as a user with one would);
 - `speculative adaptive=False`: the same, fixed configuration (only once generate has the option);
 - `speculative drafter=KIND`: each trained drafter shipped in `<target>/drafters/KIND`, its own default
-  tree (or `--drafter-tree`), adaptive when generate has the option.
+  tree (or `--drafter-tree`), adaptive when generate has the option;
+- `--row LABEL=JSON` (repeatable): method="speculative" with the generate options of JSON, e.g.
+  `--row 'chain12={"tree": "chain:12", "drafter_options": {"min_reach": 0.15}}'`.
 
 Each configuration is called once untimed first (compile, and a cost-table calibration if one runs),
 then every batch is timed round robin over the configurations, --repeats rounds, the median of each
@@ -27,6 +29,7 @@ per verification call), and at T=0 whether the output equals plain greedy token 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
@@ -141,6 +144,18 @@ def configs(target_dir: Path, target, draft, kinds: list[str], drafter_tree, ski
     return rows
 
 
+def extra_row(ap, spec: str) -> tuple:
+    """(label, generate options) of a --row LABEL=JSON."""
+    label, sep, text = spec.partition("=")
+    try:
+        kw = json.loads(text) if sep and label else None
+    except json.JSONDecodeError as e:
+        ap.error(f"--row {spec!r}: the options after '=' are not JSON ({e})")
+    if not isinstance(kw, dict):
+        ap.error(f"--row {spec!r}: give LABEL={{...}}, a label and a JSON object of generate options")
+    return label, dict(method="speculative") | kw
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=None, help="target model dir (default: the embedded target)")
@@ -149,6 +164,9 @@ def main(argv=None):
     ap.add_argument("--drafter", default="medusa,hydra,eagle3",
                     help="comma list of trained drafter kinds (from <target>/drafters/KIND); '' = none")
     ap.add_argument("--drafter-tree", default=None, help="tree= for the trained drafters (default: their own)")
+    ap.add_argument("--row", action="append", default=[], metavar="LABEL=JSON",
+                    help="an extra speculative row: method='speculative' with these generate options "
+                         "(a JSON object; repeatable)")
     ap.add_argument("--prompts", type=int, default=None, help=f"prompts per source ({FULL['prompts']})")
     ap.add_argument("--prompt-tokens", type=int, default=None, help=f"({FULL['prompt_tokens']})")
     ap.add_argument("--max-new-tokens", type=int, default=None, help=f"({FULL['max_new_tokens']})")
@@ -185,6 +203,7 @@ def main(argv=None):
     skipped: list[str] = []
     kinds = [k for k in args.drafter.split(",") if k]
     spec_rows = configs(target_dir, target, draft, kinds, args.drafter_tree, skipped)
+    spec_rows += [extra_row(ap, r) for r in args.row]
     common = dict(max_new_tokens=args.max_new_tokens) | ({} if args.eos else {"eos_ids": []})
     print(f"target {target.config.num_parameters() / 1e6:.1f} M float32; {args.prompts} prompts x "
           f"{args.prompt_tokens} tokens per source ({', '.join(sources)}), {args.max_new_tokens} new; "
