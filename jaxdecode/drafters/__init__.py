@@ -119,7 +119,7 @@ def _recent_key(name, target, tree, temperature, drafter_dir, draft, kw):
     is not cached: a drafter option that is not a plain value, an unhashable tree, or no weights'
     directory found (the build then raises its own clear error). The weights' files count by size and
     modification time, so a retrained drafter is read again. Options of plain values (numbers, strings,
-    tuples of them) are part of the key: uncached, generate(drafter="retrieval",
+    lists or tuples of them) are part of the key: uncached, generate(drafter="retrieval",
     drafter_options={"min_reach": 0.15}) re-read the datastore and rebuilt its table on every call, 7x
     slower than plain decoding on the CPU."""
     options = _plain_options(kw)
