@@ -6,7 +6,8 @@ method (adaptive), the same with adaptive=False, and trained drafters, side by s
                                          --json-out FILE]
     python benchmarks/bench_adaptive.py --quick       # tiny sizes: a smoke run of a couple of minutes
 
-Everything goes through `jaxdecode.generate` as a user calls it, on the embedded target (float32) and
+Everything goes through `jaxdecode.generate` as a user calls it, on the embedded target (float32, or with
+`--param-dtype bfloat16` its weight matrices in bf16, computing in float32) and
 prompts no model trained on (held-out stdlib files; `--sources heldout,outside` adds installed packages
 outside the corpus). Per (temperature, batch size, source) the rows are:
 
@@ -175,6 +176,8 @@ def main(argv=None):
     ap.add_argument("--sources", default="heldout", help="heldout and/or outside, comma separated")
     ap.add_argument("--repeats", type=int, default=3,
                     help="timed rounds per batch, round robin over the rows (median; default 3)")
+    ap.add_argument("--param-dtype", default=None, choices=["bfloat16", "float16"],
+                    help="store the models' weight matrices in this dtype, computing in float32 (load(param_dtype=))")
     ap.add_argument("--eos", action="store_true", help="stop rows at the model's EOS (default: fixed length)")
     ap.add_argument("--cost-cache", default=None,
                     help="directory of the measured cost tables (sets JAXDECODE_CACHE_DIR; a fresh directory "
@@ -196,8 +199,8 @@ def main(argv=None):
         ap.error(f"--sources: unknown {sorted(unknown)}; choose from {sorted(make_prompts)}")
 
     target_dir = Path(args.target or embedded_model_path("target"))
-    target = jaxdecode.load(target_dir, dtype="float32")
-    draft = jaxdecode.load(args.draft, dtype="float32") if args.draft else None
+    target = jaxdecode.load(target_dir, dtype="float32", param_dtype=args.param_dtype)
+    draft = jaxdecode.load(args.draft, dtype="float32", param_dtype=args.param_dtype) if args.draft else None
     sources = {s: make_prompts[s](target.tokenizer, args.prompts, args.prompt_tokens)
                for s in args.sources.split(",")}
     skipped: list[str] = []

@@ -64,8 +64,7 @@ def _add_generate(sub):
     g.add_argument("--echo", action="store_true", help="also report the prompt tokens' log-probs")
     g.add_argument("--stream", action="store_true",
                    help="print the text as it is produced (one prompt; the stats follow at the end)")
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="parameter dtype (default: float32 on CPU, the checkpoint's own on GPU/TPU)")
+    _add_dtype_args(g)
     # One flag per option of the table; unset flags stay None, i.e. the method's default.
     for name, opt in OPTIONS.items():
         if opt.cli is None:
@@ -86,6 +85,19 @@ def _add_generate(sub):
                    help=f"any method option, value parsed as JSON when possible (e.g. "
                         f"'verify_widths=[2,4]'); the options without a flag: {', '.join(rest)}")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+
+
+def _add_dtype_args(parser):
+    from jaxdecode.model import DTYPES
+    parser.add_argument("--dtype", default=None, choices=DTYPES,
+                        help="compute dtype of the model(s) (default: float32 on CPU, the checkpoint's own on GPU/TPU)")
+    parser.add_argument("--param-dtype", default=None, choices=DTYPES,
+                        help="store the weight matrices in this dtype while computing in --dtype (e.g. bfloat16: "
+                             "weight-only half precision; README, Numerics and dtypes)")
+
+
+def _dtype_kw(args) -> dict:
+    return {"dtype": args.dtype, "param_dtype": args.param_dtype}
 
 
 def _str_or_int(text: str):
@@ -198,7 +210,7 @@ def cmd_generate(args) -> int:
         if key in options:
             raise SystemExit(f"option {key} is given twice (a flag and --option); give it once")
         options[key] = value
-    model = jaxdecode.load(args.model or _default_model(args.method or "greedy"), dtype=args.dtype)
+    model = jaxdecode.load(args.model or _default_model(args.method or "greedy"), **_dtype_kw(args))
     call = dict(method=args.method, num_return_sequences=args.num_return_sequences,
                 add_special_tokens=args.add_special_tokens, skip_special_tokens=not args.keep_special_tokens,
                 echo=args.echo, **options)
@@ -346,8 +358,7 @@ def _add_bench(sub):
     b.add_argument("--temperature", type=float, default=None, help="for the methods that take it, unless set in --method")
     b.add_argument("--seed", type=int, default=None, help="for the methods that take it, unless set in --method")
     b.add_argument("--repeats", type=int, default=1, help="timed passes over the prompts (default 1)")
-    b.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="parameter dtype of the target (and draft) model")
+    _add_dtype_args(b)
     b.add_argument("--json", action="store_true", help="one JSON object per (method, batch size) row")
 
 
@@ -358,8 +369,8 @@ def cmd_bench(args) -> int:
     sizes = parse_batch_sizes(args.batch_size)
     for text in args.method:
         parse_method(text)
-    model = jaxdecode.load(args.model, dtype=args.dtype)
-    draft = jaxdecode.load(args.draft, dtype=args.dtype) if args.draft else None
+    model = jaxdecode.load(args.model, **_dtype_kw(args))
+    draft = jaxdecode.load(args.draft, **_dtype_kw(args)) if args.draft else None
     rows = run_bench(model, prompts, args.method, sizes, max_new_tokens=args.max_new_tokens,
                      temperature=args.temperature, seed=args.seed, draft=draft, drafter_dir=args.drafter_dir,
                      repeats=args.repeats, progress=main_progress)
@@ -389,7 +400,7 @@ def _add_calibrate(sub):
                         "rounded up to a power of two")
     c.add_argument("--widths", default=None, help="verification widths to time, comma-separated (default 0, "
                                                   "powers of two, the tree size)")
-    c.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="parameter dtype")
+    _add_dtype_args(c)
     c.add_argument("--cache-dir", default=None, help="default $JAXDECODE_CACHE_DIR or ~/.cache/jaxdecode")
     c.add_argument("--refresh", action="store_true", help="measure again even when a table is cached")
     c.add_argument("--json", action="store_true", help="one JSON object per batch size")
@@ -406,8 +417,8 @@ def cmd_calibrate(args) -> int:
             widths = [int(w) for w in args.widths.split(",")]
         except ValueError:
             raise ValueError(f"--widths {args.widths!r}: give node counts separated by commas, e.g. 0,1,2,4") from None
-    model = jaxdecode.load(args.model, dtype=args.dtype)
-    draft = jaxdecode.load(args.draft, dtype=args.dtype) if args.draft else None
+    model = jaxdecode.load(args.model, **_dtype_kw(args))
+    draft = jaxdecode.load(args.draft, **_dtype_kw(args)) if args.draft else None
     drafter = make_drafter(args.drafter, model, draft=draft, tree=args.tree, drafter_dir=args.drafter_dir)
     rows = [calibrate(model, drafter, b, widths=widths, context_len=args.context_len, cache_dir=args.cache_dir,
                       refresh=args.refresh) for b in sizes]

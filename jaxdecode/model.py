@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 
 import jaxdecode.models as _models_pkg
 from jaxdecode.models import ModelConfig, load_params, load_tokenizer
@@ -75,14 +76,33 @@ def resolve_dtype(dtype: str | None, backend: str | None = None) -> str | None:
     return dtype
 
 
-def load(path: str | Path | None = None, *, dtype: str | None = None, mesh=None) -> Model:
+def _param_dtype(name):
+    if name not in DTYPES:
+        raise ValueError(f"param_dtype must be None (the compute dtype) or one of {DTYPES}, got {name!r}")
+    return jnp.dtype(name)
+
+
+def narrow_weights(params, param_dtype: str):
+    """Store the weight matrices (every float parameter of 2 or more dims) in `param_dtype`; the 1-D ones
+    (norm scales, biases) keep theirs, and with them the dtype the forward computes in
+    (models.transformer.forward). What `load(param_dtype=...)` does after loading."""
+    dt = _param_dtype(param_dtype)
+    return jax.tree.map(lambda a: a.astype(dt) if a.ndim >= 2 and jnp.issubdtype(a.dtype, jnp.floating) else a,
+                        params)
+
+
+def load(path: str | Path | None = None, *, dtype: str | None = None, param_dtype: str | None = None,
+         mesh=None) -> Model:
     """Load a Hugging Face checkpoint directory (config.json + safetensors + tokenizer).
 
     `path=None` (or "default", or a name of EMBEDDED_NAMES: "target", "draft", "dllm") loads an embedded
     model; "dllm" is the diffusion LM adapted from the target (method="diffusion"). `dtype`: None = the
     default rule (`resolve_dtype`: float32 on CPU, the checkpoint's dtype on GPU/TPU), "auto" = the
-    checkpoint's dtype, or "float32" / "bfloat16" / "float16". With a `mesh`, parameters are sharded
-    over it.
+    checkpoint's dtype, or "float32" / "bfloat16" / "float16". `param_dtype`: None = `dtype`, or a
+    dtype to store the weight matrices in while the forward computes in `dtype` (weight-only half
+    precision, e.g. `dtype="float32", param_dtype="bfloat16"`: the activations, KV cache and logits stay
+    float32 and each matmul runs bf16 x bf16 -> f32; README "Numerics and dtypes"). With a `mesh`,
+    parameters are sharded over it.
     """
     if path is None or str(path) in ("default",) + EMBEDDED_NAMES:
         name = str(path) if str(path) in EMBEDDED_NAMES else "target"
@@ -92,7 +112,11 @@ def load(path: str | Path | None = None, *, dtype: str | None = None, mesh=None)
                 f"the embedded {name} model is not shipped in this checkout ({EMBEDDED_DIR / name}); "
                 f"build it with `make models` or pass a checkpoint directory")
         path = found
+    if param_dtype is not None:
+        _param_dtype(param_dtype)  # a bad name fails before the checkpoint is read
     config, params = load_params(path, dtype=resolve_dtype(dtype))
+    if param_dtype is not None:
+        params = narrow_weights(params, param_dtype)
     if mesh is not None:
         from jaxdecode.sharding import shard_params
         params = shard_params(params, mesh)

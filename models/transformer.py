@@ -119,34 +119,49 @@ def window_key_positions(positions, lengths, width: int, write_offset=None, key_
     return jnp.where((new_col >= 0) & (new_col < t), new_pos, other).astype(jnp.int32)
 
 
+def compute_dtype(params):
+    """The dtype a model's forward computes in: its 1-D parameters' (norm scales), which
+    `load(param_dtype=...)` leaves in the compute dtype while it stores the matrices narrower."""
+    return jax.tree.leaves(params["final_norm"])[0].dtype
+
+
+def matmul(equation: str, x, w):
+    """einsum(equation, x, w) in x's dtype, with w in its own: x is rounded to w's dtype and the
+    products accumulate in float32. With matching dtypes this is the plain einsum; with weights
+    stored narrower than the activations (`jaxdecode.load(param_dtype="bfloat16")`) the matmul reads
+    half the bytes and runs as a bf16 x bf16 -> f32 dot (fast on CPUs with AVX512-BF16 / AMX), where
+    einsum's type promotion would widen the whole weight matrix to float32 on every call."""
+    return jnp.einsum(equation, x.astype(w.dtype), w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
 # ----------------------------------------------------------------------------- the layer
 def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, attend):
     """One transformer block. x: [B, T, D]. attend(q [B,T,H,hd], k, v [B,T,KV,hd]) -> (a [B,T,H,hd], aux):
     the attention of this layer (with or without a cache); aux is returned as it is."""
     h = _norm(config, x, lp["attn_norm"])
-    q = jnp.einsum("btd,dnh->btnh", h, lp["wq"])  # [B, T, H, hd]
-    k = jnp.einsum("btd,dnh->btnh", h, lp["wk"])  # [B, T, KV, hd]
-    v = jnp.einsum("btd,dnh->btnh", h, lp["wv"])
+    q = matmul("btd,dnh->btnh", h, lp["wq"])  # [B, T, H, hd]
+    k = matmul("btd,dnh->btnh", h, lp["wk"])  # [B, T, KV, hd]
+    v = matmul("btd,dnh->btnh", h, lp["wv"])
     if config.qkv_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     if config.uses_rope:
         q = apply_rope(q, q_pos, inv_freq)
         k = apply_rope(k, q_pos, inv_freq)
     a, aux = attend(q, k, v)
-    o = jnp.einsum("btnh,nhd->btd", a, lp["wo"])
+    o = matmul("btnh,nhd->btd", a, lp["wo"])
     if config.o_bias:
         o = o + lp["bo"]
     x = x + o
     h = _norm(config, x, lp["mlp_norm"])
     if config.is_gpt2:
-        u = jnp.einsum("btd,df->btf", h, lp["w_up"]) + lp["b_up"]
-        m = jnp.einsum("btf,fd->btd", gelu_new(u), lp["w_down"]) + lp["b_down"]
+        u = matmul("btd,df->btf", h, lp["w_up"]) + lp["b_up"]
+        m = matmul("btf,fd->btd", gelu_new(u), lp["w_down"]) + lp["b_down"]
     else:
-        g = jnp.einsum("btd,df->btf", h, lp["w_gate"])
-        u = jnp.einsum("btd,df->btf", h, lp["w_up"])
+        g = matmul("btd,df->btf", h, lp["w_gate"])
+        u = matmul("btd,df->btf", h, lp["w_up"])
         if config.mlp_bias:
             g, u = g + lp["b_gate"], u + lp["b_up"]
-        m = jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, lp["w_down"])
+        m = matmul("btf,fd->btd", jax.nn.silu(g) * u, lp["w_down"])
         if config.mlp_bias:
             m = m + lp["b_down"]
     return x + m, aux
@@ -283,9 +298,11 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
         ids = None
     else:
         ids = _layer_ids(config, stop_at_layer, skip_layers, return_layers)
-    x = jnp.take(params["embed"], tokens, axis=0)
+    # with weights stored narrower, the residual stream, attention and KV cache keep the compute dtype
+    act_dtype = compute_dtype(params)
+    x = jnp.take(params["embed"], tokens, axis=0).astype(act_dtype)
     if config.is_gpt2:
-        x = x + jnp.take(params["pos_embed"], positions, axis=0)
+        x = x + jnp.take(params["pos_embed"], positions, axis=0).astype(act_dtype)
     inv_freq = jnp.asarray(rope_inv_freq(config)) if config.uses_rope else None
     positions = positions.astype(jnp.int32)
     mask = attn_mask.astype(bool)
@@ -341,7 +358,7 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
         (x, new_k, new_v), per_layer = jax.lax.scan(body, init, xs)
     h_final = _norm(config, x, params["final_norm"])
     head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
-    logits = jnp.einsum("btd,dv->btv", h_final, head, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("btd,dv->btv", h_final.astype(head.dtype), head, preferred_element_type=jnp.float32)
 
     layers_out = None
     if return_layers:

@@ -68,6 +68,19 @@ def test_cli_generate_json(tiny_llama_dir, capsys):
     assert {"target_calls", "seconds", "compile_seconds", "batch_size"} <= set(last["batch_stats"])
 
 
+def test_cli_param_dtype(tiny_llama_dir, capsys):
+    """--param-dtype bfloat16 (weights narrower, float32 compute) generates what the library call does."""
+    import jaxdecode
+    rc = main(["generate", "--model", str(tiny_llama_dir), "--prompt", "def add(", "--method", "greedy",
+               "--max-new-tokens", "6", "--param-dtype", "bfloat16", "--json"])
+    assert rc == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[0])
+    m = jaxdecode.load(tiny_llama_dir, param_dtype="bfloat16")
+    assert row["tokens"] == jaxdecode.generate(m, ["def add("], max_new_tokens=6, method="greedy")[0].tokens
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(tiny_llama_dir), "--prompt", "x", "--param-dtype", "int8"])
+
+
 def test_cli_prompts_file_and_sampling(tiny_llama_dir, tmp_path, capsys):
     f = tmp_path / "prompts.txt"
     f.write_text("import os\n\nfor i in\n")

@@ -44,3 +44,49 @@ def test_resolve_dtype():
     assert resolve_dtype("auto") is None and resolve_dtype("bfloat16") == "bfloat16"
     with pytest.raises(ValueError, match="dtype must be"):
         resolve_dtype("fp8")
+
+
+# ----------------------------------------------------------------------------- weight-only half precision
+def _forward_logits(model, tokens):
+    from jaxdecode.models import causal_mask, forward
+    b, t = tokens.shape
+    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    return forward(model.config, model.params, tokens, pos, None, causal_mask(b, t))[0]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_param_dtype_narrows_the_matrices_only(family, bf16_dir, tiny_gpt2_dir):
+    from jaxdecode.models.transformer import compute_dtype
+    path = bf16_dir if family == "llama" else tiny_gpt2_dir
+    wide = jaxdecode.load(path, dtype="float32")
+    narrow = jaxdecode.load(path, dtype="float32", param_dtype="bfloat16")
+    for w, n in zip(jax.tree.leaves(wide.params), jax.tree.leaves(narrow.params)):
+        assert n.dtype == (jnp.bfloat16 if w.ndim >= 2 else jnp.float32), (w.shape, n.dtype)
+    assert narrow.config.dtype == "float32" and compute_dtype(narrow.params) == jnp.float32
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, wide.config.vocab_size)
+    lw, ln = _forward_logits(wide, tokens), _forward_logits(narrow, tokens)
+    assert ln.dtype == jnp.float32
+    # matmul inputs are rounded to bf16 (8 mantissa bits); everything else stays float32
+    scale = float(jnp.max(jnp.abs(lw)))
+    assert float(jnp.max(jnp.abs(lw - ln))) <= 0.03 * scale + 1e-3
+    if family == "llama":  # a bf16 checkpoint: the float32 load holds the same weight values
+        assert jnp.array_equal(narrow.params["embed"].astype(jnp.float32), wide.params["embed"])
+
+
+def test_param_dtype_is_checked_before_loading(tmp_path):
+    with pytest.raises(ValueError, match="param_dtype must be None .* got 'int8'"):
+        jaxdecode.load(tmp_path / "nothing here", param_dtype="int8")
+
+
+@pytest.mark.skipif(embedded_model_path() is None, reason="embedded models not shipped")
+def test_param_dtype_speculative_greedy_equals_plain_greedy():
+    """Weight-only bf16 keeps the KV cache and activations in float32; on the CPU the verification forward
+    over N nodes and the one-token step give the same tokens (README "Numerics and dtypes")."""
+    m = jaxdecode.load(param_dtype="bfloat16")
+    prompts = ["import os\nimport sys\n\n\ndef main(argv):\n    ", "class Parser:\n    def __init__(self, ",
+               "    for name in sorted(", "# Copyright\n\"\"\"Utilities for "]
+    plain = jaxdecode.generate(m, prompts, max_new_tokens=40, method="greedy", eos_ids=[])
+    for drafter, tree in [("retrieval", "chain:8"), ("prompt_lookup", "chain:4"), ("eagle3", None)]:
+        spec = jaxdecode.generate(m, prompts, max_new_tokens=40, method="speculative", drafter=drafter,
+                                  tree=tree, adaptive=False, eos_ids=[])
+        assert [g.tokens for g in spec] == [g.tokens for g in plain], drafter

@@ -439,13 +439,11 @@ def load_drafter(path, target) -> TrainedDrafter:
 
 
 def _compute_dtype(target):
-    """The floating dtype of a Model's params (None for a bare ModelConfig)."""
-    import jax
+    """The dtype a Model's forward computes in (None for a bare ModelConfig): its activations', which a
+    target loaded with param_dtype keeps wider than its weight matrices."""
+    from jaxdecode.models.transformer import compute_dtype
     params = getattr(target, "params", None)
-    for leaf in jax.tree_util.tree_leaves(params):
-        if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating):
-            return leaf.dtype
-    return None
+    return None if params is None else compute_dtype(params)
 
 
 def find_drafter_dir(target, kind_name: str) -> Path | None:
