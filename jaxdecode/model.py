@@ -59,8 +59,9 @@ def resolve_dtype(dtype: str | None, backend: str | None = None) -> str | None:
     """The one dtype rule of `load` (every checkpoint, the embedded models included).
 
     dtype=None: float32 on a CPU backend, the checkpoint's own dtype (config.json `dtype` /
-    `torch_dtype`) on GPU/TPU. CPUs have no fast bfloat16 matmul (XLA:CPU emulates it, slower than
-    float32), and float32 keeps speculative decoding token-for-token equal to plain greedy decoding
+    `torch_dtype`) on GPU/TPU. A model computing in bfloat16 runs slower than float32 under XLA:CPU
+    (it widens the weights inside each step; weight-only bf16, load(param_dtype=), does not), and
+    float32 keeps speculative decoding token-for-token equal to plain greedy decoding
     (README, "Numerics"); accelerators are built for the checkpoint's half precision.
     dtype="auto": the checkpoint's own dtype on every backend. Any name in DTYPES: that dtype.
     Returns the dtype name to load in, or None for "as stored".
