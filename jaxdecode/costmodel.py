@@ -46,7 +46,7 @@ import numpy as np
 
 from jaxdecode.kernels.common import next_pow2, round_up
 
-SCHEMA = 12  # version of the cache file layout and of the key; bump when either changes meaning
+SCHEMA = 13  # version of the cache file layout and of the key; bump when either changes meaning
 # (4: DraftLM and self-speculation lost their idle step: older tables hold an idle cost no longer paid;
 # 5: plain steps of history_only drafters run as lean runs, priced per token;
 # 6: level_capped drafters draft only the levels a step verifies: draft_by_width, and forced steps
@@ -58,7 +58,10 @@ SCHEMA = 12  # version of the cache file layout and of the key; bump when either
 # plain step at batch 1: older tables overprice every forward; 10: engine steps are timed over 16
 # trips at least: EAGLE-3's plain step at batch 4 measured 5.8-6.6 ms over 3 trips, 3.6 ms decoding;
 # 11: every drafter's plain steps run as lean runs (the drafter's observe inside them), not only
-# history_only drafters)
+# history_only drafters; 12: the engine's step timed under the drafter's own policy, class-keyed
+# where the engine keys it so; 13: on the CPU a one-row half-precision matmul is padded to two rows
+# (models.transformer.matmul): XLA:CPU widened every weight matrix to float32 for it, 20 ms a call
+# for the embedded target in weight-only bf16, so older tables overprice its plain and verify steps)
 DEFAULT_CONTEXT_LEN = 256
 # Trips of a timed engine step, at least: the first steps from the prefilled state cost more than
 # later ones (EAGLE-3's plain step at batch 4: 6.0 ms per trip over 3 trips, 4.2 over 32, 3.6 in a

@@ -88,8 +88,17 @@ def narrow_weights(params, param_dtype: str):
     (norm scales, biases) keep theirs, and with them the dtype the forward computes in
     (models.transformer.forward). What `load(param_dtype=...)` does after loading."""
     dt = _param_dtype(param_dtype)
-    return jax.tree.map(lambda a: a.astype(dt) if a.ndim >= 2 and jnp.issubdtype(a.dtype, jnp.floating) else a,
-                        params)
+
+    def narrow(a, stacked: bool):  # stacked: the layer weights carry a leading layer axis
+        is_matrix = a.ndim - int(stacked) >= 2
+        return a.astype(dt) if is_matrix and jnp.issubdtype(a.dtype, jnp.floating) else a
+
+    layers = params.get("layers")
+    stacked = layers is not None and not isinstance(layers, (tuple, list))
+    out = {k: jax.tree.map(lambda a: narrow(a, False), v) for k, v in params.items() if k != "layers"}
+    if layers is not None:
+        out["layers"] = jax.tree.map(lambda a: narrow(a, stacked), layers)
+    return out
 
 
 def load(path: str | Path | None = None, *, dtype: str | None = None, param_dtype: str | None = None,

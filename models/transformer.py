@@ -125,13 +125,67 @@ def compute_dtype(params):
     return jax.tree.leaves(params["final_norm"])[0].dtype
 
 
-def matmul(equation: str, x, w):
-    """einsum(equation, x, w) in x's dtype, with w in its own: x is rounded to w's dtype and the
-    products accumulate in float32. With matching dtypes this is the plain einsum; with weights
-    stored narrower than the activations (`jaxdecode.load(param_dtype="bfloat16")`) the matmul reads
-    half the bytes and runs as a bf16 x bf16 -> f32 dot (fast on CPUs with AVX512-BF16 / AMX), where
-    einsum's type promotion would widen the whole weight matrix to float32 on every call."""
-    return jnp.einsum(equation, x.astype(w.dtype), w, preferred_element_type=jnp.float32).astype(x.dtype)
+# XLA:CPU multiplies half-precision operands of fewer rows than this on another path than wider
+# products: the rows of a one- or two-row product differ in their last bits from the same rows inside
+# a product of 3 or more, while every product of 3+ rows gives each row the same bits.
+HALF_MIN_ROWS = 3
+
+
+def matmul(equation: str, x, w, out_dtype=None):
+    """einsum(equation, x, w) in `out_dtype` (default x's dtype), w in its own dtype, the products
+    accumulated in float32. With matching dtypes this is the plain einsum.
+
+    With weights stored narrower than the activations (`jaxdecode.load(param_dtype="bfloat16")`) the
+    product runs as a half-precision dot (fast on CPUs with AVX512-BF16 / AMX; einsum's type promotion
+    would widen the whole weight matrix to float32 on every call) and reads half the bytes, and x is
+    not rounded: it is split into x_hi = half(x) and x_lo = half(x - x_hi), both multiplied in ONE dot
+    (their rows stacked: the weights are read once) and summed, so x keeps ~16 bits of mantissa. Rounded
+    to 8 bits instead, a last-bit difference between two ways of computing the same activations (a
+    decode step and a verification forward) flipped a bf16 rounding and moved log-probs by ~3e-4
+    (median; 7e-7 in float32), enough to change a greedy token near a tie (1 of 16 held-out rows);
+    split, they move by 7e-7 as in float32 (BENCHMARKS.md, "weight-only bf16: exact greedy").
+
+    `equation` is "x_spec,w_spec->out_spec". On the CPU a half-precision product of fewer than
+    HALF_MIN_ROWS rows is padded to that many: XLA:CPU has no fast one-row bf16 dot, so it widened the
+    whole weight matrix to float32 for it (hoisted out of a decode loop: 20 ms a call for the embedded
+    target; inside a branch: on every step), and those rows differ in their last bits from the same
+    rows in a wider product."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    x_spec, rest = equation.split(",")
+    w_spec, out_spec = rest.split("->")
+    free = [i for i, c in enumerate(x_spec) if c not in w_spec]  # x's row axes
+    rows = math.prod(x.shape[i] for i in free)
+    half = jnp.dtype(w.dtype).itemsize == 2 and jnp.issubdtype(w.dtype, jnp.floating)
+    if not (half and free and rows > 0):
+        return jnp.einsum(equation, x.astype(w.dtype), w, preferred_element_type=jnp.float32).astype(out_dtype)
+    axis = free[-1]  # rows are stacked and padded along x's last row axis
+    n = x.shape[axis]
+    parts = [x.astype(w.dtype)]
+    if jnp.dtype(x.dtype).itemsize > 2:  # wider activations: keep their low bits (x_lo)
+        parts.append((x - parts[0].astype(x.dtype)).astype(w.dtype))
+    stacked = n * len(parts)
+    if jax.default_backend() == "cpu":
+        stacked = max(stacked, -(-HALF_MIN_ROWS // (rows // n)))
+    if stacked > n * len(parts):
+        parts.append(jnp.zeros(x.shape[:axis] + (stacked - n * len(parts),) + x.shape[axis + 1:], w.dtype))
+    y = jnp.einsum(equation, jnp.concatenate(parts, axis=axis) if len(parts) > 1 else parts[0], w,
+                   preferred_element_type=jnp.float32)
+    out_axis = out_spec.index(x_spec[axis])
+    total = jax.lax.slice_in_dim(y, 0, n, axis=out_axis)
+    if jnp.dtype(x.dtype).itemsize > 2:
+        total = total + jax.lax.slice_in_dim(y, n, 2 * n, axis=out_axis)
+    return total.astype(out_dtype)
+
+
+def embed_rows(table, ids, dtype):
+    """table[ids] in `dtype`. A half-precision table is gathered as raw 16-bit words and widened after
+    the gather: gathered as bf16, XLA:CPU widens the whole table to float32 first (a 4096 x 384 copy
+    on every call, or on every step inside a branch)."""
+    if jnp.dtype(table.dtype).itemsize == 2 and jnp.issubdtype(table.dtype, jnp.floating) \
+            and jnp.dtype(dtype) != table.dtype:
+        words = jnp.take(jax.lax.bitcast_convert_type(table, jnp.uint16), ids, axis=0)
+        return jax.lax.bitcast_convert_type(words, table.dtype).astype(dtype)
+    return jnp.take(table, ids, axis=0).astype(dtype)
 
 
 # ----------------------------------------------------------------------------- the layer
@@ -300,9 +354,9 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
         ids = _layer_ids(config, stop_at_layer, skip_layers, return_layers)
     # with weights stored narrower, the residual stream, attention and KV cache keep the compute dtype
     act_dtype = compute_dtype(params)
-    x = jnp.take(params["embed"], tokens, axis=0).astype(act_dtype)
+    x = embed_rows(params["embed"], tokens, act_dtype)
     if config.is_gpt2:
-        x = x + jnp.take(params["pos_embed"], positions, axis=0).astype(act_dtype)
+        x = x + embed_rows(params["pos_embed"], positions, act_dtype)
     inv_freq = jnp.asarray(rope_inv_freq(config)) if config.uses_rope else None
     positions = positions.astype(jnp.int32)
     mask = attn_mask.astype(bool)
@@ -358,7 +412,7 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
         (x, new_k, new_v), per_layer = jax.lax.scan(body, init, xs)
     h_final = _norm(config, x, params["final_norm"])
     head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
-    logits = jnp.einsum("btd,dv->btv", h_final.astype(head.dtype), head, preferred_element_type=jnp.float32)
+    logits = matmul("btd,dv->btv", h_final, head, out_dtype=jnp.float32)
 
     layers_out = None
     if return_layers:

@@ -60,8 +60,14 @@ def test_param_dtype_narrows_the_matrices_only(family, bf16_dir, tiny_gpt2_dir):
     path = bf16_dir if family == "llama" else tiny_gpt2_dir
     wide = jaxdecode.load(path, dtype="float32")
     narrow = jaxdecode.load(path, dtype="float32", param_dtype="bfloat16")
-    for w, n in zip(jax.tree.leaves(wide.params), jax.tree.leaves(narrow.params)):
-        assert n.dtype == (jnp.bfloat16 if w.ndim >= 2 else jnp.float32), (w.shape, n.dtype)
+    for path_, w in jax.tree_util.tree_leaves_with_path(wide.params):
+        n = narrow.params
+        for k in path_:
+            n = n[k.key]
+        per_layer_ndim = w.ndim - (path_[0].key == "layers")  # stacked layers: a leading layer axis
+        assert n.dtype == (jnp.bfloat16 if per_layer_ndim >= 2 else jnp.float32), (path_, w.shape, n.dtype)
+    assert narrow.params["layers"][next(k for k in narrow.params["layers"] if "norm" in k)]["scale"].dtype \
+        == jnp.float32  # a stacked norm scale is 2-D but per layer a vector: it keeps the compute dtype
     assert narrow.config.dtype == "float32" and compute_dtype(narrow.params) == jnp.float32
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, wide.config.vocab_size)
     lw, ln = _forward_logits(wide, tokens), _forward_logits(narrow, tokens)
@@ -90,3 +96,44 @@ def test_param_dtype_speculative_greedy_equals_plain_greedy():
         spec = jaxdecode.generate(m, prompts, max_new_tokens=40, method="speculative", drafter=drafter,
                                   tree=tree, adaptive=False, eos_ids=[])
         assert [g.tokens for g in spec] == [g.tokens for g in plain], drafter
+
+
+@pytest.mark.parametrize("equation,x_shape,w_shape", [
+    ("btd,df->btf", (1, 1, 384), (384, 512)),   # a decode step at batch 1: one row, padded to three
+    ("btd,df->btf", (2, 1, 384), (384, 512)),   # batch 2: two rows, padded to four
+    ("btd,df->btf", (2, 3, 384), (384, 512)),   # several rows: the plain dot
+    ("btnh,nhd->btd", (1, 1, 4, 96), (4, 96, 384)),  # the attention output projection, one row
+])
+def test_half_precision_matmul_keeps_the_weights_narrow(equation, x_shape, w_shape):
+    """XLA:CPU has no fast one-row bf16 dot: it widened the whole weight matrix to float32 for one (20 ms
+    a call for the embedded target, hoisted out of a decode loop; in a branch, on every step), and rows
+    of a one- or two-row product differ in their last bits from the same rows in a wider one. Padded,
+    the product reads the bf16 weights as they are, keeps x's low bits (x_hi + x_lo: not rounded to
+    bf16), and gives each row the bits of a wider product."""
+    from jaxdecode.models.transformer import matmul
+    kx, kw = jax.random.split(jax.random.PRNGKey(len(x_shape)))
+    x = jax.random.normal(kx, x_shape, jnp.float32)
+    w = jax.random.normal(kw, w_shape, jnp.float32).astype(jnp.bfloat16)
+    f = jax.jit(lambda x, w: matmul(equation, x, w))
+    got = f(x, w)
+    want = jnp.einsum(equation, x, w.astype(jnp.float32), precision="highest")
+    rounded = jnp.einsum(equation, x.astype(jnp.bfloat16).astype(jnp.float32), w.astype(jnp.float32),
+                         precision="highest")  # x rounded to bf16: ~3 significant digits
+    assert got.shape == want.shape and got.dtype == jnp.float32
+    err, err_rounded = float(jnp.max(jnp.abs(got - want))), float(jnp.max(jnp.abs(rounded - want)))
+    assert err <= 1e-5 * float(jnp.max(jnp.abs(want))) and err < err_rounded / 50, (err, err_rounded)
+    wide_weights = "f32[" + ",".join(map(str, w_shape))
+    assert wide_weights not in f.lower(x, w).compile().as_text()
+    # each row has the bits it has inside a wider product (a verification forward's): greedy decoding
+    # and speculative verification then see the same logits
+    wider = jnp.concatenate([x, jax.random.normal(kx, x.shape[:1] + (12,) + x.shape[2:], jnp.float32)], axis=1)
+    assert jnp.array_equal(got, f(wider, w)[:, :x.shape[1]])
+
+
+def test_half_precision_embedding_rows_are_gathered_narrow():
+    from jaxdecode.models.transformer import embed_rows
+    table = jax.random.normal(jax.random.PRNGKey(0), (256, 32)).astype(jnp.bfloat16)
+    ids = jnp.array([[3, 255, 0]], jnp.int32)
+    f = jax.jit(lambda t, i: embed_rows(t, i, jnp.float32))
+    assert jnp.array_equal(f(table, ids), table[ids].astype(jnp.float32))
+    assert "f32[256,32]" not in f.lower(table, ids).compile().as_text()  # the table is not widened

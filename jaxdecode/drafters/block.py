@@ -42,7 +42,7 @@ from jaxdecode.drafters.trained import DrafterKind, register_kind
 from jaxdecode.models import ModelConfig, rope_inv_freq
 from jaxdecode.models import init_params as model_init_params
 from jaxdecode.models import param_shapes as model_param_shapes
-from jaxdecode.models.transformer import _MASKED, _layer, apply_rope, rms_norm
+from jaxdecode.models.transformer import _MASKED, _layer, apply_rope, embed_rows, rms_norm
 from jaxdecode.speculative import FINAL, accepted_features
 from jaxdecode.tree import depths
 
@@ -223,7 +223,7 @@ def block_hidden(dcfg: ModelConfig, params, x, positions, ctx_k, ctx_v, ctx_visi
 
 def block_inputs(params, embed, first_tokens, block_size: int):
     """[x_anchor, MASK x k] embeddings: first_tokens int32[...] -> f32[..., k+1, D]."""
-    e0 = jnp.take(embed, first_tokens, axis=0).astype(jnp.float32)[..., None, :]
+    e0 = embed_rows(embed, first_tokens, jnp.float32)[..., None, :]
     masks = jnp.broadcast_to(params["mask_embed"].astype(jnp.float32), e0.shape[:-2] + (block_size,) + e0.shape[-1:])
     return jnp.concatenate([e0, masks], axis=-2)
 

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jaxdecode.drafters.builders import build_tree
 from jaxdecode.drafters.draft_lm import draft_logprobs
 from jaxdecode.drafters.trained import DrafterKind, register_kind
+from jaxdecode.models.transformer import embed_rows
 from jaxdecode.speculative import FINAL, accepted_features
 from jaxdecode.tree import depths
 
@@ -202,11 +203,11 @@ class HeadsDrafter:
             return tree, slots, h
 
         pending = ctx.history[rows, ctx.hist_len - 1]
-        e0 = jnp.take(self.embed, pending, axis=0).astype(jnp.float32)  # [B, D]
+        e0 = embed_rows(self.embed, pending, jnp.float32)  # [B, D]
 
         def path_heads(path_tokens, head):
             """Head `head` [...] on each node's path: [x_{t+1}, path tokens...] -> logq [..., V]."""
-            emb = jnp.take(self.embed, path_tokens[..., :k - 1], axis=0).astype(jnp.float32)
+            emb = embed_rows(self.embed, path_tokens[..., :k - 1], jnp.float32)
             lead = jnp.broadcast_to(e0.reshape((b,) + (1,) * (emb.ndim - 3) + e0.shape[-1:]),
                                     emb.shape[:-2] + e0.shape[-1:])
             emb = jnp.concatenate([lead[..., None, :], emb], axis=-2)  # [..., K, D]
