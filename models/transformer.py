@@ -131,6 +131,11 @@ def compute_dtype(params):
 HALF_MIN_ROWS = 3
 
 
+def _is_half(dtype) -> bool:
+    """bfloat16 or float16."""
+    return jnp.dtype(dtype).itemsize == 2 and jnp.issubdtype(dtype, jnp.floating)
+
+
 def matmul(equation: str, x, w, out_dtype=None):
     """einsum(equation, x, w) in `out_dtype` (default x's dtype), w in its own dtype, the products
     accumulated in float32. With matching dtypes this is the plain einsum.
@@ -155,13 +160,13 @@ def matmul(equation: str, x, w, out_dtype=None):
     w_spec, out_spec = rest.split("->")
     free = [i for i, c in enumerate(x_spec) if c not in w_spec]  # x's row axes
     rows = math.prod(x.shape[i] for i in free)
-    half = jnp.dtype(w.dtype).itemsize == 2 and jnp.issubdtype(w.dtype, jnp.floating)
-    if not (half and free and rows > 0):
+    if not (_is_half(w.dtype) and free and rows > 0):
         return jnp.einsum(equation, x.astype(w.dtype), w, preferred_element_type=jnp.float32).astype(out_dtype)
     axis = free[-1]  # rows are stacked and padded along x's last row axis
     n = x.shape[axis]
     parts = [x.astype(w.dtype)]
-    if jnp.dtype(x.dtype).itemsize > 2:  # wider activations: keep their low bits (x_lo)
+    keep_low_bits = jnp.dtype(x.dtype).itemsize > 2  # wider activations: x_lo as well
+    if keep_low_bits:
         parts.append((x - parts[0].astype(x.dtype)).astype(w.dtype))
     stacked = n * len(parts)
     if jax.default_backend() == "cpu":
@@ -172,7 +177,7 @@ def matmul(equation: str, x, w, out_dtype=None):
                    preferred_element_type=jnp.float32)
     out_axis = out_spec.index(x_spec[axis])
     total = jax.lax.slice_in_dim(y, 0, n, axis=out_axis)
-    if jnp.dtype(x.dtype).itemsize > 2:
+    if keep_low_bits:
         total = total + jax.lax.slice_in_dim(y, n, 2 * n, axis=out_axis)
     return total.astype(out_dtype)
 
@@ -181,8 +186,7 @@ def embed_rows(table, ids, dtype):
     """table[ids] in `dtype`. A half-precision table is gathered as raw 16-bit words and widened after
     the gather: gathered as bf16, XLA:CPU widens the whole table to float32 first (a 4096 x 384 copy
     on every call, or on every step inside a branch)."""
-    if jnp.dtype(table.dtype).itemsize == 2 and jnp.issubdtype(table.dtype, jnp.floating) \
-            and jnp.dtype(dtype) != table.dtype:
+    if _is_half(table.dtype) and jnp.dtype(dtype) != table.dtype:
         words = jnp.take(jax.lax.bitcast_convert_type(table, jnp.uint16), ids, axis=0)
         return jax.lax.bitcast_convert_type(words, table.dtype).astype(dtype)
     return jnp.take(table, ids, axis=0).astype(dtype)
