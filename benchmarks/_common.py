@@ -144,12 +144,20 @@ def finish_args(args, presets: dict) -> None:
         os.environ["JAXDECODE_CACHE_DIR"] = args.cost_cache
 
 
+def add_param_dtype_arg(ap):
+    """--param-dtype: weight-only half precision for the models a benchmark loads."""
+    ap.add_argument("--param-dtype", default=None, choices=["bfloat16", "float16"],
+                    help="store the models' weight matrices in this dtype, computing in float32 (load(param_dtype=))")
+
+
 def load_target_and_draft(args):
-    """(target dir, target, draft) in float32: --target / --draft, else the embedded models."""
+    """(target dir, target, draft) computing in float32: --target / --draft, else the embedded models;
+    their weight matrices in --param-dtype when the script has that option (add_param_dtype_arg)."""
     from pathlib import Path
 
     import jaxdecode
     from jaxdecode.model import embedded_model_path
     target_dir = Path(args.target or embedded_model_path("target"))
-    return (target_dir, jaxdecode.load(target_dir, dtype="float32"),
-            jaxdecode.load(args.draft or embedded_model_path("draft"), dtype="float32"))
+    kw = dict(dtype="float32", param_dtype=getattr(args, "param_dtype", None))
+    draft = jaxdecode.load(args.draft or embedded_model_path("draft"), **kw)
+    return target_dir, jaxdecode.load(target_dir, **kw), draft

@@ -38,7 +38,8 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from _common import finish_args, heldout_prompts, interleaved_medians, outside_prompts, write_result
+from _common import (add_param_dtype_arg, finish_args, heldout_prompts, interleaved_medians, outside_prompts,
+                     write_result)
 
 import jaxdecode
 from jaxdecode.api import embedded_model_path
@@ -176,8 +177,7 @@ def main(argv=None):
     ap.add_argument("--sources", default="heldout", help="heldout and/or outside, comma separated")
     ap.add_argument("--repeats", type=int, default=3,
                     help="timed rounds per batch, round robin over the rows (median; default 3)")
-    ap.add_argument("--param-dtype", default=None, choices=["bfloat16", "float16"],
-                    help="store the models' weight matrices in this dtype, computing in float32 (load(param_dtype=))")
+    add_param_dtype_arg(ap)
     ap.add_argument("--eos", action="store_true", help="stop rows at the model's EOS (default: fixed length)")
     ap.add_argument("--cost-cache", default=None,
                     help="directory of the measured cost tables (sets JAXDECODE_CACHE_DIR; a fresh directory "

@@ -22,7 +22,7 @@ import platform
 
 import jax
 import numpy as np
-from _common import heldout_prompts, interleaved_medians, load_target_and_draft, write_result
+from _common import add_param_dtype_arg, heldout_prompts, interleaved_medians, load_target_and_draft, write_result
 
 from jaxdecode.autoregressive import decode, pad_prompts
 from jaxdecode.decoders import DEFAULT_VERIFIER
@@ -53,6 +53,7 @@ def main(argv=None):
     ap.add_argument("--trees", default=None, help="hand trees separated by ';' (default: a fixed list)")
     ap.add_argument("--cache-dir", default=None, help="profiles and cost tables (default: the user cache)")
     ap.add_argument("--repeats", type=int, default=3, help="timing rounds, round robin over the trees (median)")
+    add_param_dtype_arg(ap)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 

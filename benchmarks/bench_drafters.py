@@ -22,7 +22,8 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from _common import heldout_prompts, load_target_and_draft, median_seconds, outside_prompts, timed, write_result
+from _common import (add_param_dtype_arg, heldout_prompts, load_target_and_draft, median_seconds, outside_prompts,
+                     timed, write_result)
 
 import jaxdecode
 from jaxdecode.autoregressive import decode, pad_prompts, prefill
@@ -102,6 +103,7 @@ def main(argv=None):
                     help="';'-separated configuration labels to run (as in the table, e.g. 'hydra chain:4;"
                          "retrieval chain:8'), for a short run; default: every configuration of --only")
     ap.add_argument("--repeats", type=int, default=1)
+    add_param_dtype_arg(ap)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     # checked before any model loads: a typo fails at once
@@ -111,7 +113,8 @@ def main(argv=None):
         ap.error(f"--labels: unknown {sorted(set(labels) - set(known))}; known: {known}")
 
     target_dir, target, draft = load_target_and_draft(args)
-    second = jaxdecode.load(args.second_draft, dtype="float32") if args.second_draft else None
+    second = (jaxdecode.load(args.second_draft, dtype="float32", param_dtype=args.param_dtype)
+              if args.second_draft else None)
     cfg = target.config
     make_prompts = {"heldout": heldout_prompts, "outside": outside_prompts}
     sources = {s: make_prompts[s](target.tokenizer, args.prompts, args.prompt_tokens)

@@ -182,6 +182,19 @@ def matmul(equation: str, x, w, out_dtype=None):
     return total.astype(out_dtype)
 
 
+def lm_logits(h, embed, lm_head=None):
+    """Float32 logits [..., V] of final-normed states h [..., D]: lm_head [D, V], or None when the head
+    is tied to embed [V, D]. Through `matmul`: half-precision head weights are read as they are (an
+    einsum would widen the whole matrix to float32 on every call). A tied head is contracted over
+    embed's own last axis, not through embed.T: XLA:CPU widens a transposed bf16 operand to float32."""
+    rows = h.reshape(-1, h.shape[-1])  # [N, D]
+    if lm_head is None:
+        logits = matmul("nd,vd->nv", rows, embed, out_dtype=jnp.float32)
+    else:
+        logits = matmul("nd,dv->nv", rows, lm_head, out_dtype=jnp.float32)
+    return logits.reshape(h.shape[:-1] + logits.shape[-1:])
+
+
 def embed_rows(table, ids, dtype):
     """table[ids] in `dtype`. A half-precision table is gathered as raw 16-bit words and widened after
     the gather: gathered as bf16, XLA:CPU widens the whole table to float32 first (a 4096 x 384 copy
@@ -415,8 +428,7 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
         xs = (jnp.asarray(ids, jnp.int32), layers if full else None)
         (x, new_k, new_v), per_layer = jax.lax.scan(body, init, xs)
     h_final = _norm(config, x, params["final_norm"])
-    head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
-    logits = matmul("btd,dv->btv", h_final, head, out_dtype=jnp.float32)
+    logits = lm_logits(h_final, params["embed"], None if config.tie_word_embeddings else params["lm_head"])
 
     layers_out = None
     if return_layers:

@@ -2,6 +2,7 @@
 loads in float32 on CPU and in its own dtype on GPU/TPU unless `dtype=` says otherwise."""
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxdecode
@@ -137,3 +138,38 @@ def test_half_precision_embedding_rows_are_gathered_narrow():
     f = jax.jit(lambda t, i: embed_rows(t, i, jnp.float32))
     assert jnp.array_equal(f(table, ids), table[ids].astype(jnp.float32))
     assert "f32[256,32]" not in f.lower(table, ids).compile().as_text()  # the table is not widened
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_drafters_read_a_half_precision_head_narrow(tied):
+    """The drafters that apply the target's LM head (Medusa/Hydra, the block drafter, self-speculation)
+    or gather its embedding (EAGLE-3) read bf16 weights as they are: an einsum or a bf16 gather widened
+    the whole [V, D] matrix to float32 on every call."""
+    from jaxdecode.drafters.medusa import head_logits
+    from jaxdecode.models.transformer import lm_logits
+    v, d = 512, 64
+    kx, kw = jax.random.split(jax.random.PRNGKey(1))
+    embed = jax.random.normal(kw, (v, d), jnp.float32).astype(jnp.bfloat16)
+    lm_head = None if tied else embed.T + 0
+    x = jax.random.normal(kx, (2, 1, 3, d), jnp.float32)  # [B, T, K, D]: e.g. Medusa's K heads
+    f = jax.jit(lambda x, e, h: head_logits(x, e, h))
+    got = f(x, embed, lm_head)
+    want = jnp.einsum("btkd,vd->btkv", x, embed.astype(jnp.float32), precision="highest")
+    assert got.shape == (2, 1, 3, v) and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+    hlo = f.lower(x, embed, lm_head).compile().as_text()
+    assert f"f32[{v},{d}]" not in hlo and f"f32[{d},{v}]" not in hlo
+    assert jnp.array_equal(got, lm_logits(x, embed, lm_head))  # the target's own head, same bits
+
+
+@pytest.mark.skipif(embedded_model_path() is None, reason="embedded models not shipped")
+def test_param_dtype_heads_and_selfspec_greedy_equal_plain_greedy():
+    """The drafters that apply the bf16 target's own head stay exact (their drafts change, not the output)."""
+    m = jaxdecode.load(param_dtype="bfloat16")
+    prompts = ["import os\nimport sys\n\n\ndef main(argv):\n    ", "    for name in sorted("]
+    plain = jaxdecode.generate(m, prompts, max_new_tokens=24, method="greedy", eos_ids=[])
+    for drafter in ["medusa", "hydra", "swift"]:
+        spec = jaxdecode.generate(m, prompts, max_new_tokens=24, method="speculative", drafter=drafter,
+                                  adaptive=False, eos_ids=[])
+        assert [g.tokens for g in spec] == [g.tokens for g in plain], drafter
+        assert max(spec[0].batch_stats["accept_rate_by_depth"]) > 0, drafter  # the drafts were used

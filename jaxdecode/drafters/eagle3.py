@@ -33,7 +33,7 @@ from jaxdecode.drafters.draft_lm import catch_up_blocks, draft_logprobs
 from jaxdecode.models import ModelConfig, advance, forward, init_cache, padded_causal_mask
 from jaxdecode.models import init_params as model_init_params
 from jaxdecode.models import param_shapes as model_param_shapes
-from jaxdecode.models.transformer import rms_norm
+from jaxdecode.models.transformer import embed_rows, rms_norm
 from jaxdecode.sampling import SamplerConfig
 from jaxdecode.speculative import FINAL, accepted_features
 from jaxdecode.tree import ancestor_mask, depths
@@ -249,7 +249,7 @@ class Eagle3Drafter:
 
     # pieces
     def _inputs(self, tokens, feat):
-        emb = jnp.take(self.embed, tokens, axis=0)
+        emb = embed_rows(self.embed, tokens, jnp.float32)
         return layer_inputs(self.params, self.layer_config.norm_eps, emb, feat)
 
     def _logq(self, logits, sampler: SamplerConfig):

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jaxdecode.drafters.builders import build_tree
 from jaxdecode.drafters.draft_lm import draft_logprobs
 from jaxdecode.drafters.trained import DrafterKind, register_kind
-from jaxdecode.models.transformer import embed_rows
+from jaxdecode.models.transformer import embed_rows, lm_logits
 from jaxdecode.speculative import FINAL, accepted_features
 from jaxdecode.tree import depths
 
@@ -139,10 +139,7 @@ def hydra_head(params, h, emb, k):
 
 def head_logits(x, embed, lm_head):
     """The target's LM head on x [..., D] -> f32[..., V]; lm_head [D, V], or None when tied to embed [V, D]."""
-    x = x.astype(jnp.float32)
-    if lm_head is None:
-        return jnp.einsum("...d,vd->...v", x, embed.astype(jnp.float32))
-    return jnp.einsum("...d,dv->...v", x, lm_head.astype(jnp.float32))
+    return lm_logits(x, embed, lm_head)
 
 
 def target_head(config, params):
