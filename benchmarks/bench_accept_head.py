@@ -32,10 +32,8 @@ import time
 
 import jax
 import numpy as np
-from _common import heldout_prompts, interleaved_medians, write_result
+from _common import add_param_dtype_arg, heldout_prompts, interleaved_medians, load_target_and_draft, write_result
 
-import jaxdecode
-from jaxdecode.api import embedded_model_path
 from jaxdecode.autoregressive import decode, pad_prompts
 from jaxdecode.drafters import DraftLM, load_drafter, make_drafter
 from jaxdecode.drafters.accept_head import AcceptHeadDrafter, without_own_cut
@@ -100,11 +98,11 @@ def main(argv=None):
     ap.add_argument("--train-prompts", type=int, default=64)
     ap.add_argument("--train-new", type=int, default=96)
     ap.add_argument("--steps", type=int, default=400)
+    add_param_dtype_arg(ap)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
-    target = jaxdecode.load(args.target or embedded_model_path("target"), dtype="float32")
-    draft = jaxdecode.load(args.draft or embedded_model_path("draft"), dtype="float32")
+    _, target, draft = load_target_and_draft(args)
     eos = tuple(target.config.eos_token_ids or ())
     prompts = heldout_prompts(target.tokenizer, args.prompts, args.prompt_tokens)
     result = {"machine": platform.platform(), "backend": jax.default_backend(), "prompts": len(prompts),

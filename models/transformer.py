@@ -187,12 +187,10 @@ def lm_logits(h, embed, lm_head=None):
     is tied to embed [V, D]. Through `matmul`: half-precision head weights are read as they are (an
     einsum would widen the whole matrix to float32 on every call). A tied head is contracted over
     embed's own last axis, not through embed.T: XLA:CPU widens a transposed bf16 operand to float32."""
-    rows = h.reshape(-1, h.shape[-1])  # [N, D]
+    lead = "abcefghijk"[:h.ndim - 1]  # h's leading axes, kept as they are (no reshape of sharded axes)
     if lm_head is None:
-        logits = matmul("nd,vd->nv", rows, embed, out_dtype=jnp.float32)
-    else:
-        logits = matmul("nd,dv->nv", rows, lm_head, out_dtype=jnp.float32)
-    return logits.reshape(h.shape[:-1] + logits.shape[-1:])
+        return matmul(f"{lead}d,vd->{lead}v", h, embed, out_dtype=jnp.float32)
+    return matmul(f"{lead}d,dv->{lead}v", h, lm_head, out_dtype=jnp.float32)
 
 
 def embed_rows(table, ids, dtype):
