@@ -193,6 +193,12 @@ def lm_logits(h, embed, lm_head=None):
     return matmul(f"{lead}d,dv->{lead}v", h, lm_head, out_dtype=jnp.float32)
 
 
+def output_logits(config: ModelConfig, params, h):
+    """A model's float32 logits [..., V] of its final-normed states h [..., D] (its LM head, or its
+    embedding when the head is tied)."""
+    return lm_logits(h, params["embed"], None if config.tie_word_embeddings else params["lm_head"])
+
+
 def embed_rows(table, ids, dtype):
     """table[ids] in `dtype`. A half-precision table is gathered as raw 16-bit words and widened after
     the gather: gathered as bf16, XLA:CPU widens the whole table to float32 first (a 4096 x 384 copy
@@ -426,7 +432,7 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
         xs = (jnp.asarray(ids, jnp.int32), layers if full else None)
         (x, new_k, new_v), per_layer = jax.lax.scan(body, init, xs)
     h_final = _norm(config, x, params["final_norm"])
-    logits = lm_logits(h_final, params["embed"], None if config.tie_word_embeddings else params["lm_head"])
+    logits = output_logits(config, params, h_final)
 
     layers_out = None
     if return_layers:

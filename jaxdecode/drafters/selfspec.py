@@ -56,7 +56,7 @@ import numpy as np
 from jaxdecode.drafters.builders import build_tree
 from jaxdecode.drafters.draft_lm import catch_up_blocks, draft_logprobs
 from jaxdecode.models import KVCache, ModelConfig, advance, forward, init_cache, padded_causal_mask
-from jaxdecode.models.transformer import _norm, lm_logits
+from jaxdecode.models.transformer import _norm, output_logits
 from jaxdecode.speculative import FINAL, accepted_features, run_if, switch_in_place
 from jaxdecode.tree import Tree, ancestor_mask, depths
 
@@ -129,7 +129,7 @@ def default_exit_layers(num_layers: int) -> tuple:
 
 def _head(config, params, h):
     """The LM head on final-normed states h [..., D] -> f32 logits [..., V]."""
-    return lm_logits(h, params["embed"], None if config.tie_word_embeddings else params["lm_head"])
+    return output_logits(config, params, h)
 
 
 # ----------------------------------------------------------------------------- drafting pieces
