@@ -15,7 +15,10 @@ at each threshold h, with the inner drafter's level loop stopped at the cut ("st
 timed round robin (--repeats rounds, the median per configuration), so load drift hits them alike. Each
 row: tau, verification calls, tokens/s, speedup over plain, and (greedy) whether the output equals plain
 greedy token for token. The summary compares the best head row, and the row at the head's saved
-threshold, with the best fixed K (the issue's goal: >= 10% more tokens/s).
+threshold, with the best fixed K (the issue's goal: >= 10% more tokens/s), and prices ideal length rules
+with this run's own step times (training.accept_head.stopping_ceilings over a label run of chain:--head-k
+on the timed prompts; needs 1 and --head-k in --ks): a perfect head under the head's rule, a rule that
+knows the next verdict before drafting, and that rule with a plain step where nothing would be kept.
 
 Without --head, a head is trained first over --inner (default the draft LM; training/accept_head.py:
 label runs of chain:--head-k at T=0 and T=0.7 on --train-prompts windows of the corpus's train split,
@@ -31,6 +34,7 @@ import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from _common import add_param_dtype_arg, heldout_prompts, interleaved_medians, load_target_and_draft, write_result
 
@@ -180,14 +184,51 @@ def main(argv=None):
         best = max((r for r in rows if r["config"].startswith("accept_head")), key=lambda r: r["tokens_per_s"])
         saved = next(r for r in rows if r["config"].startswith(f"accept_head chain:{args.head_k} "
                                                                 f"h={float(head.cfg.threshold):g} stop"))
+        ceilings = priced_ceilings(target, inner, head, configs, prompts, args, sampler, verifier, eos, secs, outs,
+                                   inner_kind)
         result.setdefault("summary", {})[f"T={temp:g}"] = {
             "saved_threshold": head.cfg.threshold, "saved_head_tps": saved["tokens_per_s"],
             "saved_over_fixed": saved["tokens_per_s"] / fixed["tokens_per_s"],
             "best_fixed": fixed["config"], "best_fixed_tps": fixed["tokens_per_s"], "best_head": best["config"],
             "best_head_tps": best["tokens_per_s"], "head_over_fixed": best["tokens_per_s"] / fixed["tokens_per_s"],
             **{f"own_cut_{k}": r[k] for r in rows if r["config"].endswith("own cut")
-               for k in ("tokens_per_s", "speedup")}}
+               for k in ("tokens_per_s", "speedup")}, "ceilings": ceilings}
     write_result(result, args.json)
+
+
+def priced_ceilings(target, inner, head, configs, prompts, args, sampler, verifier, eos, secs, outs, inner_kind):
+    """training.accept_head.stopping_ceilings for this run: a label run of the head's chain on the timed
+    prompts (the accepted length of every step), priced with the step times just measured (each fixed
+    chain's seconds per verification, plain decoding's per token), and each timed head row's own cuts on
+    those steps priced the same way. Printed as ratios to the best fixed length under the same pricing;
+    {} when --ks lacks 1 or --head-k."""
+    from jaxdecode.drafters.accept_head import head_logits, keep_mask
+    from jaxdecode.training.accept_head import collect_labels, stopping_ceilings
+    steps = {}
+    for name in secs:
+        if name.startswith(f"{inner_kind} chain:") and not name.endswith("own cut"):
+            steps[int(name.rsplit(":", 1)[1])] = secs[name] / max(outs[name][2], 1)
+    if 1 not in steps or args.head_k not in steps:
+        print(f"(no stopping ceilings: --ks must include 1 and --head-k {args.head_k})", file=sys.stderr)
+        return {}
+    labels = collect_labels(target.config, target.params, inner, prompts, verifier=verifier, sampler=sampler,
+                            max_new_tokens=args.new, batch_size=len(prompts), eos_ids=eos)
+    accepted = (labels["label"] * labels["mask"]).sum(1).astype(int)
+    logits = head_logits(head.params, head.cfg, jnp.asarray(labels["x"]), jnp.arange(args.head_k),
+                         jnp.asarray(labels["tfeat"]) if head.cfg.target_proj else None)
+    cuts = {name: np.asarray(keep_mask(logits, d.threshold)).sum(1) for name, d in configs.items()
+            if name.startswith("accept_head") and name.endswith("stop")}
+    c = stopping_ceilings(accepted, steps, secs["plain"] / outs["plain"][1], args.head_k, rules=cuts)
+    best = max(c["fixed"].values())
+    ratios = {name: c[name] / best for name in ("head_rule", "foresight", "foresight_and_skip")}
+    for name, tps in c["rules"].items():
+        print(f"T={sampler.temperature:g} {name}: priced {tps / best:.3f}x of the best fixed length, timed "
+              f"{outs[name][1] / secs[name] / best:.3f}x", file=sys.stderr)
+    print(f"T={sampler.temperature:g} ceilings over the best fixed length, priced with this run's step times "
+          f"({len(accepted)} steps, mean accepted {accepted.mean():.2f}): "
+          + ", ".join(f"{name} {r:.3f}x" for name, r in ratios.items())
+          + f"; plain / best fixed {c['plain'] / best:.3f}x", file=sys.stderr)
+    return {**c, "over_best_fixed": ratios, "steps": int(len(accepted)), "mean_accepted": float(accepted.mean())}
 
 
 if __name__ == "__main__":

@@ -278,6 +278,26 @@ def test_speed_estimate_brackets(trained):
         assert {"head", "best_fixed", "best_fixed_k", "threshold"} <= set(r["estimate"])
 
 
+def test_stopping_ceilings_price_each_rule_by_hand():
+    """Accepted lengths 0, 1, 2 of a chain:2 run; chain:1 steps cost 2 s, chain:2 steps 3 s, a plain step 1 s.
+    6 tokens in all (min(a, 2) + 1 each). Fixed 1: 5 tokens / 6 s; fixed 2: 6 / 9. The head's rule with a
+    perfect head drafts a + 1 (capped at 2): 2 + 3 + 3 s; foresight drafts max(a, 1): 2 + 2 + 3 s; with the
+    skip a plain step where nothing is accepted: 1 + 2 + 3 s."""
+    from jaxdecode.training.accept_head import stopping_ceilings
+    c = stopping_ceilings(np.array([0, 1, 2]), {1: 2.0, 2: 3.0}, 1.0, 2, rules={"ones": np.ones(3, int),
+                                                                              "skip": np.array([0, 1, 2])})
+    assert c["fixed"] == pytest.approx({1: 5 / 6, 2: 6 / 9})
+    assert c["head_rule"] == pytest.approx(6 / 8) and c["foresight"] == pytest.approx(6 / 7)
+    assert c["foresight_and_skip"] == pytest.approx(1.0) and c["plain"] == pytest.approx(1.0)
+    assert c["rules"] == pytest.approx({"ones": c["fixed"][1], "skip": c["foresight_and_skip"]})
+    with pytest.raises(ValueError, match="one per step in 0..2"):
+        stopping_ceilings(np.array([0, 1, 2]), {1: 2.0, 2: 3.0}, 1.0, 2, rules={"long": np.array([3, 3, 3])})
+    with pytest.raises(ValueError, match="chain:1 and chain:4"):
+        stopping_ceilings(np.array([0, 1]), {1: 2.0, 2: 3.0}, 1.0, 4)
+    with pytest.raises(ValueError, match="no verification steps"):
+        stopping_ceilings(np.array([], int), {1: 2.0, 2: 3.0}, 1.0, 2)
+
+
 def test_save_load_decode_round_trip(trained):
     """train_accept_head's directory -> load_drafter -> make_drafter by name -> greedy == plain greedy."""
     target = jaxdecode.Model(config=CFG, params=TARGET)

@@ -278,6 +278,53 @@ def choose_threshold(estimate: dict) -> float:
     return max(estimate["head"], key=estimate["head"].get)
 
 
+def stopping_ceilings(accepted, step_seconds: dict, plain_seconds: float, k: int, rules: dict | None = None) -> dict:
+    """What ideal draft-length rules could reach, priced with measured step times (tokens per second).
+
+    accepted int[N]: the drafts the verifier accepted in each step of a chain:k label run. step_seconds
+    {K: seconds of one speculative step verifying a chain of K} (measured, K = 1 and k among them; other
+    lengths interpolated), plain_seconds: one plain decoding step. Each rule drafts L tokens, commits
+    min(accepted, L) + 1 and pays step(L) (step(0) = a plain step):
+    - "fixed" {K: tokens/s}: L = K every step (the same pricing, so the ratios below compare like with
+      like).
+    - "head_rule": the acceptance head's own rule with a perfect head. It judges token i only after
+      drafting it, so it drafts the first rejected token too: L = min(accepted + 1, k).
+    - "foresight": a rule that knows before drafting whether the next token will be accepted, but
+      always drafts one: L = max(min(accepted, k), 1).
+    - "foresight_and_skip": as foresight, and a plain step where nothing would be accepted (L = 0).
+    Ratios of these to max(fixed) bound what any head of that kind can gain over the best fixed length on
+    this hardware. `rules` {name: int[N] lengths} prices other rules the same way (e.g. a trained head's
+    cut per step: timed rows below its price are overhead, not prediction), returned under "rules"."""
+    accepted = np.asarray(accepted)
+    if accepted.size == 0:
+        raise ValueError("no verification steps to price: the label run recorded none")
+    lengths = sorted(int(x) for x in step_seconds)
+    if 1 not in lengths or k not in lengths:
+        raise ValueError(f"stopping_ceilings needs the step time of chain:1 and chain:{k} (interpolated between "
+                         f"measured lengths), got lengths {lengths}")
+    times = [float(step_seconds[x]) for x in lengths]
+
+    def step(length):
+        length = np.asarray(length)
+        return np.where(length == 0, plain_seconds, np.interp(length, lengths, times))
+
+    a = np.minimum(accepted, k)
+    tokens = float((a + 1).sum())  # the ideal rules commit every accepted token
+
+    def tokens_at(a, length):  # a rule that verifies `length` tokens commits min(a, length) + 1
+        if length.shape != a.shape or (length < 0).any() or (length > k).any():
+            raise ValueError(f"a rule's lengths are one per step in 0..{k}, got shape {length.shape}")
+        return float((np.minimum(a, length) + 1).sum())
+    fixed = {kk: float((np.minimum(accepted, kk) + 1).sum() / (accepted.size * step(kk))) for kk in lengths
+             if kk <= k}
+    priced = {name: tokens_at(a, np.asarray(length)) / float(step(np.asarray(length)).sum())
+              for name, length in (rules or {}).items()}
+    return {"fixed": fixed, "plain": 1.0 / plain_seconds, "rules": priced,
+            "head_rule": tokens / float(step(np.minimum(a + 1, k)).sum()),
+            "foresight": tokens / float(step(np.maximum(a, 1)).sum()),
+            "foresight_and_skip": tokens / float(step(a).sum())}
+
+
 def heldout_report(params, cfg: AcceptHeadConfig, sets: dict, train_data: dict) -> dict:
     """Per label set (e.g. {"T=0": ..., "T=0.7": ...}): examples, acceptance rate, BCE of the head and of
     the constant training rate, ECE (10 bins)."""
