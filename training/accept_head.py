@@ -309,20 +309,21 @@ def stopping_ceilings(accepted, step_seconds: dict, plain_seconds: float, k: int
         return np.where(length == 0, plain_seconds, np.interp(length, lengths, times))
 
     a = np.minimum(accepted, k)
-    tokens = float((a + 1).sum())  # the ideal rules commit every accepted token
 
-    def tokens_at(a, length):  # a rule that verifies `length` tokens commits min(a, length) + 1
-        if length.shape != a.shape or (length < 0).any() or (length > k).any():
-            raise ValueError(f"a rule's lengths are one per step in 0..{k}, got shape {length.shape}")
-        return float((np.minimum(a, length) + 1).sum())
-    fixed = {kk: float((np.minimum(accepted, kk) + 1).sum() / (accepted.size * step(kk))) for kk in lengths
-             if kk <= k}
-    priced = {name: tokens_at(a, np.asarray(length)) / float(step(np.asarray(length)).sum())
-              for name, length in (rules or {}).items()}
-    return {"fixed": fixed, "plain": 1.0 / plain_seconds, "rules": priced,
-            "head_rule": tokens / float(step(np.minimum(a + 1, k)).sum()),
-            "foresight": tokens / float(step(np.maximum(a, 1)).sum()),
-            "foresight_and_skip": tokens / float(step(a).sum())}
+    def rate(length):  # tokens/s of drafting length[i] at step i: commits min(a, L) + 1, pays step(L)
+        length = np.broadcast_to(np.asarray(length), a.shape)
+        if (length < 0).any() or (length > k).any():
+            raise ValueError(f"a rule's lengths are one per step in 0..{k}, got {length.min()}..{length.max()}")
+        return float((np.minimum(a, length) + 1).sum()) / float(step(length).sum())
+
+    for name, length in (rules or {}).items():
+        if np.shape(length) != a.shape:
+            raise ValueError(f"rule {name!r} needs one length per step ({a.size}), got shape {np.shape(length)}")
+    return {"fixed": {kk: rate(kk) for kk in lengths if kk <= k}, "plain": 1.0 / plain_seconds,
+            "rules": {name: rate(length) for name, length in (rules or {}).items()},
+            "head_rule": rate(np.minimum(a + 1, k)),
+            "foresight": rate(np.maximum(a, 1)),
+            "foresight_and_skip": rate(a)}
 
 
 def heldout_report(params, cfg: AcceptHeadConfig, sets: dict, train_data: dict) -> dict:

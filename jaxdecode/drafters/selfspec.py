@@ -127,11 +127,6 @@ def default_exit_layers(num_layers: int) -> tuple:
     return tuple(sorted({min(num_layers - 1, max(1, round(num_layers * f))) for f in (0.25, 0.5, 0.75)}))
 
 
-def _head(config, params, h):
-    """The LM head on final-normed states h [..., D] -> f32 logits [..., V]."""
-    return output_logits(config, params, h)
-
-
 # ----------------------------------------------------------------------------- drafting pieces
 def catch_up(run, cache, history, hist_len, block: int, head=None):
     """Feed the committed tokens the draft cache lacks (history[cache.lengths:hist_len], at most
@@ -340,9 +335,9 @@ class SelfSpecDrafter:
                                               hist_len, block)
             h = jax.lax.dynamic_index_in_dim(hidden["layers"], state.choice, keepdims=False)  # [B, T, D]
             h = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
-            return _head(self.config, self.params, _norm(self.config, h, self.params["final_norm"])), cache
+            return output_logits(self.config, self.params, _norm(self.config, h, self.params["final_norm"])), cache
         run = self._switch(state.choice)
-        head = lambda h: _head(self.config, self.params, h)  # noqa: E731
+        head = lambda h: output_logits(self.config, self.params, h)  # noqa: E731
         if self.policy != "swift" or self.num_candidates == 1:
             root, _, _, cache = catch_up(run, state.cache, history, hist_len, block, head)
             return root, cache
@@ -436,7 +431,7 @@ class SelfSpecDrafter:
         """feats [F, B, T, D] (the candidates' exit states first), target_top int32[B, T] -> bool[C, B, T]:
         whether each exit's argmax equals the target's."""
         h = _norm(self.config, feats[:self.num_candidates], self.params["final_norm"])
-        return jnp.argmax(_head(self.config, self.params, h), axis=-1) == target_top[None]
+        return jnp.argmax(output_logits(self.config, self.params, h), axis=-1) == target_top[None]
 
     def _del_choose(self, state, score, count):
         alpha = (score + 1.0) / (count + 2.0)  # [C], Laplace-smoothed acceptance per exit
@@ -456,7 +451,7 @@ class SelfSpecDrafter:
         feats = features[:, :, p - w:]  # [F, B, w, D]: the prompt's tail
         pos = p - w + jnp.arange(w)[None, :]
         ok = (pos < prompt_lengths[:, None] - 1).astype(jnp.float32)  # valid prefill states
-        top = jnp.argmax(_head(self.config, self.params, feats[-1]), axis=-1)  # FINAL is already normed
+        top = jnp.argmax(output_logits(self.config, self.params, feats[-1]), axis=-1)  # FINAL is already normed
         hits = (self._exit_matches(feats, top) * ok[None]).sum(axis=(1, 2))
         return self._del_choose(state, hits, jnp.broadcast_to(ok.sum(), hits.shape))
 
