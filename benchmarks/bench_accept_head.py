@@ -3,7 +3,7 @@
     python benchmarks/bench_accept_head.py [--prompts 8 --prompt-tokens 128 --new 128 --ks 1,2,3,4,5,6,7,8
                                             --head-k 8 --thresholds 0.3,0.5,0.7,0.8,0.9 --temperatures 0,0.7
                                             --head DIR [--inner-dir DIR] | [--inner KIND] [--target-proj P]
-                                            --head-out DIR --train-prompts 64 --steps 400 --json FILE]
+                                            --head-out DIR --train-prompts 64 --steps 400 --fixed-catch-up --json FILE]
 
 Batch 1, held-out prompts (stdlib files of the embedded corpus's held-out split). The inner drafter is
 the one the head was trained over (its config's `inner`: the embedded draft LM, or a trained kind such
@@ -11,7 +11,9 @@ as eagle3 or retrieval, from --inner-dir or the target's shipped drafters). For 
 decoding (the baseline), the inner drafter's chain:K for every K in --ks (a drafter's own cut, such as
 retrieval's min_reach, off; with it on as one more row), and the acceptance head over chain:--head-k
 at each threshold h, with the inner drafter's level loop stopped at the cut ("stop") and, with
---tail-only, only the verification shrunk ("tail"). Every configuration is compiled first, then all are
+--tail-only, only the verification shrunk ("tail"); with --fixed-catch-up, every chain and head row once
+more with the inner drafter catching up in one block of K + 1 rows, as before its catch-up was sized to
+what was accepted (draft_lm.catch_up_widths). Every configuration is compiled first, then all are
 timed round robin (--repeats rounds, the median per configuration), so load drift hits them alike. Each
 row: tau, verification calls, tokens/s, speedup over plain, and (greedy) whether the output equals plain
 greedy token for token. The summary compares the best head row, and the row at the head's saved
@@ -28,6 +30,7 @@ printed. Compile time is excluded.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import sys
 import tempfile
@@ -57,6 +60,9 @@ def train_prompts(tokenizer, n: int, prompt_tokens: int, seed: int = 1) -> list[
     texts = [t for t in iter_texts([sysconfig.get_paths()["stdlib"]], held_out_fraction=HELD_OUT_FRACTION,
                                    split="train") if len(t) > 4000]
     return _windows(texts, tokenizer, n, prompt_tokens, seed)
+
+
+FIXED_CATCH_UP = " [catch-up block K+1]"  # row-name suffix of --fixed-catch-up rows
 
 
 def run_rows(target, drafter, prompts, new: int, sampler, verifier, eos, seed: int):
@@ -90,6 +96,8 @@ def main(argv=None):
     ap.add_argument("--thresholds", default="0.3,0.5,0.7,0.8,0.9")
     ap.add_argument("--temperatures", default="0,0.7")
     ap.add_argument("--tail-only", action="store_true", help="also time the head without the early stop")
+    ap.add_argument("--fixed-catch-up", action="store_true", help="also time every chain and head row with the "
+                    "inner drafter catching up in one fixed block of max_depth + 1 (as before 2026-12-03)")
     ap.add_argument("--repeats", type=int, default=3, help="timing rounds (round robin over configurations)")
     ap.add_argument("--head", default=None, help="a trained accept_head directory (default: train one)")
     ap.add_argument("--inner-dir", default=None, help="the trained inner drafter's directory (head over a "
@@ -135,11 +143,17 @@ def main(argv=None):
     inner_kind = head.cfg.inner
     result["inner"] = inner_kind
 
-    def inner_chain(k: int, rule: str, own_cut: bool = False):
+    def inner_chain(k: int, rule: str, own_cut: bool = False, fixed_catch_up: bool = False):
         if inner_kind == "draft_lm":
-            return DraftLM(params=draft.params, config=draft.config, builder=ChainBuilder(k, rule))
-        d = make_drafter(inner_kind, target, tree=ChainBuilder(k, rule), drafter_dir=args.inner_dir)
-        return d if own_cut else without_own_cut(d)
+            d = DraftLM(params=draft.params, config=draft.config, builder=ChainBuilder(k, rule))
+        else:
+            d = make_drafter(inner_kind, target, tree=ChainBuilder(k, rule), drafter_dir=args.inner_dir)
+            d = d if own_cut else without_own_cut(d)
+        return dataclasses.replace(d, catch_up_sizes=(k + 1,)) if fixed_catch_up else d
+
+    # --fixed-catch-up: the same rows with a drafter's catch-up in one block of K + 1 (drafters that have one)
+    variants = [(False, "")] + ([(True, FIXED_CATCH_UP)] if args.fixed_catch_up and hasattr(
+        inner_chain(1, "argmax"), "catch_up_sizes") else [])
 
     for temp in [float(t) for t in args.temperatures.split(",")]:
         sampler = SamplerConfig(temperature=temp)
@@ -147,15 +161,19 @@ def main(argv=None):
         inner = inner_chain(args.head_k, rule)
         verifier = get_verifier("greedy" if temp == 0 else "point_mass" if inner.child_rule == "point" else "chain")
         configs = {"plain": None}
-        configs.update({f"{inner_kind} chain:{k}": inner_chain(k, rule) for k in (int(x) for x in args.ks.split(","))})
+        for fixed_cu, suffix in variants:
+            configs.update({f"{inner_kind} chain:{k}{suffix}": inner_chain(k, rule, fixed_catch_up=fixed_cu)
+                            for k in (int(x) for x in args.ks.split(","))})
         own = inner_chain(args.head_k, rule, own_cut=True)
         if getattr(own, "min_reach", 0) > 0:
             configs[f"{inner_kind} chain:{args.head_k} own cut"] = own
         # the sweep, plus the threshold saved with the head (train_accept_head's speed_estimate choice)
         for h in sorted({float(x) for x in args.thresholds.split(",")} | {float(head.cfg.threshold)}):
             for stop in ((True, False) if args.tail_only else (True,)):
-                configs[f"accept_head chain:{args.head_k} h={h:g} {'stop' if stop else 'tail'}"] = (
-                    AcceptHeadDrafter.wrap(inner, head.params, head.cfg, h, stop))
+                for fixed_cu, suffix in variants:
+                    configs[f"accept_head chain:{args.head_k} h={h:g} {'stop' if stop else 'tail'}{suffix}"] = (
+                        AcceptHeadDrafter.wrap(inner_chain(args.head_k, rule, fixed_catch_up=fixed_cu), head.params,
+                                               head.cfg, h, stop))
         outs = {name: run_rows(target, d, prompts, args.new, sampler, verifier, eos, 0)  # compile + outputs
                 for name, d in configs.items()}
         secs = interleaved_medians({name: (lambda d=d: run_rows(target, d, prompts, args.new, sampler, verifier,
@@ -177,7 +195,7 @@ def main(argv=None):
             print(f"T={temp:g} {name}: tau {row['tau']:.2f} {row['tokens_per_s']:.1f} tok/s "
                   f"x{row['speedup']:.2f}" + (f" equal={row['equals_greedy']}" if temp == 0 else ""),
                   file=sys.stderr)
-        rows = [r for r in result["rows"] if r["T"] == temp]
+        rows = [r for r in result["rows"] if r["T"] == temp and not r["config"].endswith(FIXED_CATCH_UP)]
         fixed = max((r for r in rows if r["config"].startswith(f"{inner_kind} chain:")
                      and not r["config"].endswith("own cut")),
                     key=lambda r: r["tokens_per_s"])
@@ -206,7 +224,7 @@ def priced_ceilings(target, inner, head, configs, prompts, args, sampler, verifi
     from jaxdecode.training.accept_head import collect_labels, stopping_ceilings
     steps = {}
     for name in secs:
-        if name.startswith(f"{inner_kind} chain:") and not name.endswith("own cut"):
+        if name.startswith(f"{inner_kind} chain:") and not name.endswith(("own cut", FIXED_CATCH_UP)):
             steps[int(name.rsplit(":", 1)[1])] = secs[name] / max(outs[name][2], 1)
     if 1 not in steps or args.head_k not in steps:
         print(f"(no stopping ceilings: --ks must include 1 and --head-k {args.head_k})", file=sys.stderr)

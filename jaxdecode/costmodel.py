@@ -46,7 +46,7 @@ import numpy as np
 
 from jaxdecode.kernels.common import next_pow2, round_up
 
-SCHEMA = 13  # version of the cache file layout and of the key; bump when either changes meaning
+SCHEMA = 14  # version of the cache file layout and of the key; bump when either changes meaning
 # (4: DraftLM and self-speculation lost their idle step: older tables hold an idle cost no longer paid;
 # 5: plain steps of history_only drafters run as lean runs, priced per token;
 # 6: level_capped drafters draft only the levels a step verifies: draft_by_width, and forced steps
@@ -61,7 +61,9 @@ SCHEMA = 13  # version of the cache file layout and of the key; bump when either
 # history_only drafters; 12: the engine's step timed under the drafter's own policy, class-keyed
 # where the engine keys it so; 13: on the CPU a one-row half-precision matmul is padded to two rows
 # (models.transformer.matmul): XLA:CPU widened every weight matrix to float32 for it, 20 ms a call
-# for the embedded target in weight-only bf16, so older tables overprice its plain and verify steps)
+# for the embedded target in weight-only bf16, so older tables overprice its plain and verify steps;
+# 14: the device names the host CPU and its cores on the CPU backend (XLA calls every CPU "cpu"), and
+# a draft LM's or EAGLE-3's catch-up is sized to what was accepted: older tables overprice drafting)
 DEFAULT_CONTEXT_LEN = 256
 # Trips of a timed engine step, at least: the first steps from the prefilled state cost more than
 # later ones (EAGLE-3's plain step at batch 4: 6.0 ms per trip over 3 trips, 4.2 over 32, 3.6 in a
@@ -293,10 +295,34 @@ def drafter_fingerprint(drafter) -> dict:
 
 
 def device_fingerprint() -> dict:
-    """What the timings depend on besides the model: backend, device kind and count."""
+    """What the timings depend on besides the model: backend, device kind and count; on the CPU backend
+    also the host CPU and its core count (XLA's device kind is just "cpu": a table measured on one CPU
+    model would price another's steps, e.g. from a shared home directory)."""
     devices = jax.devices()
-    return {"platform": jax.default_backend(), "device_kind": devices[0].device_kind,
-            "device_count": len(devices)}
+    fp = {"platform": jax.default_backend(), "device_kind": devices[0].device_kind, "device_count": len(devices)}
+    if fp["platform"] == "cpu":
+        fp.update(host_cpu=host_cpu(), host_cores=os.cpu_count())
+    return fp
+
+
+def host_cpu() -> str:
+    """The host CPU as /proc/cpuinfo names it (vendor, family / model numbers and model name: a
+    hypervisor may report a name alone as generic as "AMD EPYC"); elsewhere platform.processor()."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's block
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    parts = [fields.get(k, "") for k in ("vendor_id", "cpu family", "model", "model name")]
+    if any(parts):
+        return " / ".join(parts)
+    import platform
+    return platform.processor() or platform.machine()
 
 
 # ----------------------------------------------------------------------------- measuring

@@ -6,6 +6,7 @@ import functools
 import dataclasses
 import json
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -266,20 +267,27 @@ def test_changes_are_misses(tmp_path, monkeypatch, counted):
     assert get(drafter=PromptLookupDrafter(num_nodes=8)) == 4  # another tree size
     assert get(drafter=PromptLookupDrafter(num_nodes=4, max_ngram=2)) == 5  # another static field
     assert get(b=4) == 6  # another batch size
-    real = costmodel.device_fingerprint()
+    fingerprint, real = costmodel.device_fingerprint, costmodel.device_fingerprint()
     monkeypatch.setattr(costmodel, "device_fingerprint", lambda: dict(real, device_kind="NVIDIA H200"))
     assert get() == 7  # another device
-    monkeypatch.setattr(costmodel, "device_fingerprint", lambda: real)
+    monkeypatch.setattr(costmodel, "device_fingerprint", fingerprint)
     assert get() == 7 and get(b=4) == 7  # each one cached on its own
+    # XLA calls every CPU "cpu": the host CPU model and core count are part of the key
+    assert real["host_cpu"] == costmodel.host_cpu() and real["host_cores"] == os.cpu_count()
+    this_cpu = costmodel.host_cpu
+    monkeypatch.setattr(costmodel, "host_cpu", lambda: "GenuineIntel / 6 / 143 / Intel Xeon")
+    assert get() == 8  # the same cache directory on another CPU
+    monkeypatch.setattr(costmodel, "host_cpu", this_cpu)
+    assert get() == 8
     from jaxdecode.sharding import make_mesh
     mesh = make_mesh(data=2, model=1, devices=jax.devices()[:2])
     costmodel.load_or_calibrate(model, d, 2, cache_dir=tmp_path, progress=False, mesh=mesh)
-    assert len(counted) == 8  # sharded over a mesh
+    assert len(counted) == 9  # sharded over a mesh
     from jaxdecode.sampling import SamplerConfig
     costmodel.load_or_calibrate(model, d, 1, cache_dir=tmp_path, progress=False, sampler=SamplerConfig(0.0))
-    assert len(counted) == 8  # greedy: as without a sampler
+    assert len(counted) == 9  # greedy: as without a sampler
     costmodel.load_or_calibrate(model, d, 1, cache_dir=tmp_path, progress=False, sampler=SamplerConfig(0.7))
-    assert len(counted) == 9  # sampled drafts
+    assert len(counted) == 10  # sampled drafts
 
 
 def test_draft_model_weights_are_part_of_the_key(tmp_path, counted):

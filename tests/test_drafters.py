@@ -12,7 +12,7 @@ import pytest
 from jaxdecode.autoregressive import decode, pad_prompts
 from jaxdecode.drafters.aded import ADEDDrafter, mcts_tree, table_add, table_lookup
 from jaxdecode.drafters.builders import parse_tree_spec
-from jaxdecode.drafters.draft_lm import DraftLM
+from jaxdecode.drafters.draft_lm import DraftLM, catch_up_blocks, catch_up_widths, check_catch_up_sizes
 from jaxdecode.drafters.dyspec import DySpecBuilder
 from jaxdecode.drafters.ngram import AggressiveDrafter, PromptLookupDrafter
 from jaxdecode.drafters.recycling import DEFAULT_TEMPLATE, TokenRecyclingDrafter, recycling_template
@@ -542,13 +542,16 @@ def test_point_mass_sampling_runs_and_is_reproducible(setup, name):
     assert np.all(np.asarray(a.stats["tau"]) >= 1.0)
 
 
-def test_draft_lm_catches_up_over_several_blocks(setup):
+@pytest.mark.parametrize("sizes", [(), (3,), (1,), (2, 3)])
+def test_draft_lm_catches_up_over_several_blocks(setup, sizes):
     """A draft LM left behind by steps that drafted nothing (the adaptive policy's plain steps) catches
-    up on all the committed tokens it missed, a padded block of max_depth + 1 per forward, and then
-    proposes exactly what it proposes from a cache prefilled with the same history; rows lagging by
-    different amounts (here 2, 6 and 12 tokens against blocks of 3) end up alike."""
+    up on all the committed tokens it missed, a padded block of up to max_depth + 1 per forward (any
+    block lengths: `catch_up_sizes`), and then proposes exactly what it proposes from a cache prefilled
+    with the same history; rows lagging by different amounts (here 2, 6 and 12 tokens against blocks of
+    at most 3) end up alike."""
     s = setup
-    drafter = DraftLM(params=s["dparams"], config=s["dcfg"], builder=parse_tree_spec("chain:2"))
+    drafter = DraftLM(params=s["dparams"], config=s["dcfg"], builder=parse_tree_spec("chain:2"),
+                      catch_up_sizes=sizes)
     rows = [[3, 9, 27, 4, 1, 7, 7, 2, 5, 8, 13, 21, 34, 55], [8, 2, 6, 1, 9, 4, 4, 3, 2, 1, 0, 5, 6, 7],
             [5, 5, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]
     history = jnp.asarray(rows, jnp.int32)
@@ -564,6 +567,30 @@ def test_draft_lm_catches_up_over_several_blocks(setup):
     np.testing.assert_array_equal(np.asarray(tree_a.tokens), np.asarray(tree_b.tokens))
     if probs_b is not None:
         np.testing.assert_allclose(np.asarray(probs_a), np.asarray(probs_b), atol=1e-5)
+
+
+def test_catch_up_runs_the_smallest_block_that_holds_what_the_furthest_row_lacks():
+    """catch_up_blocks sizes each forward to the row furthest behind (the largest width while it lacks
+    more), so catching up on one accepted token costs a block of 2 rows, not max_depth + 1. The fake
+    block counts the rows each forward runs."""
+    def block(st, n):
+        lengths, rows = st
+        return jnp.ones((2, 1)), (jnp.minimum(lengths + n, target), rows + n)
+
+    target = jnp.asarray([5, 7], jnp.int32)
+    for start, widths, rows in (([4, 6], (1, 2, 4, 9), 1), ([4, 5], (1, 2, 4, 9), 2), ([4, 4], (1, 2, 4, 9), 4),
+                                ([0, 7], (1, 2, 4, 9), 9), ([0, 0], (1, 2, 4, 9), 9), ([0, 0], (1, 2, 4, 5), 7),
+                                ([4, 6], (9,), 9), ([0, 0], (3,), 9)):
+        _, (lengths, ran) = jax.jit(lambda s: catch_up_blocks(block, s, lambda st: st[0], target, 1, widths,
+                                                              root=jnp.zeros((2, 1))))(
+            (jnp.asarray(start, jnp.int32), jnp.int32(0)))
+        np.testing.assert_array_equal(np.asarray(lengths), np.asarray(target))
+        assert int(ran) == rows, (start, widths, int(ran))
+    assert catch_up_widths(9) == (2, 4, 9) and catch_up_widths(4) == (2, 4) and catch_up_widths(3) == (3,)
+    assert catch_up_widths(17) == (2, 4, 8, 17) and catch_up_widths(1) == (1,)
+    for bad in ((4, 2), (0, 3), (2, 2), (1, 5)):
+        with pytest.raises(ValueError, match="catch_up_sizes must be ascending block lengths in 1..4"):
+            check_catch_up_sizes(bad, max_depth=3)
 
 
 def test_a_draft_lm_starts_from_acceptance_recorded_for_its_target(tmp_path):

@@ -1,12 +1,12 @@
 """Any jaxdecode model as a draft LM, with its own KV cache, composed with any tree builder.
 
 The draft cache holds committed tokens only. Each proposal first catches up on the tokens the target
-committed since the last proposal, in padded forwards of max_depth + 1 tokens (after a drafting step:
-the accepted path and the bonus, one forward; after steps the adaptive policy did not draft, one
-forward per block of the tokens committed meanwhile, instead of one draft forward every plain step),
-which yields the root distribution; the builder then grows the tree level by level, each
-level one forward that writes beyond the committed prefix (`write_offset`) and sees its ancestors
-through a window mask. Nothing written while drafting is ever committed, so `observe` has nothing to
+committed since the last proposal, in padded forwards of up to max_depth + 1 tokens (after a drafting
+step: the accepted path and the bonus, one forward sized to the longest row's; after steps the adaptive
+policy did not draft, one forward per block of the tokens committed meanwhile, instead of one draft
+forward every plain step), which yields the root distribution; the builder then grows the tree level
+by level, each level one forward that writes beyond the committed prefix (`write_offset`) and sees its
+ancestors through a window mask. Nothing written while drafting is ever committed, so `observe` has nothing to
 undo.
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ from jaxdecode.drafters.builders import ChainBuilder, build_tree, capped_chain
 from jaxdecode.autoregressive import prefill
 from jaxdecode.models import ModelConfig, advance, forward, init_cache, padded_causal_mask
 from jaxdecode.sampling import SamplerConfig, process_logits
+from jaxdecode.speculative import switch_in_place
 from jaxdecode.tree import ancestor_mask, depths
 
 
@@ -34,18 +35,52 @@ def draft_logprobs(logits, sampler: SamplerConfig):
     return process_logits(logits, sampler.replace(repetition_penalty=1.0))
 
 
-def catch_up_blocks(block, state, lengths_of, target_len, width: int, root=None):
+def catch_up_widths(max_block: int) -> tuple:
+    """Block lengths a catch-up may run (`catch_up_blocks`' widths) when at most `max_block` tokens are
+    committed per step: 2, 4, 8, 16 where at most half of it, then max_block. After a step that kept a
+    tokens the drafter lacks a + 1; one block of max_depth + 1 rows made a wrapped chain of 8 run a 9-row
+    forward even when one token was kept (issue 10: the acceptance head over EAGLE-3 at h = 0). Each
+    width is one more branch to compile and a loop test per catch-up, so short chains keep one block."""
+    return tuple(sorted({w for w in (2, 4, 8, 16) if 2 * w <= max_block} | {max_block}))
+
+
+def check_catch_up_sizes(sizes: tuple, max_depth: int) -> tuple:
+    """A drafter's `catch_up_sizes` as catch-up widths: () = the default; else ascending lengths in
+    1..max_depth + 1 (its cache has room for one block of max_depth + 1 past the committed entries)."""
+    if not sizes:
+        return catch_up_widths(max_depth + 1)
+    if list(sizes) != sorted(set(sizes)) or sizes[0] < 1 or sizes[-1] > max_depth + 1:
+        raise ValueError(f"catch_up_sizes must be ascending block lengths in 1..{max_depth + 1} (max_depth + 1), "
+                         f"got {sizes!r}")
+    return tuple(sizes)
+
+
+def catch_up_blocks(block, state, lengths_of, target_len, width: int, widths: tuple, root=None):
     """A drafter's cache brought up to `target_len` int32[B] entries, one block per forward:
-    `block(state)` -> (root [B, width] after the block's last entry: logits or a layer output, state)
-    feeds each row's next entries; a row that took nothing in a later block keeps its root from an
-    earlier one. `root` [B, width]: the root before catching up (the loop runs only while a row is
-    behind); None: zeros, and at least one block runs (a drafter that keeps no root: when the engine
-    drafts, the pending token is always new). Returns (root f32[B, width], state)."""
+    `block(state, n)` -> (root [B, width] after the block's last entry: logits or a layer output, state)
+    feeds each row's next <= n entries (n static, one of `widths`, ascending); a row that took nothing in
+    a later block keeps its root from an earlier one. Each forward runs the smallest width that holds
+    what the furthest-behind row lacks, the largest while it lacks more (`switch_in_place`: one compiled
+    branch per width, the state updated in place). `root` [B, width]: the root before catching up (the
+    loop runs only while a row is behind); None: zeros, and at least one block runs (a drafter that
+    keeps no root: when the engine drafts, the pending token is always new). Returns (root f32[B, width],
+    state)."""
+    def run(n):
+        def branch(operand):
+            new_root, new_st = block(operand[1], n)
+            return new_root.astype(jnp.float32), new_st
+        return branch
+
     def step(carry):
         root, st, _ = carry
-        new_root, new_st = block(st)
+        if len(widths) == 1:
+            new_root, new_st = run(widths[0])((root, st))
+        else:
+            need = jnp.max(target_len - lengths_of(st))  # entries the furthest-behind row lacks
+            which = jnp.searchsorted(jnp.asarray(widths, jnp.int32), need)  # past the largest: clamped
+            new_root, new_st = switch_in_place(which, [run(n) for n in widths], (jnp.zeros_like(root), st))
         took = (lengths_of(new_st) > lengths_of(st))[:, None]
-        return jnp.where(took, new_root.astype(jnp.float32), root), new_st, jnp.bool_(False)
+        return jnp.where(took, new_root, root), new_st, jnp.bool_(False)
 
     def behind(carry):
         return carry[2] | jnp.any(lengths_of(carry[1]) < target_len)
@@ -67,6 +102,9 @@ class DraftLM:
     # the policy starts at its flat prior, at which a draft LM step rarely looks worth its cost, and a
     # probe of so costly a drafter comes rarely, so a good draft can go untried.
     acceptance_prior: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+    # Block lengths the catch-up may run (ascending; the loop runs until caught up, so any lengths are
+    # exact); () = `catch_up_widths(max_depth + 1)`; (max_depth + 1,) = one fixed block, as before.
+    catch_up_sizes: tuple = dataclasses.field(default=(), metadata=dict(static=True))
 
     num_nodes = property(lambda self: self.builder.num_nodes)
     max_depth = property(lambda self: self.builder.max_depth)
@@ -85,13 +123,13 @@ class DraftLM:
         return cache
 
     def _catch_up(self, cache, ctx):
-        """Run the draft LM over the committed tokens its cache lacks, in padded blocks of max_depth + 1:
-        (the root's logits [B, V], the cache holding every committed token). No `idle`: steps that
-        draft nothing leave the cache behind, and the next proposal catches up on them here."""
-        catch = self.max_depth + 1
+        """Run the draft LM over the committed tokens its cache lacks, in padded blocks of up to
+        max_depth + 1 (`catch_up_sizes`): (the root's logits [B, V], the cache holding every committed
+        token). No `idle`: steps that draft nothing leave the cache behind, and the next proposal
+        catches up on them here."""
         hist_cap = ctx.history.shape[1]
 
-        def block(cache):
+        def block(cache, catch):
             idx = cache.lengths[:, None] + jnp.arange(catch)[None, :]  # [B, C] history positions
             valid = idx < ctx.hist_len[:, None]
             toks = jnp.take_along_axis(ctx.history, jnp.minimum(idx, hist_cap - 1), axis=1)
@@ -101,7 +139,8 @@ class DraftLM:
             root = jnp.take_along_axis(logits, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
             return root, advance(cache, n_new)
 
-        return catch_up_blocks(block, cache, lambda c: c.lengths, ctx.hist_len, self.config.vocab_size)
+        return catch_up_blocks(block, cache, lambda c: c.lengths, ctx.hist_len, self.config.vocab_size,
+                               widths=check_catch_up_sizes(self.catch_up_sizes, self.max_depth))
 
     def propose(self, cache, ctx, sampler: SamplerConfig):
         cfg, params = self.config, self.params

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdecode.drafters.builders import build_tree
-from jaxdecode.drafters.draft_lm import catch_up_blocks, draft_logprobs
+from jaxdecode.drafters.draft_lm import catch_up_blocks, check_catch_up_sizes, draft_logprobs
 from jaxdecode.models import ModelConfig, advance, forward, init_cache, padded_causal_mask
 from jaxdecode.models import init_params as model_init_params
 from jaxdecode.models import param_shapes as model_param_shapes
@@ -230,6 +230,8 @@ class Eagle3Drafter:
     vocab_size: int = dataclasses.field(metadata=dict(static=True))  # the target's V
     # Held-out acceptance by depth from training (TrainedDrafter.make): the adaptive policy's start.
     acceptance_prior: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+    # Catch-up block lengths (as DraftLM's): () = draft_lm.catch_up_widths(max_depth + 1).
+    catch_up_sizes: tuple = dataclasses.field(default=(), metadata=dict(static=True))
 
     num_nodes = property(lambda self: self.builder.num_nodes)
     max_depth = property(lambda self: self.builder.max_depth)
@@ -271,11 +273,11 @@ class Eagle3Drafter:
 
     def _catch_up(self, state: Eagle3State, ctx):
         """Run the layer over the stored entries its cache lacks (t < hist_len - 1: the pending token
-        is the last one paired), in padded blocks of max_depth + 1: (cache, root [B, D])."""
-        catch = self.max_depth + 1
+        is the last one paired), in padded blocks of up to max_depth + 1 (`catch_up_sizes`): (cache,
+        root [B, D])."""
         hist_cap, buf_cap = ctx.history.shape[1], state.fused.shape[1]
 
-        def block(cache):  # the feature buffer is only read: closed over, not carried
+        def block(cache, catch):  # the feature buffer is only read: closed over, not carried
             t = cache.lengths[:, None] + jnp.arange(catch, dtype=jnp.int32)[None, :]  # [B, C] positions
             valid = t < (ctx.hist_len - 1)[:, None]
             tokens = jnp.take_along_axis(ctx.history, jnp.minimum(t + 1, hist_cap - 1), axis=1)  # x_{t+1}
@@ -285,7 +287,8 @@ class Eagle3Drafter:
             return jnp.take_along_axis(h, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0], cache
 
         root, cache = catch_up_blocks(block, state.cache, lambda c: c.lengths, ctx.hist_len - 1,
-                                      state.root.shape[1], root=state.root)
+                                      state.root.shape[1], root=state.root,
+                                      widths=check_catch_up_sizes(self.catch_up_sizes, self.max_depth))
         return cache, root.astype(state.root.dtype)
 
     def init(self, prompt_tokens, prompt_lengths, cache_len, key, features=None):

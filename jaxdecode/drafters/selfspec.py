@@ -319,11 +319,12 @@ class SelfSpecDrafter:
         """(root logits [B, V], cache) of the chosen candidate after all the committed tokens: blocks of
         `block_len` tokens until every row has caught up (at least one block). No `idle`: steps that draft
         nothing leave the cache behind, and the next proposal catches up on them here."""
-        def block(st):
-            root, cache = self._catch_up_block(st, history, hist_len, block_len)
+        def block(st, n):
+            root, cache = self._catch_up_block(st, history, hist_len, n)
             return root, dataclasses.replace(st, cache=cache, built=st.choice)  # a rebuild happens once
 
-        root, state = catch_up_blocks(block, state, lambda st: st.cache.lengths, hist_len, self.config.vocab_size)
+        root, state = catch_up_blocks(block, state, lambda st: st.cache.lengths, hist_len, self.config.vocab_size,
+                                      widths=(block_len,))
         return root, state.cache
 
     def _catch_up_block(self, state: SelfSpecState, history, hist_len, block: int):
