@@ -151,15 +151,14 @@ def main(argv=None):
             d = d if own_cut else without_own_cut(d)
         return dataclasses.replace(d, catch_up_sizes=(k + 1,)) if fixed_catch_up else d
 
-    # --fixed-catch-up: the same rows with a drafter's catch-up in one block of K + 1 (drafters that have one)
-    variants = [(False, "")] + ([(True, FIXED_CATCH_UP)] if args.fixed_catch_up and hasattr(
-        inner_chain(1, "argmax"), "catch_up_sizes") else [])
-
     for temp in [float(t) for t in args.temperatures.split(",")]:
         sampler = SamplerConfig(temperature=temp)
         rule = "argmax" if temp == 0 else "sample"
         inner = inner_chain(args.head_k, rule)
         verifier = get_verifier("greedy" if temp == 0 else "point_mass" if inner.child_rule == "point" else "chain")
+        # --fixed-catch-up: the same rows with the catch-up in one block of K + 1 (drafters that have one)
+        variants = [(False, "")] + ([(True, FIXED_CATCH_UP)] if args.fixed_catch_up
+                                    and hasattr(inner, "catch_up_sizes") else [])
         configs = {"plain": None}
         for fixed_cu, suffix in variants:
             configs.update({f"{inner_kind} chain:{k}{suffix}": inner_chain(k, rule, fixed_catch_up=fixed_cu)

@@ -28,6 +28,7 @@ be read or does not hold a valid table for its key is re-measured with a warning
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -305,6 +306,7 @@ def device_fingerprint() -> dict:
     return fp
 
 
+@functools.cache  # read once per process: every generate call builds a cache key
 def host_cpu() -> str:
     """The host CPU as /proc/cpuinfo names it (vendor, family / model numbers and model name: a
     hypervisor may report a name alone as generic as "AMD EPYC"); elsewhere platform.processor()."""
