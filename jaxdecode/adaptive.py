@@ -105,6 +105,17 @@ match) counts as empty: the plan judges a recorded shape at the best class and w
 next step, only to keep nothing. A plain stretch between probes runs as one lean run (`plain_run_length`
 finds the step at which the plan would draft), not as an engine step per token.
 
+Batch spread. A row's tokens per step are random (K accepted nodes, then the bonus), so at a given
+width its steps to go are r / E_b, give or take sqrt(r Var K / E_b^3), and the batch waits for the
+row that was unluckiest: E[max_b steps_b] exceeds max_b E[steps_b] by about the spread times the
+expected maximum of n standard normals (0.56 for 2 rows still going, 1.03 for 4, 1.77 for 16). The
+plan prices each row's steps so (`batch_spread` times that term; Var K from the kept nodes' reach and
+depth); at batch 1, and for a row judged alone
+(probes), there is no spread. Priced as the max of the means, a width that each row's estimates
+barely paid for looked worth drafting to the whole batch and bought no step: sampling 64 tokens at
+batch 4 with the retrieval default (held-out prompts, CPU), the first batch drafted on 4 steps and
+took 64 trips, as many as plain decoding (BENCHMARKS.md, "Batch spread").
+
 Batch backoff. A batch drafts only when its plan pays for the slowest row, and a row whose proposal
 came back empty probes again one step later. In a large batch the rows miss in turn, so some row was
 always due and the plan drafted on step after step, kept nothing (the one empty row needs a step per
@@ -116,6 +127,7 @@ nothing for the whole batch holds the batch plain for `hold` steps, 1, then 2, 4
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -174,6 +186,10 @@ class AdaptivePolicy:
     # A later sibling's (rank >= 1) start, P(accepted | parent accepted, earlier siblings missed): the
     # priors (flat, or a drafter's measured acceptance by depth) are a first child's. See "Later siblings".
     sibling_share: float = 1.0 / 3.0
+    # A batch's steps are its slowest row's, and rows accept at random: the plan prices E[max over rows]
+    # as each row's mean steps plus this many times its spread times E[max of n normals] (n: the rows
+    # still going). 0: the max of the means. See "Batch spread".
+    batch_spread: float = 1.0
 
     def __post_init__(self):
         ws = tuple(int(w) for w in self.widths)
@@ -186,6 +202,9 @@ class AdaptivePolicy:
         if self.probe_first > self.probe_every:
             raise ValueError(f"AdaptivePolicy.probe_first ({self.probe_first}) must not exceed probe_every "
                              f"({self.probe_every}): the first wait is the shortest")
+        if isinstance(self.batch_spread, bool) or not (isinstance(self.batch_spread, (int, float))
+                                                       and 0.0 <= self.batch_spread < np.inf):
+            raise ValueError(f"AdaptivePolicy.batch_spread must be a finite number >= 0, got {self.batch_spread!r}")
         if not 0.0 < self.probe_cost <= 1.0:
             raise ValueError(f"AdaptivePolicy.probe_cost must lie in (0, 1], got {self.probe_cost}")
         if not (isinstance(self.prior_weight, (int, float)) and np.isfinite(self.prior_weight)
@@ -376,7 +395,8 @@ def node_keys(state: PolicyState, parents, rank=None):
 
 
 def _node_values(policy: AdaptivePolicy, state: PolicyState, parents, shaped):
-    """For each node of a shape: (reach f32[B, N], order int32[B, N], eligible count int32[B]).
+    """For each node of a shape: (reach f32[B, N], order int32[B, N], eligible count int32[B], depth
+    int32[B, N]).
     order lists the eligible nodes best first by a score: the product along the node's path of the
     nodes' chances given their parents (a_i, module docstring) made non-increasing in sibling rank, so
     a node never scores above its parent nor its previous sibling; ties go to the lower index, so every
@@ -395,13 +415,14 @@ def _node_values(policy: AdaptivePolicy, state: PolicyState, parents, shaped):
     score = _down(parents, capped, 1.0, jnp.multiply, state.depth)
     ok = _down(parents, own_ok, True, jnp.logical_and, state.depth) & (score >= policy.min_reach)
     order = jnp.argsort(jnp.where(ok, -score, 1.0), axis=1, stable=True).astype(jnp.int32)  # ties: lower index
-    return jnp.where(ok, reach, 0.0), order, jnp.sum(ok, axis=1).astype(jnp.int32)
+    return jnp.where(ok, reach, 0.0), order, jnp.sum(ok, axis=1).astype(jnp.int32), _depths(parents, state.depth)
 
 
-def _width_terms(policy, reach, order, eligible, costs, remaining, drafted: bool):
+def _width_terms(policy, reach, order, eligible, depth, costs, remaining, drafted: bool, alone: bool = False):
     """(nodes each row keeps at each width int32[W, B], steps each row needs at each width f32[W, B]
-    (0 for a done row), seconds per step at each width f32[W], the margin included). remaining:
-    int32[B], the tokens each row still has to go (0: done)."""
+    (0 for a done row; in a batch, its share of the expected maximum: "Batch spread"), seconds per
+    step at each width f32[W], the margin included). remaining: int32[B], the tokens each row still
+    has to go (0: done). alone: every row judged as a batch of its own (no spread)."""
     active = remaining > 0
     widths = jnp.asarray(policy.widths, jnp.int32)  # [W]
     if policy.shape == "none":  # all or nothing
@@ -409,12 +430,28 @@ def _width_terms(policy, reach, order, eligible, costs, remaining, drafted: bool
     else:
         count = jnp.minimum(widths[:, None], eligible[None])  # [W, B]
     best_first = jnp.take_along_axis(reach, order, axis=1)  # [B, N]: 0 past the eligible ones
-    expected = 1.0 + jnp.concatenate([jnp.zeros_like(best_first[:, :1]), jnp.cumsum(best_first, axis=1)], axis=1)
+    zero = jnp.zeros_like(best_first[:, :1])
+    expected = 1.0 + jnp.concatenate([zero, jnp.cumsum(best_first, axis=1)], axis=1)
     gain = jnp.take_along_axis(expected, count.T, axis=1).T  # [W, B]: E_b at each width
     # Tokens past a row's budget are dropped: a row with r tokens to go gains at most r (its last
     # token needs one step however many nodes it verifies).
-    gain = jnp.minimum(gain, jnp.maximum(remaining, 1)[None].astype(jnp.float32))
-    steps = jnp.where(active[None], remaining[None].astype(jnp.float32) / gain, 0.0)  # [W, B]
+    capped = jnp.minimum(gain, jnp.maximum(remaining, 1)[None].astype(jnp.float32))
+    left = remaining[None].astype(jnp.float32)
+    steps = jnp.where(active[None], left / capped, 0.0)  # [W, B]
+    if not alone and policy.batch_spread > 0 and remaining.shape[0] > 1:  # "Batch spread"
+        # Var of the accepted count K (the accepted path's depth): the kept set is closed under parents
+        # and one node per depth is on the path, so P(K >= d) = sum of the kept depth-d nodes' reach
+        # and E[K^2] = sum_d (2d - 1) P(K >= d) = sum over kept nodes of (2 depth - 1) reach.
+        odd = 2.0 * jnp.take_along_axis(depth, order, axis=1).astype(jnp.float32) - 1.0  # [B, N] best first
+        second = jnp.concatenate([zero, jnp.cumsum(odd * best_first, axis=1)], axis=1)
+        var = jnp.maximum(jnp.take_along_axis(second, count.T, axis=1).T - (gain - 1.0) ** 2, 0.0)  # [W, B]
+        # Steps to commit r tokens at g +- sqrt(var) a step: r / g, spread sqrt(r var / g^3).
+        spread = jnp.where(active[None], jnp.sqrt(left * var / gain ** 3), 0.0)  # [W, B]
+        # The maximum is contested by the rows within two spreads of the slowest mean: all of them when
+        # the rows are level (a fixed-length batch's start), the last row alone once it lags well behind.
+        contenders = jnp.sum(active[None] & (steps + 2.0 * spread >= jnp.max(steps, axis=1, keepdims=True)), axis=1)
+        kappa = jnp.asarray(expected_max_normal(remaining.shape[0]))[contenders]  # [W]
+        steps = steps + policy.batch_spread * kappa[:, None] * spread
     w = len(policy.widths)
     verify, draft, idle = costs[:w], costs[w:2 * w], costs[2 * w]
     # Before drafting, a width costs its own draft (a capped draft is shorter); after it, what was
@@ -423,10 +460,25 @@ def _width_terms(policy, reach, order, eligible, costs, remaining, drafted: bool
     return count, steps, step * jnp.where(widths > 0, 1.0 + policy.margin, 1.0)
 
 
-def _best_width(policy, reach, order, eligible, costs, remaining, drafted: bool):
+@functools.cache
+def expected_max_normal(n: int) -> np.ndarray:
+    """f32[n + 1]: entry k is E[max of k independent standard normals] (0 for k <= 1), by quadrature of
+    k x phi(x) Phi(x)^(k-1) (about 1e-5 off; 1.03 for 4, 1.77 for 16, 3.9 for 10^4)."""
+    x = np.linspace(-10.0, 10.0, 4001)
+    dx = x[1] - x[0]
+    phi = np.exp(-0.5 * x * x) / np.sqrt(2.0 * np.pi)
+    log_cdf = np.log(np.maximum((np.cumsum(phi) - 0.5 * phi) * dx, 1e-300))  # trapezoid
+    out = np.zeros(n + 1, np.float64)
+    for lo in range(2, n + 1, 512):  # [chunk, X] at a time: a batch of 10^4 rows needs no 10^4 x X array
+        k = np.arange(lo, min(lo + 512, n + 1), dtype=np.float64)[:, None]
+        out[lo:lo + len(k)] = np.sum(x * k * phi * np.exp((k - 1) * log_cdf), axis=1) * dx
+    return out.astype(np.float32)
+
+
+def _best_width(policy, reach, order, eligible, depth, costs, remaining, drafted: bool):
     """(index of the best width for the batch, nodes each row keeps at each width int32[W, B]): the
     width that finishes the batch soonest (its slowest row's steps, seconds per step)."""
-    count, steps, step = _width_terms(policy, reach, order, eligible, costs, remaining, drafted)
+    count, steps, step = _width_terms(policy, reach, order, eligible, depth, costs, remaining, drafted)
     return jnp.argmin(step * jnp.max(steps, axis=1)), count
 
 
@@ -482,7 +534,7 @@ def _rows_that_pay(policy: AdaptivePolicy, state: PolicyState, costs, remaining,
     # Each row as a batch of its own (`_best_width` with the other rows done), for all rows at once:
     # O(B) (a vmap over the batch of whole-batch plans was O(B^2): truncate took 39.7 ms at batch 1024 on
     # the CPU, 3.5 ms now).
-    _, steps, step = _width_terms(policy, *values, costs, remaining, drafted=False)
+    _, steps, step = _width_terms(policy, *values, costs, remaining, drafted=False, alone=True)
     return jnp.argmin(step[:, None] * steps, axis=0) > 0
 
 
@@ -577,8 +629,8 @@ def truncate(policy: AdaptivePolicy, state: PolicyState, costs, tree: Tree, rema
         new = _schedule_probes(policy, state, new, costs, remaining, ~has[:, 0])
     else:
         judged = new if policy.shape == "structure" else state
-    reach, order, eligible = _node_values(policy, judged, judged.parents, judged.shaped)
-    best, count = _best_width(policy, reach, order, eligible, costs, remaining, drafted=True)
+    reach, order, eligible, depth = _node_values(policy, judged, judged.parents, judged.shaped)
+    best, count = _best_width(policy, reach, order, eligible, depth, costs, remaining, drafted=True)
     if policy.shape == "none":
         keep = jnp.broadcast_to(best == len(policy.widths) - 1, valid.shape)
     else:

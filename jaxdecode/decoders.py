@@ -201,14 +201,14 @@ def _adaptive_policy(model, drafter, sampler, verifier, prompt_tokens, max_new_t
     Costs: given, or measured for this model, drafter, device and batch size on first use and cached
     (jaxdecode.costmodel; progress on stderr), on the mesh when one is given."""
     costs = opts["costs"]
-    if not opts["adaptive"]:
+    if opts["adaptive"] is False:
         return None, None
     from jaxdecode import costmodel
     from jaxdecode.adaptive import default_widths
     from jaxdecode.speculative import policy_for
     widths = default_widths(drafter.num_nodes, tuple(opts["verify_widths"] or ())
                             + tuple(getattr(drafter, "verify_widths", None) or ()))
-    policy = policy_for(drafter, sampler, widths=widths)
+    policy = policy_for(drafter, sampler, widths=widths, **_policy_overrides(opts["adaptive"]))
     if isinstance(costs, (str, os.PathLike)):
         import json
         try:
@@ -225,6 +225,30 @@ def _adaptive_policy(model, drafter, sampler, verifier, prompt_tokens, max_new_t
     if jax.process_count() > 1:  # every process must decide alike: all use process 0's measurements
         costs = _same_costs_everywhere(costs)
     return policy, costs
+
+
+def _policy_overrides(setting) -> dict:
+    """AdaptivePolicy fields of the `adaptive` option: {} for True, the dict's (checked) for a dict."""
+    from jaxdecode.adaptive import AdaptivePolicy
+    if setting is True:
+        return {}
+    if not isinstance(setting, dict):
+        raise ValueError(f"adaptive= takes true, false or a dict of AdaptivePolicy fields (e.g. "
+                         f"{{'margin': 0.1}}), got {setting!r}")
+    fields = sorted(f.name for f in dataclasses.fields(AdaptivePolicy) if f.name != "widths")
+    if "widths" in setting:
+        raise ValueError("adaptive={'widths': ...}: the policy's widths come from the drafter; set the "
+                         "verify_widths option to add widths")
+    unknown = sorted(set(setting) - set(fields))
+    if unknown:
+        raise ValueError(f"adaptive= has unknown AdaptivePolicy fields {unknown}; the fields are {fields}")
+    # lists (JSON, the CLI) as tuples: the policy is part of the jit key, so it must hash
+    out = {k: tuple(v) if isinstance(v, list) else v for k, v in setting.items()}
+    try:
+        AdaptivePolicy(widths=(0, 1), **out)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"adaptive={setting!r}: {e}") from None
+    return out
 
 
 def _same_costs_everywhere(costs):

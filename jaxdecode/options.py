@@ -218,7 +218,8 @@ _TABLE = (
     Option("adaptive", "bool", "adaptive speculation: each step, per row, draft only as deep as pays, down "
            "to plain decoding, from measured costs and running acceptance (false: verify every proposal "
            "whole)", ("speculative",), True,
-           default_doc="true"),
+           default_doc="true", objects="a dict of jaxdecode.adaptive.AdaptivePolicy fields (on, tuned: "
+           "{'margin': 0.1, 'batch_spread': 0})"),
     Option("costs", "str", "the cost table of adaptive speculation: a JSON file written by `jaxdecode "
            "calibrate --json`", ("speculative",), cli=None, objects="a jaxdecode.costmodel.CostTable",
            default_doc="measured once per model, drafter, device and batch size, then cached"),

@@ -149,7 +149,8 @@ def test_lean_plain_runs_probe_when_step_by_step_would(models, shift):
 def test_drift_compounds_and_the_plain_run_ends_at_the_next_probe():
     """`drift` over k steps equals k single-step drifts for depth-1 keys (toward 1), and
     `plain_run_length` is the first step at which `should_draft` would say yes."""
-    policy = adaptive.AdaptivePolicy(widths=(0, 1), prior=0.2, explore=0.05, margin=0.0)
+    # batch_spread 0: the two rows priced at their means, so the thresholds below are a row's own
+    policy = adaptive.AdaptivePolicy(widths=(0, 1), prior=0.2, explore=0.05, margin=0.0, batch_spread=0.0)
     state = adaptive.init_state(policy, 2, 1, 1, np.array([-1], np.int32))
     steps = jnp.array([3, 0], jnp.int32)
     once = state
@@ -413,14 +414,14 @@ def test_later_siblings_are_judged_given_the_earlier_ones_missed():
     np.testing.assert_allclose(np.asarray(st.accept)[0], [0.7, 1 / 3, 1 / 3, 1 / 3, 0.7, 1 / 3], rtol=1e-6)
     # measured rates count as measured (16 observations); the later siblings' guess as 1 / (1 - decay)
     np.testing.assert_allclose(np.asarray(st.weight)[0], [16, 5, 5, 5, 16, 5], rtol=1e-6)
-    reach, _, _ = adaptive._node_values(policy, st, st.parents, st.shaped)
+    reach, _, _, _ = adaptive._node_values(policy, st, st.parents, st.shaped)
     a1 = 0.3 / 3  # node 1: node 0 missed (0.3), then it is right (1/3)
     np.testing.assert_allclose(np.asarray(reach)[0],
                                [0.7, a1, a1 * 2 / 3, a1 * 4 / 9, 0.49, 0.7 * a1], rtol=1e-5)
     assert float(np.sum(np.asarray(reach)[0, :4])) < 1.0
     # A first child that keeps missing leaves its mass to the next: rank 1 is worth its own rate.
     missing = dataclasses.replace(st, accept=st.accept.at[:, 0].set(0.0))
-    reach, order, _ = adaptive._node_values(policy, missing, st.parents, st.shaped)
+    reach, order, _, _ = adaptive._node_values(policy, missing, st.parents, st.shaped)
     np.testing.assert_allclose(np.asarray(reach)[0, :4], [0.0, 1 / 3, 2 / 9, 4 / 27], rtol=1e-5)
     # A later sibling is tried only where the earlier ones missed: node 0 accepted leaves node 1 as it was.
     tree = Tree(tokens=jnp.zeros((1, 6), jnp.int32), parents=jnp.asarray(static)[None], valid=jnp.ones((1, 6), bool))
@@ -576,7 +577,9 @@ def test_a_level_capped_draft_lm_drafts_what_pays_and_grows_when_right(models):
     price each level (LevelCosts), and the draft LM drafts only that deep. At the prior, 2 levels pay
     and 4 do not; a self-draft (always right) then grows to the whole chain, because the shape the
     policy keeps is the uncapped chain's, not the capped draft's (levels never drafted while capped
-    reach their parents' estimates by the explore drift, here fast). Greedy output is exact throughout."""
+    reach their parents' estimates by the explore drift, here fast). Greedy output is exact throughout.
+    The 4 rows are priced at their means (batch_spread 0): with the spread the prior's 2 levels do not
+    pay at batch 4 (test_batch_spread_...)."""
     (cfg, params), (dcfg, dparams) = models
     prompts, lengths = pad_prompts(PROMPTS_4)
     n = 32
@@ -595,7 +598,8 @@ def test_a_level_capped_draft_lm_drafts_what_pays_and_grows_when_right(models):
         for name, (c, p) in {"weak": (dcfg, dparams), "self": (cfg, params)}.items():
             drafter = DraftLM(params=p, config=c, builder=parse_tree_spec("chain:4"))
             assert drafter.level_capped
-            out = _run(cfg, params, drafter, prompts, lengths, n, costs=costs, explore=0.2 if name == "self" else 0.005)
+            out = _run(cfg, params, drafter, prompts, lengths, n, costs=costs, batch_spread=0.0,
+                       explore=0.2 if name == "self" else 0.005)
             np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens), err_msg=name)
             s = jax.tree.map(np.asarray, out.stats)
             widths = list(s["policy_widths"])
@@ -608,3 +612,69 @@ def test_a_level_capped_draft_lm_drafts_what_pays_and_grows_when_right(models):
                 assert np.all(s["tau"] > 3.0), s["tau"]
     assert any(seen)
     assert not DraftLM(params=dparams, config=dcfg, builder=parse_tree_spec("static:2,1")).level_capped
+
+
+def _simulated_batch_steps(p: float, rows: int, remaining: int, trials: int = 4000) -> float:
+    """E[steps until every row has `remaining` tokens], one node a step accepted with p, by simulation."""
+    rng = np.random.default_rng(0)
+    tokens, steps = np.zeros((trials, rows)), np.zeros((trials, rows))
+    while (tokens < remaining).any():
+        going = tokens < remaining
+        tokens += going * (1 + (rng.random((trials, rows)) < p))
+        steps += going
+    return float(steps.max(axis=1).mean())
+
+
+def test_batch_spread_prices_the_slowest_row_as_the_batch_waits_for_it():
+    """A batch waits for its unluckiest row ("Batch spread"): with 4 level rows a one-node width whose
+    mean steps pay (42.7 steps for 64 tokens at p = 0.5, cost 1.45 -> 61.9 plain steps' time) but
+    whose simulated batch steps do not (45.1 -> 65.4) is refused, as it is priced at the max of the
+    means (batch_spread 0); one row alone, or a batch whose last row lags far behind the others (it
+    alone contests the maximum), buys it."""
+    np.testing.assert_allclose(adaptive.expected_max_normal(16)[[0, 1, 2, 4, 16]],
+                               [0.0, 0.0, 0.5641896, 1.0293754, 1.7659914], atol=2e-5)
+    cost = 1.45
+    level = _simulated_batch_steps(0.5, 4, 64)
+    assert cost * 64 / 1.5 < 64 < cost * level  # the premise: the means pay, the batch does not
+    costs = jnp.asarray([1.0, cost, 0.0, 0.0, 0.0], jnp.float32)  # steps at widths 0 / 1, drafts, idle
+
+    def drafts(rows, remaining, spread=1.0):
+        policy = adaptive.AdaptivePolicy(widths=(0, 1), prior=0.5, margin=0.0, batch_spread=spread)
+        state = adaptive.init_state(policy, rows, 1, 1, np.array([-1], np.int32))
+        return bool(adaptive.should_draft(policy, state, costs, jnp.asarray(remaining, jnp.int32)))
+
+    assert drafts(1, [64])  # a row alone: no spread
+    assert not drafts(4, [64] * 4)
+    assert drafts(4, [64] * 4, spread=0.0)
+    assert drafts(4, [64, 40, 40, 40])  # the last row far behind: the max is its own steps
+    assert drafts(4, [64, 0, 0, 0])  # three rows done
+    assert not drafts(16, [64] * 16)
+
+
+def test_generate_takes_policy_fields_as_the_adaptive_option(tiny_llama_dir):
+    """adaptive={...}: on, with those AdaptivePolicy fields (lists as tuples: the policy is a jit key);
+    bad fields and values get errors that name them."""
+    import jaxdecode
+    from jaxdecode import speculative
+
+    model = jaxdecode.load(tiny_llama_dir)
+    kw = dict(method="speculative", drafter="prompt_lookup", tree="chain:3", max_new_tokens=6)
+    built = []
+    real = speculative.policy_for
+
+    def spy(*a, **k):
+        built.append(real(*a, **k))
+        return built[-1]
+
+    with mock.patch.object(speculative, "policy_for", spy):
+        plain = jaxdecode.generate(model, ["def add(a, b):"], **kw)
+        tuned = jaxdecode.generate(model, ["def add(a, b):"], adaptive={"batch_spread": 0.0, "margin": 0.3,
+                                                                       "prior_by_depth": [0.5, 0.4]}, **kw)
+    assert built[0].batch_spread == 1.0 and built[1].batch_spread == 0.0 and built[1].margin == 0.3
+    assert built[1].prior_by_depth == (0.5, 0.4)
+    assert tuned[0].tokens == plain[0].tokens  # greedy: the policy changes the speed, never the output
+    for bad, match in [({"nope": 1}, r"unknown AdaptivePolicy fields \['nope'\]"),
+                       ({"widths": (0, 1)}, "verify_widths"), ({"batch_spread": -1.0}, "batch_spread must be"),
+                       ({"plain_run": 0}, "plain_run must be"), ([1], "takes true, false or a dict")]:
+        with pytest.raises(ValueError, match=match):
+            jaxdecode.generate(model, ["x = 1"], adaptive=bad, **kw)
