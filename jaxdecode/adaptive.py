@@ -108,13 +108,14 @@ finds the step at which the plan would draft), not as an engine step per token.
 Batch spread. A row's tokens per step are random (K accepted nodes, then the bonus), so at a given
 width its steps to go are r / E_b, give or take sqrt(r Var K / E_b^3), and the batch waits for the
 row that was unluckiest: E[max_b steps_b] exceeds max_b E[steps_b] by about the spread times the
-expected maximum of n standard normals (0.56 for 2 rows still going, 1.03 for 4, 1.77 for 16). The
-plan prices each row's steps so (`batch_spread` times that term; Var K from the kept nodes' reach and
-depth); at batch 1, and for a row judged alone
-(probes), there is no spread. Priced as the max of the means, a width that each row's estimates
-barely paid for looked worth drafting to the whole batch and bought no step: sampling 64 tokens at
-batch 4 with the retrieval default (held-out prompts, CPU), the first batch drafted on 4 steps and
-took 64 trips, as many as plain decoding (BENCHMARKS.md, "Batch spread").
+expected maximum of n standard normals (0.56 for 2 level rows, 1.03 for 4, 1.77 for 16), n the rows
+that contest the maximum (within two spreads of the slowest mean). With `batch_spread` > 0 the plan
+prices each row's steps so (that many times the term; Var K from the kept nodes' reach and depth,
+exact for trees); within a step of a simulated batch (benchmarks/bench_batch_spread.py). It is off
+by default: on the CPU grid (retrieval default, batch 4 and 16, T = 0 and 0.7, two processes) it
+drafted less and was not faster on the whole (better in one process, worse in the other; the 15%
+margin, tuned under the max of the means, already buys that caution; BENCHMARKS.md, "Batch spread").
+At batch 1, and for a row judged alone (probes), there is no spread either way.
 
 Batch backoff. A batch drafts only when its plan pays for the slowest row, and a row whose proposal
 came back empty probes again one step later. In a large batch the rows miss in turn, so some row was
@@ -186,10 +187,10 @@ class AdaptivePolicy:
     # A later sibling's (rank >= 1) start, P(accepted | parent accepted, earlier siblings missed): the
     # priors (flat, or a drafter's measured acceptance by depth) are a first child's. See "Later siblings".
     sibling_share: float = 1.0 / 3.0
-    # A batch's steps are its slowest row's, and rows accept at random: the plan prices E[max over rows]
-    # as each row's mean steps plus this many times its spread times E[max of n normals] (n: the rows
-    # still going). 0: the max of the means. See "Batch spread".
-    batch_spread: float = 1.0
+    # A batch's steps are its slowest row's, and rows accept at random: > 0 prices E[max over rows] as
+    # each row's mean steps plus this many times its spread times E[max of n normals] (n: the rows
+    # contesting the maximum). 0 (default): the max of the means. See "Batch spread".
+    batch_spread: float = 0.0
 
     def __post_init__(self):
         ws = tuple(int(w) for w in self.widths)

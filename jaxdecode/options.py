@@ -219,7 +219,7 @@ _TABLE = (
            "to plain decoding, from measured costs and running acceptance (false: verify every proposal "
            "whole)", ("speculative",), True,
            default_doc="true", objects="a dict of jaxdecode.adaptive.AdaptivePolicy fields (on, tuned: "
-           "{'margin': 0.1, 'batch_spread': 0})"),
+           "{'margin': 0.1, 'batch_spread': 1})"),
     Option("costs", "str", "the cost table of adaptive speculation: a JSON file written by `jaxdecode "
            "calibrate --json`", ("speculative",), cli=None, objects="a jaxdecode.costmodel.CostTable",
            default_doc="measured once per model, drafter, device and batch size, then cached"),

@@ -149,8 +149,7 @@ def test_lean_plain_runs_probe_when_step_by_step_would(models, shift):
 def test_drift_compounds_and_the_plain_run_ends_at_the_next_probe():
     """`drift` over k steps equals k single-step drifts for depth-1 keys (toward 1), and
     `plain_run_length` is the first step at which `should_draft` would say yes."""
-    # batch_spread 0: the two rows priced at their means, so the thresholds below are a row's own
-    policy = adaptive.AdaptivePolicy(widths=(0, 1), prior=0.2, explore=0.05, margin=0.0, batch_spread=0.0)
+    policy = adaptive.AdaptivePolicy(widths=(0, 1), prior=0.2, explore=0.05, margin=0.0)
     state = adaptive.init_state(policy, 2, 1, 1, np.array([-1], np.int32))
     steps = jnp.array([3, 0], jnp.int32)
     once = state
@@ -577,9 +576,7 @@ def test_a_level_capped_draft_lm_drafts_what_pays_and_grows_when_right(models):
     price each level (LevelCosts), and the draft LM drafts only that deep. At the prior, 2 levels pay
     and 4 do not; a self-draft (always right) then grows to the whole chain, because the shape the
     policy keeps is the uncapped chain's, not the capped draft's (levels never drafted while capped
-    reach their parents' estimates by the explore drift, here fast). Greedy output is exact throughout.
-    The 4 rows are priced at their means (batch_spread 0): with the spread the prior's 2 levels do not
-    pay at batch 4 (test_batch_spread_...)."""
+    reach their parents' estimates by the explore drift, here fast). Greedy output is exact throughout."""
     (cfg, params), (dcfg, dparams) = models
     prompts, lengths = pad_prompts(PROMPTS_4)
     n = 32
@@ -598,8 +595,7 @@ def test_a_level_capped_draft_lm_drafts_what_pays_and_grows_when_right(models):
         for name, (c, p) in {"weak": (dcfg, dparams), "self": (cfg, params)}.items():
             drafter = DraftLM(params=p, config=c, builder=parse_tree_spec("chain:4"))
             assert drafter.level_capped
-            out = _run(cfg, params, drafter, prompts, lengths, n, costs=costs, batch_spread=0.0,
-                       explore=0.2 if name == "self" else 0.005)
+            out = _run(cfg, params, drafter, prompts, lengths, n, costs=costs, explore=0.2 if name == "self" else 0.005)
             np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens), err_msg=name)
             s = jax.tree.map(np.asarray, out.stats)
             widths = list(s["policy_widths"])
@@ -629,7 +625,7 @@ def test_batch_spread_prices_the_slowest_row_as_the_batch_waits_for_it():
     """A batch waits for its unluckiest row ("Batch spread"): with 4 level rows a one-node width whose
     mean steps pay (42.7 steps for 64 tokens at p = 0.5, cost 1.45 -> 61.9 plain steps' time) but
     whose simulated batch steps do not (45.1 -> 65.4) is refused, as it is priced at the max of the
-    means (batch_spread 0); one row alone, or a batch whose last row lags far behind the others (it
+    means (batch_spread 0, the default); one row alone, or a batch whose last row lags far behind the others (it
     alone contests the maximum), buys it."""
     np.testing.assert_allclose(adaptive.expected_max_normal(16)[[0, 1, 2, 4, 16]],
                                [0.0, 0.0, 0.5641896, 1.0293754, 1.7659914], atol=2e-5)
@@ -668,9 +664,9 @@ def test_generate_takes_policy_fields_as_the_adaptive_option(tiny_llama_dir):
 
     with mock.patch.object(speculative, "policy_for", spy):
         plain = jaxdecode.generate(model, ["def add(a, b):"], **kw)
-        tuned = jaxdecode.generate(model, ["def add(a, b):"], adaptive={"batch_spread": 0.0, "margin": 0.3,
+        tuned = jaxdecode.generate(model, ["def add(a, b):"], adaptive={"batch_spread": 1.0, "margin": 0.3,
                                                                        "prior_by_depth": [0.5, 0.4]}, **kw)
-    assert built[0].batch_spread == 1.0 and built[1].batch_spread == 0.0 and built[1].margin == 0.3
+    assert built[0].batch_spread == 0.0 and built[1].batch_spread == 1.0 and built[1].margin == 0.3
     assert built[1].prior_by_depth == (0.5, 0.4)
     assert tuned[0].tokens == plain[0].tokens  # greedy: the policy changes the speed, never the output
     for bad, match in [({"nope": 1}, r"unknown AdaptivePolicy fields \['nope'\]"),

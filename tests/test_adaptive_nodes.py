@@ -209,10 +209,7 @@ def test_node_truncation_is_lossless_and_a_token_dependent_choice_is_not():
     rows = ROWS * len(blocks)
     prompts = np.tile(np.asarray(PROMPT, np.int32), (rows, 1))
     lengths = np.full((rows,), len(PROMPT), np.int32)
-    # batch_spread 0: the rows' means alone pick the widths the test needs (2 nodes, then others); with
-    # the spread, its many level rows would decode plainly from the first step
-    policy = adaptive.AdaptivePolicy(widths=(0, 1, 2, 4), decay=0.5, margin=0.0, shape="structure", explore=0.0031,
-                                     batch_spread=0.0)
+    policy = adaptive.AdaptivePolicy(widths=(0, 1, 2, 4), decay=0.5, margin=0.0, shape="structure", explore=0.0031)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(spec, "check_combination", lambda *a: None)  # a composite drafter (pairs judged above)
         mp.setattr(adaptive, "init_state", _start_at)

@@ -351,9 +351,8 @@ def test_class_keyed_adaptive_sampling_is_lossless(verifier, lossless):
     rows = np.random.default_rng(2).integers(0, vp.V, size=(64, 12))
     table, _ = build_table(rows, max_order=2)
     drafter = RetrievalDrafter(table=table, num_nodes=2, history_ngram=2, confidence=(0.25, 0.9))
-    # batch_spread 0: the rows are independent samples, not a batch that waits for its last row
     policy = adaptive.AdaptivePolicy(widths=(0, 1, 2), shape="proposal", classes=2, prior_by_class=(0.25, 0.9),
-                                     margin=0.0, batch_spread=0.0)
+                                     margin=0.0)
     costs = vp.StepCosts(per_node=0.35, draft=0.0)  # a node pays from a ~0.35 estimate: class 1, not class 0
     n, chunks = 100_000, 5
     prompts = np.tile(np.asarray(vp.PROMPT, np.int32), (n // chunks, 1))

@@ -291,10 +291,8 @@ def decode_chunks(drafter, verifier, rows: int, adaptive: str | None = None):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(spec, "check_combination", lambda *a: None)
         for chunk in range(CHUNKS):
-            # batch_spread 0: the rows are independent samples, not a batch that waits for its last row
-            # (priced with the spread of 1e5 level rows, the policy would never draft)
             policy = None if adaptive is None else AdaptivePolicy(widths=default_widths(drafter.num_nodes),
-                                                                  shape="structure", margin=0.0, batch_spread=0.0,
+                                                                  shape="structure", margin=0.0,
                                                                   plain_run=1 if adaptive == "off-step" else 32)
             out = speculative_decode(CFG, PARAMS, drafter, prompts, lengths, max_new_tokens=new,
                                      verifier=verifier, sampler=T1, cache_len=need,
