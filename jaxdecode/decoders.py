@@ -201,14 +201,15 @@ def _adaptive_policy(model, drafter, sampler, verifier, prompt_tokens, max_new_t
     Costs: given, or measured for this model, drafter, device and batch size on first use and cached
     (jaxdecode.costmodel; progress on stderr), on the mesh when one is given."""
     costs = opts["costs"]
-    if opts["adaptive"] is False:
+    overrides = _policy_overrides(opts["adaptive"])
+    if overrides is None:
         return None, None
     from jaxdecode import costmodel
     from jaxdecode.adaptive import default_widths
     from jaxdecode.speculative import policy_for
     widths = default_widths(drafter.num_nodes, tuple(opts["verify_widths"] or ())
                             + tuple(getattr(drafter, "verify_widths", None) or ()))
-    policy = policy_for(drafter, sampler, widths=widths, **_policy_overrides(opts["adaptive"]))
+    policy = policy_for(drafter, sampler, widths=widths, **overrides)
     if isinstance(costs, (str, os.PathLike)):
         import json
         try:
@@ -227,11 +228,14 @@ def _adaptive_policy(model, drafter, sampler, verifier, prompt_tokens, max_new_t
     return policy, costs
 
 
-def _policy_overrides(setting) -> dict:
-    """AdaptivePolicy fields of the `adaptive` option: {} for True, the dict's (checked) for a dict."""
+def _policy_overrides(setting) -> dict | None:
+    """AdaptivePolicy fields of the `adaptive` option: None when off (false), {} for true, the dict's
+    (checked) for a dict."""
+    import numpy as np
+
     from jaxdecode.adaptive import AdaptivePolicy
-    if setting is True:
-        return {}
+    if isinstance(setting, (bool, np.bool_)):
+        return {} if setting else None
     if not isinstance(setting, dict):
         raise ValueError(f"adaptive= takes true, false or a dict of AdaptivePolicy fields (e.g. "
                          f"{{'margin': 0.1}}), got {setting!r}")
