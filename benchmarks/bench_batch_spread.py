@@ -1,6 +1,6 @@
 """How many steps does the adaptive policy price a batch of level rows at, against a simulation of the
 batch (it ends when its last row does)? The policy's pricing (`adaptive._width_terms`, the batch's
-priced steps = the max over its rows) with `batch_spread` 1 (the default) and 0 (the max of the
+priced steps = the max over its rows) with `batch_spread` 1 and 0 (the default, the max of the
 means), for chains of w nodes each accepted with probability a given its parent.
 
     python benchmarks/bench_batch_spread.py [--remaining 64 --trials 4000]

@@ -397,7 +397,7 @@ def node_keys(state: PolicyState, parents, rank=None):
 
 def _node_values(policy: AdaptivePolicy, state: PolicyState, parents, shaped):
     """For each node of a shape: (reach f32[B, N], order int32[B, N], eligible count int32[B], depth
-    int32[B, N]).
+    int32[B, N] with a batch spread, else None).
     order lists the eligible nodes best first by a score: the product along the node's path of the
     nodes' chances given their parents (a_i, module docstring) made non-increasing in sibling rank, so
     a node never scores above its parent nor its previous sibling; ties go to the lower index, so every
@@ -416,7 +416,8 @@ def _node_values(policy: AdaptivePolicy, state: PolicyState, parents, shaped):
     score = _down(parents, capped, 1.0, jnp.multiply, state.depth)
     ok = _down(parents, own_ok, True, jnp.logical_and, state.depth) & (score >= policy.min_reach)
     order = jnp.argsort(jnp.where(ok, -score, 1.0), axis=1, stable=True).astype(jnp.int32)  # ties: lower index
-    return jnp.where(ok, reach, 0.0), order, jnp.sum(ok, axis=1).astype(jnp.int32), _depths(parents, state.depth)
+    depth = _depths(parents, state.depth) if policy.batch_spread > 0 else None  # read by the spread alone
+    return jnp.where(ok, reach, 0.0), order, jnp.sum(ok, axis=1).astype(jnp.int32), depth
 
 
 def _width_terms(policy, reach, order, eligible, depth, costs, remaining, drafted: bool, alone: bool = False):

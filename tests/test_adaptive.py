@@ -624,9 +624,9 @@ def _simulated_batch_steps(p: float, rows: int, remaining: int, trials: int = 40
 def test_batch_spread_prices_the_slowest_row_as_the_batch_waits_for_it():
     """A batch waits for its unluckiest row ("Batch spread"): with 4 level rows a one-node width whose
     mean steps pay (42.7 steps for 64 tokens at p = 0.5, cost 1.45 -> 61.9 plain steps' time) but
-    whose simulated batch steps do not (45.1 -> 65.4) is refused, as it is priced at the max of the
-    means (batch_spread 0, the default); one row alone, or a batch whose last row lags far behind the others (it
-    alone contests the maximum), buys it."""
+    whose simulated batch steps do not (45.1 -> 65.4) is refused with the spread; priced at the max of
+    the means (batch_spread 0, the default), for one row alone, or for a batch whose last row lags far
+    behind the others (it alone contests the maximum), it is bought."""
     np.testing.assert_allclose(adaptive.expected_max_normal(16)[[0, 1, 2, 4, 16]],
                                [0.0, 0.0, 0.5641896, 1.0293754, 1.7659914], atol=2e-5)
     cost = 1.45
