@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdecode.autoregressive import is_eos
+from jaxdecode.sampling import first_argmax
 
 
 class DiffusionError(ValueError):
@@ -29,7 +30,7 @@ class DiffusionError(ValueError):
 def confidence(logits):
     """(probs [..., V] f32, confidence = max prob [...], argmax [...] int32)."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    return probs, jnp.max(probs, axis=-1), jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return probs, jnp.max(probs, axis=-1), first_argmax(logits.astype(jnp.float32))
 
 
 def entropy(probs):

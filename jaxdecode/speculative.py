@@ -40,7 +40,7 @@ from jaxdecode import streaming
 from jaxdecode.autoregressive import (default_cache_len, is_eos, nonfinite_rows, pad_id_for, prefill,
                                       validate_eos_ids, validate_prompts)
 from jaxdecode.models import advance, commit, forward, init_cache, split_layers
-from jaxdecode.sampling import SamplerConfig, process_logits
+from jaxdecode.sampling import SamplerConfig, first_argmax, process_logits
 from jaxdecode.scoring import LogprobRecord, check_logprob_flags, token_logprobs
 from jaxdecode.tree import (Tree, allowed_slots, ancestor_mask, broadcast_slots, complete_slots, constrain_tree,
                             depths, mask_logits, mask_probs, path_to_keep, slot_gather)
@@ -419,7 +419,7 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
     def next_token(logits, key):
         """The token after the pending one with no draft: [B, V] logits -> int32[B]."""
         if sampler.is_greedy:  # the processed distribution's argmax is the raw logits' argmax
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            return first_argmax(logits)
         return jax.random.categorical(key, process_logits(logits, sampler), axis=-1).astype(jnp.int32)
 
     def verify(st, tree, draft_probs, active, k_verify, allowed=None):
@@ -436,7 +436,7 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
                 return VerifyResult(path=jnp.zeros((b, 0), jnp.int32), num_accepted=jnp.zeros((b,), jnp.int32),
                                     bonus=next_token(logits[:, 0], k_verify))
             if argmax_only:  # greedy: the argmax is all the verdict reads
-                return verifier.verify_argmax(jnp.argmax(logits, axis=-1), nodes)
+                return verifier.verify_argmax(first_argmax(logits), nodes)
             w = nodes.tokens.shape[1]
             probs = None if draft_probs is None else draft_probs[:, :w + 1]  # [B, w+1, V]: per parent slot
             return verifier(jnp.exp(process_logits(logits, sampler)), probs, nodes, k_verify)

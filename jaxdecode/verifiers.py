@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdecode.kernels.common import concrete
+from jaxdecode.sampling import first_argmax
 from jaxdecode.tree import Tree, TreeError, ancestor_mask, depths, validate_parents
 
 __all__ = [
@@ -314,7 +315,7 @@ class GreedyVerifier(_SequentialVerifier):
 
     def _prepare(self, row):
         p = row["p"]  # [N+1, V] probabilities, or [N+1] argmax tokens (verify_argmax)
-        return {"argmax": (p if p.ndim == 1 else jnp.argmax(p, axis=-1)).astype(jnp.int32)}
+        return {"argmax": (p if p.ndim == 1 else first_argmax(p)).astype(jnp.int32)}
 
     def _accept_prob(self, row, info, state, cur, i):
         return (row["tokens"][i] == info["argmax"][cur]).astype(jnp.float32)
@@ -344,7 +345,7 @@ class GreedyVerifier(_SequentialVerifier):
         node on a GPU): node i is on the accepted path iff every node from the root down to i carries the
         argmax at its parent's slot and is the first such child of that parent in index order (the walk
         descends into the first match, so a later sibling is never tested)."""
-        argmax = (p if p.ndim == 1 else jnp.argmax(p, axis=-1)).astype(jnp.int32)  # [N+1]
+        argmax = (p if p.ndim == 1 else first_argmax(p)).astype(jnp.int32)  # [N+1]
         n = tokens.shape[0]
         if n == 0:
             return jnp.zeros((0,), jnp.int32), jnp.int32(0), argmax[0]
@@ -564,7 +565,7 @@ class LossyTypicalVerifier(_SequentialVerifier):
         p, tokens = row["p"], row["tokens"]
         ent = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0), axis=-1)
         thr = jnp.minimum(self.eps, self.delta * jnp.exp(-ent))
-        amax = jnp.argmax(p, axis=-1).astype(jnp.int32)
+        amax = first_argmax(p)
         passing = _children_matrix(row["parents"], row["valid"]) & (p[:, tokens] > thr[:, None])
         pref = passing & (tokens[None, :] == amax[:, None])
 

@@ -181,6 +181,24 @@ def test_idle_only_when_the_drafter_has_one(monkeypatch):
     assert t.widths == (0, 1, 2) and timed == [3, 1, 3] and t.idle_seconds == 0.0
 
 
+def test_timed_draft_trips_see_a_moving_pending_token():
+    """Each trip of the timed draft loop hands the drafter another pending token (and key), so a lookup
+    that reads only the history cannot be hoisted out of the loop as loop-invariant: only the pending
+    column changes, and stays a token of the vocabulary."""
+    history = jnp.asarray(np.random.default_rng(0).integers(0, V, (2, 12)), jnp.int32)
+    hist_len = jnp.asarray([5, 12], jnp.int32)
+    key = jax.random.PRNGKey(0)
+    ctx = [costmodel.trip_context(history, hist_len, key, jnp.int32(i), V, max_nodes=3) for i in range(3)]
+    for i, c in enumerate(ctx):
+        diff = np.asarray(c.history != history)
+        want = np.zeros(history.shape, bool)
+        want[0, 4] = want[1, 11] = i > 0
+        np.testing.assert_array_equal(diff, want)
+        assert int(c.history.min()) >= 0 and int(c.history.max()) < V and c.max_nodes == 3
+        np.testing.assert_array_equal(c.hist_len, hist_len)
+    assert not np.array_equal(np.asarray(ctx[0].key), np.asarray(ctx[1].key))
+
+
 @pytest.mark.parametrize("sampled", [False, True])
 def test_the_step_timing_runs_the_engine_at_each_forced_width(sampled):
     """Each whole-step loop verifies exactly its width, whatever the drafter proposed (prompt lookup on

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdecode.sampling import (SamplerConfig, SamplerConfigError, mirostat_init, mirostat_step,
+from jaxdecode.sampling import (SamplerConfig, SamplerConfigError, first_argmax, mirostat_init, mirostat_step,
                                 mirostat_truncate, mirostat_update, sample, token_presence,
                                 validate_mirostat)
 from jaxdecode.sampling import process_logits as _process_logits
@@ -310,3 +310,26 @@ def test_truncation_equals_the_full_sort(truncations, top_k, top_p, cap):
     np.testing.assert_array_equal(batch, want)
     np.testing.assert_array_equal(rows, want)
     np.testing.assert_array_equal(spec, want[:24])
+
+
+def test_first_argmax_is_argmax():
+    """The two-reduction argmax returns what jnp.argmax does: the first maximum (ties are common in
+    low-precision logits), the first NaN when there is one, index 0 of an all -inf row, on 1-3-D input,
+    float32 and bfloat16, inside jit; a deliberately last-tie rule (argmax of the reversed row) differs."""
+    rng = np.random.default_rng(0)
+    cases = [rng.standard_normal((3, 4097)).astype(np.float32),
+             rng.integers(-3, 3, (2, 9, 64)).astype(np.float32),  # many ties
+             rng.integers(-2, 2, (5, 7)).astype(np.float32),
+             np.full((2, 5), -np.inf, np.float32),
+             np.array([[0.0, -0.0, 0.0], [-0.0, 0.0, -1.0]], np.float32),
+             np.array([[1.0, np.nan, 3.0, np.nan], [np.inf, 2.0, np.inf, 0.0]], np.float32),
+             rng.standard_normal(11).astype(np.float32)]
+    for x in cases:
+        for dt in (jnp.float32, jnp.bfloat16):
+            xj = jnp.asarray(x, dt)
+            got = jax.jit(first_argmax)(xj)
+            assert got.dtype == jnp.int32 and got.shape == x.shape[:-1]
+            np.testing.assert_array_equal(got, jnp.argmax(xj, axis=-1))
+    ties = jnp.asarray(cases[1])
+    last_tie = ties.shape[-1] - 1 - jnp.argmax(ties[..., ::-1], axis=-1)
+    assert not np.array_equal(first_argmax(ties), last_tie)

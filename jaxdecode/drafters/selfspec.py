@@ -57,6 +57,7 @@ from jaxdecode.drafters.builders import build_tree
 from jaxdecode.drafters.draft_lm import catch_up_blocks, draft_logprobs
 from jaxdecode.models import KVCache, ModelConfig, advance, forward, init_cache, padded_causal_mask
 from jaxdecode.models.transformer import _norm, output_logits
+from jaxdecode.sampling import first_argmax
 from jaxdecode.speculative import FINAL, accepted_features, run_if, switch_in_place
 from jaxdecode.tree import Tree, ancestor_mask, depths
 
@@ -432,7 +433,7 @@ class SelfSpecDrafter:
         """feats [F, B, T, D] (the candidates' exit states first), target_top int32[B, T] -> bool[C, B, T]:
         whether each exit's argmax equals the target's."""
         h = _norm(self.config, feats[:self.num_candidates], self.params["final_norm"])
-        return jnp.argmax(output_logits(self.config, self.params, h), axis=-1) == target_top[None]
+        return first_argmax(output_logits(self.config, self.params, h)) == target_top[None]
 
     def _del_choose(self, state, score, count):
         alpha = (score + 1.0) / (count + 2.0)  # [C], Laplace-smoothed acceptance per exit
@@ -452,7 +453,7 @@ class SelfSpecDrafter:
         feats = features[:, :, p - w:]  # [F, B, w, D]: the prompt's tail
         pos = p - w + jnp.arange(w)[None, :]
         ok = (pos < prompt_lengths[:, None] - 1).astype(jnp.float32)  # valid prefill states
-        top = jnp.argmax(output_logits(self.config, self.params, feats[-1]), axis=-1)  # FINAL is already normed
+        top = first_argmax(output_logits(self.config, self.params, feats[-1]))  # FINAL is already normed
         hits = (self._exit_matches(feats, top) * ok[None]).sum(axis=(1, 2))
         return self._del_choose(state, hits, jnp.broadcast_to(ok.sum(), hits.shape))
 
@@ -460,7 +461,7 @@ class SelfSpecDrafter:
         feats, count = accepted_features(obs)  # [F, B, N+1, D], int32[B]
         slots = jnp.concatenate([jnp.zeros((obs.path.shape[0], 1), obs.path.dtype), jnp.maximum(obs.path, 0) + 1],
                                 axis=1)
-        top = jnp.argmax(jnp.take_along_axis(obs.target_logits, slots[..., None], axis=1), axis=-1)
+        top = first_argmax(jnp.take_along_axis(obs.target_logits, slots[..., None], axis=1))
         ok = (jnp.arange(slots.shape[1])[None, :] < count[:, None]).astype(jnp.float32)
         hits = (self._exit_matches(feats, top) * ok[None]).sum(axis=(1, 2))
         return self._del_choose(state, self.decay * state.score + hits,
