@@ -40,7 +40,7 @@ from jaxdecode import streaming
 from jaxdecode.autoregressive import (default_cache_len, is_eos, nonfinite_rows, pad_id_for, prefill,
                                       validate_eos_ids, validate_prompts)
 from jaxdecode.models import advance, commit, forward, init_cache, split_layers
-from jaxdecode.sampling import SamplerConfig, first_argmax, process_logits
+from jaxdecode.sampling import SamplerConfig, first_argmax, process_logits, sample
 from jaxdecode.scoring import LogprobRecord, check_logprob_flags, token_logprobs
 from jaxdecode.tree import (Tree, allowed_slots, ancestor_mask, broadcast_slots, complete_slots, constrain_tree,
                             depths, mask_logits, mask_probs, path_to_keep, slot_gather)
@@ -420,7 +420,7 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
         """The token after the pending one with no draft: [B, V] logits -> int32[B]."""
         if sampler.is_greedy:  # the processed distribution's argmax is the raw logits' argmax
             return first_argmax(logits)
-        return jax.random.categorical(key, process_logits(logits, sampler), axis=-1).astype(jnp.int32)
+        return sample(key, process_logits(logits, sampler))
 
     def verify(st, tree, draft_probs, active, k_verify, allowed=None):
         """The target over [pending, tree] and the verifier's verdict: (logits [B, N+1, V], features,

@@ -333,3 +333,21 @@ def test_first_argmax_is_argmax():
     ties = jnp.asarray(cases[1])
     last_tie = ties.shape[-1] - 1 - jnp.argmax(ties[..., ::-1], axis=-1)
     assert not np.array_equal(first_argmax(ties), last_tie)
+
+
+def test_sample_is_the_gumbel_max_draw():
+    """`sample` draws what jax.random.categorical draws for the same key (the Gumbel-max draw, its argmax
+    by `first_argmax`) and never a -inf token; its frequencies are tested against the distribution (and a
+    wrong sampler) by test_sampled_frequencies_match_the_processed_distribution and
+    test_a_wrong_sampler_fails_the_frequency_test."""
+    rng = np.random.default_rng(1)
+    for shape in [(4097,), (3, 4097), (2, 5, 64)]:
+        lp = jax.nn.log_softmax(jnp.asarray(rng.standard_normal(shape) * 3, jnp.float32))
+        lp = lp.at[..., ::7].set(-jnp.inf)
+        for seed in range(4):
+            key = jax.random.PRNGKey(seed)
+            got = jax.jit(sample)(key, lp)
+            assert got.dtype == jnp.int32 and got.shape == shape[:-1]
+            np.testing.assert_array_equal(got, jax.random.categorical(key, lp, axis=-1))
+            np.testing.assert_array_equal(got, jnp.argmax(jax.random.gumbel(key, shape) + lp, axis=-1))
+            assert not np.any(np.asarray(got) % 7 == 0)
