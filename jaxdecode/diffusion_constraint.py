@@ -82,6 +82,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdecode.diffusion_rules import DiffusionError
+from jaxdecode.sampling import first_argmax
 
 _NEG = -1e30
 
@@ -670,7 +671,7 @@ class GrammarBinding:
             raw_j = step.raw[rows, jc]  # [B, V]
             wit = carry.witness[rows, jc]
             use_wit = ((j < step.fixed_last) | witness_all) & allowed(fillable, wit)
-            guess = jnp.argmax(jnp.where(fillable, raw_j, neg), axis=-1).astype(jnp.int32)
+            guess = first_argmax(jnp.where(fillable, raw_j, neg))
             t = jnp.where(isf, toks[rows, jc], jnp.where(use_wit, wit, guess))
             good = jnp.where(isf, allowed(here, t), jnp.any(fillable, axis=-1))
             if guide:  # the rule sees each walked masked slot's allowed tokens only
@@ -738,7 +739,7 @@ class GrammarBinding:
         # no proposal kept: the frontier slot from the witness (valid: the committed slots are unchanged)
         ahead = (step.fixed_last >= 0) | self.infill  # infilling: the witness is always a whole answer
         kc = jnp.minimum(k, a - 1)
-        best_k = jnp.argmax(step.guided[rows, kc], axis=-1).astype(jnp.int32)  # slot k: masked to allowed
+        best_k = first_argmax(step.guided[rows, kc])  # slot k: masked to allowed
         t_k = jnp.where(ahead, carry.witness[rows, kc], best_k)
         fall = live & ~jnp.any(kept, axis=-1)
         at_k = pos == k[:, None]

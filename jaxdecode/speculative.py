@@ -39,7 +39,7 @@ from jaxdecode import adaptive as adaptive_mod
 from jaxdecode import streaming
 from jaxdecode.autoregressive import (default_cache_len, is_eos, nonfinite_rows, pad_id_for, prefill,
                                       validate_eos_ids, validate_prompts)
-from jaxdecode.models import advance, commit, forward, init_cache, split_layers
+from jaxdecode.models import advance, commit, forward, init_cache, split_layers, with_embed_words
 from jaxdecode.sampling import SamplerConfig, first_argmax, process_logits, sample
 from jaxdecode.scoring import LogprobRecord, check_logprob_flags, token_logprobs
 from jaxdecode.tree import (Tree, allowed_slots, ancestor_mask, broadcast_slots, complete_slots, constrain_tree,
@@ -769,6 +769,7 @@ def _speculative(config, params, drafter, prompt_tokens, prompt_lengths, key, co
                  stream_handle=None, *,
                  verifier, sampler, max_new_tokens, eos_ids, cache_len, hist_cap, attn_impl, verify_widths,
                  mesh=None, policy=None, logprobs=False, top_logprobs=0):
+    params = with_embed_words(params)  # viewed once here, not on every step inside the branches
     engine = _engine(config, params, drafter, costs, constraint, verifier=verifier, sampler=sampler,
                      max_new_tokens=max_new_tokens, eos_ids=eos_ids, cache_len=cache_len, hist_cap=hist_cap,
                      attn_impl=attn_impl, verify_widths=verify_widths, mesh=mesh, policy=policy,

@@ -199,14 +199,27 @@ def output_logits(config: ModelConfig, params, h):
     return lm_logits(h, params["embed"], None if config.tie_word_embeddings else params["lm_head"])
 
 
-def embed_rows(table, ids, dtype):
+def embed_rows(table, ids, dtype, words=None):
     """table[ids] in `dtype`. A half-precision table is gathered as raw 16-bit words and widened after
     the gather: gathered as bf16, XLA:CPU widens the whole table to float32 first (a 4096 x 384 copy
-    on every call, or on every step inside a branch)."""
+    on every call, or on every step inside a branch). words: the table's words already viewed as
+    uint16 (`with_embed_words`), else they are viewed here."""
     if _is_half(table.dtype) and jnp.dtype(dtype) != table.dtype:
-        words = jnp.take(jax.lax.bitcast_convert_type(table, jnp.uint16), ids, axis=0)
-        return jax.lax.bitcast_convert_type(words, table.dtype).astype(dtype)
+        words = jax.lax.bitcast_convert_type(table, jnp.uint16) if words is None else words
+        return jax.lax.bitcast_convert_type(jnp.take(words, ids, axis=0), table.dtype).astype(dtype)
     return jnp.take(table, ids, axis=0).astype(dtype)
+
+
+def with_embed_words(params):
+    """params with "embed_words", the uint16 view of a half-precision embedding table that `forward`
+    widens after gathering (embed_rows), made once; params unchanged otherwise. For loops that nest a
+    forward inside branches (the speculative engine): XLA hoisted the view out of the innermost loop
+    into the engine's step, where it copied the whole table (3 MB for the embedded target) on every
+    step; made before the loops, it is copied once per call."""
+    embed = params["embed"]
+    if not _is_half(embed.dtype) or compute_dtype(params) == embed.dtype or "embed_words" in params:
+        return params
+    return {**params, "embed_words": jax.lax.bitcast_convert_type(embed, jnp.uint16)}
 
 
 # ----------------------------------------------------------------------------- the layer
@@ -223,7 +236,11 @@ def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, attend):
         q = apply_rope(q, q_pos, inv_freq)
         k = apply_rope(k, q_pos, inv_freq)
     a, aux = attend(q, k, v)
-    o = matmul("btnh,nhd->btd", a, lp["wo"])
+    # contracted over one flattened (heads x head_dim) axis: with two contracting axes XLA:CPU copied wo
+    # into another layout before each product, and a copy hoisted out of a 0/1-trip branch loop (each
+    # verification width's) runs on every step whichever branch is taken
+    wo = lp["wo"]
+    o = matmul("btk,kd->btd", a.reshape(a.shape[:2] + (-1,)), wo.reshape((-1, wo.shape[-1])))  # [B, T, D]
     if config.o_bias:
         o = o + lp["bo"]
     x = x + o
@@ -375,7 +392,7 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
         ids = _layer_ids(config, stop_at_layer, skip_layers, return_layers)
     # with weights stored narrower, the residual stream, attention and KV cache keep the compute dtype
     act_dtype = compute_dtype(params)
-    x = embed_rows(params["embed"], tokens, act_dtype)
+    x = embed_rows(params["embed"], tokens, act_dtype, params.get("embed_words"))
     if config.is_gpt2:
         x = x + embed_rows(params["pos_embed"], positions, act_dtype)
     inv_freq = jnp.asarray(rope_inv_freq(config)) if config.uses_rope else None

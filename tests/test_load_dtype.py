@@ -140,6 +140,24 @@ def test_half_precision_embedding_rows_are_gathered_narrow():
     assert "f32[256,32]" not in f.lower(table, ids).compile().as_text()  # the table is not widened
 
 
+def test_embedding_words_viewed_once_give_the_same_forward():
+    """`with_embed_words` (the speculative engine views a half-precision embedding as uint16 once per call,
+    not on every step inside its branches) changes nothing the forward computes; float32 params pass as
+    they are."""
+    from jaxdecode.models import forward, padded_causal_mask, with_embed_words
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=32, sliding_windows=(0, 0))
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    assert with_embed_words(params) is params  # float32: nothing to view
+    half = {**params, "embed": params["embed"].astype(jnp.bfloat16)}
+    viewed = with_embed_words(half)
+    assert viewed["embed_words"].dtype == jnp.uint16 and with_embed_words(viewed) is viewed
+    tokens = jnp.array([[5, 63, 0, 17]], jnp.int32)
+    run = jax.jit(lambda p: forward(cfg, p, tokens, jnp.arange(4)[None], None,
+                                    padded_causal_mask(jnp.ones((1, 4), bool)))[0])
+    assert jnp.array_equal(run(viewed), run(half))
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_drafters_read_a_half_precision_head_narrow(tied):
     """The drafters that apply the target's LM head (Medusa/Hydra, the block drafter, self-speculation)

@@ -315,7 +315,7 @@ def test_truncation_equals_the_full_sort(truncations, top_k, top_p, cap):
 def test_first_argmax_is_argmax():
     """The two-reduction argmax returns what jnp.argmax does: the first maximum (ties are common in
     low-precision logits), the first NaN when there is one, index 0 of an all -inf row, on 1-3-D input,
-    float32 and bfloat16, inside jit; a deliberately last-tie rule (argmax of the reversed row) differs."""
+    float32 and bfloat16 (and int32 and bool), inside jit; a deliberately last-tie rule (argmax of the reversed row) differs."""
     rng = np.random.default_rng(0)
     cases = [rng.standard_normal((3, 4097)).astype(np.float32),
              rng.integers(-3, 3, (2, 9, 64)).astype(np.float32),  # many ties
@@ -330,6 +330,9 @@ def test_first_argmax_is_argmax():
             got = jax.jit(first_argmax)(xj)
             assert got.dtype == jnp.int32 and got.shape == x.shape[:-1]
             np.testing.assert_array_equal(got, jnp.argmax(xj, axis=-1))
+    for x in (rng.integers(-3, 3, (4, 33)).astype(np.int32), rng.random((3, 17)) < 0.2,
+              np.zeros((2, 6), bool)):  # ints and bools (a drafter's allowed-token masks), all-False rows
+        np.testing.assert_array_equal(jax.jit(first_argmax)(jnp.asarray(x)), jnp.argmax(x, axis=-1))
     ties = jnp.asarray(cases[1])
     last_tie = ties.shape[-1] - 1 - jnp.argmax(ties[..., ::-1], axis=-1)
     assert not np.array_equal(first_argmax(ties), last_tie)

@@ -41,6 +41,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
+from jaxdecode.sampling import first_argmax
 from jaxdecode.tree import chain_tree
 
 
@@ -187,7 +188,7 @@ def follow_constraint(constraint, cstate, tokens, valid):
         n_allowed = jnp.sum(allowed, axis=1)
         copy_ok = copying & ok & jnp.take_along_axis(allowed, jnp.clip(tok, 0, allowed.shape[1] - 1)[:, None],
                                                      axis=1)[:, 0]
-        only = jnp.argmax(allowed, axis=1).astype(jnp.int32)
+        only = first_argmax(allowed)  # the allowed token where exactly one is
         out = jnp.where(copy_ok, tok, only)
         keep = alive & (copy_ok | (n_allowed == 1))
         s = constraint.advance(s, jnp.where(keep, out, 0))

@@ -126,7 +126,7 @@ class NgramTable:
         found = jnp.any(hit, axis=-1) & known
         tok = jnp.sum(jnp.where(hit, self.tokens[bucket], 0), axis=-1)  # at most one hit per bucket
         order = jnp.max(jnp.where(found, k, 0), axis=0)  # [B]
-        best = jnp.argmax(jnp.where(found, k, 0), axis=0)
+        best = jnp.maximum(order - 1, 0)  # the index of the longest found order (k = index + 1)
         return jnp.take_along_axis(tok, best[None, :], axis=0)[0].astype(jnp.int32), order
 
 
@@ -273,8 +273,11 @@ class RetrievalDrafter:
         def step(carry, _):
             work, length, match, alive = carry
             earlier = (col <= (length - 2)[:, None]) & (match > 0)
-            end = jnp.argmax(jnp.where(earlier, match * h + col, -1), axis=1).astype(jnp.int32)
-            n_hist = jnp.where(jnp.any(earlier, axis=1), jnp.take_along_axis(match, end[:, None], axis=1)[:, 0], 0)
+            # the longest match, the latest among equals: one max over (match, position) packed as
+            # match * h + col (XLA:CPU's argmax is several times slower than a max), unpacked after
+            top = jnp.max(jnp.where(earlier, match * h + col, -1), axis=1)
+            end = jnp.where(top >= 0, top % h, 0).astype(jnp.int32)
+            n_hist = jnp.where(top >= 0, top // h, 0).astype(jnp.int32)
             tok = jnp.take_along_axis(work, jnp.clip(end + 1, 0, h - 1)[:, None], axis=1)[:, 0]
             if self.table is not None:
                 idx = length[:, None] - order_k + jnp.arange(order_k, dtype=jnp.int32)[None, :]
