@@ -315,7 +315,8 @@ def test_truncation_equals_the_full_sort(truncations, top_k, top_p, cap):
 def test_first_argmax_is_argmax():
     """The two-reduction argmax returns what jnp.argmax does: the first maximum (ties are common in
     low-precision logits), the first NaN when there is one, index 0 of an all -inf row, on 1-3-D input,
-    float32 and bfloat16 (and int32 and bool), inside jit; a deliberately last-tie rule (argmax of the reversed row) differs."""
+    float32 and bfloat16 (and int32 and bool), inside jit; a deliberately last-tie rule (argmax of the
+    reversed row) differs."""
     rng = np.random.default_rng(0)
     cases = [rng.standard_normal((3, 4097)).astype(np.float32),
              rng.integers(-3, 3, (2, 9, 64)).astype(np.float32),  # many ties
