@@ -47,7 +47,7 @@ import numpy as np
 
 from jaxdecode.kernels.common import next_pow2, round_up
 
-SCHEMA = 15  # version of the cache file layout and of the key; bump when either changes meaning
+SCHEMA = 16  # version of the cache file layout and of the key; bump when either changes meaning
 # (4: DraftLM and self-speculation lost their idle step: older tables hold an idle cost no longer paid;
 # 5: plain steps of history_only drafters run as lean runs, priced per token;
 # 6: level_capped drafters draft only the levels a step verifies: draft_by_width, and forced steps
@@ -67,7 +67,9 @@ SCHEMA = 15  # version of the cache file layout and of the key; bump when either
 # a draft LM's or EAGLE-3's catch-up is sized to what was accepted: older tables overprice drafting;
 # 15: a drafter that reads only the history is timed on a history that moves with the trip (it was
 # hoisted out of the timed loop: the retrieval drafter's draft priced at 0.9 us, not ~50 us), greedy
-# verification's argmax runs as two plain reductions, 6-10x faster on the CPU (sampling.first_argmax))
+# verification's argmax runs as two plain reductions, 6-10x faster on the CPU (sampling.first_argmax);
+# 16: the engine views a half-precision embedding as uint16 once per call (models.with_embed_words)
+# and the output projection no longer copies its weight: older tables price copies XLA ran every step)
 DEFAULT_CONTEXT_LEN = 256
 # Trips of a timed engine step, at least: the first steps from the prefilled state cost more than
 # later ones (EAGLE-3's plain step at batch 4: 6.0 ms per trip over 3 trips, 4.2 over 32, 3.6 in a
@@ -500,7 +502,7 @@ def measure(model, drafter, batch_size: int, *, widths=None, context_len: int | 
     (a Verifier or a name; default: what generate uses, `verifiers.default_verifier`). attn_impl /
     mesh: as speculative_decode. progress: True = one line per measured item on stderr, False =
     silent, a callable gets the lines. whole_step=False skips the whole-step timing (step_seconds ())."""
-    from jaxdecode.models import init_cache, split_layers
+    from jaxdecode.models import init_cache, split_layers, with_embed_words
     from jaxdecode.sampling import SamplerConfig
     from jaxdecode.speculative import _verify_forward, check_feature_layers, feature_request, select_features
 
@@ -528,7 +530,8 @@ def measure(model, drafter, batch_size: int, *, widths=None, context_len: int | 
         from jaxdecode.sharding import shard_batch, shard_params
         params, prompt, lengths = shard_params(params, mesh), shard_batch(prompt, mesh), shard_batch(lengths, mesh)
     model_digest = model_fingerprint((config, params))["params"][:12]
-    params = split_layers(config, params)  # the layout the decoders run (on the CPU, one array per layer)
+    # the layout the decoders run (on the CPU, one array per layer), the embedding viewed as the engine does
+    params = with_embed_words(split_layers(config, params))
     # The engine's state before a step: the cache holds all but the last prompt token (the pending one).
     _, cache, hidden = jax.jit(_prefill, static_argnums=(0, 5))(
         config, params, prompt, lengths - 1, init_cache(config, b, cache_len), feature_request(feature_layers))
