@@ -25,17 +25,22 @@ def median_seconds(fn, repeats: int, warmup: int = 0) -> float:
     return statistics.median(times)
 
 
-def interleaved_medians(fns: dict, repeats: int) -> dict:
-    """{name: median wall seconds} of each `fns[name]()` (already warm), timed round robin: every round
-    runs each once, so drift in the machine's load (thermal, another process) hits them alike instead of
-    whichever was timed last."""
+def interleaved_times(fns: dict, repeats: int) -> dict:
+    """{name: [wall seconds of each round]} of each `fns[name]()` (already warm), timed round robin: every
+    round runs each once, so drift in the machine's load (thermal, another process) hits them alike
+    instead of whichever was timed last, and two rows' times in one round make a ratio."""
     times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def interleaved_medians(fns: dict, repeats: int) -> dict:
+    """{name: median wall seconds} of each `fns[name]()` over `repeats` rounds (`interleaved_times`)."""
+    return {name: statistics.median(t) for name, t in interleaved_times(fns, repeats).items()}
 
 
 def queued_us(fn, repeats: int) -> float:

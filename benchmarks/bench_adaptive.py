@@ -23,7 +23,8 @@ outside the corpus). Per (temperature, batch size, source) the rows are:
 Each configuration is called once untimed first (compile, and a cost-table calibration if one runs),
 then every batch is timed round robin over the configurations, --repeats rounds, the median of each
 (so load drifting during the run hits every row alike). Rows generate exactly --max-new-tokens tokens (no EOS,
-unless --eos) so every method does the same work. Columns: tokens/s, ratio to plain, tau (new tokens
+unless --eos) so every method does the same work. Columns: tokens/s, ratio to plain (with its spread:
+the lowest and highest ratio of one round, every batch's timing of that round summed), tau (new tokens
 per verification call), and at T=0 whether the output equals plain greedy token for token. Exit status
 1 when a greedy row differs.
 """
@@ -38,7 +39,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from _common import (add_param_dtype_arg, finish_args, heldout_prompts, interleaved_medians, outside_prompts,
+from _common import (add_param_dtype_arg, finish_args, heldout_prompts, interleaved_times, outside_prompts,
                      write_result)
 
 import jaxdecode
@@ -93,10 +94,11 @@ def run_configs(model, batches: list, kws: dict, repeats: int, skipped: list) ->
 
         def call(name, b=batch):
             last[name] = jaxdecode.generate(model, b, **kws[name])
-        secs = interleaved_medians({name: (lambda n=name: call(n)) for name in warm}, max(repeats, 1))
+        rounds = interleaved_times({name: (lambda n=name: call(n)) for name in warm}, max(repeats, 1))
         for name, a in acc.items():
             res = last[name]
-            a["seconds"] += secs[name]
+            a["seconds"] += float(np.median(rounds[name]))
+            a["round_seconds"] = np.add(a.get("round_seconds", 0.0), rounds[name])  # every batch's r-th timing
             a["outs"] += [r.tokens for r in res]
             a["new"] += sum(r.stats["new_tokens"] for r in res)
             # verify_calls is per row (the steps the row took part in); plain decoding: one call per token
@@ -115,7 +117,8 @@ def run_configs(model, batches: list, kws: dict, repeats: int, skipped: list) ->
         for k, v in a["batch_stats"].items():  # histograms (e.g. verify widths chosen) summed over batches
             if k.endswith("_hist") and len({len(x) for x in v}) == 1:
                 extra[k] = np.sum(np.asarray(v, float), axis=0).astype(int).tolist()
-        out[name] = dict(outs=a["outs"], seconds=a["seconds"], warmup_seconds=a["warmup_seconds"],
+        out[name] = dict(outs=a["outs"], seconds=a["seconds"], round_seconds=a["round_seconds"].tolist(),
+                         warmup_seconds=a["warmup_seconds"],
                          new_tokens=a["new"], tau=a["new"] / max(a["verify"], 1),
                          calls_per_token=a["calls"] / max(a["new"], 1), extra=extra, batch_stats=a["batch_stats"])
     return out
@@ -233,13 +236,17 @@ def main(argv=None):
                                  equal=True if t == 0 else None, compile_seconds=plain["warmup_seconds"]))
                 for label, m in results.items():
                     same = m["outs"] == plain["outs"] if t == 0 else None  # sampled rows: other draws
+                    # the ratio within each round (every batch's r-th timing of both rows, summed): its
+                    # spread over rounds is this machine's noise on the ratio
+                    by_round = sorted(p / s for p, s in zip(plain["round_seconds"], m["round_seconds"]))
                     row = dict(head, method=label, tok_s=m["new_tokens"] / m["seconds"],
-                               ratio=plain["seconds"] / m["seconds"], tau=m["tau"],
+                               ratio=plain["seconds"] / m["seconds"], ratio_rounds=by_round, tau=m["tau"],
                                calls_per_token=m["calls_per_token"], equal=same,
                                compile_seconds=m["warmup_seconds"], stats=m["extra"],
                                batch_stats=m["batch_stats"])
                     rows.append(row)
-                    print(f"  {label:44s} tau {row['tau']:.2f}  {row['tok_s']:.1f} tok/s  {row['ratio']:.2f}x plain  "
+                    print(f"  {label:44s} tau {row['tau']:.2f}  {row['tok_s']:.1f} tok/s  {row['ratio']:.2f}x plain "
+                          f"(rounds {by_round[0]:.2f}-{by_round[-1]:.2f})  "
                           f"{('same tokens' if same else 'DIFFERS') if t == 0 else 'sampled'}"
                           f"{'  ' + str(m['extra']) if m['extra'] else ''}"
                           f"{''.join(f'  {k} {v[0]}' for k, v in m['batch_stats'].items() if k.endswith('_widths'))}",
@@ -253,12 +260,13 @@ def main(argv=None):
 
 
 def print_table(rows: list, skipped: list) -> None:
-    print("\n| T | batch | prompts | method | tok/s | vs plain | tau | greedy == plain |")
+    print("\n| T | batch | prompts | method | tok/s | vs plain (rounds: min-max) | tau | greedy == plain |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         eq = ("yes" if r["equal"] else "NO") if r["temperature"] == 0 else "n/a"
+        spread = f" ({r['ratio_rounds'][0]:.2f}-{r['ratio_rounds'][-1]:.2f})" if r.get("ratio_rounds") else ""
         print(f"| {r['temperature']} | {r['batch']} | {r['source']} | {r['method']} | {r['tok_s']:.1f} | "
-              f"{r['ratio']:.2f}x | {r['tau']:.2f} | {eq} |")
+              f"{r['ratio']:.2f}x{spread} | {r['tau']:.2f} | {eq} |")
     best = {}
     for r in rows:  # the best trained drafter of each (T, batch, prompts)
         if "drafter=" in r["method"]:

@@ -536,12 +536,14 @@ def time_runs(model, drafters, prompt_tokens, prompt_lengths, *, batch_size: int
 def size_walk(ranked, measure: Callable[[list], list], budget: int, margin: float | None = None) -> tuple:
     """The tree the measurements prefer, walking over sizes from the model's best (ranked[0]): down by
     halves (the model's best tree of (n/4, n/2] nodes, then of half that, ... to one node) while each
-    step measures faster than the best so far by more than `margin` (default _WALK_MARGIN; a tie within
-    the noise of a round robin keeps the tree the walk stands on: the measurement must overturn the model, and a
-    retrieval drafter's deeper chains pay on the repetitive prompts a short run may not hold); if the
-    first step down does not, up by doublings (its best of (n, 2n] nodes) the same way. A tie is a flat
+    step measures faster than the best so far by more than `margin` (default _WALK_MARGIN: the walk
+    moves only where the measurement overturns the model); if the first step down does not, up by
+    doublings (its best of (n, 2n] nodes) the same way. A tie (within the margin either way) is a flat
     stretch, not a slope up: the walk looks one step past it (the next size from the tied tree, run
-    against the best) before it stops; a loss beyond the margin stops it at once.
+    against the best) before it stops; a loss beyond the margin stops it at once. A tie left standing
+    is settled by its measurement: of the trees that tied with the final best, the one that ran fastest
+    against it, if faster than it at all (both are within the noise; the measured one is the better
+    guess).
     measure([best, candidate]) -> their tokens per second, measured side by side. At most `budget`
     trees are measured (1: the model's choice, unmeasured). Why a walk:
     the model's ranking is right about shape but its error grows with size (deep acceptance measured
@@ -549,7 +551,9 @@ def size_walk(ranked, measure: Callable[[list], list], budget: int, margin: floa
     on a random context), and the error is one-sided along a size axis, which a line search follows.
     Why a look past a tie: calibration prompts that suit the drafter better than the served ones flatten
     the curve near the model's size (Hydra greedy: 8 nodes 0.83x of plain and 4 nodes 0.85x on them; 2
-    and 1 nodes faster on the served prompts)."""
+    and 1 nodes faster on the served prompts). Why settle a tie by it: retrieval greedy on a Zen 5 CPU
+    (weight-only bf16) tied chain:12 with chain:6 on the calibration prompts (1.98x / 2.04x of plain)
+    while chains of 4-6 ran ~10% faster than chain:12 on the served ones in two timed rounds."""
     margin = _WALK_MARGIN if margin is None else margin
     best = ranked[0]
     if budget <= 1:
@@ -559,6 +563,7 @@ def size_walk(ranked, measure: Callable[[list], list], budget: int, margin: floa
     def pick(lo, hi):  # the model's best tree of lo < nodes <= hi
         return next((q for q in ranked if lo < len(q) <= hi), None)
 
+    ties = []  # (rate / best's rate in the same round, tree) of the trees that tied with the current best
     for direction in ("down", "up"):
         moved, stand, past_tie = False, best, False  # stand: the size the next step starts from
         while measured < budget:
@@ -570,14 +575,18 @@ def size_walk(ranked, measure: Callable[[list], list], budget: int, margin: floa
             rate_best, rate_cand = measure([best, cand])
             if rate_cand > rate_best * (1.0 + margin):
                 best = stand = cand
-                moved, past_tie = True, False
-            elif rate_cand >= rate_best * (1.0 - margin) and not past_tie:
-                stand, past_tie = cand, True  # a tie: one step further from it, still measured against best
-            else:
-                break
+                moved, past_tie, ties = True, False, []
+                continue
+            if rate_cand >= rate_best * (1.0 - margin):
+                ties.append((rate_cand / rate_best, cand))
+                if not past_tie:
+                    stand, past_tie = cand, True  # one step further from it, still measured against best
+                    continue
+            break
         if moved:
             break
-    return best
+    ratio, fastest = max(ties, key=lambda t: t[0], default=(0.0, best))
+    return fastest if ratio > 1.0 else best
 
 
 # ----------------------------------------------------------------------------- tree="auto"
@@ -590,7 +599,7 @@ def size_walk(ranked, measure: Callable[[list], list], budget: int, margin: floa
 AUTO_DEFAULTS = {"width": 8, "depth": None, "max_nodes": None, "tokens": 128, "finalists": 4}
 _DEFAULT_DEPTH = {"comb": 6, "chain": 12}
 PROFILE_SCHEMA = 1
-TRIAL_SCHEMA = 2  # 2: the walk looks one step past a tie
+TRIAL_SCHEMA = 3  # 2: the walk looks one step past a tie; 3: a tie is settled by its measurement
 _PROFILE_ROWS = 16  # prompts the profiling run decodes at most (the first ones)
 # Prompts the walk's runs decode (the first ones; at least one batch): the profile's own. With the first 8
 # of 16, retrieval's greedy curve over chains of 3-12 ran 1.37-1.68x there and 1.48-1.89x on all 16, and
@@ -598,8 +607,8 @@ _PROFILE_ROWS = 16  # prompts the profiling run decodes at most (the first ones)
 _TRIAL_ROWS = _PROFILE_ROWS
 # How much faster a run must be to move the walk: above the spread of one round robin on the 2-core CPU
 # (a tree re-run in the next step of one walk moved by 3.5-4% in step time, by up to 13% against the
-# plain run beside it), and the goal's own tolerance: a tie within it keeps the tree the walk stands on
-# (and looks one size further, `size_walk`).
+# plain run beside it), and the goal's own tolerance: a tie within it does not move the walk (it looks one
+# size further, and a tie left standing is settled by its measurement: `size_walk`).
 _WALK_MARGIN = 0.05
 
 

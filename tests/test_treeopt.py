@@ -179,11 +179,19 @@ def _walk(sizes, rates, budget=4, margin=None):
     return len(size_walk(_trees(*sizes), measure, budget, margin)), calls
 
 
-def test_size_walk_keeps_its_tree_on_a_tie():
+def test_size_walk_settles_a_tie_by_its_measurement():
     rates = {4: 100.0, 2: 104.0, 1: 103.0, 8: 90.0}  # 2 and 1 nodes: faster, but within the 5% margin
-    # a tie looks one step further (1 node, against 4), then up
-    assert _walk((4, 2, 1, 8), rates) == (4, [(4, 2), (4, 1), (4, 8)])
+    # a tie does not move the walk: it looks one step further (1 node, against 4), then up; the tie
+    # left standing goes to the tree that ran fastest against the best (2 nodes)
+    assert _walk((4, 2, 1, 8), rates) == (2, [(4, 2), (4, 1), (4, 8)])
     assert _walk((4, 2, 1, 8), rates, margin=0.01)[0] == 2
+    # ties that ran slower than the best keep the best
+    assert _walk((4, 2, 1, 8), {4: 100.0, 2: 97.0, 1: 96.0, 8: 90.0}) == (4, [(4, 2), (4, 1), (4, 8)])
+    # a tie with an earlier best does not count once the walk has moved: 8 -> 4 a tie (+2%), 2 beats 8;
+    # 1 ties with 2 but ran slower, so 2 stays although 4 ran faster than 8
+    assert _walk((8, 4, 2, 1), {8: 100.0, 4: 102.0, 2: 110.0, 1: 108.0}) == (2, [(8, 4), (8, 2), (2, 1)])
+    # the Zen 5 case (retrieval greedy, bf16): chain:12 vs chain:6 a tie, chain:3 a tie but slower -> 6
+    assert _walk((12, 6, 3), {12: 1.98, 6: 2.04, 3: 1.95}) == (6, [(12, 6), (12, 3)])
 
 
 def test_size_walk_looks_past_a_tie():
@@ -191,12 +199,12 @@ def test_size_walk_looks_past_a_tie():
     # Hydra's shape: 8 -> 4 a tie, 2 faster than 8 by more than the margin, 1 slower than 2
     hydra = {8: 83.0, 4: 85.0, 2: 95.0, 1: 80.0, 16: 60.0}
     assert _walk(sizes, hydra) == (2, [(8, 4), (8, 2), (2, 1)])
-    # one look past a tie, not two: 8 -> 4 a tie -> 2 a tie: stop, then up
-    assert _walk(sizes, {8: 83.0, 4: 85.0, 2: 84.0, 1: 120.0, 16: 60.0}) == (8, [(8, 4), (8, 2), (8, 16)])
+    # one look past a tie, not two: 8 -> 4 a tie -> 2 a tie: stop, then up; the fastest tie (4) is kept
+    assert _walk(sizes, {8: 83.0, 4: 85.0, 2: 84.0, 1: 120.0, 16: 60.0}) == (4, [(8, 4), (8, 2), (8, 16)])
     # a tie that ends at a loss beyond the margin stops the direction
     assert _walk(sizes, {8: 83.0, 4: 82.0, 2: 70.0, 1: 120.0, 16: 90.0}) == (16, [(8, 4), (8, 2), (8, 16)])
-    # the look-ahead counts against the budget
-    assert _walk(sizes, hydra, budget=2) == (8, [(8, 4)])
+    # the look-ahead counts against the budget (the tie it left is settled: 4 ran faster than 8)
+    assert _walk(sizes, hydra, budget=2) == (4, [(8, 4)])
 
 
 def test_profile_json_and_estimates():
