@@ -29,6 +29,7 @@ import numpy as np
 from jaxdecode import streaming
 from jaxdecode.kernels.common import concrete
 from jaxdecode.models import advance, forward, init_cache, padded_causal_mask, split_layers
+from jaxdecode.models.transformer import output_logits
 from jaxdecode.sampling import (SamplerConfig, greedy, mirostat_init, mirostat_step, mirostat_truncate,
                                 process_logits, sample, token_presence, validate_mirostat)
 from jaxdecode.scoring import LogprobRecord, check_logprob_flags, token_logprobs
@@ -196,9 +197,12 @@ def prefill(config, params, prompt_tokens, prompt_lengths, cache, return_layers:
     tokens = jnp.where(valid, prompt_tokens, 0)
     # Clamped positions keep padding inside the position table (GPT-2 learned positions).
     positions = cache.lengths[:, None] + jnp.clip(offsets, 0, jnp.maximum(prompt_lengths[:, None] - 1, 0))
-    logits, hidden, cache = forward(config, params, tokens, positions, cache, padded_causal_mask(valid),
-                                    return_layers=tuple(return_layers))
-    last = jnp.take_along_axis(logits, (jnp.maximum(prompt_lengths, 1) - 1)[:, None, None], axis=1)[:, 0]
+    _, hidden, cache = forward(config, params, tokens, positions, cache, padded_causal_mask(valid),
+                               return_layers=tuple(return_layers))
+    # The LM head at each row's last prompt token only (XLA drops the forward's unused [B, P, V] logits):
+    # all of them were P times its work and, with a large vocabulary, the prefill's largest array.
+    h_last = jnp.take_along_axis(hidden["final"], (jnp.maximum(prompt_lengths, 1) - 1)[:, None, None], axis=1)
+    last = output_logits(config, params, h_last)[:, 0]  # [B, V]
     if with_hidden:
         return last, advance(cache, prompt_lengths), hidden
     return last, advance(cache, prompt_lengths)

@@ -135,6 +135,10 @@ def test_prefill_commits_each_row_and_returns_its_last_logits(llama, prompts):
     ref, _, _ = forward(config, params, t, jnp.broadcast_to(jnp.arange(t.shape[1]), t.shape), None,
                         padded_causal_mask(jnp.arange(t.shape[1])[None, :] < l[:, None]))
     np.testing.assert_allclose(last, ref[jnp.arange(3), l - 1], atol=1e-5)
+    # The LM head runs at each row's last token only: no [B, P, V] logits in the compiled prefill.
+    hlo = jax.jit(prefill, static_argnums=0).lower(config, params, t, l, init_cache(config, 3, 16)).compile().as_text()
+    assert f"f32[3,{t.shape[1]},{config.vocab_size}]" not in hlo
+    assert f"f32[3,{config.vocab_size}]" in hlo or f"f32[3,1,{config.vocab_size}]" in hlo
 
 
 # ----------------------------------------------------------------------------- sampling plumbing
