@@ -24,7 +24,8 @@ Each configuration is called once untimed first (compile, and a cost-table calib
 then every batch is timed round robin over the configurations, --repeats rounds, the median of each
 (so load drifting during the run hits every row alike). Rows generate exactly --max-new-tokens tokens (no EOS,
 unless --eos) so every method does the same work. Columns: tokens/s, ratio to plain (with its spread:
-the lowest and highest ratio of one round, every batch's timing of that round summed), tau (new tokens
+the lowest and highest ratio of one round, every batch's timing of that round summed; a round keeps
+the outliers that the per-batch medians drop, so the ratio may lie just outside it), tau (new tokens
 per verification call), and at T=0 whether the output equals plain greedy token for token. Exit status
 1 when a greedy row differs.
 """
