@@ -88,18 +88,19 @@ def run_configs(model, batches: list, kws: dict, repeats: int, skipped: list) ->
             print(f"  skip {name}: {e}", flush=True)
             continue
         warm[name] = time.perf_counter() - t0
-    acc = {name: dict(outs=[], seconds=0.0, warmup_seconds=w, new=0, verify=0, calls=0, extra={},
-                      batch_stats={}) for name, w in warm.items()}
+    rounds_n = max(repeats, 1)
+    acc = {name: dict(outs=[], seconds=0.0, round_seconds=np.zeros(rounds_n), warmup_seconds=w, new=0, verify=0,
+                      calls=0, extra={}, batch_stats={}) for name, w in warm.items()}
     for batch in batches:
         last = {}
 
         def call(name, b=batch):
             last[name] = jaxdecode.generate(model, b, **kws[name])
-        rounds = interleaved_times({name: (lambda n=name: call(n)) for name in warm}, max(repeats, 1))
+        rounds = interleaved_times({name: (lambda n=name: call(n)) for name in warm}, rounds_n)
         for name, a in acc.items():
             res = last[name]
             a["seconds"] += float(np.median(rounds[name]))
-            a["round_seconds"] = np.add(a.get("round_seconds", 0.0), rounds[name])  # every batch's r-th timing
+            a["round_seconds"] += rounds[name]  # every batch's r-th timing, summed
             a["outs"] += [r.tokens for r in res]
             a["new"] += sum(r.stats["new_tokens"] for r in res)
             # verify_calls is per row (the steps the row took part in); plain decoding: one call per token
