@@ -72,8 +72,11 @@ Two lowerings of the same kernel math (`_prefix_step`, `_tree_step`, `_online_up
   * "gpu" (Triton): grid (B, KV, M/block_m), an in-kernel `fori_loop` over the row's prefix blocks
     (dynamic bounds read from the lengths/bounds inputs), K/V read block by block at the layer from
     the [L, S, hd] ref of the program's (row, head). Every loaded tensor is a power of two (Triton's
-    requirement; dots need >= 16): M, W and hd are padded to powers of two >= 16 (hd by masked loads
-    of the cache, as the official Pallas GPU attention does), block_k in {64, 32, 16}, block_m <= 32 by default.
+    requirement; dots need >= 16): hd is padded to a power of two >= 16 (by masked loads of the cache,
+    as the official Pallas GPU attention does), M and W to whole blocks of block_m and block_w rows (powers
+    of two >= 16); block_k in {64, 32, 16}, block_m <= 32 by default.
+    The tree window is a second `fori_loop` over blocks of block_w keys (GPU_WINDOW_BYTES of K and V:
+    128 keys at hd 64), so a tree of hundreds of nodes fits in shared memory.
 A cache whose S has no legal block size (TPU: S > 1024 and not a multiple of 128; GPU: S not a
 multiple of 16) is padded along S for the call, which copies its layer: allocate caches accordingly.
 A [B, KV, S, hd] cache is layer 0 of a one-layer stack for both (a free reshape).
@@ -98,6 +101,10 @@ _ABSENT = float("-inf")  # not a key at all (padding): weight exactly 0
 _IMPLS = ("auto", "pallas", "interpret", "blockwise", "reference")
 _VARIANTS = ("tpu", "gpu")
 GPU_BLOCK_M = 32  # default query rows per program of the GPU (Triton) lowering
+# The GPU lowering reads the tree window's keys and values in blocks of at most this many bytes (the
+# two together, float32): Triton stages dot operands in shared memory, and a 256-node window read whole
+# (512 x 64 x 4 bytes each) asked an H200 for 264 KiB where 227 KiB exist.
+GPU_WINDOW_BYTES = 64 * 1024
 _LANES = 128  # TPU lane width: m/l scratch is stored lane-replicated, as Mosaic kernels do
 
 
@@ -388,7 +395,7 @@ def _gpu_kernel(len_ref, blo_ref, bhi_ref,  # int32 scalars of this row
                 tv_ref,  # int32 [block_m, W_pad]
                 lo_ref,  # int32 [block_m, 1]
                 o_ref,  # [block_m, D_pad]
-                *, block_k, head_dim, s_true, scale, precision):
+                *, block_k, block_w, head_dim, s_true, scale, precision):
     from jax.experimental.pallas import triton as plgpu
 
     rows, d_pad = q_ref.shape
@@ -407,13 +414,18 @@ def _gpu_kernel(len_ref, blo_ref, bhi_ref,  # int32 scalars of this row
         return _prefix_step(state, q, load_block(k_ref, start), load_block(v_ref, start), start, length, lo_slot,
                             s_true=s_true, s_padded=k_ref.shape[0] != s_true, scale=scale, precision=precision)
 
+    def window_body(wi, state):  # the tree window in blocks of block_w keys (GPU_WINDOW_BYTES)
+        cols = pl.ds(pl.multiple_of(wi * block_w, block_w), block_w)
+        return _tree_step(state, q, kt_ref[cols, :], vt_ref[cols, :], tv_ref[:, cols], scale=scale,
+                          precision=precision)
+
     state = lax.fori_loop(blo_ref[()], bhi_ref[()], body, _init_state(rows, d_pad))
-    state = _tree_step(state, q, kt_ref[...], vt_ref[...], tv_ref[...], scale=scale, precision=precision)
+    state = lax.fori_loop(0, kt_ref.shape[0] // block_w, window_body, state)
     o_ref[...] = _finish(state).astype(o_ref.dtype)
 
 
-def _call_gpu(qr, k_cache, v_cache, kt, vt, tv, lo, lengths, blk_lo, blk_hi, layer, *, block_k, block_m, s_true,
-              head_dim, scale, interpret):
+def _call_gpu(qr, k_cache, v_cache, kt, vt, tv, lo, lengths, blk_lo, blk_hi, layer, *, block_k, block_m, block_w,
+              s_true, head_dim, scale, interpret):
     from jax.experimental.pallas import triton as plgpu
 
     b, kv, m_pad, d_pad = qr.shape
@@ -438,8 +450,8 @@ def _call_gpu(qr, k_cache, v_cache, kt, vt, tv, lo, lengths, blk_lo, blk_hi, lay
     def first(bi, hi, qi):
         return (0,)
 
-    kernel = functools.partial(_gpu_kernel, block_k=block_k, head_dim=head_dim, s_true=s_true, scale=scale,
-                               precision=_precision(qr.dtype))
+    kernel = functools.partial(_gpu_kernel, block_k=block_k, block_w=block_w, head_dim=head_dim, s_true=s_true,
+                               scale=scale, precision=_precision(qr.dtype))
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((b, kv, m_pad, d_pad), qr.dtype),
@@ -467,16 +479,19 @@ def _call_gpu(qr, k_cache, v_cache, kt, vt, tv, lo, lengths, blk_lo, blk_hi, lay
 
 # ----------------------------------------------------------------------------- block plan
 def block_plan(variant: str, s: int, m: int, w: int, hd: int, block_k: int | None = None,
-               block_m: int | None = None) -> dict:
-    """Static block sizes of a call: block_k (prefix slots per step), block_m (query rows per program)
-    and the padded S, M (= N*G query rows), W (tree window keys) and D (head dim).
+               block_m: int | None = None, block_w: int | None = None) -> dict:
+    """Static block sizes of a call: block_k (prefix slots per step), block_m (query rows per program),
+    block_w (tree window keys per step) and the padded S, M (= N*G query rows), W (tree window keys) and
+    D (head dim).
 
-    TPU: the (8, 128) rule (blocks' last two dims multiples of (8, 128) or full array dims).
-    GPU: every loaded tensor a power of two, dot operands >= 16.
+    TPU: the (8, 128) rule (blocks' last two dims multiples of (8, 128) or full array dims); the window
+    is one block (it sits in VMEM whole).
+    GPU: every loaded tensor a power of two, dot operands >= 16; window blocks of at most
+    GPU_WINDOW_BYTES of keys and values, so a large tree fits in shared memory.
     """
     if variant not in _VARIANTS:
         raise ValueError(f"variant must be one of {_VARIANTS}, got {variant!r}")
-    for name, val in (("block_k", block_k), ("block_m", block_m)):
+    for name, val in (("block_k", block_k), ("block_m", block_m), ("block_w", block_w)):
         if val is not None and (not isinstance(val, (int, np.integer)) or val <= 0):
             raise ValueError(f"{name} must be a positive int or None, got {val!r}")
     if variant == "tpu":
@@ -490,8 +505,12 @@ def block_plan(variant: str, s: int, m: int, w: int, hd: int, block_k: int | Non
             block_m = round_up(m, 16) if m <= 256 else 128  # 16: a bf16 sublane tile
         elif block_m % 8:
             raise ValueError(f"TPU block_m must be a multiple of 8, got {block_m}")
-        return dict(block_k=block_k, block_m=block_m, s_pad=round_up(s, block_k), m_pad=round_up(m, block_m),
-                    w_pad=round_up(w, _LANES), d_pad=hd)
+        w_pad = round_up(w, _LANES)
+        if block_w is not None and block_w != w_pad:
+            raise ValueError(f"the TPU lowering reads the tree window whole (W padded = {w_pad}); block_w "
+                             f"applies to the GPU lowering only, got {block_w}")
+        return dict(block_k=block_k, block_m=block_m, block_w=w_pad, s_pad=round_up(s, block_k),
+                    m_pad=round_up(m, block_m), w_pad=w_pad, d_pad=hd)
     if block_k is None:
         block_k = next((c for c in (64, 32, 16) if s % c == 0), 16)
     elif block_k < 16 or block_k & (block_k - 1):
@@ -503,8 +522,14 @@ def block_plan(variant: str, s: int, m: int, w: int, hd: int, block_k: int | Non
         block_m = min(m_pow2, GPU_BLOCK_M)
     elif block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"GPU block_m must be a power of two >= 16, got {block_m}")
-    return dict(block_k=block_k, block_m=block_m, s_pad=round_up(s, block_k), m_pad=max(m_pow2, block_m),
-                w_pad=next_pow2(max(w, 16)), d_pad=next_pow2(max(hd, 16)))
+    d_pad = next_pow2(max(hd, 16))
+    if block_w is None:  # powers of two: d_pad is one
+        block_w = min(next_pow2(max(w, 16)), max(16, GPU_WINDOW_BYTES // (2 * d_pad * 4)))
+    elif block_w < 16 or block_w & (block_w - 1):
+        raise ValueError(f"GPU block_w must be a power of two >= 16, got {block_w}")
+    w_pad = round_up(max(w, 1), block_w)  # whole blocks: 257 keys are 3 blocks of 128, not 512 keys
+    return dict(block_k=block_k, block_m=block_m, block_w=block_w, s_pad=round_up(s, block_k),
+                m_pad=round_up(m, block_m), w_pad=w_pad, d_pad=d_pad)  # whole query blocks, as the window
 
 
 # ----------------------------------------------------------------------------- shared by kernel and blockwise
@@ -575,16 +600,16 @@ def _as_stacked(k_cache, v_cache, layer):
 
 
 # ----------------------------------------------------------------------------- kernel wrapper
-@functools.partial(jax.jit, static_argnames=("scale", "variant", "block_k", "block_m", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "variant", "block_k", "block_m", "block_w", "interpret"))
 def _pallas_forward(q, k_cache, v_cache, lengths, tree_mask, q_positions, key_positions, window, layer, *,
-                    scale, variant, block_k, block_m, interpret):
+                    scale, variant, block_k, block_m, block_w, interpret):
     """k/v_cache: [L, B, KV, S, hd]; layer: int32[1]."""
     b, n, h, hd = q.shape
     kv, s = k_cache.shape[2], k_cache.shape[3]
     w_cols = tree_mask.shape[2]
     g = h // kv
     m = n * g
-    plan = block_plan(variant, s, m, w_cols, hd, block_k, block_m)
+    plan = block_plan(variant, s, m, w_cols, hd, block_k, block_m, block_w)
     bk, bm, s_pad, m_pad, w_pad, d_pad = (plan[k] for k in ("block_k", "block_m", "s_pad", "m_pad", "w_pad",
                                                              "d_pad"))
     lengths = lengths.astype(jnp.int32)
@@ -611,7 +636,8 @@ def _pallas_forward(q, k_cache, v_cache, lengths, tree_mask, q_positions, key_po
     if variant == "tpu":
         out = _call_tpu(*args, block_k=bk, block_m=bm, s_true=s, scale=scale, interpret=interpret)
     else:  # the cache keeps its hd columns; the kernel's block is D_pad wide and loads are masked
-        out = _call_gpu(*args, block_k=bk, block_m=bm, s_true=s, head_dim=hd, scale=scale, interpret=interpret)
+        out = _call_gpu(*args, block_k=bk, block_m=bm, block_w=plan["block_w"], s_true=s, head_dim=hd, scale=scale,
+                        interpret=interpret)
     return _from_query_rows(out, n, h, hd)
 
 
@@ -621,10 +647,11 @@ def _default_variant() -> str:
 
 def tree_attention_pallas(q, k_cache, v_cache, lengths, tree_mask, *, q_positions=None, window=0,
                           sm_scale=None, key_positions=None, layer=None, interpret=False, variant=None,
-                          block_k=None, block_m=None):
+                          block_k=None, block_m=None, block_w=None):
     """The Pallas kernel. `variant` "tpu" | "gpu" (default: by backend; "tpu" on CPU) picks the
-    lowering; `interpret=True` runs it in Pallas interpret mode (any backend); `block_k` / `block_m`
-    override the prefix block size / query rows per program (checked against the variant's rules)."""
+    lowering; `interpret=True` runs it in Pallas interpret mode (any backend); `block_k` / `block_m` /
+    `block_w` override the prefix block size / query rows per program / tree window keys per step
+    (checked against the variant's rules)."""
     hd = _check_inputs(q, k_cache, v_cache, lengths, tree_mask, q_positions, window, sm_scale, key_positions,
                        layer)[-1]
     variant = variant or _default_variant()
@@ -633,7 +660,7 @@ def tree_attention_pallas(q, k_cache, v_cache, lengths, tree_mask, *, q_position
     k_cache, v_cache, layer = _as_stacked(k_cache, v_cache, layer)
     return _pallas_forward(q, k_cache, v_cache, lengths, tree_mask, q_positions, key_positions,
                            jnp.asarray(window, jnp.int32), layer, scale=_scale(sm_scale, hd), variant=variant,
-                           block_k=block_k, block_m=block_m, interpret=bool(interpret))
+                           block_k=block_k, block_m=block_m, block_w=block_w, interpret=bool(interpret))
 
 
 # ----------------------------------------------------------------------------- blockwise (jnp)

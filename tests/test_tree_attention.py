@@ -17,6 +17,8 @@ TREES = {  # parents (-1 = child of the last committed token), valid nodes
     "branching": ([-1, -1, 0, 0, 1, 2, 2], None),
     "padded": ([-1, -1, 0, 0, 1, 2, 2], [1, 1, 1, 1, 1, 0, 0]),  # two invalid padding nodes
     "padded8": ([-1, -1, 0, 0, 1, 2, 2, 3], [1, 1, 1, 1, 1, 1, 1, 0]),
+    "chain40": (list(range(-1, 39)), None),  # wider than one 16-key window block
+    "padded24": ([i // 2 - 1 for i in range(24)], [1] * 20 + [0] * 4),
 }
 
 
@@ -73,12 +75,18 @@ KERNEL_CASES = {
     "query-blocks-padded-window": (dict(seed=6, h=4, kv=1, hd=32, tree="padded8", lengths=(12, 0)), 6,
                                    dict(block_k=16, block_m=16)),
 }
+# the GPU lowering's tree window in several blocks (a 256-node tree on an H200 needs 4 of 128 keys)
+GPU_KERNEL_CASES = {
+    "window-blocks-f32": (dict(seed=7, s=128, tree="chain40", lengths=(9, 60)), 0, dict(block_k=16, block_w=16)),
+    "window-blocks-bf16-window": (dict(seed=8, h=4, kv=1, tree="padded24", lengths=(0, 17), dtype=jnp.bfloat16), 5,
+                                  dict(block_w=16)),
+}
 
 
-@pytest.mark.parametrize("variant", ["tpu", "gpu"])
-@pytest.mark.parametrize("case", list(KERNEL_CASES))
+@pytest.mark.parametrize("variant,case", [(v, c) for v in ("tpu", "gpu") for c in KERNEL_CASES]
+                         + [("gpu", c) for c in GPU_KERNEL_CASES])
 def test_kernel_interpret_matches_reference(case, variant):
-    inp_kw, window, kw = KERNEL_CASES[case]
+    inp_kw, window, kw = {**KERNEL_CASES, **GPU_KERNEL_CASES}[case]
     inp = make_inputs(**inp_kw)
     dtype = inp["q"].dtype
     want = call(tree_attention_reference, inp, window, sm_scale=kw.get("sm_scale"))
@@ -258,7 +266,9 @@ def test_bad_kernel_options_and_mesh(mesh):
     for kw, match in ((dict(variant="cpu"), "variant must be one of"),
                       (dict(variant="gpu", block_k=24), "power of two"),
                       (dict(variant="tpu", block_k=12), "multiple of 8"),
-                      (dict(variant="gpu", block_m=8), "power of two")):
+                      (dict(variant="gpu", block_m=8), "power of two"),
+                      (dict(variant="gpu", block_w=24), "power of two"),
+                      (dict(variant="tpu", block_w=16), "reads the tree window whole")):
         with pytest.raises(ValueError, match=match):
             call(tree_attention_pallas, inp, interpret=True, **kw)
     flat = jax.sharding.Mesh(np.asarray(jax.devices()[:8]), ("x",))
@@ -268,7 +278,7 @@ def test_bad_kernel_options_and_mesh(mesh):
 
 @pytest.mark.parametrize("variant", ["tpu", "gpu"])
 @pytest.mark.parametrize("s,m,n,hd", [(64, 14, 7, 16), (40, 7, 7, 24), (4096, 512, 64, 128), (1100, 300, 60, 80),
-                                      (2048, 8, 8, 256)])
+                                      (2048, 8, 8, 256), (512, 771, 257, 64)])
 def test_block_plan_obeys_backend_rules(variant, s, m, n, hd):
     p = block_plan(variant, s, m, n, hd)
     assert p["s_pad"] % p["block_k"] == 0 and p["s_pad"] >= s and p["m_pad"] % p["block_m"] == 0
@@ -277,16 +287,21 @@ def test_block_plan_obeys_backend_rules(variant, s, m, n, hd):
         assert p["block_k"] % 128 == 0 or p["block_k"] == p["s_pad"] == s
         assert p["block_m"] % 8 == 0 and p["w_pad"] % 128 == 0 and p["d_pad"] == hd
     else:  # Triton: power-of-two tensors, dot operands >= 16
-        for key in ("block_k", "block_m", "w_pad", "d_pad"):
+        for key in ("block_k", "block_m", "block_w", "d_pad"):
             assert p[key] >= 16 and p[key] & (p[key] - 1) == 0, (key, p)
         assert p["block_m"] <= 32  # 64 spilled on an H200 (GPU_BLOCK_M)
+        assert p["w_pad"] % p["block_w"] == 0 and 2 * p["block_w"] * p["d_pad"] * 4 <= 64 * 1024  # shared memory
 
 
 @pytest.mark.parametrize("variant,platform,target", [("gpu", "cuda", "__gpu$xla.gpu.triton"),
                                                      ("tpu", "tpu", "tpu_custom_call")])
 @pytest.mark.parametrize("shape", [(2, 7, 4, 2, 256, 64, jnp.float32, 0), (1, 5, 8, 1, 1100, 80, jnp.bfloat16, 0),
                                    (2, 3, 2, 2, 40, 24, jnp.bfloat16, 3), (1, 64, 8, 1, 512, 128, jnp.bfloat16, 0),
-                                   (1, 1, 8, 2, 256, 64, jnp.bfloat16, 5)])
+                                   (1, 1, 8, 2, 256, 64, jnp.bfloat16, 5),
+                                   # the embedded target's 256-node verification (257 window keys: 3 blocks
+                                   # of 128 on the GPU; the whole window, padded to 512 keys, asked an H200
+                                   # for 264 KiB of shared memory)
+                                   (1, 257, 6, 2, 512, 64, jnp.float32, 4)])
 def test_kernel_lowers_for_gpu_and_tpu(variant, platform, target, shape):
     """Runs Pallas' Triton / Mosaic lowering (its block-shape and power-of-two checks) on this CPU
     machine; compiling and running the result needs the hardware. L > 0: a stacked cache read at a
