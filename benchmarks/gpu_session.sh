@@ -18,15 +18,22 @@
 #                     batch 1 and 4, the transformers peer on CUDA
 #           probes    the adaptive default at batch 1 and 4 (T=0), then batch 1 at T=0.7, with cost tables
 #                     measured by `retarget` carried in (JAXDECODE_CACHE_DIR), so no time goes to calibration
+#           grid      issue 11's GPU items in one ~9-minute call: the engine's verify-cost curve (1..256 nodes,
+#                     batch 1 and 4), then the adaptive default's grid (batch 1/4/16) at T=0 under
+#                     jax_default_matmul_precision=highest (is float32 greedy exact there without TF32?)
+#                     and at T=0.7; the cost tables it measured come back as cost_tables.tgz
+#           verify256 the tree kernel in window blocks (GPU_WINDOW_BYTES) compiled for real around 256 keys,
+#                     then the engine's verify-cost curve to 256 nodes at batch 1 and 4 (~4 minutes)
 # Each step runs under its own time limit, so one slow or failing step leaves the others' results.
 # On the H200 (2026-11-28) a first-use cost calibration took ~50 s per (drafter, batch size, greedy or
 # sampled) and each generate configuration ~7-30 s of compile: `retarget` hit every step's limit. Carry
 # the cost tables of an earlier run in (JAXDECODE_CACHE_DIR, as `probes` does) to spend the time on
-# the measurements.
+# the measurements. On 2026-12-04 (`grid`) one such calibration took 100 s or more, and the grid got
+# through batch 1 only: give the batch sizes a call each, or carry the tables in.
 # The workplace's device tool carries at most 64 MiB of working tree: run it from a branch whose index
 # leaves models/embedded/dllm/model.safetensors out (none of these parts needs the dLLM).
 set -u
-part=${1:?PART: kernels, drafters, final, adaptive, peers, retarget or probes}
+part=${1:?PART: kernels, drafters, final, adaptive, peers, retarget, probes, grid or verify256}
 out=${2:-/tmp/jaxdecode_gpu}
 mkdir -p "$out"
 site=/tmp/jaxdecode_site
@@ -103,6 +110,22 @@ probes)
         --drafter '' --prompts 16 --max-new-tokens 128 --json-out "$out/adaptive_t0.json"
     step adaptive_sampling 80 $PY benchmarks/bench_adaptive.py --batch-sizes 1 --temperatures 0.7 \
         --drafter '' --prompts 16 --max-new-tokens 128 --json-out "$out/adaptive_t07.json"
+    ;;
+grid)
+    step bench_verify_cost 110 $PY benchmarks/bench_verify_cost.py --batch-sizes 1,4 --impls step \
+        --repeats 30 --json "$out/verify_cost.json"
+    step adaptive_greedy 230 env JAX_DEFAULT_MATMUL_PRECISION=highest $PY benchmarks/bench_adaptive.py \
+        --batch-sizes 1,4,16 --temperatures 0 --drafter '' --prompts 16 --max-new-tokens 128 \
+        --json-out "$out/adaptive_t0.json"
+    step adaptive_sampling 190 $PY benchmarks/bench_adaptive.py --batch-sizes 1,4,16 --temperatures 0.7 \
+        --drafter '' --prompts 16 --max-new-tokens 128 --json-out "$out/adaptive_t07.json"
+    tar czf "$out/cost_tables.tgz" -C "$JAXDECODE_CACHE_DIR" . 2>/dev/null
+    ;;
+verify256)
+    step bench_kernels 70 $PY benchmarks/bench_kernels.py --sections tree --nodes 128,257,512 --repeats 30 \
+        --json "$out/kernels.json"
+    step bench_verify_cost 140 $PY benchmarks/bench_verify_cost.py --batch-sizes 1,4 --impls step \
+        --repeats 30 --json "$out/verify_cost.json"
     ;;
 *)
     echo "unknown part $part" >&2
