@@ -546,22 +546,39 @@ def should_draft(policy: AdaptivePolicy, state: PolicyState, costs, remaining):
     return draft_plan(policy, state, costs, remaining)[0]
 
 
-def plain_run_length(policy: AdaptivePolicy, state: PolicyState, costs, remaining, cap):
+def plain_run_length(policy: AdaptivePolicy, state: PolicyState, costs, remaining, cap, *,
+                     max_run: int | None = None, vectorized: bool | None = None):
     """int32[]: how many plain steps to take in a row from here, when this step does not draft (cap: an
-    int, or int32[]; 0: none): the first k in 1..cap at which `should_draft` would say yes on the
-    estimates drifted k steps (and each row's remaining tokens shrunk by k), else cap. So a run ends
-    exactly where the step-by-step engine would draft (or probe) again. Every k is checked: a coarser
-    grid (1, 2, 4, ...) rounded down cut a run due in 8 steps into runs of 4, 2, 1 and 1, and each run's
-    end costs a whole engine step (on the CPU, sampling with prompt lookup, 67 such steps for 128 tokens
-    and 12% slower than plain decoding). The k are tried one after another and the search stops at the
-    first flip: a vmap over all k at once is faster alone (0.07 vs 0.10 ms for 32 at batch 1 on the CPU)
-    but cost ~10 ms per run inside the engine's loop there, 0.3 ms per plain token at batch 1
-    (benchmarks: "The plain run's length")."""
+    int, or int32[] <= max_run, a static bound (default: cap when it is an int, else policy.plain_run);
+    0: none): the first k in 1..cap at which `should_draft` would say yes on the estimates drifted k
+    steps (and each row's remaining tokens shrunk by k), else cap. So a run ends exactly where the
+    step-by-step engine would draft (or probe) again. Every k is checked: a coarser grid (1, 2, 4, ...)
+    rounded down cut a run due in 8 steps into runs of 4, 2, 1 and 1, and each run's end costs a whole
+    engine step (on the CPU, sampling with prompt lookup, 67 such steps for 128 tokens and 12% slower
+    than plain decoding).
+
+    Two forms, the same answer. On the CPU (`vectorized` False, the default there) the k are tried one
+    after another and the search stops at the first flip: a vmap over all k at once is faster alone
+    (0.07 vs 0.10 ms for 32 at batch 1) but cost ~10 ms per run inside the engine's loop there, 0.3 ms per
+    plain token at batch 1 (benchmarks: "The plain run's length"). On a GPU or TPU (True) it is that
+    vmap: each trip of the loop is a round of small kernel launches and a read of the loop's condition
+    by the host, about one trip per plain token, where the engine's plain step cost 1.4 plain decoding
+    steps on an H200 (BENCHMARKS.md, "On a GPU a third time")."""
     active = remaining > 0
 
     def drafts_after(k):
         st = drift(policy, state, jnp.where(active, k, 0))
         return should_draft(policy, st, costs, jnp.maximum(remaining - k, 0))
+
+    if vectorized is None:
+        vectorized = jax.default_backend() != "cpu"
+    if vectorized:
+        if max_run is None:
+            max_run = cap if isinstance(cap, (int, np.integer)) else policy.plain_run
+        ks = jnp.arange(1, max_run + 1, dtype=jnp.int32)  # [max_run]
+        flips = jax.vmap(drafts_after)(ks) & (ks <= cap)
+        return jnp.where(jnp.any(flips), jnp.argmax(flips).astype(jnp.int32) + 1,
+                         jnp.asarray(cap, jnp.int32))
 
     def searching(carry):
         k, flipped = carry

@@ -47,7 +47,7 @@ import numpy as np
 
 from jaxdecode.kernels.common import next_pow2, round_up
 
-SCHEMA = 16  # version of the cache file layout and of the key; bump when either changes meaning
+SCHEMA = 17  # version of the cache file layout and of the key; bump when either changes meaning
 # (4: DraftLM and self-speculation lost their idle step: older tables hold an idle cost no longer paid;
 # 5: plain steps of history_only drafters run as lean runs, priced per token;
 # 6: level_capped drafters draft only the levels a step verifies: draft_by_width, and forced steps
@@ -69,7 +69,9 @@ SCHEMA = 16  # version of the cache file layout and of the key; bump when either
 # hoisted out of the timed loop: the retrieval drafter's draft priced at 0.9 us, not ~50 us), greedy
 # verification's argmax runs as two plain reductions, 6-10x faster on the CPU (sampling.first_argmax);
 # 16: the engine views a half-precision embedding as uint16 once per call (models.with_embed_words)
-# and the output projection no longer copies its weight: older tables price copies XLA ran every step)
+# and the output projection no longer copies its weight: older tables price copies XLA ran every step;
+# 17: on GPU and TPU a lean plain run's length is one vmap again, not a loop trip (kernel launches and a
+# host read) per plain token: older GPU tables overprice plain decoding)
 DEFAULT_CONTEXT_LEN = 256
 # Trips of a timed engine step, at least: the first steps from the prefilled state cost more than
 # later ones (EAGLE-3's plain step at batch 4: 6.0 ms per trip over 3 trips, 4.2 over 32, 3.6 in a

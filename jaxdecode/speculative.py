@@ -692,7 +692,7 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
                     jnp.where(active, res.bonus, pending), dstate)
 
         run = adaptive_mod.plain_run_length(policy, st.policy_state, costs, remaining,
-                                            jnp.where(run_plain, plain_run, 0))
+                                            jnp.where(run_plain, plain_run, 0), max_run=plain_run)
         carry = (jnp.int32(0), st.cache, st.history, st.hist_len, st.num_new, st.done, st.key, st.nonfinite,
                  jnp.zeros_like(st.steps), st.history[rows, st.hist_len - 1], st.drafter_state if upkeep else None)
         trips, cache, history, hist_len, num_new, done, key, nonfinite, taken, _, dstate = jax.lax.while_loop(

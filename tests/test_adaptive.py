@@ -2,6 +2,7 @@
 depth changes between steps and rows; the policy stops drafting for a drafter that is never right and
 drafts to the maximum for one that always is (asserted on the stats, not on time)."""
 import dataclasses
+import functools
 import types
 from unittest import mock
 
@@ -131,11 +132,16 @@ def test_lean_plain_runs_probe_when_step_by_step_would(models, shift):
     same steps as the step-by-step engine (plain_run=1), with the same output and statistics (4 ragged
     prompts)."""
     n = 48
-    with mock.patch.object(adaptive, "plain_run_length", wraps=adaptive.plain_run_length) as runs:
+    run_length = adaptive.plain_run_length
+    with mock.patch.object(adaptive, "plain_run_length", wraps=run_length) as runs:
         step = _oracle_stats(models, PROMPTS_4, n, shift=shift, plain_run=1)
         assert not runs.called  # one plain engine step at a time
         leans = [_oracle_stats(models, PROMPTS_4, n, shift=shift, history_only=h) for h in (False, True)]
         assert runs.called  # traced into the loop: plain steps run as lean runs
+    jax.clear_caches()  # traced again with the run length's GPU/TPU form (a vmap over every length)
+    with mock.patch.object(adaptive, "plain_run_length", wraps=functools.partial(run_length, vectorized=True)) as vec:
+        leans.append(_oracle_stats(models, PROMPTS_4, n, shift=shift))
+        assert vec.called
     for lean in leans:
         np.testing.assert_array_equal(lean["verify_calls"], step["verify_calls"])
         np.testing.assert_array_equal(lean["target_calls"], step["target_calls"])
@@ -162,11 +168,17 @@ def test_drift_compounds_and_the_plain_run_ends_at_the_next_probe():
     costs = jnp.asarray([1.0, 1.5, 0.0, 0.0], jnp.float32)  # verify at widths 0 / 1, draft, idle
     remaining = jnp.full((2,), 100, jnp.int32)
     assert not bool(adaptive.should_draft(policy, state, costs, remaining))
-    assert int(adaptive.plain_run_length(policy, state, costs, remaining, 32)) == 10
-    assert int(adaptive.plain_run_length(policy, state, costs, remaining, 6)) == 6  # the cap
     never = jnp.asarray([1.0, 100.0, 0.0, 0.0], jnp.float32)
-    assert int(adaptive.plain_run_length(policy, state, never, remaining, 32)) == 32
-    assert int(adaptive.plain_run_length(policy, state, never, remaining, 5)) == 5  # the cap
+    for vectorized in (False, True):  # the CPU's loop and the GPU/TPU's vmap give the same lengths
+        def run(c, cap, **kw):
+            return int(adaptive.plain_run_length(policy, state, c, remaining, cap, vectorized=vectorized, **kw))
+        assert run(costs, 32) == 10
+        assert run(costs, 6) == 6  # the cap
+        assert run(never, 32) == 32
+        assert run(never, 5) == 5  # the cap
+        assert run(costs, jnp.int32(32), max_run=32) == 10  # a traced cap, as in the engine
+        assert run(never, jnp.int32(7), max_run=32) == 7
+        assert run(costs, jnp.int32(0), max_run=32) == 0  # no run
 
 
 def test_a_short_proposal_does_not_stop_a_row_for_good():
@@ -196,7 +208,8 @@ def test_a_short_proposal_does_not_stop_a_row_for_good():
         assert not bool(adaptive.should_draft(policy, state, costs, remaining))  # not worth a drafting step
         waits.append(due_after(state))
     assert waits == [16, 32, 64, 78, 78]
-    assert int(adaptive.plain_run_length(policy, state, costs, remaining, 128)) == 78  # up to the probe
+    for vectorized in (False, True):  # up to the probe
+        assert int(adaptive.plain_run_length(policy, state, costs, remaining, 128, vectorized=vectorized)) == 78
     _, _, state = adaptive.truncate(policy, state, costs, full, remaining)  # a shape that pays: wait reset
     assert bool(adaptive.should_draft(policy, state, costs, remaining))
     _, _, state = adaptive.truncate(policy, state, costs, one, remaining)
