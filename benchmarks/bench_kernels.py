@@ -66,11 +66,18 @@ def _call(fn, inp, **kw):
               q_positions=inp["q_positions"], **kw)
 
 
+# the embedded target decodes in float32 in the benchmarks; a 7B model would serve in bfloat16
+TREE_SHAPES = {"embedded": (6, 2, 64, 512, jnp.float32, (1, 4)), "7b-like": (32, 8, 128, 4096, jnp.bfloat16, (1,))}
+
+
 def bench_tree(args):
     rows = []
+    names = args.shapes.split(",")
+    unknown = sorted(set(names) - set(TREE_SHAPES))
+    if unknown:
+        raise SystemExit(f"--shapes: unknown {unknown}; choose from {sorted(TREE_SHAPES)}")
     if ACCEL:
-        # the embedded target decodes in float32 in the benchmarks; a 7B model would serve in bfloat16
-        shapes = [("embedded", 6, 2, 64, 512, jnp.float32, (1, 4)), ("7b-like", 32, 8, 128, 4096, jnp.bfloat16, (1,))]
+        shapes = [(name, *TREE_SHAPES[name]) for name in names]
         nodes = [int(x) for x in args.nodes.split(",")]
         block_ms = [None] + [int(x) for x in args.block_m.split(",")] if args.block_m else [None]
     else:
@@ -155,6 +162,7 @@ def main(argv=None):
     ap.add_argument("--nodes", default="1,16,64,256")
     ap.add_argument("--block-m", default="16,64",
                     help="also time the tree kernel at these query rows per program (where a shape has more rows)")
+    ap.add_argument("--shapes", default="embedded,7b-like", help="tree attention shapes to run, in this order")
     ap.add_argument("--repeats", type=int, default=100)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

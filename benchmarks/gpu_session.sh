@@ -24,6 +24,9 @@
 #                     and at T=0.7; the cost tables it measured come back as cost_tables.tgz
 #           verify256 the tree kernel in window blocks (GPU_WINDOW_BYTES) compiled for real around 256 keys,
 #                     then the engine's verify-cost curve to 256 nodes at batch 1 and 4 (~4 minutes)
+#           rerun     what 2026-12-04 left open, ~9 minutes: the adaptive default at batch 1, T=0.7 then T=0
+#                     (0.70x and 1.15x before the plain run's length became one vmap on GPU), then the tree
+#                     kernel at 16 query rows per program on the 7B-like shape, then the 257-node window
 # Each step runs under its own time limit, so one slow or failing step leaves the others' results.
 # On the H200 (2026-11-28) a first-use cost calibration took ~50 s per (drafter, batch size, greedy or
 # sampled) and each generate configuration ~7-30 s of compile: `retarget` hit every step's limit. Carry
@@ -33,7 +36,7 @@
 # The workplace's device tool carries at most 64 MiB of working tree: run it from a branch whose index
 # leaves models/embedded/dllm/model.safetensors out (none of these parts needs the dLLM).
 set -u
-part=${1:?PART: kernels, drafters, final, adaptive, peers, retarget, probes, grid or verify256}
+part=${1:?PART: kernels, drafters, final, adaptive, peers, retarget, probes, grid, verify256 or rerun}
 out=${2:-/tmp/jaxdecode_gpu}
 mkdir -p "$out"
 site=/tmp/jaxdecode_site
@@ -126,6 +129,15 @@ verify256)
         --json "$out/kernels.json"
     step bench_verify_cost 140 $PY benchmarks/bench_verify_cost.py --batch-sizes 1,4 --impls step \
         --repeats 30 --json "$out/verify_cost.json"
+    ;;
+rerun)
+    step adaptive_sampling 220 $PY benchmarks/bench_adaptive.py --batch-sizes 1 --temperatures 0.7 \
+        --drafter '' --prompts 16 --max-new-tokens 128 --json-out "$out/adaptive_t07.json"
+    step adaptive_greedy 200 env JAX_DEFAULT_MATMUL_PRECISION=highest $PY benchmarks/bench_adaptive.py \
+        --batch-sizes 1 --temperatures 0 --drafter '' --prompts 16 --max-new-tokens 128 \
+        --json-out "$out/adaptive_t0.json"
+    step bench_kernels 100 $PY benchmarks/bench_kernels.py --sections tree --shapes 7b-like,embedded \
+        --nodes 16,64,257 --block-m 16 --repeats 30 --json "$out/kernels.json"
     ;;
 *)
     echo "unknown part $part" >&2
