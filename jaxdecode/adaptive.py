@@ -575,6 +575,8 @@ def plain_run_length(policy: AdaptivePolicy, state: PolicyState, costs, remainin
     if vectorized:
         if max_run is None:
             max_run = cap if isinstance(cap, (int, np.integer)) else policy.plain_run
+        if isinstance(cap, (int, np.integer)) and cap > max_run:
+            raise ValueError(f"plain_run_length: cap {cap} exceeds max_run {max_run}, the longest run it tries")
         ks = jnp.arange(1, max_run + 1, dtype=jnp.int32)  # [max_run]
         flips = jax.vmap(drafts_after)(ks) & (ks <= cap)
         return jnp.where(jnp.any(flips), jnp.argmax(flips).astype(jnp.int32) + 1,

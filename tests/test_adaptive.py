@@ -179,6 +179,8 @@ def test_drift_compounds_and_the_plain_run_ends_at_the_next_probe():
         assert run(costs, jnp.int32(32), max_run=32) == 10  # a traced cap, as in the engine
         assert run(never, jnp.int32(7), max_run=32) == 7
         assert run(costs, jnp.int32(0), max_run=32) == 0  # no run
+    with pytest.raises(ValueError, match="exceeds max_run"):
+        adaptive.plain_run_length(policy, state, costs, remaining, 40, max_run=32, vectorized=True)
 
 
 def test_a_short_proposal_does_not_stop_a_row_for_good():
