@@ -24,9 +24,10 @@
 #                     and at T=0.7; the cost tables it measured come back as cost_tables.tgz
 #           verify256 the tree kernel in window blocks (GPU_WINDOW_BYTES) compiled for real around 256 keys,
 #                     then the engine's verify-cost curve to 256 nodes at batch 1 and 4 (~4 minutes)
-#           rerun     what 2026-12-04 left open, ~9 minutes: the adaptive default at batch 1, T=0.7 then T=0
-#                     (0.70x and 1.15x before the plain run's length became one vmap on GPU), then the tree
-#                     kernel at 16 query rows per program on the 7B-like shape, then the 257-node window
+#           rerun     what 2026-12-04 left open, ~9 minutes: the adaptive default at batch 1, T=0.7 (0.70x
+#                     before the plain run's length became one vmap on GPU), trace_decode's ops per token
+#                     there, T=0 (1.15x), then the tree kernel at 16 query rows per program on the 7B-like
+#                     shape and the 257-node window in 3 blocks
 # Each step runs under its own time limit, so one slow or failing step leaves the others' results.
 # On the H200 (2026-11-28) a first-use cost calibration took ~50 s per (drafter, batch size, greedy or
 # sampled) and each generate configuration ~7-30 s of compile: `retarget` hit every step's limit. Carry
@@ -131,12 +132,15 @@ verify256)
         --repeats 30 --json "$out/verify_cost.json"
     ;;
 rerun)
-    step adaptive_sampling 220 $PY benchmarks/bench_adaptive.py --batch-sizes 1 --temperatures 0.7 \
+    step adaptive_sampling 190 $PY benchmarks/bench_adaptive.py --batch-sizes 1 --temperatures 0.7 \
         --drafter '' --prompts 16 --max-new-tokens 128 --json-out "$out/adaptive_t07.json"
-    step adaptive_greedy 200 env JAX_DEFAULT_MATMUL_PRECISION=highest $PY benchmarks/bench_adaptive.py \
+    # the same cell's ops per token, plain vs the default vs the fixed chain (cost tables cached above)
+    step trace_sampling 120 $PY benchmarks/trace_decode.py --temperature 0.7 --prompts 4 --calls 2 \
+        --json "$out/trace_t07.json"
+    step adaptive_greedy 160 env JAX_DEFAULT_MATMUL_PRECISION=highest $PY benchmarks/bench_adaptive.py \
         --batch-sizes 1 --temperatures 0 --drafter '' --prompts 16 --max-new-tokens 128 \
         --json-out "$out/adaptive_t0.json"
-    step bench_kernels 100 $PY benchmarks/bench_kernels.py --sections tree --shapes 7b-like,embedded \
+    step bench_kernels 80 $PY benchmarks/bench_kernels.py --sections tree --shapes 7b-like,embedded \
         --nodes 16,64,257 --block-m 16 --repeats 30 --json "$out/kernels.json"
     ;;
 *)

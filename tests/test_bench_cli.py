@@ -132,3 +132,19 @@ def test_bench_bad_prompts_file_and_batch_sizes(tmp_path, capsys):
     with pytest.raises(BenchError, match="give at least one --method"):
         from jaxdecode.bench import run_bench
         run_bench(None, ["x"], [])
+
+
+def test_trace_decode_counts_each_op_once(monkeypatch):
+    """benchmarks/trace_decode.py sums compiled ops from a profiler trace: a `while` thunk spans the ops
+    of its body on the same thread, so only the ops that hold no other op count."""
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from trace_decode import leaf_ops
+
+    def op(name, ts, dur, tid=1):
+        return {"ph": "X", "pid": 7, "tid": tid, "ts": ts, "dur": dur, "name": name, "args": {"hlo_op": name}}
+
+    events = [op("while.1", 0, 100), op("fusion.2", 10, 10), op("while.3", 30, 40), op("dot.4", 35, 5),
+              op("fusion.5", 100, 10),  # starts where the loop ends: not inside it
+              op("fusion.6", 5, 10, tid=2)]  # another thread's op overlaps the loop in time
+    assert sorted(e["name"] for e in leaf_ops(events)) == ["dot.4", "fusion.2", "fusion.5", "fusion.6"]
