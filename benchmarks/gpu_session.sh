@@ -28,6 +28,8 @@
 #                     before the plain run's length became one vmap on GPU), trace_decode's ops per token
 #                     there, T=0 (1.15x), then the tree kernel at 16 query rows per program on the 7B-like
 #                     shape and the 257-node window in 3 blocks
+#           lean      the adaptive default at batch 1 (T=0.7, T=0) with the plain steps at decode's
+#                     attention, rerun's cost tables carried in (~4 minutes)
 # Each step runs under its own time limit, so one slow or failing step leaves the others' results.
 # On the H200 (2026-11-28) a first-use cost calibration took ~50 s per (drafter, batch size, greedy or
 # sampled) and each generate configuration ~7-30 s of compile: `retarget` hit every step's limit. Carry
@@ -37,7 +39,7 @@
 # The workplace's device tool carries at most 64 MiB of working tree: run it from a branch whose index
 # leaves models/embedded/dllm/model.safetensors out (none of these parts needs the dLLM).
 set -u
-part=${1:?PART: kernels, drafters, final, adaptive, peers, retarget, probes, grid, verify256 or rerun}
+part=${1:?PART: kernels, drafters, final, adaptive, peers, retarget, probes, grid, verify256, rerun or lean}
 out=${2:-/tmp/jaxdecode_gpu}
 mkdir -p "$out"
 site=/tmp/jaxdecode_site
@@ -142,6 +144,22 @@ rerun)
         --json-out "$out/adaptive_t0.json"
     step bench_kernels 80 $PY benchmarks/bench_kernels.py --sections tree --shapes 7b-like,embedded \
         --nodes 16,64,257 --block-m 16 --repeats 30 --json "$out/kernels.json"
+    tar czf "$out/cost_tables.tgz" -C "$JAXDECODE_CACHE_DIR" . 2>/dev/null
+    ;;
+lean)
+    # the adaptive default at batch 1 with the engine's plain steps at decode's attention (not the tree
+    # kernel), T=0.7 then T=0 (highest precision); cost tables of the current schema (`rerun` saves
+    # them) carried in as gpu_carry/cost_tables.tgz, untracked (else each is measured, ~100 s). On
+    # 2026-12-04 this part also ran the target's layer scan unrolled (a temporary toggle, not on main:
+    # plain sampling +6%)
+    mkdir -p "$JAXDECODE_CACHE_DIR"
+    [ -f gpu_carry/cost_tables.tgz ] && tar xzf gpu_carry/cost_tables.tgz -C "$JAXDECODE_CACHE_DIR"
+    for run in "sampling 0.7 default" "greedy 0 highest"; do
+        set -- $run
+        step "$1" 150 env JAX_DEFAULT_MATMUL_PRECISION=$3 $PY benchmarks/bench_adaptive.py --batch-sizes 1 \
+            --temperatures "$2" --drafter '' --prompts 16 --max-new-tokens 128 --repeats 2 \
+            --json-out "$out/$1.json"
+    done
     ;;
 *)
     echo "unknown part $part" >&2

@@ -47,7 +47,7 @@ import numpy as np
 
 from jaxdecode.kernels.common import next_pow2, round_up
 
-SCHEMA = 17  # version of the cache file layout and of the key; bump when either changes meaning
+SCHEMA = 18  # version of the cache file layout and of the key; bump when either changes meaning
 # (4: DraftLM and self-speculation lost their idle step: older tables hold an idle cost no longer paid;
 # 5: plain steps of history_only drafters run as lean runs, priced per token;
 # 6: level_capped drafters draft only the levels a step verifies: draft_by_width, and forced steps
@@ -71,7 +71,9 @@ SCHEMA = 17  # version of the cache file layout and of the key; bump when either
 # 16: the engine views a half-precision embedding as uint16 once per call (models.with_embed_words)
 # and the output projection no longer copies its weight: older tables price copies XLA ran every step;
 # 17: on GPU and TPU a lean plain run's length is one vmap again, not a loop trip (kernel launches and a
-# host read) per plain token: older GPU tables overprice plain decoding)
+# host read) per plain token: older GPU tables overprice plain decoding; 18: a forward over the
+# pending token alone (a plain step) runs decode's attention, not the tree kernel: older GPU and TPU
+# tables overprice plain steps)
 DEFAULT_CONTEXT_LEN = 256
 # Trips of a timed engine step, at least: the first steps from the prefilled state cost more than
 # later ones (EAGLE-3's plain step at batch 4: 6.0 ms per trip over 3 trips, 4.2 over 32, 3.6 in a

@@ -99,3 +99,43 @@ def test_a_plain_step_over_no_nodes_is_observed_like_one_over_the_drafters_tree(
         changed = [not np.array_equal(np.asarray(x), np.asarray(y))
                    for x, y in zip(jax.tree.leaves(st.drafter_state), leaves_lean)]
         assert any(changed), f"{name}: observe left the state as it was"
+
+
+def test_a_forward_over_the_pending_token_alone_runs_decodes_attention(target, monkeypatch):
+    """The engine's plain steps (no nodes) run the forward exactly as `decode` does, not the tree kernel
+    (on an H200 the kernel made the lean run's tokens cost ~20% more than plain decoding's); a tree of
+    one node still runs the attention asked for."""
+    import importlib
+
+    from jaxdecode.models.transformer import forward
+
+    ta = importlib.import_module("jaxdecode.kernels.tree_attention")  # the module (the package exports the op)
+
+    kernel_calls = []
+    real = ta.tree_attention_pallas
+
+    def spy(*args, **kwargs):
+        kernel_calls.append(kwargs.get("interpret"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ta, "tree_attention_pallas", spy)
+    jax.clear_caches()  # trace afresh, so the spy sees every kernel call
+    cfg, params = target.config, target.params
+    prompts, lengths = pad_prompts([target.tokenizer.encode("def add(a, b):\n    return a")])
+    prompts, lengths = jnp.asarray(prompts), jnp.asarray(lengths)
+    st = _start(cfg, params, make_drafter("prompt_lookup", target), prompts, lengths, jax.random.PRNGKey(0),
+                cache_len=prompts.shape[1] + 8, hist_cap=prompts.shape[1] + 8, pad=0, feature_layers=(), policy=None)
+    pending = st.history[0, st.hist_len - 1]
+    active = jnp.ones((1,), bool)
+
+    def nodes(k):
+        return Tree(tokens=jnp.full((1, k), 5, jnp.int32), parents=jnp.arange(k, dtype=jnp.int32)[None] - 1,
+                    valid=jnp.ones((1, k), bool))
+
+    logits, _, _ = _verify_forward(cfg, params, nodes(0), pending, st.cache, active, (0,), "interpret", None)
+    assert kernel_calls == []
+    decode_logits, _, _ = forward(cfg, params, pending[:, None], st.cache.lengths[:, None], st.cache,
+                                  jnp.ones((1, 1, 1), bool))  # decode's step
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(decode_logits))
+    _verify_forward(cfg, params, nodes(1), pending, st.cache, active, (1,), "interpret", None)
+    assert kernel_calls and all(kernel_calls)  # the kernel, in interpret mode as asked
