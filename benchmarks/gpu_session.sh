@@ -151,14 +151,15 @@ lean)
     # kernel), T=0.7 then T=0 (highest precision); cost tables of the current schema (`rerun` saves
     # them) carried in as gpu_carry/cost_tables.tgz, untracked (else each is measured, ~100 s). On
     # 2026-12-04 this part also ran the target's layer scan unrolled (a temporary toggle, not on main:
-    # plain sampling +6%)
+    # plain sampling +6%). The row `plain_run 128`: lean runs of up to 128 tokens, not 32 (each run's
+    # bookkeeping, ~1 ms on the H200 as its cost table reads, spread over up to 4x the tokens)
     mkdir -p "$JAXDECODE_CACHE_DIR"
     [ -f gpu_carry/cost_tables.tgz ] && tar xzf gpu_carry/cost_tables.tgz -C "$JAXDECODE_CACHE_DIR"
     for run in "sampling 0.7 default" "greedy 0 highest"; do
         set -- $run
         step "$1" 150 env JAX_DEFAULT_MATMUL_PRECISION=$3 $PY benchmarks/bench_adaptive.py --batch-sizes 1 \
             --temperatures "$2" --drafter '' --prompts 16 --max-new-tokens 128 --repeats 2 \
-            --json-out "$out/$1.json"
+            --row 'plain_run 128={"adaptive": {"plain_run": 128}}' --json-out "$out/$1.json"
     done
     ;;
 *)
