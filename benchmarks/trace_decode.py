@@ -12,6 +12,12 @@ per device process: how many ran per generated token, their total time against t
 (the rest is launches, host round trips and idle device), and the `--top` ops by time. On a GPU, ops
 per token times a launch of a few us is the floor a small model's step cannot go below. Methods are
 written as `jaxdecode bench --method` takes them.
+
+Each top op also says where it came from (`where`): run as a script, XLA dumps the compiled programs'
+HLO (`--xla_dump_to`, set before JAX starts), and an op's source is its stack frame there
+(file:function:line); an op that wraps others (a GPU command buffer, a loop, a call) lists the
+functions most of its ops came from. A GPU profile names ops like `command_buffer_850`: this is how
+it names the code behind them.
 """
 from __future__ import annotations
 
@@ -19,12 +25,20 @@ import argparse
 import collections
 import gzip
 import json
+import os
+import re
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import jax
+if __name__ == "__main__":  # XLA reads its flags once, when JAX starts: dump the compiled programs here
+    HLO_DIR = tempfile.mkdtemp(prefix="jaxdecode_hlo_")
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={HLO_DIR} --xla_dump_hlo_as_text"
+else:
+    HLO_DIR = None
+
+import jax  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import heldout_prompts, write_result  # noqa: E402
@@ -57,8 +71,8 @@ def leaf_ops(events: list) -> list:
 
 
 def device_ops(trace_file: Path) -> dict:
-    """{process name: Counters of count and total microseconds per op} of the leaf events naming an
-    hlo_op (compiled ops: XLA:CPU thunks, GPU kernels)."""
+    """{process name: Counters of count and total microseconds per (module, op)} of the leaf events
+    naming an hlo_op (compiled ops: XLA:CPU thunks, GPU kernels)."""
     data = json.load(gzip.open(trace_file))
     events = data["traceEvents"] if isinstance(data, dict) else data
     procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
@@ -66,12 +80,124 @@ def device_ops(trace_file: Path) -> dict:
     out = collections.defaultdict(lambda: {"count": collections.Counter(), "us": collections.Counter()})
     for e in leaf_ops(ops):
         rec = out[procs.get(e.get("pid"), str(e.get("pid")))]
-        rec["count"][e["args"]["hlo_op"]] += 1
-        rec["us"][e["args"]["hlo_op"]] += float(e.get("dur", 0.0))
+        key = (e["args"].get("hlo_module", ""), e["args"]["hlo_op"])
+        rec["count"][key] += 1
+        rec["us"][key] += float(e.get("dur", 0.0))
     return out
 
 
-def trace_method(model, batches, name, options, calls, trace_dir: Path, top: int) -> dict:
+_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
+
+
+class HloSources:
+    """Where the ops of XLA's dumped programs (`*after_optimizations.txt`) came from: per (module,
+    op), the source of the op's stack frame, or for an op that runs other computations the functions
+    most of their ops came from. `where(module, op)` is "" for what the dump does not hold."""
+
+    def __init__(self, dump_dir):
+        self.ops = collections.defaultdict(dict)  # module -> op -> (location or None, called computations)
+        self.comps = collections.defaultdict(dict)  # module -> computation -> [op names]
+        self.frames = {}  # module -> {frame id: "file:function:line"}
+        for path in sorted(Path(dump_dir).glob("*after_optimizations.txt")) if dump_dir else []:
+            self._read(path)
+
+    def _read(self, path: Path):
+        module, tables, section, comp = None, {t: {} for t in _TABLES}, None, None
+        ops, comps = {}, collections.defaultdict(list)
+        for line in path.read_text().splitlines():
+            if line.startswith("HloModule "):
+                module = line.split()[1].rstrip(",")
+                continue
+            if line in _TABLES:
+                section = line
+                continue
+            if section and re.match(r"\d+ ", line):
+                num, rest = line.split(" ", 1)
+                tables[section][int(num)] = rest
+                continue
+            section = None
+            head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+            if head and not line.startswith(" "):
+                comp = head.group(1)
+                continue
+            ins = re.match(r"^\s+(?:ROOT )?%?([\w.\-]+) = ", line)
+            if ins and comp:
+                frame = re.search(r"stack_frame_id=(\d+)", line)
+                args = re.search(r" [\w\-]+\(([^)]*)\)", line[ins.end():])  # the op's operands
+                operands = re.findall(r"%([\w.\-]+)", args.group(1)) if args else []
+                ops[ins.group(1)] = (int(frame.group(1)) if frame else None, _CALLED.findall(line), operands)
+                comps[comp].append(ins.group(1))
+        if module is None:
+            return
+        files = {i: v.strip('"').rsplit("/", 1)[-1] for i, v in tables["FileNames"].items()}
+        funcs = {i: v.strip('"') for i, v in tables["FunctionNames"].items()}
+        locs = {}
+        for i, v in tables["FileLocations"].items():
+            f = {k: int(n) for k, n in re.findall(r"(\w+)=(\d+)", v)}
+            file, func = files.get(f.get("file_name_id"), "?"), funcs.get(f.get("function_name_id"), "?")
+            locs[i] = f"{file}:{func}:{f.get('line', '?')}"
+        frames = {i: locs.get(int(dict(re.findall(r"(\w+)=(\d+)", v)).get("file_location_id", 0)), "")
+                  for i, v in tables["StackFrames"].items()}  # the frame's own location (its callers: not read)
+        # A module compiled again (another shape) keeps the first reading of each op name.
+        for op, (frame, called, operands) in ops.items():
+            self.ops[module].setdefault(op, (frames.get(frame) if frame else None, called, operands))
+        for c, names in comps.items():
+            self.comps[module].setdefault(c, names)
+
+    def _locations(self, module, op, depth=0) -> collections.Counter:
+        loc, called, _ = self.ops[module].get(op, (None, [], []))
+        if loc:
+            return collections.Counter({loc.rsplit(":", 1)[0]: 1})
+        out = collections.Counter()
+        if depth < 4:
+            for c in called:
+                for name in self.comps[module].get(c, []):
+                    out += self._locations(module, name, depth + 1)
+        return out
+
+    def where(self, module, op, most: int = 3) -> str:
+        if module not in self.ops:
+            return ""
+        names = [op, re.sub(r"_(\d+)$", r".\1", op)]  # a profile's command_buffer_850: command_buffer.850
+        for name in names:
+            if name in self.ops[module]:
+                loc, called, operands = self.ops[module][name]
+                if loc:
+                    return loc
+                if called:
+                    return "; ".join(f"{k} x{n}" for k, n in self._locations(module, name).most_common(most))
+                for x in operands:  # an op XLA made (a dot split off a fusion): where its inputs came from
+                    if self.ops[module].get(x, (None,))[0]:
+                        return "near " + self.ops[module][x][0]
+                return ""
+            if name in self.comps[module]:  # a computation named like the op (what a thunk runs)
+                c = collections.Counter()
+                for inner in self.comps[module][name]:
+                    c += self._locations(module, inner)
+                return "; ".join(f"{k} x{n}" for k, n in c.most_common(most))
+        return ""
+
+
+def source_key(where: str) -> str:
+    """The function an op is charged to: the first (most common) source, without its line."""
+    first = where.split(";")[0].strip().removeprefix("near ")
+    first = re.sub(r" x\d+$", "", first)
+    return first.rsplit(":", 1)[0] if first.count(":") >= 2 else (first or "?")
+
+
+def by_source(rec, sources, new: int, top: int) -> list:
+    """Ops per token and their time, summed by the function they came from (`source_key`)."""
+    count, us = collections.Counter(), collections.Counter()
+    for key, t in rec["us"].items():
+        src = source_key(sources.where(*key))
+        count[src] += rec["count"][key]
+        us[src] += t
+    return [dict(source=src, ops_per_token=count[src] / max(new, 1), us_per_token=t / max(new, 1))
+            for src, t in us.most_common(top)]
+
+
+def trace_method(model, batches, name, options, calls, trace_dir: Path, top: int, sources=None) -> dict:
     for batch in batches:  # compile and calibrate outside the trace
         jaxdecode.generate(model, batch, method=name, **options)
     new = 0
@@ -86,6 +212,7 @@ def trace_method(model, batches, name, options, calls, trace_dir: Path, top: int
     if not files:
         raise SystemExit(f"no perfetto_trace.json.gz under {trace_dir}: the profiler wrote no trace")
     procs = device_ops(files[-1])
+    sources = sources or HloSources(HLO_DIR)
     row = dict(method=name, options={k: str(v) for k, v in options.items()}, new_tokens=new, wall_us=wall_us,
                wall_us_per_token=wall_us / max(new, 1), processes={})
     for proc, rec in procs.items():
@@ -93,8 +220,10 @@ def trace_method(model, batches, name, options, calls, trace_dir: Path, top: int
         row["processes"][proc] = dict(
             ops_per_token=ops / max(new, 1), op_us_per_token=total_us / max(new, 1),
             busy=total_us / wall_us,
-            top=[dict(op=op, us_per_token=us / max(new, 1), count_per_token=rec["count"][op] / max(new, 1))
-                 for op, us in rec["us"].most_common(top)])
+            top=[dict(op=op, module=module, where=sources.where(module, op), us_per_token=us / max(new, 1),
+                      count_per_token=rec["count"][(module, op)] / max(new, 1))
+                 for (module, op), us in rec["us"].most_common(top)],
+            by_source=by_source(rec, sources, new, top))
     return row
 
 
@@ -134,9 +263,13 @@ def main(argv=None):
             print(f"  {proc}: {p['ops_per_token']:.1f} ops / token, {p['op_us_per_token']:.1f} us of ops / token "
                   f"({p['busy']:.0%} of the wall time)")
             for t in p["top"]:
-                print(f"    {t['us_per_token']:8.1f} us  {t['count_per_token']:6.2f} x  {t['op']}")
+                print(f"    {t['us_per_token']:8.1f} us  {t['count_per_token']:6.2f} x  {t['op']}"
+                      + (f"  [{t['where']}]" if t["where"] else ""))
+            print("  by source (function):")
+            for t in p["by_source"]:
+                print(f"    {t['us_per_token']:8.1f} us  {t['ops_per_token']:6.2f} ops  {t['source']}")
     write_result(dict(backend=jax.default_backend(), device=jax.devices()[0].device_kind, jax=jax.__version__,
-                      args=vars(args), trace_dir=str(root), rows=rows), args.json)
+                      args=vars(args), trace_dir=str(root), hlo_dir=HLO_DIR, rows=rows), args.json)
 
 
 if __name__ == "__main__":

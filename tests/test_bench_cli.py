@@ -148,3 +148,54 @@ def test_trace_decode_counts_each_op_once(monkeypatch):
               op("fusion.5", 100, 10),  # starts where the loop ends: not inside it
               op("fusion.6", 5, 10, tid=2)]  # another thread's op overlaps the loop in time
     assert sorted(e["name"] for e in leaf_ops(events)) == ["dot.4", "fusion.2", "fusion.5", "fusion.6"]
+
+
+HLO_DUMP = """HloModule jit__decode, is_scheduled=true
+
+FileNames
+1 "/somewhere/jaxdecode/models/transformer.py"
+2 "/somewhere/jaxdecode/adaptive.py"
+FunctionNames
+1 "matmul"
+2 "draft_plan"
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=164 end_line=164 column=1 end_column=9}
+2 {file_name_id=2 function_name_id=2 line=523 end_line=523 column=1 end_column=9}
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=1}
+
+%command_buffer.850 (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %fusion.1 = f32[4]{0} fusion(%p), kind=kLoop, calls=%fc.1, metadata={op_name="x" stack_frame_id=1}
+  %fusion.2 = f32[4]{0} fusion(%fusion.1), kind=kLoop, calls=%fc.2, metadata={op_name="y" stack_frame_id=1}
+  ROOT %fusion.3 = f32[4]{0} fusion(%fusion.2), kind=kLoop, calls=%fc.3, metadata={op_name="z" stack_frame_id=2}
+}
+
+ENTRY %main (a: f32[4]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  %plan = f32[4]{0} fusion(%a), kind=kLoop, calls=%fc.4, metadata={op_name="w" stack_frame_id=2}
+  %dot.7 = f32[4]{0} dot(%plan, %a), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+  ROOT %call.9 = f32[4]{0} call(%dot.7), to_apply=%command_buffer.850
+}
+"""
+
+
+def test_trace_decode_names_the_code_behind_each_op(tmp_path, monkeypatch):
+    """benchmarks/trace_decode.py charges a profile's ops to source functions read from XLA's HLO dump:
+    an op's own stack frame; a command buffer (the profile's `command_buffer_850`) or a call: the
+    functions its ops came from; an op XLA made without a frame: its inputs' source."""
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from trace_decode import HloSources, source_key
+
+    (tmp_path / "module_0001.jit__decode.cpu_after_optimizations.txt").write_text(HLO_DUMP)
+    src = HloSources(tmp_path)
+    assert src.where("jit__decode", "plan") == "adaptive.py:draft_plan:523"
+    assert src.where("jit__decode", "command_buffer_850") == "transformer.py:matmul x2; adaptive.py:draft_plan x1"
+    assert src.where("jit__decode", "call.9") == "transformer.py:matmul x2; adaptive.py:draft_plan x1"
+    assert src.where("jit__decode", "dot.7") == "near adaptive.py:draft_plan:523"
+    assert src.where("jit__decode", "nothing.1") == "" and src.where("jit_other", "plan") == ""
+    assert source_key("near adaptive.py:draft_plan:523") == "adaptive.py:draft_plan"
+    assert source_key("transformer.py:matmul x2; adaptive.py:draft_plan x1") == "transformer.py:matmul"
+    assert source_key("") == "?"
