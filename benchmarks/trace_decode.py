@@ -90,17 +90,24 @@ _TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
 _CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
 
 
-class HloSources:
-    """Where the ops of XLA's dumped programs (`*after_optimizations.txt`) came from: per (module,
-    op), the source of the op's stack frame, or for an op that runs other computations the functions
-    most of their ops came from. `where(module, op)` is "" for what the dump does not hold."""
+def dumped_programs(dump_dir) -> list:
+    """The compiled programs XLA dumped so far (`*after_optimizations.txt`), oldest first."""
+    return sorted(Path(dump_dir).glob("*after_optimizations.txt")) if dump_dir else []
 
-    def __init__(self, dump_dir):
-        self.ops = collections.defaultdict(dict)  # module -> op -> (location or None, called computations)
+
+class HloSources:
+    """Where the ops of XLA's dumped programs came from: per (module, op), the source of the op's stack
+    frame, or for an op that runs other computations the functions most of their ops came from.
+    `where(module, op)` is "" for what the dump does not hold. A profile names an op by module and op
+    name only, and a module compiled twice (the adaptive and the fixed engine are both
+    `jit__speculative`) reuses op names: of `paths`, the first that holds a module is read for it,
+    so pass the programs the traced calls compiled first."""
+
+    def __init__(self, paths):
+        self.ops = collections.defaultdict(dict)  # module -> op -> (location or None, called, operands)
         self.comps = collections.defaultdict(dict)  # module -> computation -> [op names]
-        self.frames = {}  # module -> {frame id: "file:function:line"}
-        for path in sorted(Path(dump_dir).glob("*after_optimizations.txt")) if dump_dir else []:
-            self._read(path)
+        for path in paths:
+            self._read(Path(path))
 
     def _read(self, path: Path):
         module, tables, section, comp = None, {t: {} for t in _TABLES}, None, None
@@ -128,7 +135,7 @@ class HloSources:
                 operands = re.findall(r"%([\w.\-]+)", args.group(1)) if args else []
                 ops[ins.group(1)] = (int(frame.group(1)) if frame else None, _CALLED.findall(line), operands)
                 comps[comp].append(ins.group(1))
-        if module is None:
+        if module is None or module in self.ops:
             return
         files = {i: v.strip('"').rsplit("/", 1)[-1] for i, v in tables["FileNames"].items()}
         funcs = {i: v.strip('"') for i, v in tables["FunctionNames"].items()}
@@ -139,11 +146,9 @@ class HloSources:
             locs[i] = f"{file}:{func}:{f.get('line', '?')}"
         frames = {i: locs.get(int(dict(re.findall(r"(\w+)=(\d+)", v)).get("file_location_id", 0)), "")
                   for i, v in tables["StackFrames"].items()}  # the frame's own location (its callers: not read)
-        # A module compiled again (another shape) keeps the first reading of each op name.
-        for op, (frame, called, operands) in ops.items():
-            self.ops[module].setdefault(op, (frames.get(frame) if frame else None, called, operands))
-        for c, names in comps.items():
-            self.comps[module].setdefault(c, names)
+        self.ops[module] = {op: (frames.get(frame) if frame else None, called, operands)
+                            for op, (frame, called, operands) in ops.items()}
+        self.comps[module] = dict(comps)
 
     def _locations(self, module, op, depth=0) -> collections.Counter:
         loc, called, _ = self.ops[module].get(op, (None, [], []))
@@ -197,9 +202,13 @@ def by_source(rec, sources, new: int, top: int) -> list:
             for src, t in us.most_common(top)]
 
 
-def trace_method(model, batches, name, options, calls, trace_dir: Path, top: int, sources=None) -> dict:
+def trace_method(model, batches, name, options, calls, trace_dir: Path, top: int) -> dict:
+    before = dumped_programs(HLO_DIR)
     for batch in batches:  # compile and calibrate outside the trace
         jaxdecode.generate(model, batch, method=name, **options)
+    # This method's programs first (what it compiled now), then those it may reuse from earlier methods.
+    seen = set(before)
+    sources = HloSources([p for p in dumped_programs(HLO_DIR) if p not in seen] + before[::-1])
     new = 0
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
         t0 = time.perf_counter()
@@ -212,7 +221,6 @@ def trace_method(model, batches, name, options, calls, trace_dir: Path, top: int
     if not files:
         raise SystemExit(f"no perfetto_trace.json.gz under {trace_dir}: the profiler wrote no trace")
     procs = device_ops(files[-1])
-    sources = sources or HloSources(HLO_DIR)
     row = dict(method=name, options={k: str(v) for k, v in options.items()}, new_tokens=new, wall_us=wall_us,
                wall_us_per_token=wall_us / max(new, 1), processes={})
     for proc, rec in procs.items():

@@ -184,13 +184,16 @@ ENTRY %main (a: f32[4]) -> f32[4] {
 def test_trace_decode_names_the_code_behind_each_op(tmp_path, monkeypatch):
     """benchmarks/trace_decode.py charges a profile's ops to source functions read from XLA's HLO dump:
     an op's own stack frame; a command buffer (the profile's `command_buffer_850`) or a call: the
-    functions its ops came from; an op XLA made without a frame: its inputs' source."""
+    functions its ops came from; an op XLA made without a frame: its inputs' source. A module compiled
+    twice is read from the dump given first."""
     from pathlib import Path
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from trace_decode import HloSources, source_key
 
-    (tmp_path / "module_0001.jit__decode.cpu_after_optimizations.txt").write_text(HLO_DUMP)
-    src = HloSources(tmp_path)
+    first, other = tmp_path / "module_0001.jit__decode.txt", tmp_path / "module_0002.jit__decode.txt"
+    first.write_text(HLO_DUMP)
+    other.write_text(HLO_DUMP.replace("stack_frame_id=2", "stack_frame_id=1"))  # the module compiled again
+    src = HloSources([first, other])  # the first that holds a module is the one read
     assert src.where("jit__decode", "plan") == "adaptive.py:draft_plan:523"
     assert src.where("jit__decode", "command_buffer_850") == "transformer.py:matmul x2; adaptive.py:draft_plan x1"
     assert src.where("jit__decode", "call.9") == "transformer.py:matmul x2; adaptive.py:draft_plan x1"
@@ -199,3 +202,4 @@ def test_trace_decode_names_the_code_behind_each_op(tmp_path, monkeypatch):
     assert source_key("near adaptive.py:draft_plan:523") == "adaptive.py:draft_plan"
     assert source_key("transformer.py:matmul x2; adaptive.py:draft_plan x1") == "transformer.py:matmul"
     assert source_key("") == "?"
+    assert HloSources([other, first]).where("jit__decode", "plan") == "transformer.py:matmul:164"
