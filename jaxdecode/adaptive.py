@@ -75,8 +75,10 @@ Confidence classes. A drafter whose every node comes with a confidence of its ow
 past (the retrieval drafter: the length of the match a token was retrieved on), declares
 `confidence_classes` C and labels its nodes (Tree.classes); `policy_for` then keys the estimates by class
 (`AdaptivePolicy.classes`): a_c = P(a node of class c is accepted | its parent was), per row, started
-at the drafter's own measurement (`class_prior`). A position says little about such a drafter's next
-token (a strong match at depth 5 beats a weak one at depth 1), its class does. Before drafting the
+at the drafter's own measurement (`class_prior`; when sampling, `class_prior_at` the temperature: a
+point-mass draft is kept with the target's probability of its token, so greedy rates overstate it).
+A position says little about such a drafter's next token (a strong match at depth 5 beats a weak one
+at depth 1), its class does. Before drafting the
 next proposal's classes are unknown, so the plan judges the previous shape as if every node were of
 the best class (drafting is a lookup: proposing costs next to nothing); after drafting, `truncate`
 keeps each row's nodes by this proposal's classes. A key tried this step (a kept node whose

@@ -961,6 +961,19 @@ def speculative_decode(config, params, drafter, prompt_tokens, prompt_lengths, *
                         mesh=mesh, policy=adaptive, logprobs=logprobs, top_logprobs=top_logprobs)
 
 
+def _class_prior_at(drafter, sampler: SamplerConfig) -> tuple[tuple, bool] | None:
+    """(the drafter's acceptance by confidence class at the sampler's temperature, measured there) from
+    its `class_prior_at`, or None: for plain temperature sampling only, since top-k / top-p / min-p and a
+    repetition penalty change how likely the drafted tokens are."""
+    at = getattr(drafter, "class_prior_at", None)
+    plain = (sampler.top_k == 0 and sampler.top_p >= 1.0 and sampler.min_p == 0.0
+             and sampler.repetition_penalty == 1.0)
+    if at is None or not plain:
+        return None
+    rates, measured = at(sampler.temperature)
+    return (tuple(rates), bool(measured)) if rates else None
+
+
 def policy_for(drafter, sampler: SamplerConfig, **overrides) -> "adaptive_mod.AdaptivePolicy":
     """The adaptive policy for this drafter: widths 0, powers of two, N (and the drafter's own
     verify_widths); `need` from the proposal when decoding greedily, from the tree's fixed structure
@@ -969,8 +982,9 @@ def policy_for(drafter, sampler: SamplerConfig, **overrides) -> "adaptive_mod.Ad
     drafter's `acceptance_prior` (held-out acceptance by depth, measured greedily) when it declares one.
     A drafter declaring `confidence_classes` gets estimates keyed by class (adaptive, "Confidence
     classes"), started at its `class_prior` (measured greedily: when sampling, at the weight of a
-    guess). Measured starts count as MEASURED_PRIOR_WEIGHT observations when decoding greedily
-    (adaptive, "Measured priors")."""
+    guess), or when sampling at its rates for that temperature (`class_prior_at`: a measurement there,
+    or a guess between measured temperatures). Measured starts count as MEASURED_PRIOR_WEIGHT
+    observations (adaptive, "Measured priors")."""
     if sampler.is_greedy:
         overrides.setdefault("prior_by_depth", tuple(getattr(drafter, "acceptance_prior", None) or ()))
     static = getattr(getattr(drafter, "builder", None), "static_parents", None) is not None
@@ -982,6 +996,11 @@ def policy_for(drafter, sampler: SamplerConfig, **overrides) -> "adaptive_mod.Ad
         # rarely the target's likeliest is rarely drawn either (a flat 0.6 for every class had batch 16
         # at T = 0.7 verify one node on 6-9 steps for nothing; BENCHMARKS.md, "Sampling starts")
         overrides.setdefault("classes", classes)
+        sampled = None if sampler.is_greedy else _class_prior_at(drafter, sampler)
+        if sampled:  # the rates at this temperature: a measurement, or a guess between measured ones
+            overrides.setdefault("prior_by_class", sampled[0])
+            if sampled[1]:
+                overrides.setdefault("prior_weight", adaptive_mod.MEASURED_PRIOR_WEIGHT)
         overrides.setdefault("prior_by_class", tuple(getattr(drafter, "class_prior", None) or ()))
     # Children that are a function of q (top-k, argmax, point masses) make the whole proposal a
     # function of the past: any truncation of it is too. Sampled children: only the fixed shape.

@@ -145,6 +145,23 @@ def test_bad_input_is_refused_clearly():
         RetrievalDrafter(table=np.zeros(3))
 
 
+@pytest.mark.parametrize("pairs,match", [
+    ([[0.7, [0.2, 0.3]]], "needs the greedy confidence"),  # checked against confidence=() below
+    ([[0.7, [0.2]]], "must hold 2 probabilities"),
+    ([[0.7, [0.2, 1.5]]], "must hold 2 probabilities"),
+    ([[0.0, [0.2, 0.3]]], "finite, > 0"),
+    ([[0.7, [0.2, 0.3]], [0.7, [0.1, 0.2]]], "given once each"),
+    ([0.7, 0.2], "not a list of \\(temperature, rates\\) pairs"),
+])
+def test_bad_sampled_confidence_is_refused_clearly(pairs, match):
+    from jaxdecode.drafters.retrieval import RetrievalConfig
+    confidence = () if "greedy" in match else (0.3, 0.6)
+    with pytest.raises(ValueError, match=match):
+        RetrievalConfig(confidence=confidence, sampled_confidence=pairs)
+    with pytest.raises(ValueError, match=match):
+        RetrievalDrafter(num_nodes=2, confidence=confidence, sampled_confidence=pairs)
+
+
 # ----------------------------------------------------------------------------- a shipped datastore
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
@@ -173,6 +190,11 @@ def test_cli_builds_a_datastore_that_decodes_exactly(built, capsys):
     extra = loaded.extra
     assert extra["data"]["rows"] == 32 and extra["table"]["entries"] > 0
     assert extra["heldout"]["tau"] >= 1.0 and len(extra["heldout"]["accept_by_depth"]) == 8
+    # the acceptance by match length greedily and at the default sampling temperatures, one rate a class
+    assert [t for t, _ in loaded.cfg.sampled_confidence] == [0.7, 1.0]
+    assert all(len(r) == len(loaded.cfg.confidence) for _, r in loaded.cfg.sampled_confidence)
+    counts = extra["confidence_counts"]
+    assert len(counts["tried_accepted_at_0.7"]) == len(counts["tried_accepted"]) == len(loaded.cfg.confidence)
     drafter = make_drafter("retrieval", target, drafter_dir=str(out), tree="chain:5")
     assert drafter.num_nodes == 5 and drafter.acceptance_prior == tuple(extra["heldout"]["accept_by_depth"])
     prompts = ["def f(x):", "import os\n", "class A"]
@@ -333,6 +355,33 @@ def test_policy_for_keys_by_class_when_the_drafter_has_a_confidence_table():
     assert sampled.classes == 3 and sampled.prior_by_class == (0.3, 0.6, 0.9) and sampled.prior_weight == 0.0
     assert greedy.prior_weight == adaptive.MEASURED_PRIOR_WEIGHT
     assert policy_for(RetrievalDrafter(num_nodes=4), SamplerConfig()).classes == 0
+
+
+def test_sampling_starts_from_the_rates_measured_at_its_temperature():
+    """A datastore measured at T = 0.7 and 1.0 (sampled continuations) starts a policy sampling there
+    from those rates, counted as a measurement; between measured temperatures (the greedy rates at 0)
+    the start is interpolated and weighed as a guess, and so is a filtered sampler's (greedy rates)."""
+    from jaxdecode import adaptive
+    from jaxdecode.sampling import SamplerConfig
+    from jaxdecode.speculative import policy_for
+    drafter = RetrievalDrafter(num_nodes=4, confidence=(0.3, 0.6, 0.9),
+                               sampled_confidence=((1.0, (0.1, 0.2, 0.3)), (0.7, (0.2, 0.4, 0.6))))
+
+    def start(**sampler):
+        policy = policy_for(drafter, SamplerConfig(**sampler))
+        return tuple(round(p, 4) for p in policy.prior_by_class), policy.prior_weight
+
+    measured = adaptive.MEASURED_PRIOR_WEIGHT
+    assert start(temperature=0.0) == ((0.3, 0.6, 0.9), measured)
+    assert start(temperature=0.7) == ((0.2, 0.4, 0.6), measured)
+    assert start(temperature=0.73) == ((0.2, 0.4, 0.6), measured)  # within SAMPLED_CONFIDENCE_TOLERANCE
+    assert start(temperature=1.0) == ((0.1, 0.2, 0.3), measured)
+    assert start(temperature=0.35) == ((0.25, 0.5, 0.75), 0.0)  # halfway from greedy to 0.7
+    assert start(temperature=0.85) == ((0.15, 0.3, 0.45), 0.0)
+    assert start(temperature=1.5) == ((0.1, 0.2, 0.3), 0.0)  # past the hottest: its rates, as a guess
+    assert start(temperature=0.7, top_p=0.9) == ((0.3, 0.6, 0.9), 0.0)  # filtered: the greedy guess
+    assert drafter.class_prior_at(0.7) == ((0.2, 0.4, 0.6), True)
+    assert RetrievalDrafter(num_nodes=4).class_prior_at(0.7) == ((), False)
 
 
 @pytest.mark.parametrize("verifier,lossless", [("point_mass", True), ("typical", False)])

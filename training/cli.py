@@ -223,8 +223,26 @@ def add_retrieval_parser(sub) -> argparse.ArgumentParser:
     e.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts decoded speculatively")
     e.add_argument("--eval-new-tokens", type=int, default=64, help="tokens decoded per held-out prompt")
     e.add_argument("--tree", default=None, help="chain of the held-out runs (default: chain:num_nodes)")
+    e.add_argument("--confidence-temperatures", default="0.7,1.0", type=_temperatures,
+                   help="comma-separated sampling temperatures at which the acceptance by match length is "
+                        "also measured (the adaptive policy's start when sampling there); '' for none")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
+
+
+def _temperatures(text: str) -> tuple:
+    """'0.7,1.0' -> (0.7, 1.0); '' -> (); each a finite number > 0."""
+    import math
+    try:
+        temps = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of temperatures "
+                                         f"(e.g. 0.7 or 0.7,1.0)") from None
+    bad = [t for t in temps if not (t > 0 and math.isfinite(t))]
+    if bad or len(set(temps)) != len(temps):
+        raise argparse.ArgumentTypeError(f"temperatures must be finite, > 0 and given once each (greedy is "
+                                         f"always measured), got {text!r}")
+    return temps
 
 
 def run_train_retrieval(args) -> int:
@@ -244,7 +262,7 @@ def run_train_retrieval(args) -> int:
                         tree=args.tree, seed=args.seed)
     res = build_retrieval(target, corpus_dir, out, distill=distill, workdir=work,
                           config_overrides=_parse_sets(args.set), eval_options=evals,
-                          progress=not args.no_progress)
+                          confidence_temperatures=args.confidence_temperatures, progress=not args.no_progress)
     s, h = res.stats, res.heldout
     print(f"built a retrieval datastore of {s['rows']} rows ({s['predicted_positions']} predicted tokens, "
           f"{s['entries']} table entries, {s['build_seconds']} s to build); held-out tau {h['tau']:.3f}, "

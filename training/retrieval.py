@@ -6,7 +6,9 @@ is accepted most often when it is the target's most likely token), the rows are 
 `max_order` tokens before each continuation (its context) to its EOS, and the drafter's table is built
 from them when it is loaded (jaxdecode.drafters.retrieval). On held-out prompts the target's greedy
 continuations then measure how often a drafted token is accepted by its match length (the drafter's
-confidence cut, `RetrievalConfig.confidence`), and a real greedy speculative run on other held-out
+confidence cut, `RetrievalConfig.confidence`), their continuations sampled at each of
+`confidence_temperatures` the same rates when sampling there (`RetrievalConfig.sampled_confidence`,
+the adaptive policy's start at that temperature), and a real greedy speculative run on other held-out
 prompts measures tau and the acceptance by depth (which the adaptive policy starts from). The export
 holds the rows (uint16), the config with the confidence, and those figures.
 """
@@ -40,18 +42,33 @@ def datastore_rows(tokens, mask, prompt_len: int, context: int):
     return rows, lengths, starts
 
 
+def confidence_at(target, drafter, prompts, new_tokens: int, temperature: float, seed: int = 0):
+    """(rates, [tried, accepted] counts) by match length (match_acceptance) over the target's
+    continuations of `prompts` int[R, P]: greedy at temperature 0, else sampled at `temperature` (the walk
+    over sampled text measures the acceptance when sampling there)."""
+    import jax
+
+    from jaxdecode.autoregressive import decode
+    from jaxdecode.drafters.retrieval import match_acceptance
+    from jaxdecode.sampling import SamplerConfig
+
+    greedy = temperature == 0.0
+    cont = decode(target.config, target.params, prompts, np.full(len(prompts), prompts.shape[1], np.int32),
+                  max_new_tokens=new_tokens, sampler=SamplerConfig(temperature=float(temperature)),
+                  method="greedy" if greedy else "sample", key=None if greedy else jax.random.key(seed))
+    return match_acceptance(drafter, prompts, np.asarray(cont.tokens))
+
+
 def build_retrieval(target, corpus_dir, out_dir=None, *, distill, workdir, config_overrides: dict | None = None,
                     eval_options: EvalOptions = EvalOptions(), calibration_prompts: int = 64,
-                    progress: bool = True) -> RetrievalBuildResult:
+                    confidence_temperatures: tuple = (0.7, 1.0), progress: bool = True) -> RetrievalBuildResult:
     """Generate (or reuse) the target's continuations of corpus prompts, build the datastore, measure the
-    acceptance by match length on `calibration_prompts` held-out prompts (the drafter's confidence cut)
-    and its held-out acceptance on the evaluation's prompts, and export it with save_drafter to out_dir
-    (kind "retrieval")."""
-    from jaxdecode.autoregressive import decode
+    acceptance by match length on `calibration_prompts` held-out prompts (the drafter's confidence cut;
+    and at each of `confidence_temperatures` over sampled continuations) and its held-out acceptance on
+    the evaluation's prompts, and export it with save_drafter to out_dir (kind "retrieval")."""
     from jaxdecode.drafters.retrieval import (RetrievalConfig, datastore_params, make_retrieval_drafter,
-                                              match_acceptance, table_for)
+                                              table_for)
     from jaxdecode.drafters.trained import save_drafter
-    from jaxdecode.sampling import SamplerConfig
 
     from .corpus import Corpus
     from .distill_data import self_distill_data
@@ -69,10 +86,11 @@ def build_retrieval(target, corpus_dir, out_dir=None, *, distill, workdir, confi
     # The confidence by match length, on held-out prompts other than the evaluation's
     uncut = make_retrieval_drafter(params, dataclasses.replace(cfg, confidence=()), target, eval_options.tree)
     cal = heldout_prompts(corpus_dir, calibration_prompts, eval_options.prompt_len, eval_options.seed + 1)
-    cont = decode(target.config, target.params, cal, np.full(len(cal), cal.shape[1], np.int32),
-                  max_new_tokens=eval_options.new_tokens, sampler=SamplerConfig(temperature=0.0), method="greedy")
-    confidence, counts = match_acceptance(uncut, cal, np.asarray(cont.tokens))
-    cfg = dataclasses.replace(cfg, confidence=confidence)
+    measured = {t: confidence_at(target, uncut, cal, eval_options.new_tokens, t, seed=eval_options.seed)
+                for t in (0.0, *confidence_temperatures)}
+    (confidence, counts), sampled = measured[0.0], {t: m for t, m in measured.items() if t > 0}
+    cfg = dataclasses.replace(cfg, confidence=confidence,
+                              sampled_confidence=tuple((t, rates) for t, (rates, _) in sampled.items()))
     drafter = make_retrieval_drafter(params, cfg, target, eval_options.tree)
     prompts = heldout_prompts(corpus_dir, eval_options.prompts, eval_options.prompt_len, eval_options.seed)
     heldout = measure_acceptance(target, drafter, prompts, new_tokens=eval_options.new_tokens)
@@ -82,7 +100,8 @@ def build_retrieval(target, corpus_dir, out_dir=None, *, distill, workdir, confi
                      extra={"data": {"self": manifest.get("key"), "rows": int(rows.shape[0]),
                                      "tokens": int(lengths.sum()), "target": _target_id(target)},
                             "table": stats, "heldout": {k: heldout[k] for k in ("tau", "accept_by_depth")},
-                            "confidence_counts": {"prompts": calibration_prompts, "tried_accepted": counts},
+                            "confidence_counts": {"prompts": calibration_prompts, "tried_accepted": counts,
+                                                  **{f"tried_accepted_at_{t:g}": c for t, (_, c) in sampled.items()}},
                             "heldout_prompts": {"count": eval_options.prompts, "length": eval_options.prompt_len,
                                                 "new_tokens": eval_options.new_tokens}})
     return RetrievalBuildResult(out_dir=Path(out_dir) if out_dir is not None else None, cfg=cfg, params=params,

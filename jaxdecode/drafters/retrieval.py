@@ -26,7 +26,10 @@ entries, but the datastore's match then looks shorter than it is and loses ties 
 The match length is the draft's confidence: with `confidence` (the acceptance by match length, measured
 where the datastore was built, `match_acceptance`) the chain stops where the product of its tokens'
 rates falls below `min_reach`, and each node's class (its match length) keys the adaptive policy's
-estimates (jaxdecode.adaptive, "Confidence classes").
+estimates (jaxdecode.adaptive, "Confidence classes"). `sampled_confidence` holds the same rates
+measured at sampling temperatures (the walk over sampled continuations: a point-mass draft is accepted
+with the target's probability of its token, which is the chance the sampled text holds it), so a
+policy sampling at such a temperature starts from its own measurement, not the greedy one.
 
 The shipped datastore (`jaxdecode train retrieval`) is the target's greedy continuations of training
 prompts, stored as token rows in the trained-drafter format; the table is built when it is loaded.
@@ -231,6 +234,8 @@ class RetrievalDrafter:
     # match length as the free confidence signal).
     confidence: tuple = dataclasses.field(default=(), metadata=dict(static=True))
     min_reach: float = dataclasses.field(default=0.0, metadata=dict(static=True))
+    # The same rates measured when sampling: ((temperature, rates by match length), ...); see class_prior_at.
+    sampled_confidence: tuple = dataclasses.field(default=(), metadata=dict(static=True))
     # The target's acceptance by depth measured where the datastore was built (the adaptive policy's
     # starting estimates); () = the policy's flat prior.
     acceptance_prior: tuple = dataclasses.field(default=(), metadata=dict(static=True))
@@ -247,6 +252,8 @@ class RetrievalDrafter:
         if not all(0.0 <= c <= 1.0 for c in conf):
             raise RetrievalError(f"RetrievalDrafter: confidence must hold probabilities, got {self.confidence!r}")
         object.__setattr__(self, "confidence", conf)
+        object.__setattr__(self, "sampled_confidence",
+                           check_sampled_confidence("RetrievalDrafter", self.sampled_confidence, conf))
         if not 0.0 <= self.min_reach <= 1.0:
             raise RetrievalError(f"RetrievalDrafter: min_reach must be in [0, 1], got {self.min_reach!r}")
         if self.min_reach > 0 and not conf:
@@ -318,6 +325,26 @@ class RetrievalDrafter:
     def class_prior(self) -> tuple:
         return self.confidence
 
+    def class_prior_at(self, temperature: float) -> tuple[tuple, bool]:
+        """(acceptance by match length when sampling at `temperature`, measured): the rates measured at
+        that temperature (within SAMPLED_CONFIDENCE_TOLERANCE; measured: True), else a guess (False):
+        interpolated linearly between the nearest measured temperatures (the greedy rates at 0), the
+        highest one's beyond it. () without a confidence table."""
+        if not self.confidence:
+            return (), False
+        known = sorted(((0.0, self.confidence),) + self.sampled_confidence)
+        t = float(temperature)
+        for at, rates in known:
+            if abs(at - t) <= SAMPLED_CONFIDENCE_TOLERANCE:
+                return rates, True
+        below = [k for k in known if k[0] < t][-1]
+        above = [k for k in known if k[0] > t][:1]
+        if not above:
+            return below[1], False
+        (t0, r0), (t1, r1) = below, above[0]
+        w = (t - t0) / (t1 - t0)
+        return tuple(round((1 - w) * a + w * b, 4) for a, b in zip(r0, r1)), False
+
     def propose(self, state, ctx, sampler):
         tokens, valid, strength = self.draft(ctx.history, ctx.hist_len, with_match=True)
         tree = chain_tree(tokens, valid)
@@ -343,6 +370,9 @@ class RetrievalConfig:
     # (match_acceptance), and the reach below which a chain stops (RetrievalDrafter); () / 0: no cut.
     confidence: tuple = ()
     min_reach: float = 0.25  # tuned on the 2-core CPU of BENCHMARKS.md; no effect without confidence
+    # The acceptance by match length at sampling temperatures, measured the same way over sampled
+    # continuations: ((temperature, rates), ...); the adaptive policy's start when sampling there.
+    sampled_confidence: tuple = ()
 
     def __post_init__(self):
         for name in ("max_order", "history_ngram", "num_nodes", "ways"):
@@ -353,6 +383,36 @@ class RetrievalConfig:
             raise RetrievalError(f"RetrievalConfig: min_reach and confidence must be probabilities, got "
                                  f"{self.min_reach!r} and {self.confidence!r}")
         object.__setattr__(self, "confidence", tuple(float(c) for c in self.confidence))
+        object.__setattr__(self, "sampled_confidence",
+                           check_sampled_confidence("RetrievalConfig", self.sampled_confidence, self.confidence))
+
+
+# A rate measured at temperature t serves a sampler within this of t; elsewhere the policy guesses.
+SAMPLED_CONFIDENCE_TOLERANCE = 0.05
+
+
+def check_sampled_confidence(owner: str, pairs, confidence: tuple) -> tuple:
+    """((temperature, rates), ...) as floats, each temperature > 0 and once, each rates tuple of
+    probabilities as long as the greedy `confidence` (the classes are the same match lengths)."""
+    how = ("give ((temperature, (rate for match length 1, 2, ...)), ...), measured by "
+           "`jaxdecode train retrieval --confidence-temperatures`")
+    try:
+        out = tuple((float(t), tuple(float(r) for r in rates)) for t, rates in pairs)
+    except (TypeError, ValueError):
+        raise RetrievalError(f"{owner}: sampled_confidence {pairs!r} is not a list of (temperature, rates) "
+                             f"pairs: {how}") from None
+    temps = [t for t, _ in out]
+    if out and not confidence:
+        raise RetrievalError(f"{owner}: sampled_confidence needs the greedy confidence beside it (the same "
+                             f"match-length classes): {how}")
+    if any(not t > 0 or not np.isfinite(t) for t in temps) or len(set(temps)) != len(temps):
+        raise RetrievalError(f"{owner}: sampled_confidence temperatures must be finite, > 0 (greedy rates are "
+                             f"`confidence`) and given once each, got {temps}")
+    for t, rates in out:
+        if len(rates) != len(confidence) or not all(0.0 <= r <= 1.0 for r in rates):
+            raise RetrievalError(f"{owner}: sampled_confidence at temperature {t} must hold {len(confidence)} "
+                                 f"probabilities (one per match length, as `confidence`), got {rates}")
+    return out
 
 
 def datastore_params(rows, lengths, starts) -> dict:
@@ -403,7 +463,7 @@ def make_retrieval_drafter(params, cfg: RetrievalConfig, target, tree=None, temp
     kw.setdefault("min_reach", cfg.min_reach if cfg.confidence else 0.0)
     table, _ = table_for(params, cfg, target.config.vocab_size)
     return RetrievalDrafter(table=table, num_nodes=_node_budget(tree, cfg.num_nodes), confidence=cfg.confidence,
-                            **kw)
+                            sampled_confidence=cfg.sampled_confidence, **kw)
 
 
 def match_acceptance(drafter: RetrievalDrafter, prompts, continuations, max_length: int | None = None,
@@ -414,7 +474,10 @@ def match_acceptance(drafter: RetrievalDrafter, prompts, continuations, max_leng
     the text so far, its tokens count as tried up to the first mismatch, and the walk moves on by what
     greedy verification would commit. Returns (rates per length 1..max_length, smoothed with one
     accepted and one rejected pseudo-count and made non-decreasing in the length, [tried, accepted]
-    counts per length)."""
+    counts per length). Over continuations sampled at temperature T the same walk measures the
+    acceptance when sampling at T: a point-mass draft is kept with the target's probability of its
+    token, the chance that the sampled text holds it, and a rejection's replacement is drawn as the
+    sampled text's token given that it differs."""
     prompts, continuations = np.asarray(prompts), np.asarray(continuations)
     r, p = prompts.shape
     c = continuations.shape[1]
