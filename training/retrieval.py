@@ -84,7 +84,8 @@ def build_retrieval(target, corpus_dir, out_dir=None, *, distill, workdir, confi
     params = datastore_params(rows, lengths, starts)
     _, stats = table_for(params, cfg, target.config.vocab_size)
     # The confidence by match length, on held-out prompts other than the evaluation's
-    uncut = make_retrieval_drafter(params, dataclasses.replace(cfg, confidence=()), target, eval_options.tree)
+    uncut = make_retrieval_drafter(params, dataclasses.replace(cfg, confidence=(), sampled_confidence=()), target,
+                                   eval_options.tree)
     cal = heldout_prompts(corpus_dir, calibration_prompts, eval_options.prompt_len, eval_options.seed + 1)
     measured = {t: confidence_at(target, uncut, cal, eval_options.new_tokens, t, seed=eval_options.seed)
                 for t in (0.0, *confidence_temperatures)}
