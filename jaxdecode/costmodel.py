@@ -15,7 +15,9 @@ target distribution, commit, the drafter's observe, the policy's bookkeeping) wi
 The adaptive policy prices a step with the whole-step figure (`step_at`): on a small model the parts
 around the forward are a large share of a step, and a policy that counted only the forward overrated
 drafting. Each item runs inside a jitted loop, as in the engine's `lax.while_loop` (state updated in
-place, no dispatch per step); the figure is the median over `repeats` timed loops of seconds per trip.
+place, no dispatch per step); the figure is the least of `repeats` timed loops' seconds per trip
+(the loops run round robin; a busy machine only adds time, and the least varies about half as much
+between calibrations as the median did).
 
 Tables are cached as `<cache_dir>/costs/<sha256 of the key>.json` (cache_dir: $JAXDECODE_CACHE_DIR,
 else $XDG_CACHE_HOME/jaxdecode, else ~/.cache/jaxdecode). The key holds everything the cost depends on:
@@ -33,7 +35,6 @@ import hashlib
 import json
 import math
 import os
-import statistics
 import sys
 import time
 import warnings
@@ -47,7 +48,7 @@ import numpy as np
 
 from jaxdecode.kernels.common import next_pow2, round_up
 
-SCHEMA = 18  # version of the cache file layout and of the key; bump when either changes meaning
+SCHEMA = 19  # version of the cache file layout and of the key; bump when either changes meaning
 # (4: DraftLM and self-speculation lost their idle step: older tables hold an idle cost no longer paid;
 # 5: plain steps of history_only drafters run as lean runs, priced per token;
 # 6: level_capped drafters draft only the levels a step verifies: draft_by_width, and forced steps
@@ -73,7 +74,8 @@ SCHEMA = 18  # version of the cache file layout and of the key; bump when either
 # 17: on GPU and TPU a lean plain run's length is one vmap again, not a loop trip (kernel launches and a
 # host read) per plain token: older GPU tables overprice plain decoding; 18: a forward over the
 # pending token alone (a plain step) runs decode's attention, not the tree kernel: older GPU and TPU
-# tables overprice plain steps)
+# tables overprice plain steps; 19: each item is the least of its timed loops, not their median: four
+# calibrations of the embedded target's steps (bf16, batch 1) spread +-9% by median, +-4% by least)
 DEFAULT_CONTEXT_LEN = 256
 # Trips of a timed engine step, at least: the first steps from the prefilled state cost more than
 # later ones (EAGLE-3's plain step at batch 4: 6.0 ms per trip over 3 trips, 4.2 over 32, 3.6 in a
@@ -416,8 +418,9 @@ class _Loop:
 
 def _time_loops(loops: list, state, repeats: int, target_seconds: float, max_trips: int = 256,
                 fresh: bool = False, min_trips: int = 1):
-    """Median seconds per trip of each loop, compile excluded; `state` is handed from loop to loop (one
-    KV cache for every width), or with `fresh` every call starts from a copy of it (made untimed: loops
+    """Least seconds per trip of each loop over `repeats` timings, compile excluded (a busy machine only
+    adds time: the least is the steadiest figure between calibrations); `state` is handed from loop to
+    loop (one KV cache for every width), or with `fresh` every call starts from a copy of it (made untimed: loops
     whose state grows, like the engine's, then stay within the room they were given). The loops are
     timed round-robin, so a slow spell of a busy machine spreads over all of them instead of bending
     the curve."""
@@ -438,7 +441,7 @@ def _time_loops(loops: list, state, repeats: int, target_seconds: float, max_tri
         for i, loop in enumerate(loops):
             state, secs = run(i, state, loop.trips)
             loop.times.append(secs)
-    return [float(statistics.median(loop.times)) for loop in loops]
+    return [float(min(loop.times)) for loop in loops]
 
 
 def resolve_context(config, drafter, context_len) -> int:
@@ -501,7 +504,7 @@ def measure(model, drafter, batch_size: int, *, widths=None, context_len: int | 
     `batch_size` rows over a cache holding `context_len` tokens (default min(256, the model's limit)).
 
     widths: the verification widths (node counts) to time; default `default_widths(drafter.num_nodes)`;
-    0 is always included. repeats: timed loops per item (median); target_seconds: length of each loop.
+    0 is always included. repeats: timed loops per item (the least counts); target_seconds: length of each loop.
     sampler: the SamplerConfig `propose` gets (default greedy). verifier: the engine step's verifier
     (a Verifier or a name; default: what generate uses, `verifiers.default_verifier`). attn_impl /
     mesh: as speculative_decode. progress: True = one line per measured item on stderr, False =

@@ -168,6 +168,25 @@ def test_measure_times_every_item(tmp_path, monkeypatch):
     assert again == t and lines == []  # a hit measures nothing and says nothing
 
 
+def test_each_item_is_the_least_of_its_timed_loops():
+    """A busy machine only adds time: a loop slowed in one round keeps its undisturbed figure, and the
+    loops run round robin (one round of every loop, then the next)."""
+    order = []
+
+    class Scripted:
+        def __init__(self, name, seconds):
+            self.name, self.seconds, self.trips, self.times = name, list(seconds), 1, []
+
+        def __call__(self, state, trips):
+            order.append(self.name)
+            return state, self.seconds.pop(0)
+
+    # per loop: the compile + warm-up call, the first timing (sizes the trips), then 3 rounds
+    loops = [Scripted("a", [9.0, 1.0, 1.0, 5.0, 1.2]), Scripted("b", [9.0, 2.0, 2.1, 2.0, 7.0])]
+    assert costmodel._time_loops(loops, None, repeats=3, target_seconds=0.0) == [1.0, 2.0]
+    assert order == ["a", "a", "b", "b"] + ["a", "b"] * 3
+
+
 def test_idle_only_when_the_drafter_has_one(monkeypatch):
     timed = []
 
