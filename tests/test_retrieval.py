@@ -357,6 +357,15 @@ def test_policy_for_keys_by_class_when_the_drafter_has_a_confidence_table():
     assert policy_for(RetrievalDrafter(num_nodes=4), SamplerConfig()).classes == 0
 
 
+@pytest.mark.parametrize("temps,match", [("0,0.7", "finite, > 0 and given once"),
+                                         ("0.7,0.7", "given once each"), ("abc", "not a comma-separated list")])
+def test_bad_confidence_temperatures_are_refused_clearly(temps, match, capsys):
+    from jaxdecode.cli import main
+    with pytest.raises(SystemExit):
+        main(["train", "retrieval", "--target", "T", "--out", "O", "--corpus", "C", "--confidence-temperatures", temps])
+    assert match in capsys.readouterr().err
+
+
 def test_sampling_starts_from_the_rates_measured_at_its_temperature():
     """A datastore measured at T = 0.7 and 1.0 (sampled continuations) starts a policy sampling there
     from those rates, counted as a measurement; between measured temperatures (the greedy rates at 0)
