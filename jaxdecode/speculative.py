@@ -967,7 +967,7 @@ def _class_prior_at(drafter, sampler: SamplerConfig) -> tuple[tuple, bool] | Non
     repetition penalty change how likely the drafted tokens are."""
     at = getattr(drafter, "class_prior_at", None)
     plain = (sampler.top_k == 0 and sampler.top_p >= 1.0 and sampler.min_p == 0.0
-             and sampler.repetition_penalty == 1.0)
+             and not sampler.uses_seen_tokens)
     if at is None or not plain:
         return None
     rates, measured = at(sampler.temperature)

@@ -87,9 +87,9 @@ def build_retrieval(target, corpus_dir, out_dir=None, *, distill, workdir, confi
     uncut = make_retrieval_drafter(params, dataclasses.replace(cfg, confidence=(), sampled_confidence=()), target,
                                    eval_options.tree)
     cal = heldout_prompts(corpus_dir, calibration_prompts, eval_options.prompt_len, eval_options.seed + 1)
-    measured = {t: confidence_at(target, uncut, cal, eval_options.new_tokens, t, seed=eval_options.seed)
-                for t in (0.0, *confidence_temperatures)}
-    (confidence, counts), sampled = measured[0.0], {t: m for t, m in measured.items() if t > 0}
+    confidence, counts = confidence_at(target, uncut, cal, eval_options.new_tokens, 0.0)
+    sampled = {t: confidence_at(target, uncut, cal, eval_options.new_tokens, t, seed=eval_options.seed)
+               for t in confidence_temperatures}
     cfg = dataclasses.replace(cfg, confidence=confidence,
                               sampled_confidence=tuple((t, rates) for t, (rates, _) in sampled.items()))
     drafter = make_retrieval_drafter(params, cfg, target, eval_options.tree)
