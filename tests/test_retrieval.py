@@ -4,13 +4,14 @@ test_verifier_pairs)."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdecode.drafters.retrieval import RetrievalDrafter, build_table, context_hashes
+from jaxdecode.drafters.retrieval import RetrievalConfig, RetrievalDrafter, build_table, context_hashes
 
 
 # ----------------------------------------------------------------------------- reference rule
@@ -154,12 +155,54 @@ def test_bad_input_is_refused_clearly():
     ([0.7, 0.2], "not a list of \\(temperature, rates\\) pairs"),
 ])
 def test_bad_sampled_confidence_is_refused_clearly(pairs, match):
-    from jaxdecode.drafters.retrieval import RetrievalConfig
     confidence = () if "greedy" in match else (0.3, 0.6)
     with pytest.raises(ValueError, match=match):
         RetrievalConfig(confidence=confidence, sampled_confidence=pairs)
     with pytest.raises(ValueError, match=match):
         RetrievalDrafter(num_nodes=2, confidence=confidence, sampled_confidence=pairs)
+
+
+def test_classes_by_source_tell_the_rows_own_text_from_the_datastore():
+    """With by_source a token's class is (source, match length): the datastore's lengths 1..L, then the
+    row's own text's. The chain's cut reads that class's rate, and match_acceptance counts the sources
+    apart (the two halves add up to the counts by length alone)."""
+    from jaxdecode.drafters.retrieval import match_acceptance
+    from jaxdecode.speculative import DraftContext
+    table, _ = build_table(np.array([[1, 2, 3, 4, 5, 6]]), max_order=2)
+    conf = (0.5, 0.6, 0.7, 0.9)  # datastore lengths 1, 2; own text lengths 1, 2
+    drafter = RetrievalDrafter(table=table, num_nodes=3, history_ngram=2, confidence=conf, by_source=True)
+    hist = jnp.asarray([[1, 2, 0, 0, 0, 0, 0, 0, 0], [7, 8, 9, 7, 8, 0, 0, 0, 0]], jnp.int32)
+    lens = jnp.asarray([2, 5], jnp.int32)
+    toks, valid, strength, own = (np.asarray(x) for x in drafter.draft(hist, lens, with_match=True))
+    assert toks.tolist() == [[3, 4, 5], [9, 7, 8]] and valid.all()
+    assert strength.tolist() == [[2, 2, 2], [2, 2, 2]] and own.tolist() == [[False] * 3, [True] * 3]
+    tree, _, _ = drafter.propose((), DraftContext(history=hist, hist_len=lens, key=jax.random.key(0)), None)
+    assert np.asarray(tree.classes).tolist() == [[1, 1, 1], [3, 3, 3]]
+    assert drafter.confidence_classes == 4
+    # the cut: reach 0.6, 0.36 on the datastore's chain (cut after one), 0.9, 0.81, 0.73 on the own text's
+    cut = RetrievalDrafter(table=table, num_nodes=3, history_ngram=2, confidence=conf, by_source=True, min_reach=0.4)
+    assert np.asarray(cut.draft(hist, lens)[1]).tolist() == [[True, False, False], [True] * 3]
+
+    prompts = np.array([[0, 0, 0, 1, 2], [7, 8, 9, 7, 8]], np.int32)
+    continuations = np.array([[3, 4, 9], [9, 7, 1]], np.int32)
+    split = match_acceptance(dataclasses.replace(drafter, confidence=()), prompts, continuations)
+    whole = match_acceptance(dataclasses.replace(drafter, confidence=(), by_source=False), prompts, continuations)
+    assert len(split[0]) == 4 and len(whole[0]) == 2
+    halves = np.asarray(split[1]).reshape(2, 2, 2)
+    assert (halves.sum(0) == np.asarray(whole[1])).all()
+    assert halves[0].tolist() == [[0, 0], [3, 2]] and halves[1].tolist() == [[0, 0], [3, 2]]
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda t: RetrievalDrafter(table=t, by_source=True, confidence=(0.1, 0.2, 0.3)), "2L in all"),
+    (lambda t: RetrievalDrafter(by_source=True), "no datastore"),
+    (lambda t: RetrievalDrafter(table=t, by_source="yes"), "true or false"),
+    (lambda t: RetrievalConfig(by_source=True, confidence=(0.1, 0.2, 0.3)), "2L in all"),
+])
+def test_bad_by_source_is_refused_clearly(make, match):
+    table, _ = build_table(np.array([[1, 2, 3]]), max_order=2)
+    with pytest.raises(ValueError, match=match):
+        make(table)
 
 
 # ----------------------------------------------------------------------------- a shipped datastore
@@ -195,6 +238,7 @@ def test_cli_builds_a_datastore_that_decodes_exactly(built, capsys):
     assert all(len(r) == len(loaded.cfg.confidence) for _, r in loaded.cfg.sampled_confidence)
     counts = extra["confidence_counts"]
     assert len(counts["tried_accepted_at_0.7"]) == len(counts["tried_accepted"]) == len(loaded.cfg.confidence)
+    assert not loaded.cfg.by_source and len(loaded.cfg.confidence) == 8  # by match length (max(8, max_order))
     drafter = make_drafter("retrieval", target, drafter_dir=str(out), tree="chain:5")
     assert drafter.num_nodes == 5 and drafter.acceptance_prior == tuple(extra["heldout"]["accept_by_depth"])
     prompts = ["def f(x):", "import os\n", "class A"]
@@ -355,6 +399,9 @@ def test_policy_for_keys_by_class_when_the_drafter_has_a_confidence_table():
     assert sampled.classes == 3 and sampled.prior_by_class == (0.3, 0.6, 0.9) and sampled.prior_weight == 0.0
     assert greedy.prior_weight == adaptive.MEASURED_PRIOR_WEIGHT
     assert policy_for(RetrievalDrafter(num_nodes=4), SamplerConfig()).classes == 0
+    table, _ = build_table(np.array([[1, 2, 3]]), max_order=2)
+    by_source = RetrievalDrafter(table=table, num_nodes=4, confidence=(0.3, 0.5, 0.4, 0.9), by_source=True)
+    assert policy_for(by_source, SamplerConfig()).prior_by_class == (0.3, 0.5, 0.4, 0.9)  # one key per class
 
 
 @pytest.mark.parametrize("temps,match", [("0,0.7", "finite, > 0 and given once"),
@@ -393,13 +440,16 @@ def test_sampling_starts_from_the_rates_measured_at_its_temperature():
     assert RetrievalDrafter(num_nodes=4).class_prior_at(0.7) == ((), False)
 
 
-@pytest.mark.parametrize("verifier,lossless", [("point_mass", True), ("typical", False)])
+@pytest.mark.parametrize("verifier,lossless,by_source", [("point_mass", True, False), ("typical", False, False),
+                                                       ("point_mass", True, True)])
 @pytest.mark.exec_bound  # 1e5 rows: running, not compiling (tests/conftest.py)
-def test_class_keyed_adaptive_sampling_is_lossless(verifier, lossless):
+def test_class_keyed_adaptive_sampling_is_lossless(verifier, lossless, by_source):
     """1e5 rows of the chi-squared harness's target (tests/test_verifier_pairs.py) sampled at T = 1 with
     the retrieval drafter under a class-keyed policy whose costs keep strong matches and drop weak
     ones, so rows verify different depths by the classes of their own proposals: the first two tokens
-    follow the target's law; the lossy `typical` verifier fails the same test."""
+    follow the target's law; the lossy `typical` verifier fails the same test. by_source: the classes
+    also tell the row's own text from the datastore (a 1-token match is dropped from the datastore
+    only)."""
     import test_verifier_pairs as vp
 
     from jaxdecode import adaptive
@@ -408,8 +458,9 @@ def test_class_keyed_adaptive_sampling_is_lossless(verifier, lossless):
 
     rows = np.random.default_rng(2).integers(0, vp.V, size=(64, 12))
     table, _ = build_table(rows, max_order=2)
-    drafter = RetrievalDrafter(table=table, num_nodes=2, history_ngram=2, confidence=(0.25, 0.9))
-    policy = adaptive.AdaptivePolicy(widths=(0, 1, 2), shape="proposal", classes=2, prior_by_class=(0.25, 0.9),
+    conf = (0.25, 0.9, 0.9, 0.9) if by_source else (0.25, 0.9)
+    drafter = RetrievalDrafter(table=table, num_nodes=2, history_ngram=2, confidence=conf, by_source=by_source)
+    policy = adaptive.AdaptivePolicy(widths=(0, 1, 2), shape="proposal", classes=len(conf), prior_by_class=conf,
                                      margin=0.0)
     costs = vp.StepCosts(per_node=0.35, draft=0.0)  # a node pays from a ~0.35 estimate: class 1, not class 0
     n, chunks = 100_000, 5

@@ -5,12 +5,13 @@ resumable self-distillation data the trained drafters use; greedy by default, si
 is accepted most often when it is the target's most likely token), the rows are kept from
 `max_order` tokens before each continuation (its context) to its EOS, and the drafter's table is built
 from them when it is loaded (jaxdecode.drafters.retrieval). On held-out prompts the target's greedy
-continuations then measure how often a drafted token is accepted by its match length (the drafter's
-confidence cut, `RetrievalConfig.confidence`), their continuations sampled at each of
-`confidence_temperatures` the same rates when sampling there (`RetrievalConfig.sampled_confidence`,
-the adaptive policy's start at that temperature), and a real greedy speculative run on other held-out
-prompts measures tau and the acceptance by depth (which the adaptive policy starts from). The export
-holds the rows (uint16), the config with the confidence, and those figures.
+continuations then measure how often a drafted token is accepted by its match length (with `by_source`
+datastore and own-text matches apart; the drafter's confidence cut, `RetrievalConfig.confidence`),
+their continuations sampled at each of `confidence_temperatures` the same rates when sampling there
+(`RetrievalConfig.sampled_confidence`, the adaptive policy's start at that temperature), and a real
+greedy speculative run on other held-out prompts measures tau and the acceptance by depth (which the
+adaptive policy starts from). The export holds the rows (uint16), the config with the confidence, and
+those figures.
 """
 from __future__ import annotations
 

@@ -26,10 +26,16 @@ entries, but the datastore's match then looks shorter than it is and loses ties 
 The match length is the draft's confidence: with `confidence` (the acceptance by match length, measured
 where the datastore was built, `match_acceptance`) the chain stops where the product of its tokens'
 rates falls below `min_reach`, and each node's class (its match length) keys the adaptive policy's
-estimates (jaxdecode.adaptive, "Confidence classes"). `sampled_confidence` holds the same rates
-measured at sampling temperatures (the walk over sampled continuations: a point-mass draft is accepted
-with the target's probability of its token, which is the chance the sampled text holds it), so a
-policy sampling at such a temperature starts from its own measurement, not the greedy one.
+estimates (jaxdecode.adaptive, "Confidence classes"). With `by_source` a class is the pair (where the
+match was found, its length): a match in the row's own text is kept far more often than a datastore
+match of the same length (greedy, length 8: 0.95 against 0.78; at T = 0.7, length 2: 0.44 against
+0.25), and a long prompt has more of them, so rates by length alone shift with the prompt's length;
+by source they do not (BENCHMARKS.md, "... confidence by where the match was found ..."; not the default: it
+did not decode faster, and its lower datastore rates cut long chains early). `sampled_confidence`
+holds the same rates measured at sampling temperatures (the walk over sampled continuations: a
+point-mass draft is accepted with the target's probability of its token, which is the chance the
+sampled text holds it), so a policy sampling at such a temperature starts from its own measurement,
+not the greedy one.
 
 The shipped datastore (`jaxdecode train retrieval`) is the target's greedy continuations of training
 prompts, stored as token rows in the trained-drafter format; the table is built when it is loaded.
@@ -239,6 +245,9 @@ class RetrievalDrafter:
     # The target's acceptance by depth measured where the datastore was built (the adaptive policy's
     # starting estimates); () = the policy's flat prior.
     acceptance_prior: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+    # Classes by (source, match length): `confidence` (and each sampled rates tuple) holds 2L rates, the
+    # datastore's matches of length 1..L, then the row's own text's (node_classes). Needs a table.
+    by_source: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     child_rule = "point"
     is_chain = True
@@ -262,6 +271,7 @@ class RetrievalDrafter:
         if self.table is not None and not isinstance(self.table, NgramTable):
             raise ValueError(f"RetrievalDrafter: table must be an NgramTable (build_table) or None, got "
                              f"{type(self.table).__name__}")
+        check_by_source("RetrievalDrafter", self.by_source, conf, has_table=self.table is not None)
 
     def init(self, prompt_tokens, prompt_lengths, cache_len, key):
         return ()  # stateless: the history and the datastore hold all it reads
@@ -269,7 +279,8 @@ class RetrievalDrafter:
     def draft(self, history, hist_len, with_match: bool = False):
         """(tokens int32[B, num_nodes], valid bool[B, num_nodes]) for rows with `hist_len` tokens of
         `history` int32[B, H] committed (the pending one last); with_match adds each token's winning
-        match length int32[B, num_nodes] (0 past the chain's end)."""
+        match length int32[B, num_nodes] (0 past the chain's end) and whether the row's own text won it
+        bool[B, num_nodes] (it wins ties)."""
         b, h = history.shape
         ng = self.history_ngram
         col = jnp.arange(h, dtype=jnp.int32)[None, :]
@@ -286,11 +297,13 @@ class RetrievalDrafter:
             end = jnp.where(top >= 0, top % h, 0).astype(jnp.int32)
             n_hist = jnp.where(top >= 0, top // h, 0).astype(jnp.int32)
             tok = jnp.take_along_axis(work, jnp.clip(end + 1, 0, h - 1)[:, None], axis=1)[:, 0]
+            own = jnp.ones_like(alive)  # the row's own text won the match
             if self.table is not None:
                 idx = length[:, None] - order_k + jnp.arange(order_k, dtype=jnp.int32)[None, :]
                 last = jnp.where(idx >= 0, jnp.take_along_axis(work, jnp.clip(idx, 0, h - 1), axis=1), -1)
                 stored, n_store = self.table.lookup(last)
-                tok = jnp.where(n_hist >= n_store, tok, stored)
+                own = n_hist >= n_store
+                tok = jnp.where(own, tok, stored)
                 n_hist = jnp.maximum(n_hist, n_store)
             alive = alive & (n_hist > 0)  # n_hist is now the winning match length
             tok = jnp.where(alive, tok, 0).astype(jnp.int32)
@@ -298,16 +311,25 @@ class RetrievalDrafter:
             prev = jnp.pad(match, ((0, 0), (1, 0)))[:, :h]
             match = jnp.where(work == tok[:, None], jnp.minimum(prev + 1, ng), 0)
             work = jnp.where(col == length[:, None], tok[:, None], work)
-            return (work, jnp.minimum(length + 1, h - 1), match, alive), (tok, alive, jnp.where(alive, n_hist, 0))
+            return ((work, jnp.minimum(length + 1, h - 1), match, alive),
+                    (tok, alive, jnp.where(alive, n_hist, 0), own & alive))
 
         init = (history, hist_len.astype(jnp.int32), match, jnp.ones((b,), bool))
-        _, (tokens, valid, strength) = jax.lax.scan(step, init, None, length=self.num_nodes)
-        tokens, valid, strength = tokens.T, valid.T, strength.T
+        _, (tokens, valid, strength, own) = jax.lax.scan(step, init, None, length=self.num_nodes)
+        tokens, valid, strength, own = tokens.T, valid.T, strength.T, own.T
         if self.min_reach > 0:
             conf = jnp.asarray(self.confidence, jnp.float32)
-            reach = jnp.cumprod(conf[jnp.clip(strength, 1, len(self.confidence)) - 1], axis=1)
+            reach = jnp.cumprod(conf[self.node_classes(strength, own)], axis=1)
             valid = valid & (reach >= self.min_reach)  # reach only falls along the chain: a prefix stays
-        return (tokens, valid, strength) if with_match else (tokens, valid)
+        return (tokens, valid, strength, own) if with_match else (tokens, valid)
+
+    def node_classes(self, strength, own):
+        """Each token's confidence class (its index into `confidence`) from its winning match length
+        (>= 1; longer ones share the last length's class) and, with by_source, whether the row's own
+        text won it (the second half of the classes)."""
+        per_source = len(self.confidence) // 2 if self.by_source else len(self.confidence)
+        cls = jnp.clip(strength, 1, per_source) - 1
+        return (cls + per_source * own.astype(cls.dtype)) if self.by_source else cls
 
     @property
     def verify_widths(self):
@@ -318,7 +340,8 @@ class RetrievalDrafter:
     @property
     def confidence_classes(self) -> int:
         """Classes of the adaptive policy's estimates (speculative.policy_for): one per match length
-        the confidence table tells apart, 0 without one."""
+        the confidence table tells apart (per source with by_source; the last class, a long match in
+        the row's own text, is the most confident), 0 without one."""
         return len(self.confidence)
 
     @property
@@ -346,10 +369,10 @@ class RetrievalDrafter:
         return tuple(round((1 - w) * a + w * b, 4) for a, b in zip(r0, r1)), False
 
     def propose(self, state, ctx, sampler):
-        tokens, valid, strength = self.draft(ctx.history, ctx.hist_len, with_match=True)
+        tokens, valid, strength, own = self.draft(ctx.history, ctx.hist_len, with_match=True)
         tree = chain_tree(tokens, valid)
-        if self.confidence:  # class = match length - 1 (longer ones share the last class)
-            tree = tree.replace(classes=jnp.clip(strength, 1, len(self.confidence)) - 1)
+        if self.confidence:
+            tree = tree.replace(classes=self.node_classes(strength, own))
         return tree, None, state
 
     def observe(self, state, obs):
@@ -373,6 +396,9 @@ class RetrievalConfig:
     # The acceptance by match length at sampling temperatures, measured the same way over sampled
     # continuations: ((temperature, rates), ...); the adaptive policy's start when sampling there.
     sampled_confidence: tuple = ()
+    # The rates above by (source, match length): datastore matches' L rates, then the row's own text's
+    # (RetrievalDrafter.by_source). False in datastores built before it, which hold rates by length.
+    by_source: bool = False
 
     def __post_init__(self):
         for name in ("max_order", "history_ngram", "num_nodes", "ways"):
@@ -385,6 +411,7 @@ class RetrievalConfig:
         object.__setattr__(self, "confidence", tuple(float(c) for c in self.confidence))
         object.__setattr__(self, "sampled_confidence",
                            check_sampled_confidence("RetrievalConfig", self.sampled_confidence, self.confidence))
+        check_by_source("RetrievalConfig", self.by_source, self.confidence)
 
 
 # A rate measured at temperature t serves a sampler within this of t; elsewhere the policy guesses.
@@ -413,6 +440,23 @@ def check_sampled_confidence(owner: str, pairs, confidence: tuple) -> tuple:
             raise RetrievalError(f"{owner}: sampled_confidence at temperature {t} must hold {len(confidence)} "
                                  f"probabilities (one per match length, as `confidence`), got {rates}")
     return out
+
+
+def check_by_source(owner: str, by_source, confidence: tuple, has_table: bool = True) -> None:
+    """by_source is a bool; with it the rates come in two halves (datastore, own text) of one length each,
+    and there is a datastore to tell the sources apart."""
+    if not isinstance(by_source, (bool, np.bool_)):
+        raise RetrievalError(f"{owner}: by_source must be true or false, got {by_source!r}")
+    if not by_source:
+        return
+    if not has_table:
+        raise RetrievalError(f"{owner}: by_source tells datastore matches from the row's own text, but there is "
+                             f"no datastore (table=None); drop by_source for prompt lookup")
+    if len(confidence) % 2:
+        raise RetrievalError(f"{owner}: with by_source, confidence holds the datastore's rates by match length "
+                             f"1..L, then the row's own text's (2L in all), got {len(confidence)} rates; measure "
+                             f"them with `jaxdecode train retrieval` (or set by_source=false for rates by "
+                             f"length alone)")
 
 
 def datastore_params(rows, lengths, starts) -> dict:
@@ -463,7 +507,7 @@ def make_retrieval_drafter(params, cfg: RetrievalConfig, target, tree=None, temp
     kw.setdefault("min_reach", cfg.min_reach if cfg.confidence else 0.0)
     table, _ = table_for(params, cfg, target.config.vocab_size)
     return RetrievalDrafter(table=table, num_nodes=_node_budget(tree, cfg.num_nodes), confidence=cfg.confidence,
-                            sampled_confidence=cfg.sampled_confidence, **kw)
+                            sampled_confidence=cfg.sampled_confidence, by_source=cfg.by_source, **kw)
 
 
 def match_acceptance(drafter: RetrievalDrafter, prompts, continuations, max_length: int | None = None,
@@ -474,15 +518,17 @@ def match_acceptance(drafter: RetrievalDrafter, prompts, continuations, max_leng
     the text so far, its tokens count as tried up to the first mismatch, and the walk moves on by what
     greedy verification would commit. Returns (rates per length 1..max_length, smoothed with one
     accepted and one rejected pseudo-count and made non-decreasing in the length, [tried, accepted]
-    counts per length). Over continuations sampled at temperature T the same walk measures the
-    acceptance when sampling at T: a point-mass draft is kept with the target's probability of its
-    token, the chance that the sampled text holds it, and a rejection's replacement is drawn as the
-    sampled text's token given that it differs."""
+    counts per length); for a `by_source` drafter 2 x max_length of each, the datastore's lengths then
+    the row's own text's (each half non-decreasing). Over continuations sampled at temperature T the
+    same walk measures the acceptance when sampling at T: a point-mass draft is kept with the target's
+    probability of its token, the chance that the sampled text holds it, and a rejection's replacement
+    is drawn as the sampled text's token given that it differs."""
     prompts, continuations = np.asarray(prompts), np.asarray(continuations)
     r, p = prompts.shape
     c = continuations.shape[1]
     max_length = max_length or max(drafter.history_ngram, drafter.table.max_order if drafter.table else 1)
-    counts = np.zeros((max_length, 2), np.int64)
+    sources = 2 if drafter.by_source else 1
+    counts = np.zeros((sources, max_length, 2), np.int64)
     draft = jax.jit(lambda h, n: drafter.draft(h, n, with_match=True))
     room = np.zeros((r, drafter.num_nodes + 1), np.int32)  # where the drafter writes its chain
     text = np.concatenate([prompts, continuations, room], axis=1).astype(np.int32)
@@ -491,20 +537,20 @@ def match_acceptance(drafter: RetrievalDrafter, prompts, continuations, max_leng
         done = np.zeros(len(rows), np.int64)  # continuation tokens already walked past
         while (done < c).any():
             hist = np.where(np.arange(rows.shape[1])[None, :] < (p + done)[:, None], rows, 0)
-            toks, valid, strength = (np.asarray(x) for x in draft(jnp.asarray(hist, jnp.int32),
-                                                                 jnp.asarray(p + done, jnp.int32)))
+            toks, valid, strength, own = (np.asarray(x) for x in draft(jnp.asarray(hist, jnp.int32),
+                                                                      jnp.asarray(p + done, jnp.int32)))
             for i in np.flatnonzero(done < c):
                 a = 0
                 while a < drafter.num_nodes and valid[i, a] and done[i] + a < c:
                     k = min(int(strength[i, a]), max_length) - 1
                     ok = toks[i, a] == rows[i, p + done[i] + a]
-                    counts[k] += (1, int(ok))
+                    counts[int(own[i, a]) if sources == 2 else 0, k] += (1, int(ok))
                     if not ok:
                         break
                     a += 1
                 done[i] += a + 1
-    rates = np.maximum.accumulate((counts[:, 1] + 1.0) / (counts[:, 0] + 2.0))
-    return tuple(round(float(x), 4) for x in rates), counts.tolist()
+    rates = np.maximum.accumulate((counts[..., 1] + 1.0) / (counts[..., 0] + 2.0), axis=1).reshape(-1)
+    return tuple(round(float(x), 4) for x in rates), counts.reshape(-1, 2).tolist()
 
 
 register_kind(DrafterKind(name="retrieval", config_cls=RetrievalConfig, make=make_retrieval_drafter,
