@@ -397,7 +397,7 @@ class RetrievalConfig:
     # continuations: ((temperature, rates), ...); the adaptive policy's start when sampling there.
     sampled_confidence: tuple = ()
     # The rates above by (source, match length): datastore matches' L rates, then the row's own text's
-    # (RetrievalDrafter.by_source). False in datastores built before it, which hold rates by length.
+    # (RetrievalDrafter.by_source; `--set by_source=true`). False, the default: rates by length alone.
     by_source: bool = False
 
     def __post_init__(self):
