@@ -253,6 +253,9 @@ def main(argv=None):
                           f"{'  ' + str(m['extra']) if m['extra'] else ''}"
                           f"{''.join(f'  {k} {v[0]}' for k, v in m['batch_stats'].items() if k.endswith('_widths'))}",
                           flush=True)
+                # each cell compiles its own programs: release them, or a grid of cells runs out of memory
+                # maps in XLA:CPU (README, "Many configurations in one process")
+                jax.clear_caches()
 
     print_table(rows, skipped)
     write_result(dict(jax=jax.__version__, platform=jax.devices()[0].platform, cpu_count=os.cpu_count(),

@@ -333,7 +333,10 @@ def run_bench(model, prompts: Sequence[str], methods: Sequence[str], batch_sizes
               progress: Callable[[str], None] | None = None) -> list[dict]:
     """Measure each method string at each batch size on `prompts` (module docstring: how, and the row
     fields). `draft` / `drafter_dir` / `temperature` / `seed` go to every method that takes them and
-    does not set them in its string. Returns the rows, batch size by batch size, methods in order."""
+    does not set them in its string. Returns the rows, batch size by batch size, methods in order.
+    Each row's compiled programs are released when it is done (`jax.clear_caches()`): on a CPU a process
+    that keeps a few dozen decoders compiled runs out of memory maps (README, "Many configurations in
+    one process"), and a row's timing never includes its compile time anyway."""
     import jax
 
     import jaxdecode
@@ -397,6 +400,7 @@ def run_bench(model, prompts: Sequence[str], methods: Sequence[str], batch_sizes
                 row["same_as_first"] = (outputs == base_out) if (argmax and base_argmax) else None
             rows.append({k: row[k] for k in ROW_FIELDS})
             say(f"{text} at batch {size}: {row['tokens_per_second']} tokens/s, speedup {row['speedup']}")
+            jax.clear_caches()
     return rows
 
 

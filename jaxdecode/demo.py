@@ -99,8 +99,7 @@ def run_demo(max_new_tokens: int = 64) -> int:
 # The default drafter is the target's retrieval datastore (target/drafters/retrieval).
 SPEC_CONFIGS = [
     ("default (retrieval datastore, adaptive)", 1, {}),
-    ("retrieval, chain of 8, fixed (adaptive=False)", 1, {"drafter": "retrieval", "tree": "chain:8",
-                                                          "adaptive": False}),
+    ("retrieval, chain of 16, fixed (adaptive=False)", 1, {"drafter": "retrieval", "adaptive": False}),
     ("draft LM, chain of 4, adaptive", 1, {"drafter": "draft_lm", "tree": "chain:4"}),
     ("default (retrieval datastore, adaptive)", len(PROMPTS), {}),
     ("draft LM, chain of 4, adaptive", len(PROMPTS), {"drafter": "draft_lm", "tree": "chain:4"}),

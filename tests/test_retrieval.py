@@ -183,6 +183,15 @@ def test_classes_by_source_tell_the_rows_own_text_from_the_datastore():
     cut = RetrievalDrafter(table=table, num_nodes=3, history_ngram=2, confidence=conf, by_source=True, min_reach=0.4)
     assert np.asarray(cut.draft(hist, lens)[1]).tolist() == [[True, False, False], [True] * 3]
 
+    # sampling at T = 0.7 the cut reads the rates measured there: the own text's chain ends after one too
+    # (0.5, 0.25); at a temperature between measurements, interpolated rates (0.7 at T = 0.35: two kept)
+    sampled = ((0.7, (0.3, 0.4, 0.4, 0.5)),)
+    for t, kept in ((0.0, 3), (0.35, 2), (0.7, 1)):
+        hot = dataclasses.replace(cut, sampled_confidence=sampled, temperature=t)
+        assert np.asarray(hot.draft(hist, lens)[1]).tolist()[1] == [True] * kept + [False] * (3 - kept)
+    with pytest.raises(ValueError, match="finite number >= 0"):
+        dataclasses.replace(cut, temperature=-1.0)
+
     prompts = np.array([[0, 0, 0, 1, 2], [7, 8, 9, 7, 8]], np.int32)
     continuations = np.array([[3, 4, 9], [9, 7, 1]], np.int32)
     split = match_acceptance(dataclasses.replace(drafter, confidence=()), prompts, continuations)
@@ -232,13 +241,16 @@ def test_cli_builds_a_datastore_that_decodes_exactly(built, capsys):
     assert rows.dtype == np.uint16 and rows.shape == (32, 40 - 8 + 4)  # 4 context tokens + the continuation
     extra = loaded.extra
     assert extra["data"]["rows"] == 32 and extra["table"]["entries"] > 0
-    assert extra["heldout"]["tau"] >= 1.0 and len(extra["heldout"]["accept_by_depth"]) == 8
+    # the build's defaults (training.retrieval.BUILD_DEFAULTS): chains of 16, cut at reach 0.15
+    assert loaded.cfg.num_nodes == 16 and loaded.cfg.min_reach == 0.15
+    assert extra["heldout"]["tau"] >= 1.0 and len(extra["heldout"]["accept_by_depth"]) == 16
     # the acceptance by match length greedily and at the default sampling temperatures, one rate a class
     assert [t for t, _ in loaded.cfg.sampled_confidence] == [0.7, 1.0]
     assert all(len(r) == len(loaded.cfg.confidence) for _, r in loaded.cfg.sampled_confidence)
     counts = extra["confidence_counts"]
     assert len(counts["tried_accepted_at_0.7"]) == len(counts["tried_accepted"]) == len(loaded.cfg.confidence)
-    assert not loaded.cfg.by_source and len(loaded.cfg.confidence) == 8  # by match length (max(8, max_order))
+    # by (source, match length): the datastore's lengths 1..8 (max(8, max_order)), then the row's own text's
+    assert loaded.cfg.by_source and len(loaded.cfg.confidence) == 16
     drafter = make_drafter("retrieval", target, drafter_dir=str(out), tree="chain:5")
     assert drafter.num_nodes == 5 and drafter.acceptance_prior == tuple(extra["heldout"]["accept_by_depth"])
     prompts = ["def f(x):", "import os\n", "class A"]

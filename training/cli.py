@@ -217,8 +217,9 @@ def add_retrieval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--gen-batch-size", type=int, default=32, help="rows per batched decode call")
     p.add_argument("--seed", type=int, default=0, help="prompt-choice and sampling seed")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="a field of RetrievalConfig (max_order, history_ngram, num_nodes, ways, load, by_source: "
-                        "rates by match source and length), value as JSON; repeatable")
+                   help="a field of RetrievalConfig (max_order, history_ngram, num_nodes, ways, load, min_reach, "
+                        "by_source: rates by match source and length), value as JSON; repeatable. A build "
+                        "stores by_source=true, num_nodes=16, min_reach=0.15 unless set")
     e = p.add_argument_group("held-out evaluation")
     e.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts decoded speculatively")
     e.add_argument("--eval-new-tokens", type=int, default=64, help="tokens decoded per held-out prompt")

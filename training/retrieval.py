@@ -60,6 +60,15 @@ def confidence_at(target, drafter, prompts, new_tokens: int, temperature: float,
     return match_acceptance(drafter, prompts, np.asarray(cont.tokens))
 
 
+# What a build stores unless `config_overrides` (`--set`) says otherwise: rates by (source, match length),
+# and chains of up to 16 tokens cut at reach 0.15, which the adaptive policy then sizes per step. On the
+# shipped datastore this decoded 2.01x plain greedy at batch 1 where rates by length with chains of 8 cut
+# at 0.25 decoded 1.84x, and no slower at batch 4 or 16 or when sampling (BENCHMARKS.md, "Rates by
+# source, chains of 16"). RetrievalConfig's own defaults differ: they read a datastore saved without
+# these fields as it was built (rates by length).
+BUILD_DEFAULTS = dict(by_source=True, num_nodes=16, min_reach=0.15)
+
+
 def build_retrieval(target, corpus_dir, out_dir=None, *, distill, workdir, config_overrides: dict | None = None,
                     eval_options: EvalOptions = EvalOptions(), calibration_prompts: int = 64,
                     confidence_temperatures: tuple = (0.7, 1.0), progress: bool = True) -> RetrievalBuildResult:
@@ -78,7 +87,7 @@ def build_retrieval(target, corpus_dir, out_dir=None, *, distill, workdir, confi
     target = _load_target(target)
     if target.tokenizer is not None:
         Corpus.open(corpus_dir).check_tokenizer(target.tokenizer)
-    cfg = RetrievalConfig(**(config_overrides or {}))
+    cfg = RetrievalConfig(**(BUILD_DEFAULTS | (config_overrides or {})))
     shard = self_distill_data(target, corpus_dir, Path(workdir) / "data", distill, progress=progress)
     data = np.load(shard)
     rows, lengths, starts = datastore_rows(data["tokens"], data["mask"], distill.prompt_len, cfg.max_order)

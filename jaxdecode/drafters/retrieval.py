@@ -25,13 +25,16 @@ entries, but the datastore's match then looks shorter than it is and loses ties 
 
 The match length is the draft's confidence: with `confidence` (the acceptance by match length, measured
 where the datastore was built, `match_acceptance`) the chain stops where the product of its tokens'
-rates falls below `min_reach`, and each node's class (its match length) keys the adaptive policy's
-estimates (jaxdecode.adaptive, "Confidence classes"). With `by_source` a class is the pair (where the
+rates falls below `min_reach` (when sampling, the rates measured at that temperature), and each
+node's class (its match length) keys the adaptive policy's estimates (jaxdecode.adaptive, "Confidence
+classes"). With `by_source` a class is the pair (where the
 match was found, its length): a match in the row's own text is kept far more often than a datastore
 match of the same length (greedy, length 8: 0.95 against 0.78; at T = 0.7, length 2: 0.44 against
 0.25), and a long prompt has more of them, so rates by length alone shift with the prompt's length;
-by source they do not (BENCHMARKS.md, "... confidence by where the match was found ..."; not the default: it
-did not decode faster, and its lower datastore rates cut long chains early). `sampled_confidence`
+by source they do not (BENCHMARKS.md, "... confidence by where the match was found ..."). A datastore
+built now stores rates by source, for chains of up to 16 tokens cut at reach 0.15 (training.retrieval
+BUILD_DEFAULTS; with the cut at 0.25 and chains of 8, by-source rates stopped chains of datastore matches
+early and did not pay, BENCHMARKS.md "Rates by source, chains of 16"). `sampled_confidence`
 holds the same rates measured at sampling temperatures (the walk over sampled continuations: a
 point-mass draft is accepted with the target's probability of its token, which is the chance the
 sampled text holds it), so a policy sampling at such a temperature starts from its own measurement,
@@ -248,6 +251,10 @@ class RetrievalDrafter:
     # Classes by (source, match length): `confidence` (and each sampled rates tuple) holds 2L rates, the
     # datastore's matches of length 1..L, then the row's own text's (node_classes). Needs a table.
     by_source: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # The temperature the target samples at: the confidence cut multiplies the rates measured there
+    # (class_prior_at), since a point-mass draft is kept less often when sampling; at 0 the greedy rates.
+    # Greedy rates cut sampled chains too late, and at T = 0.7 the adaptive policy drafted at a loss.
+    temperature: float = dataclasses.field(default=0.0, metadata=dict(static=True))
 
     child_rule = "point"
     is_chain = True
@@ -268,6 +275,9 @@ class RetrievalDrafter:
         if self.min_reach > 0 and not conf:
             raise RetrievalError("RetrievalDrafter: min_reach needs the confidence by match length "
                                  "(measured by `jaxdecode train retrieval`, or given as confidence=(...))")
+        if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature < float("inf")):
+            raise RetrievalError(f"RetrievalDrafter: temperature must be a finite number >= 0 (the sampling "
+                                 f"temperature whose rates the cut reads), got {self.temperature!r}")
         if self.table is not None and not isinstance(self.table, NgramTable):
             raise ValueError(f"RetrievalDrafter: table must be an NgramTable (build_table) or None, got "
                              f"{type(self.table).__name__}")
@@ -318,7 +328,7 @@ class RetrievalDrafter:
         _, (tokens, valid, strength, own) = jax.lax.scan(step, init, None, length=self.num_nodes)
         tokens, valid, strength, own = tokens.T, valid.T, strength.T, own.T
         if self.min_reach > 0:
-            conf = jnp.asarray(self.confidence, jnp.float32)
+            conf = jnp.asarray(self.class_prior_at(self.temperature)[0], jnp.float32)
             reach = jnp.cumprod(conf[self.node_classes(strength, own)], axis=1)
             valid = valid & (reach >= self.min_reach)  # reach only falls along the chain: a prefix stays
         return (tokens, valid, strength, own) if with_match else (tokens, valid)
@@ -386,18 +396,19 @@ class RetrievalConfig:
     retrieval`; the rows themselves are the drafter's params)."""
     max_order: int = 8  # longest datastore context, in tokens
     history_ngram: int = 8  # longest match looked for in the row's own text
-    num_nodes: int = 8  # chain length when the tree option does not say (tree="chain:N")
+    num_nodes: int = 8  # chain length when the tree option does not say (tree="chain:N"); builds store 16
     ways: int = 4  # slots per hash bucket
     load: float = 0.5  # entries per slot the table is sized for
     # Acceptance by winning match length, measured on held-out prompts when the datastore is built
     # (match_acceptance), and the reach below which a chain stops (RetrievalDrafter); () / 0: no cut.
     confidence: tuple = ()
-    min_reach: float = 0.25  # tuned on the 2-core CPU of BENCHMARKS.md; no effect without confidence
+    min_reach: float = 0.25  # no effect without confidence; builds store 0.15 (with rates by source)
     # The acceptance by match length at sampling temperatures, measured the same way over sampled
     # continuations: ((temperature, rates), ...); the adaptive policy's start when sampling there.
     sampled_confidence: tuple = ()
     # The rates above by (source, match length): datastore matches' L rates, then the row's own text's
-    # (RetrievalDrafter.by_source; `--set by_source=true`). False, the default: rates by length alone.
+    # (RetrievalDrafter.by_source). False here, so a datastore saved before the field existed reads as it
+    # was measured (rates by length); a build now stores True (training.retrieval.BUILD_DEFAULTS).
     by_source: bool = False
 
     def __post_init__(self):
@@ -507,7 +518,8 @@ def make_retrieval_drafter(params, cfg: RetrievalConfig, target, tree=None, temp
     kw.setdefault("min_reach", cfg.min_reach if cfg.confidence else 0.0)
     table, _ = table_for(params, cfg, target.config.vocab_size)
     return RetrievalDrafter(table=table, num_nodes=_node_budget(tree, cfg.num_nodes), confidence=cfg.confidence,
-                            sampled_confidence=cfg.sampled_confidence, by_source=cfg.by_source, **kw)
+                            sampled_confidence=cfg.sampled_confidence, by_source=cfg.by_source,
+                            temperature=float(temperature), **kw)
 
 
 def match_acceptance(drafter: RetrievalDrafter, prompts, continuations, max_length: int | None = None,
