@@ -189,8 +189,10 @@ def test_classes_by_source_tell_the_rows_own_text_from_the_datastore():
     for t, kept in ((0.0, 3), (0.35, 2), (0.7, 1)):
         hot = dataclasses.replace(cut, sampled_confidence=sampled, temperature=t)
         assert np.asarray(hot.draft(hist, lens)[1]).tolist()[1] == [True] * kept + [False] * (3 - kept)
-    with pytest.raises(ValueError, match="finite number >= 0"):
-        dataclasses.replace(cut, temperature=-1.0)
+    assert dataclasses.replace(cut, temperature=np.float32(0.7)).temperature == pytest.approx(0.7)
+    for bad in (-1.0, float("nan"), True, "0.7"):
+        with pytest.raises(ValueError, match="finite number >= 0"):
+            dataclasses.replace(cut, temperature=bad)
 
     prompts = np.array([[0, 0, 0, 1, 2], [7, 8, 9, 7, 8]], np.int32)
     continuations = np.array([[3, 4, 9], [9, 7, 1]], np.int32)

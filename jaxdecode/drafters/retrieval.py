@@ -46,6 +46,7 @@ prompts, stored as token rows in the trained-drafter format; the table is built 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 
 import jax
@@ -275,9 +276,11 @@ class RetrievalDrafter:
         if self.min_reach > 0 and not conf:
             raise RetrievalError("RetrievalDrafter: min_reach needs the confidence by match length "
                                  "(measured by `jaxdecode train retrieval`, or given as confidence=(...))")
-        if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature < float("inf")):
+        if (isinstance(self.temperature, bool) or not isinstance(self.temperature, numbers.Real)
+                or not 0.0 <= float(self.temperature) < float("inf")):
             raise RetrievalError(f"RetrievalDrafter: temperature must be a finite number >= 0 (the sampling "
                                  f"temperature whose rates the cut reads), got {self.temperature!r}")
+        object.__setattr__(self, "temperature", float(self.temperature))
         if self.table is not None and not isinstance(self.table, NgramTable):
             raise ValueError(f"RetrievalDrafter: table must be an NgramTable (build_table) or None, got "
                              f"{type(self.table).__name__}")
