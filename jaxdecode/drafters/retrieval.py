@@ -27,10 +27,10 @@ The match length is the draft's confidence: with `confidence` (the acceptance by
 where the datastore was built, `match_acceptance`) the chain stops where the product of its tokens'
 rates falls below `min_reach` (when sampling, the rates measured at that temperature), and each
 node's class (its match length) keys the adaptive policy's estimates (jaxdecode.adaptive, "Confidence
-classes"). With `by_source` a class is the pair (where the
-match was found, its length): a match in the row's own text is kept far more often than a datastore
-match of the same length (greedy, length 8: 0.95 against 0.78; at T = 0.7, length 2: 0.44 against
-0.25), and a long prompt has more of them, so rates by length alone shift with the prompt's length;
+classes"). With `by_source` a class is the pair (where the match was found, its length): a match in
+the row's own text is kept far more often than a datastore match of the same length (the shipped
+datastore, greedy, length 8: 0.96 against 0.79; at T = 0.7, length 2: 0.41 against 0.26), and a long
+prompt has more of them, so rates by length alone shift with the prompt's length;
 by source they do not (BENCHMARKS.md, "... confidence by where the match was found ..."). A datastore
 built now stores rates by source, for chains of up to 16 tokens cut at reach 0.15 (training.retrieval
 BUILD_DEFAULTS; with the cut at 0.25 and chains of 8, by-source rates stopped chains of datastore matches
@@ -46,7 +46,6 @@ prompts, stored as token rows in the trained-drafter format; the table is built 
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import time
 
 import jax
@@ -56,6 +55,7 @@ import numpy as np
 from jaxdecode.drafters.builders import chain_widths
 from jaxdecode.drafters.ngram import check_int, suffix_match_maps
 from jaxdecode.drafters.trained import DrafterKind, register_kind
+from jaxdecode.sampling import _is_real
 from jaxdecode.tree import chain_tree
 
 
@@ -276,8 +276,7 @@ class RetrievalDrafter:
         if self.min_reach > 0 and not conf:
             raise RetrievalError("RetrievalDrafter: min_reach needs the confidence by match length "
                                  "(measured by `jaxdecode train retrieval`, or given as confidence=(...))")
-        if (isinstance(self.temperature, bool) or not isinstance(self.temperature, numbers.Real)
-                or not 0.0 <= float(self.temperature) < float("inf")):
+        if not _is_real(self.temperature) or self.temperature < 0:
             raise RetrievalError(f"RetrievalDrafter: temperature must be a finite number >= 0 (the sampling "
                                  f"temperature whose rates the cut reads), got {self.temperature!r}")
         object.__setattr__(self, "temperature", float(self.temperature))
