@@ -6,13 +6,13 @@
 
 Per (temperature, batch size, source): plain decoding (`decode`), then each configuration through
 `speculative_decode` as generate runs it: fixed chains (adaptive=False) of the shipped datastore
-(`<target>/drafters/retrieval`) with and without its confidence cut, prompt lookup's chain:4 (the best
-drafter before it), and the adaptive default (the policy keyed by the drafter's confidence classes,
-costs measured once and cached). Every configuration is compiled (and calibrated) first, then all are
-timed round robin, `--rounds` times, and each one's median is compared with plain decoding's: load that
-drifts during the run falls on every configuration alike. Prompts come from held-out stdlib files and
-from packages outside the corpus (benchmarks/_common.py); greedy rows check the output against plain
-greedy token for token.
+(`<target>/drafters/retrieval`: its own chain length with and without its confidence cut, chain:8 and
+chain:4), prompt lookup's chain:4 (the best drafter before it), and the adaptive default (the policy
+keyed by the drafter's confidence classes, costs measured once and cached). Every configuration is
+compiled (and calibrated) first, then all are timed round robin, `--rounds` times, and each one's
+median is compared with plain decoding's: load that drifts during the run falls on every configuration
+alike. Prompts come from held-out stdlib files and from packages outside the corpus
+(benchmarks/_common.py); greedy rows check the output against plain greedy token for token.
 """
 from __future__ import annotations
 
@@ -34,13 +34,14 @@ from jaxdecode.sampling import SamplerConfig
 from jaxdecode.speculative import policy_for, speculative_decode
 from jaxdecode.verifiers import default_verifier, get_verifier
 
-# (label, drafter name, tree, drafter options, adaptive)
+# (label, drafter name, tree, drafter options, adaptive); tree None: the datastore's own chain length
 CONFIGS = [
-    ("retrieval chain:8", "retrieval", "chain:8", {}, False),
-    ("retrieval chain:8, no confidence cut", "retrieval", "chain:8", {"min_reach": 0.0}, False),
-    ("retrieval chain:4", "retrieval", "chain:4", {}, False),
-    ("retrieval chain:8, adaptive (default)", "retrieval", "chain:8", {}, True),
-    ("prompt_lookup chain:4", "prompt_lookup", "chain:4", {}, False),
+    ("retrieval, its chain (16), fixed", "retrieval", None, {}, False),
+    ("retrieval, its chain (16), fixed, no confidence cut", "retrieval", None, {"min_reach": 0.0}, False),
+    ("retrieval chain:8, fixed", "retrieval", "chain:8", {}, False),
+    ("retrieval chain:4, fixed", "retrieval", "chain:4", {}, False),
+    ("retrieval, adaptive (the default)", "retrieval", None, {}, True),
+    ("prompt_lookup chain:4, fixed", "prompt_lookup", "chain:4", {}, False),
 ]
 
 
