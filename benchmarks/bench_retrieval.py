@@ -2,7 +2,7 @@
 
     python benchmarks/bench_retrieval.py [--prompts 8 --prompt-tokens 128 --new 96 --batch-sizes 1,4
                                           --temperatures 0,0.7 --sources heldout,outside --rounds 5
-                                          --json FILE]
+                                          --only chain,nocut,chain8,chain4,default,lookup --json FILE]
 
 Per (temperature, batch size, source): plain decoding (`decode`), then each configuration through
 `speculative_decode` as generate runs it: fixed chains (adaptive=False) of the shipped datastore
@@ -34,15 +34,16 @@ from jaxdecode.sampling import SamplerConfig
 from jaxdecode.speculative import policy_for, speculative_decode
 from jaxdecode.verifiers import default_verifier, get_verifier
 
-# (label, drafter name, tree, drafter options, adaptive); tree None: the datastore's own chain length
-CONFIGS = [
-    ("retrieval, its chain (16), fixed", "retrieval", None, {}, False),
-    ("retrieval, its chain (16), fixed, no confidence cut", "retrieval", None, {"min_reach": 0.0}, False),
-    ("retrieval chain:8, fixed", "retrieval", "chain:8", {}, False),
-    ("retrieval chain:4, fixed", "retrieval", "chain:4", {}, False),
-    ("retrieval, adaptive (the default)", "retrieval", None, {}, True),
-    ("prompt_lookup chain:4, fixed", "prompt_lookup", "chain:4", {}, False),
-]
+# key (for --only): (label, drafter name, tree, drafter options, adaptive); tree None: the datastore's own
+# chain length
+CONFIGS = {
+    "chain": ("retrieval, its chain (16), fixed", "retrieval", None, {}, False),
+    "nocut": ("retrieval, its chain (16), fixed, no confidence cut", "retrieval", None, {"min_reach": 0.0}, False),
+    "chain8": ("retrieval chain:8, fixed", "retrieval", "chain:8", {}, False),
+    "chain4": ("retrieval chain:4, fixed", "retrieval", "chain:4", {}, False),
+    "default": ("retrieval, adaptive (the default)", "retrieval", None, {}, True),
+    "lookup": ("prompt_lookup chain:4, fixed", "prompt_lookup", "chain:4", {}, False),
+}
 
 
 def main(argv=None):
@@ -55,8 +56,14 @@ def main(argv=None):
     ap.add_argument("--sources", default="heldout,outside")
     ap.add_argument("--rounds", type=int, default=5, help="round-robin timing rounds (medians)")
     ap.add_argument("--cost-cache", default=None, help="where the adaptive rows' cost tables are cached")
+    ap.add_argument("--only", default=",".join(CONFIGS),
+                    help=f"comma list of configurations to time beside plain decoding ({', '.join(CONFIGS)})")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    only = [k.strip() for k in args.only.split(",") if k.strip()]
+    unknown = sorted(set(only) - set(CONFIGS))
+    if unknown or not only:
+        ap.error(f"--only takes a comma list of {', '.join(CONFIGS)}; got {args.only!r}")
     if args.cost_cache:
         os.environ["JAXDECODE_CACHE_DIR"] = args.cost_cache
     target = jaxdecode.load()
@@ -72,7 +79,7 @@ def main(argv=None):
         key = jax.random.PRNGKey(0)
         for bs in (int(x) for x in args.batch_sizes.split(",")):
             drafters = {}
-            for label, name, tree, opts, adaptive in CONFIGS:
+            for label, name, tree, opts, adaptive in (CONFIGS[k] for k in only):
                 d = make_drafter(name, target, tree=tree, temperature=t, **opts)
                 verifier = get_verifier(default_verifier(d, sampler))
                 policy = costs = None
