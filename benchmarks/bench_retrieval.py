@@ -35,10 +35,10 @@ from jaxdecode.speculative import policy_for, speculative_decode
 from jaxdecode.verifiers import default_verifier, get_verifier
 
 # key (for --only): (label, drafter name, tree, drafter options, adaptive); tree None: the datastore's own
-# chain length
+# chain length ({n} in a label: the drafter's node count)
 CONFIGS = {
-    "chain": ("retrieval, its chain (16), fixed", "retrieval", None, {}, False),
-    "nocut": ("retrieval, its chain (16), fixed, no confidence cut", "retrieval", None, {"min_reach": 0.0}, False),
+    "chain": ("retrieval, its chain ({n}), fixed", "retrieval", None, {}, False),
+    "nocut": ("retrieval, its chain ({n}), fixed, no confidence cut", "retrieval", None, {"min_reach": 0.0}, False),
     "chain8": ("retrieval chain:8, fixed", "retrieval", "chain:8", {}, False),
     "chain4": ("retrieval chain:4, fixed", "retrieval", "chain:4", {}, False),
     "default": ("retrieval, adaptive (the default)", "retrieval", None, {}, True),
@@ -81,6 +81,7 @@ def main(argv=None):
             drafters = {}
             for label, name, tree, opts, adaptive in (CONFIGS[k] for k in only):
                 d = make_drafter(name, target, tree=tree, temperature=t, **opts)
+                label = label.format(n=d.num_nodes)
                 verifier = get_verifier(default_verifier(d, sampler))
                 policy = costs = None
                 if adaptive:  # as generate sets it up (jaxdecode.decoders._adaptive_policy)

@@ -314,6 +314,9 @@ def test_a_datastore_for_another_target_is_refused(built, tmp_path):
                  other)
     with pytest.raises(DrafterTargetError, match="vocab_size"):
         make_drafter("retrieval", target, drafter_dir=str(foreign))
+    for bad in ("0.7", -0.5, float("inf"), None):  # the temperature is checked before anything loads
+        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+            make_drafter("retrieval", target, drafter_dir=str(out), temperature=bad)
     # ids outside the vocabulary (a datastore tokenized otherwise, its config.json edited)
     wide = tmp_path / "wide"
     save_drafter(wide, "retrieval", RetrievalConfig(),

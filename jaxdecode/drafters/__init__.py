@@ -23,6 +23,7 @@ from jaxdecode.drafters.trained import (BUILTIN_KIND_MODULES, CONFIG_FILE, TENSO
                                         DrafterLoadError, TrainedDrafter, find_drafter_dir, get_kind,
                                         is_trained_kind, kind_names, load_drafter, read_drafter_config,
                                         register_kind, save_drafter)
+from jaxdecode.sampling import _is_real
 
 UNTRAINED = ("draft_lm", "dllm", "prompt_lookup", "aggressive", "token_recycling", "aded", "swift", "del")
 DRAFTERS = UNTRAINED + tuple(BUILTIN_KIND_MODULES)  # names built in; registered kinds add to drafter_names()
@@ -56,6 +57,9 @@ def make_drafter(name, target, draft=None, tree=None, temperature: float = 0.0, 
     if drafter_dir is not None and not isinstance(drafter_dir, (str, os.PathLike)):
         raise ValueError(f"drafter_dir must be a directory path (str or pathlib.Path), got "
                          f"{type(drafter_dir).__name__}")
+    if not _is_real(temperature) or temperature < 0:  # every kind reads it (trees, cuts, the build's key)
+        raise ValueError(f"make_drafter: temperature must be a finite number >= 0 (the target's sampling "
+                         f"temperature; 0 = greedy), got {temperature!r}")
     if name is None and draft is None and drafter_dir is None and find_drafter_dir(target, "retrieval"):
         name = "retrieval"  # a target that ships a datastore of its own output drafts from it by default
     if isinstance(name, TrainedDrafter) or is_trained_kind(name) or (name is None and drafter_dir is not None):

@@ -521,7 +521,7 @@ def make_retrieval_drafter(params, cfg: RetrievalConfig, target, tree=None, temp
     table, _ = table_for(params, cfg, target.config.vocab_size)
     return RetrievalDrafter(table=table, num_nodes=_node_budget(tree, cfg.num_nodes), confidence=cfg.confidence,
                             sampled_confidence=cfg.sampled_confidence, by_source=cfg.by_source,
-                            temperature=float(temperature), **kw)
+                            temperature=temperature, **kw)  # checked (and made a float) by the drafter
 
 
 def match_acceptance(drafter: RetrievalDrafter, prompts, continuations, max_length: int | None = None,
