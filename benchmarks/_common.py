@@ -155,6 +155,20 @@ def add_param_dtype_arg(ap):
                     help="store the models' weight matrices in this dtype, computing in float32 (load(param_dtype=))")
 
 
+def drafts_with_lm(name: str, drafter_dir=None) -> bool:
+    """Whether drafter kind `name` takes a draft LM (`draft=`): draft_lm, and an acceptance head trained over
+    one (its config's `inner`; the shipped head wraps EAGLE-3 and refuses a draft LM)."""
+    import json
+    from pathlib import Path
+
+    from jaxdecode.model import embedded_model_path
+    if name != "accept_head":
+        return name == "draft_lm"
+    base = Path(drafter_dir) if drafter_dir else Path(embedded_model_path("target")) / "drafters" / name
+    config = json.loads((base / "config.json").read_text())["config"]
+    return config.get("inner", "draft_lm") == "draft_lm"
+
+
 def load_target_and_draft(args):
     """(target dir, target, draft) computing in float32: --target / --draft, else the embedded models;
     their weight matrices in --param-dtype when the script has that option (add_param_dtype_arg)."""

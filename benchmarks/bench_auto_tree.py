@@ -22,7 +22,8 @@ import platform
 
 import jax
 import numpy as np
-from _common import add_param_dtype_arg, heldout_prompts, interleaved_medians, load_target_and_draft, write_result
+from _common import (add_param_dtype_arg, drafts_with_lm, heldout_prompts, interleaved_medians, load_target_and_draft,
+                     write_result)
 
 from jaxdecode.autoregressive import decode, pad_prompts
 from jaxdecode.decoders import DEFAULT_VERIFIER
@@ -82,7 +83,7 @@ def main(argv=None):
         base = [np.asarray(plain(pt, pl)[0]) for pt, pl in batches]  # also compiles plain decoding
         for name in names:
             def build(tree, name=name):
-                return make_drafter(name, target, draft=draft if name in ("draft_lm", "accept_head") else None,
+                return make_drafter(name, target, draft=draft if drafts_with_lm(name) else None,
                                     tree=tree, temperature=t)
             try:
                 auto_tree, info = resolve_auto_tree(target, build, cal_toks, cal_lens, spec=args.auto,

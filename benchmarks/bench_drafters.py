@@ -22,8 +22,8 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from _common import (add_param_dtype_arg, heldout_prompts, load_target_and_draft, median_seconds, outside_prompts,
-                     timed, write_result)
+from _common import (add_param_dtype_arg, drafts_with_lm, heldout_prompts, load_target_and_draft, median_seconds,
+                     outside_prompts, timed, write_result)
 
 import jaxdecode
 from jaxdecode.autoregressive import decode, pad_prompts, prefill
@@ -53,7 +53,7 @@ CONFIGS = [
     ("eagle3 eagle:6,4,24", "eagle3", "eagle:depth=6,topk=4,total=24", {}),
     ("eagle3 chain:8", "eagle3", "chain:8", {}),  # the block drafter's tree, for its tau comparison
     ("block chain:8", "block", "chain:8", {}),
-    ("accept_head (draft_lm chain:8)", "accept_head", "chain:8", {}),
+    ("accept_head (eagle3 chain:8)", "accept_head", "chain:8", {}),
     ("swift chain:4", "swift", "chain:4", {}),
     ("del chain:4", "del", "chain:4", {}),
     ("kangaroo chain:6", "kangaroo", "chain:6", {}),
@@ -169,7 +169,8 @@ def main(argv=None):
                             continue
                         opts["drafter_dir"] = str(d)
                     try:
-                        drafter = make_drafter(name, target, draft=use_draft if name in ("draft_lm", "accept_head") else None, tree=tree, temperature=t, **opts)
+                        lm = use_draft if drafts_with_lm(name, opts.get("drafter_dir")) else None
+                        drafter = make_drafter(name, target, draft=lm, tree=tree, temperature=t, **opts)
                         verifier = get_verifier("greedy" if t == 0 else _sampling_verifier(drafter))
                     except (ImportError, ValueError, KeyError) as e:
                         skipped.append(f"{label} (T={t}): {e}")

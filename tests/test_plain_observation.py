@@ -27,12 +27,23 @@ def _kangaroo(target):
     return ss.make_kangaroo(ss.init_adapter(cfg, target.config, jax.random.PRNGKey(1)), cfg, target, "chain:3")
 
 
+def _head_over_draft_lm(target):
+    """The acceptance head over the embedded draft LM (the shipped head wraps EAGLE-3), random head weights."""
+    from jaxdecode.drafters.accept_head import AcceptHeadConfig, make, param_shapes
+
+    cfg = AcceptHeadConfig(inner="draft_lm")
+    params = jax.tree.map(lambda shape: 0.1 * jax.random.normal(jax.random.PRNGKey(4), shape),
+                          param_shapes(cfg, target.config), is_leaf=lambda x: isinstance(x, tuple))
+    return make(params, cfg, target, "chain:4", 0.0)  # the embedded draft LM by default
+
+
 # Stateful drafters (not history_only), shipped or built here with random weights.
 MAKERS = {
     "eagle3": lambda t: make_drafter("eagle3", t),
     "medusa": lambda t: make_drafter("medusa", t),
     "hydra": lambda t: make_drafter("hydra", t),
-    "accept_head": lambda t: make_drafter("accept_head", t),
+    "accept_head": lambda t: make_drafter("accept_head", t),  # over the shipped EAGLE-3
+    "accept_head over draft_lm": _head_over_draft_lm,
     "block": _block,
     "token_recycling": lambda t: make_drafter("token_recycling", t),
     "aded": lambda t: make_drafter("aded", t),
