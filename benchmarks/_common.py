@@ -155,18 +155,15 @@ def add_param_dtype_arg(ap):
                     help="store the models' weight matrices in this dtype, computing in float32 (load(param_dtype=))")
 
 
-def drafts_with_lm(name: str, drafter_dir=None) -> bool:
+def drafts_with_lm(name: str, target, drafter_dir=None) -> bool:
     """Whether drafter kind `name` takes a draft LM (`draft=`): draft_lm, and an acceptance head trained over
-    one (its config's `inner`; the shipped head wraps EAGLE-3 and refuses a draft LM)."""
-    import json
-    from pathlib import Path
-
-    from jaxdecode.model import embedded_model_path
+    one (its config's `inner`, from drafter_dir or the head shipped beside `target`; the embedded target's
+    head wraps EAGLE-3 and refuses a draft LM)."""
+    from jaxdecode.drafters import find_drafter_dir, read_drafter_config
     if name != "accept_head":
         return name == "draft_lm"
-    base = Path(drafter_dir) if drafter_dir else Path(embedded_model_path("target")) / "drafters" / name
-    config = json.loads((base / "config.json").read_text())["config"]
-    return config.get("inner", "draft_lm") == "draft_lm"
+    base = drafter_dir or find_drafter_dir(target, name)
+    return base is not None and read_drafter_config(base)["config"].get("inner", "draft_lm") == "draft_lm"
 
 
 def load_target_and_draft(args):

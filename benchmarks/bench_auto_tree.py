@@ -83,7 +83,7 @@ def main(argv=None):
         base = [np.asarray(plain(pt, pl)[0]) for pt, pl in batches]  # also compiles plain decoding
         for name in names:
             def build(tree, name=name):
-                return make_drafter(name, target, draft=draft if drafts_with_lm(name) else None,
+                return make_drafter(name, target, draft=draft if drafts_with_lm(name, target) else None,
                                     tree=tree, temperature=t)
             try:
                 auto_tree, info = resolve_auto_tree(target, build, cal_toks, cal_lens, spec=args.auto,

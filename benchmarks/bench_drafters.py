@@ -169,7 +169,7 @@ def main(argv=None):
                             continue
                         opts["drafter_dir"] = str(d)
                     try:
-                        lm = use_draft if drafts_with_lm(name, opts.get("drafter_dir")) else None
+                        lm = use_draft if drafts_with_lm(name, target, opts.get("drafter_dir")) else None
                         drafter = make_drafter(name, target, draft=lm, tree=tree, temperature=t, **opts)
                         verifier = get_verifier("greedy" if t == 0 else _sampling_verifier(drafter))
                     except (ImportError, ValueError, KeyError) as e:
