@@ -293,8 +293,11 @@ def stopping_ceilings(accepted, step_seconds: dict, plain_seconds: float, k: int
       always drafts one: L = max(min(accepted, k), 1).
     - "foresight_and_skip": as foresight, and a plain step where nothing would be accepted (L = 0).
     Ratios of these to max(fixed) bound what any head of that kind can gain over the best fixed length on
-    this hardware. `rules` {name: int[N] lengths} prices other rules the same way (e.g. a trained head's
-    cut per step: timed rows below its price are overhead, not prediction), returned under "rules"."""
+    this hardware, optimistically: a fixed chain shorter than k commits more tokens per step when it runs
+    than the chain:k run's steps credit it with (4-5% for chains of 1-3 of the embedded EAGLE-3), so divide
+    by the best fixed length as timed where there is one (bench_accept_head.py's `over_timed_fixed`).
+    `rules` {name: int[N] lengths} prices other rules the same way (e.g. a trained head's cut per step:
+    timed rows below its price are overhead, not prediction), returned under "rules"."""
     accepted = np.asarray(accepted)
     if accepted.size == 0:
         raise ValueError("no verification steps to price: the label run recorded none")
