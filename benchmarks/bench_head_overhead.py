@@ -45,12 +45,14 @@ def constant_head(params):
 
 
 def threshold_for_cut(c: int) -> float:
-    """h between the risks after c - 1 and c accepted-looking positions: the chain ends after node c."""
+    """h between the constant head's risk after c - 1 positions and after c (1 - RATE ** i): the
+    chain ends after node c."""
     return 0.5 * ((1 - RATE ** (c - 1)) + (1 - RATE ** c))
 
 
 def step_runner(target, drafter, prompts, new: int, steps: int):
-    """(run(): `steps` engine steps from each prompt's post-prompt state, tokens committed)."""
+    """(run, tokens): run() takes `steps` engine steps from each prompt's post-prompt state (compiled
+    already); tokens: each prompt's history after those steps (the prompt and what was committed)."""
     params = split_layers(target.config, target.params)
     eos = tuple(target.config.eos_token_ids or ())
     n = drafter.num_nodes
@@ -113,6 +115,9 @@ def main(argv=None):
     runners = {}
     for name, drafter in rows.items():
         runners[name] = step_runner(target, drafter, prompts, new, args.steps)
+        if name.startswith("head") and runners[name][1] != runners[f"chain:{name.rsplit(' ', 1)[1]}"][1]:
+            raise SystemExit(f"{name} committed other tokens than its fixed chain: the probe would compare "
+                             f"unequal work")
     times = {name: [] for name in rows}
     for _ in range(args.rounds):
         for name, (run, _) in runners.items():
@@ -127,9 +132,7 @@ def main(argv=None):
         if name.startswith("head"):
             fixed = f"chain:{name.rsplit(' ', 1)[1]}"
             row["over_fixed"] = row["ms_per_step"] / float(np.median(times[fixed]))
-            row["same_tokens"] = runners[name][1] == runners[fixed][1]
-            if not row["same_tokens"]:
-                raise SystemExit(f"{name} committed other tokens than {fixed}: the probe compares unequal work")
+            row["same_tokens"] = True  # checked before timing
         result["rows"].append(row)
         print(f"{name:28s} {row['ms_per_step']:.3f} ms/step (q25 {row['ms_per_step_q25']:.3f})"
               + (f"  x{row['over_fixed']:.3f} of its fixed chain" if "over_fixed" in row else ""))
