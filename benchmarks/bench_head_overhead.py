@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import platform
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import add_param_dtype_arg, heldout_prompts, load_target_and_draft, write_result
+from _common import (add_param_dtype_arg, heldout_prompts, interleaved_times, load_target_and_draft,
+                     write_result)
 
 from jaxdecode import speculative as spec
 from jaxdecode.autoregressive import default_cache_len, pad_prompts
@@ -52,7 +52,9 @@ def threshold_for_cut(c: int) -> float:
 
 def step_runner(target, drafter, prompts, new: int, steps: int):
     """(run, tokens): run() takes `steps` engine steps from each prompt's post-prompt state (compiled
-    already); tokens: each prompt's history after those steps (the prompt and what was committed)."""
+    already); tokens: each prompt's history after those steps (the prompt and what was committed). The
+    room is sized as speculative_decode sizes it; costmodel's step timer is not reused because it forces
+    widths through the adaptive policy, which would add the policy's bookkeeping to both rows."""
     params = split_layers(target.config, target.params)
     eos = tuple(target.config.eos_token_ids or ())
     n = drafter.num_nodes
@@ -118,12 +120,9 @@ def main(argv=None):
         if name.startswith("head") and runners[name][1] != runners[f"chain:{name.rsplit(' ', 1)[1]}"][1]:
             raise SystemExit(f"{name} committed other tokens than its fixed chain: the probe would compare "
                              f"unequal work")
-    times = {name: [] for name in rows}
-    for _ in range(args.rounds):
-        for name, (run, _) in runners.items():
-            t0 = time.perf_counter()
-            run()
-            times[name].append(1e3 * (time.perf_counter() - t0) / (args.steps * len(prompts)))
+    per_step = 1e3 / (args.steps * len(prompts))  # seconds of a call -> ms per step
+    times = {name: [per_step * t for t in ts]
+             for name, ts in interleaved_times({name: r[0] for name, r in runners.items()}, args.rounds).items()}
     result = {"machine": platform.platform(), "backend": jax.default_backend(), "prompts": len(prompts),
               "steps": args.steps, "rounds": args.rounds, "rows": []}
     for name in rows:
