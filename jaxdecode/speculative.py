@@ -828,6 +828,10 @@ def check_combination(config, drafter, verifier, sampler: SamplerConfig) -> None
     if sampler.repetition_penalty != 1.0:
         raise SpeculativeError("repetition_penalty depends on each tree node's own history, which "
                                "speculative decoding does not track; use method='sample' for it")
+    n, depth = drafter.num_nodes, drafter.max_depth
+    if not 1 <= depth <= n:  # the engine sizes each step's accepted path by it
+        raise SpeculativeError(f"the drafter's max_depth ({depth}) must be in 1..num_nodes ({n}): a tree of "
+                               f"{n} nodes is at most {n} deep; declare max_depth <= num_nodes")
     name, rule = verifier.name, drafter.child_rule
     if rule not in CHILD_RULES:
         raise SpeculativeError(f"the drafter's child_rule {rule!r} is unknown; declare one of "

@@ -296,7 +296,7 @@ def split_layers(config: ModelConfig, params):
     embedded model. Split once, the forward reads each layer's weights where they lie. The split is
     memoised per stacked array (it lives as long as they do), so it is a second copy of the layer
     weights: only for concrete CPU arrays of at most MAX_SPLIT_BYTES and MAX_SPLIT_LAYERS layers.
-    Traced params (inside a caller's jit), GPU and TPU arrays keep the stacked form: there a split
+    Traced params (passed into a caller's jit), GPU and TPU arrays keep the stacked form: there a split
     would copy the weights on every call, and the device's memory is the scarce resource.
     """
     layers = params["layers"]
@@ -308,7 +308,10 @@ def split_layers(config: ModelConfig, params):
     memo = _splits.get(id(leaves[0]))
     if memo is not None and len(memo[0]) == len(leaves) and all(r() is x for r, x in zip(memo[0], leaves)):
         return {**params, "layers": memo[1]}
-    split = _split(layers, config.num_layers)
+    # Concrete arrays may arrive inside a caller's jit (params closed over, not passed): slice them
+    # eagerly, or the memo would keep that trace's tracers and the next trace would read them.
+    with jax.ensure_compile_time_eval():
+        split = _split(layers, config.num_layers)
     try:
         refs = tuple(weakref.ref(x) for x in leaves)
         weakref.finalize(leaves[0], _splits.pop, id(leaves[0]), None)

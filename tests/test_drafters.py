@@ -473,6 +473,10 @@ def make(name, s, params):
                                                                                        max_depth=4))
     if name == "aded":
         return ADEDDrafter(vocab_size=V, num_nodes=8, max_depth=4, table_size=256, topk=4)
+    if name == "aded_small":  # fewer nodes than the default depth (6): the depth is capped at num_nodes
+        d = ADEDDrafter(vocab_size=V, num_nodes=3, table_size=256, topk=4)
+        assert d.max_depth == 3
+        return d
     if name == "retrieval":  # a datastore of the model's own greedy output on other prompts
         return RetrievalDrafter(table=datastore(s["cfg"], params), num_nodes=6, history_ngram=4)
     if name == "dyspec":  # the target as its own draft model
@@ -511,7 +515,7 @@ def test_greedy_exact_batch4_random_and_repetitive(setup, name):
             assert float(tau.min()) > 1.5, (name, tau)
 
 
-@pytest.mark.parametrize("name", DRAFTERS[:-1] + ["dyspec_other"])
+@pytest.mark.parametrize("name", DRAFTERS[:-1] + ["dyspec_other", "aded_small"])
 def test_greedy_exact_batch1(setup, name):
     s = setup
     prompts, lengths = pad_prompts(PROMPTS[:1])

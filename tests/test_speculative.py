@@ -2,6 +2,7 @@
 bad input. Every drafter x tree x verifier pair is tested for losslessness in test_verifier_pairs.py;
 the χ² tests here run real draft LMs."""
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -215,6 +216,9 @@ def test_bad_input(models):
     with pytest.raises(SpeculativeError, match="no room"):
         speculative_decode(cfg, params, drafter, prompts, lengths, max_new_tokens=8, verifier=greedy,
                            cache_len=16)
+    deeper = types.SimpleNamespace(num_nodes=8, max_depth=9, child_rule="argmax")  # a third-party drafter
+    with pytest.raises(SpeculativeError, match=r"max_depth \(9\) must be in 1..num_nodes \(8\)"):
+        speculative_decode(cfg, params, deeper, prompts, lengths, max_new_tokens=4, verifier=greedy)
     with pytest.raises(TreeError, match="cycle"):
         StaticTreeBuilder.from_parents([-1, 2, 1])
     with pytest.raises(TreeError, match="comes after its child"):

@@ -83,6 +83,21 @@ def test_decoding_is_the_same_on_either_layout(params, monkeypatch):
         np.testing.assert_array_equal(np.asarray(out), np.asarray(split))
 
 
+def test_params_closed_over_by_several_jits(params):
+    # Concrete params captured by a caller's jit reach split_layers at trace time; the memoised split must
+    # be concrete arrays, or the second trace reads the first one's tracers (UnexpectedTracerError).
+    prompts = jax.random.randint(jax.random.PRNGKey(4), (1, 5), 1, CONFIG.vocab_size)
+    lengths = jnp.array([5], jnp.int32)
+    fresh = jax.tree.map(lambda a: a + 0, params)  # not memoised yet: the first split happens under a trace
+    outs = [jax.jit(lambda t, n=n: decode(CONFIG, fresh, t, lengths, max_new_tokens=n, method="greedy").tokens)(prompts)
+            for n in (3, 4)]
+    eager = decode(CONFIG, fresh, prompts, lengths, max_new_tokens=4, method="greedy").tokens
+    split = split_layers(CONFIG, fresh)["layers"]
+    assert not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(split))
+    np.testing.assert_array_equal(np.asarray(outs[0]), np.asarray(eager)[:, :3])
+    np.testing.assert_array_equal(np.asarray(outs[1]), np.asarray(eager))
+
+
 def test_what_stays_stacked(params, monkeypatch):
     # Traced parameters (a caller's jit): a split there would copy the weights on every call.
     seen = []

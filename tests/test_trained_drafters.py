@@ -312,3 +312,27 @@ def test_draft_model_reaches_kinds_that_take_one(target, saved):
         tr.register_kind(KIND, replace=True)
     with pytest.raises(OptionError, match="draft is used only by drafter 'draft_lm'"):
         jaxdecode.generate(target, PROMPTS, "speculative", 4, drafter="prompt_lookup", draft=target)
+
+
+def test_built_inside_a_callers_jit(target, tmp_path):
+    # make_drafter remembers what it loads and builds; called inside a user's jit with concrete weights,
+    # it must keep concrete arrays (the bf16 file is cast on load), or the next trace reads the first
+    # one's tracers. Built from traced weights, nothing is kept.
+    from jaxdecode.autoregressive import pad_prompts
+    from jaxdecode.speculative import speculative_decode
+    from jaxdecode.verifiers import get_verifier
+    d = tr.save_drafter(tmp_path / "bf16", "unigram", UnigramConfig(depth=3), unigram_params(target),
+                        target.config, dtype="bfloat16")
+    fresh = dataclasses.replace(target, params=jax.tree.map(lambda a: a + 0, target.params))  # nothing remembered
+    toks, lens = pad_prompts(PROMPTS)
+
+    def run(params, n):
+        model = fresh if params is fresh.params else dataclasses.replace(fresh, params=params)  # one key
+        return speculative_decode(target.config, params, make_drafter("unigram", model, drafter_dir=d), toks, lens,
+                                  max_new_tokens=n, verifier=get_verifier("greedy")).tokens
+    outs = [jax.jit(lambda n=n: run(fresh.params, n))() for n in (10, 12)]
+    traced = jax.jit(lambda p: run(p, 12))(fresh.params)  # the target's weights passed in: traced
+    want = [r.tokens for r in jaxdecode.generate(fresh, PROMPTS, "greedy", 12)]
+    for out in (outs[1], traced, run(fresh.params, 12)):
+        assert [list(map(int, row[:len(w)])) for row, w in zip(np.asarray(out), want)] == want
+    assert [list(map(int, row[:10])) for row in np.asarray(outs[0])] == [w[:10] for w in want]

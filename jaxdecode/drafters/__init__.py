@@ -16,6 +16,8 @@ import threading
 import weakref
 from collections import OrderedDict
 
+import jax
+
 from jaxdecode.drafters.builders import (ChainBuilder, DynamicTreeBuilder, StaticTreeBuilder,
                                          parse_tree_spec)
 from jaxdecode.drafters.draft_lm import DraftLM
@@ -186,7 +188,13 @@ def _remember(cache: OrderedDict, size: int, key, objects: tuple, build):
         if hit is not None and all(ref() is obj for ref, obj in zip(hit[0], objects)):
             cache.move_to_end(key)
             return hit[1]
-    value = build()
+    # Called inside a caller's jit with concrete weights, build eagerly: a value made of that trace's
+    # tracers would leak into the next trace that hits the cache. Traced inputs give traced values,
+    # which are not kept.
+    with jax.ensure_compile_time_eval():
+        value = build()
+    if _holds_tracers(value):
+        return value
     try:
         refs = tuple(weakref.ref(o, lambda _, k=key: cache.pop(k, None)) for o in objects)
     except TypeError:  # not weak-referenceable: not cached
@@ -196,6 +204,12 @@ def _remember(cache: OrderedDict, size: int, key, objects: tuple, build):
         while len(cache) > size:
             cache.popitem(last=False)
     return value
+
+
+def _holds_tracers(value) -> bool:
+    """value (a drafter pytree, or a TrainedDrafter and its params) holds arrays of a running trace."""
+    leaves = jax.tree.leaves(value) + jax.tree.leaves(getattr(value, "params", None))
+    return any(isinstance(x, jax.core.Tracer) for x in leaves)
 
 
 def _loaded(drafter_dir, target) -> TrainedDrafter:

@@ -234,7 +234,7 @@ class ADEDDrafter:
 
     vocab_size: int = dataclasses.field(metadata=dict(static=True))
     num_nodes: int = dataclasses.field(default=16, metadata=dict(static=True))
-    max_depth: int = dataclasses.field(default=6, metadata=dict(static=True))
+    max_depth: int = dataclasses.field(default=6, metadata=dict(static=True))  # capped at num_nodes
     table_size: int = dataclasses.field(default=4096, metadata=dict(static=True))
     topk: int = dataclasses.field(default=8, metadata=dict(static=True))
     c_puct: float = dataclasses.field(default=1.0, metadata=dict(static=True))
@@ -249,6 +249,8 @@ class ADEDDrafter:
         check_int(owner, "vocab_size", self.vocab_size, 1)
         check_int(owner, "num_nodes", self.num_nodes, 1)
         check_int(owner, "max_depth", self.max_depth, 1)
+        # A tree of num_nodes nodes is at most that deep (tree="chain:3" under the default depth 6).
+        object.__setattr__(self, "max_depth", min(self.max_depth, self.num_nodes))
         check_int(owner, "table_size", self.table_size, 1)
         check_int(owner, "topk", self.topk, 1)
         for name, val, lo_open in (("c_puct", self.c_puct, False), ("decay", self.decay, True)):
