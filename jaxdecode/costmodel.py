@@ -213,6 +213,9 @@ _digests: dict = {}  # id(array) -> (weakref, hex digest): parameters are hashed
 def array_digest(x, *, sample: bool = False) -> str:
     """sha256 of an array's shape, dtype and bytes (or of a strided sample of SAMPLE_ELEMENTS
     elements when `sample`), memoised per array object."""
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError("a traced array (weights passed into jax.jit) has no bytes to fingerprint: pass "
+                        "the concrete arrays, or close over them")
     memo = _digests.get(id(x))
     if memo is not None and memo[0]() is x and memo[1] == sample:
         return memo[2]
@@ -222,7 +225,8 @@ def array_digest(x, *, sample: bool = False) -> str:
         h.update(f"sharded|{x.sharding}".encode())
     elif sample and size > SAMPLE_ELEMENTS:
         step = size // SAMPLE_ELEMENTS
-        flat = jnp.ravel(x)[::step] if isinstance(x, jax.Array) else np.ravel(x)[::step]
+        with jax.ensure_compile_time_eval():  # concrete weights inside a caller's jit: sample them eagerly
+            flat = jnp.ravel(x)[::step] if isinstance(x, jax.Array) else np.ravel(x)[::step]
         h.update(np.ascontiguousarray(np.asarray(flat)).tobytes())
     else:
         h.update(np.ascontiguousarray(np.asarray(x)).tobytes())

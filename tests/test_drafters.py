@@ -621,6 +621,21 @@ def test_a_draft_lm_starts_from_acceptance_recorded_for_its_target(tmp_path):
     assert make_drafter("draft_lm", target, draft=draft).acceptance_prior == (0.8, 0.9)
     assert make_drafter("draft_lm", other, draft=draft).acceptance_prior == ()  # measured on another target
 
+    # Inside a caller's jit: traced weights cannot be fingerprinted (no prior, no error); concrete ones
+    # closed over are, with the digest's sample taken eagerly (the sampled digest of large models).
+    from jaxdecode import costmodel
+    seen = []
+    jax.jit(lambda p: seen.append(make_drafter("draft_lm", dataclasses.replace(target, params=p),
+                                               draft=draft).acceptance_prior) or 0)(target.params)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(costmodel, "FULL_HASH_BYTES", 0)
+        mp.setattr(costmodel, "SAMPLE_ELEMENTS", 64)
+        copy = lambda: jax.tree.map(lambda a: a + 0, target.params)  # noqa: E731 - equal, not yet fingerprinted
+        record.write_text(json.dumps({"target_params_sha256": params_digest(copy()), "accept_by_depth": [0.7]}))
+        fresh = dataclasses.replace(target, params=copy())
+        jax.jit(lambda: seen.append(make_drafter("draft_lm", fresh, draft=draft).acceptance_prior) or 0)()
+    assert seen == [(), (0.7,)]
+
     for broken in ("{not json", json.dumps({"accept_by_depth": [0.8]}),
                    json.dumps({"target_params_sha256": params_digest(target.params), "accept_by_depth": [1.5]})):
         record.write_text(broken)

@@ -56,7 +56,8 @@ def test_greedy_speculative_equals_greedy_self_draft_batch4(models, tree):
 
 
 @pytest.mark.parametrize("tree,batch", [("chain:3", 1), ("eagle:depth=3,topk=2,total=5", 4),
-                                        ("static:2,2", 1)])
+                                        ("static:2,2", 1),
+                                        ("eagle:depth=5,topk=2,total=3", 1)])  # fewer nodes than levels
 def test_greedy_speculative_equals_greedy_other_draft(models, tree, batch):
     (cfg, params), (dcfg, dparams) = models
     prompts, lengths = pad_prompts(PROMPTS_4[:batch])

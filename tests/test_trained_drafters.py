@@ -262,6 +262,23 @@ def test_generate_by_name_object_and_default_dir(target, saved, tmp_path):
     assert [r.tokens for r in jaxdecode.generate(shipped, PROMPTS, "spec", 12, drafter="unigram")] == want
 
 
+def test_a_replaced_kind_builds_anew(target, saved):
+    # make_drafter remembers built drafters; a kind registered anew under the name must build with its
+    # own make, not hand back what the old one built.
+    first = make_drafter("unigram", target, drafter_dir=saved)
+    assert make_drafter("unigram", target, drafter_dir=saved) is first  # remembered
+    calls = []
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return make_unigram(*a, **kw)
+    tr.register_kind(dataclasses.replace(KIND, make=counting), replace=True)
+    try:
+        assert make_drafter("unigram", target, drafter_dir=saved) is not first and calls == [1]
+    finally:
+        tr.register_kind(KIND, replace=True)
+
+
 def test_wiring_errors(target, saved, tmp_path):
     with pytest.raises(ValueError, match="--drafter-dir DIR"):
         jaxdecode.generate(target, PROMPTS, "speculative", 4, drafter="unigram")

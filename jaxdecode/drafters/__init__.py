@@ -23,8 +23,8 @@ from jaxdecode.drafters.builders import (ChainBuilder, DynamicTreeBuilder, Stati
 from jaxdecode.drafters.draft_lm import DraftLM
 from jaxdecode.drafters.trained import (BUILTIN_KIND_MODULES, CONFIG_FILE, TENSOR_FILE, DrafterKind,
                                         DrafterLoadError, TrainedDrafter, find_drafter_dir, get_kind,
-                                        is_trained_kind, kind_names, load_drafter, read_drafter_config,
-                                        register_kind, save_drafter)
+                                        is_trained_kind, kind_names, kinds_generation, load_drafter,
+                                        read_drafter_config, register_kind, save_drafter)
 from jaxdecode.sampling import _is_real
 
 UNTRAINED = ("draft_lm", "dllm", "prompt_lookup", "aggressive", "token_recycling", "aded", "swift", "del")
@@ -143,7 +143,7 @@ def _recent_key(name, target, tree, temperature, drafter_dir, draft, kw):
         return None, ()
     objects = tuple(o for o in (target, draft, name) if o is not None and not isinstance(o, str))
     key = (name if isinstance(name, str) else None, str(where), files, tree, float(temperature),
-           tuple(id(o) for o in objects), options)
+           tuple(id(o) for o in objects), options, kinds_generation())
     try:
         hash(key)
     except TypeError:

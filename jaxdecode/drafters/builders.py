@@ -249,7 +249,7 @@ class DynamicTreeBuilder:
                             f"depth={self.depth} x topk={self.topk} expansion produces")
 
     num_nodes = property(lambda self: self.total)
-    max_depth = property(lambda self: self.depth)
+    max_depth = property(lambda self: min(self.depth, self.total))  # total nodes reach at most that deep
     static_parents = None  # the shape changes every step
     working_size = property(lambda self: self.depth * self.topk)
 

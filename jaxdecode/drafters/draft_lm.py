@@ -181,6 +181,8 @@ def acceptance_prior_for(draft, target) -> tuple:
     path = Path(draft.path) / ACCEPTANCE_FILE if getattr(draft, "path", None) else None
     if path is None or not path.is_file():
         return ()
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(target.params)):
+        return ()  # weights passed into a caller's jit: no bytes to fingerprint, so no prior
     from jaxdecode.costmodel import params_digest
     try:
         record = json.loads(path.read_text())

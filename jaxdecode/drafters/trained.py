@@ -87,6 +87,7 @@ class DrafterKind:
 
 
 _KINDS: dict[str, DrafterKind] = {}
+_GENERATION = [0]  # kinds_generation()
 
 
 def register_kind(kind: DrafterKind, *, replace: bool = False) -> DrafterKind:
@@ -97,13 +98,22 @@ def register_kind(kind: DrafterKind, *, replace: bool = False) -> DrafterKind:
             kind.config_cls.__qualname__, kind.make.__qualname__):
         raise ValueError(f"drafter kind {kind.name!r} is already registered ({old.config_cls.__qualname__}); "
                          f"pass replace=True to replace it")
+    if old is not None and old is not kind:
+        _GENERATION[0] += 1
     _KINDS[kind.name] = kind
     return kind
 
 
 def unregister_kind(name: str) -> None:
     """Remove a registered kind (tests, plugins)."""
-    _KINDS.pop(name, None)
+    if _KINDS.pop(name, None) is not None:
+        _GENERATION[0] += 1
+
+
+def kinds_generation() -> int:
+    """Moves whenever a registered kind is replaced or removed: drafters built and remembered under an
+    older generation were made by a `make` that may no longer be the registered one."""
+    return _GENERATION[0]
 
 
 def kind_names() -> tuple:
@@ -457,5 +467,5 @@ def find_drafter_dir(target, kind_name: str) -> Path | None:
 
 __all__ = ["DrafterKind", "DrafterLoadError", "DrafterTargetError", "TrainedDrafter", "register_kind",
            "unregister_kind", "get_kind", "kind_names", "is_trained_kind", "save_drafter", "load_drafter",
-           "read_drafter_config", "check_target", "find_drafter_dir", "flatten_params", "unflatten_params",
-           "BUILTIN_KIND_MODULES"]
+           "read_drafter_config", "kinds_generation", "check_target", "find_drafter_dir", "flatten_params",
+           "unflatten_params", "BUILTIN_KIND_MODULES"]
