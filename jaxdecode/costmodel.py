@@ -182,7 +182,8 @@ class CostTable:
                 raise CostTableError(f"not JSON: {e}") from None
         fields = {"widths", "verify_seconds", "draft_seconds", "idle_seconds", "batch_size", "meta"}
         optional = {"step_seconds", "draft_by_width"}  # absent in tables written before they were measured
-        if not isinstance(data, dict) or not fields <= set(data) <= fields | optional:
+        report = {"cache_file", "measured"}  # what `jaxdecode calibrate --json` adds to each table: ignored
+        if not isinstance(data, dict) or not fields <= set(data) <= fields | optional | report:
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise CostTableError(f"a cost table is an object with fields {sorted(fields)} (and optionally "
                                  f"{sorted(optional)}), got {got}")
@@ -846,13 +847,16 @@ def parse_batch_sizes(text: str) -> tuple:
 def format_tables(rows) -> str:
     """A text table of (CostTable, cache file, measured now) rows: milliseconds per step, whole batch."""
     widths = sorted({w for t, _, _ in rows for w in t.widths})
-    head = ["batch"] + [f"verify@{w}" for w in widths] + ["draft", "idle", "source"]
+    head = ["batch", "ms at width"] + [f"{w}" for w in widths] + ["draft", "idle", "source"]
     body = []
     for table, path, measured in rows:
         verify = [f"{table.verify_at(w) * 1e3:.3f}" for w in widths]
-        body.append([str(table.batch_size)] + verify + [f"{table.draft_seconds * 1e3:.3f}",
-                                                         f"{table.idle_seconds * 1e3:.3f}",
-                                                         "measured" if measured else "cached"])
+        body.append([str(table.batch_size), "verify"] + verify + [f"{table.draft_seconds * 1e3:.3f}",
+                                                                   f"{table.idle_seconds * 1e3:.3f}",
+                                                                   "measured" if measured else "cached"])
+        if table.step_seconds:  # the whole engine step as measured (drafting included; 0: a plain token)
+            step = [f"{_interpolate(table.widths, table.step_seconds, w) * 1e3:.3f}" for w in widths]
+            body.append([str(table.batch_size), "whole step"] + step + ["", "", ""])
     cols = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
     lines = ["  ".join(c.rjust(n) for c, n in zip(r, cols)) for r in [head] + body]
     meta = rows[0][0].meta if rows else {}

@@ -211,12 +211,7 @@ def _adaptive_policy(model, drafter, sampler, verifier, prompt_tokens, max_new_t
                             + tuple(getattr(drafter, "verify_widths", None) or ()))
     policy = policy_for(drafter, sampler, widths=widths, **overrides)
     if isinstance(costs, (str, os.PathLike)):
-        import json
-        try:
-            costs = costmodel.CostTable.from_json(json.loads(Path(costs).read_text()))
-        except (OSError, ValueError) as e:
-            raise ValueError(f"costs={str(costs)!r} is not a readable cost table ({e}); write one with "
-                             f"`jaxdecode calibrate --json`, or leave costs unset to measure them") from None
+        costs = _costs_from_file(costs, int(prompt_tokens.shape[0]))
     elif costs is None:
         start = time.perf_counter()
         costs = costmodel.load_or_calibrate(model, drafter, int(prompt_tokens.shape[0]), widths=widths,
@@ -226,6 +221,32 @@ def _adaptive_policy(model, drafter, sampler, verifier, prompt_tokens, max_new_t
     if jax.process_count() > 1:  # every process must decide alike: all use process 0's measurements
         costs = _same_costs_everywhere(costs)
     return policy, costs
+
+
+def _costs_from_file(path, batch_size: int):
+    """The cost table in a file written by `jaxdecode calibrate --json`: one JSON table per line, one per
+    batch size measured; the one for this batch size when there are several."""
+    import json
+
+    from jaxdecode import costmodel
+    try:
+        text = Path(path).read_text()
+        try:
+            objects = [json.loads(text)]  # one table, however it is laid out
+        except json.JSONDecodeError:
+            objects = [json.loads(line) for line in text.splitlines() if line.strip()]  # one per line
+        tables = [costmodel.CostTable.from_json(obj) for obj in objects]
+    except (OSError, ValueError) as e:
+        raise ValueError(f"costs={str(path)!r} is not a readable cost table ({e}); write one with "
+                         f"`jaxdecode calibrate --json`, or leave costs unset to measure them") from None
+    if len(tables) == 1:
+        return tables[0]
+    for table in tables:
+        if table.batch_size == batch_size:
+            return table
+    raise ValueError(f"costs={str(path)!r} holds cost tables for batch sizes {[t.batch_size for t in tables]}, "
+                     f"not for this call's {batch_size}: calibrate that one too (`jaxdecode calibrate "
+                     f"--batch-size {batch_size} --json`)")
 
 
 def _policy_overrides(setting) -> dict | None:

@@ -39,7 +39,8 @@ def tiny(seed=0, layers=2):
 def table(widths=(0, 1, 2, 4), batch_size=1, **kw):
     return CostTable(widths=widths, verify_seconds=tuple(1e-3 * (1 + w) for w in widths),
                      draft_seconds=kw.get("draft", 5e-4), idle_seconds=kw.get("idle", 0.0),
-                     batch_size=batch_size, meta=kw.get("meta", {"note": "test"}))
+                     batch_size=batch_size, meta=kw.get("meta", {"note": "test"}),
+                     step_seconds=tuple(1e-3 * (2 + w) for w in widths) if kw.get("steps") else ())
 
 
 # ----------------------------------------------------------------------------- the table
@@ -259,7 +260,7 @@ def counted(monkeypatch):
 
     def fake(model, drafter, batch_size, *, widths, context_len, progress=True, **kw):
         calls.append(dict(batch_size=batch_size, widths=widths, context_len=context_len))
-        return table(widths=tuple(widths), batch_size=batch_size, meta={"context_len": context_len})
+        return table(widths=tuple(widths), batch_size=batch_size, meta={"context_len": context_len}, steps=True)
 
     monkeypatch.setattr(costmodel, "measure", fake)
     return calls
@@ -374,13 +375,34 @@ def test_cli_calibrate_prints_a_table(tiny_llama_dir, tmp_path, capsys, counted)
             "--batch-size", "1,2", "--context-len", "32", "--cache-dir", str(tmp_path)]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "verify@0" in out and "verify@4" in out and "draft" in out and "measured" in out
+    lines = out.splitlines()
+    assert lines[1].split() == ["batch", "ms", "at", "width", "0", "1", "2", "4", "draft", "idle", "source"]
+    assert [line.split()[:2] for line in lines[2:6]] == [["1", "verify"], ["1", "whole"], ["2", "verify"],
+                                                         ["2", "whole"]] and "measured" in lines[2]
+    assert lines[3].split()[3:7] == ["2.000", "3.000", "4.000", "6.000"]  # the whole step at widths 0, 1, 2, 4
     assert str(tmp_path / "costs") in out and [c["batch_size"] for c in counted] == [1, 2]
     assert main(argv + ["--json"]) == 0
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    printed = capsys.readouterr().out
+    rows = [json.loads(line) for line in printed.splitlines()]
     assert [r["batch_size"] for r in rows] == [1, 2] and not any(r["measured"] for r in rows)
     assert rows[0]["widths"] == [0, 1, 2, 4] and rows[0]["cache_file"].startswith(str(tmp_path))
     assert len(counted) == 2  # the second run read the cache
+    # What --json printed is what generate's costs= reads: the table of the call's batch size.
+    import jaxdecode
+    saved = tmp_path / "costs.jsonl"
+    saved.write_text(printed)
+    model = jaxdecode.load(tiny_llama_dir)
+    for prompts in (["ab"], ["ab", "cd"]):
+        out = jaxdecode.generate(model, prompts, method="speculative", drafter="prompt_lookup", tree="chain:4",
+                                 costs=str(saved), max_new_tokens=4)
+        assert out[0].batch_stats["calibrate_seconds"] == 0.0
+    with pytest.raises(ValueError, match=r"batch sizes \[1, 2\], not for this call's 3"):
+        jaxdecode.generate(model, ["a", "b", "c"], method="speculative", drafter="prompt_lookup", tree="chain:4",
+                           costs=str(saved), max_new_tokens=4)
+    (tmp_path / "one.json").write_text(json.dumps(rows[1], indent=1))  # one table, laid out on many lines
+    out = jaxdecode.generate(model, ["ab", "cd"], method="speculative", drafter="prompt_lookup", tree="chain:4",
+                             costs=str(tmp_path / "one.json"), max_new_tokens=4)
+    assert len(counted) == 2  # nothing measured anew
 
 
 @pytest.mark.parametrize("sizes, match", [("0", ">= 1"), ("1,x", "ints >= 1"), ("4,4", "repeats"), ("", "ints")])
