@@ -294,6 +294,45 @@ def _kind_takes_draft(kind: str) -> bool:
     return "draft_model" in inspect.signature(get_kind(kind).make).parameters
 
 
+def prepare_methods(methods: Sequence[str], *, max_new_tokens: int, temperature=None, seed=None, draft=None,
+                    drafter_dir=None) -> list[tuple]:
+    """[(text, method name, its options with the bench-wide ones, its own options)] of the --method
+    strings, every check that needs no model done: the options table, a tree spec that does not parse,
+    and a verifier that cannot decode at the temperature. So a bad last method fails before the first
+    one runs. Raises BenchError."""
+    from jaxdecode.options import resolve
+    defaults = dict(temperature=temperature, seed=seed, draft=draft, drafter_dir=drafter_dir)
+    parsed = []
+    for text in methods:
+        name, given = parse_method(text)
+        options = _merge_globals(name, given, defaults)
+        try:
+            resolve(name, dict(options, max_new_tokens=max_new_tokens))
+            _check_tree_and_verifier(options)
+        except ValueError as e:
+            raise BenchError(f"--method {text!r} with the bench-wide options: {e}") from None
+        parsed.append((text, name, options, given))
+    return parsed
+
+
+def _check_tree_and_verifier(options: dict) -> None:
+    """The checks of a speculative method's tree and verifier that need no model (ValueError)."""
+    from jaxdecode.drafters.builders import parse_tree_spec
+    from jaxdecode.verifiers import get_verifier
+    tree = options.get("tree")
+    if isinstance(tree, str) and tree != "auto" and not tree.startswith("nodes:"):  # nodes:N: lookup drafters
+        parse_tree_spec(tree)
+    if options.get("verifier") is not None:
+        verifier = get_verifier(options["verifier"])
+        t = options.get("temperature") or 0.0
+        if verifier.greedy_decoding and t > 0:
+            raise ValueError(f"verifier {verifier.name!r} decodes greedily, but the temperature is {t}: drop the "
+                             f"temperature or name a sampling verifier")
+        if not verifier.greedy_decoding and t <= 0:
+            raise ValueError(f"verifier {verifier.name!r} samples but the temperature is {t} (<= 0): add "
+                             f"temperature=T (or --temperature T), or use verifier=greedy")
+
+
 def _merge_globals(name: str, options: dict, defaults: dict) -> dict:
     """The bench-wide options (temperature, seed, draft, drafter_dir) added where the method takes
     them and does not set them itself; draft / drafter_dir only where the drafter can use them."""
@@ -340,7 +379,6 @@ def run_bench(model, prompts: Sequence[str], methods: Sequence[str], batch_sizes
     import jax
 
     import jaxdecode
-    from jaxdecode.options import resolve
     if not prompts:
         raise BenchError("no prompts: give at least one")
     if not methods:
@@ -348,16 +386,8 @@ def run_bench(model, prompts: Sequence[str], methods: Sequence[str], batch_sizes
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise BenchError(f"repeats={repeats!r}: give an int >= 1 (timed passes over the prompts)")
     sizes = parse_batch_sizes(batch_sizes)
-    defaults = dict(temperature=temperature, seed=seed, draft=draft, drafter_dir=drafter_dir)
-    parsed = []
-    for text in methods:
-        name, given = parse_method(text)
-        options = _merge_globals(name, given, defaults)
-        try:
-            resolve(name, dict(options, max_new_tokens=max_new_tokens))
-        except ValueError as e:
-            raise BenchError(f"--method {text!r} with the bench-wide options: {e}") from None
-        parsed.append((text, name, options, given))
+    parsed = prepare_methods(methods, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                             draft=draft, drafter_dir=drafter_dir)
     say = progress or (lambda msg: None)
     loaded: dict = {}
     device = jax.devices()[0].device_kind

@@ -364,11 +364,11 @@ def _add_bench(sub):
 
 def cmd_bench(args) -> int:
     import jaxdecode
-    from jaxdecode.bench import format_table, main_progress, parse_batch_sizes, parse_method, read_prompts, run_bench
+    from jaxdecode.bench import format_table, main_progress, parse_batch_sizes, prepare_methods, read_prompts, run_bench
     prompts = read_prompts(args.prompts_file)  # bad requests fail before any model loads
     sizes = parse_batch_sizes(args.batch_size)
-    for text in args.method:
-        parse_method(text)
+    prepare_methods(args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                    draft=args.draft, drafter_dir=args.drafter_dir)
     model = jaxdecode.load(args.model, **_dtype_kw(args))
     draft = jaxdecode.load(args.draft, **_dtype_kw(args)) if args.draft else None
     rows = run_bench(model, prompts, args.method, sizes, max_new_tokens=args.max_new_tokens,

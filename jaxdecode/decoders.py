@@ -206,7 +206,9 @@ def _adaptive_policy(model, drafter, sampler, verifier, prompt_tokens, max_new_t
         return None, None
     from jaxdecode import costmodel
     from jaxdecode.adaptive import default_widths
-    from jaxdecode.speculative import policy_for
+    from jaxdecode.speculative import check_verify_widths, policy_for
+    if opts["verify_widths"] is not None:  # checked as without the policy: nothing dropped silently
+        check_verify_widths(opts["verify_widths"], drafter.num_nodes)
     widths = default_widths(drafter.num_nodes, tuple(opts["verify_widths"] or ())
                             + tuple(getattr(drafter, "verify_widths", None) or ()))
     policy = policy_for(drafter, sampler, widths=widths, **overrides)

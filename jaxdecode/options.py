@@ -204,7 +204,7 @@ _TABLE = (
     Option("drafter_dir", "str", "trained drafter directory (config.json + model.safetensors, written by "
            "`jaxdecode train KIND` / save_drafter)", ("speculative",), objects="a pathlib.Path",
            default_doc="<target_dir>/drafters/<kind> when the target ships one"),
-    Option("tree", "str", "tree spec: chain:4, static:3,2,1[:rule], eagle:depth=5,topk=8,total=48, "
+    Option("tree", "str", "tree spec (an int N is chain:N): chain:4, static:3,2,1[:rule], eagle:depth=5,topk=8,total=48, "
            "dyspec:num_nodes=32 (retrieval drafters: chain:N / node count); auto = size and shape from "
            "measured acceptance and costs (jaxdecode.treeopt)", ("speculative",), low=1,
            default_doc="the drafter's own", objects="an int node count or a tree builder"),
@@ -221,7 +221,8 @@ _TABLE = (
            default_doc="true", objects="a dict of jaxdecode.adaptive.AdaptivePolicy fields (on, tuned: "
            "{'margin': 0.1, 'batch_spread': 1})"),
     Option("costs", "str", "the cost table of adaptive speculation: a JSON file written by `jaxdecode "
-           "calibrate --json`", ("speculative",), cli=None, objects="a jaxdecode.costmodel.CostTable",
+           "calibrate --json` (one table per batch size, one per line: the call's batch size picks its own)",
+           ("speculative",), cli=None, objects="a jaxdecode.costmodel.CostTable",
            default_doc="measured once per model, drafter, device and batch size, then cached"),
     # ------------------------------------------------------------------ constrained
     Option("index", "str", "item index: .npz (jaxdecode index build) or an item file", CONSTRAINED,

@@ -111,11 +111,26 @@ def test_cli_errors_are_clear(tiny_llama_dir, capsys):
     ("sample", dict(seed=2**32), "seed"),
     ("greedy", dict(eos_ids=[1.5]), "eos_ids"),
     ("greedy", dict(temperature=0.7), "does not take"),
+    # Speculative: tree specs, drafter options and widths are named with what is accepted.
+    ("speculative", dict(tree="eagle:depth5"), r"'depth5' is not key=value: write settings as depth=N,topk=N"),
+    ("speculative", dict(tree="eagle:depth=3,topk=2,totl=4"), "unknown setting 'totl'; this tree takes depth, topk"),
+    ("speculative", dict(drafter="prompt_lookup", drafter_options={"lenghts": [2, 4]}),
+     "takes no option 'lenghts'; its options: max_ngram, min_ngram, cyclic, lengths"),
+    ("speculative", dict(drafter="prompt_lookup", drafter_options={"num_nodes": 4}), "node count is the tree option"),
+    ("speculative", dict(drafter="prompt_lookup", tree="chain:4", verify_widths=[2, 16]),
+     r"verify_widths must be node counts in 1..4"),  # under the adaptive default too
 ])
 def test_generate_refuses_bad_option_values(model, method, opts, match):
     """No `or` defaults: 0 is a value (refused where out of range), never silently the default."""
     with pytest.raises(ValueError, match=match):
         jaxdecode.generate(model, [[5, 6]], method=method, max_new_tokens=2, **opts)
+
+
+def test_an_int_tree_is_a_chain(model):
+    want = [r.tokens for r in jaxdecode.generate(model, [[5, 6], [7]], method="greedy", max_new_tokens=6)]
+    out = jaxdecode.generate(model, [[5, 6], [7]], method="speculative", draft=model, tree=3, max_new_tokens=6,
+                             adaptive=False)
+    assert [r.tokens for r in out] == want and out[0].batch_stats["tree"] == "chain:3"
 
 
 def test_cli_refuses_bad_option_values(tiny_llama_dir, capsys):

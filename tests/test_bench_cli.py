@@ -108,14 +108,29 @@ def test_bench_json_rows(tiny_llama_dir, tmp_path, capsys):
     ("greedy:num_beams=3", "does not take option"),
     ("speculative:drafter=prompt_lookup,treee=chain:4", "unknown option 'treee'"),
     ("speculative:temperature=hot", "temperature must be a finite number"),
+    ("speculative:tree=chian:4", "unknown tree spec 'chian:4'"),
+    ("speculative:tree=eagle:depth=3,topk=2,totl=4", "unknown setting 'totl'"),
+    ("speculative:tree=static:3,2,1,verifier=topk", "samples but the temperature is 0"),
 ])
-def test_bench_bad_method_strings(tmp_path, capsys, method, message):
+def test_bench_bad_method_strings(tmp_path, capsys, monkeypatch, method, message):
+    import jaxdecode
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("import sys\n")
-    rc = main(["bench", "--prompts-file", str(prompts), "--method", method])
+    monkeypatch.setattr(jaxdecode, "load", lambda *a, **k: pytest.fail("a bad --method fails before any model loads"))
+    rc = main(["bench", "--prompts-file", str(prompts), "--method", "greedy", "--method", method])
     assert rc == 2
     err = capsys.readouterr().err
     assert f"--method {method!r}" in err and message in err
+    # With the bench-wide temperature the sampling verifier is fine; the greedy one is not.
+    if "verifier=topk" in method:
+        class Loads(Exception):
+            pass
+
+        def load(*a, **k):
+            raise Loads  # the checks passed: the model would load now
+        monkeypatch.setattr(jaxdecode, "load", load)
+        with pytest.raises(Loads):
+            main(["bench", "--prompts-file", str(prompts), "--method", method, "--temperature", "0.7"])
 
 
 def test_bench_bad_prompts_file_and_batch_sizes(tmp_path, capsys):

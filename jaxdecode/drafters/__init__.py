@@ -11,6 +11,7 @@ Tree specs: see `builders.parse_tree_spec`.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import weakref
@@ -26,6 +27,7 @@ from jaxdecode.drafters.trained import (BUILTIN_KIND_MODULES, CONFIG_FILE, TENSO
                                         is_trained_kind, kind_names, kinds_generation, load_drafter,
                                         read_drafter_config, register_kind, save_drafter)
 from jaxdecode.sampling import _is_real
+from jaxdecode.tree import TreeError
 
 UNTRAINED = ("draft_lm", "dllm", "prompt_lookup", "aggressive", "token_recycling", "aded", "swift", "del")
 DRAFTERS = UNTRAINED + tuple(BUILTIN_KIND_MODULES)  # names built in; registered kinds add to drafter_names()
@@ -41,6 +43,8 @@ def tree_from_option(tree, default, temperature: float):
     or a builder object as is; a 'chain:N' spec samples its children when decoding samples
     (temperature > 0). Trained drafters' `make` use it for their `tree` argument."""
     spec = default if tree is None else tree
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        spec = f"chain:{spec}"  # a node count: the chain of that many nodes
     if isinstance(spec, str) and spec.startswith("chain") and spec.count(":") == 1 and temperature > 0:
         spec = spec + ":sample"
     return parse_tree_spec(spec)
@@ -92,7 +96,7 @@ def make_drafter(name, target, draft=None, tree=None, temperature: float = 0.0, 
         if tree is not None:  # 'static:...' is the template M is expanded along; 'nodes:N' its size
             kw.setdefault("template", parse_tree_spec(tree).paths if str(tree).startswith("static")
                           else recycling_template(_node_budget(tree, default=48)))
-        return TokenRecyclingDrafter(vocab_size=target.config.vocab_size, **kw)
+        return _construct(TokenRecyclingDrafter, name, dict(vocab_size=target.config.vocab_size), kw)
     if name in ("swift", "del"):  # self-speculation: the target's own layers (jaxdecode.drafters.selfspec)
         from jaxdecode.drafters.selfspec import make_selfspec
         return make_selfspec(name, target, tree, temperature, **kw)
@@ -100,15 +104,29 @@ def make_drafter(name, target, draft=None, tree=None, temperature: float = 0.0, 
         from jaxdecode.drafters.aded import ADEDDrafter
         if tree is not None:
             kw.setdefault("num_nodes", _node_budget(tree, default=16))
-        return ADEDDrafter(vocab_size=target.config.vocab_size, **kw)
+        return _construct(ADEDDrafter, name, dict(vocab_size=target.config.vocab_size), kw)
     n = _node_budget(tree, default=8)
     if name == "prompt_lookup":
         from jaxdecode.drafters.ngram import PromptLookupDrafter
-        return PromptLookupDrafter(num_nodes=n, **kw)
+        return _construct(PromptLookupDrafter, name, dict(num_nodes=n), kw)
     if name == "aggressive":
         from jaxdecode.drafters.ngram import AggressiveDrafter
-        return AggressiveDrafter(num_nodes=n, **kw)
+        return _construct(AggressiveDrafter, name, dict(num_nodes=n), kw)
     raise ValueError(f"unknown drafter {name!r}; choose one of {drafter_names()}")
+
+
+def _construct(cls, name: str, given: dict, options: dict):
+    """cls(**given, **options), the user's drafter options checked first: a misspelt or a reserved one
+    is named with the options this drafter takes (not a TypeError from the constructor)."""
+    takes = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in given]
+    wrong = sorted(set(options) - set(takes))
+    if wrong == ["num_nodes"] and "num_nodes" in given:
+        raise ValueError(f"drafter {name!r}: its node count is the tree option's (tree='chain:N' or an int N), "
+                         f"not a drafter option; its options: {', '.join(takes)}")
+    if wrong:
+        raise ValueError(f"drafter {name!r} takes no option {', '.join(map(repr, wrong))}; its options: "
+                         f"{', '.join(takes)}")
+    return cls(**given, **options)
 
 
 # The last few trained drafters built (key -> (weak references, drafter)). generate(drafter="eagle3")
@@ -284,12 +302,14 @@ def _node_budget(tree, default: int) -> int:
     chain, e.g. the acceptance head's; the rule does not apply to a drafter of point masses)."""
     if tree is None:
         return default
-    if isinstance(tree, int):
-        return tree
-    if isinstance(tree, ChainBuilder):
-        return tree.depth
-    if isinstance(tree, str) and tree.split(":")[0] in ("chain", "nodes"):
-        return int(tree.split(":")[1])
+    if isinstance(tree, str) and tree.startswith("nodes:"):
+        try:
+            return int(tree.partition(":")[2])
+        except ValueError:
+            raise TreeError(f"bad tree spec {tree!r}: write nodes:N with N a node count") from None
+    builder = parse_tree_spec(tree)  # a misspelt spec is named as such
+    if isinstance(builder, ChainBuilder):
+        return builder.depth
     raise ValueError(f"drafters that retrieve a continuation propose chains: use tree='chain:N', got "
                      f"{tree!r}")
 

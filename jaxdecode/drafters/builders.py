@@ -326,8 +326,25 @@ def build_tree(builder, ctx, scorer_state, logq_root, expand, key):
     return tree, slots, scorer_state
 
 
+def _spec_settings(rest: str, builder) -> dict:
+    """'depth=5,topk=8' -> {"depth": 5, "topk": 8}, checked against the builder's settings."""
+    known = [f.name for f in dataclasses.fields(builder) if f.init]
+    kw = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"{item!r} is not key=value: write settings as {','.join(k + '=N' for k in known)}")
+        if key not in known:
+            raise ValueError(f"unknown setting {key!r}; this tree takes {', '.join(known)}")
+        kw[key] = int(value)
+    return kw
+
+
 def parse_tree_spec(spec) -> object:
-    """'chain:4' | 'chain:4:sample' | 'static:3,2,1[:rule]' | 'eagle:depth=5,topk=8,total=48' | builder."""
+    """'chain:4' | 'chain:4:sample' | 'static:3,2,1[:rule]' | 'eagle:depth=5,topk=8,total=48' | an int N
+    (= 'chain:N') | builder."""
+    if isinstance(spec, (int, np.integer)) and not isinstance(spec, bool):
+        spec = f"chain:{int(spec)}"  # a node count: the chain of that many nodes
     if not isinstance(spec, str):
         return spec
     kind, _, rest = spec.partition(":")
@@ -339,11 +356,11 @@ def parse_tree_spec(spec) -> object:
             branching, _, rule = rest.partition(":")
             return StaticTreeBuilder.full([int(x) for x in branching.split(",")], rule or "topk")
         if kind in ("eagle", "eagle2", "dynamic", "dyspec"):
-            kw = {k: int(v) for k, v in (item.split("=") for item in rest.split(",") if item)}
             if kind == "dyspec":
-                from jaxdecode.drafters.dyspec import DySpecBuilder
-                return DySpecBuilder(**kw)
-            return DynamicTreeBuilder(**kw)
+                from jaxdecode.drafters.dyspec import DySpecBuilder as builder
+            else:
+                builder = DynamicTreeBuilder
+            return builder(**_spec_settings(rest, builder))
     except (ValueError, TypeError) as e:
         raise TreeError(f"bad tree spec {spec!r}: {e}") from None
     raise TreeError(f"unknown tree spec {spec!r}; use 'chain:4', 'chain:4:sample', 'static:3,2,1', "
