@@ -364,7 +364,8 @@ def _add_bench(sub):
 
 def cmd_bench(args) -> int:
     import jaxdecode
-    from jaxdecode.bench import format_table, main_progress, parse_batch_sizes, prepare_methods, read_prompts, run_bench
+    from jaxdecode.bench import (format_table, main_progress, parse_batch_sizes, prepare_methods, read_prompts,
+                                 run_bench)
     prompts = read_prompts(args.prompts_file)  # bad requests fail before any model loads
     sizes = parse_batch_sizes(args.batch_size)
     prepare_methods(args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,

@@ -237,6 +237,8 @@ def _costs_from_file(path, batch_size: int):
             objects = [json.loads(text)]  # one table, however it is laid out
         except json.JSONDecodeError:
             objects = [json.loads(line) for line in text.splitlines() if line.strip()]  # one per line
+        if not objects:
+            raise ValueError("the file is empty")
         tables = [costmodel.CostTable.from_json(obj) for obj in objects]
     except (OSError, ValueError) as e:
         raise ValueError(f"costs={str(path)!r} is not a readable cost table ({e}); write one with "

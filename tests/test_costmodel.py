@@ -403,6 +403,10 @@ def test_cli_calibrate_prints_a_table(tiny_llama_dir, tmp_path, capsys, counted)
     out = jaxdecode.generate(model, ["ab", "cd"], method="speculative", drafter="prompt_lookup", tree="chain:4",
                              costs=str(tmp_path / "one.json"), max_new_tokens=4)
     assert len(counted) == 2  # nothing measured anew
+    (tmp_path / "empty.json").write_text("")
+    with pytest.raises(ValueError, match="not a readable cost table \\(the file is empty\\)"):
+        jaxdecode.generate(model, ["ab"], method="speculative", drafter="prompt_lookup", tree="chain:4",
+                           costs=str(tmp_path / "empty.json"), max_new_tokens=4)
 
 
 @pytest.mark.parametrize("sizes, match", [("0", ">= 1"), ("1,x", "ints >= 1"), ("4,4", "repeats"), ("", "ints")])
