@@ -12,6 +12,7 @@ Tree specs: see `builders.parse_tree_spec`.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 import threading
 import weakref
@@ -43,8 +44,8 @@ def tree_from_option(tree, default, temperature: float):
     or a builder object as is; a 'chain:N' spec samples its children when decoding samples
     (temperature > 0). Trained drafters' `make` use it for their `tree` argument."""
     spec = default if tree is None else tree
-    if isinstance(spec, int) and not isinstance(spec, bool):
-        spec = f"chain:{spec}"  # a node count: the chain of that many nodes
+    if isinstance(spec, numbers.Integral) and not isinstance(spec, bool):
+        spec = f"chain:{int(spec)}"  # a node count: the chain of that many nodes
     if isinstance(spec, str) and spec.startswith("chain") and spec.count(":") == 1 and temperature > 0:
         spec = spec + ":sample"
     return parse_tree_spec(spec)
