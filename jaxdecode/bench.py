@@ -318,19 +318,15 @@ def prepare_methods(methods: Sequence[str], *, max_new_tokens: int, temperature=
 def _check_tree_and_verifier(options: dict) -> None:
     """The checks of a speculative method's tree and verifier that need no model (ValueError)."""
     from jaxdecode.drafters.builders import parse_tree_spec
+    from jaxdecode.sampling import SamplerConfig
+    from jaxdecode.speculative import check_verifier_temperature
     from jaxdecode.verifiers import get_verifier
     tree = options.get("tree")
     if isinstance(tree, str) and tree != "auto" and not tree.startswith("nodes:"):  # nodes:N: lookup drafters
         parse_tree_spec(tree)
-    if options.get("verifier") is not None:
-        verifier = get_verifier(options["verifier"])
-        t = options.get("temperature") or 0.0
-        if verifier.greedy_decoding and t > 0:
-            raise ValueError(f"verifier {verifier.name!r} decodes greedily, but the temperature is {t}: drop the "
-                             f"temperature or name a sampling verifier")
-        if not verifier.greedy_decoding and t <= 0:
-            raise ValueError(f"verifier {verifier.name!r} samples but the temperature is {t} (<= 0): add "
-                             f"temperature=T (or --temperature T), or use verifier=greedy")
+    if options.get("verifier") is not None:  # the engine's own check (the temperature: --temperature T)
+        check_verifier_temperature(get_verifier(options["verifier"]),
+                                   SamplerConfig(temperature=float(options.get("temperature") or 0.0)))
 
 
 def _merge_globals(name: str, options: dict, defaults: dict) -> dict:

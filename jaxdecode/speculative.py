@@ -817,6 +817,19 @@ def _sampling_verifiers_for(drafter) -> str:
     return ", ".join(names) or "none"
 
 
+def check_verifier_temperature(verifier, sampler: SamplerConfig, sampling_choice: str = "a sampling verifier"):
+    """A greedy verifier needs temperature 0 and a sampling one a temperature > 0 (SpeculativeError);
+    `sampling_choice` names what to use instead of a greedy verifier."""
+    if verifier.greedy_decoding and not sampler.is_greedy:
+        raise SpeculativeError(
+            f"verifier {verifier.name!r} decodes greedily (argmax), but the temperature is {sampler.temperature}: "
+            f"use temperature 0, or {sampling_choice}")
+    if not verifier.greedy_decoding and sampler.is_greedy:
+        raise SpeculativeError(
+            f"verifier {verifier.name!r} samples but the temperature is {sampler.temperature} (<= 0): use "
+            f"verifier='greedy' for greedy decoding or a temperature > 0")
+
+
 def check_combination(config, drafter, verifier, sampler: SamplerConfig) -> None:
     """Host-side checks of a drafter / verifier / sampler combination; clear errors. Which drafts a
     verifier is lossless for is declared by the verifier itself (`child_rules`, `tree_kind`, ...)."""
@@ -836,14 +849,8 @@ def check_combination(config, drafter, verifier, sampler: SamplerConfig) -> None
     if rule not in CHILD_RULES:
         raise SpeculativeError(f"the drafter's child_rule {rule!r} is unknown; declare one of "
                                f"{', '.join(CHILD_RULES)} (jaxdecode.verifiers.CHILD_RULES)")
-    if verifier.greedy_decoding and not sampler.is_greedy:
-        raise SpeculativeError(
-            f"verifier {name!r} decodes greedily (argmax), but the temperature is {sampler.temperature}: "
-            f"use temperature 0, or a sampling verifier for this drafter ({_sampling_verifiers_for(drafter)})")
-    if not verifier.greedy_decoding and sampler.is_greedy:
-        raise SpeculativeError(
-            f"verifier {name!r} samples but the temperature is {sampler.temperature} (<= 0): use "
-            f"verifier='greedy' for greedy decoding or a temperature > 0")
+    check_verifier_temperature(verifier, sampler,
+                               f"a sampling verifier for this drafter ({_sampling_verifiers_for(drafter)})")
     problem = _structure_error(drafter, verifier)
     if problem is not None:
         raise SpeculativeError(f"{problem}; lossless sampling verifiers for this drafter: "
