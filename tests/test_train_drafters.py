@@ -257,3 +257,14 @@ def test_cli_kind_run_errors_and_help(tiny, bigram_kind, tmp_path, capsys, monke
     with pytest.raises(SystemExit):
         main(["train", "medusa", "--help"])
     assert "(default: corpus)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", [["medusa", "--target", "no/such/target", "--corpus", "no/such/corpus", "--out"],
+                                     ["lm", "--corpus", "no/such/corpus", "--output"],
+                                     ["dllm", "--corpus", "no/such/corpus", "--output"]])
+def test_cli_checks_training_options_before_loading_anything(tmp_path, capsys, command):
+    """`--steps 2` with the default warmup is refused at once, not after the target loads and the corpus is
+    tokenized: here neither exists, so any later error would name them instead."""
+    from jaxdecode.cli import main
+    assert main(["train", *command, str(tmp_path / "out"), "--steps", "2", "--no-progress"]) == 2
+    assert "warmup_steps must be in [0, steps)" in capsys.readouterr().err

@@ -375,6 +375,7 @@ def run_train_dllm(args) -> int:
     from .trainer import ResumeMismatchError
     out = Path(args.output if args.train_command == "dllm" else args.out)
     work = Path(args.workdir) if args.workdir else out.with_name(out.name + ".train")
+    _dllm_train_config(args)  # bad options fail now, before a model loads or a corpus is tokenized
     work.mkdir(parents=True, exist_ok=True)
     try:
         if args.train_command == "filter":
@@ -524,11 +525,12 @@ def run_train_drafter(args) -> int:
 
     command = args.train_command
     kind = None if command == "draft-lm" else get_train_kind(command.replace("-", "_"))  # clear error first
-    target, out, work, corpus_dir = _target_and_corpus(args, "training data is tokenized")
+    # The options are checked before the target loads and the corpus is tokenized (minutes on a big corpus).
     tcfg = TrainConfig(steps=args.steps, learning_rate=args.lr, warmup_steps=args.warmup,
                        weight_decay=args.weight_decay, seed=args.seed, eval_every=args.eval_every,
                        checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
                        data_parallel=args.data_parallel, fsdp=args.fsdp, progress=not args.no_progress)
+    target, out, work, corpus_dir = _target_and_corpus(args, "training data is tokenized")
     distill = DistillOptions(num_prompts=args.prompts, prompt_len=args.prompt_len,
                              new_tokens=max(args.seq_len - args.prompt_len, 1), temperature=args.temperature,
                              greedy_fraction=args.greedy_fraction, batch_size=args.gen_batch_size, seed=args.seed)
@@ -633,14 +635,14 @@ def run_train(args) -> int:
         raise SystemExit(f"unknown train command {command!r}")
     output = Path(args.output)
     work = Path(args.workdir) if args.workdir else output.with_name(output.name + ".train")
-    work.mkdir(parents=True, exist_ok=True)
-    tok_dir, corpus_dir = prepare_data(args, work)
-    tok = load_tokenizer_dir(tok_dir)
-    config = model_config(args.size, len(tok), args.max_positions, eos_id(tok))
     tcfg = TrainConfig(steps=args.steps, learning_rate=args.lr, warmup_steps=args.warmup,
                        weight_decay=args.weight_decay, seed=args.seed, eval_every=args.eval_every,
                        checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
                        data_parallel=args.data_parallel, fsdp=args.fsdp, progress=not args.no_progress)
+    work.mkdir(parents=True, exist_ok=True)
+    tok_dir, corpus_dir = prepare_data(args, work)  # after the options' check: a tokenizer trains here
+    tok = load_tokenizer_dir(tok_dir)
+    config = model_config(args.size, len(tok), args.max_positions, eos_id(tok))
     spec = LMTrainSpec(batch_size=args.batch_size, seq_len=args.seq_len,
                        compute_dtype="bfloat16" if args.bf16 else "float32",
                        eval_batch_size=args.batch_size, distill_temperature=args.distill_temperature,
