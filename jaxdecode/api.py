@@ -10,6 +10,7 @@ import dataclasses
 import time
 from typing import Any, Sequence
 
+import jax
 import numpy as np
 
 import jaxdecode.decoders  # noqa: F401  (registers the built-in methods)
@@ -77,9 +78,26 @@ def _is_conversation(p) -> bool:
     return isinstance(p, (list, tuple)) and bool(p) and all(isinstance(m, dict) for m in p)
 
 
+def _is_array(p) -> bool:
+    return isinstance(p, (np.ndarray, jax.Array))
+
+
 def _is_ids(p) -> bool:
-    return isinstance(p, np.ndarray) or (isinstance(p, Sequence) and not isinstance(p, str) and bool(p) and
-                                         all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in p))
+    """One prompt's token ids: a list of ints, or a 1-D integer array (a 2-D one is a batch of prompts)."""
+    if _is_array(p):
+        return p.ndim == 1
+    return (isinstance(p, Sequence) and not isinstance(p, str) and bool(p) and
+            all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in p))
+
+
+def _check_id_array(p, what: str):
+    """An array of token ids must hold integers: a float array would be truncated to ids silently."""
+    if not (np.issubdtype(p.dtype, np.integer) and p.dtype != np.bool_):
+        raise ValueError(f"{what} is an array of {p.dtype}: token ids must be integers (cast with "
+                         f".astype(np.int32) if the values are ids)")
+    if p.ndim not in (1, 2):
+        raise ValueError(f"{what} is a {p.ndim}-D array of shape {p.shape}: pass one prompt's ids as a 1-D "
+                         f"array, or a batch of equal-length prompts as a 2-D array [batch, length]")
 
 
 def _prompt_list(prompts, messages) -> list:
@@ -96,6 +114,9 @@ def _prompt_list(prompts, messages) -> list:
     if prompts is None:
         raise ValueError("give prompts (a string, token ids, or a list of them) or messages=[{'role': 'user', "
                          "'content': ...}]")
+    if _is_array(prompts):
+        _check_id_array(prompts, "prompts")
+        return [prompts] if prompts.ndim == 1 else list(np.asarray(prompts))  # 2-D: one prompt per row
     if isinstance(prompts, str) or _is_ids(prompts) or _is_conversation(prompts):
         return [prompts]
     if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, dict)) or len(prompts) == 0:
@@ -132,6 +153,8 @@ def _tokenize(model: Model, items: list, add_special_tokens: bool | None) -> lis
         elif _is_conversation(p):
             ids = model.encode(apply_chat_template(model, p), add_special_tokens=bool(add_special_tokens))
         elif _is_ids(p):
+            if _is_array(p):
+                _check_id_array(p, f"prompt {i}")
             ids = [int(t) for t in p]
         else:
             raise ValueError(f"prompt {i} is {type(p).__name__} {p!r:.80}: each prompt must be a string, a list of "
@@ -224,7 +247,8 @@ def generate(model: Model, prompts=None, method: str | None = None, max_new_toke
             import warnings
             warnings.warn(f"the generation config sets {', '.join(ignored)}, which method {spec.name!r} does not "
                           f"apply, so its output differs from transformers.generate with that config; use a "
-                          f"method that takes them, or pass a generation_config without them to silence this",
+                          f"method that takes them where one does, or pass a generation_config without them "
+                          f"to silence this",
                           UserWarning, stacklevel=2)
     n_seq = num_return_sequences if num_return_sequences is not None else (
         defaults.num_return_sequences if defaults is not None and defaults.num_return_sequences else 1)
@@ -256,8 +280,16 @@ def generate(model: Model, prompts=None, method: str | None = None, max_new_toke
         opts["constraint"] = stop_constraint(model, stops, inner=opts.get("constraint"), eos_ids=opts["eos_ids"])
     if _stream is not None:
         opts["stream"] = _stream
+    from_config = max_new_tokens is None and defaults is not None and defaults.max_new_tokens is not None
     max_new_tokens = opts.pop("max_new_tokens")
     allow_nonfinite = opts.pop("allow_nonfinite")
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if from_config and limit is not None and max(map(len, token_lists)) + max_new_tokens > limit:
+        from jaxdecode.autoregressive import PromptError
+        raise PromptError(f"max_new_tokens={max_new_tokens}, which the generation config sets (the checkpoint's "
+                          f"generation_config.json or generation_config=), + the longest prompt "
+                          f"({max(map(len, token_lists))} tokens) exceeds the model's max_position_embeddings "
+                          f"({limit}); pass max_new_tokens= (CLI --max-new-tokens) to override it")
     # seconds = the call's wall time minus JAX's tracing / lowering / compiling, reported apart as
     # compile_seconds (None when this JAX cannot report it: then seconds includes it).
     with CompileClock() as compiling:
@@ -326,7 +358,7 @@ def _stop_list(stop) -> tuple:
 def _result(model, item, b, index, new, stats, per_row, batch_stats, opts, max_new_tokens, stops,
             skip_special_tokens, structured, prompt_ids, prompt_lp, beam=None) -> Generation:
     """The Generation of output row b (beam j of it when `beam` is given)."""
-    from jaxdecode.stop import trim_at_stop
+    from jaxdecode.stop import text_before_stop
     from jaxdecode.structured import output_text, validate_text
     new = [int(t) for t in new]
     row_stats = {"new_tokens": len(new)}
@@ -337,10 +369,10 @@ def _result(model, item, b, index, new, stats, per_row, batch_stats, opts, max_n
                 v = v[beam]
             row_stats[k] = _jsonable(v)
     eos = opts["eos_ids"]
-    text = model.decode(new, skip_special_tokens=skip_special_tokens)
-    hit = None
     if stops:
-        text, hit = trim_at_stop(text, stops)
+        text, hit = text_before_stop(model.decode, new, stops, skip_special_tokens)
+    else:
+        text, hit = model.decode(new, skip_special_tokens=skip_special_tokens), None
     if hit is not None:
         reason = "stop"
     elif new and new[-1] in eos:

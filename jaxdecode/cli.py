@@ -74,11 +74,11 @@ def _add_generate(sub):
             kw["action"] = "store_const"
             kw["const"] = opt.default is not True
         else:
-            kw["type"] = {"int": int, "float": float, "ids": int, "int_or_ids": int}.get(opt.kind, str)
+            kw["type"] = {"int": int, "float": float, "ids": _id_list, "int_or_ids": int}.get(opt.kind, str)
             if opt.objects and opt.kind == "str" and opt.low is not None:
                 kw["type"] = _str_or_int  # tree: a spec or a node count
-            if opt.cli_repeat:
-                kw["action"] = "append"
+            if opt.cli_repeat:  # a list of ids: each flag adds one or more ("--eos-id 2 --eos-id 7,9"; "[]": none)
+                kw["action"] = "extend" if opt.kind == "ids" else "append"
         g.add_argument(opt.cli, **kw)
     rest = [n for n, o in OPTIONS.items() if o.cli is None and n != "mesh"]
     g.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
@@ -102,6 +102,17 @@ def _dtype_kw(args) -> dict:
 
 def _str_or_int(text: str):
     return int(text) if text.isdigit() else text
+
+
+def _id_list(text: str) -> list:
+    """A flag's token ids: "7", "7,9" or a JSON list ("[7, 9]"; "[]" adds none, so `--eos-id '[]'` alone
+    means no EOS)."""
+    body = text.strip()
+    body = body[1:-1] if body.startswith("[") and body.endswith("]") else body
+    try:
+        return [int(x) for x in body.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token ids such as 7, 7,9 or [] (none), got {text!r}") from None
 
 
 def _parse_option(text: str):

@@ -17,7 +17,11 @@ Fields follow transformers' names and meanings:
   by the tokenizer's own rule.
 Unlike transformers, an unset `top_k` stays off (transformers samples from the top 50 tokens when a
 checkpoint does not set top_k): pass `top_k=50` for that. `max_length` (prompt + new tokens) is not used;
-jaxdecode counts new tokens (`max_new_tokens`). Other keys of the file are kept in `unused` and ignored.
+jaxdecode counts new tokens (`max_new_tokens`). Beam search finds the exact best beams (transformers'
+early_stopping="never"). `top_p=0` keeps the single most likely token (transformers' rule), i.e. top_k=1.
+Other keys of the file are kept in `unused` and ignored; those among them that change transformers'
+tokens (min_new_tokens, bad_words_ids, suppress_tokens, ...: `_NOT_APPLIED`), set to anything but their
+"off" value, are also listed in `not_applied`, and generate warns about them.
 """
 from __future__ import annotations
 
@@ -28,6 +32,17 @@ from pathlib import Path
 _FIELDS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
            "num_beams", "length_penalty", "num_return_sequences", "eos_token_id", "pad_token_id", "bos_token_id",
            "stop_strings")
+# Keys transformers applies that change the tokens but that jaxdecode does not implement, with their "off"
+# values: set to anything else, generate warns that its output will differ (never a silent difference).
+_NOT_APPLIED = {"min_length": (0,), "min_new_tokens": (0,), "bad_words_ids": ((),), "suppress_tokens": ((),),
+                "begin_suppress_tokens": ((),), "forced_bos_token_id": (), "forced_eos_token_id": (),
+                "no_repeat_ngram_size": (0,), "typical_p": (1.0,), "epsilon_cutoff": (0.0,),
+                "eta_cutoff": (0.0,), "num_beam_groups": (1,), "diversity_penalty": (0.0,),
+                "exponential_decay_length_penalty": (), "sequence_bias": ((),), "guidance_scale": (1.0,),
+                "penalty_alpha": (), "dola_layers": (), "max_time": (), "watermarking_config": (),
+                "token_healing": (False,)}
+# Beam search returns the exact best hypotheses: transformers' early_stopping="never" (module beam).
+_BEAM_EARLY_STOPPING = "never"
 # Keys transformers writes that change nothing here (bookkeeping, or values equal to "off").
 _BOOKKEEPING = ("_from_model_config", "transformers_version", "use_cache", "return_dict_in_generate",
                 "output_scores", "output_logits", "output_attentions", "output_hidden_states", "max_length")
@@ -55,6 +70,10 @@ class GenerationConfig:
     bos_token_id: int | None = None
     stop_strings: tuple | None = None
     unused: tuple = ()  # names of the file's keys that jaxdecode does not use
+    # "key=value" of the unused keys that change transformers' tokens (min_new_tokens, bad_words_ids, ...):
+    # generate warns about each
+    not_applied: tuple = ()
+    early_stopping: bool | str | None = None  # beam search: see _BEAM_EARLY_STOPPING
 
     def __post_init__(self):
         eos = self.eos_token_id
@@ -76,8 +95,10 @@ class GenerationConfig:
             raise GenerationConfigError(f"{source}: expected a JSON object, got {type(values).__name__}")
         known = {k: values[k] for k in _FIELDS if k in values}
         unused = tuple(sorted(k for k in values if k not in _FIELDS and k not in _BOOKKEEPING))
+        not_applied = tuple(f"{k}={values[k]!r}" for k in sorted(_NOT_APPLIED) if k in values and
+                            values[k] is not None and _plain(values[k]) not in _NOT_APPLIED[k])
         try:
-            return cls(**known, unused=unused)
+            return cls(**known, unused=unused, not_applied=not_applied, early_stopping=values.get("early_stopping"))
         except GenerationConfigError as e:
             raise GenerationConfigError(f"{source}: {e}") from None
 
@@ -107,7 +128,10 @@ class GenerationConfig:
         if base is None:
             return self
         return dataclasses.replace(base, **{k: getattr(self, k) for k in _FIELDS if getattr(self, k) is not None},
-                                   unused=tuple(sorted(set(base.unused) | set(self.unused))))
+                                   unused=tuple(sorted(set(base.unused) | set(self.unused))),
+                                   not_applied=_over_keys(self.not_applied, base.not_applied),
+                                   early_stopping=base.early_stopping if self.early_stopping is None
+                                   else self.early_stopping)
 
     # ------------------------------------------------------------------ use
     def method(self) -> str:
@@ -133,6 +157,9 @@ class GenerationConfig:
             for name in ("temperature", "top_k", "top_p", "min_p"):
                 if getattr(self, name) is not None:
                     out[name] = getattr(self, name)
+            if self.top_p == 0:  # transformers keeps the one most likely token: top_k=1 is that rule
+                del out["top_p"]
+                out["top_k"] = 1
         if self.repetition_penalty is not None:
             out["repetition_penalty"] = self.repetition_penalty
         if self.num_beams is not None and self.num_beams > 1:
@@ -151,7 +178,21 @@ class GenerationConfig:
             out.append(f"repetition_penalty={self.repetition_penalty}")
         if self.stop_strings and "stop" not in takes:
             out.append(f"stop_strings={list(self.stop_strings)}")
-        return out
+        if "num_beams" in takes and self.early_stopping is not None and self.early_stopping != _BEAM_EARLY_STOPPING:
+            out.append(f"early_stopping={self.early_stopping!r} (jaxdecode's beam search always finds the exact "
+                       f"best beams, transformers' early_stopping='never')")
+        return out + list(self.not_applied)
+
+
+def _plain(value):
+    """A JSON value made hashable for the "off" test (lists become tuples)."""
+    return tuple(_plain(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _over_keys(top: tuple, base: tuple) -> tuple:
+    """"key=value" entries of `top` over `base`'s (a key set in both keeps top's value)."""
+    keys = {e.split("=", 1)[0] for e in top}
+    return tuple(sorted(top + tuple(e for e in base if e.split("=", 1)[0] not in keys)))
 
 
 def _is_int(x) -> bool:
@@ -162,11 +203,13 @@ def _check(c: GenerationConfig) -> None:
     def bad(name, want):
         raise GenerationConfigError(f"{name}={getattr(c, name)!r} is not accepted: {name} must be {want}")
 
+    # pad/bos ids are only kept for reference: any int, as transformers takes them (old Llama conversions
+    # write pad_token_id -1 for "none").
     for name, low in (("max_new_tokens", 1), ("top_k", 0), ("num_beams", 1), ("num_return_sequences", 1),
-                      ("pad_token_id", 0), ("bos_token_id", 0)):
+                      ("pad_token_id", None), ("bos_token_id", None)):
         v = getattr(c, name)
-        if v is not None and not (_is_int(v) and v >= low):
-            bad(name, f"an int >= {low}")
+        if v is not None and not (_is_int(v) and (low is None or v >= low)):
+            bad(name, "an int" if low is None else f"an int >= {low}")
     for name, low, high in (("temperature", 0, None), ("top_p", 0, 1), ("min_p", 0, 1),
                             ("repetition_penalty", 0, None), ("length_penalty", None, None)):
         v = getattr(c, name)

@@ -449,5 +449,7 @@ def cli_help(opt: Option) -> str:
     if opt.kind == "bool":
         accepts = "no value"
     else:
-        accepts = opt.accepts() + (" (repeat the flag, one value each)" if opt.cli_repeat else "")
+        repeat = (" (repeat the flag, or comma-separate them: 7,9; [] adds none)" if opt.kind == "ids" else
+                  " (repeat the flag, one value each)")
+        accepts = opt.accepts() + (repeat if opt.cli_repeat else "")
     return f"{opt.doc}. Accepts {accepts}; default: {opt.default_text()}; methods: {opt.methods_text()}"

@@ -393,5 +393,25 @@ def trim_at_stop(text: str, stops) -> tuple[str, str | None]:
     return text[:end + neg_len], s
 
 
+def text_before_stop(decode, tokens, stops, skip_special_tokens: bool = True) -> tuple[str, str | None]:
+    """(a row's text up to its first stop string, the stop) or (its whole text, None), where `decode(ids,
+    skip_special_tokens=...)` is the model's. The stop is looked for where the decode loop looked for it:
+    in the text without special tokens (they have no text for the stop automaton, so "im_end" inside
+    "<|im_end|>" is no stop). With skip_special_tokens=False the special tokens before the stop are
+    kept in the returned text; one inside the stop string goes with it."""
+    plain = decode(tokens, skip_special_tokens=True)
+    before, hit = trim_at_stop(plain, stops)
+    if hit is None:
+        return (plain if skip_special_tokens else decode(tokens, skip_special_tokens=False)), None
+    if skip_special_tokens:
+        return before, hit
+    # The longest token prefix whose text lies wholly before the stop, then the rest of `before`.
+    for j in range(len(tokens), -1, -1):
+        head = decode(tokens[:j], skip_special_tokens=True)
+        if before.startswith(head):
+            return decode(tokens[:j], skip_special_tokens=False) + before[len(head):], hit
+    return before, hit  # unreachable: the empty prefix decodes to ""
+
+
 __all__ = ["StopConstraint", "StopError", "StopState", "StopTables", "check_stops", "compile_stops",
-           "stop_constraint", "stop_tables", "trim_at_stop"]
+           "stop_constraint", "stop_tables", "text_before_stop", "trim_at_stop"]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 import threading
 import time
 import warnings
@@ -403,9 +404,11 @@ class Stream:
         self.close()
         return False
 
-    def __del__(self):  # an abandoned stream must not keep the decode running
+    def __del__(self, _finalizing=sys.is_finalizing):  # an abandoned stream must not keep the decode running
+        # At interpreter exit this module's globals may already be None (hence the bound default), and no
+        # decode outlives the interpreter anyway.
         job = self.__dict__.get("_job")
-        if job is not None:
+        if job is not None and not _finalizing():
             job.sink.close()
 
 

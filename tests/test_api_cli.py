@@ -55,6 +55,24 @@ def test_generate_bad_input(model):
         jaxdecode.load("/nonexistent/dir")
 
 
+def test_prompts_as_arrays(model):
+    """A 2-D integer array is a batch (one prompt per row), a 1-D one a prompt; float arrays are refused,
+    not truncated to ids."""
+    import jax.numpy as jnp
+    import numpy as np
+    kw = dict(method="greedy", max_new_tokens=3, eos_ids=())
+    want = [r.tokens for r in jaxdecode.generate(model, [[5, 6, 7], [8, 9, 10]], **kw)]
+    assert [r.tokens for r in jaxdecode.generate(model, np.array([[5, 6, 7], [8, 9, 10]]), **kw)] == want
+    assert [r.tokens for r in jaxdecode.generate(model, [np.array([5, 6, 7]), jnp.array([8, 9, 10])], **kw)] == want
+    assert jaxdecode.generate(model, jnp.array([5, 6, 7], jnp.int32), **kw)[0].tokens == want[0]
+    with pytest.raises(ValueError, match="array of float64: token ids must be integers"):
+        jaxdecode.generate(model, np.array([5.7, 6.2]), **kw)
+    with pytest.raises(ValueError, match="prompt 1 is an array of float32"):
+        jaxdecode.generate(model, [[5], np.array([1.0], np.float32)], **kw)
+    with pytest.raises(ValueError, match="3-D array of shape"):
+        jaxdecode.generate(model, np.zeros((1, 2, 3), np.int32), **kw)
+
+
 def test_cli_generate_json(tiny_llama_dir, capsys):
     rc = main(["generate", "--model", str(tiny_llama_dir), "--prompt", "def add(", "--prompt",
                "class", "--method", "greedy", "--max-new-tokens", "4", "--json"])
@@ -96,6 +114,21 @@ def test_cli_errors_are_clear(tiny_llama_dir, capsys):
     assert rc == 2 and "unknown method 'nope'" in capsys.readouterr().err
     rc = main(["generate", "--model", "/nonexistent", "--prompt", "x"])
     assert rc == 2 and "error" in capsys.readouterr().err
+
+
+def test_cli_eos_ids_as_the_help_says(tiny_llama_dir, capsys):
+    """--eos-id takes one id, several comma-separated, or [] for none (the option's own "[] = none")."""
+    def tokens(*flags):
+        assert main(["generate", "--model", str(tiny_llama_dir), "--prompt-ids", "5,6,7", "--max-new-tokens", "6",
+                     "--json", *flags]) == 0, capsys.readouterr().err
+        return json.loads(capsys.readouterr().out.splitlines()[0])["tokens"]
+    free = tokens("--eos-id", "[]")
+    assert len(free) == 6
+    assert tokens("--eos-id", f"{free[1]},{free[3]}") == free[:2]
+    assert tokens("--eos-id", str(free[3]), "--eos-id", str(free[2])) == free[:3]
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(tiny_llama_dir), "--prompt", "x", "--eos-id", "two"])
+    assert "expected token ids such as 7, 7,9 or []" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- option values

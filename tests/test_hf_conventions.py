@@ -1,6 +1,7 @@
 """generate() as transformers users expect it: BOS / special tokens, generation_config.json, chat templates,
 num_return_sequences, token-for-token parity with transformers.generate on tiny random checkpoints."""
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -96,7 +97,6 @@ def test_generation_config_defaults_and_precedence(bos_model, tmp_path):
     greedy = jaxdecode.generate(model, "import os", generation_config=cfg, method="greedy", eos_ids=[])[0]
     assert greedy.batch_stats["method"] == "greedy"
     # The same defaults from a checkpoint's generation_config.json (copy the checkpoint, new file).
-    import shutil
     d2 = tmp_path / "ckpt"
     shutil.copytree(d, d2)
     (d2 / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.7, "top_k": 5,
@@ -114,6 +114,46 @@ def test_generation_config_defaults_and_precedence(bos_model, tmp_path):
     import transformers as tf
     c = GenerationConfig.from_transformers(tf.GenerationConfig(do_sample=True, top_p=0.9, eos_token_id=[1, 2]))
     assert (c.do_sample, c.top_p, c.eos_token_id, c.temperature) == (True, 0.9, (1, 2), None)
+
+
+def test_generation_keys_not_applied_are_a_warning_not_a_silent_difference(bos_model, tmp_path):
+    """transformers applies min_new_tokens, bad_words_ids, suppress_tokens, early_stopping (beam), ...;
+    jaxdecode does not, so a config that sets them warns and names each; their "off" values do not."""
+    import warnings
+
+    import transformers as tf
+    d, _, _, _ = bos_model
+    d2 = tmp_path / "ckpt"
+    shutil.copytree(d, d2)
+    (d2 / "generation_config.json").write_text(json.dumps({
+        "min_new_tokens": 6, "suppress_tokens": [5], "bad_words_ids": [], "no_repeat_ngram_size": 0,
+        "early_stopping": True, "pad_token_id": -1}))  # pad -1: old Llama conversions, accepted
+    model = jaxdecode.load(d2)
+    assert model.generation_config.not_applied == ("min_new_tokens=6", "suppress_tokens=[5]")
+    with pytest.warns(UserWarning, match=r"min_new_tokens=6, suppress_tokens=\[5\]"):
+        jaxdecode.generate(model, "import os", max_new_tokens=2)
+    with pytest.warns(UserWarning, match="early_stopping=True"):
+        jaxdecode.generate(model, "import os", method="beam", num_beams=2, max_new_tokens=2)
+    # a transformers.GenerationConfig the same way, over the file's: its own value of a key wins
+    cfg = tf.GenerationConfig(min_new_tokens=3, forced_eos_token_id=1)
+    with pytest.warns(UserWarning, match="forced_eos_token_id=1, min_new_tokens=3, suppress_tokens"):
+        jaxdecode.generate(model, "import os", max_new_tokens=2, generation_config=cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jaxdecode.generate(jaxdecode.load(d), "import os", max_new_tokens=2,
+                           generation_config=GenerationConfig.from_dict({"early_stopping": "never",
+                                                                          "typical_p": 1.0}))
+    # a max_new_tokens too long for the model, from the config: the error says where it came from
+    from jaxdecode.autoregressive import PromptError
+    with pytest.raises(PromptError, match="which the generation config sets"):
+        jaxdecode.generate(jaxdecode.load(d), "import os", generation_config=GenerationConfig(max_new_tokens=10**6))
+    # top_p = 0 keeps only the most likely token in transformers: top_k = 1 here
+    with pytest.warns(UserWarning):  # the file's min_new_tokens
+        greedy = jaxdecode.generate(model, "import os", max_new_tokens=4, eos_ids=[])[0].tokens
+    zero_p = GenerationConfig(do_sample=True, top_p=0.0)
+    with pytest.warns(UserWarning):  # the file's min_new_tokens
+        assert jaxdecode.generate(model, "import os", max_new_tokens=4, eos_ids=[], seed=3,
+                                  generation_config=zero_p)[0].tokens == greedy
 
 
 def test_num_return_sequences(bos_model):

@@ -18,7 +18,7 @@ from jaxdecode.constraints.automaton import token_bytes
 from jaxdecode.drafters import make_drafter
 from jaxdecode.sampling import SamplerConfig
 from jaxdecode.speculative import SpeculativeError, speculative_decode
-from jaxdecode.stop import StopError, check_stops, compile_stops, stop_constraint, trim_at_stop
+from jaxdecode.stop import StopError, check_stops, compile_stops, stop_constraint, text_before_stop, trim_at_stop
 
 N = 24
 PROMPTS = ["def fib(n):", "import os\n", "class Foo:"]
@@ -264,6 +264,25 @@ def test_generate_stop(model, greedy_ref):
 
 
 # ----------------------------------------------------------------------------- text and bad input
+def test_text_before_stop_looks_where_the_loop_looked():
+    """Special tokens have no text for the stop automaton: the result's text is cut where the loop stopped,
+    also when the caller keeps special tokens (skip_special_tokens=False)."""
+    pieces = {0: "ab", 1: "<|im_end|>", 2: "c", 3: "de"}  # 1 is special
+
+    def decode(ids, skip_special_tokens=True):
+        return "".join(pieces[i] for i in ids if not (skip_special_tokens and i == 1))
+
+    # "im_end" occurs only inside the special token's text: no stop, whatever is kept
+    assert text_before_stop(decode, [0, 1, 2], ["im_end"], False) == ("ab<|im_end|>c", None)
+    assert text_before_stop(decode, [0, 1, 2], ["im_end"], True) == ("abc", None)
+    # "bc" spans the special token: found in the text without it; the special token inside goes with it
+    assert text_before_stop(decode, [0, 1, 2, 3], ["bc"], True) == ("a", "bc")
+    assert text_before_stop(decode, [0, 1, 2, 3], ["bc"], False) == ("a", "bc")
+    # a special token before the stop is kept when asked for
+    assert text_before_stop(decode, [1, 0, 2, 3], ["cd"], False) == ("<|im_end|>ab", "cd")
+    assert text_before_stop(decode, [1, 0, 2, 3], ["cd"], True) == ("ab", "cd")
+
+
 def test_trim_at_stop_rules():
     assert trim_at_stop("abc\n\ndef x", ["\n\n", "def "]) == ("abc", "\n\n")
     assert trim_at_stop("abcd", ["abcd", "c"]) == ("ab", "c")  # the earliest end: where the loop stopped

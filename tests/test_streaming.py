@@ -133,6 +133,18 @@ def test_abandoned_stream_stops_its_decode(model):
     assert s._job.results[0].stats["new_tokens"] < n and list(s) == []
 
 
+def test_stream_dropped_at_interpreter_exit_is_quiet(model, monkeypatch):
+    """A stream kept in a module global is dropped during interpreter teardown, when the module's own
+    globals (the sinks' lock) may already be None: its __del__ must not raise ("Exception ignored in")."""
+    from jaxdecode import streaming
+    s = stream(model, PROMPTS[0], "greedy", 4, eos_ids=())
+    text = "".join(s)
+    monkeypatch.setattr(streaming, "_SINKS_LOCK", None)  # as teardown leaves it
+    s.__del__(_finalizing=lambda: True)
+    monkeypatch.undo()  # before `s` is collected for real
+    assert text == s.results[0].text
+
+
 def test_stream_under_mesh(tiny_llama_dir):
     from jaxdecode.sharding import make_mesh
     mesh = make_mesh(data=2, model=4, devices=jax.devices()[:8])
