@@ -358,7 +358,7 @@ def _stop_list(stop) -> tuple:
 def _result(model, item, b, index, new, stats, per_row, batch_stats, opts, max_new_tokens, stops,
             skip_special_tokens, structured, prompt_ids, prompt_lp, beam=None) -> Generation:
     """The Generation of output row b (beam j of it when `beam` is given)."""
-    from jaxdecode.stop import text_before_stop
+    from jaxdecode.stop import text_before_stop, trim_at_stop
     from jaxdecode.structured import output_text, validate_text
     new = [int(t) for t in new]
     row_stats = {"new_tokens": len(new)}

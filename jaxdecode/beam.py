@@ -11,11 +11,15 @@ Rules (Hugging Face conventions):
   sum logprob / generated_length ** length_penalty (generated length includes the EOS).
 - Each row keeps a buffer of its K best finished hypotheses. At max_new_tokens the best K candidates
   of the last step all finish (running beams at the end count as finished).
-- A row stops early when its buffer is full and no running beam can beat the worst kept hypothesis.
-  The bound is exact, not HF's heuristic: log-probs are <= 0, so a running beam's score can only
-  fall; its best final score is S / N ** lp for lp > 0 (finishing as late as possible) and
+- A row stops early when its buffer is full and no running beam can beat the worst kept hypothesis,
+  by transformers' `early_stopping` rule:
+  "never" (this function's default): the bound is exact. Log-probs are <= 0, so a running beam's score
+  can only fall; its best final score is S / N ** lp for lp > 0 (finishing as late as possible) and
   S / (t + 1) ** lp otherwise (finishing at the next step, t = tokens generated so far). Stopping early
   therefore never changes the result.
+  False (transformers' default, and `generate(method="beam")`'s): the heuristic bound S / t ** lp (the
+  best running beam scored at its current length), which may stop before a better hypothesis is found.
+  True: as soon as the buffer is full.
 - Diverse Beam Search (Vijayakumar et al. 2016): the K beams form G groups of K/G. Each group is a beam
   search of width K/G with its own buffer and stopping test; at each step the groups are expanded in
   order and group g's log-probs are lowered by diversity_penalty x (the number of running beams of
@@ -80,13 +84,24 @@ class _BeamState:
         return dataclasses.replace(self, **kw)
 
 
-def _best_final_score(run_scores, t, max_new_tokens: int, length_penalty: float):
-    """Upper bound of the final score of running beams with t + 1 tokens generated (see docstring)."""
-    best_len = max_new_tokens if length_penalty > 0 else t + 2
+EARLY_STOPPING = (True, False, "never")  # transformers' values (module docstring)
+
+
+def _best_final_score(run_scores, t, max_new_tokens: int, length_penalty: float, early_stopping="never"):
+    """The score a running beam (t + 1 tokens generated) must be able to beat for its row to go on: an
+    exact upper bound of its final score ("never"), transformers' heuristic (False), or +inf's opposite
+    (True: a full buffer stops the row). See the module docstring."""
+    if early_stopping is True:
+        return jnp.full(run_scores.shape[:-1], -jnp.inf, jnp.float32)
+    if early_stopping is False:
+        best_len = t + 1
+    else:
+        best_len = max_new_tokens if length_penalty > 0 else t + 2
     return jnp.max(run_scores, axis=-1) / jnp.asarray(best_len, jnp.float32) ** length_penalty
 
 
-def _group_step(t, counts, group, *, max_new_tokens, length_penalty, diversity_penalty, eos_ids):
+def _group_step(t, counts, group, *, max_new_tokens, length_penalty, diversity_penalty, eos_ids,
+                early_stopping="never"):
     """Expand one group's beams by one token.
 
     counts: f32[B, V] tokens chosen by earlier groups this step. group: dict of this group's arrays
@@ -167,7 +182,7 @@ def _group_step(t, counts, group, *, max_new_tokens, length_penalty, diversity_p
 
     full = jnp.all(fin_scores_new > -jnp.inf, axis=-1)
     hopeless = jnp.min(fin_scores_new, axis=-1) >= _best_final_score(
-        run_scores_new, t, max_new_tokens, length_penalty)
+        run_scores_new, t, max_new_tokens, length_penalty, early_stopping)
     done_new = done | last | (full & hopeless)
 
     if diversity_penalty:  # only the penalty of later groups reads the counts
@@ -188,7 +203,7 @@ def _group_step(t, counts, group, *, max_new_tokens, length_penalty, diversity_p
 
 
 def _select(state: _BeamState, logprobs, *, max_new_tokens, length_penalty, diversity_penalty,
-            eos_ids, constraint=None, cands=None, vocab_size=None) -> _BeamState:
+            eos_ids, early_stopping="never", constraint=None, cands=None, vocab_size=None) -> _BeamState:
     """One beam step for every row and group. logprobs: f32[B, G, Kg, V], or with a constraint the
     candidates' log-probs f32[B, G, Kg, C] and `cands` (their tokens, ends and next states), or the
     groups' ranked candidates f32[B, G, 1, C] with cands.parent."""
@@ -207,7 +222,8 @@ def _select(state: _BeamState, logprobs, *, max_new_tokens, length_penalty, dive
     def step(counts, group):
         counts, out, parent = _group_step(t, counts, group, max_new_tokens=max_new_tokens,
                                           length_penalty=length_penalty,
-                                          diversity_penalty=diversity_penalty, eos_ids=eos_ids)
+                                          diversity_penalty=diversity_penalty, eos_ids=eos_ids,
+                                          early_stopping=early_stopping)
         return counts, (out, parent)
 
     counts = jnp.zeros((b, v), jnp.float32)
@@ -258,9 +274,9 @@ def _constrained_first(select, state, constraint, logits, b, g, kg):
 
 
 @partial(jax.jit, static_argnames=("config", "max_new_tokens", "num_beams", "num_groups",
-                                   "length_penalty", "diversity_penalty", "eos_ids", "cache_len"))
+                                   "length_penalty", "diversity_penalty", "eos_ids", "cache_len", "early_stopping"))
 def _beam_search(config, params, prompt_tokens, prompt_lengths, constraint=None, *, max_new_tokens,
-                 num_beams, num_groups, length_penalty, diversity_penalty, eos_ids, cache_len):
+                 num_beams, num_groups, length_penalty, diversity_penalty, eos_ids, cache_len, early_stopping):
     b = prompt_tokens.shape[0]
     k, g = num_beams, num_groups
     kg = k // g
@@ -279,7 +295,7 @@ def _beam_search(config, params, prompt_tokens, prompt_lengths, constraint=None,
         parents=jnp.arange(b * k, dtype=jnp.int32), cache=cache, calls=jnp.int32(1),
         nonfinite=nonfinite_rows(logits, jnp.ones((b,), bool)))
     select = partial(_select, max_new_tokens=n, length_penalty=length_penalty,
-                     diversity_penalty=diversity_penalty, eos_ids=eos_ids)
+                     diversity_penalty=diversity_penalty, eos_ids=eos_ids, early_stopping=early_stopping)
     if constraint is None:
         first = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
         state = select(state, jnp.broadcast_to(first[:, None, None, :], (b, g, kg, first.shape[-1])))
@@ -327,8 +343,11 @@ def _real(name: str, value, minimum: float | None = None) -> float:
 def beam_search(config, params, prompt_tokens, prompt_lengths, *, max_new_tokens: int,
                 num_beams: int, length_penalty: float = 1.0, eos_ids: tuple = (), num_groups: int = 1,
                 diversity_penalty: float = 0.0, cache_len: int | None = None,
-                constraint=None) -> BeamOutput:
+                constraint=None, early_stopping: bool | str = "never") -> BeamOutput:
     """Beam search (num_groups=1) or Diverse Beam Search. See the module docstring for the rules.
+
+    early_stopping: when a row with a full buffer stops, transformers' values: "never" (the exact best
+    hypotheses), False (transformers' default heuristic) or True (as soon as the buffer is full).
 
     constraint: a Constraint with the candidate form (jaxdecode.constraints.TrieConstraint): every
     hypothesis is then an item of the row's set. Each beam expands over its candidate list (the
@@ -341,6 +360,9 @@ def beam_search(config, params, prompt_tokens, prompt_lengths, *, max_new_tokens
             raise BeamConfigError(f"{name} must be an int >= 1, got {value!r}")
     if num_beams % num_groups:
         raise BeamConfigError(f"num_beams ({num_beams}) must be a multiple of num_groups ({num_groups})")
+    if not any(early_stopping is v or (isinstance(v, str) and early_stopping == v) for v in EARLY_STOPPING):
+        raise BeamConfigError(f"early_stopping must be True, False or 'never' (transformers' values), got "
+                              f"{early_stopping!r}")
     length_penalty = _real("length_penalty", length_penalty)
     diversity_penalty = _real("diversity_penalty", diversity_penalty, 0.0)
     eos_ids = validate_eos_ids(config, eos_ids)
@@ -358,7 +380,8 @@ def beam_search(config, params, prompt_tokens, prompt_lengths, *, max_new_tokens
     return _beam_search(config, split_layers(config, params), prompt_tokens, prompt_lengths, constraint,
                         max_new_tokens=max_new_tokens,
                         num_beams=num_beams, num_groups=num_groups, length_penalty=length_penalty,
-                        diversity_penalty=diversity_penalty, eos_ids=eos_ids, cache_len=cache_len)
+                        diversity_penalty=diversity_penalty, eos_ids=eos_ids, cache_len=cache_len,
+                        early_stopping=early_stopping)
 
 
 __all__ = ["BeamOutput", "BeamConfigError", "PromptError", "beam_search"]

@@ -74,7 +74,8 @@ def _add_generate(sub):
             kw["action"] = "store_const"
             kw["const"] = opt.default is not True
         else:
-            kw["type"] = {"int": int, "float": float, "ids": _id_list, "int_or_ids": int}.get(opt.kind, str)
+            kw["type"] = {"int": int, "float": float, "ids": _id_list, "int_or_ids": int,
+                          "stopping": _stopping}.get(opt.kind, str)
             if opt.objects and opt.kind == "str" and opt.low is not None:
                 kw["type"] = _str_or_int  # tree: a spec or a node count
             if opt.cli_repeat:  # a list of ids: each flag adds one or more ("--eos-id 2 --eos-id 7,9"; "[]": none)
@@ -102,6 +103,14 @@ def _dtype_kw(args) -> dict:
 
 def _str_or_int(text: str):
     return int(text) if text.isdigit() else text
+
+
+def _stopping(text: str):
+    """--early-stopping true | false | never."""
+    value = {"true": True, "false": False, "never": "never"}.get(text.strip().lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true, false or never, got {text!r}")
+    return value
 
 
 def _id_list(text: str) -> list:

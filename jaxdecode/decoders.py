@@ -94,7 +94,7 @@ def _beam(diverse: bool):
                           num_beams=opts["num_beams"], length_penalty=float(opts["length_penalty"]),
                           eos_ids=opts["eos_ids"], num_groups=opts["num_groups"] if diverse else 1,
                           diversity_penalty=float(opts["diversity_penalty"]) if diverse else 0.0,
-                          cache_len=opts["cache_len"], constraint=constraint)
+                          cache_len=opts["cache_len"], constraint=constraint, early_stopping=opts["early_stopping"])
         stats = dict(out.stats)
         stats["beam_scores"] = out.scores
         stats["beams"] = out.tokens

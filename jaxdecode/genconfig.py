@@ -12,13 +12,14 @@ Fields follow transformers' names and meanings:
 - `temperature`, `top_k`, `top_p`, `min_p` apply to the methods that draw samples (for method
   "speculative" only when `do_sample` is true: its default is greedy verification, as transformers'
   assisted generation is greedy unless do_sample); `repetition_penalty` to every method that takes it.
-- `max_new_tokens`, `num_return_sequences`, `stop_strings`, `length_penalty` as in transformers.
+- `max_new_tokens`, `num_return_sequences`, `stop_strings`, `length_penalty`, `early_stopping` (beam
+  search) as in transformers.
 - `pad_token_id` / `bos_token_id` are kept for reference: rows come back unpadded, prompts are encoded
   by the tokenizer's own rule.
 Unlike transformers, an unset `top_k` stays off (transformers samples from the top 50 tokens when a
 checkpoint does not set top_k): pass `top_k=50` for that. `max_length` (prompt + new tokens) is not used;
-jaxdecode counts new tokens (`max_new_tokens`). Beam search finds the exact best beams (transformers'
-early_stopping="never"). `top_p=0` keeps the single most likely token (transformers' rule), i.e. top_k=1.
+jaxdecode counts new tokens (`max_new_tokens`). `top_p=0` keeps the single most likely token
+(transformers' rule), i.e. top_k=1.
 Other keys of the file are kept in `unused` and ignored; those among them that change transformers'
 tokens (min_new_tokens, bad_words_ids, suppress_tokens, ...: `_NOT_APPLIED`), set to anything but their
 "off" value, are also listed in `not_applied`, and generate warns about them.
@@ -30,8 +31,8 @@ import numbers
 from pathlib import Path
 
 _FIELDS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-           "num_beams", "length_penalty", "num_return_sequences", "eos_token_id", "pad_token_id", "bos_token_id",
-           "stop_strings")
+           "num_beams", "length_penalty", "early_stopping", "num_return_sequences", "eos_token_id", "pad_token_id",
+           "bos_token_id", "stop_strings")
 # Keys transformers applies that change the tokens but that jaxdecode does not implement, with their "off"
 # values: set to anything else, generate warns that its output will differ (never a silent difference).
 _NOT_APPLIED = {"min_length": (0,), "min_new_tokens": (0,), "bad_words_ids": ((),), "suppress_tokens": ((),),
@@ -41,8 +42,6 @@ _NOT_APPLIED = {"min_length": (0,), "min_new_tokens": (0,), "bad_words_ids": (()
                 "exponential_decay_length_penalty": (), "sequence_bias": ((),), "guidance_scale": (1.0,),
                 "penalty_alpha": (), "dola_layers": (), "max_time": (), "watermarking_config": (),
                 "token_healing": (False,)}
-# Beam search returns the exact best hypotheses: transformers' early_stopping="never" (module beam).
-_BEAM_EARLY_STOPPING = "never"
 # Keys transformers writes that change nothing here (bookkeeping, or values equal to "off").
 _BOOKKEEPING = ("_from_model_config", "transformers_version", "use_cache", "return_dict_in_generate",
                 "output_scores", "output_logits", "output_attentions", "output_hidden_states", "max_length")
@@ -64,6 +63,7 @@ class GenerationConfig:
     repetition_penalty: float | None = None
     num_beams: int | None = None
     length_penalty: float | None = None
+    early_stopping: bool | str | None = None  # beam search: True, False or "never" (module beam)
     num_return_sequences: int | None = None
     eos_token_id: tuple | None = None  # ints (an int given is kept as a 1-tuple)
     pad_token_id: int | None = None
@@ -73,7 +73,6 @@ class GenerationConfig:
     # "key=value" of the unused keys that change transformers' tokens (min_new_tokens, bad_words_ids, ...):
     # generate warns about each
     not_applied: tuple = ()
-    early_stopping: bool | str | None = None  # beam search: see _BEAM_EARLY_STOPPING
 
     def __post_init__(self):
         eos = self.eos_token_id
@@ -98,7 +97,7 @@ class GenerationConfig:
         not_applied = tuple(f"{k}={values[k]!r}" for k in sorted(_NOT_APPLIED) if k in values and
                             values[k] is not None and _plain(values[k]) not in _NOT_APPLIED[k])
         try:
-            return cls(**known, unused=unused, not_applied=not_applied, early_stopping=values.get("early_stopping"))
+            return cls(**known, unused=unused, not_applied=not_applied)
         except GenerationConfigError as e:
             raise GenerationConfigError(f"{source}: {e}") from None
 
@@ -129,9 +128,7 @@ class GenerationConfig:
             return self
         return dataclasses.replace(base, **{k: getattr(self, k) for k in _FIELDS if getattr(self, k) is not None},
                                    unused=tuple(sorted(set(base.unused) | set(self.unused))),
-                                   not_applied=_over_keys(self.not_applied, base.not_applied),
-                                   early_stopping=base.early_stopping if self.early_stopping is None
-                                   else self.early_stopping)
+                                   not_applied=_over_keys(self.not_applied, base.not_applied))
 
     # ------------------------------------------------------------------ use
     def method(self) -> str:
@@ -166,6 +163,8 @@ class GenerationConfig:
             out["num_beams"] = self.num_beams
         if self.length_penalty is not None:
             out["length_penalty"] = self.length_penalty
+        if self.early_stopping is not None:
+            out["early_stopping"] = self.early_stopping
         if self.stop_strings:
             out["stop"] = list(self.stop_strings)
         return {k: v for k, v in out.items() if k in takes}
@@ -178,9 +177,6 @@ class GenerationConfig:
             out.append(f"repetition_penalty={self.repetition_penalty}")
         if self.stop_strings and "stop" not in takes:
             out.append(f"stop_strings={list(self.stop_strings)}")
-        if "num_beams" in takes and self.early_stopping is not None and self.early_stopping != _BEAM_EARLY_STOPPING:
-            out.append(f"early_stopping={self.early_stopping!r} (jaxdecode's beam search always finds the exact "
-                       f"best beams, transformers' early_stopping='never')")
         return out + list(self.not_applied)
 
 
@@ -222,6 +218,8 @@ def _check(c: GenerationConfig) -> None:
                 f" and <= {high}" if high is not None else ""))
     if c.do_sample is not None and not isinstance(c.do_sample, bool):
         bad("do_sample", "true or false")
+    if c.early_stopping is not None and not (isinstance(c.early_stopping, bool) or c.early_stopping == "never"):
+        bad("early_stopping", 'true, false or "never"')
     if c.eos_token_id is not None and not all(_is_int(e) and e >= 0 for e in c.eos_token_id):
         bad("eos_token_id", "a token id or a list of them")
     if c.stop_strings is not None and not all(isinstance(s, str) and s for s in c.stop_strings):

@@ -43,7 +43,9 @@ class OptionError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Option:
     name: str
-    kind: str  # int | float | bool | str | ids (list of ints) | int_or_ids | dict | mesh | texts | schemas | stops
+    # int | float | bool | str | ids (list of ints) | int_or_ids | dict | mesh | texts | schemas | stops |
+    # stopping (True, False or "never")
+    kind: str
     doc: str
     methods: tuple  # canonical method names, or (ALL,)
     default: Any = None  # a value, {method: value}, or None (the method decides: default_doc)
@@ -93,6 +95,8 @@ class Option:
             text = text.strip().removesuffix(", each")
         elif self.kind == "bool":
             text = "True or False"
+        elif self.kind == "stopping":
+            text = "True, False or 'never'"
         elif self.kind == "str":
             ch = self.choices
             text = ("one of " + ", ".join(self.allowed_choices())) if ch is not None else "a string"
@@ -188,6 +192,10 @@ _TABLE = (
     # ------------------------------------------------------------------ beams
     Option("num_beams", "int", "beams per prompt (all groups together)", BEAMS, 4, low=1),
     Option("length_penalty", "float", "hypothesis score = sum logprob / length ** length_penalty", BEAMS, 1.0),
+    Option("early_stopping", "stopping", "when a row whose buffer of finished beams is full stops, as in "
+           "transformers: False its heuristic (the best running beam scored at its current length cannot "
+           "beat them), True at once, 'never' when no running beam can (the exact best beams)",
+           ("beam", "diverse_beam"), False),
     Option("num_groups", "int", "beam groups (num_beams must be a multiple)", ("diverse_beam",), 2, low=2),
     Option("diversity_penalty", "float", "Hamming diversity penalty between groups", ("diverse_beam",), 0.5,
            low=0),
@@ -326,6 +334,8 @@ def check_option(name: str, value):
         ok = _is_real(value) and _in_range(opt, value)
     elif opt.kind == "bool":
         ok = isinstance(value, bool)
+    elif opt.kind == "stopping":
+        ok = isinstance(value, bool) or value == "never"
     elif opt.kind == "str":
         if opt.objects and _is_int(value) and opt.low is not None:  # tree: a node count
             ok = _in_range(opt, value)

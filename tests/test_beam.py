@@ -47,7 +47,8 @@ def next_logprobs(config, params, prompt, continuations):
     return np.concatenate(out)
 
 
-def reference_beam_search(score, vocab, n, k, groups=1, length_penalty=1.0, eos=(), diversity=0.0):
+def reference_beam_search(score, vocab, n, k, groups=1, length_penalty=1.0, eos=(), diversity=0.0,
+                          early_stopping="never"):
     """The documented rule in plain Python for one prompt. score(list of tuples) -> [len, V].
 
     Returns (hypotheses [(score, tokens)] best first, number of forwards used)."""
@@ -74,8 +75,9 @@ def reference_beam_search(score, vocab, n, k, groups=1, length_penalty=1.0, eos=
             g["run"] = [(g["run"][b][0] + (v,), s) for s, b, v in cands if v not in eos][:kg]
             for seq, _ in g["run"]:
                 counts[seq[-1]] += 1
-            best_len = n if length_penalty > 0 else t + 2
+            best_len = {"never": n if length_penalty > 0 else t + 2, False: t + 1, True: 1}[early_stopping]
             bound = max((s for _, s in g["run"]), default=-np.inf) / float(best_len) ** length_penalty
+            bound = -np.inf if early_stopping is True else bound
             full = len(g["fin"]) == kg
             g["done"] = t == n - 1 or (full and min(f[0] for f in g["fin"]) >= bound)
     hyps = sorted((f for g in state for f in g["fin"]), key=lambda f: -f[0])
@@ -128,6 +130,9 @@ CASES = {
     "negative_lp_two_eos": dict(num_beams=3, length_penalty=-0.5, eos_ids=(2, 5)),
     "diverse": dict(num_beams=4, num_groups=2, diversity_penalty=1.5, length_penalty=2.0,
                     eos_ids=(2,)),
+    "heuristic_stop": dict(num_beams=3, length_penalty=1.0, eos_ids=(2, 5), early_stopping=False),
+    "diverse_stop_when_full": dict(num_beams=4, num_groups=2, diversity_penalty=1.5, length_penalty=2.0,
+                                   eos_ids=(2,), early_stopping=True),
 }
 
 
@@ -142,7 +147,7 @@ def test_beam_search_matches_the_python_reference(model6, case):
         hyps, c = reference_beam_search(
             partial(next_logprobs, config, params, prompt), VOCAB, N_NEW, kw["num_beams"],
             groups=kw.get("num_groups", 1), length_penalty=kw["length_penalty"], eos=kw["eos_ids"],
-            diversity=kw.get("diversity_penalty", 0.0))
+            diversity=kw.get("diversity_penalty", 0.0), early_stopping=kw.get("early_stopping", "never"))
         assert_matches_reference(out, row, hyps, pad=kw["eos_ids"][0])
         calls.append(c)
     # One batched forward per step until the last row is done.

@@ -117,8 +117,7 @@ def test_generation_config_defaults_and_precedence(bos_model, tmp_path):
 
 
 def test_generation_keys_not_applied_are_a_warning_not_a_silent_difference(bos_model, tmp_path):
-    """transformers applies min_new_tokens, bad_words_ids, suppress_tokens, early_stopping (beam), ...;
-    jaxdecode does not, so a config that sets them warns and names each; their "off" values do not."""
+    """transformers applies min_new_tokens, bad_words_ids, suppress_tokens, ...; jaxdecode does not, so a config that sets them warns and names each; their "off" values do not."""
     import warnings
 
     import transformers as tf
@@ -127,13 +126,11 @@ def test_generation_keys_not_applied_are_a_warning_not_a_silent_difference(bos_m
     shutil.copytree(d, d2)
     (d2 / "generation_config.json").write_text(json.dumps({
         "min_new_tokens": 6, "suppress_tokens": [5], "bad_words_ids": [], "no_repeat_ngram_size": 0,
-        "early_stopping": True, "pad_token_id": -1}))  # pad -1: old Llama conversions, accepted
+        "early_stopping": True, "pad_token_id": -1}))  # early_stopping is applied (beam search)  # pad -1: old Llama conversions, accepted
     model = jaxdecode.load(d2)
     assert model.generation_config.not_applied == ("min_new_tokens=6", "suppress_tokens=[5]")
     with pytest.warns(UserWarning, match=r"min_new_tokens=6, suppress_tokens=\[5\]"):
         jaxdecode.generate(model, "import os", max_new_tokens=2)
-    with pytest.warns(UserWarning, match="early_stopping=True"):
-        jaxdecode.generate(model, "import os", method="beam", num_beams=2, max_new_tokens=2)
     # a transformers.GenerationConfig the same way, over the file's: its own value of a key wins
     cfg = tf.GenerationConfig(min_new_tokens=3, forced_eos_token_id=1)
     with pytest.warns(UserWarning, match="forced_eos_token_id=1, min_new_tokens=3, suppress_tokens"):
@@ -141,8 +138,7 @@ def test_generation_keys_not_applied_are_a_warning_not_a_silent_difference(bos_m
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         jaxdecode.generate(jaxdecode.load(d), "import os", max_new_tokens=2,
-                           generation_config=GenerationConfig.from_dict({"early_stopping": "never",
-                                                                          "typical_p": 1.0}))
+                           generation_config=GenerationConfig.from_dict({"typical_p": 1.0}))
     # a max_new_tokens too long for the model, from the config: the error says where it came from
     from jaxdecode.autoregressive import PromptError
     with pytest.raises(PromptError, match="which the generation config sets"):
@@ -154,6 +150,58 @@ def test_generation_keys_not_applied_are_a_warning_not_a_silent_difference(bos_m
     with pytest.warns(UserWarning):  # the file's min_new_tokens
         assert jaxdecode.generate(model, "import os", max_new_tokens=4, eos_ids=[], seed=3,
                                   generation_config=zero_p)[0].tokens == greedy
+
+
+@pytest.fixture(scope="module")
+def many_eos_model(tmp_path_factory):
+    """A 64-token Llama where 6 ids end a row: beams finish at many lengths, so when a full buffer stops
+    a row (early_stopping) decides which beams come back."""
+    from jd_testutil import make_checkpoint
+    d = make_checkpoint("llama", tmp_path_factory.mktemp("eos64"), vocab_size=64, seed=6)
+    return d, make_hf_model("llama", vocab_size=64, seed=6)
+
+
+@pytest.mark.parametrize("early_stopping", [False, True, "never"])
+def test_beam_search_equals_transformers_for_each_early_stopping(many_eos_model, early_stopping):
+    """Beams and their scores equal transformers.generate(num_beams=...) token for token, with its
+    default early_stopping=False (also generate's default here), True and "never"; a generation config
+    carries the value like any other."""
+    import torch
+    d, hf = many_eos_model
+    model = jaxdecode.load(d)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(2, 64, n).tolist() for n in (3, 6, 9, 4)]
+    width, k, n_new, eos = max(map(len, prompts)), 3, 12, [3, 7, 11, 20, 30, 41]
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        ref = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_new, do_sample=False, num_beams=k,
+                          num_return_sequences=k, length_penalty=1.0, early_stopping=early_stopping,
+                          return_dict_in_generate=True, output_scores=True, eos_token_id=eos, pad_token_id=0)
+    kw = dict(method="beam", num_beams=k, num_return_sequences=k, length_penalty=1.0, max_new_tokens=n_new,
+              eos_ids=eos)
+    given = dict(early_stopping=early_stopping) if early_stopping is not False else {}  # False: the default
+    ours = jaxdecode.generate(model, prompts, **kw, **given)
+    via_config = jaxdecode.generate(model, prompts, **kw,
+                                    generation_config=GenerationConfig(early_stopping=early_stopping))
+    for i, (r, c) in enumerate(zip(ours, via_config)):
+        want = ref.sequences[i, width:].tolist()
+        want = next((want[:j + 1] for j, t in enumerate(want) if t in eos), want)
+        assert r.tokens == want == c.tokens, f"output {i} (prompt {i // k}, beam {i % k})"
+        assert r.stats["beam_scores"] == pytest.approx(float(ref.sequences_scores[i]), abs=1e-4)
+
+
+def test_early_stopping_changes_the_beams_here(many_eos_model):
+    """The case above is one where the rule matters (else its three runs would test one thing)."""
+    model = jaxdecode.load(many_eos_model[0])
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(2, 64, n).tolist() for n in (3, 6, 9, 4)]
+    runs = {str(e): [r.tokens for r in jaxdecode.generate(
+        model, prompts, method="beam", num_beams=3, num_return_sequences=3, max_new_tokens=12,
+        eos_ids=[3, 7, 11, 20, 30, 41], early_stopping=e)] for e in (False, True, "never")}
+    assert runs["False"] != runs["never"] and runs["True"] != runs["False"]
+    with pytest.raises(OptionError, match="early_stopping must be True, False or 'never'"):
+        jaxdecode.generate(model, prompts, method="beam", early_stopping="sometimes")
 
 
 def test_num_return_sequences(bos_model):

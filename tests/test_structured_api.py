@@ -51,6 +51,13 @@ def test_regex_fullmatches_and_says_valid(model):
     assert plain.constraint is None and "valid" not in plain.to_json()
 
 
+def test_stop_string_under_a_constraint(model):
+    """A stop string that fires inside a constrained row: the text is cut before it, and `valid` judges
+    the text returned."""
+    r = jaxdecode.generate(model, ["def f(x):\n    return x"], regex=r"[a-z \n]+", stop=[" "], max_new_tokens=20)[0]
+    assert (r.finish_reason, r.stop) == ("stop", " ") and " " not in r.text and r.valid is True
+
+
 def test_one_schema_per_row(model):
     schemas = [SCHEMA, OTHER, SCHEMA]
     out = jaxdecode.generate(model, PROMPTS + ["import"], max_new_tokens=16, json_schema=schemas)
