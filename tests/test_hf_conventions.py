@@ -117,7 +117,8 @@ def test_generation_config_defaults_and_precedence(bos_model, tmp_path):
 
 
 def test_generation_keys_not_applied_are_a_warning_not_a_silent_difference(bos_model, tmp_path):
-    """transformers applies min_new_tokens, bad_words_ids, suppress_tokens, ...; jaxdecode does not, so a config that sets them warns and names each; their "off" values do not."""
+    """transformers applies min_new_tokens, bad_words_ids, suppress_tokens, ...; jaxdecode does not, so a
+    config that sets them warns and names each; their "off" values do not."""
     import warnings
 
     import transformers as tf
@@ -126,7 +127,8 @@ def test_generation_keys_not_applied_are_a_warning_not_a_silent_difference(bos_m
     shutil.copytree(d, d2)
     (d2 / "generation_config.json").write_text(json.dumps({
         "min_new_tokens": 6, "suppress_tokens": [5], "bad_words_ids": [], "no_repeat_ngram_size": 0,
-        "early_stopping": True, "pad_token_id": -1}))  # early_stopping is applied (beam search)  # pad -1: old Llama conversions, accepted
+        "early_stopping": True,  # applied (beam search), so no warning
+        "pad_token_id": -1}))  # pad -1: old Llama conversions, accepted
     model = jaxdecode.load(d2)
     assert model.generation_config.not_applied == ("min_new_tokens=6", "suppress_tokens=[5]")
     with pytest.warns(UserWarning, match=r"min_new_tokens=6, suppress_tokens=\[5\]"):
