@@ -48,13 +48,15 @@ def structured_request(opts: dict, batch: int) -> StructuredRequest | None:
 
 
 def _schema_text(schema) -> str:
-    """A schema (dict, JSON text or file path) as canonical JSON text; a clear error for anything else."""
+    """A schema (dict, JSON text or file path) as JSON text, its properties in the schema's own order (the
+    order the output writes them in: a "reasoning" field before an "answer"); a clear error for anything
+    else."""
     if isinstance(schema, (dict, bool)):  # boolean schemas: true admits every value, false none
-        return json.dumps(schema, sort_keys=True)
+        return json.dumps(schema)
     text = str(schema)
     if isinstance(schema, str):
         try:
-            return json.dumps(json.loads(text), sort_keys=True)
+            return json.dumps(json.loads(text))
         except json.JSONDecodeError:
             pass
     path = Path(text)
@@ -62,7 +64,7 @@ def _schema_text(schema) -> str:
         raise FileNotFoundError(f"json_schema {text[:80]!r} is neither JSON text nor a readable file; pass the "
                                 f"schema as a dict, its JSON text, or the path of a .json file")
     try:
-        return json.dumps(json.loads(path.read_text()), sort_keys=True)
+        return json.dumps(json.loads(path.read_text()))
     except (OSError, ValueError) as e:
         raise ValueError(f"json_schema file {text!r} is not valid JSON: {e}") from None
 

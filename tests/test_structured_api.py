@@ -58,6 +58,21 @@ def test_stop_string_under_a_constraint(model):
     assert (r.finish_reason, r.stop) == ("stop", " ") and " " not in r.text and r.valid is True
 
 
+def test_properties_come_in_the_schema_order(model):
+    """Properties are written in the order the schema declares them (a "reasoning" field before an
+    "answer"), not sorted, on the automaton path and on the grammar (recursive schema) path."""
+    flat = {"type": "object", "properties": {"zname": {"type": "boolean"}, "age": {"type": "integer", "minimum": 0,
+                                                                                   "maximum": 9}},
+            "required": ["zname", "age"], "additionalProperties": False}
+    r = jaxdecode.generate(model, "user = ", json_schema=flat, max_new_tokens=24)[0]
+    assert r.valid and list(json.loads(r.text.removesuffix("<|endoftext|>"))) == ["zname", "age"], r.text
+    tree = {"type": "object", "properties": {"value": {"type": "integer"},
+                                             "children": {"type": "array", "items": {"$ref": "#"}}},
+            "required": ["value", "children"]}
+    r = jaxdecode.generate(model, "tree = ", json_schema=tree, max_new_tokens=10)[0]
+    assert r.text.startswith('{"value"'), r.text
+
+
 def test_one_schema_per_row(model):
     schemas = [SCHEMA, OTHER, SCHEMA]
     out = jaxdecode.generate(model, PROMPTS + ["import"], max_new_tokens=16, json_schema=schemas)
