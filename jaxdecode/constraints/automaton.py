@@ -1308,7 +1308,7 @@ def per_row_constraint(specs, tokenizer, *, vocab_size: int | None = None, eos_i
         elif isinstance(spec, str):
             key = "re:" + spec
         elif isinstance(spec, dict):
-            key = "js:" + json.dumps(spec, sort_keys=True)
+            key = "js:" + json.dumps(spec)  # property order matters: the output follows it
         else:
             raise AutomatonError(f"specs[{b}] is a {type(spec).__name__}; give a regex (str), a JSON schema "
                                  "(dict) or a TokenAutomaton per row")
