@@ -1,4 +1,4 @@
-"""Command line: `jaxdecode generate | methods | demo | train | index`.
+r"""Command line: `jaxdecode generate | methods | demo | train | index`.
 
     jaxdecode generate --model DIR --prompt TEXT [--prompt TEXT ...] | --prompts-file FILE
                        --method NAME --max-new-tokens N [--temperature T] [--seed S] [--json]
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import sys
 
 
@@ -126,7 +127,7 @@ def _id_list(text: str) -> list:
 
 def _parse_option(text: str):
     if "=" not in text:
-        raise SystemExit(f"--option expects KEY=VALUE, got {text!r}")
+        raise ValueError(f"--option expects KEY=VALUE, got {text!r}")
     k, v = text.split("=", 1)
     try:
         return k.replace("-", "_"), json.loads(v)
@@ -164,7 +165,7 @@ def _read_prompts(args) -> list:
             return list(args.prompt)
         system = [] if args.system is None else [{"role": "system", "content": args.system}]
         return [system + [{"role": "user", "content": p}] for p in args.prompt]
-    raise SystemExit("give at least one --prompt TEXT, --prompt-ids IDS or --prompts-file FILE")
+    raise ValueError("give at least one --prompt TEXT, --prompt-ids IDS or --prompts-file FILE")
 
 
 def read_prompts_file(path, fmt: str | None = None) -> list:
@@ -228,7 +229,7 @@ def cmd_generate(args) -> int:
     for text in args.option:
         key, value = _parse_option(text)
         if key in options:
-            raise SystemExit(f"option {key} is given twice (a flag and --option); give it once")
+            raise ValueError(f"option {key} is given twice (a flag and --option); give it once")
         options[key] = value
     model = jaxdecode.load(args.model or _default_model(args.method or "greedy"), **_dtype_kw(args))
     call = dict(method=args.method, num_return_sequences=args.num_return_sequences,
@@ -275,8 +276,8 @@ def _shown_prompt(prompt) -> str:
 
 
 def _read_structured(options: dict) -> None:
-    """--regex / --json-schema FILE / --grammar FILE (each repeatable: one for all prompts, or one per
-    prompt): read the files (the schema parsed as JSON), one flag = one value for every prompt."""
+    """--regex / --json-schema FILE|JSON / --grammar FILE|TEXT (each repeatable: one for all prompts, or one
+    per prompt): read the files (the schema parsed as JSON), one flag = one value for every prompt."""
     for name in ("regex", "json_schema", "grammar"):
         values = options.get(name)
         if values is None:
@@ -289,7 +290,20 @@ def _read_structured(options: dict) -> None:
 
 
 def _read_file(name: str, path: str):
+    """A --json-schema / --grammar value: a file's content, else the value itself when it is the schema's
+    JSON text or grammar text (a rule: `start: ...` in Lark, `root ::= ...` in GBNF), as the option's help
+    says."""
     flag = "--" + name.replace("_", "-")
+    if not os.path.isfile(path):
+        if name == "json_schema":
+            try:
+                return json.loads(path)
+            except json.JSONDecodeError:
+                pass
+        elif ":" in path:  # a rule of Lark or GBNF; no grammar lacks one
+            return path
+        what = "JSON text" if name == "json_schema" else "grammar text (Lark `start: ...` or GBNF `root ::= ...`)"
+        raise FileNotFoundError(f"{flag} {path[:80]!r}: neither a readable file nor {what}")
     try:
         with open(path) as f:
             text = f.read()
@@ -445,7 +459,8 @@ def cmd_calibrate(args) -> int:
                       refresh=args.refresh) for b in sizes]
     if args.json:
         for table, path, measured in rows:
-            print(json.dumps(dict(table.to_json(), cache_file=str(path), measured=measured)))
+            cached = None if path is None else str(path)  # None: the cache could not be written
+            print(json.dumps(dict(table.to_json(), cache_file=cached, measured=measured)))
     else:
         print(format_tables(rows))
     return 0

@@ -794,8 +794,9 @@ def write_cached(path: Path, key: dict, table: CostTable) -> None:
 
 def calibrate(model, drafter, batch_size: int, *, widths=None, context_len: int | None = None,
               cache_dir=None, progress=True, refresh: bool = False, attn_impl: str | None = None,
-              mesh=None, sampler=None, verifier=None, **measure_kw) -> tuple[CostTable, Path, bool]:
-    """`load_or_calibrate`, also returning the cache file and whether the table was measured now."""
+              mesh=None, sampler=None, verifier=None, **measure_kw) -> tuple[CostTable, Path | None, bool]:
+    """`load_or_calibrate`, also returning the cache file (None: it could not be written) and whether the
+    table was measured now."""
     key = cache_key(model, drafter, batch_size, widths=widths, context_len=context_len,
                     attn_impl=attn_impl, mesh=mesh, sampler=sampler, verifier=verifier)
     path = cache_file(key, cache_dir)
@@ -811,7 +812,9 @@ def calibrate(model, drafter, batch_size: int, *, widths=None, context_len: int 
         write_cached(path, key, table)
     except OSError as e:  # a read-only home must not stop decoding: the table is still good
         warnings.warn(f"cannot write the cost cache {path} ({e}); the costs will be measured again next "
-                      f"time (set JAXDECODE_CACHE_DIR to a writable directory)", stacklevel=2)
+                      f"time (pass a writable cache_dir, CLI --cache-dir, or set JAXDECODE_CACHE_DIR)",
+                      stacklevel=2)
+        return table, None, True
     return table, path, True
 
 
@@ -866,5 +869,6 @@ def format_tables(rows) -> str:
                     f"nodes), {meta.get('model_type')} {meta.get('dtype')}{weights}, "
                     f"context {meta.get('context_len')}, "
                     f"{meta.get('device', {}).get('device_kind')} x{meta.get('device', {}).get('device_count')}")
-    lines += [f"batch {t.batch_size}: {p}" for t, p, _ in rows]
+    lines += [f"batch {t.batch_size}: {p if p is not None else 'not cached (the cache could not be written)'}"
+              for t, p, _ in rows]
     return "\n".join(lines)

@@ -106,7 +106,7 @@ def load(path: str | Path | None = None, *, dtype: str | None = None, param_dtyp
     """Load a Hugging Face checkpoint directory (config.json + safetensors + tokenizer).
 
     `path=None` (or "default", or a name of EMBEDDED_NAMES: "target", "draft", "dllm") loads an embedded
-    model; "dllm" is the diffusion LM adapted from the target (method="diffusion"). `dtype`: None = the
+    model, unless a directory of that name exists in the working directory (it wins); "dllm" is the diffusion LM adapted from the target (method="diffusion"). `dtype`: None = the
     default rule (`resolve_dtype`: float32 on CPU, the checkpoint's dtype on GPU/TPU), "auto" = the
     checkpoint's dtype, or "float32" / "bfloat16" / "float16". `param_dtype`: None = `dtype`, or a
     dtype to store the weight matrices in while the forward computes in `dtype` (weight-only half
@@ -114,7 +114,9 @@ def load(path: str | Path | None = None, *, dtype: str | None = None, param_dtyp
     float32 and each matmul runs bf16 x bf16 -> f32; README "Numerics and dtypes"). With a `mesh`,
     parameters are sharded over it.
     """
-    if path is None or str(path) in ("default",) + EMBEDDED_NAMES:
+    # An embedded model's name, unless a directory of that name exists here: a user who trained into
+    # `--out draft` and loads "draft" means that directory (also written "./draft").
+    if path is None or (str(path) in ("default",) + EMBEDDED_NAMES and not Path(path).is_dir()):
         name = str(path) if str(path) in EMBEDDED_NAMES else "target"
         found = embedded_model_path(name)
         if found is None:
@@ -128,7 +130,8 @@ def load(path: str | Path | None = None, *, dtype: str | None = None, param_dtyp
     if param_dtype is not None:
         params = narrow_weights(params, param_dtype)
     if mesh is not None:
-        from jaxdecode.sharding import shard_params
+        from jaxdecode.sharding import check_mesh, shard_params
+        check_mesh(mesh)
         params = shard_params(params, mesh)
     from jaxdecode.genconfig import GenerationConfig
     return Model(config=config, params=params, tokenizer=load_tokenizer(path), path=str(path),

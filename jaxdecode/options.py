@@ -109,7 +109,7 @@ class Option:
         elif self.kind == "schemas":
             text = "a dict (or True / False), a JSON text or a .json file path, or a list of them (one per prompt)"
         else:
-            text = "a jax.sharding.Mesh"
+            text = "a jax.sharding.Mesh with axes named 'data' and/or 'model'"
         if self.objects:
             text += f", or {self.objects}"
         return text
@@ -365,7 +365,13 @@ def check_option(name: str, value):
         ok = bool(items) and all(isinstance(v, str) and v for v in items)
     elif opt.kind == "mesh":
         import jax
+
+        from jaxdecode.sharding import check_mesh
         ok = isinstance(value, jax.sharding.Mesh)
+        try:
+            ok and check_mesh(value)
+        except ValueError as e:
+            raise OptionError(f"option {name}: {e}") from None
     if not ok:
         raise OptionError(f"option {name}={value!r} is not accepted: {name} must be {opt.accepts()} "
                           f"({opt.doc})")

@@ -65,6 +65,8 @@ CACHE_AXES = {"k": ("layers", "batch", "kv_heads", "seq", "head_dim"),
 def make_mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:
     """A (`data`, `model`) mesh over `devices` (default: all). `data` defaults to the rest."""
     devices = list(jax.devices() if devices is None else devices)
+    if data is not None and data < 1:
+        raise ValueError(f"data={data}: a mesh needs data >= 1 (the batch is split over `data` devices)")
     if model < 1 or len(devices) % model:
         raise ValueError(f"model={model} must divide the number of devices ({len(devices)})")
     data = len(devices) // model if data is None else data
@@ -78,13 +80,24 @@ def make_mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:
     return Mesh(grid, (DATA, MODEL))
 
 
+def check_mesh(mesh) -> None:
+    """A mesh the decoders can use: axes named 'data' (the batch) and/or 'model' (the parameters); an axis
+    it lacks counts as size 1."""
+    names = tuple(getattr(mesh, "axis_names", ()))
+    if not isinstance(mesh, Mesh) or not names or not set(names) <= {DATA, MODEL}:
+        raise ValueError(f"the mesh's axes are {names or mesh!r}, but jaxdecode shards the batch over an axis "
+                         f"named {DATA!r} and the parameters over one named {MODEL!r}: name them so "
+                         f"(jaxdecode.sharding.make_mesh(data=..., model=...) builds one)")
+
+
 def spec_for(logical_axes: tuple, shape: tuple, mesh: Mesh, rules=LOGICAL_RULES) -> P:
-    """PartitionSpec for an array, replicating axes the mesh axis size does not divide."""
+    """PartitionSpec for an array, replicating axes the mesh axis size does not divide (or the mesh
+    lacks: a data-only mesh replicates the parameters)."""
     out = []
     used = set()
     for name, size in zip(logical_axes, shape):
         axis = rules.get(name)
-        if axis is None or axis in used or size % mesh.shape[axis]:
+        if axis is None or axis in used or axis not in mesh.shape or size % mesh.shape[axis]:
             out.append(None)
         else:
             out.append(axis)

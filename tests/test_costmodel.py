@@ -409,6 +409,20 @@ def test_cli_calibrate_prints_a_table(tiny_llama_dir, tmp_path, capsys, counted)
                            costs=str(tmp_path / "empty.json"), max_new_tokens=4)
 
 
+def test_cli_calibrate_does_not_claim_a_cache_it_could_not_write(tiny_llama_dir, tmp_path, capsys, counted):
+    from jaxdecode.cli import main
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the cache directory would be")
+    argv = ["calibrate", "--model", str(tiny_llama_dir), "--drafter", "prompt_lookup", "--tree", "chain:2",
+            "--batch-size", "1", "--context-len", "16", "--cache-dir", str(blocked)]
+    with pytest.warns(UserWarning, match="cannot write the cost cache .* CLI --cache-dir"):
+        assert main(argv) == 0
+    assert "batch 1: not cached (the cache could not be written)" in capsys.readouterr().out
+    with pytest.warns(UserWarning):
+        assert main(argv + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[0])["cache_file"] is None
+
+
 @pytest.mark.parametrize("sizes, match", [("0", ">= 1"), ("1,x", "ints >= 1"), ("4,4", "repeats"), ("", "ints")])
 def test_cli_bad_batch_sizes(sizes, match, capsys):
     from jaxdecode.cli import main

@@ -62,6 +62,29 @@ def test_mesh_errors():
         make_mesh(model=3, devices=jax.devices()[:8])
     with pytest.raises(ValueError, match="needs 6 devices"):
         make_mesh(data=3, model=2, devices=jax.devices()[:8])
+    with pytest.raises(ValueError, match="data >= 1"):
+        make_mesh(data=0, model=8, devices=jax.devices()[:8])
+
+
+def test_meshes_named_otherwise_are_refused_and_a_data_only_mesh_works(tiny_llama_dir):
+    """Axes not named data/model: a clear error, not a KeyError; a mesh with only a 'data' axis shards the
+    batch and replicates the parameters."""
+    import jaxdecode
+    from jaxdecode.options import OptionError
+    from jaxdecode.sharding import check_mesh
+    devices = np.asarray(jax.devices()[:8])
+    odd = jax.sharding.Mesh(devices.reshape(4, 2), ("x", "y"))
+    with pytest.raises(ValueError, match="axes are \\('x', 'y'\\).*named 'data'"):
+        check_mesh(odd)
+    model = jaxdecode.load(tiny_llama_dir)
+    with pytest.raises(OptionError, match="option mesh: the mesh's axes are"):
+        jaxdecode.generate(model, ["def f(", "x"], max_new_tokens=3, mesh=odd)
+    with pytest.raises(ValueError, match="named 'data'"):
+        jaxdecode.load(tiny_llama_dir, mesh=odd)
+    data_only = jax.sharding.Mesh(devices, ("data",))
+    want = [r.tokens for r in jaxdecode.generate(model, ["def f(", "x"], max_new_tokens=3, eos_ids=[])]
+    got = jaxdecode.generate(model, ["def f(", "x"], max_new_tokens=3, eos_ids=[], mesh=data_only)
+    assert [r.tokens for r in got] == want
 
 
 @pytest.mark.parametrize("tree,temperature,verifier", [("eagle:depth=3,topk=2,total=5", 0.0, "greedy"),
