@@ -268,3 +268,48 @@ def test_block_form_model_decodes_with_the_exact_cache(tmp_path):
     runs = {c: evaluate_decoder(task, config, params, Greedy1(), prompts, cache=c) for c in ("none", "exact")}
     assert runs["none"]["validity"] >= 0.95 and runs["exact"]["validity"] >= 0.95, runs
     np.testing.assert_array_equal(runs["none"]["tokens"], runs["exact"]["tokens"])
+
+
+def test_cli_task_dllm_without_matplotlib(tmp_path, capsys, monkeypatch):
+    """No matplotlib (it is only a [test] extra): the model is exported and the run succeeds, the loss plot
+    skipped with one warning; the summary names no plot file."""
+    import sys
+
+    import jaxdecode
+    from jaxdecode.cli import main
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")] or ["matplotlib"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    model = tmp_path / "m"
+    rc = main(["train", "dllm", "--task", "copy", "--task-length", "3", "--output", str(model), "--steps", "2",
+               "--warmup", "1", "--batch-size", "8", "--data-parallel", "1", "--no-progress"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert jaxdecode.load(model).config.is_diffusion
+    assert not (tmp_path / "m.train" / "training.png").exists()
+    assert "trained a copy dLLM" in captured.out and "plot ->" not in captured.out
+    (warning,) = [line for line in captured.err.splitlines() if "matplotlib" in line]
+    assert "not installed" in warning and "pip install matplotlib" in warning
+
+
+def test_cli_init_from_takes_an_embedded_name_and_names_a_missing_directory(tmp_path, capsys, monkeypatch):
+    """`--init-from models/embedded/target` where that directory does not exist (a wheel install): the error
+    says so (not "holds no tokenizer") and points at the embedded name; the name resolves to the model."""
+    import importlib
+
+    from jaxdecode.cli import main
+    from jaxdecode.training.cli import _model_dir
+    jm = importlib.import_module("jaxdecode.model")
+    embedded = tmp_path / "embedded"
+    (embedded / "target").mkdir(parents=True)
+    (embedded / "target" / "config.json").write_text("{}")
+    monkeypatch.setattr(jm, "EMBEDDED_DIR", embedded)
+    assert _model_dir("target", "--init-from") == embedded / "target"
+    missing = tmp_path / "models" / "embedded" / "target"
+    assert main(["train", "dllm", "--corpus", str(tmp_path), "--init-from", str(missing), "--output",
+                 str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"--init-from {missing}: the directory does not exist" in err and "--init-from target" in err
+    assert "holds no tokenizer" not in err and not (tmp_path / "out").exists()
+    monkeypatch.setattr(jm, "EMBEDDED_DIR", tmp_path / "nothing_shipped")
+    with pytest.raises(ValueError, match="embedded draft model is not shipped"):
+        _model_dir("draft", "--init-from")

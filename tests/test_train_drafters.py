@@ -259,6 +259,43 @@ def test_cli_kind_run_errors_and_help(tiny, bigram_kind, tmp_path, capsys, monke
     assert "(default: corpus)" in capsys.readouterr().out
 
 
+def _without_matplotlib(monkeypatch):
+    """Imports of matplotlib fail from here on, as in an install without it (it is only a [test] extra)."""
+    import sys
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")] or ["matplotlib"]:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_cli_by_embedded_target_name_without_matplotlib(tiny, bigram_kind, tmp_path, capsys, monkeypatch):
+    """`--target target` (an embedded model's name, as jaxdecode.load takes it) tokenizes --sources with that
+    model's own tokenizer; without matplotlib the drafter is still exported and the run succeeds, the plot
+    skipped with one warning (and the summary names no plot file)."""
+    import importlib
+    from jaxdecode.cli import main
+    from jaxdecode.training import cli
+    target, corpus = tiny
+    embedded = tmp_path / "embedded"
+    embedded.mkdir()
+    (embedded / "target").symlink_to(target.path, target_is_directory=True)
+    monkeypatch.setattr(importlib.import_module("jaxdecode.model"), "EMBEDDED_DIR", embedded)
+    monkeypatch.setattr(cli, "DRAFTER_COMMANDS", cli.DRAFTER_COMMANDS + ("bigram-test",))
+    _without_matplotlib(monkeypatch)
+    with pytest.raises(ImportError):
+        import matplotlib  # noqa: F401
+    out = tmp_path / "bg"
+    rc = main(["train", "bigram-test", "--target", "target", "--sources", str(corpus.parent / "src"), "--out",
+               str(out), *_flags(**dict(SMALL, steps=4, eval_every=4, checkpoint_every=4), lr=0.3)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert load_drafter(out, target).extra["trained_steps"] == 4
+    assert (tmp_path / "bg.train" / "corpus" / "manifest.json").exists()  # tokenized with the target's tokenizer
+    assert not (tmp_path / "bg.train" / "training.png").exists()
+    assert "plot ->" not in captured.out and "drafter -> " in captured.out
+    (warning,) = [line for line in captured.err.splitlines() if "matplotlib" in line]
+    assert "not installed" in warning and "pip install matplotlib" in warning and "training.png" in warning
+    assert td.plot_training([{"step": 1, "loss": 1.0}], tmp_path / "p.png") is None
+
+
 @pytest.mark.parametrize("command", [["medusa", "--target", "no/such/target", "--corpus", "no/such/corpus", "--out"],
                                      ["lm", "--corpus", "no/such/corpus", "--output"],
                                      ["dllm", "--corpus", "no/such/corpus", "--output"]])

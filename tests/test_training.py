@@ -346,6 +346,18 @@ def test_empty_corpus_errors(tmp_path, tiny):
         WindowSampler(np.zeros(10, np.int32), 2, 32)
 
 
+def test_missing_tokenizer_directory_says_so(tmp_path, tiny):
+    """A tokenizer path that does not exist (or is a file) is named as such, not as "holds no tokenizer"."""
+    with pytest.raises(TokenizerError, match="tokenizer directory .*no_such_dir does not exist"):
+        load_tokenizer_dir(tmp_path / "no_such_dir")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(TokenizerError, match="is not a directory"):
+        load_tokenizer_dir(tmp_path / "file")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TokenizerError, match="holds no tokenizer"):
+        load_tokenizer_dir(tmp_path / "empty")
+
+
 def test_vocab_mismatch_errors(tmp_path, tiny):
     tcfg, spec = tiny_setup(5)
     small = tiny["config"].replace(vocab_size=100)

@@ -63,6 +63,31 @@ def _run(cmd, cwd, env=None, timeout=180) -> subprocess.CompletedProcess:
     return p
 
 
+SDIST_SCRIPT = "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
+
+
+def _check_distributions(whl: Path, src: Path, sdist_dir: Path) -> None:
+    """The license text (pyproject: license-files) is in the wheel's .dist-info and in the sdist, which
+    holds no tests (MANIFEST.in: the suite needs the repository around it, so none of it ships)."""
+    import tarfile
+    import zipfile
+    license_text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+    with zipfile.ZipFile(whl) as z:
+        names = z.namelist()
+        (lic,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+        assert z.read(lic).decode() == license_text
+        (meta,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        headers = z.read(meta).decode().split("\n\n")[0].splitlines()
+        assert "License-Expression: Apache-2.0" in headers and "License-File: LICENSE" in headers
+    name = _run([sys.executable, "-c", SDIST_SCRIPT, str(sdist_dir)], cwd=src, timeout=300).stdout.split()[-1]
+    with tarfile.open(sdist_dir / name) as t:
+        members = [m.split("/", 1)[1] for m in t.getnames() if "/" in m]
+        assert t.extractfile(f"{name[:-len('.tar.gz')]}/LICENSE").read().decode() == license_text
+    assert not [m for m in members if m.startswith("tests/") or m == "tests"], "the sdist ships tests"
+    assert "jaxdecode/__init__.py" in members and "models/embedded/target/config.json" in members
+
+
 DECODE_SCRIPT = r"""
 import json, sys
 import jaxdecode, jaxdecode.constraints, jaxdecode.drafters, jaxdecode.kernels, jaxdecode.training
@@ -100,6 +125,7 @@ def test_built_wheel_installs_and_decodes(tmp_path):
                 if "Warning" in line or "would be ignored" in line]
     assert not warnings, "\n".join(warnings)
     (whl,) = wheels.glob("jaxdecode-*.whl")
+    _check_distributions(whl, src, tmp_path / "sdist")
 
     # A fresh venv that sees the wheel first and the test venv's dependencies through a plain path
     # entry (its .pth files, the editable finder among them, are not processed).

@@ -108,7 +108,9 @@ DRAFTER_COMMANDS = ("medusa", "hydra", "eagle3", "block", "accept-head", "kangar
 
 def _add_target_and_sources(p, workdir: str) -> None:
     """The frozen target, the output and the corpus of a drafter command (train KIND, train retrieval)."""
-    p.add_argument("--target", required=True, help="the target model's HF directory (with its tokenizer)")
+    p.add_argument("--target", required=True,
+                   help="the target model's HF directory (with its tokenizer), or an embedded model's name "
+                        "(target)")
     p.add_argument("--out", required=True, help="output directory (written whole at the end)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--corpus", help="a corpus directory built with the target's tokenizer (manifest.json)")
@@ -131,7 +133,8 @@ def _target_and_corpus(args, why: str):
     target = jaxdecode.load(args.target, dtype="float32")
     if target.tokenizer is None:
         raise ValueError(f"the target {args.target} has no tokenizer files: {why} with the target's tokenizer")
-    ns = _ap.Namespace(corpus=[args.corpus] if args.corpus else args.sources, tokenizer=args.target,
+    # The tokenizer is the loaded target's own directory: --target may be an embedded model's name.
+    ns = _ap.Namespace(corpus=[args.corpus] if args.corpus else args.sources, tokenizer=target.path,
                        patterns=args.patterns, held_out_fraction=args.held_out_fraction, vocab_size=None)
     _, corpus_dir = prepare_data(ns, work)
     return target, out, work, corpus_dir
@@ -148,8 +151,9 @@ def add_drafter_parser(sub, command: str) -> argparse.ArgumentParser:
         description=f"Train {what}. The target stays frozen. Every --eval-every steps the held-out loss "
                     f"and the drafter's acceptance (tau and the rate by tree depth, from real greedy "
                     f"speculative runs on held-out prompts) go to WORKDIR/metrics.jsonl and the plot "
-                    f"WORKDIR/training.png. Rerunning the same command resumes from the last checkpoint; "
-                    f"self-distillation data is generated once and cached in WORKDIR/data.")
+                    f"WORKDIR/training.png (when matplotlib is installed). Rerunning the same command resumes "
+                    f"from the last checkpoint; self-distillation data is generated once and cached in "
+                    f"WORKDIR/data.")
     _add_target_and_sources(p, workdir="checkpoints, logs, data")
     p.add_argument("--data", choices=("corpus", "self", "mix"), default="self" if is_lm else "corpus",
                    help="training text: corpus windows, the target's own continuations of corpus prompts "
@@ -323,7 +327,9 @@ def add_dllm_parsers(sub) -> None:
     d.add_argument("--vocab-size", type=int, default=4096, help="size of a newly trained tokenizer")
     d.add_argument("--patterns", default=DEFAULT_PATTERNS, help="file globs taken from corpus directories")
     d.add_argument("--held-out-fraction", type=float, default=0.05, help="files held out (by path hash)")
-    d.add_argument("--init-from", default=None, help="a causal LM's HF directory to adapt (default: random init)")
+    d.add_argument("--init-from", default=None,
+                   help="a causal LM to adapt: its HF directory or an embedded model's name (target) "
+                        "(default: random init)")
     d.add_argument("--size", default="small", choices=("tiny", "draft", "small", "base"),
                    help="model size without --init-from (--task: the task model's own small shape)")
     d.add_argument("--max-positions", type=int, default=512, help="max_position_embeddings of a new model")
@@ -393,15 +399,16 @@ def run_train_dllm(args) -> int:
             train_task_dllm(task, work / "run", spec=spec, export_dir=out, train_config=tcfg)
             plot = _plot_dllm(work, f"{args.task} dLLM")
             print(f"trained a {args.task} dLLM for {args.steps} steps; model -> {out} (jaxdecode generate --model "
-                  f"{out} --method diffusion ...); logs -> {work / 'run' / 'metrics.jsonl'}, plot -> {plot}")
+                  f"{out} --method diffusion ...); logs -> {work / 'run' / 'metrics.jsonl'}{_plot_note(plot)}")
             return 0
         import argparse as _ap
-        ns = _ap.Namespace(corpus=args.corpus, tokenizer=args.tokenizer or args.init_from, patterns=args.patterns,
+        init_from = _model_dir(args.init_from, "--init-from") if args.init_from is not None else None
+        ns = _ap.Namespace(corpus=args.corpus, tokenizer=args.tokenizer or init_from, patterns=args.patterns,
                            held_out_fraction=args.held_out_fraction, vocab_size=args.vocab_size)
         tok_dir, corpus_dir = prepare_data(ns, work)
         result, config = train_corpus_dllm(corpus_dir, tok_dir, _dllm_train_config(args, args.eval_every),
                                            work / "run", spec=spec, seq_len=args.seq_len, size=args.size,
-                                           max_positions=args.max_positions, init_from=args.init_from,
+                                           max_positions=args.max_positions, init_from=init_from,
                                            export_dir=out, export_dtype=args.export_dtype)
     except ResumeMismatchError as e:
         raise e.renamed({**FLAG_OF_KEY, **DLLM_FLAG_OF_KEY}) from None
@@ -409,8 +416,33 @@ def run_train_dllm(args) -> int:
     plot = _plot_dllm(work, f"{config.attention} dLLM")
     print(f"trained a {config.attention} dLLM ({config.num_parameters() / 1e6:.2f} M params, MASK id "
           f"{config.mask_token_id}) for {result.step} steps; held-out masked-diffusion loss {loss}; model -> {out}; "
-          f"logs -> {work / 'run' / 'metrics.jsonl'}, plot -> {plot}")
+          f"logs -> {work / 'run' / 'metrics.jsonl'}{_plot_note(plot)}")
     return 0
+
+
+def _model_dir(spec: str, flag: str) -> Path:
+    """The HF directory a model flag names: an embedded model's name (as `jaxdecode.load` takes it:
+    target, draft, dllm; a local directory of that name wins) or a directory, which must exist."""
+    from jaxdecode.model import EMBEDDED_NAMES, embedded_model_path
+    if spec in EMBEDDED_NAMES and not Path(spec).is_dir():
+        found = embedded_model_path(spec)
+        if found is None:
+            raise ValueError(f"{flag} {spec}: the embedded {spec} model is not shipped in this install; "
+                             f"pass a model directory")
+        return found
+    path = Path(spec)
+    if not path.is_dir():
+        hint = (f" (the embedded {path.name} model: {flag} {path.name})"
+                if path.name in EMBEDDED_NAMES and embedded_model_path(path.name) is not None else "")
+        what = "is not a directory" if path.exists() else "does not exist"
+        raise ValueError(f"{flag} {spec}: the directory {what}; pass a model's HF directory or an embedded "
+                         f"model's name ({', '.join(EMBEDDED_NAMES)}){hint}")
+    return path
+
+
+def _plot_note(plot: Path | None) -> str:
+    """", plot -> PATH" for a plot that was written; nothing when none was (no matplotlib: it said so)."""
+    return f", plot -> {plot}" if plot is not None else ""
 
 
 def _plot_dllm(work: Path, title: str) -> Path | None:
@@ -437,12 +469,12 @@ def _run_filter(args, task, out: Path, work: Path) -> int:
     n = args.prompts
     data = filter_data(model.config, model.params, prompts[:n], lens[:n], answer_length=task.answer_length)
     res = train_filter(data, _dllm_train_config(args), work / "run", hidden=args.hidden, batch_size=args.batch_size,
-                       pos_weight=args.pos_weight, run_info={"model": str(Path(args.model).resolve()),
+                       pos_weight=args.pos_weight, run_info={"model": str(Path(model.path).resolve()),
                                                              "task": [task.name, task.length, task.num_values],
                                                              "prompts": n})
     report = compare_nfe(model.config, model.params, res.params, prompts[n:], lens[n:],
                          answer_length=task.answer_length, threshold=args.threshold, validate=task.validate)
-    export_filter(out, res, {"model": str(Path(args.model).resolve()), "task": task.name,
+    export_filter(out, res, {"model": str(Path(model.path).resolve()), "task": task.name,
                              "threshold": args.threshold, "heldout": report})
     print(f"trained a Learn2PD filter on {len(data)} labelled steps ({data.positive_fraction:.0%} final); held-out "
           f"{task.name}: forwards {report['nfe_greedy1']:.2f} (greedy1) -> {report['nfe_learn2pd']:.2f} (learn2pd, "
@@ -561,7 +593,7 @@ def run_train_drafter(args) -> int:
     use = (f"--drafter draft_lm --draft {out}" if kind is None else
            f"--drafter {kind.name} --drafter-dir {out}")
     print(f"trained {command} for {res.train.step} steps on {args.data} data; {held}drafter -> {out} "
-          f"(jaxdecode generate ... {use}); logs -> {logs}, plot -> {work / 'training.png'}")
+          f"(jaxdecode generate ... {use}); logs -> {logs}{_plot_note(res.plot)}")
     return 0
 
 

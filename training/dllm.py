@@ -439,14 +439,15 @@ def train_corpus_dllm(corpus_dir, tokenizer_dir, train_config: TrainConfig, work
 
 
 def plot_dllm_training(metrics: list[dict], path, title: str = "dLLM"):
-    """The masked-diffusion loss (train, held-out) and the masked-token accuracy over steps, one figure."""
+    """The masked-diffusion loss (train, held-out) and the masked-token accuracy over steps, one figure.
+    Returns its path, or None when there is nothing to plot or matplotlib is not installed (skipped with a
+    warning)."""
     if not metrics:
         return None
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from .drafters import plot_loss
+    from .drafters import plot_loss, pyplot
+    plt = pyplot(path)
+    if plt is None:
+        return None
     fig, (ax_l, ax_a) = plt.subplots(1, 2, figsize=(10, 4))
     plot_loss(ax_l, metrics, title)
     acc = [(m["step"], m["masked_accuracy"]) for m in metrics if "masked_accuracy" in m]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -161,6 +162,7 @@ class DrafterTrainResult:
     params: Any
     train: Any  # training.trainer.TrainResult
     heldout: list  # the eval records of this call (loss, tau, accept_by_depth per evaluation point)
+    plot: Path | None = None  # the training plot written (None: not asked, no metrics, or no matplotlib)
 
 
 def _load_target(target):
@@ -252,8 +254,7 @@ def train_drafter(kind: str, target, corpus_dir, out_dir=None, *, train_config, 
     # The whole run's log (a resumed run's history holds only its own steps).
     metrics = read_metrics_file(workdir / "metrics.jsonl")
     heldout = [r for r in metrics if "tau" in r] or [r for r in result.history if "tau" in r]
-    if plot:
-        plot_training(metrics, workdir / "training.png", title=f"{tk.name} drafter")
+    # The drafter is exported first: an optional plot that fails (no matplotlib) must not lose it.
     if out_dir is not None:
         last = heldout[-1] if heldout else {}
         save_drafter(out_dir, tk.name, cfg, params, target.config,
@@ -262,8 +263,9 @@ def train_drafter(kind: str, target, corpus_dir, out_dir=None, *, train_config, 
                                                                                "accept_by_depth") if k in last},
                             "heldout_step": last.get("step")},
                      dtype=export_dtype)
+    plot_path = plot_training(metrics, workdir / "training.png", title=f"{tk.name} drafter") if plot else None
     return DrafterTrainResult(out_dir=Path(out_dir) if out_dir is not None else None, cfg=cfg, params=params,
-                              train=result, heldout=heldout)
+                              train=result, heldout=heldout, plot=plot_path)
 
 
 def train_draft_lm(target, corpus_dir, out_dir=None, *, train_config, data: str = "self", size: str = "draft",
@@ -306,12 +308,13 @@ def train_draft_lm(target, corpus_dir, out_dir=None, *, train_config, data: str 
                       batches=lm_batches(batches), data_info=json.dumps({**data_info, "target": _target_id(target)},
                                                                         sort_keys=True),
                       on_eval=on_eval)
-    if plot:
-        plot_training(read_metrics_file(Path(workdir) / "run" / "metrics.jsonl"), Path(workdir) / "training.png",
-                      title=f"draft LM ({size}, data={data})")
+    # train_lm has exported the model (export_dir) before this optional plot
+    plot_path = (plot_training(read_metrics_file(Path(workdir) / "run" / "metrics.jsonl"),
+                               Path(workdir) / "training.png", title=f"draft LM ({size}, data={data})")
+                 if plot else None)
     return DrafterTrainResult(out_dir=Path(out_dir) if out_dir is not None else None, cfg=config,
                               params=result.module.raw_params(), train=result,
-                              heldout=[r for r in result.history if "tau" in r])
+                              heldout=[r for r in result.history if "tau" in r], plot=plot_path)
 
 
 def _jsonable(x):
@@ -329,6 +332,21 @@ def read_metrics_file(path) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- plot
+def pyplot(path=None):
+    """matplotlib.pyplot on the Agg backend, or None when matplotlib is not installed (it is optional:
+    a plot is then skipped with one line on stderr naming `path`, and training goes on)."""
+    try:
+        import matplotlib
+    except ImportError:
+        what = f"the plot {path}" if path is not None else "the plot"
+        print(f"warning: matplotlib is not installed: skipped {what} (`pip install matplotlib` makes it)",
+              file=sys.stderr)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
 def plot_loss(ax, metrics: list[dict], title: str) -> None:
     """Train loss (thin) and held-out loss (dots) over steps on one matplotlib axis."""
     tr = [(m["step"], m["loss"]) for m in metrics if "loss" in m]
@@ -342,12 +360,13 @@ def plot_loss(ax, metrics: list[dict], title: str) -> None:
 
 
 def plot_training(metrics: list[dict], path, title: str = "drafter") -> Path | None:
-    """Loss (train, held-out), tau and acceptance by depth over training steps, one figure."""
+    """Loss (train, held-out), tau and acceptance by depth over training steps, one figure. Returns its
+    path, or None when there is nothing to plot or matplotlib is not installed (skipped with a warning)."""
     if not metrics:
         return None
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(path)
+    if plt is None:
+        return None
     fig, (ax_l, ax_t, ax_d) = plt.subplots(1, 3, figsize=(14, 4))
     plot_loss(ax_l, metrics, title)
     acc = [m for m in metrics if "tau" in m]

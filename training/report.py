@@ -107,10 +107,12 @@ def hf_logit_diff(model_dir: Path, tokens: np.ndarray) -> float:
     return float(np.max(np.abs(np.asarray(ours) - ref)))
 
 
-def plot_curves(curves: dict, baselines: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot_curves(curves: dict, baselines: dict, path: Path) -> Path | None:
+    """The loss curves of the release's models; None (skipped with a warning) without matplotlib."""
+    from .drafters import pyplot
+    plt = pyplot(path)
+    if plt is None:
+        return None
     fig, ax = plt.subplots(figsize=(8, 5))
     colors = {"target": "tab:blue", "draft": "tab:orange"}
     for name, (tokens_per_step, metrics, boundaries) in curves.items():
@@ -136,6 +138,7 @@ def plot_curves(curves: dict, baselines: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return Path(path)
 
 
 def _package_corpus(work: Path) -> dict | None:

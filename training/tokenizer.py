@@ -88,7 +88,11 @@ def load_tokenizer_dir(path):
     CheckpointError naming the directory if its files do not load)."""
     from jaxdecode.models.hf import load_tokenizer
     path = Path(path)
-    tok = load_tokenizer(path) if path.is_dir() else None
+    if not path.is_dir():
+        what = "is not a directory" if path.exists() else "does not exist"
+        raise TokenizerError(f"the tokenizer directory {path} {what}; pass a directory holding "
+                             f"tokenizer.json (a model's HF directory, or one made by `jaxdecode train lm`)")
+    tok = load_tokenizer(path)
     if tok is None:
         raise TokenizerError(f"{path} holds no tokenizer (tokenizer.json); train one with "
                              f"`jaxdecode train lm --vocab-size N` or pass a tokenizer directory")
