@@ -29,7 +29,9 @@ class Generation:
     """One output. `tokens` are the new tokens (up to and including an EOS or the token that completed a
     stop string); `text` is their text with special tokens left out (generate(skip_special_tokens=False)
     keeps them) and cut before a stop string. `finish_reason`: "eos", "stop" (a stop string; `stop` names
-    it), "length" (max_new_tokens) or "complete" (a constraint's item ended without EOS).
+    it), "length" (max_new_tokens; diffusion: the answer block), "complete" (a constraint's item ended
+    without EOS), "unfinished" (diffusion: max_forwards ran out with MASK slots left; never `valid`) or
+    "none" (a beam beyond the hypotheses beam search found: no output).
 
     `stats` are this row's own figures; `batch_stats` are the whole call's (shared by its rows: seconds,
     compile_seconds, target_calls, the speculative drafter / tree, ...). With logprobs=True, `logprobs`
@@ -363,9 +365,9 @@ def _result(model, item, b, index, new, stats, per_row, batch_stats, opts, max_n
     new = [int(t) for t in new]
     row_stats = {"new_tokens": len(new)}
     for k, v in stats.items():
-        if k in per_row and not (beam is not None and k in ("beams", "beam_lengths")):
+        if k in per_row and not (beam is not None and k == "beams"):
             v = np.asarray(v)[b]
-            if beam is not None and k == "beam_scores":
+            if beam is not None and k in _PER_BEAM:  # this beam's own figure, as its tokens are
                 v = v[beam]
             row_stats[k] = _jsonable(v)
     eos = opts["eos_ids"]
@@ -373,11 +375,17 @@ def _result(model, item, b, index, new, stats, per_row, batch_stats, opts, max_n
         text, hit = text_before_stop(model.decode, new, stops, skip_special_tokens)
     else:
         text, hit = model.decode(new, skip_special_tokens=skip_special_tokens), None
-    if hit is not None:
+    # A diffusion row returns its answer block: answer_length slots (<= max_new_tokens) at most.
+    limit = min(max_new_tokens, opts.get("answer_length") or max_new_tokens)
+    if _no_hypothesis(stats, b, beam):
+        reason = "none"  # beam search found fewer hypotheses than the beams returned: this one is no output
+    elif row_stats.get("unfinished"):
+        reason = "unfinished"  # diffusion: max_forwards ran out while answer slots still hold the MASK id
+    elif hit is not None:
         reason = "stop"
     elif new and new[-1] in eos:
         reason = "eos"
-    elif len(new) >= max_new_tokens:
+    elif len(new) >= limit:
         reason = "length"
     else:
         reason = "complete"
@@ -393,12 +401,29 @@ def _result(model, item, b, index, new, stats, per_row, batch_stats, opts, max_n
         if hit is not None and exact is not None:  # judge the text returned: the part before the stop string
             exact = trim_at_stop(exact, stops)[0]
         valid, validator = validate_text(structured, b, exact, tokens=new, model=model)
+        if reason in ("none", "unfinished"):  # no output / not what the model finished: never a valid text
+            valid = False
         checked = dict(valid=valid, constraint=structured.kind, validator=validator,
                        backend=batch_stats.get("constraint_backend"))
     prompt = item if isinstance(item, str) or _is_conversation(item) else [int(t) for t in item]
     return Generation(prompt=prompt, text=text, tokens=new, stats=row_stats, batch_stats=batch_stats,
                       finish_reason=reason, stop=hit, logprobs=lp, top_logprobs=top, prompt_tokens=list(prompt_ids),
                       prompt_logprobs=prompt_lp, index=index, **checked)
+
+
+_PER_BEAM = ("beam_scores", "beam_lengths", "beam_valid")  # per-row stats with one entry per beam
+
+
+def _no_hypothesis(stats: dict, b: int, beam) -> bool:
+    """Whether the returned beam (`beam`, or the best one) of row b holds no hypothesis: beam search found
+    fewer than it returns (score -inf; constrained_beam: beam_valid False)."""
+    j = 0 if beam is None else beam
+    if "beam_valid" in stats:
+        return not bool(np.asarray(stats["beam_valid"])[b, j])
+    if "beam_scores" in stats:
+        score = np.asarray(stats["beam_scores"])
+        return score.ndim == 2 and bool(np.isneginf(score[b, j]))
+    return False
 
 
 def _check_model_kind(model: Model, method: str) -> None:

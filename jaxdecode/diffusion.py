@@ -650,6 +650,7 @@ def diffusion_decode(config, params, prompt_tokens, prompt_lengths, *, answer_le
         block_length = config.block_size if attention == "block" else answer_length
     if isinstance(block_length, bool) or not isinstance(block_length, numbers.Integral) or block_length < 1:
         raise DiffusionError(f"block_length must be an int >= 1, got {block_length!r}")
+    given_block = int(block_length)
     block_length = min(int(block_length), int(answer_length))
     if cache not in CACHE_MODES:
         raise DiffusionError(f"cache must be one of {CACHE_MODES}, got {cache!r}")
@@ -664,9 +665,7 @@ def diffusion_decode(config, params, prompt_tokens, prompt_lengths, *, answer_le
         if attention != "block":
             raise DiffusionError(f"cache='exact' needs a block-diffusion model (attention='block'); this one has "
                                  f"attention={attention!r}: use cache='none', 'prefix' or 'dual'")
-        if block_length != config.block_size and block_length != answer_length:
-            raise DiffusionError(f"block_diffusion decodes one attention block at a time: block_length must be "
-                                 f"the model's block_size ({config.block_size}), got {block_length}")
+        _check_block_length(config, given_block, answer_length)
         block_length = config.block_size
     if max_forwards is None:
         max_forwards = int(answer_length) + 1
@@ -696,6 +695,16 @@ def diffusion_decode(config, params, prompt_tokens, prompt_lengths, *, answer_le
         raise DiffusionError("constraint_prefix was given without a constraint: pass constraint= too, or drop it")
     return _decode(s, split_layers(s.config, params), prompt_tokens, prompt_lengths, answer_lengths, key, suffix, auto,
                    prefix)
+
+
+def _check_block_length(config, block_length: int, answer_length: int) -> None:
+    """Block diffusion decodes one attention block of the model at a time: block_length must be its block_size
+    (or, when the whole answer fits in one block, any length that still covers the whole answer)."""
+    size = int(config.block_size)
+    if min(int(block_length), int(answer_length)) != min(size, int(answer_length)):
+        raise DiffusionError(f"block_diffusion decodes one attention block at a time: block_length must be the "
+                             f"model's block_size ({size}), got {block_length}; drop block_length (it defaults "
+                             f"to block_size)")
 
 
 def _grammar_infill(s: _Static, grammar, answer_lengths, suffix, prompt, max_configs: int = 4096):
@@ -797,7 +806,11 @@ def block_diffusion_decode(config, params, prompt_tokens, prompt_lengths, *, ans
                              f"this one has attention={getattr(config, 'attention', 'causal')!r}"
                              + (": use method='diffusion'" if getattr(config, "attention", "causal") != "causal"
                                 else ": it is a causal LM, use method='greedy'"))
-    kw.setdefault("block_length", config.block_size)
+    if kw.get("block_length") is None:
+        kw["block_length"] = config.block_size
+    elif not use_cache and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1
+                               for x in (kw["block_length"], answer_length)):
+        _check_block_length(config, kw["block_length"], answer_length)  # the recomputing loop: the same blocks
     return diffusion_decode(config, params, prompt_tokens, prompt_lengths, answer_length=answer_length, rule=rule,
                             cache="exact" if use_cache else "none", **kw)
 
@@ -834,6 +847,10 @@ def _run(method: str):
             raise DiffusionError(f"method {method!r} decodes masked-diffusion LMs, but this checkpoint is a "
                                  f"causal LM (attention='causal'); use method='greedy' or 'speculative'")
         answer_length = opts["answer_length"] or max_new_tokens
+        if answer_length > max_new_tokens:
+            raise DiffusionError(f"answer_length={answer_length} is more than max_new_tokens={max_new_tokens}: a "
+                                 f"row returns at most max_new_tokens new tokens; raise max_new_tokens to "
+                                 f">= {answer_length}, or drop answer_length (it defaults to max_new_tokens)")
         params, toks, lens = place_inputs(model, prompt_tokens, prompt_lengths, opts)
         kw = {"answer_length": answer_length, "rule": rule_from_options(opts), "block_length": opts["block_length"],
               "eos_ids": opts["eos_ids"], "key": jax.random.PRNGKey(opts.get("seed") or 0),

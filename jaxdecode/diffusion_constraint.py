@@ -115,7 +115,10 @@ def bind(constraint, *, vocab_size: int, eos_ids: tuple, mask_id: int, batch: in
     pattern 0 for every row) for a decode with this model's vocabulary, EOS ids, MASK id and batch."""
     from jaxdecode.constraints.automaton import AutomatonConstraint, TokenAutomaton
     if isinstance(constraint, TokenAutomaton):
-        constraint = constraint.constraint()
+        # Its device tables are built from host arrays: build them eagerly, so a TokenAutomaton closed over
+        # by a caller's jax.jit gives concrete tables (read on the host below), not tracers of that trace.
+        with jax.ensure_compile_time_eval():
+            constraint = constraint.constraint()
     if not isinstance(constraint, AutomatonConstraint):
         raise DiffusionError(f"diffusion decoding takes a regex / JSON-schema constraint (an AutomatonConstraint "
                              f"from compile_regex(...).constraint() or a TokenAutomaton) or a grammar "
@@ -163,7 +166,8 @@ def bind_constraint(constraint, *, vocab_size: int, eos_ids: tuple, mask_id: int
     constraint prepared for this model (a GrammarConstraint; the llguidance fallback is refused)."""
     from jaxdecode.constraints.grammar import CompiledGrammar, GrammarConstraint, LLGuidanceConstraint
     if isinstance(constraint, CompiledGrammar):
-        constraint = constraint.constraint()
+        with jax.ensure_compile_time_eval():  # concrete tables inside a caller's jit (see bind)
+            constraint = constraint.constraint()
     if isinstance(constraint, LLGuidanceConstraint):
         raise DiffusionError("this grammar runs on llguidance's host matcher (its compile_grammar(...).backend is "
                              "'llguidance', .reason says why), which the diffusion decoders do not drive (a host "

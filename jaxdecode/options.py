@@ -255,7 +255,8 @@ _TABLE = (
     Option("rule", "str", "which masked slots a forward commits (ALGORITHMS.md §5; greedy1 = one token per "
            "forward, the reference)", DIFFUSION, "greedy1", choices=_diffusion_rules,
            objects="a jaxdecode.diffusion.Rule"),
-    Option("answer_length", "int", "answer slots per prompt (all start as MASK)", DIFFUSION, low=1,
+    Option("answer_length", "int", "answer slots per prompt (all start as MASK; at most max_new_tokens)",
+           DIFFUSION, low=1,
            default_doc="max_new_tokens"),
     Option("block_length", "int", "slots per semi-autoregressive block (decoded left to right, block by "
            "block)", DIFFUSION, low=1, default_doc="the model's block_size (block attention), else answer_length"),

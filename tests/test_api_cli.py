@@ -173,3 +173,25 @@ def test_cli_refuses_bad_option_values(tiny_llama_dir, capsys):
     rc = main(["generate", "--model", str(tiny_llama_dir), "--prompt", "x", "--method", "beam",
                "--option", "num_beams=0"])
     assert rc == 2 and "num_beams" in capsys.readouterr().err
+
+
+def test_beams_without_a_hypothesis_are_marked(model):
+    """More beams returned than hypotheses exist (2 items, 4 beams): the missing ones come back with
+    finish_reason 'none' and their own per-beam stats (beam_valid False, score -inf, length 0)."""
+    from jaxdecode.constraints import build_index
+    ix = build_index([[100, 200], [300]], model.config.vocab_size)
+    out = jaxdecode.generate(model, "x", method="constrained_beam", index=ix, num_beams=4, num_return_sequences=4,
+                             max_new_tokens=4)
+    assert [r.index for r in out] == [0, 1, 2, 3]
+    for r in out[:2]:
+        assert r.finish_reason != "none" and r.tokens and r.stats["beam_valid"] is True
+        assert r.stats["beam_scores"] > float("-inf") and r.stats["beam_lengths"] == len(r.tokens)
+    for r in out[2:]:
+        assert (r.finish_reason, r.tokens, r.text) == ("none", [], "")
+        assert r.stats["beam_valid"] is False and r.stats["beam_scores"] == float("-inf")
+        assert r.stats["beam_lengths"] == 0
+    # plain beam search: every beam a hypothesis, each with its own length
+    out = jaxdecode.generate(model, "x", method="beam", num_beams=3, num_return_sequences=3, max_new_tokens=4)
+    assert all(r.finish_reason != "none" and r.stats["beam_lengths"] == len(r.tokens) for r in out)
+    one = jaxdecode.generate(model, "x", method="constrained_beam", index=ix, num_beams=4, max_new_tokens=4)[0]
+    assert one.finish_reason != "none" and one.stats["beam_valid"] == [True, True, False, False]

@@ -120,6 +120,17 @@ def test_empty_language_without_eos_and_under_jit(autos):
     assert all(re.fullmatch(SHORT, t) for i, t in enumerate(texts) if i != 1), texts
 
 
+def test_token_automaton_closed_over_under_jit(autos):
+    """A TokenAutomaton closed over by the caller's jit works as its .constraint() does (the tables are built
+    eagerly, not as tracers of the caller's trace)."""
+    auto = autos["pat"]
+    run = lambda c: jax.jit(lambda p: D.diffusion_decode(CFG, p, PROMPTS, LENS, answer_length=10, rule="threshold",
+                                                         eos_ids=(EOS,), constraint=c))(PARAMS)
+    out, ref = run(auto), run(auto.constraint())
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    assert all(re.fullmatch(PAT, t) for t in _texts(out) if t is not None)
+
+
 @pytest.mark.parametrize("mode", ["prefix_shift1", "block", "freedave"])
 def test_caches_and_lookahead(autos, mode):
     if mode == "block":

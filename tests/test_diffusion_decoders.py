@@ -193,3 +193,51 @@ def test_generate_checks_the_model_kind():
         n = int(ref.lengths[b])
         assert out[b].tokens == [int(t) for t in np.asarray(ref.tokens)[b, :n]]
         assert out[b].stats["nfe"] >= 1 and out[b].stats["tokens_per_forward"] > 0
+
+
+def test_generate_reports_unfinished_rows():
+    """Rows that max_forwards leaves with MASK slots end with finish_reason 'unfinished' (not 'length')."""
+    dllm = Model(config=CFG, params=PARAMS)
+    prompts = [[1, 2, 3, 4, 6], [7, 8]]
+    res = jaxdecode.generate(dllm, prompts, method="diffusion", max_new_tokens=ANSWER, max_forwards=2, eos_ids=[])
+    for r in res:
+        assert r.stats["unfinished"] and MASK in r.tokens
+        assert r.finish_reason == "unfinished" and r.valid is None  # unconstrained: no validity to report
+    done = jaxdecode.generate(dllm, prompts, method="diffusion", max_new_tokens=ANSWER, eos_ids=[])
+    assert all(not r.stats["unfinished"] and r.finish_reason == "length" for r in done)
+
+
+def test_answer_length_never_exceeds_max_new_tokens():
+    dllm = Model(config=CFG, params=PARAMS)
+    with pytest.raises(D.DiffusionError, match="answer_length=10 is more than max_new_tokens=4"):
+        jaxdecode.generate(dllm, [[1, 2, 3]], method="diffusion", max_new_tokens=4, answer_length=10, eos_ids=[])
+    # a shorter answer block that runs out (no EOS, no constraint) ended for length, not 'complete'
+    r = jaxdecode.generate(dllm, [[1, 2, 3]], method="diffusion", max_new_tokens=10, answer_length=4, eos_ids=[])[0]
+    assert len(r.tokens) == 4 and r.finish_reason == "length"
+    r = jaxdecode.generate(dllm, [[1, 2, 3]], method="diffusion", max_new_tokens=4, answer_length=4, eos_ids=[])[0]
+    assert len(r.tokens) == 4 and r.finish_reason == "length"
+
+
+def test_block_diffusion_refuses_every_block_length_but_the_models():
+    cfg = _config(attention="block", block_size=BLOCK)
+    params = init_params(cfg, jax.random.PRNGKey(2), std=0.3)
+    kw = {"answer_length": 8, "eos_ids": (EOS,), "mask_id": MASK}
+    ref = D.block_diffusion_decode(cfg, params, PROMPTS, LENGTHS, **kw)
+    for use_cache in (True, False):
+        for bl in (2, 3, 5, 8, 12):
+            with pytest.raises(D.DiffusionError, match=f"block_size \\({BLOCK}\\), got {bl}"):
+                D.block_diffusion_decode(cfg, params, PROMPTS, LENGTHS, block_length=bl, use_cache=use_cache, **kw)
+        out = D.block_diffusion_decode(cfg, params, PROMPTS, LENGTHS, block_length=BLOCK, use_cache=use_cache, **kw)
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    with pytest.raises(D.DiffusionError, match="got 8"):
+        D.diffusion_decode(cfg, params, PROMPTS, LENGTHS, block_length=8, cache="exact", **kw)
+    # an answer shorter than one block: any block_length covering it is that one block
+    short = dict(kw, answer_length=3)
+    a = D.block_diffusion_decode(cfg, params, PROMPTS, LENGTHS, **short)
+    b = D.block_diffusion_decode(cfg, params, PROMPTS, LENGTHS, block_length=3, **short)
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    with pytest.raises(D.DiffusionError, match="got 2"):
+        D.block_diffusion_decode(cfg, params, PROMPTS, LENGTHS, block_length=2, **short)
+    bd = Model(config=cfg, params=params)
+    with pytest.raises(D.DiffusionError, match="got 8"):
+        jaxdecode.generate(bd, [[1, 2, 3]], method="block_diffusion", max_new_tokens=8, block_length=8)

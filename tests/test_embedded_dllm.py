@@ -48,3 +48,17 @@ def test_no_left_to_right_scoring_of_a_diffusion_lm(dllm):
         jaxdecode.score(dllm, "import os\n")
     with pytest.raises(ValueError, match="masked-diffusion"):
         jaxdecode.generate(dllm, "import os\n", method="diffusion", max_new_tokens=4, echo=True)
+
+
+def test_unfinished_rows_are_not_valid(dllm):
+    """max_forwards too small for the answer: MASK slots remain, so the row is 'unfinished' and its text (which
+    leaves the MASK holes out) is never reported valid."""
+    mask = dllm.config.mask_token_id
+    r = jaxdecode.generate(dllm, ["def f(x):\n    return "], method="diffusion", regex="[0-9]+", max_new_tokens=8,
+                           max_forwards=3)[0]
+    assert mask in r.tokens and r.stats["unfinished"] and r.stats["constraint_unmatched"]
+    assert r.finish_reason == "unfinished" and r.valid is False
+    done = jaxdecode.generate(dllm, ["def f(x):\n    return "], method="diffusion", regex="[0-9]+",
+                              max_new_tokens=8)[0]
+    assert mask not in done.tokens and not done.stats["unfinished"]
+    assert done.finish_reason in ("eos", "length") and done.valid is True
