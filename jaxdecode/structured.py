@@ -43,8 +43,35 @@ def structured_request(opts: dict, batch: int) -> StructuredRequest | None:
     if len(values) != batch:
         raise ValueError(f"{kind} has {len(values)} entries but there are {batch} prompts: give one per prompt, "
                          f"or one value for all")
-    norm = _schema_text if kind == "json_schema" else str
+    norm = {"json_schema": _schema_text, "grammar": _grammar_text}.get(kind, str)
     return StructuredRequest(kind, tuple(norm(v) for v in values))
+
+
+_GRAMMAR_SUFFIXES = (".lark", ".gbnf", ".ebnf")
+
+
+def _grammar_text(grammar) -> str:
+    """A grammar (its Lark / GBNF text, or the path of a file holding it) as text. Grammar text always has
+    a rule (`start: ...`, `root ::= ...`), so a one-line value naming an existing file is read as that
+    file; a one-line value ending in .lark / .gbnf / .ebnf that names no file is an error."""
+    text = str(grammar)
+    if "\n" in text or not text.strip() or len(text) > 4096:
+        return text
+    path = Path(text.strip())
+    try:
+        is_file = path.is_file()
+    except OSError:  # a name the OS refuses (too long, ...): grammar text
+        is_file = False
+    if not is_file:
+        if path.suffix.lower() in _GRAMMAR_SUFFIXES:
+            raise FileNotFoundError(f"grammar {text[:80]!r} looks like a file path but no such file exists; pass "
+                                    f"the grammar's text (Lark `start: ...` or GBNF `root ::= ...`) or the path of "
+                                    f"an existing .lark / .gbnf file")
+        return text
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise FileNotFoundError(f"grammar file {text!r} cannot be read ({e})") from None
 
 
 def _schema_text(schema) -> str:
@@ -123,6 +150,8 @@ def build_constraint(model, req: StructuredRequest, eos_ids: tuple):
         stack = stack_grammars
     elif not all(isinstance(a, automaton.TokenAutomaton) for a in compiled.values()):
         stack = None
+    if stack is None and getattr(automaton, "stack_automata", None) is not None:
+        raise ConstraintError(_unstackable_message(req, compiled, automaton))
     if stack is None:
         raise ConstraintError(f"{req.kind}: {len(compiled)} different values for the prompts of one call need "
                               f"stacked automata, which this build does not have for {req.kind}; give one value "
@@ -131,6 +160,37 @@ def build_constraint(model, req: StructuredRequest, eos_ids: tuple):
     stacked = stack(list(compiled.values()))
     return (stacked.constraint(starts=[order[v] for v in req.values]),
             {"constraint": req.kind, "constraint_backend": backend})
+
+
+def _unstackable_message(req: StructuredRequest, compiled: dict, automaton) -> str:
+    """Why the values of `req` cannot share one stacked constraint: which rows need which backend, and
+    what to do. Token automata stack with token automata, device grammars with device grammars; a grammar
+    on llguidance's host fallback stacks with nothing."""
+    def kind_of(a):
+        if isinstance(a, automaton.TokenAutomaton):
+            return "automaton"
+        return "llguidance" if getattr(a, "backend", None) == "llguidance" else "device_grammar"
+
+    groups: dict = {}  # backend in words -> rows
+    for row, v in enumerate(req.values):
+        groups.setdefault(backend_name(compiled[v]), []).append(row)
+    rows = "; ".join(f"rows {', '.join(map(str, r))}: {b}" for b, r in groups.items())
+    llg_rows = [r for r, v in enumerate(req.values) if kind_of(compiled[v]) == "llguidance"]
+    if llg_rows:
+        what = "grammar" if req.kind == "grammar" else "schema"
+        why = (f"row(s) {', '.join(map(str, llg_rows))} run on llguidance's host fallback, which holds one "
+               f"{what} per call and cannot be stacked with other values")
+        fix = (f"call generate once for the rows of each llguidance {what} and once for the others (a list of "
+               f"{what}s that all compile to the device pushdown automaton stacks), or rewrite the {what} "
+               f"so the device form holds it (the reason is in the backend above)")
+    else:
+        why = ("flat schemas compile to outlines-core token automata and recursive schemas ($ref cycles) to the "
+               "pushdown automaton of the grammar path; the two kinds do not stack in one call"
+               if req.kind == "json_schema" else "token automata and pushdown automata do not stack in one call")
+        fix = ("call generate once per kind (a list of flat schemas stacks, as does a list of recursive ones), "
+               "or give every row the same kind")
+    return (f"{req.kind}: the prompts' {len(compiled)} different values need different backends ({rows}): "
+            f"{why}; {fix}")
 
 
 # ----------------------------------------------------------------------------- validity
@@ -167,10 +227,7 @@ def validate_text(req: StructuredRequest, row: int, text: str | None, tokens=Non
     if text is None:
         return False, "utf-8"
     if req.kind == "regex":
-        try:
-            return re.fullmatch(value, text) is not None, "re.fullmatch"
-        except re.error as e:
-            return None, f"none (Python's re cannot read the pattern: {e})"
+        return _validate_regex(value, text)
     if req.kind == "json_schema":
         schema = json.loads(value)
         try:
@@ -183,8 +240,66 @@ def validate_text(req: StructuredRequest, row: int, text: str | None, tokens=Non
         except json.JSONDecodeError:
             return False, "jsonschema"
         cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-        return cls(schema).is_valid(instance), "jsonschema"
+        # formats: the automaton enforces a format's shape only (2021-02-30 has the shape of a date); the
+        # format checker judges the rest where jsonschema has a checker for the format
+        checker = getattr(cls, "FORMAT_CHECKER", None)
+        return cls(schema, format_checker=checker).is_valid(instance), "jsonschema"
     return _validate_grammar(value, text, tokens, model)
+
+
+# POSIX classes ([[:digit:]], [a[:^space:]]): Rust's regex crate (the compiler's syntax) reads them, Python's
+# re reads `[:` as two literals in a set
+_POSIX_CLASS = re.compile(r"\[:\^?(?:alnum|alpha|ascii|blank|cntrl|digit|graph|lower|print|punct|space|upper|"
+                          r"word|xdigit):\]")
+
+
+def _rust_only_syntax(pattern: str) -> str | None:
+    """What in `pattern` Python's re reads differently from Rust's regex crate (outlines-core, which
+    compiles the constraint), or None: a POSIX class, a nested character class, a set operation
+    (&&, --, ~~, ||) inside a class."""
+    i, n, in_set, first = 0, len(pattern), False, False
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            first = False
+            continue
+        if not in_set:
+            if c == "[":
+                in_set, first = True, True
+                if pattern.startswith("^", i + 1):
+                    i += 1
+        else:
+            if c == "[" and _POSIX_CLASS.match(pattern, i):
+                return f"a POSIX class {_POSIX_CLASS.match(pattern, i).group(0)}"
+            if c == "[":
+                return f"a nested character class at position {i}"
+            if pattern[i:i + 2] in ("&&", "--", "~~", "||"):
+                return f"the set operation {pattern[i:i + 2]!r} at position {i}"
+            if c == "]" and not first:
+                in_set = False
+            first = False
+        i += 1
+    return None
+
+
+def _validate_regex(pattern: str, text: str):
+    """re.fullmatch where Python's re reads the pattern as the compiler (Rust's regex crate) does; (None, why)
+    where it cannot (a compile error, POSIX classes, nested classes, set operations), with no warning."""
+    import warnings
+
+    other = _rust_only_syntax(pattern)
+    if other is not None:
+        return None, f"none (Python's re does not read the pattern as the compiler's Rust regex syntax does: {other})"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)  # re's "possible nested set / set operation"
+            compiled = re.compile(pattern)
+    except FutureWarning as e:
+        return None, f"none (Python's re does not read the pattern as the compiler's Rust regex syntax does: {e})"
+    except re.error as e:
+        return None, f"none (Python's re cannot read the pattern: {e})"
+    return compiled.fullmatch(text) is not None, "re.fullmatch"
 
 
 def _validate_grammar(grammar: str, text: str, tokens, model):

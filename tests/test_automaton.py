@@ -509,6 +509,45 @@ def test_invalid_regex(tok):
         compile_regex("", tok, cache=False)
 
 
+@pytest.mark.parametrize("pattern,match", [
+    (r"^[0-9]+$", r"anchor \^ at position 0: .*matched whole.*drop it"),
+    (r"\A[0-9]+", r"anchor \\A at position 0: .*implicit"),
+    (r"[0-9]+\z", r"anchor \\z at position 6"),
+    (r"[0-9]+\Z", r"anchor \\Z at position 6"),
+    (r"[0-9]+$", r"anchor \$ at position 6"),
+    (r"a(^b)?", r"anchor \^ at position 2"),
+    (r"a{,3}b", r"repetition \{,3\} at position 1, which is not Rust regex syntax.*write \{0,3\}"),
+])
+def test_regex_spellings_that_need_a_fix(pattern, match):
+    """Anchors (patterns are matched whole) and Python's `{,n}`: an error up front naming the pattern and
+    the fix, not outlines-core's "anchored universal start state" / "error building NFA"."""
+    with pytest.raises(AutomatonError, match=match) as err:
+        compile_regex(pattern, _Vocab(["a", "b", "0", "1", "$", "^"]), cache=False)
+    assert repr(pattern) in str(err.value)
+
+
+@pytest.mark.parametrize("pattern", [r"[$^]a", r"\$a\^", r"a\{,3\}", r"[^a]b", r"a{2,}", r"[]a]b", r"[a[^b]]"])
+def test_anchor_characters_that_are_not_anchors(pattern):
+    compile_regex(pattern, _Vocab(["a", "b", "c", "$", "^", "{", ",", "3", "}", "]"]), cache=False)
+
+
+def test_eos_id_the_pattern_needs():
+    """An EOS id whose text the pattern needs is an error naming the id, its text and the fix (it was
+    reported as a vocabulary problem, or the branch that needs it silently dropped)."""
+    vocab = _Vocab(["1", "2", "%", "ab"])  # ids: </s> 0, "1" 1, "2" 2, "%" 3, "ab" 4
+    for pattern in ["[12]{2}%", "[12]{2}%?"]:
+        with pytest.raises(AutomatonError, match=r"EOS id 3 \(token text '%'\).*eos_ids.*drop '%' from the pattern"):
+            compile_regex(pattern, vocab, eos_ids=(3,), cache=False)
+    auto = compile_regex("[12]{2}", vocab, eos_ids=(3,), cache=False)  # the pattern never uses it: fine
+    auto.constraint().prepare(auto.vocab_size, (3,))
+    # another token spells the EOS id's bytes (" %" and "▁%"): no text is lost, the EOS id is left out
+    twin = _Vocab(["1", " %", "\u2581%"])
+    auto = compile_regex("1 %", twin, eos_ids=(3,), cache=False)
+    after = auto.step(int(auto.initial[0]), 1)
+    assert auto.allowed_tokens(after).tolist() == [2] and int(auto.token_class[3]) == 0
+    auto.constraint().prepare(auto.vocab_size, (3,))
+
+
 def test_empty_language_and_dead_states():
     vocab = _Vocab(["a", "b", "ab", "c"])
     with pytest.raises(AutomatonError, match="no accepting path"):

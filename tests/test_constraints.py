@@ -159,6 +159,14 @@ def test_item_file_errors(tmp_path, text, match):
         build_index(str(f), 50)
 
 
+@pytest.mark.parametrize("word", ["99999999999999999999999", "-99999999999999999999999"])
+def test_item_file_id_past_int64_is_reported_as_written(tmp_path, word):
+    f = tmp_path / "items.txt"
+    f.write_text(f"1 2 3\n4 {word}\n")
+    with pytest.raises(ItemSetError, match=f"line 2: item 1 holds token id {word}, outside the vocabulary"):
+        build_index(str(f), 100)
+
+
 def test_save_load_roundtrip(tmp_path):
     rng = np.random.default_rng(1)
     items = random_items(rng, 500, 300, 6, variable=True)

@@ -303,6 +303,27 @@ def test_lark_common_escaped_string(tok):
     assert accepts('"a\\"b"') and accepts('"x\\\\"') and not accepts('"a\nb"') and not accepts('"a\\"')
 
 
+@pytest.mark.parametrize("text", [
+    'start: a | b\na: "x" NUM -> ax\nb: "y" NUM -> by\nNUM: /[0-9]+/\n',  # an alias on a single rule
+    'start: "x" NUM -> ax\n    | "y" NUM -> by\nNUM: /[0-9]+/\n',  # aliases on alternatives
+])
+def test_lark_alias_is_dropped(tok, text):
+    """`-> name` only names lark's tree node: the grammar compiles (the alias is not a rule reference) and
+    its language is that of the grammar without the aliases."""
+    g = compile_grammar(text, tok, cache=False)
+    assert g.backend == "device", g.reason
+    c = g.constraint().prepare(g.vocab_size, g.eos_ids, 8, 1)
+    advance = jax.jit(c.advance)
+
+    def accepts(t):
+        st = c.init(1)
+        for i in tok.encode(t):
+            st = advance(st, jnp.asarray([i]))
+        return bool(c.accepting(st)[0])
+
+    assert accepts("x12") and accepts("y3") and not accepts("x") and not accepts("ax1") and not accepts("z1")
+
+
 def test_disk_cache(tok, tmp_path, monkeypatch):
     monkeypatch.setenv("JAXDECODE_CACHE", str(tmp_path))
     a = compile_grammar(PARENS, tok, max_depth=4)

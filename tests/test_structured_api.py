@@ -10,7 +10,9 @@ import pytest
 import jaxdecode
 from jaxdecode.cli import main
 from jaxdecode.constraints import automaton
+from jaxdecode.constraints.trie import ConstraintError
 from jaxdecode.options import STRUCTURED, OptionError
+from jaxdecode.structured import StructuredRequest, validate_text
 
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}
 OTHER = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
@@ -136,7 +138,7 @@ def test_cli_regex_and_json_schema(cli_model, tmp_path, capsys):
 def test_cli_bad_requests(cli_model, tmp_path, capsys):
     assert main(["generate", "--prompt", "a", "--json-schema", str(tmp_path / "none.json")]) == 2
     err = capsys.readouterr().err
-    assert "--json-schema" in err and "cannot read the file" in err
+    assert "--json-schema" in err and "neither a readable file nor JSON text" in err
     (tmp_path / "bad.json").write_text("{not json")
     assert main(["generate", "--prompt", "a", "--json-schema", str(tmp_path / "bad.json")]) == 2
     assert "not a JSON file" in capsys.readouterr().err
@@ -162,3 +164,82 @@ def test_bad_requests(model):
     with pytest.raises(automaton.AutomatonError) as through:
         jaxdecode.generate(model, "a", regex="(a")
     assert str(through.value) == str(direct.value)
+
+
+def test_json_schema_formats_are_checked(model):
+    """`valid` uses jsonschema's format checker: the automaton enforces a format's shape only, so an
+    impossible date it admits is reported invalid; a format jsonschema has no checker for adds nothing."""
+    date = {"type": "string", "format": "date"}
+    assert re.fullmatch(automaton.schema_to_regex(date), '"2021-02-30"')  # the shape of a date
+    req = StructuredRequest("json_schema", (json.dumps(date),))
+    assert validate_text(req, 0, '"2021-02-30"') == (False, "jsonschema")
+    assert validate_text(req, 0, '"2021-02-28"') == (True, "jsonschema")
+    unchecked = next((f for f in ("uri", "date-time", "time") if f not in
+                      jsonschema.Draft202012Validator.FORMAT_CHECKER.checkers), None)
+    if unchecked is not None:
+        req = StructuredRequest("json_schema", (json.dumps({"type": "string", "format": unchecked}),))
+        assert validate_text(req, 0, '"not checked"') == (True, "jsonschema")
+    r = jaxdecode.generate(model, "d = ", json_schema=date, max_new_tokens=16)[0]
+    text = r.text.removesuffix("<|endoftext|>")
+    fc = jsonschema.Draft202012Validator(date, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    assert r.valid is (r.tokens[-1] == 0 and fc.is_valid(json.loads(text))), text
+
+
+@pytest.mark.parametrize("pattern,text", [("[[:digit:]]{2}", "64"), ("[a-z&&[^q]]{2}", "mp"), ("[a[:digit:]]", "5"),
+                                          ("[a-c--b]", "a"), ("[a-c[x]]", "x"), ("(?P<n", "x")])
+def test_regex_validator_says_none_where_python_reads_it_otherwise(pattern, text):
+    """The compiler reads Rust regex syntax: where Python's re reads the pattern differently (POSIX
+    classes, nested classes, set operations) or not at all, valid is None, with no warning."""
+    import warnings
+
+    with warnings.catch_warnings():  # in re's cache already: its FutureWarning does not come again
+        warnings.simplefilter("ignore")
+        re.compile(pattern) if pattern != "(?P<n" else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ok, validator = validate_text(StructuredRequest("regex", (pattern,)), 0, text)
+    assert ok is None and validator.startswith("none (Python's re"), validator
+    for pattern, text, ok in [("[a-c]{2}", "ab", True), ("[^]a]x", "bx", True), ("[^]a]x", "]x", False),
+                              (r"a\[[:]", "a[:", True)]:
+        assert validate_text(StructuredRequest("regex", (pattern,)), 0, text) == (ok, "re.fullmatch")
+
+
+def test_rust_regex_syntax_through_generate(model):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        r = jaxdecode.generate(model, "x = ", regex="[[:digit:]]{2}", max_new_tokens=4)[0]
+    assert re.fullmatch("[0-9]{2}", r.text.removesuffix("<|endoftext|>")), r.text
+    assert r.valid is None and "Rust" in r.validator and r.to_json()["valid"] is None
+
+
+LEFT_RECURSIVE = 'start: sum\nsum: sum "+" NUM | NUM\nNUM: /[0-9]/\n'
+
+
+def test_per_row_values_that_do_not_stack_say_why(model):
+    """A list of grammars / schemas whose rows need backends that do not stack: the error names the rows,
+    the backend of each and what to do (not "this build does not have stacked automata")."""
+    plain = 'start: NUM ("+" NUM)*\nNUM: /[0-9]/\n'
+    with pytest.raises(ConstraintError, match=r"rows 0: llguidance \(host fallback.*rows 1: jaxdecode pushdown "
+                                              r"automaton \(device\).*row\(s\) 0 run on llguidance.*call "
+                                              r"generate once") as err:
+        jaxdecode.generate(model, ["a", "b"], grammar=[LEFT_RECURSIVE, plain], max_new_tokens=4)
+    assert "does not have" not in str(err.value)
+    with pytest.raises(ConstraintError, match=r"rows 0: jaxdecode pushdown automaton \(device\); rows 1: "
+                                              r"outlines-core token automaton.*recursive schemas.*call generate "
+                                              r"once per kind") as err:
+        jaxdecode.generate(model, ["a", "b"], json_schema=[TREE, {"type": "integer"}], max_new_tokens=4)
+    assert "does not have" not in str(err.value)
+
+
+def test_grammar_from_a_file_path(model, tmp_path):
+    """grammar= takes the path of a grammar file, as json_schema= takes a schema file; a one-line
+    .lark / .gbnf value naming no file is a clear error."""
+    path = tmp_path / "expr.lark"
+    path.write_text(GRAMMAR)
+    by_path = jaxdecode.generate(model, "x = ", max_new_tokens=6, grammar=str(path))[0]
+    by_text = jaxdecode.generate(model, "x = ", max_new_tokens=6, grammar=GRAMMAR)[0]
+    assert by_path.tokens == by_text.tokens and by_path.validator == "lark"
+    with pytest.raises(FileNotFoundError, match="no such file exists; pass the grammar's text"):
+        jaxdecode.generate(model, "x = ", max_new_tokens=6, grammar=str(tmp_path / "missing.lark"))

@@ -499,6 +499,10 @@ def _regex_error(pattern: str, err: Exception) -> AutomatonError:
     agrees with the Rust regex crate's on the common forms); a vocabulary that cannot spell the pattern
     says so."""
     msg = str(err).strip()
+    if "anchored universal start state" in msg:
+        return AutomatonError(f"cannot compile the regex {pattern!r}: it has an anchor (^ $ \\A \\z \\Z); a "
+                              "pattern is always matched whole, so anchors are implicit and not supported: drop "
+                              f"them ({msg})")
     if "incompatible with the regex" in msg:
         return AutomatonError(f"the regex {pattern!r} has no accepting path over this tokenizer's tokens: "
                               f"{msg.splitlines()[0]} Fix the pattern, or use a tokenizer that has those "
@@ -514,6 +518,62 @@ def _regex_error(pattern: str, err: Exception) -> AutomatonError:
                           "crate: no look-around, no back-references)")
 
 
+_EMPTY_LOWER_BOUND = re.compile(r"\{\s*,\s*(\d+)\s*\}")
+_VERBOSE_FLAG = re.compile(r"\(\?[a-zA-Z]*x")
+
+
+def check_regex_syntax(pattern: str) -> None:
+    """Up-front errors for spellings the compiler (Rust's regex crate via outlines-core) reads differently
+    from what was meant, with the fix: anchors (^ $ \\A \\z \\Z outside a character class; a pattern is
+    always matched whole, so they are implicit, and outlines-core cannot compile them) and `{,n}` (Python's
+    0..n, not Rust syntax: `{0,n}`)."""
+    if _VERBOSE_FLAG.search(pattern):  # (?x): whitespace and # comments; leave it to the compiler
+        return
+    i, n, depth = 0, len(pattern), 0  # depth: nesting of [...] (Rust classes nest)
+
+    def anchor(tok, at):
+        literal = f" (a literal {tok} is written \\{tok})" if tok in ("^", "$") else ""
+        raise AutomatonError(f"the regex {pattern!r} has the anchor {tok} at position {at}: a pattern is always "
+                             f"matched whole (the constrained text from its first character to its last), so "
+                             f"anchors (^ $ \\A \\z \\Z) are implicit and not supported; drop it{literal}")
+
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            if depth == 0 and pattern[i + 1:i + 2] in ("A", "z", "Z"):
+                anchor("\\" + pattern[i + 1], i)
+            i += 2
+            continue
+        if c == "[":
+            depth += 1
+            i += 1
+            if pattern.startswith("^", i):
+                i += 1
+            if pattern.startswith("]", i):  # a leading ] is a literal
+                i += 1
+            continue
+        if depth:
+            depth -= c == "]"
+        elif c in "^$":
+            anchor(c, i)
+        elif c == "{":
+            m = _EMPTY_LOWER_BOUND.match(pattern, i)
+            if m:
+                raise AutomatonError(f"the regex {pattern!r} has the repetition {m.group(0)} at position {i}, "
+                                     f"which is not Rust regex syntax (the compiler's; Python reads it as "
+                                     f"0 to {m.group(1)}): write {{0,{m.group(1)}}}")
+        i += 1
+
+
+def _eos_in_pattern(pattern: str, tokenizer, tb, e: int) -> AutomatonError:
+    text = tokenizer.decode([e]) if hasattr(tokenizer, "decode") else tb[e].decode("utf-8", "replace")
+    return AutomatonError(
+        f"EOS id {e} (token text {text!r}) is also a token of the pattern {pattern!r}: its text is needed to "
+        f"spell texts the pattern matches, but an EOS id only ends the output, so they could never be produced. "
+        f"Choose other eos_ids (ids whose text the pattern never uses, e.g. the tokenizer's own EOS), or drop "
+        f"{text!r} from the pattern")
+
+
 def compile_regex(pattern: str, tokenizer, *, vocab_size: int | None = None, eos_ids=None,
                   cache: bool = True) -> TokenAutomaton:
     """Token automaton of `pattern` (matched in full) over `tokenizer`'s tokens, via outlines-core.
@@ -524,6 +584,7 @@ def compile_regex(pattern: str, tokenizer, *, vocab_size: int | None = None, eos
     vocab_size, eos_ids); an unreadable or damaged cache file is rebuilt."""
     if not isinstance(pattern, str) or not pattern:
         raise AutomatonError(f"a regex must be a non-empty string, got {pattern!r}")
+    check_regex_syntax(pattern)
     tb = token_bytes(tokenizer)
     if vocab_size is not None and int(vocab_size) < len(tb):
         raise AutomatonError(f"vocab_size={vocab_size} is smaller than the tokenizer's {len(tb)} token ids: the "
@@ -533,8 +594,9 @@ def compile_regex(pattern: str, tokenizer, *, vocab_size: int | None = None, eos
         eos_ids = () if getattr(tokenizer, "eos_token_id", None) is None else (int(tokenizer.eos_token_id),)
     eos_ids = tuple(int(e) for e in eos_ids)
     fingerprint = tokenizer_fingerprint(tokenizer)
+    # "eos-check": automata cached before EOS ids were checked against the pattern are not reused
     key = hashlib.sha256(json.dumps([CACHE_VERSION, pattern, fingerprint, v,
-                                     sorted(eos_ids)]).encode()).hexdigest()[:40]
+                                     sorted(eos_ids), "eos-check"]).encode()).hexdigest()[:40]
     path = _cache_dir() / f"{key}.npz"
     if cache and path.exists():
         try:
@@ -543,9 +605,11 @@ def compile_regex(pattern: str, tokenizer, *, vocab_size: int | None = None, eos
             pass
     import outlines_core
 
+    # EOS ids stay in the map: an EOS id with a live transition is a token the pattern needs (an error,
+    # below, unless another token has the same bytes); their edges are dropped from the table after
     mapping: dict[bytes, list[int]] = {}
     for i, b in enumerate(tb):
-        if b is not None and b and i not in eos_ids:
+        if b is not None and b:
             mapping.setdefault(b, []).append(i)
     if END_MARKER in pattern:
         raise AutomatonError(f"the regex contains U+10FFFF, the end marker jaxdecode appends to it (a Unicode "
@@ -569,8 +633,16 @@ def compile_regex(pattern: str, tokenizer, *, vocab_size: int | None = None, eos
     finals = {s for s, row in transitions.items() if row.get(marker_id) in after}
     transitions = {s: {t: n for t, n in row.items() if n not in after}
                    for s, row in transitions.items() if s not in after}
+    eos_set = set(eos_ids)
     auto = from_transitions(transitions, index.get_initial_state(), finals, v,
-                            pattern=pattern, drop_ids=(marker_id, eos_for_oc) + eos_ids, tokenizer=fingerprint)
+                            pattern=pattern, drop_ids=(marker_id, eos_for_oc), tokenizer=fingerprint)
+    used = [e for e in eos_ids if 0 <= e < auto.vocab_size and int(auto.token_class[e]) != 0]
+    for e in used:  # the pattern needs e's bytes: fine only where another (non-EOS) token spells them
+        if not any(t not in eos_set for t in mapping.get(tb[e], ())):
+            raise _eos_in_pattern(pattern, tokenizer, tb, e)
+    if used:  # twins spell the same texts: drop the EOS ids' edges (without them nothing is lost)
+        auto = from_transitions(transitions, index.get_initial_state(), finals, v, pattern=pattern,
+                                drop_ids=(marker_id, eos_for_oc) + eos_ids, tokenizer=fingerprint)
     if cache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -142,11 +142,24 @@ def _read(text: str) -> _Grammar:
         if params:
             raise GrammarError(f"rule {name!s} is a template ({', '.join(map(str, params))}); templates are not "
                                "supported: write the rule out for each use")
-        rules[str(name)] = tree
+        rules[str(name)] = _drop_aliases(tree)
     if "start" not in rules:
         raise GrammarError("the grammar has no 'start' rule (GBNF: 'root'); the text must match start")
     terms = {str(name): tree for name, (tree, _prio) in g.term_defs}
     return _Grammar(rules, terms, [str(i) for i in g.ignore])
+
+
+def _drop_aliases(tree):
+    """The rule tree without its aliases (`x -> name`): an alias only names the parse-tree node, it does not
+    change the language, so for a constraint it is dropped (its name is not a rule reference)."""
+    from lark import Tree
+
+    if not isinstance(tree, Tree):
+        return tree
+    if tree.data == "alias":
+        return _drop_aliases(tree.children[0])
+    tree.children = [_drop_aliases(c) for c in tree.children]
+    return tree
 
 
 def _literal_regex(tok) -> str:
@@ -340,7 +353,8 @@ class _NFA:
 def _rule_refs(tree) -> set:
     from lark.grammar import NonTerminal
 
-    return {str(t.name) for t in tree.iter_subtrees() for t in t.children if isinstance(t, NonTerminal)}
+    return {str(c.name) for t in tree.iter_subtrees() if t.data != "alias"  # an alias names, it calls nothing
+            for c in t.children if isinstance(c, NonTerminal)}
 
 
 def _called_rules(rules) -> list:

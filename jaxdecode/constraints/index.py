@@ -120,6 +120,17 @@ def read_items_file(path) -> tuple[np.ndarray, np.ndarray]:
     if tokens.size != int(lengths.sum()):
         raise ItemSetError(f"{path}: parsed {tokens.size} token ids but counted {int(lengths.sum())}; "
                            "the file must hold only integers, spaces and newlines")
+    info = np.iinfo(np.int64)
+    saturated = np.flatnonzero((tokens == info.max) | (tokens == info.min))
+    if saturated.size:  # the parse saturates ids past int64: report the id as the file writes it
+        words = raw.split()
+        item_of = np.repeat(np.arange(n_lines), lengths)
+        for k in saturated:
+            word = words[int(k)].decode()
+            if int(word) != int(tokens[k]):
+                item = int(item_of[k])
+                raise ItemSetError(f"{path}, line {item + 1}: item {item} holds token id {word}, outside the "
+                                   f"vocabulary (it does not fit in 64 bits); ids must be in 0..vocab_size-1")
     return tokens, lengths
 
 
