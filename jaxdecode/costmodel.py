@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdecode import files
 from jaxdecode.kernels.common import next_pow2, round_up
 
 SCHEMA = 19  # version of the cache file layout and of the key; bump when either changes meaning
@@ -720,12 +721,7 @@ def _prefill(config, params, prompt, lengths, cache, return_layers):
 
 
 # ----------------------------------------------------------------------------- the cache on disk
-def default_cache_dir() -> Path:
-    """$JAXDECODE_CACHE_DIR, else $XDG_CACHE_HOME/jaxdecode, else ~/.cache/jaxdecode."""
-    if os.environ.get("JAXDECODE_CACHE_DIR"):
-        return Path(os.environ["JAXDECODE_CACHE_DIR"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "jaxdecode"
+default_cache_dir = files.default_cache_dir  # one root for every jaxdecode cache
 
 
 def context_bucket(context_len: int, limit: int) -> int:

@@ -8,6 +8,17 @@ from pathlib import Path
 from typing import Callable
 
 
+def default_cache_dir() -> Path:
+    """The root of every jaxdecode cache on disk (cost tables, tree="auto" trials, compiled automata and
+    grammars): $JAXDECODE_CACHE_DIR, else $JAXDECODE_CACHE (its earlier name), else
+    $XDG_CACHE_HOME/jaxdecode, else ~/.cache/jaxdecode."""
+    for name in ("JAXDECODE_CACHE_DIR", "JAXDECODE_CACHE"):
+        if os.environ.get(name):
+            return Path(os.environ[name]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "jaxdecode"
+
+
 def save_whole(out_dir, write: Callable[[Path], object]) -> Path:
     """`write(tmp_dir)` into a fresh temporary sibling of `out_dir`, then put it in `out_dir`'s place.
 

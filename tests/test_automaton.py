@@ -463,7 +463,7 @@ def test_constrained_kernel_takes_the_automaton_mask(tok):
 
 # ----------------------------------------------------------------------------- cache
 def test_compile_cache(tok, tmp_path, monkeypatch):
-    monkeypatch.setenv("JAXDECODE_CACHE", str(tmp_path))
+    monkeypatch.setenv("JAXDECODE_CACHE_DIR", str(tmp_path))
     a = compile_regex(r"[0-9]{1,3}x", tok, eos_ids=(0,))
     files = list((tmp_path / "automata").glob("*.npz"))
     assert len(files) == 1

@@ -287,8 +287,16 @@ def test_cache_dir_from_the_environment(tmp_path, monkeypatch, counted):
     costmodel.load_or_calibrate(tiny(), PromptLookupDrafter(num_nodes=2), 1, progress=False)
     assert len(list((tmp_path / "jd" / "costs").glob("*.json"))) == 1
     monkeypatch.delenv("JAXDECODE_CACHE_DIR")
+    monkeypatch.delenv("JAXDECODE_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert costmodel.default_cache_dir() == tmp_path / "xdg" / "jaxdecode"
+    # one root for every cache: compiled automata and grammars go beside the cost tables
+    from jaxdecode.constraints import automaton, grammar
+    assert automaton._cache_dir() == tmp_path / "xdg" / "jaxdecode" / "automata"
+    monkeypatch.setattr(automaton, "tokenizer_fingerprint", lambda tok: "fp")
+    assert grammar._cache_path("start: \"a\"", None, 4, ()).parent == tmp_path / "xdg" / "jaxdecode" / "grammars"
+    monkeypatch.setenv("JAXDECODE_CACHE", str(tmp_path / "old"))  # the automata's earlier variable still works
+    assert automaton._cache_dir() == tmp_path / "old" / "automata" and costmodel.default_cache_dir() == tmp_path / "old"
 
 
 def test_changes_are_misses(tmp_path, monkeypatch, counted):

@@ -56,13 +56,13 @@ def _fresh_cache(tmp_path_factory):
     """Grammars compile from scratch here (a disk cache from an older grammar.py must not hide a change)."""
     import os
 
-    old = os.environ.get("JAXDECODE_CACHE")
-    os.environ["JAXDECODE_CACHE"] = str(tmp_path_factory.mktemp("grammar-cache"))
+    old = os.environ.get("JAXDECODE_CACHE_DIR")
+    os.environ["JAXDECODE_CACHE_DIR"] = str(tmp_path_factory.mktemp("grammar-cache"))
     yield
     if old is None:
-        os.environ.pop("JAXDECODE_CACHE")
+        os.environ.pop("JAXDECODE_CACHE_DIR")
     else:
-        os.environ["JAXDECODE_CACHE"] = old
+        os.environ["JAXDECODE_CACHE_DIR"] = old
 
 
 @pytest.fixture(scope="module")
@@ -325,7 +325,7 @@ def test_lark_alias_is_dropped(tok, text):
 
 
 def test_disk_cache(tok, tmp_path, monkeypatch):
-    monkeypatch.setenv("JAXDECODE_CACHE", str(tmp_path))
+    monkeypatch.setenv("JAXDECODE_CACHE_DIR", str(tmp_path))
     a = compile_grammar(PARENS, tok, max_depth=4)
     assert len(list((tmp_path / "grammars").glob("*.npz"))) == 1
     b = compile_grammar(PARENS, tok, max_depth=9)  # max_depth is not part of the key

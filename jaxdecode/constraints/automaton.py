@@ -491,7 +491,8 @@ def intersect_automata(a: TokenAutomaton, b: TokenAutomaton, pairs=None) -> Toke
 
 # ----------------------------------------------------------------------------- compilers
 def _cache_dir() -> Path:
-    return Path(os.environ.get("JAXDECODE_CACHE", Path.home() / ".cache" / "jaxdecode")) / "automata"
+    from jaxdecode.files import default_cache_dir
+    return default_cache_dir() / "automata"
 
 
 def _regex_error(pattern: str, err: Exception) -> AutomatonError:
@@ -580,7 +581,7 @@ def compile_regex(pattern: str, tokenizer, *, vocab_size: int | None = None, eos
 
     vocab_size: the model's vocabulary (>= the tokenizer's; extra ids are never allowed). eos_ids: ids
     left out of the table (they end the text; default the tokenizer's EOS). Compiled automata are cached
-    on disk (JAXDECODE_CACHE, default ~/.cache/jaxdecode/automata) keyed by (pattern, tokenizer bytes,
+    on disk (<jaxdecode.files.default_cache_dir()>/automata) keyed by (pattern, tokenizer bytes,
     vocab_size, eos_ids); an unreadable or damaged cache file is rebuilt."""
     if not isinstance(pattern, str) or not pattern:
         raise AutomatonError(f"a regex must be a non-empty string, got {pattern!r}")

@@ -818,8 +818,8 @@ def _cache_path(lark_text, tokenizer, v, eos_ids) -> Path:
 
     key = hashlib.sha256(json.dumps([CACHE_VERSION, lark_text, tokenizer_fingerprint(tokenizer), v,
                                      sorted(eos_ids)]).encode()).hexdigest()[:40]
-    root = Path(os.environ.get("JAXDECODE_CACHE", Path.home() / ".cache" / "jaxdecode"))
-    return root / "grammars" / f"{key}.npz"
+    from jaxdecode.files import default_cache_dir
+    return default_cache_dir() / "grammars" / f"{key}.npz"
 
 
 _TABLE_ARRAYS = ("kind", "next", "push", "npush", "req", "final", "need", "rule_of")
@@ -863,7 +863,7 @@ def compile_grammar(text: str, tokenizer, *, vocab_size: int | None = None, eos_
 
     max_depth: stack entries per row on the device (nesting beyond it is masked). fallback:
     "llguidance" (host matcher when the device form cannot hold the grammar) or "error". cache: keep
-    device forms on disk (JAXDECODE_CACHE, default ~/.cache/jaxdecode/grammars)."""
+    device forms on disk (<jaxdecode.files.default_cache_dir()>/grammars)."""
     if fallback not in ("llguidance", "error"):
         raise GrammarError(f"fallback must be 'llguidance' or 'error', got {fallback!r}")
     if not isinstance(max_depth, int) or max_depth < 1:
