@@ -286,11 +286,8 @@ def test_bad_input(tok):
         schema_to_lark({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}})
 
 
-def test_lark_common_escaped_string(tok):
-    """lark's common.ESCAPED_STRING (a lazy match with a lookbehind) runs on the device as the same regular
-    language: escapes allowed, a raw newline not (lark's '.' does not match it)."""
-    g = compile_grammar('start: ESCAPED_STRING\n%import common.ESCAPED_STRING\n', tok)
-    assert g.backend == "device", g.reason
+def _acceptor(g, tok):
+    """text -> whether the device grammar `g` accepts it whole (one row, stepped token by token)."""
     c = g.constraint().prepare(g.vocab_size, g.eos_ids, 8, 1)
     advance = jax.jit(c.advance)
 
@@ -299,7 +296,15 @@ def test_lark_common_escaped_string(tok):
         for t in tok.encode(text):
             st = advance(st, jnp.asarray([t]))
         return bool(c.accepting(st)[0])
+    return accepts
 
+
+def test_lark_common_escaped_string(tok):
+    """lark's common.ESCAPED_STRING (a lazy match with a lookbehind) runs on the device as the same regular
+    language: escapes allowed, a raw newline not (lark's '.' does not match it)."""
+    g = compile_grammar('start: ESCAPED_STRING\n%import common.ESCAPED_STRING\n', tok)
+    assert g.backend == "device", g.reason
+    accepts = _acceptor(g, tok)
     assert accepts('"a\\"b"') and accepts('"x\\\\"') and not accepts('"a\nb"') and not accepts('"a\\"')
 
 
@@ -312,15 +317,7 @@ def test_lark_alias_is_dropped(tok, text):
     its language is that of the grammar without the aliases."""
     g = compile_grammar(text, tok, cache=False)
     assert g.backend == "device", g.reason
-    c = g.constraint().prepare(g.vocab_size, g.eos_ids, 8, 1)
-    advance = jax.jit(c.advance)
-
-    def accepts(t):
-        st = c.init(1)
-        for i in tok.encode(t):
-            st = advance(st, jnp.asarray([i]))
-        return bool(c.accepting(st)[0])
-
+    accepts = _acceptor(g, tok)
     assert accepts("x12") and accepts("y3") and not accepts("x") and not accepts("ax1") and not accepts("z1")
 
 
