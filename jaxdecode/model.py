@@ -106,12 +106,13 @@ def load(path: str | Path | None = None, *, dtype: str | None = None, param_dtyp
     """Load a Hugging Face checkpoint directory (config.json + safetensors + tokenizer).
 
     `path=None` (or "default", or a name of EMBEDDED_NAMES: "target", "draft", "dllm") loads an embedded
-    model, unless a directory of that name exists in the working directory (it wins); "dllm" is the diffusion LM adapted from the target (method="diffusion"). `dtype`: None = the
-    default rule (`resolve_dtype`: float32 on CPU, the checkpoint's dtype on GPU/TPU), "auto" = the
-    checkpoint's dtype, or "float32" / "bfloat16" / "float16". `param_dtype`: None = `dtype`, or a
-    dtype to store the weight matrices in while the forward computes in `dtype` (weight-only half
-    precision, e.g. `dtype="float32", param_dtype="bfloat16"`: the activations, KV cache and logits stay
-    float32 and each matmul runs bf16 x bf16 -> f32; README "Numerics and dtypes"). With a `mesh`,
+    model, unless a directory of that name exists in the working directory (it wins); "dllm" is the
+    diffusion LM adapted from the target (method="diffusion"). `dtype`: None = the default rule
+    (`resolve_dtype`: float32 on CPU, the checkpoint's dtype on GPU/TPU), "auto" = the checkpoint's
+    dtype, or "float32" / "bfloat16" / "float16". `param_dtype`: None = `dtype`, or a dtype to store the
+    weight matrices in while the forward computes in `dtype` (weight-only half precision, e.g.
+    `dtype="float32", param_dtype="bfloat16"`: the activations, KV cache and logits stay float32 and
+    each matmul runs bf16 x bf16 -> f32; README "Numerics and dtypes"). With a `mesh`,
     parameters are sharded over it.
     """
     # An embedded model's name, unless a directory of that name exists here: a user who trained into
