@@ -227,7 +227,11 @@ def test_cli_task_dllm_and_filter(tmp_path, capsys):
                  "--warmup", "5", "--no-progress"]) == 0
     assert main(["train", "filter", "--model", str(model), "--task", "copy", "--task-length", "3", "--out", str(filt),
                  "--steps", "50", "--prompts", "32", "--eval-prompts", "16", "--no-progress"]) == 0
-    assert "trained a Learn2PD filter" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "trained a Learn2PD filter" in said
+    import shlex  # the command the summary suggests runs as printed
+    hint = said.split("(e.g. ", 1)[1].rsplit(": a held-out", 1)[0]
+    assert main(shlex.split(hint)[1:]) == 0, capsys.readouterr().err
     m = jaxdecode.load(model)
     res = jaxdecode.generate(m, ["<copy> v1 v0 v2 <sep>"], method="diffusion", answer_length=3, rule="learn2pd",
                              filter=str(filt))

@@ -479,8 +479,9 @@ def _run_filter(args, task, out: Path, work: Path) -> int:
     print(f"trained a Learn2PD filter on {len(data)} labelled steps ({data.positive_fraction:.0%} final); held-out "
           f"{task.name}: forwards {report['nfe_greedy1']:.2f} (greedy1) -> {report['nfe_learn2pd']:.2f} (learn2pd, "
           f"threshold {args.threshold}), validity {report['valid_greedy1']:.3f} -> {report['valid_learn2pd']:.3f}; "
-          f"filter -> {out} (jaxdecode generate --model {args.model} --method diffusion --option rule=learn2pd "
-          f"--option filter={out})")
+          f"filter -> {out} (e.g. jaxdecode generate --model {args.model} --method diffusion --option rule=learn2pd "
+          f"--option filter={out} --max-new-tokens {task.answer_length} --prompt-ids "
+          f"{','.join(str(int(t)) for t in prompts[n])}: a held-out {task.name} prompt)")
     return 0
 
 
