@@ -551,6 +551,27 @@ def tokenizer_mask_id(path) -> int | None:
 _TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json")
 
 
+def _auto_tokenizer():
+    """transformers.AutoTokenizer, imported without transformers' "PyTorch was not found" advice: jaxdecode
+    uses only its tokenizers, so on a machine without torch the line says nothing that applies. The
+    advisory switch is set for the import alone and restored, so the user's own transformers advice is kept."""
+    import sys
+    if "transformers" in sys.modules:
+        from transformers import AutoTokenizer
+        return AutoTokenizer
+    key = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
+    before = os.environ.get(key)
+    os.environ[key] = "1"
+    try:
+        from transformers import AutoTokenizer
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+    return AutoTokenizer
+
+
 def load_tokenizer(path):
     """transformers.AutoTokenizer from a local directory, or None if the directory has no tokenizer.
 
@@ -564,7 +585,7 @@ def load_tokenizer(path):
     for name in _TOKENIZER_JSON:
         if (path / name).exists():
             read_json_object(path / name)
-    from transformers import AutoTokenizer
+    AutoTokenizer = _auto_tokenizer()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

@@ -51,3 +51,17 @@ def test_a_local_directory_named_like_an_embedded_model_wins(tiny_llama_dir, tmp
     assert jaxdecode.load("draft").path == "draft"
     monkeypatch.chdir(tmp_path / "draft")  # no ./draft here: the embedded model
     assert jaxdecode.load("draft").path != "draft"
+
+
+def test_no_torch_advice_on_a_machine_without_torch(tiny_llama_dir):
+    """jaxdecode uses transformers only for tokenizers: without torch (a plain wheel install) its "PyTorch
+    was not found" line would print on every command, saying nothing that applies."""
+    import os
+    import subprocess
+    import sys
+    code = ("import sys, os; sys.modules['torch'] = None; import jaxdecode; "
+            f"jaxdecode.load({str(tiny_llama_dir)!r}); assert 'TRANSFORMERS_NO_ADVISORY_WARNINGS' not in os.environ")
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_VERBOSITY"}  # conftest quiets it
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    assert "PyTorch was not found" not in run.stderr
