@@ -761,7 +761,7 @@ def read_cached(path: Path, key: dict) -> CostTable | None:
     does not hold a valid table for this key gives a warning (it is then re-measured), never an error."""
     try:
         text = path.read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no such file (a file stands where a directory would)
         return None
     except (OSError, UnicodeDecodeError) as e:
         warnings.warn(f"cost cache file {path} cannot be read ({e}); the costs are measured again and "
