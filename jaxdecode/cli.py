@@ -277,40 +277,33 @@ def _shown_prompt(prompt) -> str:
 
 def _read_structured(options: dict) -> None:
     """--regex / --json-schema FILE|JSON / --grammar FILE|TEXT (each repeatable: one for all prompts, or one
-    per prompt): read the files (the schema parsed as JSON), one flag = one value for every prompt."""
+    per prompt): read the schema files (parsed as JSON; generate reads grammar files), one flag = one value
+    for every prompt."""
     for name in ("regex", "json_schema", "grammar"):
         values = options.get(name)
         if values is None:
             continue
         if not isinstance(values, list):
             values = [values]
-        if name != "regex":
+        if name == "json_schema":  # grammar= takes a file's path itself (structured._grammar_text)
             values = [_read_file(name, v) for v in values]
         options[name] = values[0] if len(values) == 1 else values
 
 
 def _read_file(name: str, path: str):
-    """A --json-schema / --grammar value: a file's content, else the value itself when it is the schema's
-    JSON text or grammar text (a rule: `start: ...` in Lark, `root ::= ...` in GBNF), as the option's help
-    says."""
+    """A --json-schema value: a file's content parsed as JSON, else the value itself when it is the
+    schema's JSON text, as the option's help says."""
     flag = "--" + name.replace("_", "-")
     if not os.path.isfile(path):
-        if name == "json_schema":
-            try:
-                return json.loads(path)
-            except json.JSONDecodeError:
-                pass
-        elif ":" in path:  # a rule of Lark or GBNF; no grammar lacks one
-            return path
-        what = "JSON text" if name == "json_schema" else "grammar text (Lark `start: ...` or GBNF `root ::= ...`)"
-        raise FileNotFoundError(f"{flag} {path[:80]!r}: neither a readable file nor {what}")
+        try:
+            return json.loads(path)
+        except json.JSONDecodeError:
+            raise FileNotFoundError(f"{flag} {path[:80]!r}: neither a readable file nor JSON text") from None
     try:
         with open(path) as f:
             text = f.read()
     except OSError as e:
         raise FileNotFoundError(f"{flag} {path}: cannot read the file ({e.strerror})") from None
-    if name != "json_schema":
-        return text
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:

@@ -101,6 +101,21 @@ def narrow_weights(params, param_dtype: str):
     return out
 
 
+def model_path(path: str | Path | None = None) -> str | Path:
+    """The directory `load(path)` reads: an embedded model for None, "default" or a name of EMBEDDED_NAMES,
+    unless a directory of that name exists in the working directory (a user who trained into `--out
+    draft` and loads "draft" means that directory); else `path` itself (not checked here)."""
+    if path is None or (str(path) in ("default",) + EMBEDDED_NAMES and not Path(path).is_dir()):
+        name = str(path) if str(path) in EMBEDDED_NAMES else "target"
+        found = embedded_model_path(name)
+        if found is None:
+            raise FileNotFoundError(
+                f"the embedded {name} model is not shipped in this checkout ({EMBEDDED_DIR / name}); "
+                f"build it with `make models` or pass a checkpoint directory")
+        return found
+    return path
+
+
 def load(path: str | Path | None = None, *, dtype: str | None = None, param_dtype: str | None = None,
          mesh=None) -> Model:
     """Load a Hugging Face checkpoint directory (config.json + safetensors + tokenizer).
@@ -115,16 +130,7 @@ def load(path: str | Path | None = None, *, dtype: str | None = None, param_dtyp
     each matmul runs bf16 x bf16 -> f32; README "Numerics and dtypes"). With a `mesh`,
     parameters are sharded over it.
     """
-    # An embedded model's name, unless a directory of that name exists here: a user who trained into
-    # `--out draft` and loads "draft" means that directory (also written "./draft").
-    if path is None or (str(path) in ("default",) + EMBEDDED_NAMES and not Path(path).is_dir()):
-        name = str(path) if str(path) in EMBEDDED_NAMES else "target"
-        found = embedded_model_path(name)
-        if found is None:
-            raise FileNotFoundError(
-                f"the embedded {name} model is not shipped in this checkout ({EMBEDDED_DIR / name}); "
-                f"build it with `make models` or pass a checkpoint directory")
-        path = found
+    path = model_path(path)
     if param_dtype is not None:
         _param_dtype(param_dtype)  # a bad name fails before the checkpoint is read
     config, params = load_params(path, dtype=resolve_dtype(dtype))

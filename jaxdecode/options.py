@@ -369,10 +369,11 @@ def check_option(name: str, value):
 
         from jaxdecode.sharding import check_mesh
         ok = isinstance(value, jax.sharding.Mesh)
-        try:
-            ok and check_mesh(value)
-        except ValueError as e:
-            raise OptionError(f"option {name}: {e}") from None
+        if ok:
+            try:
+                check_mesh(value)
+            except ValueError as e:
+                raise OptionError(f"option {name}: {e}") from None
     if not ok:
         raise OptionError(f"option {name}={value!r} is not accepted: {name} must be {opt.accepts()} "
                           f"({opt.doc})")

@@ -53,7 +53,8 @@ _GRAMMAR_SUFFIXES = (".lark", ".gbnf", ".ebnf")
 def _grammar_text(grammar) -> str:
     """A grammar (its Lark / GBNF text, or the path of a file holding it) as text. Grammar text always has
     a rule (`start: ...`, `root ::= ...`), so a one-line value naming an existing file is read as that
-    file; a one-line value ending in .lark / .gbnf / .ebnf that names no file is an error."""
+    file; a one-line value that names no file and has no rule (no ':'), or ends in .lark / .gbnf / .ebnf,
+    is an error."""
     text = str(grammar)
     if "\n" in text or not text.strip() or len(text) > 4096:
         return text
@@ -63,10 +64,10 @@ def _grammar_text(grammar) -> str:
     except OSError:  # a name the OS refuses (too long, ...): grammar text
         is_file = False
     if not is_file:
-        if path.suffix.lower() in _GRAMMAR_SUFFIXES:
-            raise FileNotFoundError(f"grammar {text[:80]!r} looks like a file path but no such file exists; pass "
-                                    f"the grammar's text (Lark `start: ...` or GBNF `root ::= ...`) or the path of "
-                                    f"an existing .lark / .gbnf file")
+        if path.suffix.lower() in _GRAMMAR_SUFFIXES or ":" not in text:
+            raise FileNotFoundError(f"grammar {text[:80]!r} is neither a readable file nor grammar text: no such "
+                                    f"file exists; pass the grammar's text (Lark `start: ...` or GBNF "
+                                    f"`root ::= ...`) or the path of an existing .lark / .gbnf file")
         return text
     try:
         return path.read_text()

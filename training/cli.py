@@ -423,14 +423,11 @@ def run_train_dllm(args) -> int:
 def _model_dir(spec: str, flag: str) -> Path:
     """The HF directory a model flag names: an embedded model's name (as `jaxdecode.load` takes it:
     target, draft, dllm; a local directory of that name wins) or a directory, which must exist."""
-    from jaxdecode.model import EMBEDDED_NAMES, embedded_model_path
-    if spec in EMBEDDED_NAMES and not Path(spec).is_dir():
-        found = embedded_model_path(spec)
-        if found is None:
-            raise ValueError(f"{flag} {spec}: the embedded {spec} model is not shipped in this install; "
-                             f"pass a model directory")
-        return found
-    path = Path(spec)
+    from jaxdecode.model import EMBEDDED_NAMES, embedded_model_path, model_path
+    try:
+        path = Path(model_path(spec))  # load's own rule for names
+    except FileNotFoundError as e:
+        raise ValueError(f"{flag} {spec}: {e}") from None
     if not path.is_dir():
         hint = (f" (the embedded {path.name} model: {flag} {path.name})"
                 if path.name in EMBEDDED_NAMES and embedded_model_path(path.name) is not None else "")
