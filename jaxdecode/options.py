@@ -108,6 +108,8 @@ class Option:
             text = "a non-empty string, or a list of them (the same for every prompt)"
         elif self.kind == "schemas":
             text = "a dict (or True / False), a JSON text or a .json file path, or a list of them (one per prompt)"
+        elif self.kind == "grammars":
+            text = "grammar text or a grammar file's path (str or os.PathLike), or a list of them (one per prompt)"
         else:
             text = "a jax.sharding.Mesh with axes named 'data' and/or 'model'"
         if self.objects:
@@ -243,7 +245,7 @@ _TABLE = (
            "EOS is allowed exactly where the text matches", STRUCTURED, default_doc="none", cli_repeat=True),
     Option("json_schema", "schemas", "the output must be a JSON value valid under this JSON schema "
            "(a token automaton via outlines-core; recursive schemas: the grammar path)", STRUCTURED, default_doc="none", cli_repeat=True),
-    Option("grammar", "texts", "the output must parse under this context-free grammar (Lark or GBNF text; "
+    Option("grammar", "grammars", "the output must parse under this context-free grammar (Lark or GBNF text; "
            "jaxdecode.constraints.grammar)", STRUCTURED,
            default_doc="none", cli_repeat=True),
     # ------------------------------------------------------------------ grammar-aligned sampling
@@ -352,11 +354,13 @@ def check_option(name: str, value):
             ok = ok and len(items) >= opt.min_len
     elif opt.kind == "dict":
         ok = isinstance(value, dict) and all(isinstance(k, str) for k in value)
-    elif opt.kind in ("texts", "schemas"):
+    elif opt.kind in ("texts", "schemas", "grammars"):
         import os
 
         def one(v):
             if opt.kind == "schemas" and isinstance(v, (dict, bool, os.PathLike)):  # true / false: schemas too
+                return True
+            if opt.kind == "grammars" and isinstance(v, os.PathLike):
                 return True
             return isinstance(v, str) and bool(v.strip())
         items = [value] if one(value) else _ids(value)

@@ -44,7 +44,7 @@ GOOD = [
     ("rule", "greedy1"), ("rule", "freedave"), ("answer_length", 1), ("block_length", 32),
     ("threshold", 0), ("threshold", 0.9), ("threshold", 1), ("tokens_per_step", 2), ("filter", "path/to/filter"),
     ("rule_options", {"draft": 4}), ("diffusion_cache", "dual"), ("max_forwards", 1),
-    ("regex", "[0-9]+"), ("regex", ["a+", "b+"]), ("grammar", "start: \"a\"+"),
+    ("regex", "[0-9]+"), ("regex", ["a+", "b+"]), ("grammar", "start: \"a\"+"), ("grammar", Path("g.lark")), ("grammar", [Path("g.gbnf"), "root ::= \"a\""]),
     ("stop", "\n\n"), ("stop", ["def ", " "]), ("logprobs", True), ("top_logprobs", 0), ("top_logprobs", 20),
     ("json_schema", {"type": "integer"}), ("json_schema", '{"type": "string"}'), ("json_schema", "schema.json"),
     ("json_schema", Path("schema.json")), ("json_schema", [{"type": "integer"}, "s.json"]), ("json_schema", True),

@@ -234,12 +234,13 @@ def test_per_row_values_that_do_not_stack_say_why(model):
 
 
 def test_grammar_from_a_file_path(model, tmp_path):
-    """grammar= takes the path of a grammar file, as json_schema= takes a schema file; a one-line
-    .lark / .gbnf value naming no file is a clear error."""
+    """grammar= takes the path of a grammar file (a str or a pathlib.Path), as json_schema= takes a schema
+    file; a one-line .lark / .gbnf value naming no file is a clear error."""
     path = tmp_path / "expr.lark"
     path.write_text(GRAMMAR)
     by_path = jaxdecode.generate(model, "x = ", max_new_tokens=6, grammar=str(path))[0]
+    by_pathlib = jaxdecode.generate(model, "x = ", max_new_tokens=6, grammar=path)[0]
     by_text = jaxdecode.generate(model, "x = ", max_new_tokens=6, grammar=GRAMMAR)[0]
-    assert by_path.tokens == by_text.tokens and by_path.validator == "lark"
+    assert by_path.tokens == by_pathlib.tokens == by_text.tokens and by_path.validator == "lark"
     with pytest.raises(FileNotFoundError, match="no such file exists; pass the grammar's text"):
         jaxdecode.generate(model, "x = ", max_new_tokens=6, grammar=str(tmp_path / "missing.lark"))
