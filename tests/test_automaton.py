@@ -517,6 +517,8 @@ def test_invalid_regex(tok):
     (r"[0-9]+$", r"anchor \$ at position 6"),
     (r"a(^b)?", r"anchor \^ at position 2"),
     (r"a{,3}b", r"repetition \{,3\} at position 1, which is not Rust regex syntax.*write \{0,3\}"),
+    (r"a\bb", r"Unicode word boundaries .*write ASCII ones, \(\?-u:\\b\)"),
+    (r"a\Bb", r"Unicode word boundaries"),
 ])
 def test_regex_spellings_that_need_a_fix(pattern, match):
     """Anchors (patterns are matched whole) and Python's `{,n}`: an error up front naming the pattern and
@@ -526,7 +528,8 @@ def test_regex_spellings_that_need_a_fix(pattern, match):
     assert repr(pattern) in str(err.value)
 
 
-@pytest.mark.parametrize("pattern", [r"[$^]a", r"\$a\^", r"a\{,3\}", r"[^a]b", r"a{2,}", r"[]a]b", r"[a[^b]]"])
+@pytest.mark.parametrize("pattern", [r"[$^]a", r"\$a\^", r"a\{,3\}", r"[^a]b", r"a{2,}", r"[]a]b", r"[a[^b]]",
+                                     r"a(?-u:\b)\$"])
 def test_anchor_characters_that_are_not_anchors(pattern):
     compile_regex(pattern, _Vocab(["a", "b", "c", "$", "^", "{", ",", "3", "}", "]"]), cache=False)
 

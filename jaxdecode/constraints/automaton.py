@@ -508,6 +508,10 @@ def _regex_error(pattern: str, err: Exception) -> AutomatonError:
         return AutomatonError(f"the regex {pattern!r} has no accepting path over this tokenizer's tokens: "
                               f"{msg.splitlines()[0]} Fix the pattern, or use a tokenizer that has those "
                               "characters (or byte tokens)")
+    if "Unicode word boundaries" in msg:
+        return AutomatonError(f"cannot compile the regex {pattern!r}: Unicode word boundaries (\\b, \\B) cannot be "
+                              "compiled into a token automaton; write ASCII ones, (?-u:\\b) / (?-u:\\B), or drop "
+                              "them")
     try:
         re.compile(pattern)
     except re.error as e:
