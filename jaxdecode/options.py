@@ -413,6 +413,9 @@ def resolve(method: str, given: dict, *, batch: int | None = None) -> dict:
                 raise OptionError(f"method {spec.name!r} needs option {name}= ({opt.doc}): "
                                   f"{opt.accepts()}")
             value = opt.default_for(spec.name)
+        elif opt.kind == "mesh":  # jax.make_mesh's Explicit axes: the decoders need Auto ones
+            from jaxdecode.sharding import auto_axes
+            value = auto_axes(value)
         out[name] = value
     _cross_checks(spec.name, out, batch)
     return out

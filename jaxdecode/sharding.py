@@ -80,6 +80,17 @@ def make_mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:
     return Mesh(grid, (DATA, MODEL))
 
 
+def auto_axes(mesh: Mesh) -> Mesh:
+    """The mesh with Auto axes. `jax.make_mesh` makes Explicit axes by default, under which every gather
+    and matmul must name its output sharding; the decoders leave that to GSPMD's propagation, so they run
+    on the same devices and axis names with Auto types (the shardings are the same)."""
+    axis_type = getattr(jax.sharding, "AxisType", None)
+    types = getattr(mesh, "axis_types", None)
+    if axis_type is None or types is None or all(t == axis_type.Auto for t in types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(axis_type.Auto,) * len(mesh.axis_names))
+
+
 def check_mesh(mesh) -> None:
     """A mesh the decoders can use: axes named 'data' (the batch) and/or 'model' (the parameters); an axis
     it lacks counts as size 1."""
@@ -156,11 +167,12 @@ def to_host(tree):
 
 def shard_params(params, mesh: Mesh, rules=LOGICAL_RULES):
     """Place parameters on the mesh: heads and MLP tensor-parallel over `model`."""
-    return jax.tree_util.tree_map(put, params, param_shardings(params, mesh, rules))
+    return jax.tree_util.tree_map(put, params, param_shardings(params, auto_axes(mesh), rules))
 
 
 def shard_cache(cache, mesh: Mesh, rules=LOGICAL_RULES):
     """Place a KVCache on the mesh: batch over `data`, KV heads over `model`."""
+    mesh = auto_axes(mesh)
     shardings = {name: NamedSharding(mesh, spec_for(axes, getattr(cache, name).shape, mesh, rules))
                  for name, axes in CACHE_AXES.items()}
     return cache.replace(**{n: put(getattr(cache, n), s) for n, s in shardings.items()})
@@ -172,6 +184,7 @@ def shard_batch(x, mesh: Mesh, rules=LOGICAL_RULES):
     On a mesh that spans processes every process must pass the same batch (checked: different prompts
     per process would otherwise decode garbage silently)."""
     axes = ("batch",) + (None,) * (np.ndim(x) - 1)
+    mesh = auto_axes(mesh)
     sharding = NamedSharding(mesh, spec_for(axes, np.shape(x), mesh, rules))
     if not sharding.is_fully_addressable and not _spans_processes(x):
         from jax.experimental import multihost_utils

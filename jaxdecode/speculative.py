@@ -922,6 +922,9 @@ def speculative_decode(config, params, drafter, prompt_tokens, prompt_lengths, *
     logprobs, top_logprobs = check_logprob_flags(logprobs, top_logprobs)
     if attn_impl is None:
         attn_impl = "xla" if jax.default_backend() == "cpu" else "tree"
+    if mesh is not None:  # jax.make_mesh's Explicit axes: the decode needs Auto ones
+        from jaxdecode.sharding import auto_axes
+        mesh = auto_axes(mesh)
     eos_ids = validate_eos_ids(config, eos_ids)
     check_combination(config, drafter, verifier, sampler)
     check_feature_layers(config, getattr(drafter, "feature_layers", ()))

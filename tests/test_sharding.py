@@ -87,6 +87,24 @@ def test_meshes_named_otherwise_are_refused_and_a_data_only_mesh_works(tiny_llam
     assert [r.tokens for r in got] == want
 
 
+def test_a_mesh_from_jax_make_mesh_works(tiny_llama_dir):
+    """jax.make_mesh makes Explicit axes by default; load / generate / score take such a mesh as they take
+    jaxdecode.sharding.make_mesh's (Auto axes) and give the unsharded tokens (it failed inside the embedding
+    gather with a ShardingTypeError)."""
+    import jaxdecode
+    mesh = jax.make_mesh((2, 4), ("data", "model"), devices=jax.devices()[:8])
+    model = jaxdecode.load(tiny_llama_dir)
+    sharded = jaxdecode.load(tiny_llama_dir, mesh=mesh)
+    prompts = ["def f(", "x = 1"]
+    for kw in (dict(method="greedy"), dict(method="speculative", drafter="prompt_lookup", tree="chain:3",
+                                            adaptive=False)):
+        want = [r.tokens for r in jaxdecode.generate(model, prompts, max_new_tokens=4, eos_ids=[], **kw)]
+        got = jaxdecode.generate(sharded, prompts, max_new_tokens=4, eos_ids=[], mesh=mesh, **kw)
+        assert [r.tokens for r in got] == want, kw
+    assert np.allclose(jaxdecode.score(sharded, prompts, mesh=mesh)[0].total, jaxdecode.score(model, prompts)[0].total,
+                       atol=1e-4)
+
+
 @pytest.mark.parametrize("tree,temperature,verifier", [("eagle:depth=3,topk=2,total=5", 0.0, "greedy"),
                                                        ("static:2,2:iid", 0.8, "specinfer")])
 def test_sharded_speculative_equals_single_device(setup, tree, temperature, verifier):
