@@ -27,6 +27,9 @@ def save_whole(out_dir, write: Callable[[Path], object]) -> Path:
     treats as missing, never as complete.
     """
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NotADirectoryError(f"{out_dir} is a file, not a directory: the output is a directory; choose "
+                                 f"another path (nothing was written)")
     tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
     old = out_dir.with_name(f"{out_dir.name}.old-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

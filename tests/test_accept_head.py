@@ -408,9 +408,23 @@ def test_train_over_eagle3_save_load_decode(tmp_path):
     out = speculative_decode(mcfg, params, drafter, toks, lens, max_new_tokens=24, verifier=get_verifier("greedy"))
     ref = decode(mcfg, params, toks, lens, max_new_tokens=24, sampler=GREEDY, method="greedy").tokens
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref))
+    # the inner drafter's directory is recorded beside the head (relative to it), so the printed
+    # `--drafter accept_head --drafter-dir HEAD` runs without naming it; it moves with the head
+    assert loaded.extra["inner_dir_relative"] == "../eagle3"
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    for d in ("head", "eagle3"):
+        (tmp_path / d).rename(moved / d)
+    bare = make_drafter("accept_head", target, drafter_dir=moved / "head", threshold=0.5)
+    out = speculative_decode(mcfg, params, bare, toks, lens, max_new_tokens=24, verifier=get_verifier("greedy"))
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref))
+    (moved / "eagle3").rename(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match="trained over the 'eagle3' drafter, whose directory is not found.*inner_dir"):
+        load_drafter(moved / "head", target).make(target, threshold=0.5)  # not the built one, kept by make_drafter
+    e3_dir = tmp_path / "elsewhere"
     draft = jaxdecode.Model(config=mcfg, params=params)
     with pytest.raises(SpeculativeError, match="without a draft LM"):
-        make_drafter("accept_head", target, drafter_dir=run.out_dir, inner_dir=e3_dir, draft=draft)
+        make_drafter("accept_head", target, drafter_dir=moved / "head", inner_dir=e3_dir, draft=draft)
     with pytest.raises(ValueError, match="drafts without a draft LM"):
         train_accept_head(target, draft, out_dir=tmp_path / "x",
                           train_config=tc, inner="eagle3", inner_dir=e3_dir, train_prompts=prompts,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ from flax import nnx
 
 import jaxdecode
 from jaxdecode.drafters import ChainBuilder, make_drafter
-from jaxdecode.drafters.trained import DrafterKind, load_drafter, register_kind, unregister_kind
+from jaxdecode.drafters.trained import DrafterKind, load_drafter, register_kind, save_drafter, unregister_kind
 from jaxdecode.training import drafters as td
 from jaxdecode.training.distill_data import (DistillOptions, load_shard, make_batches, prompt_windows,
                                              self_distill_data)
@@ -305,3 +306,55 @@ def test_cli_checks_training_options_before_loading_anything(tmp_path, capsys, c
     from jaxdecode.cli import main
     assert main(["train", *command, str(tmp_path / "out"), "--steps", "2", "--no-progress"]) == 2
     assert "warmup_steps must be in [0, steps)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--set", "num_headz=4"], r"--set: the medusa drafter's config has no field\(s\) \['num_headz'\]; its fields: "
+                               r"loss_decay, num_heads"),
+    (["--draft", "some/draft"], "--draft: the medusa drafter drafts without a draft model: drop --draft"),
+    (["--out-is", "file"], "is a file, not a directory"),
+    (["--out-is", "dir"], "non-empty directory that holds no drafter"),
+])
+def test_cli_checks_drafter_arguments_before_loading_anything(tmp_path, capsys, extra, match):
+    """--set fields, --draft and --out are checked before the target loads (it does not exist here) and
+    long before training; an --out that is a file, or a directory of other things, is never replaced."""
+    from jaxdecode.cli import main
+    out = tmp_path / "out"
+    if extra[0] == "--out-is":
+        if extra[1] == "file":
+            out.write_text("precious")
+        else:
+            out.mkdir()
+            (out / "notes.txt").write_text("precious")
+        extra = []
+    rc = main(["train", "medusa", "--target", "no/such/target", "--corpus", "no/such/corpus", "--out", str(out),
+               "--no-progress", *extra])
+    assert rc == 2
+    assert re.search(match, capsys.readouterr().err)
+    assert not (tmp_path / "out.train").exists()
+    if out.is_file():
+        assert out.read_text() == "precious"
+    elif out.is_dir():
+        assert (out / "notes.txt").read_text() == "precious"
+
+
+def test_save_drafter_keeps_other_files_and_refuses_what_is_not_a_drafter(tmp_path):
+    """Retraining in place replaces the weights and keeps notes beside them; a file or a directory that
+    holds no drafter is refused, untouched."""
+    from jaxdecode.drafters.medusa import MedusaConfig
+    from jaxdecode.models.config import ModelConfig
+    tcfg = ModelConfig(model_type="llama", vocab_size=16, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
+                       head_dim=4, intermediate_size=16, max_position_embeddings=32)
+    cfg = MedusaConfig(num_heads=1)
+    params = td.params_of(td.get_train_kind("medusa").module(cfg, tcfg, nnx.Rngs(0)))
+    out = save_drafter(tmp_path / "m", "medusa", cfg, params, tcfg)
+    (out / "NOTES.md").write_text("kept")
+    save_drafter(out, "medusa", cfg, params, tcfg)
+    assert (out / "NOTES.md").read_text() == "kept" and load_drafter(out, tcfg).kind.name == "medusa"
+    (tmp_path / "f").write_text("precious")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x.txt").write_text("precious")
+    for bad, match in ((tmp_path / "f", "is a file"), (tmp_path / "d", "holds no drafter")):
+        with pytest.raises(ValueError, match=match):
+            save_drafter(bad, "medusa", cfg, params, tcfg)
+    assert (tmp_path / "f").read_text() == "precious" and (tmp_path / "d" / "x.txt").read_text() == "precious"

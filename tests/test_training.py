@@ -223,6 +223,16 @@ def test_resume_with_different_options_is_refused_naming_the_key(tiny, tmp_path)
         _run(tiny, work, 30, seed=1, weight_decay=0.0)
 
 
+def test_resume_with_other_parameter_shapes_is_refused_naming_the_key(tiny, tmp_path):
+    """An option that changes the parameters' shapes is a changed option, named as any other, not a
+    "damaged" checkpoint that cannot restore (the identity is read before the state)."""
+    work = tmp_path / "run"
+    _run(tiny, work, 10, checkpoint_every=10)
+    wider = dict(tiny, config=tiny["config"].replace(intermediate_size=2 * tiny["config"].intermediate_size))
+    with pytest.raises(TrainConfigError, match=r"different run: run.model.intermediate_size was \d+, now \d+; "):
+        _run(wider, work, 10)
+
+
 def test_extending_a_finished_run_continues_at_the_final_learning_rate(tiny, tmp_path, capsys):
     work = tmp_path / "run"
     done, tcfg = _run(tiny, work, 30, checkpoint_every=10)

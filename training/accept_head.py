@@ -16,6 +16,7 @@ verdict was never asked. One example = one active row-step.
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -434,7 +435,10 @@ def train_accept_head(target, draft=None, corpus_dir=None, out_dir=None, *, trai
                      extra={"k": k, "temperatures": list(temperatures), "train_examples": int(len(data["x"])),
                             "steps": int(res.result.step), "heldout": report,
                             **({"draft": str(draft.path)} if inner == "draft_lm" else
-                               {"inner": inner, "inner_dir": str(inner_dir) if inner_dir else "shipped"})})
+                               {"inner": inner, "inner_dir": str(inner_dir) if inner_dir else "shipped",
+                                **({"inner_dir_relative": os.path.relpath(Path(inner_dir).resolve(),
+                                                                          Path(out_dir).resolve())}
+                                   if inner_dir else {})})})
     return AcceptHeadRun(head=res, report=report, train_data=data, heldout_data=held_sets,
                          out_dir=Path(out_dir) if out_dir is not None else None, cfg=cfg)
 

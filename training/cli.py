@@ -129,10 +129,10 @@ def _target_and_corpus(args, why: str):
     import jaxdecode
     out = Path(args.out)
     work = Path(args.workdir) if args.workdir else out.with_name(out.name + ".train")
-    work.mkdir(parents=True, exist_ok=True)
     target = jaxdecode.load(args.target, dtype="float32")
     if target.tokenizer is None:
         raise ValueError(f"the target {args.target} has no tokenizer files: {why} with the target's tokenizer")
+    work.mkdir(parents=True, exist_ok=True)  # after the target loads: a mistyped --target leaves nothing
     # The tokenizer is the loaded target's own directory: --target may be an embedded model's name.
     ns = _ap.Namespace(corpus=[args.corpus] if args.corpus else args.sources, tokenizer=target.path,
                        patterns=args.patterns, held_out_fraction=args.held_out_fraction, vocab_size=None)
@@ -259,6 +259,7 @@ def run_train_retrieval(args) -> int:
     if args.seq_len <= args.prompt_len:
         raise ValueError(f"--seq-len ({args.seq_len}) must exceed --prompt-len ({args.prompt_len}): the "
                          f"difference is the continuation the datastore keeps")
+    _check_drafter_args(args, "retrieval")
     target, out, work, corpus_dir = _target_and_corpus(args, "prompts are tokenized")
     distill = DistillOptions(num_prompts=args.prompts, prompt_len=args.prompt_len,
                              new_tokens=args.seq_len - args.prompt_len, temperature=args.temperature,
@@ -517,6 +518,19 @@ def _run_accept_head(args, target, corpus_dir, out: Path, work: Path, tcfg) -> i
     return 0
 
 
+def _check_drafter_args(args, kind: str) -> None:
+    """--out, --set and --draft checked before the target loads and anything trains."""
+    import inspect
+
+    from jaxdecode.drafters.trained import check_out_dir, get_kind
+
+    from .drafters import check_config_overrides
+    check_out_dir(args.out)
+    check_config_overrides(kind, _parse_sets(args.set), "--set")
+    if getattr(args, "draft", None) and "draft_model" not in inspect.signature(get_kind(kind).make).parameters:
+        raise ValueError(f"--draft: the {kind} drafter drafts without a draft model: drop --draft")
+
+
 def _drafter_flag(key: str) -> str:
     """The flag behind a drafter run's identity key (for ResumeMismatchError)."""
     if key in FLAG_OF_KEY:
@@ -560,6 +574,8 @@ def run_train_drafter(args) -> int:
                        weight_decay=args.weight_decay, seed=args.seed, eval_every=args.eval_every,
                        checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
                        data_parallel=args.data_parallel, fsdp=args.fsdp, progress=not args.no_progress)
+    if kind is not None:
+        _check_drafter_args(args, kind.name)
     target, out, work, corpus_dir = _target_and_corpus(args, "training data is tokenized")
     distill = DistillOptions(num_prompts=args.prompts, prompt_len=args.prompt_len,
                              new_tokens=max(args.seq_len - args.prompt_len, 1), temperature=args.temperature,

@@ -196,6 +196,32 @@ def _data_batches(data, corpus_dir, target, workdir, *, batch_size, seq_len, see
     return make_batches(data, corpus_dir, batch_size=batch_size, seq_len=seq_len, seed=seed, shard=shard), info
 
 
+def check_config_overrides(kind: str, overrides: dict | None, flag: str = "config_overrides") -> None:
+    """A clear error for a field the kind's config does not have (a typo in `--set`), before anything
+    loads or trains."""
+    from jaxdecode.drafters.trained import get_kind
+    fields = sorted(f.name for f in dataclasses.fields(get_kind(kind).config_cls))
+    unknown = sorted(set(overrides or {}) - set(fields))
+    if unknown:
+        raise ValueError(f"{flag}: the {kind} drafter's config has no field(s) {unknown}; its fields: "
+                         f"{', '.join(fields)}")
+
+
+def check_drafter_options(kind: str, options: dict | None, flag: str = "drafter_options") -> None:
+    """A clear error for drafter options the kind's `make` does not take (e.g. a draft model given to a
+    kind that drafts without one), before anything loads or trains."""
+    import inspect
+
+    from jaxdecode.drafters.trained import get_kind
+    params = inspect.signature(get_kind(kind).make).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    unknown = sorted(set(options or {}) - set(list(params)[5:]))  # after (params, cfg, target, tree, temperature)
+    if unknown:
+        raise ValueError(f"{flag}: the {kind} drafter does not take {unknown} (it takes "
+                         f"{list(params)[5:] or 'no options'})")
+
+
 def train_drafter(kind: str, target, corpus_dir, out_dir=None, *, train_config, data: str = "corpus",
                   batch_size: int = 16, seq_len: int = 96, workdir=None, config_overrides: dict | None = None,
                   distill=None, eval_options: EvalOptions = EvalOptions(), drafter_options: dict | None = None,
@@ -218,6 +244,8 @@ def train_drafter(kind: str, target, corpus_dir, out_dir=None, *, train_config, 
 
     tk = get_train_kind(kind)
     dk = get_kind(tk.name)
+    check_config_overrides(tk.name, config_overrides)
+    check_drafter_options(tk.name, drafter_options)
     target = _load_target(target)
     if seq_len > target.config.max_position_embeddings:
         raise ValueError(f"seq_len={seq_len} exceeds the target's max_position_embeddings "
@@ -230,6 +258,10 @@ def train_drafter(kind: str, target, corpus_dir, out_dir=None, *, train_config, 
         overrides["context_window"] = seq_len  # decode within the distances training sees (BlockConfig)
     cfg = tk.default_config(target.config, **overrides)
     module = tk.module(cfg, target.config, _nnx.Rngs(train_config.seed))
+    options = dict(drafter_options or {})
+    # The held-out runs' drafter, built once before training: a tree it cannot draw fails now, not at
+    # the first evaluation after minutes of training.
+    dk.make(jax.device_get(params_of(module)), cfg, target, eval_options.tree, 0.0, **options)
     batches, data_info = _data_batches(data, corpus_dir, target, workdir, batch_size=batch_size,
                                        seq_len=seq_len, seed=train_config.seed,
                                        distill=distill or DistillOptions(seed=train_config.seed),
@@ -238,7 +270,6 @@ def train_drafter(kind: str, target, corpus_dir, out_dir=None, *, train_config, 
     held = CorpusBatches(Corpus.open(corpus_dir).tokens("heldout"), batch_size, seq_len, eval_options.seed + 1)
     eval_set = [held(i) for i in range(eval_options.loss_batches)]
     prompts = heldout_prompts(corpus_dir, eval_options.prompts, eval_options.prompt_len, eval_options.seed)
-    options = dict(drafter_options or {})
 
     def on_eval(mod, step):
         # on the host: the trainer's copy is laid out on its data mesh, the target's params are not

@@ -280,6 +280,20 @@ def restore_checkpoint(manager, step: int, abstract_state):
     return state, meta
 
 
+def newest_meta(manager) -> dict | None:
+    """The metadata of the newest kept step, or None (no step, or its metadata does not read: the
+    state restore then reports it)."""
+    import orbax.checkpoint as ocp
+    steps = sorted(manager.all_steps(), reverse=True)
+    if not steps:
+        return None
+    try:
+        meta = manager.restore(steps[0], args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except Exception:  # orbax raises many types; a damaged step is restore_newest's to report
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
 def restore_newest(manager, abstract_state):
     """(state, meta, step, bad) of the newest kept step that restores, or None when none is kept.
 
@@ -437,7 +451,27 @@ def train(module: nnx.Module, loss_fn: Callable, batches: Callable[[int], dict],
     manager = checkpoint_manager(ckpt_dir, config.keep_checkpoints)
     start, resumed_from = 0, None
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+
+    def resumed_config(meta):
+        """The config a resume from `meta`'s step runs with; a ResumeMismatchError if the run changed."""
+        old = _current_identity_form(meta.get("identity"))
+        cfg = config
+        if cfg.schedule_steps is None and isinstance(old, dict):
+            # another `steps` (a longer run) keeps the schedule the run started with
+            horizon = old.get("train", {}).get("schedule_steps")
+            if isinstance(horizon, int) and horizon > cfg.warmup_steps:
+                cfg = dataclasses.replace(cfg, schedule_steps=horizon)
+        changes = identity_changes(old, {"train": cfg.resume_key(), "run": run_info or {}})
+        if changes:
+            raise ResumeMismatchError(workdir, changes)
+        return cfg
+
     try:
+        # The run's identity first, from the newest step's metadata alone: an option that changes the
+        # parameters' shapes is a changed option (named), not a checkpoint that fails to restore.
+        newest = newest_meta(manager)
+        if newest is not None:
+            resumed_config(newest)
         found = restore_newest(manager, abstract)
         if found is not None:
             state, meta, step, bad = found
@@ -445,15 +479,7 @@ def train(module: nnx.Module, loss_fn: Callable, batches: Callable[[int], dict],
                 manager.close()
                 manager = _set_aside(ckpt_dir, workdir / "corrupt-checkpoints", bad, step,
                                      config.keep_checkpoints)
-            old = _current_identity_form(meta.get("identity"))
-            if config.schedule_steps is None and isinstance(old, dict):
-                # another `steps` (a longer run) keeps the schedule the run started with
-                horizon = old.get("train", {}).get("schedule_steps")
-                if isinstance(horizon, int) and horizon > config.warmup_steps:
-                    config = dataclasses.replace(config, schedule_steps=horizon)
-            changes = identity_changes(old, {"train": config.resume_key(), "run": run_info or {}})
-            if changes:
-                raise ResumeMismatchError(workdir, changes)
+            config = resumed_config(meta)
             graphdef, _ = split(config)
             start = resumed_from = int(meta["step"])
             todo = "" if start < config.steps else ": nothing to train"

@@ -324,7 +324,15 @@ def make(params, cfg: AcceptHeadConfig, target, tree, temperature: float, draft_
             raise SpeculativeError(f"this acceptance head was trained over the {cfg.inner!r} drafter, which "
                                    f"drafts without a draft LM: drop draft / draft_model (its directory, if "
                                    f"not the shipped one: drafter_options={{'inner_dir': DIR}})")
-        inner = make_drafter(cfg.inner, target, tree=builder, temperature=temperature, drafter_dir=inner_dir)
+        try:
+            inner = make_drafter(cfg.inner, target, tree=builder, temperature=temperature, drafter_dir=inner_dir)
+        except ValueError as e:
+            if inner_dir is not None or "needs its weights" not in str(e):
+                raise
+            raise ValueError(f"this acceptance head was trained over the {cfg.inner!r} drafter, whose directory "
+                             f"is not found (not recorded beside the head, and none is shipped with the target): "
+                             f"pass it as drafter_options={{'inner_dir': DIR}} (CLI: --option "
+                             f"'drafter_options={{\"inner_dir\": \"DIR\"}}')") from None
         return AcceptHeadDrafter.wrap(inner, params, cfg, threshold, stop_drafting)
     if inner_dir is not None:
         raise SpeculativeError("this acceptance head was trained over a draft LM (inner 'draft_lm'): give the "
@@ -346,12 +354,26 @@ def make(params, cfg: AcceptHeadConfig, target, tree, temperature: float, draft_
     return AcceptHeadDrafter.wrap(inner, params, cfg, threshold, stop_drafting)
 
 
+def default_options(extra: dict, path) -> dict:
+    """The inner drafter's directory as training recorded it (`inner_dir_relative`: from the head's own
+    directory, so the two can move together; else `inner_dir` as given), when it exists."""
+    import os
+    candidates = []
+    if path is not None and isinstance(extra.get("inner_dir_relative"), str):
+        candidates.append(os.path.join(path, extra["inner_dir_relative"]))
+    if isinstance(extra.get("inner_dir"), str) and extra["inner_dir"] != "shipped":
+        candidates.append(extra["inner_dir"])
+    found = next((c for c in candidates if os.path.isfile(os.path.join(c, "config.json"))), None)
+    return {} if found is None else {"inner_dir": os.path.normpath(found)}
+
+
 def _register():
     from jaxdecode.drafters.trained import DrafterKind, register_kind
     # The head reads the target's hidden states only with target_proj; the vocabulary must match the
     # draft LM's (checked in make), so the target fields are the ones the projection needs.
     return register_kind(DrafterKind(name="accept_head", config_cls=AcceptHeadConfig, make=make,
-                                     target_fields=("vocab_size", "hidden_size"), param_shapes=param_shapes))
+                                     target_fields=("vocab_size", "hidden_size"), param_shapes=param_shapes,
+                                     default_options=default_options))
 
 
 KIND = _register()

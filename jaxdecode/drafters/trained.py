@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import shutil
 from pathlib import Path
 from typing import Any, Callable
 
@@ -68,12 +69,15 @@ class DrafterKind:
     target_fields: ModelConfig fields that must equal the target's for the weights to fit it.
     param_shapes: optional (cfg, target_config) -> nested dict of shapes (tuples) like the params:
         save and load then check that every tensor is there with that shape, and no other.
+    default_options: optional (extra, path) -> drafter options a loaded drafter uses unless the caller
+        gives them (an acceptance head: the directory of the drafter it was trained over, as recorded).
     """
     name: str
     config_cls: type
     make: Callable
     target_fields: tuple = ("vocab_size", "hidden_size", "num_layers")
     param_shapes: Callable | None = None
+    default_options: Callable | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -165,6 +169,10 @@ class TrainedDrafter:
     def make(self, target, tree=None, temperature: float = 0.0, **drafter_options):
         """The Drafter for `target` (checked against the target this drafter was trained for)."""
         check_target(self, target)
+        if self.kind.default_options is not None:
+            defaults = self.kind.default_options(self.extra or {}, self.path)
+            drafter_options = {**{k: v for k, v in defaults.items() if drafter_options.get(k) is None},
+                               **drafter_options}
         drafter = self.kind.make(self.params, self.cfg, target, tree, temperature, **drafter_options)
         prior = self.acceptance_prior
         declares = dataclasses.is_dataclass(drafter) and "acceptance_prior" in {
@@ -278,6 +286,27 @@ def _target_record(kind: DrafterKind, target_config) -> dict:
 
 
 # ----------------------------------------------------------------------------- save
+def check_out_dir(out_dir) -> None:
+    """A clear error, before anything is trained or written, when `out_dir` cannot take a drafter: it is a
+    file, or a non-empty directory that is not a drafter directory (a target checkpoint, a home
+    directory): saving replaces the directory whole, which would delete what it holds. A drafter
+    directory (retraining in place) is fine; files in it besides the drafter's own are kept."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"the output {out} is a file, not a directory: pass a new or a drafter directory")
+    if out.is_dir() and any(out.iterdir()) and not _is_drafter_dir(out):
+        raise ValueError(f"the output {out} is a non-empty directory that holds no drafter ({CONFIG_FILE} with "
+                         f"{MARKER!r}); saving a drafter replaces its directory whole, which would delete what "
+                         f"it holds: pass a new directory (or an existing drafter's, to replace it)")
+
+
+def _is_drafter_dir(path: Path) -> bool:
+    try:
+        return MARKER in json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def save_drafter(out_dir, kind_name: str, cfg, params, target_config, extra: dict | None = None,
                  dtype: str | None = None) -> Path:
     """Write a trained drafter to `out_dir` (config.json + model.safetensors), whole or not at all.
@@ -323,7 +352,15 @@ def save_drafter(out_dir, kind_name: str, cfg, params, target_config, extra: dic
         save_file({n: jnp.asarray(a) for n, a in host.items()}, str(tmp / TENSOR_FILE),
                   metadata={"format": "jaxdecode_drafter"})
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        old = Path(out_dir)
+        if old.is_dir():  # a drafter retrained in place: notes, plots and a card beside it are kept
+            for p in old.iterdir():
+                if p.name in (CONFIG_FILE, TENSOR_FILE):
+                    continue
+                (shutil.copytree(p, tmp / p.name, symlinks=True) if p.is_dir() and not p.is_symlink()
+                 else shutil.copy2(p, tmp / p.name, follow_symlinks=False))
 
+    check_out_dir(out_dir)
     return save_whole(Path(out_dir), write)
 
 
