@@ -215,7 +215,7 @@ _TABLE = (
            "`jaxdecode train KIND` / save_drafter)", ("speculative",), objects="a pathlib.Path",
            default_doc="<target_dir>/drafters/<kind> when the target ships one"),
     Option("tree", "str", "tree spec (an int N is chain:N): chain:4, static:3,2,1[:rule], "
-           "eagle:depth=5,topk=8,total=48, dyspec:num_nodes=32 (retrieval drafters: chain:N / node count); "
+           "eagle:depth=5,topk=8,total=32, dyspec:num_nodes=32 (retrieval drafters: chain:N / node count); "
            "auto = size and shape from measured acceptance and costs (jaxdecode.treeopt)", ("speculative",), low=1,
            default_doc="the drafter's own", objects="an int node count or a tree builder"),
     Option("verifier", "str", "acceptance rule (typical is lossy)", ("speculative",), choices=_verifiers,

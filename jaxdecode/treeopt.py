@@ -665,15 +665,20 @@ def _profile_drafter(build_drafter, settings: dict, rule: str, chains_only: bool
             except (ValueError, TypeError) as e:
                 errors.append(str(e))
                 continue
+            if getattr(drafter, "own_tree_shape", False):  # token_recycling, aded: no shape to choose
+                raise ValueError(f"tree='auto' chooses a tree's size and shape, but the {type(drafter).__name__} "
+                                 f"builds its own tree shapes: give its size instead (tree='nodes:N'; "
+                                 f"token_recycling also takes a template, tree='static:4,2,1')")
             want = d if chain else width * d
             if drafter.num_nodes == want and drafter.max_depth == d:
                 return drafter, chain, d
             errors.append(f"the drafter drafts {drafter.num_nodes} nodes of depth {drafter.max_depth} on "
                           f"the profiling tree {tree!r}")
-    raise ValueError(f"tree='auto' needs a drafter that drafts along a tree builder (draft_lm, medusa, "
-                     f"hydra, eagle3, block, ...) or retrieves chains (prompt_lookup, aggressive); this one "
-                     f"takes neither: {errors[0]}. Give the tree explicitly (e.g. tree='chain:4' or "
-                     f"'nodes:16')")
+    # the first error is the real cause (no draft model, no weights, a depth it cannot draft, ...)
+    raise ValueError(f"tree='auto' could not build the drafter on a profiling tree: {errors[0]} (tree='auto' "
+                     f"profiles drafters that draft along a tree builder: draft_lm, medusa, hydra, eagle3, "
+                     f"block, ...; or retrieve chains: prompt_lookup, aggressive, retrieval). Fix that, or give "
+                     f"the tree explicitly (e.g. tree='chain:4' or 'nodes:16')")
 
 
 def _profile_key(model, drafter, verifier_name: str, sampler, settings: dict, chain: bool, rule: str) -> dict:

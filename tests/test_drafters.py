@@ -650,3 +650,18 @@ def test_the_embedded_draft_records_its_acceptance_for_the_embedded_target():
     target, draft = jaxdecode.load(), jaxdecode.load("draft")
     prior = make_drafter("draft_lm", target, draft=draft).acceptance_prior
     assert len(prior) == 4 and all(0.5 < a <= 1.0 for a in prior)
+
+
+def test_documented_tree_specs_and_the_default_dynamic_tree_are_valid():
+    """Every tree spec the `tree` option's text shows parses, and so do the EAGLE-2 builder's defaults and
+    partial specs over them (the shown eagle:depth=5,topk=8,total=48 and the defaults were refused: 48 nodes
+    out of 5 x 8 candidates)."""
+    import re
+
+    from jaxdecode.drafters.builders import DynamicTreeBuilder
+    from jaxdecode.options import OPTIONS
+    shown = re.findall(r"(?:chain|static|eagle|dyspec):[\w=,:]*\w", OPTIONS["tree"].doc)
+    assert any(s.startswith("eagle:") for s in shown), shown
+    for spec in [s for s in shown if not s.endswith(":N")] + ["eagle", "eagle:depth=3", "eagle:topk=4"]:
+        parse_tree_spec(spec)
+    assert DynamicTreeBuilder().total <= DynamicTreeBuilder().depth * DynamicTreeBuilder().topk

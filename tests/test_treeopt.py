@@ -371,9 +371,14 @@ def test_auto_tree_errors(pair, flat_costs):
     with pytest.raises(ValueError, match="ints >= 1"):
         parse_auto("auto:depth=0")
     assert parse_auto("auto:depth=4")["depth"] == 4
-    with pytest.raises(ValueError, match="needs a draft model"):  # the drafter's own error, passed on
+    # the drafter's own error, passed on first (not after a claim that the drafter takes no trees)
+    with pytest.raises(ValueError, match="could not build the drafter on a profiling tree: drafter 'draft_lm' "
+                                         "needs a draft model"):
         jaxdecode.generate(target, PROMPTS, method="speculative", drafter="draft_lm", tree="auto",
                            max_new_tokens=4)
+    for name in ("token_recycling", "aded"):  # they build their own shapes: sized by nodes:N, not chosen
+        with pytest.raises(ValueError, match="builds its own tree shapes: give its size instead.*nodes:N"):
+            jaxdecode.generate(target, PROMPTS, method="speculative", drafter=name, tree="auto", max_new_tokens=4)
 
 
 @pytest.mark.slow

@@ -241,6 +241,7 @@ class ADEDDrafter:
     decay: float = dataclasses.field(default=1.0, metadata=dict(static=True))
     prior: TrigramTable | None = None  # optional corpus counts (no batch axis), see fit_corpus
 
+    own_tree_shape = True  # builds its own shapes: tree="auto" is refused (treeopt), sized by its node budget
     child_rule = "point"
     is_chain = False
 

@@ -232,16 +232,22 @@ class StaticTreeBuilder:
         return tree, slots, scorer_state
 
 
+DEFAULT_DYNAMIC_TOTAL = 32
+
+
 @dataclasses.dataclass(frozen=True)
 class DynamicTreeBuilder:
-    """EAGLE-2 dynamic tree: `depth` levels of global top-`topk` expansion, best `total` nodes kept."""
+    """EAGLE-2 dynamic tree: `depth` levels of global top-`topk` expansion, best `total` nodes kept
+    (default: 32, or all depth x topk candidates when there are fewer, so `eagle:depth=3` is a tree)."""
     depth: int = 5
     topk: int = 8
-    total: int = 48
+    total: int | None = None
     rule = "topk"
     is_chain = False
 
     def __post_init__(self):
+        if self.total is None:
+            object.__setattr__(self, "total", min(DEFAULT_DYNAMIC_TOTAL, self.depth * self.topk))
         if self.depth < 1 or self.topk < 1 or self.total < 1:
             raise TreeError("dynamic tree needs depth, topk and total >= 1")
         if self.total > self.depth * self.topk:
@@ -341,7 +347,7 @@ def _spec_settings(rest: str, builder) -> dict:
 
 
 def parse_tree_spec(spec) -> object:
-    """'chain:4' | 'chain:4:sample' | 'static:3,2,1[:rule]' | 'eagle:depth=5,topk=8,total=48' | an int N
+    """'chain:4' | 'chain:4:sample' | 'static:3,2,1[:rule]' | 'eagle:depth=5,topk=8,total=32' | an int N
     (= 'chain:N') | builder."""
     if isinstance(spec, (int, np.integer)) and not isinstance(spec, bool):
         spec = f"chain:{int(spec)}"  # a node count: the chain of that many nodes
@@ -364,4 +370,4 @@ def parse_tree_spec(spec) -> object:
     except (ValueError, TypeError) as e:
         raise TreeError(f"bad tree spec {spec!r}: {e}") from None
     raise TreeError(f"unknown tree spec {spec!r}; use 'chain:4', 'chain:4:sample', 'static:3,2,1', "
-                    f"'static:2,2:iid', 'eagle:depth=5,topk=8,total=48' or 'dyspec:num_nodes=32,topk=4'")
+                    f"'static:2,2:iid', 'eagle:depth=5,topk=8,total=32' or 'dyspec:num_nodes=32,topk=4'")

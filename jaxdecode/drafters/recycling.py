@@ -88,6 +88,7 @@ class TokenRecyclingDrafter:
     prime_from_prompt: bool = dataclasses.field(default=True, metadata=dict(static=True))
     table: jax.Array | None = None  # optional hot start M[V, k] (a leaf: not baked into the program)
 
+    own_tree_shape = True  # builds its own shapes: tree="auto" is refused (treeopt), sized by its template
     child_rule = "point"
 
     def __post_init__(self):
