@@ -312,6 +312,7 @@ def test_cli_checks_training_options_before_loading_anything(tmp_path, capsys, c
     (["--set", "num_headz=4"], r"--set: the medusa drafter's config has no field\(s\) \['num_headz'\]; its fields: "
                                r"loss_decay, num_heads"),
     (["--draft", "some/draft"], "--draft: the medusa drafter drafts without a draft model: drop --draft"),
+    (["--data", "self", "--seq-len", "16", "--prompt-len", "32"], r"--seq-len \(16\) must exceed --prompt-len"),
     (["--out-is", "file"], "is a file, not a directory"),
     (["--out-is", "dir"], "non-empty directory that holds no drafter"),
 ])

@@ -150,7 +150,8 @@ def add_drafter_parser(sub, command: str) -> argparse.ArgumentParser:
         command, help=f"train {what.split(',')[0]}", formatter_class=_DefaultsFormatter,
         description=f"Train {what}. The target stays frozen. Every --eval-every steps the held-out loss "
                     f"and the drafter's acceptance (tau and the rate by tree depth, from real greedy "
-                    f"speculative runs on held-out prompts) go to WORKDIR/metrics.jsonl and the plot "
+                    f"speculative runs on held-out prompts) go to WORKDIR/{'run/' if is_lm else ''}metrics.jsonl "
+                    f"and the plot "
                     f"WORKDIR/training.png (when matplotlib is installed). Rerunning the same command resumes "
                     f"from the last checkpoint; self-distillation data is generated once and cached in "
                     f"WORKDIR/data.")
@@ -574,6 +575,9 @@ def run_train_drafter(args) -> int:
                        weight_decay=args.weight_decay, seed=args.seed, eval_every=args.eval_every,
                        checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
                        data_parallel=args.data_parallel, fsdp=args.fsdp, progress=not args.no_progress)
+    if args.data != "corpus" and args.seq_len <= args.prompt_len:
+        raise ValueError(f"--data {args.data}: --seq-len ({args.seq_len}) must exceed --prompt-len "
+                         f"({args.prompt_len}): the difference is the continuation the target writes")
     if kind is not None:
         _check_drafter_args(args, kind.name)
     target, out, work, corpus_dir = _target_and_corpus(args, "training data is tokenized")
