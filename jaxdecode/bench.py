@@ -10,10 +10,18 @@ Method strings: `NAME` or `NAME:KEY=VALUE,KEY=VALUE,...` (`parse_method`). NAME 
 `jaxdecode.methods()`; each KEY is an option of `jaxdecode.options.OPTIONS` ('-' may stand for '_');
 a VALUE is parsed as JSON when it is JSON (`3`, `0.7`, `[2,4]`, `{"lengths":[1,3,8]}`), else kept as a
 string. A comma starts a new KEY=VALUE only when `WORD=` follows it; any other comma belongs to the
-value, and inside a `tree=` value a `WORD=` that is not an option name belongs to the tree spec, so
-tree specs need no quoting: `speculative:tree=static:3,2,1,verifier=topk`,
-`speculative:tree=eagle:depth=5,topk=8,total=48,seed=1`. A value that must contain `,WORD=` itself
-can be written as a JSON string (`drafter_options={"a":1}` needs nothing: `"a"` is not a WORD).
+value, and inside a `tree=` value of named settings (`eagle:depth=5,...`, `auto:depth=8,...`) a `WORD=`
+that is not an option name belongs to the tree spec, so tree specs need no quoting:
+`speculative:tree=static:3,2,1,verifier=topk`, `speculative:tree=eagle:depth=5,topk=8,total=32,seed=1`.
+A value that must contain `,WORD=` itself can be written as a JSON string (`drafter_options={"a":1}`
+needs nothing: `"a"` is not a WORD).
+
+Bench-wide options (`temperature`, `seed`, `draft`, `drafter_dir` of run_bench; the CLI's --temperature,
+--seed, --draft, --drafter-dir) go to the methods that take them and do not set them, and never change
+which drafter a method runs (`_merge_globals`): `draft` to a speculative method that names no drafter
+(it then drafts with the draft model, as `jaxdecode generate --draft` does) or a drafter that drafts
+with one; `drafter_dir` to a method naming the trained kind the directory holds, or naming no drafter
+and given no draft model. A bench-wide `draft` or `drafter_dir` that no method takes is an error.
 
 How it measures, per method x batch size: every prompt runs once, in batches of that size in file
 order; a last partial batch (or a batch size above the prompt count) is filled by repeating prompts
@@ -169,8 +177,8 @@ def parse_method(text: str) -> tuple[str, dict]:
 
 def _split_options(rest: str, names: set) -> list[str]:
     """Split `KEY=VALUE,KEY=VALUE` at the commas (outside JSON strings) followed by `WORD=`; other
-    commas stay in their value (static:3,2,1, [2,4]). Inside a tree= value, `WORD=` that is not an
-    option name is the tree spec's own (eagle:depth=5,topk=8,total=48) and stays in it."""
+    commas stay in their value (static:3,2,1, [2,4]). Inside a tree= value of named settings, `WORD=`
+    that is not an option name is the tree spec's own (eagle:depth=5,topk=8,total=32) and stays in it."""
     items, start, in_str = [], 0, False
     for i, c in enumerate(rest):
         if c == '"' and (i == 0 or rest[i - 1] != "\\"):
@@ -182,11 +190,16 @@ def _split_options(rest: str, names: set) -> list[str]:
     merged: list[str] = []
     for item in items:
         key = item.partition("=")[0].strip().replace("-", "_")
-        if merged and key not in names and merged[-1].partition("=")[0].strip() == "tree":
+        # Only a tree spec of named settings (eagle:depth=5,..., auto:depth=8) takes more WORD= items: after
+        # chain:4 or static:3,2,1 a WORD= is a (misspelt) option, reported as one, not as a bad int.
+        if merged and key not in names and _NAMED_TREE.match(merged[-1]):
             merged[-1] += "," + item
         else:
             merged.append(item)
     return merged
+
+
+_NAMED_TREE = re.compile(r"\s*tree\s*=\s*\w+\s*:\s*[A-Za-z_][\w-]*\s*=")
 
 
 def _value(text: str):
@@ -208,25 +221,27 @@ def parse_batch_sizes(text) -> tuple[int, ...]:
 
 def read_prompts(path) -> list:
     """One prompt per line (blank lines skipped), or a .jsonl file of {"prompt"} / {"messages"} / {"ids"}
-    objects, as `jaxdecode generate --prompts-file` reads them."""
-    if str(path).endswith((".jsonl", ".ndjson")):
-        from jaxdecode.cli import read_prompts_file
-        try:
-            return read_prompts_file(path, "jsonl")
-        except (OSError, ValueError) as e:
-            raise BenchError(str(e)) from None
-    try:
-        with open(path, encoding="utf-8") as f:
-            prompts = [line.rstrip("\n") for line in f if line.strip()]
-    except FileNotFoundError:
+    objects: read by `jaxdecode generate --prompts-file`'s own reader, so both split a file into the same
+    prompts (str.splitlines: form feeds and the other Unicode line breaks too)."""
+    import os
+
+    from jaxdecode.cli import read_prompts_file
+    if not os.path.exists(path):
         raise BenchError(f"prompts file {str(path)!r} does not exist: give --prompts-file FILE, a text "
-                         f"file with one prompt per line") from None
-    except IsADirectoryError:
+                         f"file with one prompt per line")
+    if os.path.isdir(path):
         raise BenchError(f"prompts file {str(path)!r} is a directory: give a text file with one prompt "
-                         f"per line") from None
-    if not prompts:
-        raise BenchError(f"prompts file {str(path)!r} has no non-empty lines: write one prompt per line")
-    return prompts
+                         f"per line")
+    try:
+        return read_prompts_file(path)
+    except OSError as e:  # its message names --prompts-file
+        raise BenchError(str(e)) from None
+    except UnicodeDecodeError as e:
+        raise BenchError(f"prompts file {str(path)!r} is not text ({e.reason}): give a text file with one "
+                         f"prompt per line") from None
+    except ValueError as e:  # no prompts, a bad JSONL line: the message starts with the path
+        hint = "" if str(path).endswith((".jsonl", ".ndjson")) else ": write one prompt per line"
+        raise BenchError(f"prompts file {e}{hint}") from None
 
 
 # ----------------------------------------------------------------------------- running
@@ -253,7 +268,7 @@ def _argmax_decoding(name: str, options: dict) -> bool:
 def _preload(model, name: str, options: dict, given: dict, cache: dict) -> tuple[dict, dict]:
     """(options to run with, options to report): the draft model and a trained drafter loaded once,
     so the timed calls do not reload them from disk (generate would, inside its timing). `given`: the
-    options of the method string (the rest are bench-wide)."""
+    options of the method string (the rest are bench-wide, merged by _merge_globals only where they fit)."""
     import jaxdecode
     from jaxdecode.drafters.trained import find_drafter_dir, is_trained_kind, load_drafter
     run, shown = dict(options), dict(options)
@@ -266,23 +281,24 @@ def _preload(model, name: str, options: dict, given: dict, cache: dict) -> tuple
     if name == "speculative" and (is_trained_kind(drafter) or (drafter is None and ddir is not None)):
         if ddir is None:
             ddir = find_drafter_dir(model, drafter)
-        if ddir is not None:  # else make_drafter raises its own error on the warm-up call
-            key = ("drafter", str(ddir))
-            if key not in cache:
-                cache[key] = load_drafter(ddir, model)
-            td = cache[key]
-            if drafter is not None and td.name != drafter:
-                raise BenchError(f"drafter {drafter!r} was asked for but {ddir} holds a {td.name!r} "
-                                 f"drafter: name drafter={td.name} or give the {drafter} directory")
-            run["drafter"], run["drafter_dir"] = td, None
-            shown["drafter"], shown["drafter_dir"] = td.name, str(ddir)
-            draft = run.pop("draft", None)
-            if draft is not None and _kind_takes_draft(td.name):  # how a loaded drafter takes it
-                run["drafter_options"] = dict(run.get("drafter_options") or {}, draft_model=draft)
-            elif draft is not None and "draft" in given:
-                raise BenchError(f"the {td.name} drafter does not draft with a draft model: drop draft")
-            elif draft is not None:  # the bench-wide --draft is for the methods that use one
-                shown.pop("draft")
+        if ddir is None:
+            raise BenchError(f"drafter {drafter!r} is a trained drafter and the target ships none: give its "
+                             f"weights as drafter_dir=DIR in the method string, or --drafter-dir DIR (which "
+                             f"goes to the methods whose drafter is the kind it holds)")
+        key = ("drafter", str(ddir))
+        if key not in cache:
+            cache[key] = load_drafter(ddir, model)
+        td = cache[key]
+        if drafter is not None and td.name != drafter:
+            raise BenchError(f"drafter {drafter!r} was asked for but {ddir} holds a {td.name!r} "
+                             f"drafter: name drafter={td.name} or give the {drafter} directory")
+        run["drafter"], run["drafter_dir"] = td, None
+        shown["drafter"], shown["drafter_dir"] = td.name, str(ddir)
+        draft = run.pop("draft", None)
+        if draft is not None and _kind_takes_draft(td.name):  # how a loaded drafter takes it
+            run["drafter_options"] = dict(run.get("drafter_options") or {}, draft_model=draft)
+        elif draft is not None:  # never dropped silently (_merge_globals gives none to such a drafter)
+            raise BenchError(f"the {td.name} drafter does not draft with a draft model: drop draft")
     return run, shown
 
 
@@ -291,7 +307,11 @@ def _kind_takes_draft(kind: str) -> bool:
     import inspect
 
     from jaxdecode.drafters.trained import get_kind
-    return "draft_model" in inspect.signature(get_kind(kind).make).parameters
+    try:
+        make = get_kind(kind).make
+    except ValueError as e:  # a kind this installation lacks (a directory's config.json may name one)
+        raise BenchError(str(e)) from None
+    return "draft_model" in inspect.signature(make).parameters
 
 
 def prepare_methods(methods: Sequence[str], *, max_new_tokens: int, temperature=None, seed=None, draft=None,
@@ -302,16 +322,28 @@ def prepare_methods(methods: Sequence[str], *, max_new_tokens: int, temperature=
     one runs. Raises BenchError."""
     from jaxdecode.options import resolve
     defaults = dict(temperature=temperature, seed=seed, draft=draft, drafter_dir=drafter_dir)
+    # a bad directory fails here, before any method runs
+    dir_kind = None if drafter_dir is None else _dir_kind(drafter_dir, "--drafter-dir")
     parsed = []
     for text in methods:
         name, given = parse_method(text)
-        options = _merge_globals(name, given, defaults)
+        options = _merge_globals(name, given, defaults, text)
         try:
             resolve(name, dict(options, max_new_tokens=max_new_tokens))
             _check_tree_and_verifier(options)
         except ValueError as e:
             raise BenchError(f"--method {text!r} with the bench-wide options: {e}") from None
         parsed.append((text, name, options, given))
+    # A bench-wide model or directory that no method runs with is a mistake to report, not to skip.
+    for key, flag, goes, example in (
+            ("draft", "--draft", "speculative methods that name no drafter or one that drafts with a draft model "
+             "(draft_lm, dllm, accept_head)", "draft_lm"),
+            ("drafter_dir", "--drafter-dir", "speculative methods that name the kind it holds, or name no drafter "
+             "and get no draft model", dir_kind)):
+        if defaults[key] is not None and not any(opts.get(key) is defaults[key] and key not in given
+                                                 for _, _, opts, given in parsed):
+            raise BenchError(f"{flag} is used by no --method: it goes to the {goes}; add a method such as "
+                             f"'speculative:drafter={example}', or drop {flag}")
     return parsed
 
 
@@ -320,33 +352,82 @@ def _check_tree_and_verifier(options: dict) -> None:
     from jaxdecode.drafters.builders import parse_tree_spec
     from jaxdecode.sampling import SamplerConfig
     from jaxdecode.speculative import check_verifier_temperature
+    from jaxdecode.treeopt import is_auto, parse_auto
     from jaxdecode.verifiers import get_verifier
     tree = options.get("tree")
-    if isinstance(tree, str) and tree != "auto" and not tree.startswith("nodes:"):  # nodes:N: lookup drafters
-        parse_tree_spec(tree)
+    if isinstance(tree, str) and not tree.startswith("nodes:"):  # nodes:N: lookup drafters
+        try:
+            parse_auto(tree) if is_auto(tree) else parse_tree_spec(tree)
+        except ValueError as e:
+            raise ValueError(f"{e}{_misspelt_option_hint(tree, str(e))}") from None
     if options.get("verifier") is not None:  # the engine's own check (the temperature: --temperature T)
         check_verifier_temperature(get_verifier(options["verifier"]),
                                    SamplerConfig(temperature=float(options.get("temperature") or 0.0)))
 
 
-def _merge_globals(name: str, options: dict, defaults: dict) -> dict:
+def _misspelt_option_hint(tree: str, error: str) -> str:
+    """' (is 'vrifier' a misspelt option 'verifier'?)' for a WORD= of a tree spec that its error names and
+    that is close to an option name: inside a tree spec of named settings a WORD= that is no option
+    belongs to the spec (_split_options), so a misspelt option shows up as a bad tree setting."""
+    import difflib
+
+    from jaxdecode.options import OPTIONS
+    for word in re.findall(r"[,:]\s*([A-Za-z_][\w-]*)\s*=", tree):
+        key = word.replace("-", "_")
+        close = difflib.get_close_matches(key, OPTIONS, n=1)
+        if key not in OPTIONS and close and (f"'{word}'" in error or f"'{word}=" in error):
+            return f" (is {word!r} a misspelt option {close[0]!r}?)"
+    return ""
+
+
+# Untrained drafters that draft with the draft model (make_drafter's names for draft_lm, and dllm).
+_DRAFT_MODEL_DRAFTERS = ("draft_lm", "draft", "model", "dllm")
+
+
+def _merge_globals(name: str, options: dict, defaults: dict, text: str = "") -> dict:
     """The bench-wide options (temperature, seed, draft, drafter_dir) added where the method takes
-    them and does not set them itself; draft / drafter_dir only where the drafter can use them."""
+    them and does not set them itself; draft / drafter_dir only where they fit the method's drafter, so
+    a bench-wide option never changes which drafter a method runs (BenchError when that is ambiguous):
+    - draft: a method naming no drafter (it drafts with the draft model, as `generate --draft` does) or
+      a drafter that takes one (draft_lm, dllm, a trained kind whose make takes draft_model);
+    - drafter_dir: a method naming the trained kind the directory holds, or naming no drafter and having
+      no draft model (it runs the directory's kind, as `generate --drafter-dir` does)."""
     from jaxdecode.drafters.trained import is_trained_kind
     from jaxdecode.registry import get_method
     taken = set(get_method(name).options)
     out = dict(options)
-    drafter = options.get("drafter")
-    for key, value in defaults.items():
-        if value is None or key not in taken or options.get(key) is not None:
-            continue
-        if key == "draft" and drafter not in (None, "draft_lm") and not (
-                is_trained_kind(drafter) and _kind_takes_draft(drafter)):
-            continue
-        if key == "drafter_dir" and drafter is not None and not is_trained_kind(drafter):
-            continue
-        out[key] = value
+    for key in ("temperature", "seed"):
+        if defaults[key] is not None and key in taken and out.get(key) is None:
+            out[key] = defaults[key]
+    drafter, own_dir = options.get("drafter"), options.get("drafter_dir")
+    draft, ddir = defaults["draft"], defaults["drafter_dir"]
+    if draft is not None and "draft" in taken and out.get("draft") is None:
+        if drafter is None and own_dir is not None:  # the method's own trained drafter: if it takes one
+            fits = _kind_takes_draft(_dir_kind(own_dir, f"--method {text!r}: drafter_dir"))
+        elif drafter is None:
+            fits = True
+        else:
+            fits = drafter in _DRAFT_MODEL_DRAFTERS or (is_trained_kind(drafter) and _kind_takes_draft(drafter))
+        if fits:
+            out["draft"] = draft
+    if ddir is not None and "drafter_dir" in taken and own_dir is None:
+        kind = _dir_kind(ddir, "--drafter-dir")
+        if drafter is None and out.get("draft") is not None and _kind_takes_draft(kind):
+            raise BenchError(f"--method {text!r} names no drafter and gets both a draft model and --drafter-dir, "
+                             f"whose {kind!r} drafter drafts with a draft model: it could run either; name the "
+                             f"drafter: drafter={kind} or drafter=draft_lm")
+        if drafter == kind or (drafter is None and out.get("draft") is None):
+            out["drafter_dir"] = ddir
     return out
+
+
+def _dir_kind(path, what: str) -> str:
+    """The trained kind a drafter directory's config.json names (BenchError when it cannot be read)."""
+    from jaxdecode.drafters.trained import MARKER, read_drafter_config
+    try:
+        return read_drafter_config(path)[MARKER]
+    except ValueError as e:
+        raise BenchError(f"{what} {path}: {e}") from None
 
 
 def _jsonable_options(options: dict) -> dict:
@@ -386,13 +467,16 @@ def run_bench(model, prompts: Sequence[str], methods: Sequence[str], batch_sizes
                              draft=draft, drafter_dir=drafter_dir)
     say = progress or (lambda msg: None)
     loaded: dict = {}
+    # Draft models and trained drafters loaded (and a missing or mismatched one reported) before any
+    # method is measured, once for every batch size.
+    parsed = [(text, name, options, *_preload(model, name, options, given, loaded))
+              for text, name, options, given in parsed]
     device = jax.devices()[0].device_kind
     rows = []
     for size in sizes:
         groups, fill = batches_of(len(prompts), size)
         first = None
-        for text, name, options, given in parsed:
-            run_opts, shown = _preload(model, name, options, given, loaded)
+        for text, name, options, run_opts, shown in parsed:
 
             def call(idx, opts=run_opts, name=name):
                 return jaxdecode.generate(model, [prompts[i] for i in idx], method=name,

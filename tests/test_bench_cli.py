@@ -6,7 +6,7 @@ import sys
 import pytest
 
 import jaxdecode
-from jaxdecode.bench import ROW_FIELDS, BenchError, CompileClock, batches_of, parse_method
+from jaxdecode.bench import ROW_FIELDS, BenchError, CompileClock, batches_of, parse_method, prepare_methods
 from jaxdecode.cli import main
 
 
@@ -56,8 +56,10 @@ def test_method_strings():
     assert parse_method("greedy") == ("greedy", {})
     assert parse_method("spec:drafter=prompt_lookup,tree=static:3,2,1,verifier=topk") == (
         "speculative", {"drafter": "prompt_lookup", "tree": "static:3,2,1", "verifier": "topk"})
-    assert parse_method("speculative:tree=eagle:depth=5,topk=8,total=48,seed=1")[1] == {
-        "tree": "eagle:depth=5,topk=8,total=48", "seed": 1}
+    assert parse_method("speculative:tree=eagle:depth=5,topk=8,total=32,seed=1")[1] == {
+        "tree": "eagle:depth=5,topk=8,total=32", "seed": 1}
+    assert parse_method("speculative:tree=auto:width=8,depth=6,verifier=greedy")[1] == {
+        "tree": "auto:width=8,depth=6", "verifier": "greedy"}
     assert parse_method('speculative:drafter_options={"lengths":[1,3,8]},verify-widths=[2,4]')[1] == {
         "drafter_options": {"lengths": [1, 3, 8]}, "verify_widths": [2, 4]}
     assert parse_method("sample:temperature=0.7")[1] == {"temperature": 0.7}
@@ -111,6 +113,12 @@ def test_bench_json_rows(tiny_llama_dir, tmp_path, capsys):
     ("speculative:tree=chian:4", "unknown tree spec 'chian:4'"),
     ("speculative:tree=eagle:depth=3,topk=2,totl=4", "unknown setting 'totl'"),
     ("speculative:tree=static:3,2,1,verifier=topk", "samples but the temperature is 0"),
+    # a misspelt option after a tree spec of positional numbers is an option error, not int()'s
+    ("speculative:drafter=prompt_lookup,tree=chain:4,vrifier=greedy", "unknown option 'vrifier'"),
+    ("speculative:tree=static:3,2,1,verifier=greedy,sed=3", "unknown option 'sed'"),
+    # after named settings it belongs to the spec; its error says which option it may be
+    ("speculative:tree=auto:depth=8,vrifier=greedy", "is 'vrifier' a misspelt option 'verifier'?"),
+    ("speculative:tree=auto:dpeth=8", "'auto' takes width=, depth="),
 ])
 def test_bench_bad_method_strings(tmp_path, capsys, monkeypatch, method, message):
     import jaxdecode
@@ -131,6 +139,99 @@ def test_bench_bad_method_strings(tmp_path, capsys, monkeypatch, method, message
         monkeypatch.setattr(jaxdecode, "load", load)
         with pytest.raises(Loads):
             main(["bench", "--prompts-file", str(prompts), "--method", method, "--temperature", "0.7"])
+
+
+def test_bench_takes_auto_trees_with_settings():
+    """tree="auto:SETTINGS" (generate takes it) passes bench's checks, as plain "auto" does."""
+    for tree in ("auto", "auto:depth=8", "auto:finalists=1",
+                 "auto:width=8,depth=6,max_nodes=48,tokens=128,finalists=4"):
+        [(_, name, options, _)] = prepare_methods([f"speculative:drafter=prompt_lookup,tree={tree},seed=1"],
+                                                  max_new_tokens=4)
+        assert (name, options) == ("speculative", {"drafter": "prompt_lookup", "tree": tree, "seed": 1})
+
+
+def _drafter_dir(path, kind):
+    """A directory whose config.json names a trained kind: all prepare_methods reads of it."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"jaxdecode_drafter": kind, "format_version": 1, "config": {},
+                                                  "target": {}, "tensors": {}}))
+    return str(path)
+
+
+def test_bench_wide_draft_and_drafter_dir_go_only_where_they_fit(tmp_path):
+    """The README's example: the method that names no drafter drafts with the bench-wide --draft (as
+    `generate --draft` does), the bench-wide --drafter-dir goes to the method naming its kind; neither
+    changes which drafter another method runs, and neither is dropped without a word."""
+    medusa, accept = _drafter_dir(tmp_path / "medusa", "medusa"), _drafter_dir(tmp_path / "acc", "accept_head")
+
+    def merged(methods, **kw):
+        return [options for _, _, options, _ in prepare_methods(methods, max_new_tokens=4, **kw)]
+    assert merged(["greedy", "speculative:tree=static:3,2,1,verifier=greedy", "speculative:drafter=medusa"],
+                  draft="DRAFT", drafter_dir=medusa) == [
+        {}, {"tree": "static:3,2,1", "verifier": "greedy", "draft": "DRAFT"},
+        {"drafter": "medusa", "drafter_dir": medusa}]
+    # alone, --drafter-dir runs its kind where no drafter is named (generate --drafter-dir)
+    assert merged(["speculative:tree=chain:3"], drafter_dir=medusa) == [{"tree": "chain:3", "drafter_dir": medusa}]
+    # drafters that draft with a draft model get it; others neither it nor the directory of another kind
+    assert merged(["speculative:drafter=draft_lm", "speculative:drafter=dllm", "speculative:drafter=prompt_lookup",
+                   "speculative:drafter=accept_head", "speculative:drafter=hydra"],
+                  draft="DRAFT", drafter_dir=accept) == [
+        {"drafter": "draft_lm", "draft": "DRAFT"}, {"drafter": "dllm", "draft": "DRAFT"},
+        {"drafter": "prompt_lookup"}, {"drafter": "accept_head", "draft": "DRAFT", "drafter_dir": accept},
+        {"drafter": "hydra"}]
+    # a method's own drafter_dir: the bench-wide draft only when that kind drafts with one
+    assert merged([f"speculative:drafter_dir={medusa}", "speculative:drafter=draft_lm"], draft="DRAFT") == [
+        {"drafter_dir": medusa}, {"drafter": "draft_lm", "draft": "DRAFT"}]
+    # no drafter named, a draft model and a directory whose kind also drafts with one: either could run
+    with pytest.raises(BenchError, match="names no drafter and gets both .* drafter=accept_head or drafter=draft_lm"):
+        merged(["speculative"], draft="DRAFT", drafter_dir=accept)
+    with pytest.raises(BenchError, match="--draft is used by no --method"):
+        merged(["greedy", "speculative:drafter=prompt_lookup"], draft="DRAFT")
+    with pytest.raises(BenchError, match="--drafter-dir is used by no --method.*drafter=medusa"):
+        merged(["speculative:drafter=hydra", "speculative:drafter=draft_lm"], draft="DRAFT", drafter_dir=medusa)
+    with pytest.raises(BenchError, match="--drafter-dir .*missing.*does not exist"):
+        merged(["speculative"], drafter_dir=str(tmp_path / "missing"))
+
+
+def test_bench_readme_draft_model_method_runs_the_draft_model(model, tiny_llama_dir, tmp_path, capsys):
+    """The README's example, with a retrieval datastore as the bench-wide --drafter-dir: the method written
+    with `--draft DIR` drafts with that model (the target as its own draft model is accepted at every
+    depth, which no other drafter would be on a random model), the directory goes to the retrieval method."""
+    import numpy as np
+
+    from jaxdecode.drafters.retrieval import RetrievalConfig, datastore_params
+    from jaxdecode.drafters.trained import save_drafter
+    store = str(save_drafter(tmp_path / "retrieval", "retrieval", RetrievalConfig(),
+                             datastore_params(np.ones((2, 5), int), [5, 5], [1, 1]), model.config))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("import sys\n")
+    rc = main(["bench", "--model", str(tiny_llama_dir), "--prompts-file", str(prompts), "--max-new-tokens", "7",
+               "--method", "greedy",
+               "--method", "speculative:tree=chain:2,verifier=greedy", "--draft", str(tiny_llama_dir),
+               "--method", "speculative:drafter=retrieval", "--drafter-dir", store, "--json"])
+    assert rc == 0
+    greedy, spec, retrieval = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert spec["options"] == {"tree": "chain:2", "verifier": "greedy", "draft": str(tiny_llama_dir)}
+    assert spec["accept_rate_by_depth"] == [1.0, 1.0] and spec["same_as_first"] is True
+    assert retrieval["options"] == {"drafter": "retrieval", "drafter_dir": store}
+    assert retrieval["same_as_first"] is True
+
+
+def test_bench_reads_prompts_files_as_generate_does(tmp_path):
+    """bench splits a prompts file as `jaxdecode generate --prompts-file` does (str.splitlines: a form
+    feed, CRLF and U+2028 end a line too; blank lines skipped); .jsonl files alike."""
+    from jaxdecode.bench import read_prompts
+    from jaxdecode.cli import read_prompts_file
+    text = tmp_path / "prompts.txt"
+    text.write_text("def f(x):\x0c    return x\r\nimport os\u2028x = 1\n\n  \nfor i in\n", encoding="utf-8")
+    assert read_prompts(text) == read_prompts_file(text) == ["def f(x):", "    return x", "import os", "x = 1",
+                                                             "for i in"]
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text('{"prompt": "a\\fb"}\n\n{"ids": [1, 2]}\n')
+    assert read_prompts(jsonl) == read_prompts_file(jsonl) == ["a\x0cb", [1, 2]]
+    jsonl.write_text("not json\n")
+    with pytest.raises(BenchError, match="not a JSON object"):
+        read_prompts(jsonl)
 
 
 def test_bench_bad_prompts_file_and_batch_sizes(tmp_path, capsys):
