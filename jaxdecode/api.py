@@ -17,6 +17,7 @@ import jaxdecode.decoders  # noqa: F401  (registers the built-in methods)
 import jaxdecode.constraints.asap  # noqa: F401  (registers asap)
 import jaxdecode.diffusion  # noqa: F401  (registers diffusion / block_diffusion)
 from jaxdecode.bench import CompileClock
+from jaxdecode.decoders import SETUP_KEY
 from jaxdecode.model import EMBEDDED_DIR, Model, embedded_model_path, load  # noqa: F401  (public names)
 from jaxdecode.genconfig import GenerationConfig  # noqa: F401  (public name)
 from jaxdecode.options import OPTIONS, OptionError, per_prompt  # noqa: F401  (public names)
@@ -210,11 +211,13 @@ def generate(model: Model, prompts=None, method: str | None = None, max_new_toke
     (README, "Options"). All are checked before anything decodes; None means "unset".
 
     Returns one `Generation` per output, with per-row stats (new_tokens, nonfinite_logits, the method's
-    own per-row figures) and batch_stats shared by the call: seconds (the call's wall time without
-    compilation), compile_seconds (JAX tracing + compiling during the call: ~0 on a repeated call at the
+    own per-row figures) and batch_stats shared by the call: seconds (the decode's wall time without
+    compilation), compile_seconds (the decode's JAX tracing + compiling: ~0 on a repeated call at the
     same shapes; None when this JAX cannot report it, then seconds includes it), target_calls, and the
-    method's batch-wide figures (under a structured option also constraint_backend and
-    constraint_compile_seconds: host compile time, not in seconds).
+    method's batch-wide figures (speculative: calibrate_seconds and tree_auto_seconds, the time spent
+    measuring step costs and choosing tree="auto" with their compiles, left out of seconds and
+    compile_seconds; under a structured option also constraint_backend and constraint_compile_seconds:
+    host compile time, not in seconds).
 
     If the model's logits were NaN/inf at a step where a row was decoding, raises
     NonFiniteLogitsError naming the rows (its `.results` holds the outputs) unless
@@ -293,14 +296,17 @@ def generate(model: Model, prompts=None, method: str | None = None, max_new_toke
                           f"({max(map(len, token_lists))} tokens) exceeds the model's max_position_embeddings "
                           f"({limit}); pass max_new_tokens= (CLI --max-new-tokens) to override it")
     # seconds = the call's wall time minus JAX's tracing / lowering / compiling, reported apart as
-    # compile_seconds (None when this JAX cannot report it: then seconds includes it).
+    # compile_seconds (None when this JAX cannot report it: then seconds includes it), and minus what
+    # the method spent preparing (speculative: calibrate_seconds, tree_auto_seconds), which its own stats
+    # report with its compiles: counted there only, so seconds is the decode's and the figures add up.
     with CompileClock() as compiling:
         start = time.perf_counter()
         tokens, lengths, stats = spec.run(model, prompt_tokens, prompt_lengths, max_new_tokens, opts)
         tokens, lengths, stats = to_host((tokens, lengths, stats))  # also gathers what spans processes
         wall = time.perf_counter() - start
-    compile_seconds = compiling.seconds
-    seconds = wall if compile_seconds is None else max(wall - compile_seconds, 0.0)
+    setup_wall, setup_compile = opts.pop(SETUP_KEY, (0.0, 0.0))
+    compile_seconds = None if compiling.seconds is None else max(compiling.seconds - setup_compile, 0.0)
+    seconds = max(wall - setup_wall - (compile_seconds or 0.0), 0.0)
     batch_stats.update(seconds=round(seconds, 4),
                        compile_seconds=None if compile_seconds is None else round(compile_seconds, 4),
                        batch_size=len(token_lists), method=spec.name)

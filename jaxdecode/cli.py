@@ -375,7 +375,8 @@ def _add_bench(sub):
     b.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: the embedded target)")
     b.add_argument("--draft", default=None, help="draft model directory, for the methods whose drafter uses one")
     b.add_argument("--drafter-dir", default=None,
-                   help="trained drafter directory, for the methods with a trained drafter (or none named)")
+                   help="trained drafter directory, for the methods naming the kind it holds (or naming no "
+                        "drafter, without --draft)")
     b.add_argument("--prompts-file", required=True, help="a text file with one prompt per line, or a .jsonl file "
                    "as `jaxdecode generate --prompts-file` reads it")
     b.add_argument("--method", action="append", required=True, metavar="NAME[:KEY=VALUE,...]",
@@ -418,16 +419,20 @@ def _add_calibrate(sub):
                                    "drafter is built as `jaxdecode generate` builds it.")
     c.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: the embedded target)")
     c.add_argument("--draft", default=None, help="draft model directory (drafter draft_lm)")
-    c.add_argument("--drafter", default=None, help="drafter name (default: draft_lm with --draft, else "
-                                                   "prompt_lookup; the kind in --drafter-dir)")
+    c.add_argument("--drafter", default=None, help="drafter name (default, as generate's: draft_lm with --draft; "
+                                                   "the kind in --drafter-dir; else retrieval when the model "
+                                                   "ships a datastore, as the embedded target does; else "
+                                                   "prompt_lookup)")
     c.add_argument("--drafter-dir", default=None, help="trained drafter directory")
     c.add_argument("--tree", default=None, type=_str_or_int, help="tree spec, as `jaxdecode generate --tree`")
     c.add_argument("--batch-size", default="1", help="batch sizes, comma-separated (default 1), e.g. 1,4,16")
     c.add_argument("--context-len", type=int, default=None,
                    help="tokens in the KV cache while timing (default 256, within the model's positions); "
                         "rounded up to a power of two")
-    c.add_argument("--widths", default=None, help="verification widths to time, comma-separated (default 0, "
-                                                  "powers of two, the tree size)")
+    c.add_argument("--widths", default=None,
+                   help="verification widths to time, comma-separated (default: those generate's adaptive policy "
+                        "verifies over, so it reads the table: 0, powers of two, the tree size and the drafter's "
+                        "own widths; a table of other widths serves generate only through costs=)")
     _add_dtype_args(c)
     c.add_argument("--cache-dir", default=None, help="default $JAXDECODE_CACHE_DIR or ~/.cache/jaxdecode")
     c.add_argument("--refresh", action="store_true", help="measure again even when a table is cached")
@@ -448,6 +453,7 @@ def cmd_calibrate(args) -> int:
     model = jaxdecode.load(args.model, **_dtype_kw(args))
     draft = jaxdecode.load(args.draft, **_dtype_kw(args)) if args.draft else None
     drafter = make_drafter(args.drafter, model, draft=draft, tree=args.tree, drafter_dir=args.drafter_dir)
+    # widths None: costmodel.policy_widths, the rule generate keys its tables by, so generate reads these
     rows = [calibrate(model, drafter, b, widths=widths, context_len=args.context_len, cache_dir=args.cache_dir,
                       refresh=args.refresh) for b in sizes]
     if args.json:

@@ -351,6 +351,17 @@ def default_widths(num_nodes: int) -> tuple:
     return policy_widths(num_nodes)
 
 
+def policy_widths(drafter, verify_widths=()) -> tuple:
+    """The widths method="speculative"'s adaptive policy verifies over, and so the widths its cost table
+    is measured and keyed at: 0, the powers of two below N, N, the drafter's own `verify_widths` and the
+    call's `verify_widths` option. The one rule for generate, `jaxdecode calibrate` and the default of
+    `load_or_calibrate`: a table measured at other widths has another key, and generate would measure
+    again rather than read it."""
+    from jaxdecode.adaptive import default_widths as widths_with
+    return widths_with(drafter.num_nodes, tuple(verify_widths or ())
+                       + tuple(getattr(drafter, "verify_widths", None) or ()))
+
+
 def check_widths(widths, num_nodes: int, stepped: bool = True) -> tuple:
     """Normalise measured widths to an ascending tuple of distinct ints that starts at 0 (the plain
     step is always measured: the adaptive engine needs it). stepped: the engine's whole step is timed at
@@ -509,8 +520,9 @@ def measure(model, drafter, batch_size: int, *, widths=None, context_len: int | 
     """Measure a CostTable for `drafter` on `model` (a jaxdecode Model or (config, params)) at
     `batch_size` rows over a cache holding `context_len` tokens (default min(256, the model's limit)).
 
-    widths: the verification widths (node counts) to time; default `default_widths(drafter.num_nodes)`;
-    0 is always included. repeats: timed loops per item (the least counts); target_seconds: length of each loop.
+    widths: the verification widths (node counts) to time; default `policy_widths(drafter)` (what
+    generate's policy verifies over); 0 is always included. repeats: timed loops per item (the least
+    counts); target_seconds: length of each loop.
     sampler: the SamplerConfig `propose` gets (default greedy). verifier: the engine step's verifier
     (a Verifier or a name; default: what generate uses, `verifiers.default_verifier`). attn_impl /
     mesh: as speculative_decode. progress: True = one line per measured item on stderr, False =
@@ -524,7 +536,8 @@ def measure(model, drafter, batch_size: int, *, widths=None, context_len: int | 
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     b = int(batch_size)
-    widths = check_widths(widths, drafter.num_nodes, stepped=whole_step)
+    widths = check_widths(policy_widths(drafter) if widths is None else widths, drafter.num_nodes,
+                          stepped=whole_step)
     context_len = resolve_context(config, drafter, context_len)
     sampler = sampler or SamplerConfig(temperature=0.0)
     if attn_impl is None:
@@ -736,7 +749,7 @@ def cache_key(model, drafter, batch_size: int, *, widths=None, context_len: int 
     in `load_or_calibrate`; the context is already bucketed here."""
     config, params = _config_and_params(model)
     check_batch_size(batch_size)
-    widths = check_widths(widths, drafter.num_nodes)
+    widths = check_widths(policy_widths(drafter) if widths is None else widths, drafter.num_nodes)
     context_len = resolve_context(config, drafter, context_len)
     if attn_impl is None:
         attn_impl = "xla" if jax.default_backend() == "cpu" else "tree"
@@ -819,7 +832,8 @@ def load_or_calibrate(model, drafter, batch_size: int, *, widths=None, context_l
     """The CostTable of `drafter` on `model` at `batch_size` on this device: from the cache when one was
     measured for the same key (module docstring), else measured now (`measure`) and cached.
 
-    model: a jaxdecode Model or (config, params). widths: default 0, powers of two, N. context_len:
+    model: a jaxdecode Model or (config, params). widths: default `policy_widths(drafter)` (0, powers of
+    two, N and the drafter's own verify_widths: the table generate reads). context_len:
     the context decoding runs at (default 256), rounded up to a power of two within the model's
     positions. cache_dir: default `default_cache_dir()`. progress: as `measure` (one line per measured
     item; nothing on a hit). refresh: measure again even when cached. sampler (greedy or

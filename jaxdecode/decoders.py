@@ -7,6 +7,7 @@ decoders themselves stay plain jit-able functions.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -120,11 +121,32 @@ register_method("diverse_beam", _beam(True), method_options("diverse_beam"), per
 # ----------------------------------------------------------------------------- speculative
 from jaxdecode.verifiers import DEFAULT_VERIFIER  # noqa: F401  (re-exported: it used to live here)
 
+SETUP_KEY = "_setup_seconds"  # opts entry: [wall, compile] seconds a method spent preparing, not decoding
+
+
+@contextlib.contextmanager
+def setup_clock(opts: dict):
+    """Times work a method does before decoding (measuring step costs, choosing tree="auto"): generate
+    takes its wall time out of `seconds` and its compiles out of `compile_seconds`, since the stats that
+    report it (calibrate_seconds, tree_auto_seconds) already hold both. Yields a one-item list that
+    holds this block's wall seconds on exit."""
+    from jaxdecode.bench import CompileClock
+    spent, clock = [0.0], CompileClock()
+    start = time.perf_counter()
+    try:
+        with clock:
+            yield spent
+    finally:
+        spent[0] = time.perf_counter() - start
+        total = opts.setdefault(SETUP_KEY, [0.0, 0.0])
+        total[0] += spent[0]
+        total[1] += clock.seconds or 0.0  # None: this JAX cannot tell; the wall alone is taken out
+
 
 def _speculative(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
     from jaxdecode.model import Model, load
     from jaxdecode.drafters import TrainedDrafter, make_drafter
-    from jaxdecode.speculative import speculative_decode
+    from jaxdecode.speculative import check_combination, check_feature_layers, speculative_decode
     from jaxdecode.treeopt import is_auto, resolve_auto_tree
     from jaxdecode.verifiers import default_verifier, get_verifier
 
@@ -141,9 +163,10 @@ def _speculative(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
             return make_drafter(name, model, draft=draft, tree=tree, temperature=sampler.temperature,
                                 drafter_dir=opts["drafter_dir"], **(opts["drafter_options"] or {}))
         if is_auto(tree):  # tree="auto": shape and size from measured acceptance and costs (treeopt)
-            tree, tree_stats = resolve_auto_tree(model, build, prompt_tokens, prompt_lengths, spec=tree,
-                                                 sampler=sampler, verifier=opts["verifier"],
-                                                 eos_ids=opts["eos_ids"], max_new_tokens=max_new_tokens)
+            with setup_clock(opts):  # reported as tree_auto_seconds, not in seconds
+                tree, tree_stats = resolve_auto_tree(model, build, prompt_tokens, prompt_lengths, spec=tree,
+                                                     sampler=sampler, verifier=opts["verifier"],
+                                                     eos_ids=opts["eos_ids"], max_new_tokens=max_new_tokens)
         drafter = build(tree)
     elif is_auto(tree):
         raise ValueError("tree='auto' builds the drafter on the tree it chooses: name the drafter "
@@ -156,9 +179,13 @@ def _speculative(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
         verifier = default_verifier(drafter, sampler)
     if isinstance(verifier, str):
         verifier = get_verifier(verifier)
+    # The engine's own host checks, before the policy measures step costs (minutes on a first call): a
+    # pair it refuses is refused at once, with its own message, whatever `adaptive` is.
+    check_combination(model.config, drafter, verifier, sampler)
+    check_feature_layers(model.config, getattr(drafter, "feature_layers", ()))
+    constraint = structured_constraint(model, opts, prompt_tokens.shape[0])
     policy, costs = _adaptive_policy(model, drafter, sampler, verifier, prompt_tokens, max_new_tokens, opts)
     params, toks, lens = place_inputs(model, prompt_tokens, prompt_lengths, opts)
-    constraint = structured_constraint(model, opts, prompt_tokens.shape[0])
     extra = {} if constraint is None else {"constraint": constraint}  # options.STRUCTURED lists speculative
     out = speculative_decode(model.config, params, drafter, toks, lens, max_new_tokens=max_new_tokens,
                              verifier=verifier, sampler=sampler, eos_ids=opts["eos_ids"],
@@ -167,7 +194,7 @@ def _speculative(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
                              adaptive=policy, costs=costs, **extra, **logprob_flags(opts),
                              stream=stream_sink(opts))
     if policy is not None:
-        tree_stats["calibrate_seconds"] = float(opts.get("calibrate_seconds", 0.0))
+        tree_stats["calibrate_seconds"] = float(opts.get("calibrate_seconds", 0.0))  # compiles included
     # What actually ran (defaults and tree="auto" resolved), reported with the batch's stats.
     tree_stats.update(drafter=drafter_name(drafter), verifier=str(verifier.name))
     tree_stats.setdefault("tree", tree if isinstance(tree, str) else tree_text(drafter))  # auto: its chosen spec
@@ -205,21 +232,27 @@ def _adaptive_policy(model, drafter, sampler, verifier, prompt_tokens, max_new_t
     if overrides is None:
         return None, None
     from jaxdecode import costmodel
-    from jaxdecode.adaptive import default_widths
     from jaxdecode.speculative import check_verify_widths, policy_for
     if opts["verify_widths"] is not None:  # checked as without the policy: nothing dropped silently
         check_verify_widths(opts["verify_widths"], drafter.num_nodes)
-    widths = default_widths(drafter.num_nodes, tuple(opts["verify_widths"] or ())
-                            + tuple(getattr(drafter, "verify_widths", None) or ()))
+    # costmodel's rule, which `jaxdecode calibrate` follows too: its tables have the key read here
+    widths = costmodel.policy_widths(drafter, opts["verify_widths"])
     policy = policy_for(drafter, sampler, widths=widths, **overrides)
+    batch_size = int(prompt_tokens.shape[0])
     if isinstance(costs, (str, os.PathLike)):
-        costs = _costs_from_file(costs, int(prompt_tokens.shape[0]))
+        costs = _costs_from_file(costs, batch_size)
     elif costs is None:
-        start = time.perf_counter()
-        costs = costmodel.load_or_calibrate(model, drafter, int(prompt_tokens.shape[0]), widths=widths,
-                                            context_len=int(prompt_tokens.shape[1]) + max_new_tokens // 2,
-                                            mesh=opts.get("mesh"), sampler=sampler, verifier=verifier)
-        opts["calibrate_seconds"] = time.perf_counter() - start  # reported apart (stats), like compile time
+        with setup_clock(opts) as spent:  # reported apart as calibrate_seconds, not in seconds
+            costs = costmodel.load_or_calibrate(model, drafter, batch_size, widths=widths,
+                                                context_len=int(prompt_tokens.shape[1]) + max_new_tokens // 2,
+                                                mesh=opts.get("mesh"), sampler=sampler, verifier=verifier)
+        opts["calibrate_seconds"] = spent[0]
+    elif isinstance(getattr(costs, "batch_size", None), int) and costs.batch_size != batch_size:
+        # a step's cost grows with the batch: another size's table misprices every step
+        raise ValueError(f"costs= is a cost table measured at batch size {costs.batch_size}, not at this call's "
+                         f"{batch_size}: calibrate at this batch size (costmodel.load_or_calibrate(model, "
+                         f"drafter, {batch_size}); CLI `jaxdecode calibrate --batch-size {batch_size} --json`), "
+                         f"or leave costs unset to measure it")
     if jax.process_count() > 1:  # every process must decide alike: all use process 0's measurements
         costs = _same_costs_everywhere(costs)
     return policy, costs
@@ -227,7 +260,7 @@ def _adaptive_policy(model, drafter, sampler, verifier, prompt_tokens, max_new_t
 
 def _costs_from_file(path, batch_size: int):
     """The cost table in a file written by `jaxdecode calibrate --json`: one JSON table per line, one per
-    batch size measured; the one for this batch size when there are several."""
+    batch size measured; the one for this batch size (an error when the file has none for it)."""
     import json
 
     from jaxdecode import costmodel
@@ -243,14 +276,15 @@ def _costs_from_file(path, batch_size: int):
     except (OSError, ValueError) as e:
         raise ValueError(f"costs={str(path)!r} is not a readable cost table ({e}); write one with "
                          f"`jaxdecode calibrate --json`, or leave costs unset to measure them") from None
-    if len(tables) == 1:
-        return tables[0]
     for table in tables:
         if table.batch_size == batch_size:
             return table
-    raise ValueError(f"costs={str(path)!r} holds cost tables for batch sizes {[t.batch_size for t in tables]}, "
-                     f"not for this call's {batch_size}: calibrate that one too (`jaxdecode calibrate "
-                     f"--batch-size {batch_size} --json`)")
+    # One table or several, never another batch size's: a step's cost grows with the batch.
+    held = (f"a cost table for batch size {tables[0].batch_size}" if len(tables) == 1
+            else f"cost tables for batch sizes {[t.batch_size for t in tables]}")
+    raise ValueError(f"costs={str(path)!r} holds {held}, not for this call's {batch_size}: calibrate at this "
+                     f"batch size too (`jaxdecode calibrate --batch-size {batch_size} --json`), or leave costs "
+                     f"unset to measure it")
 
 
 def _policy_overrides(setting) -> dict | None:

@@ -417,6 +417,111 @@ def test_cli_calibrate_prints_a_table(tiny_llama_dir, tmp_path, capsys, counted)
                            costs=str(tmp_path / "empty.json"), max_new_tokens=4)
 
 
+@pytest.mark.parametrize("via", ["cli", "python"])
+def test_calibrate_writes_the_table_generate_reads(tiny_llama_dir, tmp_path, monkeypatch, capsys, counted, via):
+    """A drafter with verify widths of its own (the embedded target's retrieval default has them): what
+    `jaxdecode calibrate` / load_or_calibrate measure is keyed at the widths generate's policy verifies
+    over (costmodel.policy_widths), so generate reads it and measures nothing. The table used to be keyed
+    at 0, powers of two and N alone, and generate measured again under another key."""
+    import jaxdecode
+    from jaxdecode.cli import main
+    from jaxdecode.drafters import make_drafter
+    monkeypatch.setenv("JAXDECODE_CACHE_DIR", str(tmp_path))
+    model = jaxdecode.load(tiny_llama_dir)
+    if via == "cli":  # DEL self-speculation stops early: it verifies the node counts of its levels (3, 6)
+        gen = dict(drafter="del", tree="static:3,1")
+        assert main(["calibrate", "--model", str(tiny_llama_dir), "--drafter", "del", "--tree", "static:3,1",
+                     "--context-len", "8", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["measured"]
+    else:  # lengths (1, 3, 8): a 3-token draft is verified at width 3
+        gen = dict(drafter="prompt_lookup", tree="chain:8", drafter_options={"lengths": [1, 3, 8]})
+        drafter = make_drafter("prompt_lookup", model, tree="chain:8", lengths=(1, 3, 8))
+        costmodel.load_or_calibrate(model, drafter, 1, context_len=8, progress=False)
+    assert len(counted) == 1 and 3 in counted[0]["widths"]  # not a width of 0, powers of two, N
+    out = jaxdecode.generate(model, [[5, 6, 7]], method="speculative", max_new_tokens=4, **gen)  # context 5 -> 8
+    assert len(counted) == 1 and out[0].tokens  # a hit: nothing measured
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 1
+
+
+def test_policy_widths_are_the_default_of_the_cost_tables():
+    d = PromptLookupDrafter(num_nodes=8, lengths=(1, 3, 8))
+    assert costmodel.policy_widths(PromptLookupDrafter(num_nodes=8)) == costmodel.default_widths(8)
+    assert costmodel.policy_widths(d) == (0, 1, 2, 3, 4, 8)  # the drafter's own widths join
+    assert costmodel.policy_widths(d, [6]) == (0, 1, 2, 3, 4, 6, 8)  # and the call's verify_widths option
+    assert costmodel.cache_key(tiny(), d, 1)["widths"] == [0, 1, 2, 3, 4, 8]
+
+
+def test_calibration_and_auto_tree_are_reported_apart_from_seconds(tiny_llama_dir, tmp_path, monkeypatch,
+                                                                   counted):
+    """A first call measures its step costs (calibrate_seconds) and chooses tree="auto" (tree_auto_seconds)
+    before it decodes: both, their compiles included, stay out of seconds and compile_seconds, so the
+    figures add up to no more than the call's wall time. They used to be in seconds (a first call's
+    tokens/s 40-100x low), and calibration's compiles in compile_seconds as well."""
+    import time
+
+    import jaxdecode
+    from jax import monitoring
+    from jaxdecode import treeopt
+    monkeypatch.setenv("JAXDECODE_CACHE_DIR", str(tmp_path))
+    pause = 0.3
+
+    def busy():  # wall time, part of it compiling, as measuring or profiling spends it
+        time.sleep(pause)
+        monitoring.record_event_duration_secs("/jax/core/compile/backend_compile_duration", pause / 2)
+
+    fake = costmodel.measure
+    monkeypatch.setattr(costmodel, "measure", lambda *a, **kw: (busy(), fake(*a, **kw))[1])
+
+    def auto(*a, **kw):  # tree="auto", reporting its time as treeopt does
+        start = time.perf_counter()
+        busy()
+        return "chain:2", {"tree_auto_seconds": round(time.perf_counter() - start, 4)}
+
+    monkeypatch.setattr(treeopt, "resolve_auto_tree", auto)
+    model = jaxdecode.load(tiny_llama_dir)
+    start = time.perf_counter()
+    out = jaxdecode.generate(model, ["import os"], method="speculative", drafter="prompt_lookup", tree="auto",
+                             max_new_tokens=4)
+    wall = time.perf_counter() - start
+    stats = out[0].batch_stats
+    assert len(counted) == 1 and stats["calibrate_seconds"] >= pause and stats["tree_auto_seconds"] >= pause
+    parts = stats["seconds"] + (stats["compile_seconds"] or 0.0) + stats["calibrate_seconds"] \
+        + stats["tree_auto_seconds"]
+    assert parts <= wall + 1e-3, stats  # each counted once (rounding to 0.1 ms aside)
+
+
+def test_costs_of_another_batch_size_are_refused(tiny_llama_dir, tmp_path, counted):
+    """costs= (a CostTable, or a file with one table) measured at batch size 2 does not price a batch-1
+    call: an error naming both sizes and the fix, as for a file with several tables of other sizes."""
+    import jaxdecode
+    model = jaxdecode.load(tiny_llama_dir)
+    two = table(widths=(0, 1, 2), batch_size=2, steps=True)
+    (tmp_path / "b2.json").write_text(json.dumps(two.to_json()))
+    kw = dict(method="speculative", drafter="prompt_lookup", tree="chain:2", max_new_tokens=4)
+    for costs in (two, str(tmp_path / "b2.json")):
+        with pytest.raises(ValueError, match=r"batch size 2, not .*this call's 1: calibrate at this batch size.*"
+                                             r"--batch-size 1 --json"):
+            jaxdecode.generate(model, ["import os"], costs=costs, **kw)
+    assert len(counted) == 0  # refused, not measured instead
+    out = jaxdecode.generate(model, ["import os", "x = 1"], costs=two, **kw)  # its own batch size: used
+    assert out[0].batch_stats["calibrate_seconds"] == 0.0 and len(counted) == 0
+
+
+def test_refused_pairs_are_refused_before_measuring(tiny_llama_dir, counted):
+    """Under the adaptive default the engine's own checks run before the step costs are measured: a
+    verifier the temperature or the drafter does not fit is refused at once with the engine's message (it
+    was measured first, then refused by the verifier's input check, which never named the temperature)."""
+    import jaxdecode
+    from jaxdecode.speculative import SpeculativeError
+    model = jaxdecode.load(tiny_llama_dir)
+    kw = dict(method="speculative", drafter="prompt_lookup", tree="chain:2", max_new_tokens=4)
+    with pytest.raises(SpeculativeError, match="samples but the temperature is 0.0"):
+        jaxdecode.generate(model, ["import os"], verifier="specinfer", **kw)
+    with pytest.raises(SpeculativeError, match="verifier .block. is lossless only for.*point_mass, topk"):
+        jaxdecode.generate(model, ["import os"], verifier="block", temperature=0.5, **kw)
+    assert len(counted) == 0
+
+
 def test_cli_calibrate_does_not_claim_a_cache_it_could_not_write(tiny_llama_dir, tmp_path, capsys, counted):
     from jaxdecode.cli import main
     blocked = tmp_path / "file"
