@@ -223,6 +223,19 @@ def test_resume_with_different_options_is_refused_naming_the_key(tiny, tmp_path)
         _run(tiny, work, 30, seed=1, weight_decay=0.0)
 
 
+def test_a_section_set_on_one_side_is_one_change():
+    """--data self -> corpus drops the whole self-distillation section: one change beside run.data, not one
+    per leaf of it (which named --target, --prompts, ... that the user did not change)."""
+    from jaxdecode.training.trainer import ResumeMismatchError, identity_changes
+    old = {"train": {"seed": 0}, "run": {"data": "self", "self": {"target": "t", "options": {"num_prompts": 8}}}}
+    new = {"train": {"seed": 0}, "run": {"data": "corpus"}}
+    changes = identity_changes(old, new)
+    assert changes == [("run.data", "self", "corpus"), ("run.self", old["run"]["self"], None)]
+    text = str(ResumeMismatchError("w", changes, {"run.data": "--data", "run.self": "--data"}))
+    assert "was 'self', now 'corpus' (and 1 more: --data (run.self))" in text and "{" not in text
+    assert identity_changes(new, old)[1] == ("run.self", None, old["run"]["self"])
+
+
 def test_resume_with_other_parameter_shapes_is_refused_naming_the_key(tiny, tmp_path):
     """An option that changes the parameters' shapes is a changed option, named as any other, not a
     "damaged" checkpoint that cannot restore (the identity is read before the state)."""

@@ -63,11 +63,14 @@ class ResumeMismatchError(TrainConfigError):
 
         def key(k):
             return f"{names[k]} ({k})" if k in names else k
+
+        def shown(v):  # a whole section set on one side only: not its contents
+            return "set" if isinstance(v, dict) else "unset" if v is None else repr(v)
         (k0, old, new), rest = changes[0], changes[1:]
         more = f" (and {len(rest)} more: {', '.join(key(k) for k, _, _ in rest)})" if rest else ""
         where = "--workdir" if names else "work directory"
-        super().__init__(f"{workdir} holds a checkpoint of a different run: {key(k0)} was {old!r}, now "
-                         f"{new!r}{more}; rerun with the same options to resume it, or use a new "
+        super().__init__(f"{workdir} holds a checkpoint of a different run: {key(k0)} was {shown(old)}, now "
+                         f"{shown(new)}{more}; rerun with the same options to resume it, or use a new "
                          f"{where} to start another run")
 
     def renamed(self, names: dict[str, str]) -> "ResumeMismatchError":
@@ -154,20 +157,21 @@ def _current_identity_form(identity):
     return {**identity, "train": t}
 
 
-def _flat(tree, prefix: str = "") -> dict:
-    if isinstance(tree, dict):
-        out = {}
-        for k, v in tree.items():
-            out.update(_flat(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: tree}
-
-
 def identity_changes(old, new) -> list[tuple[str, Any, Any]]:
-    """(dotted key, old value, new value) of every leaf that differs, in the new identity's order."""
-    a, b = _flat(json.loads(json.dumps(old))), _flat(json.loads(json.dumps(new)))
-    keys = list(b) + [k for k in a if k not in b]
-    return [(k, a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k)]
+    """(dotted key, old value, new value) of every leaf that differs, in the new identity's order. A
+    section only one side has (run.self when --data changed from self to corpus) is one change, its
+    absent side None, not one per leaf: the user changed one option, not eleven."""
+    a, b = json.loads(json.dumps(old)), json.loads(json.dumps(new))
+    out = []
+
+    def walk(x, y, prefix):
+        if isinstance(x, dict) and isinstance(y, dict):
+            for k in list(y) + [k for k in x if k not in y]:
+                walk(x.get(k), y.get(k), f"{prefix}{k}.")
+        elif x != y:
+            out.append((prefix[:-1], x, y))
+    walk(a, b, "")
+    return out
 
 
 @dataclasses.dataclass
