@@ -304,14 +304,11 @@ def _preload(model, name: str, options: dict, given: dict, cache: dict) -> tuple
 
 def _kind_takes_draft(kind: str) -> bool:
     """Whether trained kind `kind` drafts with a draft LM (its make takes draft_model)."""
-    import inspect
-
     from jaxdecode.drafters.trained import get_kind
     try:
-        make = get_kind(kind).make
+        return get_kind(kind).takes_draft_model
     except ValueError as e:  # a kind this installation lacks (a directory's config.json may name one)
         raise BenchError(str(e)) from None
-    return "draft_model" in inspect.signature(make).parameters
 
 
 def prepare_methods(methods: Sequence[str], *, max_new_tokens: int, temperature=None, seed=None, draft=None,

@@ -137,9 +137,9 @@ def load(path: str | Path | None = None, *, dtype: str | None = None, param_dtyp
     if param_dtype is not None:
         params = narrow_weights(params, param_dtype)
     if mesh is not None:
-        from jaxdecode.sharding import auto_axes, check_mesh, shard_params
+        from jaxdecode.sharding import check_mesh, shard_params
         check_mesh(mesh)
-        params = shard_params(params, auto_axes(mesh))
+        params = shard_params(params, mesh)  # jax.make_mesh's Explicit axes are used as Auto ones there
     from jaxdecode.genconfig import GenerationConfig
     return Model(config=config, params=params, tokenizer=load_tokenizer(path), path=str(path),
                  generation_config=GenerationConfig.from_pretrained(path))

@@ -143,9 +143,8 @@ def prompt_logprobs(model, token_lists, mesh=None) -> list[list[float | None]]:
     tokens = np.pad(tokens, ((0, 0), (0, width - tokens.shape[1])))
     params = model.params
     if mesh is not None:
-        from jaxdecode.sharding import auto_axes, check_mesh, shard_batch, shard_params
+        from jaxdecode.sharding import check_mesh, shard_batch, shard_params
         check_mesh(mesh)
-        mesh = auto_axes(mesh)
         params, tokens, lengths = shard_params(params, mesh), shard_batch(tokens, mesh), shard_batch(lengths, mesh)
     from jaxdecode.sharding import to_host
     lp = np.asarray(to_host(_score_padded(model.config, params, jnp.asarray(tokens), jnp.asarray(lengths))))

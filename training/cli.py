@@ -521,14 +521,12 @@ def _run_accept_head(args, target, corpus_dir, out: Path, work: Path, tcfg) -> i
 
 def _check_drafter_args(args, kind: str) -> None:
     """--out, --set and --draft checked before the target loads and anything trains."""
-    import inspect
-
     from jaxdecode.drafters.trained import check_out_dir, get_kind
 
     from .drafters import check_config_overrides
     check_out_dir(args.out)
     check_config_overrides(kind, _parse_sets(args.set), "--set")
-    if getattr(args, "draft", None) and "draft_model" not in inspect.signature(get_kind(kind).make).parameters:
+    if getattr(args, "draft", None) and not get_kind(kind).takes_draft_model:
         raise ValueError(f"--draft: the {kind} drafter drafts without a draft model: drop --draft")
 
 

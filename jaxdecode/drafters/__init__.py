@@ -289,8 +289,7 @@ def _with_draft(kind, draft, kw: dict) -> dict:
     """drafter options plus draft_model=draft, for a kind whose make takes a draft LM."""
     if draft is None:
         return kw
-    import inspect
-    if "draft_model" not in inspect.signature(kind.make).parameters:
+    if not kind.takes_draft_model:
         raise ValueError(f"the {kind.name} drafter does not draft with a draft model: drop draft (CLI: --draft)")
     if kw.get("draft_model") is not None:
         raise ValueError("a draft model is given twice, as draft and as drafter_options['draft_model']: "

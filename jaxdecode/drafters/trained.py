@@ -89,6 +89,12 @@ class DrafterKind:
             raise ValueError(f"drafter kind {self.name!r}: make must be callable")
         object.__setattr__(self, "target_fields", tuple(self.target_fields))
 
+    @property
+    def takes_draft_model(self) -> bool:
+        """Whether `make` takes a draft LM (`draft_model`): generate's and the CLIs' `draft` goes only there."""
+        import inspect
+        return "draft_model" in inspect.signature(self.make).parameters
+
 
 _KINDS: dict[str, DrafterKind] = {}
 _GENERATION = [0]  # kinds_generation()
