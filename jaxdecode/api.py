@@ -214,10 +214,11 @@ def generate(model: Model, prompts=None, method: str | None = None, max_new_toke
     own per-row figures) and batch_stats shared by the call: seconds (the decode's wall time without
     compilation), compile_seconds (the decode's JAX tracing + compiling: ~0 on a repeated call at the
     same shapes; None when this JAX cannot report it, then seconds includes it), target_calls, and the
-    method's batch-wide figures (speculative: calibrate_seconds and tree_auto_seconds, the time spent
-    measuring step costs and choosing tree="auto" with their compiles, left out of seconds and
-    compile_seconds; under a structured option also constraint_backend and constraint_compile_seconds:
-    host compile time, not in seconds).
+    method's batch-wide figures (speculative: calibrate_seconds, tree_auto_seconds and
+    drafter_load_seconds, the time spent measuring step costs, choosing tree="auto" and loading the
+    drafter (a draft model, a trained drafter's weights, a datastore's table; ~0 once loaded in the
+    process) with their compiles, left out of seconds and compile_seconds; under a structured option
+    also constraint_backend and constraint_compile_seconds: host compile time, not in seconds).
 
     If the model's logits were NaN/inf at a step where a row was decoding, raises
     NonFiniteLogitsError naming the rows (its `.results` holds the outputs) unless
@@ -297,8 +298,9 @@ def generate(model: Model, prompts=None, method: str | None = None, max_new_toke
                           f"({limit}); pass max_new_tokens= (CLI --max-new-tokens) to override it")
     # seconds = the call's wall time minus JAX's tracing / lowering / compiling, reported apart as
     # compile_seconds (None when this JAX cannot report it: then seconds includes it), and minus what
-    # the method spent preparing (speculative: calibrate_seconds, tree_auto_seconds), which its own stats
-    # report with its compiles: counted there only, so seconds is the decode's and the figures add up.
+    # the method spent preparing (speculative: calibrate_seconds, tree_auto_seconds,
+    # drafter_load_seconds), which its own stats report with its compiles: counted there only, so
+    # seconds is the decode's and the figures add up.
     with CompileClock() as compiling:
         start = time.perf_counter()
         tokens, lengths, stats = spec.run(model, prompt_tokens, prompt_lengths, max_new_tokens, opts)

@@ -10,7 +10,7 @@ r"""Command line: `jaxdecode generate | methods | demo | train | index`.
     jaxdecode bench --model DIR --prompts-file F --method greedy --method 'speculative:tree=chain:4'
                     [--batch-size 1,4] [--max-new-tokens N] [--json]   (jaxdecode.bench: the row fields)
     jaxdecode calibrate --model DIR [--draft DIR] [--drafter NAME] [--tree SPEC] --batch-size 1,4,16
-                        (step costs for adaptive speculation, cached; jaxdecode.costmodel)
+                        [--temperature 0,0.7]   (step costs for adaptive speculation, cached; jaxdecode.costmodel)
     (the constrained-decoding benchmark is `python benchmarks/bench_constrained.py` in a checkout;
      `jaxdecode index bench` only says so)
 
@@ -426,6 +426,10 @@ def _add_calibrate(sub):
     c.add_argument("--drafter-dir", default=None, help="trained drafter directory")
     c.add_argument("--tree", default=None, type=_str_or_int, help="tree spec, as `jaxdecode generate --tree`")
     c.add_argument("--batch-size", default="1", help="batch sizes, comma-separated (default 1), e.g. 1,4,16")
+    c.add_argument("--temperature", default="0",
+                   help="sampling temperatures the tables are for, comma-separated (default 0: greedy), e.g. 0,0.7; "
+                        "a sampled step costs more than a greedy one, so each has its own table, and one table "
+                        "serves every temperature above 0")
     c.add_argument("--context-len", type=int, default=None,
                    help="tokens in the KV cache while timing (default 256, within the model's positions); "
                         "rounded up to a power of two")
@@ -441,9 +445,11 @@ def _add_calibrate(sub):
 
 def cmd_calibrate(args) -> int:
     import jaxdecode
-    from jaxdecode.costmodel import calibrate, format_tables, parse_batch_sizes
+    from jaxdecode.costmodel import calibrate, format_tables, parse_batch_sizes, parse_temperatures
     from jaxdecode.drafters import make_drafter
+    from jaxdecode.sampling import SamplerConfig
     sizes = parse_batch_sizes(args.batch_size)  # bad requests fail before any model loads
+    temperatures = parse_temperatures(args.temperature)
     widths = None
     if args.widths is not None:
         try:
@@ -452,16 +458,21 @@ def cmd_calibrate(args) -> int:
             raise ValueError(f"--widths {args.widths!r}: give node counts separated by commas, e.g. 0,1,2,4") from None
     model = jaxdecode.load(args.model, **_dtype_kw(args))
     draft = jaxdecode.load(args.draft, **_dtype_kw(args)) if args.draft else None
-    drafter = make_drafter(args.drafter, model, draft=draft, tree=args.tree, drafter_dir=args.drafter_dir)
-    # widths None: costmodel.policy_widths, the rule generate keys its tables by, so generate reads these
-    rows = [calibrate(model, drafter, b, widths=widths, context_len=args.context_len, cache_dir=args.cache_dir,
-                      refresh=args.refresh) for b in sizes]
+    rows, temps = [], []
+    for t in temperatures:  # the drafter as generate builds it for that temperature (a cut may read it)
+        drafter = make_drafter(args.drafter, model, draft=draft, tree=args.tree, drafter_dir=args.drafter_dir,
+                               temperature=t)
+        sampler = SamplerConfig(temperature=t)
+        # widths None: costmodel.policy_widths, the rule generate keys its tables by, so generate reads these
+        rows += [calibrate(model, drafter, b, widths=widths, context_len=args.context_len, cache_dir=args.cache_dir,
+                           refresh=args.refresh, sampler=sampler) for b in sizes]
+        temps += [t] * len(sizes)
     if args.json:
-        for table, path, measured in rows:
+        for (table, path, measured), t in zip(rows, temps):
             cached = None if path is None else str(path)  # None: the cache could not be written
-            print(json.dumps(dict(table.to_json(), cache_file=cached, measured=measured)))
-    else:
-        print(format_tables(rows))
+            print(json.dumps(dict(table.to_json(), temperature=t, cache_file=cached, measured=measured)))
+    else:  # one table per temperature (the header says greedy or sampled)
+        print("\n\n".join(format_tables(rows[i:i + len(sizes)]) for i in range(0, len(rows), len(sizes))))
     return 0
 
 

@@ -24,7 +24,8 @@ else $XDG_CACHE_HOME/jaxdecode, else ~/.cache/jaxdecode). The key holds everythi
 the model (config + a content hash of its parameters), the drafter (type, static fields, content hash
 of its arrays), the device (platform, kind, count), the batch size, the widths, the context length
 rounded up to a power of two, the verifier, greedy or sampled, and the JAX version; anything changed is
-a miss. A cache file that cannot
+a miss, except that generate (and tree="auto") then reads the nearest other context bucket's table when
+one is cached (`any_context`). A cache file that cannot
 be read or does not hold a valid table for its key is re-measured with a warning, never an error.
 """
 from __future__ import annotations
@@ -49,7 +50,7 @@ import numpy as np
 from jaxdecode import files
 from jaxdecode.kernels.common import next_pow2, round_up
 
-SCHEMA = 19  # version of the cache file layout and of the key; bump when either changes meaning
+SCHEMA = 20  # version of the cache file layout and of the key; bump when either changes meaning
 # (4: DraftLM and self-speculation lost their idle step: older tables hold an idle cost no longer paid;
 # 5: plain steps of history_only drafters run as lean runs, priced per token;
 # 6: level_capped drafters draft only the levels a step verifies: draft_by_width, and forced steps
@@ -76,7 +77,9 @@ SCHEMA = 19  # version of the cache file layout and of the key; bump when either
 # host read) per plain token: older GPU tables overprice plain decoding; 18: a forward over the
 # pending token alone (a plain step) runs decode's attention, not the tree kernel: older GPU and TPU
 # tables overprice plain steps; 19: each item is the least of its timed loops, not their median: four
-# calibrations of the embedded target's steps (bf16, batch 1) spread +-9% by median, +-4% by least)
+# calibrations of the embedded target's steps (bf16, batch 1) spread +-9% by median, +-4% by least);
+# 20: a drafter's sampling temperature is keyed as greedy or sampled, not by value (the retrieval
+# default's cut reads it, its step costs do not): each new temperature measured again, ~45 s a time)
 DEFAULT_CONTEXT_LEN = 256
 # Trips of a timed engine step, at least: the first steps from the prefilled state cost more than
 # later ones (EAGLE-3's plain step at batch 4: 6.0 ms per trip over 3 trips, 4.2 over 32, 3.6 in a
@@ -183,7 +186,7 @@ class CostTable:
                 raise CostTableError(f"not JSON: {e}") from None
         fields = {"widths", "verify_seconds", "draft_seconds", "idle_seconds", "batch_size", "meta"}
         optional = {"step_seconds", "draft_by_width"}  # absent in tables written before they were measured
-        report = {"cache_file", "measured"}  # what `jaxdecode calibrate --json` adds to each table: ignored
+        report = {"cache_file", "measured", "temperature"}  # what `jaxdecode calibrate --json` adds: ignored
         if not isinstance(data, dict) or not fields <= set(data) <= fields | optional | report:
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise CostTableError(f"a cost table is an object with fields {sorted(fields)} (and optionally "
@@ -304,10 +307,28 @@ def model_fingerprint(model) -> dict:
     return {"config": _stable(config), "params": params_digest(params)}
 
 
+def _temperature_class(desc):
+    """`desc` (a `_stable` description) with every `temperature` field reduced to greedy or sampled."""
+    if isinstance(desc, list):
+        return [_temperature_class(x) for x in desc]
+    if not isinstance(desc, dict):
+        return desc
+    out = {k: _temperature_class(v) for k, v in desc.items()}
+    if isinstance(desc.get("temperature"), str):  # _stable writes floats as their repr
+        try:
+            out["temperature"] = "greedy" if float(desc["temperature"]) == 0.0 else "sampled"
+        except ValueError:
+            pass
+    return out
+
+
 def drafter_fingerprint(drafter) -> dict:
-    """Type name, static fields and a content hash of the drafter's arrays (its weights, tables)."""
+    """Type name, static fields and a content hash of the drafter's arrays (its weights, tables). A
+    drafter built for a sampling temperature (the retrieval drafter's cut reads its rates there) is
+    keyed by greedy or sampled alone: a step costs the same at 0.7 as at 0.9, and every new temperature
+    would otherwise be measured again."""
     name = f"{type(drafter).__module__}.{type(drafter).__qualname__}"
-    desc = _stable(drafter)
+    desc = _temperature_class(_stable(drafter))
     return {"type": name, "num_nodes": int(drafter.num_nodes),
             "digest": hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()}
 
@@ -568,7 +589,8 @@ def measure(model, drafter, batch_size: int, *, widths=None, context_len: int | 
             "dtype": config.dtype, "weights_dtype": _weights_dtype(params), "drafter": type(drafter).__name__,
             "num_nodes": n,
             "device": device_fingerprint(), "jax": jax.__version__, "context_len": context_len,
-            "attn_impl": attn_impl, "repeats": repeats, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            "attn_impl": attn_impl, "repeats": repeats, "sampling": not sampler.is_greedy,
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     where = f"batch {b}, context {context_len}"
 
     # (a) the target verification forward per width: the engine's _verify_forward at that one width.
@@ -801,9 +823,35 @@ def write_cached(path: Path, key: dict, table: CostTable) -> None:
     write_json_atomic(path, {"schema": SCHEMA, "key": key, "table": table.to_json()})
 
 
+def _nearest_context(model, drafter, key: dict, cache_dir) -> tuple[CostTable, Path] | None:
+    """A table cached for `key` but another context bucket, the nearest one (by ratio; of two as near,
+    the longer), with its file; None when no other bucket is cached. Files that do not read are
+    passed over silently here: their own context reports them when it is asked for."""
+    config, _ = _config_and_params(model)
+    limit = config.max_position_embeddings - drafter.max_depth - 1
+    want = key["context_len"]
+    buckets = {context_bucket(2 ** i, limit) for i in range(1, max(limit, 2).bit_length() + 1)} - {want}
+    found = []
+    for bucket in buckets:
+        other = dict(key, context_len=bucket)
+        path = cache_file(other, cache_dir)
+        if not path.is_file():
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            table = read_cached(path, other)
+        if table is not None:
+            found.append((abs(math.log2(bucket / want)), -bucket, table, path))
+    if not found:
+        return None
+    _, _, table, path = min(found, key=lambda f: f[:2])
+    return table, path
+
+
 def calibrate(model, drafter, batch_size: int, *, widths=None, context_len: int | None = None,
               cache_dir=None, progress=True, refresh: bool = False, attn_impl: str | None = None,
-              mesh=None, sampler=None, verifier=None, **measure_kw) -> tuple[CostTable, Path | None, bool]:
+              mesh=None, sampler=None, verifier=None, any_context: bool = False,
+              **measure_kw) -> tuple[CostTable, Path | None, bool]:
     """`load_or_calibrate`, also returning the cache file (None: it could not be written) and whether the
     table was measured now."""
     key = cache_key(model, drafter, batch_size, widths=widths, context_len=context_len,
@@ -812,6 +860,10 @@ def calibrate(model, drafter, batch_size: int, *, widths=None, context_len: int 
     table = None if refresh else read_cached(path, key)
     if table is not None:
         return table, path, False
+    if any_context and not refresh:  # a table of another context serves before minutes of measuring
+        near = _nearest_context(model, drafter, key, cache_dir)
+        if near is not None:
+            return near[0], near[1], False
     _emit(progress, f"calibrate: measuring step costs of {type(drafter).__name__} at batch {batch_size} "
                     f"(once; cached in {path})")
     table = measure(model, drafter, batch_size, widths=tuple(key["widths"]), context_len=key["context_len"],
@@ -828,9 +880,14 @@ def calibrate(model, drafter, batch_size: int, *, widths=None, context_len: int 
 
 
 def load_or_calibrate(model, drafter, batch_size: int, *, widths=None, context_len: int | None = None,
-                      cache_dir=None, progress=True, refresh: bool = False, **kw) -> CostTable:
+                      cache_dir=None, progress=True, refresh: bool = False, any_context: bool = False,
+                      **kw) -> CostTable:
     """The CostTable of `drafter` on `model` at `batch_size` on this device: from the cache when one was
     measured for the same key (module docstring), else measured now (`measure`) and cached.
+    any_context=True (what generate and tree="auto" pass): on a miss, a table cached for everything but
+    the context bucket serves, the nearest bucket's, instead of measuring (a step's costs grow with the
+    context nearly alike at every width, and the policy weighs them against each other); `table.meta
+    ["context_len"]` says which was read. Measured only when no bucket is cached.
 
     model: a jaxdecode Model or (config, params). widths: default `policy_widths(drafter)` (0, powers of
     two, N and the drafter's own verify_widths: the table generate reads). context_len:
@@ -840,7 +897,7 @@ def load_or_calibrate(model, drafter, batch_size: int, *, widths=None, context_l
     not is part of the key), verifier (part of the key; default as generate chooses), attn_impl, mesh
     and the other keywords (repeats, target_seconds, whole_step) go to `measure`."""
     return calibrate(model, drafter, batch_size, widths=widths, context_len=context_len, cache_dir=cache_dir,
-                     progress=progress, refresh=refresh, **kw)[0]
+                     progress=progress, refresh=refresh, any_context=any_context, **kw)[0]
 
 
 # ----------------------------------------------------------------------------- command line helpers
@@ -855,6 +912,22 @@ def parse_batch_sizes(text: str) -> tuple:
     if len(set(sizes)) != len(sizes):
         raise ValueError(f"--batch-size {text!r} repeats a batch size: give each once")
     return sizes
+
+
+def parse_temperatures(text: str) -> tuple:
+    """'0,0.7' -> (0.0, 0.7): distinct finite numbers >= 0; ValueError saying what is wrong otherwise."""
+    try:
+        temps = tuple(float(p) for p in str(text).split(","))
+    except ValueError:
+        raise ValueError(f"--temperature {text!r}: give numbers >= 0 separated by commas, e.g. 0,0.7") from None
+    if not all(math.isfinite(t) and t >= 0 for t in temps):
+        raise ValueError(f"--temperature {text!r}: every temperature must be a finite number >= 0 (0: greedy)")
+    if len(set(temps)) != len(temps):
+        raise ValueError(f"--temperature {text!r} repeats a temperature: give each once")
+    if sum(t > 0 for t in temps) > 1:
+        raise ValueError(f"--temperature {text!r}: every temperature above 0 shares one table (a sampled step "
+                         f"costs the same at any temperature): give one, e.g. 0,0.7")
+    return temps
 
 
 def format_tables(rows) -> str:
@@ -875,8 +948,9 @@ def format_tables(rows) -> str:
     meta = rows[0][0].meta if rows else {}
     stored = meta.get("weights_dtype")
     weights = f" (weights {stored})" if stored and stored != meta.get("dtype") else ""
+    decoding = {True: ", sampled", False: ", greedy"}.get(meta.get("sampling"), "")  # older tables: not said
     lines.insert(0, f"step costs in ms (whole batch): drafter {meta.get('drafter')} ({meta.get('num_nodes')} "
-                    f"nodes), {meta.get('model_type')} {meta.get('dtype')}{weights}, "
+                    f"nodes{decoding}), {meta.get('model_type')} {meta.get('dtype')}{weights}, "
                     f"context {meta.get('context_len')}, "
                     f"{meta.get('device', {}).get('device_kind')} x{meta.get('device', {}).get('device_count')}")
     lines += [f"batch {t.batch_size}: {p if p is not None else 'not cached (the cache could not be written)'}"

@@ -152,12 +152,16 @@ def _speculative(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
 
     sampler = sampler_from_options(opts)
     draft = opts["draft"]
-    if draft is not None and not isinstance(draft, Model):
-        draft = load(draft)
-    if draft is not None and opts.get("mesh") is not None:  # the draft model on the target's mesh
-        from jaxdecode.sharding import shard_params
-        draft = dataclasses.replace(draft, params=shard_params(draft.params, opts["mesh"]))
+    # Loading a draft model or a trained drafter's weights, building a datastore's table (seconds on a
+    # first call, then cached): reported as drafter_load_seconds, not in seconds, like the calibration.
+    with setup_clock(opts) as loading:
+        if draft is not None and not isinstance(draft, Model):
+            draft = load(draft)
+        if draft is not None and opts.get("mesh") is not None:  # the draft model on the target's mesh
+            from jaxdecode.sharding import shard_params
+            draft = dataclasses.replace(draft, params=shard_params(draft.params, opts["mesh"]))
     drafter, tree, tree_stats = opts["drafter"], opts["tree"], {}
+    drafter_load = loading[0]
     if drafter is None or isinstance(drafter, (str, TrainedDrafter)):  # built here, trained ones loaded
         def build(tree, name=drafter):
             return make_drafter(name, model, draft=draft, tree=tree, temperature=sampler.temperature,
@@ -167,7 +171,9 @@ def _speculative(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
                 tree, tree_stats = resolve_auto_tree(model, build, prompt_tokens, prompt_lengths, spec=tree,
                                                      sampler=sampler, verifier=opts["verifier"],
                                                      eos_ids=opts["eos_ids"], max_new_tokens=max_new_tokens)
-        drafter = build(tree)
+        with setup_clock(opts) as loading:
+            drafter = build(tree)
+        drafter_load += loading[0]
     elif is_auto(tree):
         raise ValueError("tree='auto' builds the drafter on the tree it chooses: name the drafter "
                          "(drafter='draft_lm', 'medusa', ...) instead of passing a Drafter object")
@@ -195,6 +201,7 @@ def _speculative(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
                              stream=stream_sink(opts))
     if policy is not None:
         tree_stats["calibrate_seconds"] = float(opts.get("calibrate_seconds", 0.0))  # compiles included
+    tree_stats["drafter_load_seconds"] = float(drafter_load)
     # What actually ran (defaults and tree="auto" resolved), reported with the batch's stats.
     tree_stats.update(drafter=drafter_name(drafter), verifier=str(verifier.name))
     tree_stats.setdefault("tree", tree if isinstance(tree, str) else tree_text(drafter))  # auto: its chosen spec
@@ -240,12 +247,13 @@ def _adaptive_policy(model, drafter, sampler, verifier, prompt_tokens, max_new_t
     policy = policy_for(drafter, sampler, widths=widths, **overrides)
     batch_size = int(prompt_tokens.shape[0])
     if isinstance(costs, (str, os.PathLike)):
-        costs = _costs_from_file(costs, batch_size)
+        costs = _costs_from_file(costs, batch_size, sampled=not sampler.is_greedy)
     elif costs is None:
         with setup_clock(opts) as spent:  # reported apart as calibrate_seconds, not in seconds
             costs = costmodel.load_or_calibrate(model, drafter, batch_size, widths=widths,
                                                 context_len=int(prompt_tokens.shape[1]) + max_new_tokens // 2,
-                                                mesh=opts.get("mesh"), sampler=sampler, verifier=verifier)
+                                                mesh=opts.get("mesh"), sampler=sampler, verifier=verifier,
+                                                any_context=True)
         opts["calibrate_seconds"] = spent[0]
     elif isinstance(getattr(costs, "batch_size", None), int) and costs.batch_size != batch_size:
         # a step's cost grows with the batch: another size's table misprices every step
@@ -258,9 +266,10 @@ def _adaptive_policy(model, drafter, sampler, verifier, prompt_tokens, max_new_t
     return policy, costs
 
 
-def _costs_from_file(path, batch_size: int):
+def _costs_from_file(path, batch_size: int, sampled: bool = False):
     """The cost table in a file written by `jaxdecode calibrate --json`: one JSON table per line, one per
-    batch size measured; the one for this batch size (an error when the file has none for it)."""
+    batch size (and temperature) measured; the one for this batch size and greedy or sampled decoding
+    (an error when the file has none for it; a table that does not say which decoding serves both)."""
     import json
 
     from jaxdecode import costmodel
@@ -276,9 +285,17 @@ def _costs_from_file(path, batch_size: int):
     except (OSError, ValueError) as e:
         raise ValueError(f"costs={str(path)!r} is not a readable cost table ({e}); write one with "
                          f"`jaxdecode calibrate --json`, or leave costs unset to measure them") from None
-    for table in tables:
-        if table.batch_size == batch_size:
+    decoding = "sampled" if sampled else "greedy"
+    sized = [t for t in tables if t.batch_size == batch_size]
+    for table in sized:
+        if table.meta.get("sampling", sampled) == sampled:
             return table
+    if sized:  # a sampled step costs more than a greedy one (the verifier's draws)
+        other = "greedy" if sampled else "sampled"
+        raise ValueError(f"costs={str(path)!r} holds a {other} cost table for batch size {batch_size}, not a "
+                         f"{decoding} one as this call decodes: calibrate for it too (`jaxdecode calibrate "
+                         f"--batch-size {batch_size} --temperature {'0.7' if sampled else '0'} --json`), or leave "
+                         f"costs unset to measure it")
     # One table or several, never another batch size's: a step's cost grows with the batch.
     held = (f"a cost table for batch size {tables[0].batch_size}" if len(tables) == 1
             else f"cost tables for batch sizes {[t.batch_size for t in tables]}")

@@ -838,7 +838,7 @@ def resolve_auto_tree(model, build_drafter: Callable[[Any], Any], prompt_tokens,
     context = int(np.max(np.asarray(prompt_lengths))) + (max_new_tokens or settings["tokens"]) // 2
     limit = model.config.max_position_embeddings - drafter.max_depth - 1
     costs = load_or_calibrate(model, drafter, batch, context_len=max(2, min(context, limit)), sampler=sampler,
-                              verifier=verifier, cache_dir=cache_dir, progress=progress)
+                              verifier=verifier, cache_dir=cache_dir, progress=progress, any_context=True)
     max_nodes = min(settings["max_nodes"] or drafter.num_nodes, max(costs.widths))
     per_level, per_node = costs.draft_seconds / depth, 0.0
     if not chain:  # drafting cost = levels + nodes: a chain of the comb's depth tells the two apart
@@ -849,7 +849,7 @@ def resolve_auto_tree(model, build_drafter: Callable[[Any], Any], prompt_tokens,
         if chain_drafter is not None and chain_drafter.num_nodes == depth:
             chain_costs = load_or_calibrate(model, chain_drafter, batch, widths=(1,),
                                             context_len=max(2, min(context, limit)), sampler=sampler,
-                                            cache_dir=cache_dir, progress=progress)
+                                            cache_dir=cache_dir, progress=progress, any_context=True)
             per_level, per_node = split_draft_cost(costs.draft_seconds, width, depth, chain_costs.draft_seconds)
             bookkeeping = (costs.step_at(1) - chain_costs.step_at(1)) / max(drafter.num_nodes - depth, 1)
             costs = SizedCosts(costs, drafter.num_nodes, max(0.0, bookkeeping))

@@ -259,8 +259,10 @@ def counted(monkeypatch):
     calls = []
 
     def fake(model, drafter, batch_size, *, widths, context_len, progress=True, **kw):
-        calls.append(dict(batch_size=batch_size, widths=widths, context_len=context_len))
-        return table(widths=tuple(widths), batch_size=batch_size, meta={"context_len": context_len}, steps=True)
+        sampled = kw.get("sampler") is not None and not kw["sampler"].is_greedy
+        calls.append(dict(batch_size=batch_size, widths=widths, context_len=context_len, sampled=sampled))
+        return table(widths=tuple(widths), batch_size=batch_size, steps=True,
+                     meta={"context_len": context_len, "sampling": sampled})
 
     monkeypatch.setattr(costmodel, "measure", fake)
     return calls
@@ -280,6 +282,55 @@ def test_second_call_is_a_hit(tmp_path, counted):
     assert len(counted) == 2 and counted[1]["context_len"] == 128
     costmodel.load_or_calibrate(model, d, 2, cache_dir=tmp_path, refresh=True, progress=False)
     assert len(counted) == 3
+
+
+def test_generate_reads_the_nearest_cached_context(tmp_path, counted):
+    """any_context (what generate and tree="auto" pass): a table cached for another context bucket serves
+    instead of minutes of measuring; of several, the nearest by ratio (a tie: the longer). Without it, or
+    with refresh, the asked-for bucket is measured. A sibling that does not read is passed over quietly."""
+    model, d = tiny(), PromptLookupDrafter(num_nodes=4)
+
+    def get(ctx, **kw):
+        return costmodel.load_or_calibrate(model, d, 1, cache_dir=tmp_path, context_len=ctx, progress=False, **kw)
+
+    assert get(128).meta["context_len"] == 128 and len(counted) == 1
+    assert get(16, any_context=True).meta["context_len"] == 128 and len(counted) == 1  # read, not measured
+    assert get(16).meta["context_len"] == 16 and len(counted) == 2  # calibrate's own request: measured
+    assert get(32, any_context=True).meta["context_len"] == 16  # 32 is 2x from 16, 4x from 128
+    assert get(64, any_context=True).meta["context_len"] == 128  # 4x from 16, 2x from 128
+    get(32)
+    assert get(64, any_context=True).meta["context_len"] == 128  # as near as 32: the longer
+    assert len(counted) == 3
+    assert get(64, any_context=True, refresh=True).meta["context_len"] == 64 and len(counted) == 4
+    for path in (tmp_path / "costs").glob("*.json"):  # every other bucket's file damaged
+        if json.loads(path.read_text())["key"]["context_len"] != 16:
+            path.write_text("not json")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert get(8, any_context=True).meta["context_len"] == 16 and len(counted) == 4
+    other = PromptLookupDrafter(num_nodes=2)  # everything else must match: another drafter is measured
+    costmodel.load_or_calibrate(model, other, 1, cache_dir=tmp_path, context_len=8, any_context=True,
+                                progress=False)
+    assert len(counted) == 5
+
+
+def test_a_sampling_temperature_is_keyed_as_sampled(tmp_path, counted):
+    """The retrieval default is built for the call's temperature (its cut reads the rates measured there),
+    which made every new temperature a new key and ~45 s of measuring on the embedded target. A step
+    costs the same at any temperature above 0: greedy and sampled are two keys, not one per value."""
+    from jaxdecode.drafters.retrieval import RetrievalDrafter
+    from jaxdecode.sampling import SamplerConfig
+    model = tiny()
+
+    def get(t):
+        d = RetrievalDrafter(table=None, num_nodes=4, history_ngram=3, temperature=t)
+        costmodel.load_or_calibrate(model, d, 1, cache_dir=tmp_path, progress=False, sampler=SamplerConfig(t))
+        return len(counted)
+
+    assert get(0.0) == 1 and get(0.7) == 2 and get(0.9) == 2 and get(1.5) == 2 and get(0.0) == 2
+    desc = costmodel._temperature_class({"temperature": "0.7", "inner": [{"temperature": "0.0"}], "x": "0.7"})
+    assert desc == {"temperature": "sampled", "inner": [{"temperature": "greedy"}], "x": "0.7"}
 
 
 def test_cache_dir_from_the_environment(tmp_path, monkeypatch, counted):
@@ -490,6 +541,29 @@ def test_calibration_and_auto_tree_are_reported_apart_from_seconds(tiny_llama_di
     assert parts <= wall + 1e-3, stats  # each counted once (rounding to 0.1 ms aside)
 
 
+def test_drafter_loading_is_reported_apart_from_seconds(tiny_llama_dir, monkeypatch):
+    """Building the drafter (a draft model read from a path, a trained drafter's weights, the retrieval
+    datastore's table: 2.4 s for the embedded target's default on a first call) is drafter_load_seconds,
+    not in seconds; it was in seconds, and a first call's 32 tokens looked 100x slower than the next."""
+    import time
+
+    import jaxdecode
+    import jaxdecode.drafters as drafters
+    model = jaxdecode.load(tiny_llama_dir)
+    kw = dict(method="speculative", drafter="prompt_lookup", tree="chain:2", max_new_tokens=4, adaptive=False)
+    jaxdecode.generate(model, ["import os"], **kw)  # compiled
+    real = drafters.make_drafter
+    monkeypatch.setattr(drafters, "make_drafter", lambda *a, **k: (time.sleep(0.5), real(*a, **k))[1])
+    start = time.perf_counter()
+    stats = jaxdecode.generate(model, ["import os"], **kw)[0].batch_stats
+    wall = time.perf_counter() - start
+    assert stats["drafter_load_seconds"] >= 0.5 and stats["seconds"] < 0.5, stats
+    assert stats["seconds"] + stats["compile_seconds"] + stats["drafter_load_seconds"] <= wall + 1e-3
+    draft = jaxdecode.generate(model, ["import os"], method="speculative", draft=str(tiny_llama_dir),
+                               tree="chain:2", max_new_tokens=4, adaptive=False)[0].batch_stats
+    assert draft["drafter_load_seconds"] > 0  # the draft model read from its directory
+
+
 def test_costs_of_another_batch_size_are_refused(tiny_llama_dir, tmp_path, counted):
     """costs= (a CostTable, or a file with one table) measured at batch size 2 does not price a batch-1
     call: an error naming both sizes and the fix, as for a file with several tables of other sizes."""
@@ -535,6 +609,49 @@ def test_cli_calibrate_does_not_claim_a_cache_it_could_not_write(tiny_llama_dir,
     with pytest.warns(UserWarning):
         assert main(argv + ["--json"]) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[0])["cache_file"] is None
+
+
+def test_cli_calibrate_measures_the_sampled_table_too(tiny_llama_dir, tmp_path, capsys, counted, monkeypatch):
+    """`--temperature 0,0.7`: a greedy and a sampled table (a sampled step costs more), each what generate
+    reads at its temperature, at any context (the nearest bucket); a costs= file picks the table of the
+    call's decoding, and one holding only the other decoding's is refused."""
+    import jaxdecode
+    from jaxdecode.cli import main
+    monkeypatch.setenv("JAXDECODE_CACHE_DIR", str(tmp_path))
+    argv = ["calibrate", "--model", str(tiny_llama_dir), "--drafter", "prompt_lookup", "--tree", "chain:2",
+            "--batch-size", "1,2", "--context-len", "32", "--temperature", "0,0.7"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("nodes, greedy)") == 1 and out.count("nodes, sampled)") == 1
+    assert [(c["batch_size"], c["sampled"]) for c in counted] == [(1, False), (2, False), (1, True), (2, True)]
+    assert main(argv + ["--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["batch_size"], r["temperature"], r["meta"]["sampling"]) for r in rows] == [
+        (1, 0.0, False), (2, 0.0, False), (1, 0.7, True), (2, 0.7, True)]
+    model = jaxdecode.load(tiny_llama_dir)
+    kw = dict(method="speculative", drafter="prompt_lookup", tree="chain:2", max_new_tokens=4)
+    for t in (0.0, 0.5, 1.2):  # prompt 3 + 4 // 2 tokens: context 8, read from the 32 bucket
+        jaxdecode.generate(model, ["abc"], temperature=t, seed=0, **kw)
+    assert len(counted) == 4  # nothing measured by generate
+    both = tmp_path / "both.jsonl"
+    both.write_text("\n".join(json.dumps(r) for r in rows))
+    greedy_only = tmp_path / "greedy.jsonl"
+    greedy_only.write_text("\n".join(json.dumps(r) for r in rows[:2]))
+    jaxdecode.generate(model, ["abc"], temperature=0.8, seed=0, costs=str(both), **kw)
+    with pytest.raises(ValueError, match=r"holds a greedy cost table for batch size 1, not a sampled one.*"
+                                         r"--temperature 0.7 --json"):
+        jaxdecode.generate(model, ["abc"], temperature=0.8, seed=0, costs=str(greedy_only), **kw)
+    from jaxdecode.decoders import _costs_from_file
+    assert _costs_from_file(both, 2, sampled=True).meta["sampling"] is True
+    assert _costs_from_file(both, 2, sampled=False).meta["sampling"] is False
+
+
+@pytest.mark.parametrize("temps, match", [("x", "numbers >= 0"), ("-1", ">= 0"), ("0,0", "repeats"),
+                                          ("0.7,0.9", "shares one table"), ("nan", "finite")])
+def test_cli_bad_temperatures(temps, match, capsys):
+    from jaxdecode.cli import main
+    assert main(["calibrate", "--model", "unused", "--temperature", temps]) == 2
+    assert match in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("sizes, match", [("0", ">= 1"), ("1,x", "ints >= 1"), ("4,4", "repeats"), ("", "ints")])
