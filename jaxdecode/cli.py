@@ -29,6 +29,7 @@ import io
 import json
 import os
 import sys
+from pathlib import Path
 
 
 def _add_generate(sub):
@@ -447,9 +448,14 @@ def cmd_calibrate(args) -> int:
     import jaxdecode
     from jaxdecode.costmodel import calibrate, format_tables, parse_batch_sizes, parse_temperatures
     from jaxdecode.drafters import make_drafter
+    from jaxdecode.files import default_cache_dir
     from jaxdecode.sampling import SamplerConfig
     sizes = parse_batch_sizes(args.batch_size)  # bad requests fail before any model loads
     temperatures = parse_temperatures(args.temperature)
+    if isinstance(args.tree, str) and args.tree.split(":")[0].strip() == "auto":
+        raise ValueError("--tree auto is chosen by `jaxdecode generate` on first use, which measures the tables "
+                         "of the trees it tries (tree_auto_seconds) and caches its choice; calibrate the tree it "
+                         "chose (batch_stats['tree'], e.g. --tree chain:5), or run that generate once")
     widths = None
     if args.widths is not None:
         try:
@@ -473,6 +479,9 @@ def cmd_calibrate(args) -> int:
             print(json.dumps(dict(table.to_json(), temperature=t, cache_file=cached, measured=measured)))
     else:  # one table per temperature (the header says greedy or sampled)
         print("\n\n".join(format_tables(rows[i:i + len(sizes)]) for i in range(0, len(rows), len(sizes))))
+    if args.cache_dir is not None and Path(args.cache_dir).expanduser().resolve() != default_cache_dir().resolve():
+        print(f"note: generate and bench read tables from {default_cache_dir()}; set JAXDECODE_CACHE_DIR="
+              f"{args.cache_dir} for them to read these", file=sys.stderr)
     return 0
 
 

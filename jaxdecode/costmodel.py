@@ -586,7 +586,7 @@ def measure(model, drafter, batch_size: int, *, widths=None, context_len: int | 
     active = jnp.ones((b,), bool)
     meta = {"model": model_digest,
             "model_type": config.model_type, "num_parameters": config.num_parameters(),
-            "dtype": config.dtype, "weights_dtype": _weights_dtype(params), "drafter": type(drafter).__name__,
+            "dtype": config.dtype, "weights_dtype": weights_dtype(params), "drafter": type(drafter).__name__,
             "num_nodes": n,
             "device": device_fingerprint(), "jax": jax.__version__, "context_len": context_len,
             "attn_impl": attn_impl, "repeats": repeats, "sampling": not sampler.is_greedy,
@@ -656,10 +656,12 @@ def measure(model, drafter, batch_size: int, *, widths=None, context_len: int | 
                      idle_seconds=idle, batch_size=b, draft_by_width=draft_by_width, meta=meta)
 
 
-def _weights_dtype(params) -> str:
-    """The dtype(s) the weight matrices (the 2-D and wider parameters) are stored in, e.g. "bfloat16"
-    under weight-only half precision while the model computes in float32."""
-    return "/".join(sorted({str(x.dtype) for x in jax.tree.leaves(params) if getattr(x, "ndim", 0) >= 2}))
+def weights_dtype(params) -> str:
+    """The dtype(s) the weight matrices (the 2-D and wider floating parameters) are stored in, e.g.
+    "bfloat16" under weight-only half precision while the model computes in float32 (the embedding's
+    uint16 view, `with_embed_words`, is not a weight of its own)."""
+    return "/".join(sorted({str(x.dtype) for x in jax.tree.leaves(params)
+                            if getattr(x, "ndim", 0) >= 2 and jnp.issubdtype(x.dtype, jnp.floating)}))
 
 
 def trip_context(history, hist_len, key, trip, vocab_size: int, max_nodes=None):

@@ -245,9 +245,10 @@ def _adaptive_policy(model, drafter, sampler, verifier, prompt_tokens, max_new_t
     # costmodel's rule, which `jaxdecode calibrate` follows too: its tables have the key read here
     widths = costmodel.policy_widths(drafter, opts["verify_widths"])
     policy = policy_for(drafter, sampler, widths=widths, **overrides)
-    batch_size = int(prompt_tokens.shape[0])
+    batch_size, sampled = int(prompt_tokens.shape[0]), not sampler.is_greedy
     if isinstance(costs, (str, os.PathLike)):
-        costs = _costs_from_file(costs, batch_size, sampled=not sampler.is_greedy)
+        path, costs = costs, _costs_from_file(costs, batch_size, sampled=sampled)
+        _check_costs_fit(costs, f"costs={str(path)!r} holds a cost table", model, drafter, batch_size, sampled)
     elif costs is None:
         with setup_clock(opts) as spent:  # reported apart as calibrate_seconds, not in seconds
             costs = costmodel.load_or_calibrate(model, drafter, batch_size, widths=widths,
@@ -255,15 +256,45 @@ def _adaptive_policy(model, drafter, sampler, verifier, prompt_tokens, max_new_t
                                                 mesh=opts.get("mesh"), sampler=sampler, verifier=verifier,
                                                 any_context=True)
         opts["calibrate_seconds"] = spent[0]
-    elif isinstance(getattr(costs, "batch_size", None), int) and costs.batch_size != batch_size:
-        # a step's cost grows with the batch: another size's table misprices every step
-        raise ValueError(f"costs= is a cost table measured at batch size {costs.batch_size}, not at this call's "
-                         f"{batch_size}: calibrate at this batch size (costmodel.load_or_calibrate(model, "
-                         f"drafter, {batch_size}); CLI `jaxdecode calibrate --batch-size {batch_size} --json`), "
-                         f"or leave costs unset to measure it")
+    else:
+        _check_costs_fit(costs, "costs= is a cost table", model, drafter, batch_size, sampled)
     if jax.process_count() > 1:  # every process must decide alike: all use process 0's measurements
         costs = _same_costs_everywhere(costs)
     return policy, costs
+
+
+def _calibrate_hint(batch_size: int, sampled: bool) -> str:
+    """How to measure the table a call needs (Python and CLI), for the costs= errors."""
+    temp = " --temperature 0.7" if sampled else ""
+    return (f"calibrate for it (costmodel.load_or_calibrate(model, drafter, {batch_size}"
+            f"{', sampler=SamplerConfig(0.7)' if sampled else ''}); CLI `jaxdecode calibrate --batch-size "
+            f"{batch_size}{temp} --json` with the call's --drafter, --tree and dtype options), or leave costs "
+            f"unset to measure it")
+
+
+def _check_costs_fit(costs, what: str, model, drafter, batch_size: int, sampled: bool) -> None:
+    """A costs= table prices this call's steps only if it was measured for them: the same batch size, drafter
+    (type and node count), compute and weight dtypes, and greedy or sampled decoding. What a table's meta
+    does not record (tables made by hand, older files) is not checked."""
+    from jaxdecode.costmodel import weights_dtype
+    if isinstance(getattr(costs, "batch_size", None), int) and costs.batch_size != batch_size:
+        # a step's cost grows with the batch: another size's table misprices every step
+        raise ValueError(f"{what} measured at batch size {costs.batch_size}, not at this call's {batch_size}: "
+                         + _calibrate_hint(batch_size, sampled))
+    meta = getattr(costs, "meta", None)
+    if not isinstance(meta, dict):
+        return
+    floats = lambda text: "/".join(d for d in str(text).split("/") if "float" in d)  # noqa: E731
+    checks = [("drafter", meta.get("drafter"), type(drafter).__name__),
+              ("tree size (nodes)", meta.get("num_nodes"), int(drafter.num_nodes)),
+              ("compute dtype", meta.get("dtype"), model.config.dtype),
+              ("weight dtype", floats(meta.get("weights_dtype") or "") or None, weights_dtype(model.params)),
+              ("decoding", {True: "sampled", False: "greedy"}.get(meta.get("sampling")),
+               "sampled" if sampled else "greedy")]
+    for name, measured, call in checks:
+        if measured is not None and measured != call:
+            raise ValueError(f"{what} measured for {name} {measured}, but this call has {call}: it would "
+                             f"misprice every step; " + _calibrate_hint(batch_size, sampled))
 
 
 def _costs_from_file(path, batch_size: int, sampled: bool = False):
@@ -293,15 +324,13 @@ def _costs_from_file(path, batch_size: int, sampled: bool = False):
     if sized:  # a sampled step costs more than a greedy one (the verifier's draws)
         other = "greedy" if sampled else "sampled"
         raise ValueError(f"costs={str(path)!r} holds a {other} cost table for batch size {batch_size}, not a "
-                         f"{decoding} one as this call decodes: calibrate for it too (`jaxdecode calibrate "
-                         f"--batch-size {batch_size} --temperature {'0.7' if sampled else '0'} --json`), or leave "
-                         f"costs unset to measure it")
+                         f"{decoding} one as this call decodes: " + _calibrate_hint(batch_size, sampled))
     # One table or several, never another batch size's: a step's cost grows with the batch.
-    held = (f"a cost table for batch size {tables[0].batch_size}" if len(tables) == 1
-            else f"cost tables for batch sizes {[t.batch_size for t in tables]}")
-    raise ValueError(f"costs={str(path)!r} holds {held}, not for this call's {batch_size}: calibrate at this "
-                     f"batch size too (`jaxdecode calibrate --batch-size {batch_size} --json`), or leave costs "
-                     f"unset to measure it")
+    sizes = sorted({t.batch_size for t in tables})
+    held = (f"a cost table for batch size {sizes[0]}" if len(tables) == 1
+            else f"cost tables for batch sizes {sizes}")
+    raise ValueError(f"costs={str(path)!r} holds {held}, not for this call's {batch_size}: "
+                     + _calibrate_hint(batch_size, sampled))
 
 
 def _policy_overrides(setting) -> dict | None:

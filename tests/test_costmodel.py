@@ -573,12 +573,61 @@ def test_costs_of_another_batch_size_are_refused(tiny_llama_dir, tmp_path, count
     (tmp_path / "b2.json").write_text(json.dumps(two.to_json()))
     kw = dict(method="speculative", drafter="prompt_lookup", tree="chain:2", max_new_tokens=4)
     for costs in (two, str(tmp_path / "b2.json")):
-        with pytest.raises(ValueError, match=r"batch size 2, not .*this call's 1: calibrate at this batch size.*"
+        with pytest.raises(ValueError, match=r"batch size 2, not .*this call's 1: calibrate for it.*"
                                              r"--batch-size 1 --json"):
             jaxdecode.generate(model, ["import os"], costs=costs, **kw)
     assert len(counted) == 0  # refused, not measured instead
     out = jaxdecode.generate(model, ["import os", "x = 1"], costs=two, **kw)  # its own batch size: used
     assert out[0].batch_stats["calibrate_seconds"] == 0.0 and len(counted) == 0
+
+
+def test_costs_for_another_setup_are_refused(tiny_llama_dir, tmp_path, counted):
+    """A costs= table (object or file) is checked against what its meta records: the drafter's type and node
+    count, the compute and weight dtypes and greedy or sampled decoding. A greedy table object priced a
+    sampled call, and a retrieval table a prompt-lookup or bf16 call, without a word. The hint names the
+    call's temperature (following a hint without it led to the next error)."""
+    import jaxdecode
+    model = jaxdecode.load(tiny_llama_dir)
+    kw = dict(method="speculative", drafter="prompt_lookup", tree="chain:2", max_new_tokens=4)
+    fit = dict(drafter="PromptLookupDrafter", num_nodes=2, dtype=model.config.dtype,
+               weights_dtype=costmodel.weights_dtype(model.params) + "/uint16", sampling=False)
+    base = table(widths=(0, 1, 2), steps=True, meta=fit)
+    jaxdecode.generate(model, ["import os"], costs=base, **kw)  # fits (the uint16 view is not a weight)
+    for change, match in [(dict(drafter="RetrievalDrafter"), "drafter RetrievalDrafter, but this call has "
+                                                              "PromptLookupDrafter"),
+                          (dict(num_nodes=16), "tree size .nodes. 16, but this call has 2"),
+                          (dict(weights_dtype="bfloat16"), "weight dtype bfloat16, but this call has float32"),
+                          (dict(dtype="bfloat16"), "compute dtype bfloat16")]:
+        bad = dataclasses.replace(base, meta=dict(fit, **change))
+        with pytest.raises(ValueError, match=f"costs= is a cost table measured for {match}.*--batch-size 1 --json"):
+            jaxdecode.generate(model, ["import os"], costs=bad, **kw)
+        (tmp_path / "t.json").write_text(json.dumps(bad.to_json()))
+        with pytest.raises(ValueError, match="t.json' holds a cost table measured for " + match):
+            jaxdecode.generate(model, ["import os"], costs=str(tmp_path / "t.json"), **kw)
+    with pytest.raises(ValueError, match=r"decoding greedy, but this call has sampled.*--temperature 0.7 --json"):
+        jaxdecode.generate(model, ["import os"], costs=base, temperature=0.7, seed=0, **kw)
+    with pytest.raises(ValueError, match=r"batch size 1, not at this call's 2:.*--batch-size 2 --temperature 0.7"):
+        jaxdecode.generate(model, ["import os", "x"], costs=base, temperature=0.7, seed=0, **kw)
+    many = tmp_path / "many.jsonl"  # two temperatures x batch sizes 1, 2: each size named once
+    many.write_text("\n".join(json.dumps(dataclasses.replace(base, batch_size=b, meta=dict(fit, sampling=s))
+                                          .to_json()) for s in (False, True) for b in (1, 2)))
+    with pytest.raises(ValueError, match=r"cost tables for batch sizes \[1, 2\], not for this call's 3"):
+        jaxdecode.generate(model, ["a", "b", "c"], costs=str(many), **kw)
+    assert len(counted) == 0
+
+
+def test_cli_calibrate_says_what_it_cannot_do(tiny_llama_dir, tmp_path, capsys, counted, monkeypatch):
+    """--tree auto is chosen by generate (an error saying so, not "unknown tree spec"); a --cache-dir that
+    generate does not read gets a note naming JAXDECODE_CACHE_DIR."""
+    from jaxdecode.cli import main
+    monkeypatch.setenv("JAXDECODE_CACHE_DIR", str(tmp_path / "default"))
+    base = ["calibrate", "--model", str(tiny_llama_dir), "--drafter", "prompt_lookup", "--context-len", "16"]
+    assert main(base + ["--tree", "auto"]) == 2
+    assert "--tree auto is chosen by `jaxdecode generate` on first use" in capsys.readouterr().err
+    assert main(base + ["--tree", "chain:2", "--cache-dir", str(tmp_path / "elsewhere")]) == 0
+    assert f"set JAXDECODE_CACHE_DIR={tmp_path / 'elsewhere'} for them" in capsys.readouterr().err
+    assert main(base + ["--tree", "chain:2", "--cache-dir", str(tmp_path / "default")]) == 0
+    assert "JAXDECODE_CACHE_DIR" not in capsys.readouterr().err
 
 
 def test_refused_pairs_are_refused_before_measuring(tiny_llama_dir, counted):
