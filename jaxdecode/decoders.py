@@ -226,6 +226,8 @@ def tree_text(drafter) -> str:
     if isinstance(b, DynamicTreeBuilder):
         return f"eagle:depth={b.depth},topk={b.topk},total={b.total}"
     nodes, depth = getattr(drafter, "num_nodes", None), getattr(drafter, "max_depth", None)
+    if b is None and getattr(drafter, "is_chain", False) and nodes == depth:  # lookup drafters' chains
+        return f"chain:{nodes}"  # as the tree option takes it back
     shape = "static" if isinstance(b, StaticTreeBuilder) else type(b or drafter).__name__
     return f"{shape}: {nodes} nodes, depth {depth}" + (f", {b.rule}" if isinstance(b, StaticTreeBuilder) else "")
 

@@ -164,6 +164,10 @@ def test_an_int_tree_is_a_chain(model):
     out = jaxdecode.generate(model, [[5, 6], [7]], method="speculative", draft=model, tree=3, max_new_tokens=6,
                              adaptive=False)
     assert [r.tokens for r in out] == want and out[0].batch_stats["tree"] == "chain:3"
+    # a lookup drafter's chain (no tree builder) is reported as the spec the tree option takes back
+    out = jaxdecode.generate(model, [[5, 6], [7]], method="speculative", drafter="prompt_lookup", tree="chain:4",
+                             max_new_tokens=6, adaptive=False)
+    assert [r.tokens for r in out] == want and out[0].batch_stats["tree"] == "chain:4"
 
 
 def test_cli_refuses_bad_option_values(tiny_llama_dir, capsys):
