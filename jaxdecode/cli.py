@@ -450,9 +450,10 @@ def cmd_calibrate(args) -> int:
     from jaxdecode.drafters import make_drafter
     from jaxdecode.files import default_cache_dir
     from jaxdecode.sampling import SamplerConfig
+    from jaxdecode.treeopt import is_auto
     sizes = parse_batch_sizes(args.batch_size)  # bad requests fail before any model loads
     temperatures = parse_temperatures(args.temperature)
-    if isinstance(args.tree, str) and args.tree.split(":")[0].strip() == "auto":
+    if is_auto(args.tree):
         raise ValueError("--tree auto is chosen by `jaxdecode generate` on first use, which measures the tables "
                          "of the trees it tries (tree_auto_seconds) and caches its choice; calibrate the tree it "
                          "chose (batch_stats['tree'], e.g. --tree chain:5), or run that generate once")
