@@ -12,15 +12,16 @@ from typing import Any
 
 import numpy as np
 
-# model_type values handled by the llama-family forward (pre-norm, RMSNorm, RoPE, gated SiLU MLP).
-LLAMA_FAMILY = ("llama", "qwen2", "mistral", "smollm", "smollm3_llama")
+# model_type values handled by the llama-family forward (pre-norm, RMSNorm, RoPE, gated SiLU MLP);
+# Qwen3 adds an RMSNorm over each head's queries and keys before RoPE (qk_norm).
+LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "smollm", "smollm3_llama")
 # Masked-diffusion LM layouts (llama-family networks without the causal mask), by config.json
 # model_type: LLaDA (GSAI-ML/LLaDA-8B-*: its own keys and weight names), Dream (Dream-org/Dream-v0-*:
 # Qwen2 keys and weight names, logits shifted by one) and Fast-dLLM v2 (Efficient-Large-Model/
 # Fast_dLLM_v2_*: a Qwen2 checkpoint plus `bd_size`, block diffusion with the same shift).
 LLADA_TYPE, DREAM_TYPE, FAST_DLLM_TYPE = "llada", "Dream", "Fast_dLLM_Qwen"
 DIFFUSION_MODEL_TYPES = (LLADA_TYPE, DREAM_TYPE, FAST_DLLM_TYPE)
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "gpt2") + DIFFUSION_MODEL_TYPES
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gpt2") + DIFFUSION_MODEL_TYPES
 ATTENTIONS = ("causal", "bidirectional", "block")
 # What each diffusion layout implies when its config.json does not say otherwise:
 # (attention, logits_shift). Fast-dLLM v2's block size is its config's `bd_size`.
@@ -34,7 +35,7 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    model_type: str  # "llama" | "qwen2" | "mistral" | "gpt2" (HF model_type, kept for saving)
+    model_type: str  # "llama" | "qwen2" | "qwen3" | "mistral" | "gpt2" (HF model_type, kept for saving)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -51,6 +52,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3)
     # Per-layer sliding window (0 = full attention); a token at position p sees keys at p' with p - p' < w.
     sliding_windows: tuple = ()
     tie_word_embeddings: bool = False
@@ -132,7 +134,7 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         d, f, v, hd = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
-        attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
+        attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2) + (2 * hd if self.qk_norm else 0)
         mlp = 2 * d * f if self.is_gpt2 else 3 * d * f
         emb = v * d * (1 if self.tie_word_embeddings else 2)
         if self.is_gpt2:
@@ -217,7 +219,7 @@ class ModelConfig:
             rope_scaling=scaling_t,
             qkv_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             o_bias=bool(cfg.get("attention_bias", False)) and model_type != "qwen2",
-            mlp_bias=bool(cfg.get("mlp_bias", False)), sliding_windows=windows,
+            mlp_bias=bool(cfg.get("mlp_bias", False)), qk_norm=model_type == "qwen3", sliding_windows=windows,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), activation="silu",
             dtype=dtype, bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
             pad_token_id=cfg.get("pad_token_id"), extra=_extra(cfg))
@@ -253,7 +255,11 @@ class ModelConfig:
                        n_positions=self.max_position_embeddings, layer_norm_epsilon=self.norm_eps,
                        activation_function="gelu_new")
             return out
-        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+        if self.qk_norm != (self.model_type == "qwen3"):
+            raise ConfigError(f"a {self.model_type} config.json cannot say qk_norm={self.qk_norm}: Qwen3 "
+                              f"(model_type 'qwen3') is the layout with per-head query/key norms")
+        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "mistral": "MistralForCausalLM",
                 DREAM_TYPE: "DreamModel", FAST_DLLM_TYPE: "Fast_dLLM_QwenForCausalLM"}[self.model_type]
         rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope_scaling is not None:
@@ -304,11 +310,11 @@ def _sliding_windows(cfg: dict, model_type: str, n_layers: int) -> tuple:
     if not window:
         return (0,) * n_layers
     layer_types = cfg.get("layer_types")
-    if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
         return (0,) * n_layers
     if layer_types:
         return tuple(int(window) if t == "sliding_attention" else 0 for t in layer_types)
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen3"):
         # transformers 4.x semantics: layers >= max_window_layers use the window.
         mwl = cfg.get("max_window_layers", n_layers)
         return tuple(int(window) if i >= mwl else 0 for i in range(n_layers))

@@ -249,6 +249,9 @@ def _hf_layer_map(config: ModelConfig, i: int) -> dict[str, tuple[str, callable,
         m[p + "self_attn.v_proj.bias"] = ("bv", lambda b: b.reshape(kv, hd), (kv * hd,))
     if config.o_bias:
         m[p + "self_attn.o_proj.bias"] = ("bo", lambda b: b, (d,))
+    if config.qk_norm:
+        m[p + "self_attn.q_norm.weight"] = ("q_norm/scale", lambda w: w, (hd,))
+        m[p + "self_attn.k_norm.weight"] = ("k_norm/scale", lambda w: w, (hd,))
     if config.mlp_bias:
         m[p + "mlp.gate_proj.bias"] = ("b_gate", lambda b: b, (f,))
         m[p + "mlp.up_proj.bias"] = ("b_up", lambda b: b, (f,))
@@ -470,6 +473,9 @@ def to_hf_tensors(config: ModelConfig, params) -> dict[str, jax.Array]:
                 out[p + "self_attn.v_proj.bias"] = L["bv"][i].reshape(-1)
             if config.o_bias:
                 out[p + "self_attn.o_proj.bias"] = L["bo"][i]
+            if config.qk_norm:
+                out[p + "self_attn.q_norm.weight"] = L["q_norm"]["scale"][i]
+                out[p + "self_attn.k_norm.weight"] = L["k_norm"]["scale"][i]
             if config.mlp_bias:
                 out[p + "mlp.gate_proj.bias"] = L["b_gate"][i]
                 out[p + "mlp.up_proj.bias"] = L["b_up"][i]

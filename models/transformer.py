@@ -24,7 +24,8 @@ under shard_map on each device's rows and KV heads. Without a cache the T tokens
 Parameter pytree (L = layers, D = hidden, H/KV = heads, hd = head dim, F = MLP width):
     embed [V, D]; pos_embed [P, D] (GPT-2); lm_head [D, V] (untied only)
     final_norm {scale [D], bias [D] (GPT-2)}
-    layers: attn_norm/mlp_norm {scale [L, D], bias}, wq [L, D, H, hd], wk/wv [L, D, KV, hd],
+    layers: attn_norm/mlp_norm {scale [L, D], bias}, q_norm/k_norm {scale [L, hd]} (Qwen3),
+            wq [L, D, H, hd], wk/wv [L, D, KV, hd],
             wo [L, H, hd, D], bq [L, H, hd], bk/bv [L, KV, hd], bo [L, D],
             w_gate/w_up [L, D, F], w_down [L, F, D], b_gate/b_up [L, F], b_down [L, D]
 """
@@ -232,6 +233,9 @@ def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, attend):
     v = matmul("btd,dnh->btnh", h, lp["wv"])
     if config.qkv_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    if config.qk_norm:  # Qwen3: each head's query and key RMS-normed over head_dim, before RoPE
+        q = rms_norm(q, lp["q_norm"], config.norm_eps)
+        k = rms_norm(k, lp["k_norm"], config.norm_eps)
     if config.uses_rope:
         q = apply_rope(q, q_pos, inv_freq)
         k = apply_rope(k, q_pos, inv_freq)
@@ -530,6 +534,8 @@ def init_params(config: ModelConfig, key, std: float = 0.02):
                       bv=jnp.zeros((n, kv, hd), dt))
     if config.o_bias:
         layers["bo"] = jnp.zeros((n, d), dt)
+    if config.qk_norm:
+        layers.update(q_norm={"scale": jnp.ones((n, hd), dt)}, k_norm={"scale": jnp.ones((n, hd), dt)})
     if config.is_gpt2 or config.mlp_bias:
         layers.update(b_up=jnp.zeros((n, f), dt), b_down=jnp.zeros((n, d), dt))
         if not config.is_gpt2:

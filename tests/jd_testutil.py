@@ -28,8 +28,9 @@ def make_tokenizer(out_dir, vocab_size: int = 320):
     return fast
 
 
-def make_hf_model(kind: str, vocab_size: int = 320, seed: int = 0, **overrides):
-    """A random transformers model of the given family, in eval mode (no dropout)."""
+def make_hf_model(kind: str, vocab_size: int = 320, seed: int = 0, random_norms: bool = False, **overrides):
+    """A random transformers model of the given family, in eval mode (no dropout). random_norms: the norm
+    weights drawn around 1 instead of all ones (a norm applied in the wrong place then shows)."""
     import torch
     import transformers as tf
 
@@ -43,13 +44,20 @@ def make_hf_model(kind: str, vocab_size: int = 320, seed: int = 0, **overrides):
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
         cfg_cls, cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
                         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+                        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
                         "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}[kind]
         cfg = cfg_cls(**{**llama_like, **base})
     for k, v in overrides.items():
         setattr(cfg, k, v)
     # Larger init than the default spreads the logits, so greedy choices are not near-ties.
     cfg.initializer_range = overrides.get("initializer_range", 0.2)
-    return cls(cfg).eval()
+    model = cls(cfg).eval()
+    if random_norms:
+        with torch.no_grad():
+            for name, w in model.named_parameters():
+                if "norm" in name:
+                    w.copy_(1 + 0.5 * torch.randn_like(w))
+    return model
 
 
 def make_checkpoint(kind: str, out_dir, vocab_size: int = 320, seed: int = 0, **overrides) -> Path:

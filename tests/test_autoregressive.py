@@ -28,6 +28,8 @@ def random_params(config, seed: int = 0, std: float = 0.5):
     return jax.tree_util.tree_map_with_path(leaf, param_shapes(config),
                                             is_leaf=lambda x: isinstance(x, tuple))
 PROMPT_LENS = (5, 2, 7)
+# Qwen3's per-head query/key norms with scales that are not all ones, and a head_dim of its own
+FAMILY_OVERRIDES = {"qwen3": dict(head_dim=16, random_norms=True)}
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,7 @@ def hf_models(tmp_path_factory):
 
     def get(kind):
         if kind not in built:
-            hf = make_hf_model(kind)
+            hf = make_hf_model(kind, **FAMILY_OVERRIDES.get(kind, {}))
             hf.generation_config.eos_token_id = None  # never stop early: compare N_NEW tokens
             path = tmp_path_factory.mktemp(f"ar_{kind}")
             hf.save_pretrained(str(path))
@@ -65,7 +67,7 @@ def hf_greedy(hf, prompt, n, **kw):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen3"])
 def test_greedy_matches_transformers_for_a_ragged_batch(hf_models, kind, prompts):
     hf, config, params = hf_models(kind)
     tokens, lengths = pad_prompts(prompts)
@@ -74,6 +76,25 @@ def test_greedy_matches_transformers_for_a_ragged_batch(hf_models, kind, prompts
         assert np.asarray(out.tokens[i]).tolist() == hf_greedy(hf, p, N_NEW), f"row {i}"
     np.testing.assert_array_equal(out.lengths, [N_NEW] * 3)
     assert int(out.stats["target_calls"]) == N_NEW  # prefill + N - 1 steps
+
+
+def test_qwen3_speculative_decoding_equals_greedy(tmp_path, prompts):
+    """A Qwen3 checkpoint through the public API: speculative decoding with a Qwen3 draft model (a
+    1-layer one of other weights, whose drafts are mostly rejected, and the target itself, whose drafts
+    are all accepted) gives plain greedy's tokens; the tree-attention op runs the query/key norms too."""
+    import jaxdecode
+    from jd_testutil import make_checkpoint
+    target = jaxdecode.load(make_checkpoint("qwen3", tmp_path / "target", **FAMILY_OVERRIDES["qwen3"]))
+    draft = jaxdecode.load(make_checkpoint("qwen3", tmp_path / "draft", seed=1, num_hidden_layers=1,
+                                           layer_types=["full_attention"],
+                                           **FAMILY_OVERRIDES["qwen3"]))
+    want = [g.tokens for g in jaxdecode.generate(target, prompts, method="greedy", max_new_tokens=N_NEW,
+                                                 eos_ids=[])]
+    for d in (draft, target):
+        out = jaxdecode.generate(target, prompts, method="speculative", draft=d, tree="eagle:depth=3,topk=2",
+                                 max_new_tokens=N_NEW, eos_ids=[], adaptive=False)
+        assert [g.tokens for g in out] == want
+    assert out[0].batch_stats["target_calls"] < N_NEW  # the target's own drafts were accepted
 
 
 def test_greedy_with_repetition_penalty_matches_transformers(hf_models, prompts):

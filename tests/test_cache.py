@@ -28,6 +28,9 @@ CONFIGS = {
     "mistral_window3": ModelConfig(
         model_type="mistral", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64, sliding_windows=(3, 3)),
+    "qwen3_qk_norm": ModelConfig(
+        model_type="qwen3", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64, qk_norm=True),
     "gpt2": ModelConfig(
         model_type="gpt2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
         num_heads=4, num_kv_heads=4, head_dim=8, max_position_embeddings=64, norm_eps=1e-5,

@@ -39,6 +39,10 @@ VARIANTS = {
     "qwen2_window_on_layer1": ("qwen2", dict(use_sliding_window=True, sliding_window=4,
                                              max_window_layers=1,
                                              layer_types=["full_attention", "sliding_attention"])),
+    "qwen3_qk_norm_head_dim16": ("qwen3", dict(head_dim=16, random_norms=True)),
+    "qwen3_biases_tied_window": ("qwen3", dict(attention_bias=True, tie_word_embeddings=True, random_norms=True,
+                                               use_sliding_window=True, sliding_window=4, max_window_layers=1,
+                                               layer_types=["full_attention", "sliding_attention"])),
     "mistral_window4": ("mistral", dict(sliding_window=4)),  # window < sequence length
     "gpt2_tied": ("gpt2", {}),
     "gpt2_untied": ("gpt2", dict(tie_word_embeddings=False)),
@@ -118,19 +122,32 @@ def test_variants_load_the_intended_shapes(built):
     c = built("qwen2_biases_head_dim16").config
     assert (c.head_dim, c.qkv_bias, c.o_bias) == (16, True, False)
     assert built("qwen2_window_on_layer1").config.sliding_windows == (0, 4)
+    c = built("qwen3_qk_norm_head_dim16").config
+    assert (c.head_dim, c.qk_norm, c.qkv_bias, c.o_bias, c.sliding_windows) == (16, True, False, False, (0, 0))
+    c = built("qwen3_biases_tied_window").config
+    assert (c.qk_norm, c.qkv_bias, c.o_bias, c.tie_word_embeddings, c.sliding_windows) == (True, True, True,
+                                                                                          True, (0, 4))
     assert built("mistral_window4").config.sliding_windows == (4, 4)
     assert built("gpt2_untied").config.tie_word_embeddings is False
     assert "lm_head" in built("gpt2_untied").params
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_untied_llama3", "llama_mha_tied_linear_biases",
-                                  "mistral_window4", "qwen2_window_on_layer1"])
+                                  "mistral_window4", "qwen2_window_on_layer1", "qwen3_biases_tied_window"])
 def test_rope_scaling_and_windows_matter(built, name):
     """Dropping the rope scaling / sliding window changes the logits, so parity above covers them."""
     v = built(name)
     plain = v.config.replace(rope_scaling=None, sliding_windows=(0,) * v.config.num_layers)
     assert plain != v.config
     assert max_valid_diff(jax_logits(plain, v.params, v.tokens, v.valid), v.logits, v.valid) > 1e-3
+
+
+def test_qwen3_query_key_norms_matter(built):
+    """Without its per-head query/key norms a Qwen3 model computes other logits, so parity covers them."""
+    v = built("qwen3_qk_norm_head_dim16")
+    layers = {k: x for k, x in v.params["layers"].items() if k not in ("q_norm", "k_norm")}
+    plain = jax_logits(v.config.replace(qk_norm=False), {**v.params, "layers": layers}, v.tokens, v.valid)
+    assert max_valid_diff(plain, v.logits, v.valid) > 1e-3
 
 
 def _to_4x_form(cfg: dict) -> dict:
@@ -140,13 +157,13 @@ def _to_4x_form(cfg: dict) -> dict:
     cfg["rope_theta"] = rope.pop("rope_theta")
     cfg["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
     cfg["torch_dtype"] = cfg.pop("dtype")
-    if cfg["model_type"] == "qwen2":
+    if cfg["model_type"] in ("qwen2", "qwen3"):
         cfg.pop("layer_types", None)  # 4.x derives the windowed layers from max_window_layers
     return cfg
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_untied_llama3", "llama_mha_tied_linear_biases",
-                                  "qwen2_window_on_layer1", "mistral_window4"])
+                                  "qwen2_window_on_layer1", "qwen3_biases_tied_window", "mistral_window4"])
 def test_config_json_4x_form_loads_like_5x(built, tmp_path, name):
     v = built(name)
     cfg5 = json.loads((v.dir / "config.json").read_text())
