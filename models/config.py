@@ -12,21 +12,30 @@ from typing import Any
 
 import numpy as np
 
-# model_type values handled by the llama-family forward (pre-norm, RMSNorm, RoPE, gated SiLU MLP);
-# Qwen3 adds an RMSNorm over each head's queries and keys before RoPE (qk_norm).
-LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "smollm", "smollm3_llama")
+# model_type values handled by the llama-family forward (pre-norm, RMSNorm, RoPE, gated MLP); Qwen3 and
+# the Gemma layouts add the options of _LAYOUT_FLAGS.
+LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma3_text", "smollm", "smollm3_llama")
+GEMMA_TYPES = ("gemma", "gemma3_text")
 # Masked-diffusion LM layouts (llama-family networks without the causal mask), by config.json
 # model_type: LLaDA (GSAI-ML/LLaDA-8B-*: its own keys and weight names), Dream (Dream-org/Dream-v0-*:
 # Qwen2 keys and weight names, logits shifted by one) and Fast-dLLM v2 (Efficient-Large-Model/
 # Fast_dLLM_v2_*: a Qwen2 checkpoint plus `bd_size`, block diffusion with the same shift).
 LLADA_TYPE, DREAM_TYPE, FAST_DLLM_TYPE = "llada", "Dream", "Fast_dLLM_Qwen"
 DIFFUSION_MODEL_TYPES = (LLADA_TYPE, DREAM_TYPE, FAST_DLLM_TYPE)
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gpt2") + DIFFUSION_MODEL_TYPES
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gpt2") + GEMMA_TYPES + DIFFUSION_MODEL_TYPES
 ATTENTIONS = ("causal", "bidirectional", "block")
 # What each diffusion layout implies when its config.json does not say otherwise:
 # (attention, logits_shift). Fast-dLLM v2's block size is its config's `bd_size`.
 _LAYOUT_DEFAULTS = {LLADA_TYPE: ("bidirectional", 0), DREAM_TYPE: ("bidirectional", 1),
                     FAST_DLLM_TYPE: ("block", 1)}
+# The network options a layout implies without a config.json key of its own (all False elsewhere).
+_LAYOUT_FLAGS = {"qwen3": dict(qk_norm=True),
+                 "gemma": dict(norm_plus_one=True, scale_embed=True),
+                 "gemma3_text": dict(qk_norm=True, norm_plus_one=True, scale_embed=True, sandwich_norms=True)}
+_UNSUPPORTED_HINTS = {"gemma2": ". Gemma 2 soft-caps its attention scores, which jaxdecode's attention does not do"}
+_FLAGS = ("qk_norm", "norm_plus_one", "scale_embed", "sandwich_norms")
+# Our activation names <-> transformers' (gated MLPs)
+_HF_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}
 
 
 class ConfigError(ValueError):
@@ -35,7 +44,7 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    model_type: str  # "llama" | "qwen2" | "qwen3" | "mistral" | "gpt2" (HF model_type, kept for saving)
+    model_type: str  # "llama" | "qwen2" | "qwen3" | "mistral" | "gemma" | "gemma3_text" | "gpt2" (HF model_type)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -52,11 +61,18 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3)
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3, Gemma 3)
+    norm_plus_one: bool = False  # RMSNorms scale by 1 + weight, in float32 (Gemma)
+    scale_embed: bool = False  # token embeddings times sqrt(hidden_size), in the table's dtype (Gemma)
+    sandwich_norms: bool = False  # RMSNorms on the attention's and the MLP's outputs too (Gemma 3)
+    # attention scores scaled by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5 (Gemma 3)
+    query_pre_attn_scalar: float | None = None  # as config.json gives it (an int in transformers' schema)
+    # RoPE base of the sliding-window layers, unscaled (Gemma 3); None: every layer uses rope_theta
+    local_rope_theta: float | None = None
     # Per-layer sliding window (0 = full attention); a token at position p sees keys at p' with p - p' < w.
     sliding_windows: tuple = ()
     tie_word_embeddings: bool = False
-    activation: str = "silu"  # "silu" (gated MLP) | "gelu_new" (GPT-2 MLP)
+    activation: str = "silu"  # gated MLP: "silu" | "gelu_tanh" | "gelu" (Gemma); "gelu_new": GPT-2's MLP
     dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: tuple = ()
@@ -126,6 +142,11 @@ class ModelConfig:
         return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[self.dtype]
 
     @property
+    def attn_scale(self) -> float | None:
+        """The attention scores' scale when it is not 1/sqrt(head_dim) (None: that default)."""
+        return None if self.query_pre_attn_scalar is None else float(self.query_pre_attn_scalar) ** -0.5
+
+    @property
     def rope_scaling_dict(self) -> dict | None:
         return None if self.rope_scaling is None else dict(self.rope_scaling)
 
@@ -149,7 +170,8 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"unsupported architecture: config.json has model_type={model_type!r} "
-                f"(architectures={archs}); jaxdecode supports model_type in {SUPPORTED_MODEL_TYPES}")
+                f"(architectures={archs}); jaxdecode supports model_type in {SUPPORTED_MODEL_TYPES}"
+                + _UNSUPPORTED_HINTS.get(model_type, ""))
         if model_type == LLADA_TYPE:
             base = cls._from_hf_standard(_llada_as_llama(cfg), dtype).replace(extra=_llada_extra(cfg))
         elif model_type in (DREAM_TYPE, FAST_DLLM_TYPE):  # Qwen2 networks and keys
@@ -195,20 +217,12 @@ class ModelConfig:
         n_layers = cfg["num_hidden_layers"]
         n_heads = cfg["num_attention_heads"]
         d = cfg["hidden_size"]
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ConfigError(f"unsupported hidden_act={act!r}; the llama family forward implements 'silu'")
-        rope_params = dict(cfg.get("rope_parameters") or {})
-        rope_theta = rope_params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
-        scaling = dict(cfg.get("rope_scaling") or {}) or rope_params
-        if "type" in scaling and "rope_type" not in scaling:
-            scaling["rope_type"] = scaling.pop("type")
-        scaling.pop("rope_theta", None)
-        rope_type = scaling.get("rope_type", "default")
-        if rope_type not in ("default", "llama3", "linear"):
-            raise ConfigError(f"unsupported rope_type={rope_type!r}; supported: default, llama3, linear")
-        scaling_t = None if rope_type == "default" else tuple(sorted(scaling.items()))
+        if model_type in GEMMA_TYPES:
+            _check_gemma_options(cfg)
+        rope_theta, scaling_t, local_theta = _rope(cfg, model_type)
         windows = _sliding_windows(cfg, model_type, n_layers)
+        gemma3 = model_type == "gemma3_text"
+        qkv_bias_default = model_type == "qwen2"  # Qwen2's attention_bias means q/k/v biases, on by default
         return cls(
             model_type=model_type, vocab_size=cfg["vocab_size"], hidden_size=d,
             intermediate_size=cfg["intermediate_size"], num_layers=n_layers, num_heads=n_heads,
@@ -216,13 +230,15 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or d // n_heads,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(rope_theta),
-            rope_scaling=scaling_t,
-            qkv_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            rope_scaling=scaling_t, local_rope_theta=local_theta,
+            qkv_bias=bool(cfg.get("attention_bias", qkv_bias_default)),
             o_bias=bool(cfg.get("attention_bias", False)) and model_type != "qwen2",
-            mlp_bias=bool(cfg.get("mlp_bias", False)), qk_norm=model_type == "qwen3", sliding_windows=windows,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), activation="silu",
+            mlp_bias=bool(cfg.get("mlp_bias", False)), sliding_windows=windows,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in GEMMA_TYPES)),
+            activation=_activation(cfg, model_type),
+            query_pre_attn_scalar=(cfg.get("query_pre_attn_scalar") or 256) if gemma3 else None,
             dtype=dtype, bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
-            pad_token_id=cfg.get("pad_token_id"), extra=_extra(cfg))
+            pad_token_id=cfg.get("pad_token_id"), extra=_extra(cfg), **_LAYOUT_FLAGS.get(model_type, {}))
 
     def to_hf_dict(self) -> dict[str, Any]:
         """config.json in the transformers 5.x form (4.x readers accept it too: it also has rope_theta);
@@ -255,21 +271,28 @@ class ModelConfig:
                        n_positions=self.max_position_embeddings, layer_norm_epsilon=self.norm_eps,
                        activation_function="gelu_new")
             return out
-        if self.qk_norm != (self.model_type == "qwen3"):
-            raise ConfigError(f"a {self.model_type} config.json cannot say qk_norm={self.qk_norm}: Qwen3 "
-                              f"(model_type 'qwen3') is the layout with per-head query/key norms")
+        self._check_layout_expresses()
         arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "mistral": "MistralForCausalLM",
+                "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                 DREAM_TYPE: "DreamModel", FAST_DLLM_TYPE: "Fast_dLLM_QwenForCausalLM"}[self.model_type]
         rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope_scaling is not None:
             rope.update(dict(self.rope_scaling))
+        act = _HF_ACTIVATIONS[self.activation]
         out.update(common, architectures=[arch], hidden_size=self.hidden_size,
                    intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
                    num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
                    head_dim=self.head_dim, max_position_embeddings=self.max_position_embeddings,
-                   rms_norm_eps=self.norm_eps, hidden_act="silu", rope_parameters=rope,
+                   rms_norm_eps=self.norm_eps, hidden_act=act, rope_parameters=rope,
                    rope_theta=self.rope_theta, mlp_bias=self.mlp_bias)
+        if self.model_type in GEMMA_TYPES:  # 4.x Gemma and Gemma 3 read hidden_activation
+            out["hidden_activation"] = act
+        if self.model_type == "gemma3_text":  # 5.x: RoPE per layer type; 4.x: the local base apart
+            out.update(rope_parameters={"full_attention": rope, "sliding_attention": {
+                "rope_type": "default", "rope_theta": self.local_rope_theta}},
+                rope_local_base_freq=self.local_rope_theta, query_pre_attn_scalar=self.query_pre_attn_scalar,
+                layer_types=["sliding_attention" if w else "full_attention" for w in self.sliding_windows],
+                sliding_window=max(self.sliding_windows) or 4096)
         if self.model_type not in _QWEN2_TYPES:
             out["attention_bias"] = self.qkv_bias
         elif self.o_bias:
@@ -278,7 +301,10 @@ class ModelConfig:
         elif not self.qkv_bias:  # a Qwen2-form layout without q/k/v biases must say so
             out["attention_bias"] = False
         windows = set(self.sliding_windows)
-        if windows != {0}:
+        if len(windows - {0}) > 1:
+            raise ConfigError(f"a {self.model_type} config.json has one sliding_window for every windowed layer; "
+                              f"this config has several: {sorted(windows - {0})}")
+        if windows != {0} and self.model_type != "gemma3_text":
             if self.model_type == "mistral" and len(windows) == 1:
                 out["sliding_window"] = self.sliding_windows[0]
             else:
@@ -290,6 +316,26 @@ class ModelConfig:
         elif self.model_type == "mistral":
             out["sliding_window"] = None
         return out
+
+    def _check_layout_expresses(self):
+        """Refuse to save options the model_type's config.json has no way to say (they would load as
+        another network)."""
+        flags = _LAYOUT_FLAGS.get(self.model_type, {})
+        wrong = [f"{f}={getattr(self, f)}" for f in _FLAGS if getattr(self, f) != flags.get(f, False)]
+        gemma3 = self.model_type == "gemma3_text"
+        if self.query_pre_attn_scalar is not None and not gemma3:
+            wrong.append(f"query_pre_attn_scalar={self.query_pre_attn_scalar}")
+        if gemma3 and (self.query_pre_attn_scalar is None or self.local_rope_theta is None):
+            wrong.append("query_pre_attn_scalar / local_rope_theta unset (Gemma 3 always has them)")
+        if self.local_rope_theta is not None and not gemma3:
+            wrong.append(f"local_rope_theta={self.local_rope_theta}")
+        if self.activation not in _HF_ACTIVATIONS:
+            wrong.append(f"activation={self.activation!r}")
+        if wrong:
+            layouts = "; ".join(f"{t}: {', '.join(f)}" for t, f in _LAYOUT_FLAGS.items())
+            raise ConfigError(f"a {self.model_type} config.json cannot express {', '.join(wrong)} (the layouts "
+                              f"that imply these options: {layouts}); save with the model_type whose "
+                              f"network this is")
 
 
 _QWEN2_TYPES = ("qwen2", DREAM_TYPE, FAST_DLLM_TYPE)
@@ -305,8 +351,71 @@ def _normalize_dtype(name: str) -> str:
     return name
 
 
+def _check_gemma_options(cfg: dict) -> None:
+    """Gemma options whose network differs from the one the forward computes are refused by name."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise ConfigError(f"unsupported {cfg.get('model_type')} option {key}={cfg[key]!r}: jaxdecode does not "
+                              f"soft-cap logits (Gemma 2 does; Gemma and Gemma 3 set it to null)")
+    if cfg.get("use_bidirectional_attention"):
+        raise ConfigError("use_bidirectional_attention=true (EmbeddingGemma, an encoder) is not a causal LM; "
+                          "jaxdecode decodes causal Gemma models")
+
+
+def _activation(cfg: dict, model_type: str) -> str:
+    """The gated MLP's activation, by our name."""
+    if model_type == "gemma":  # 4.x reads hidden_activation, 5.x hidden_act; the released "gelu" is tanh's
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+        act = "gelu_pytorch_tanh" if act == "gelu" else act
+    elif model_type == "gemma3_text":
+        act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
+    else:
+        act = cfg.get("hidden_act", "silu")
+    ours = {hf: name for name, hf in _HF_ACTIVATIONS.items()}
+    if act not in ours:
+        raise ConfigError(f"unsupported hidden_act={act!r}; the gated MLP implements {sorted(ours)}")
+    return ours[act]
+
+
+def _rope(cfg: dict, model_type: str) -> tuple:
+    """(rope_theta, rope scaling as sorted pairs or None, the sliding layers' theta or None) from either
+    config.json form. Gemma 3's sliding-window layers use an unscaled RoPE of their own base."""
+    params = dict(cfg.get("rope_parameters") or {})
+    local_theta = None
+    if model_type == "gemma3_text":
+        if "full_attention" in params or "sliding_attention" in params:  # 5.x: one set per layer type
+            local = dict(params.get("sliding_attention") or {})
+            params = dict(params.get("full_attention") or {})
+        else:  # 4.x: rope_theta and rope_scaling for the full layers, rope_local_base_freq
+            local = {}
+        params.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+        local_theta = float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0)))
+        if local.get("rope_type", "default") != "default":
+            raise ConfigError(f"unsupported rope_type={local['rope_type']!r} for Gemma 3's sliding-window layers; "
+                              f"supported: default")
+    rope_theta = params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    scaling = dict(cfg.get("rope_scaling") or {}) or params
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    scaling.pop("rope_theta", None)
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type not in ("default", "llama3", "linear"):
+        raise ConfigError(f"unsupported rope_type={rope_type!r}; supported: default, llama3, linear")
+    return rope_theta, None if rope_type == "default" else tuple(sorted(scaling.items())), local_theta
+
+
 def _sliding_windows(cfg: dict, model_type: str, n_layers: int) -> tuple:
     window = cfg.get("sliding_window")
+    if model_type == "gemma3_text":  # layer_types, or (older configs) every pattern-th layer full
+        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+        types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                           for i in range(n_layers)]
+        if "sliding_attention" in types and not window:
+            raise ConfigError(f"config.json's layer_types has sliding-attention layers but sliding_window is "
+                              f"{window!r}; set it (Gemma 3: 512 or 4096)")
+        if len(types) != n_layers:
+            raise ConfigError(f"config.json's layer_types has {len(types)} entries for {n_layers} layers")
+        return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
     if not window:
         return (0,) * n_layers
     layer_types = cfg.get("layer_types")
@@ -329,7 +438,9 @@ _KNOWN_KEYS = {
     "hidden_act", "dtype", "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id",
     "architectures", "n_embd", "n_head", "n_layer", "n_inner", "n_positions", "layer_norm_epsilon",
     "activation_function", "transformers_version", "mask_token_id", "diffusion_attention", "bd_size",
-    "logits_shift",
+    "logits_shift", "hidden_activation", "query_pre_attn_scalar", "rope_local_base_freq",
+    "sliding_window_pattern", "_sliding_window_pattern", "attn_logit_softcapping", "final_logit_softcapping",
+    "use_bidirectional_attention",
 }
 
 
@@ -420,6 +531,16 @@ def _llada_dict(c: ModelConfig) -> dict:
     if c.bos_token_id is not None:
         out["bos_token_id"] = c.bos_token_id
     return out
+
+
+def rope_inv_freqs(config: ModelConfig) -> np.ndarray:
+    """Each layer's inverse RoPE frequencies [num_layers, head_dim // 2]: rope_inv_freq's, and with a
+    local_rope_theta (Gemma 3) the sliding-window layers' own, unscaled."""
+    full = rope_inv_freq(config)
+    if config.local_rope_theta is None:
+        return np.broadcast_to(full, (config.num_layers,) + full.shape)
+    local = rope_inv_freq(config.replace(rope_theta=config.local_rope_theta, rope_scaling=None))
+    return np.stack([local if w else full for w in config.sliding_windows])
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:

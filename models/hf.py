@@ -88,6 +88,50 @@ def read_config(path) -> dict:
     return cfg
 
 
+# Vision-language checkpoints whose language model loads alone (as its text-only layout): model_type ->
+# the text model's model_type, tensor-name prefixes of the language model -> the text model's, and the
+# prefixes of the parts left unread (the vision tower, the projector).
+_TEXT_TOWERS = {
+    "gemma3": dict(text_type="gemma3_text",
+                   prefixes={"language_model.model.": "model.", "model.language_model.": "model.",
+                             "language_model.lm_head.": "lm_head.", "lm_head.": "lm_head."},
+                   unread=("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                           "model.multi_modal_projector.")),
+}
+
+
+def _text_config(cfg: dict, path: Path) -> dict:
+    """A vision-language config.json -> its language model's config in the text layout's form. The
+    released ones list only what differs from transformers' defaults there, which transformers' text
+    config class fills in (when installed; else the keys must be present)."""
+    tower = _TEXT_TOWERS[cfg["model_type"]]
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError(f"{path / 'config.json'} has model_type {cfg['model_type']!r} but no text_config "
+                              f"object; fix it or re-download the checkpoint")
+    text = dict(text, model_type=tower["text_type"])
+    for key in ("dtype", "torch_dtype", "eos_token_id", "bos_token_id", "pad_token_id", "tie_word_embeddings"):
+        if text.get(key) is None and cfg.get(key) is not None:
+            text[key] = cfg[key]
+    try:
+        from transformers import AutoConfig
+        return AutoConfig.for_model(**text).to_dict()
+    except ImportError:
+        return text
+
+
+def _text_tensors(tensors: dict, model_type: str) -> dict:
+    """The language model's tensors of a vision-language checkpoint, named as its text model's."""
+    tower = _TEXT_TOWERS[model_type]
+    out = {}
+    for name, w in tensors.items():
+        if name.startswith(tower["unread"]):
+            continue
+        prefix = next((p for p in tower["prefixes"] if name.startswith(p)), None)
+        out[name if prefix is None else tower["prefixes"][prefix] + name[len(prefix):]] = w
+    return out
+
+
 def _tensor_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
@@ -232,9 +276,14 @@ def _hf_layer_map(config: ModelConfig, i: int) -> dict[str, tuple[str, callable,
     d, h, kv, hd, f = (config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
                        config.intermediate_size)
     p = f"model.layers.{i}."
-    m = {
-        p + "input_layernorm.weight": ("attn_norm/scale", lambda w: w, (d,)),
-        p + "post_attention_layernorm.weight": ("mlp_norm/scale", lambda w: w, (d,)),
+    m = {p + "input_layernorm.weight": ("attn_norm/scale", lambda w: w, (d,))}
+    if config.sandwich_norms:  # Gemma 3: post_attention_layernorm is the attention output's norm
+        m[p + "post_attention_layernorm.weight"] = ("attn_out_norm/scale", lambda w: w, (d,))
+        m[p + "pre_feedforward_layernorm.weight"] = ("mlp_norm/scale", lambda w: w, (d,))
+        m[p + "post_feedforward_layernorm.weight"] = ("mlp_out_norm/scale", lambda w: w, (d,))
+    else:
+        m[p + "post_attention_layernorm.weight"] = ("mlp_norm/scale", lambda w: w, (d,))
+    m.update({
         p + "self_attn.q_proj.weight": ("wq", lambda w: w.T.reshape(d, h, hd), (h * hd, d)),
         p + "self_attn.k_proj.weight": ("wk", lambda w: w.T.reshape(d, kv, hd), (kv * hd, d)),
         p + "self_attn.v_proj.weight": ("wv", lambda w: w.T.reshape(d, kv, hd), (kv * hd, d)),
@@ -242,7 +291,7 @@ def _hf_layer_map(config: ModelConfig, i: int) -> dict[str, tuple[str, callable,
         p + "mlp.gate_proj.weight": ("w_gate", lambda w: w.T, (f, d)),
         p + "mlp.up_proj.weight": ("w_up", lambda w: w.T, (f, d)),
         p + "mlp.down_proj.weight": ("w_down", lambda w: w.T, (d, f)),
-    }
+    })
     if config.qkv_bias:
         m[p + "self_attn.q_proj.bias"] = ("bq", lambda b: b.reshape(h, hd), (h * hd,))
         m[p + "self_attn.k_proj.bias"] = ("bk", lambda b: b.reshape(kv, hd), (kv * hd,))
@@ -393,9 +442,13 @@ def conv_checked(name, w, conv, expected_shape):
 
 
 def load_params(path, dtype: str | None = None) -> tuple[ModelConfig, dict]:
-    """Load (config, params) from a Hugging Face checkpoint directory."""
+    """Load (config, params) from a Hugging Face checkpoint directory. Of a vision-language checkpoint
+    (Gemma 3's Gemma3ForConditionalGeneration) the language model loads, as its text-only layout."""
     path = Path(path)
     cfg = read_config(path)
+    layout = cfg.get("model_type")
+    if layout in _TEXT_TOWERS:
+        cfg = _text_config(cfg, path)
     try:
         config = ModelConfig.from_hf_dict(cfg, dtype=dtype)
     except KeyError as e:
@@ -412,6 +465,8 @@ def load_params(path, dtype: str | None = None) -> tuple[ModelConfig, dict]:
             except ConfigError as e:
                 raise ConfigError(f"the MASK token of the tokenizer in {path}: {e}") from None
     tensors = _read_tensors(path)
+    if layout in _TEXT_TOWERS:
+        tensors = _text_tensors(tensors, layout)
     expect = param_shapes(config)
     if config.is_gpt2:
         params, used = _convert_gpt2(config, tensors, expect)
@@ -459,7 +514,12 @@ def to_hf_tensors(config: ModelConfig, params) -> dict[str, jax.Array]:
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             out[p + "input_layernorm.weight"] = L["attn_norm"]["scale"][i]
-            out[p + "post_attention_layernorm.weight"] = L["mlp_norm"]["scale"][i]
+            if config.sandwich_norms:
+                out[p + "post_attention_layernorm.weight"] = L["attn_out_norm"]["scale"][i]
+                out[p + "pre_feedforward_layernorm.weight"] = L["mlp_norm"]["scale"][i]
+                out[p + "post_feedforward_layernorm.weight"] = L["mlp_out_norm"]["scale"][i]
+            else:
+                out[p + "post_attention_layernorm.weight"] = L["mlp_norm"]["scale"][i]
             out[p + "self_attn.q_proj.weight"] = L["wq"][i].reshape(d, h * hd).T
             out[p + "self_attn.k_proj.weight"] = L["wk"][i].reshape(d, kv * hd).T
             out[p + "self_attn.v_proj.weight"] = L["wv"][i].reshape(d, kv * hd).T

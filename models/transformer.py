@@ -24,7 +24,8 @@ under shard_map on each device's rows and KV heads. Without a cache the T tokens
 Parameter pytree (L = layers, D = hidden, H/KV = heads, hd = head dim, F = MLP width):
     embed [V, D]; pos_embed [P, D] (GPT-2); lm_head [D, V] (untied only)
     final_norm {scale [D], bias [D] (GPT-2)}
-    layers: attn_norm/mlp_norm {scale [L, D], bias}, q_norm/k_norm {scale [L, hd]} (Qwen3),
+    layers: attn_norm/mlp_norm {scale [L, D], bias}, q_norm/k_norm {scale [L, hd]} (Qwen3, Gemma 3),
+            attn_out_norm/mlp_out_norm {scale [L, D]} (Gemma 3's norms on the attention and MLP outputs),
             wq [L, D, H, hd], wk/wv [L, D, KV, hd],
             wo [L, H, hd, D], bq [L, H, hd], bk/bv [L, KV, hd], bo [L, D],
             w_gate/w_up [L, D, F], w_down [L, F, D], b_gate/b_up [L, F], b_down [L, D]
@@ -40,15 +41,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from .cache import KVCache, write_layer
-from .config import ModelConfig, rope_inv_freq
+from .config import ModelConfig, rope_inv_freq, rope_inv_freqs
 
 _MASKED = -1e30  # finite, so a fully masked (padding) query gives a uniform softmax, never NaN
 
 
 # ----------------------------------------------------------------------------- building blocks
-def rms_norm(x, p, eps):
+def rms_norm(x, p, eps, plus_one: bool = False):
+    """RMSNorm over the last axis. plus_one (Gemma): scaled by 1 + scale in float32 before the cast back,
+    as Gemma's reference does; otherwise cast back, then scaled (Llama's order)."""
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if plus_one:
+        return (y * (1.0 + p["scale"].astype(jnp.float32))).astype(x.dtype)
     return y.astype(x.dtype) * p["scale"]
 
 
@@ -61,7 +66,9 @@ def layer_norm(x, p, eps):
 
 
 def _norm(config: ModelConfig, x, p):
-    return layer_norm(x, p, config.norm_eps) if config.is_gpt2 else rms_norm(x, p, config.norm_eps)
+    if config.is_gpt2:
+        return layer_norm(x, p, config.norm_eps)
+    return rms_norm(x, p, config.norm_eps, config.norm_plus_one)
 
 
 def gelu_new(x):
@@ -80,8 +87,12 @@ def apply_rope(x, positions, inv_freq):
     return out.astype(x.dtype)
 
 
-def attention(q, k, v, visible):
-    """Grouped-query attention of T queries over S keys.
+_GATED_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": partial(jax.nn.gelu, approximate=True),
+                      "gelu": partial(jax.nn.gelu, approximate=False)}
+
+
+def attention(q, k, v, visible, scale: float | None = None):
+    """Grouped-query attention of T queries over S keys, scores scaled by `scale` (default 1/sqrt(hd)).
 
     q: [B, T, H, hd]; k, v: [B, KV, S, hd]; visible: bool[B, T, S]. Returns [B, T, H, hd].
     """
@@ -90,7 +101,7 @@ def attention(q, k, v, visible):
     qg = q.reshape(b, t, kv, h // kv, hd)
     # scores: [B, KV, G, T, S]
     scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(hd)
+    scores = scores * (1.0 / math.sqrt(hd) if scale is None else scale)
     scores = jnp.where(visible[:, None, None, :, :], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     # Output with the batch dims leading ([B, KV, G, T, hd]): XLA:CPU has no bf16 dot for the
@@ -233,9 +244,9 @@ def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, attend):
     v = matmul("btd,dnh->btnh", h, lp["wv"])
     if config.qkv_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-    if config.qk_norm:  # Qwen3: each head's query and key RMS-normed over head_dim, before RoPE
-        q = rms_norm(q, lp["q_norm"], config.norm_eps)
-        k = rms_norm(k, lp["k_norm"], config.norm_eps)
+    if config.qk_norm:  # Qwen3, Gemma 3: each head's query and key RMS-normed over head_dim, before RoPE
+        q = _norm(config, q, lp["q_norm"])
+        k = _norm(config, k, lp["k_norm"])
     if config.uses_rope:
         q = apply_rope(q, q_pos, inv_freq)
         k = apply_rope(k, q_pos, inv_freq)
@@ -247,6 +258,8 @@ def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, attend):
     o = matmul("btk,kd->btd", a.reshape(a.shape[:2] + (-1,)), wo.reshape((-1, wo.shape[-1])))  # [B, T, D]
     if config.o_bias:
         o = o + lp["bo"]
+    if config.sandwich_norms:
+        o = _norm(config, o, lp["attn_out_norm"])
     x = x + o
     h = _norm(config, x, lp["mlp_norm"])
     if config.is_gpt2:
@@ -257,9 +270,11 @@ def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, attend):
         u = matmul("btd,df->btf", h, lp["w_up"])
         if config.mlp_bias:
             g, u = g + lp["b_gate"], u + lp["b_up"]
-        m = matmul("btf,fd->btd", jax.nn.silu(g) * u, lp["w_down"])
+        m = matmul("btf,fd->btd", _GATED_ACTIVATIONS[config.activation](g) * u, lp["w_down"])
         if config.mlp_bias:
             m = m + lp["b_down"]
+    if config.sandwich_norms:
+        m = _norm(config, m, lp["mlp_out_norm"])
     return x + m, aux
 
 
@@ -345,13 +360,14 @@ ATTN_IMPLS = ("xla", "tree", "interpret")
 _OP_IMPL = {"xla": "blockwise", "tree": "auto", "interpret": "interpret"}
 
 
-def _cached_attention(q, k_all, v_all, layer, window, lengths, mask, q_pos, win_pos, attn_impl, mesh):
+def _cached_attention(q, k_all, v_all, layer, window, lengths, mask, q_pos, win_pos, attn_impl, mesh, sm_scale=None):
     """The tree-attention op over layer `layer` of the stacked cache (read in place, never sliced out);
     under shard_map on the mesh's local shards when a mesh is given (a Pallas call cannot be
     partitioned by GSPMD)."""
     from jaxdecode.kernels.tree_attention import sharded_tree_attention, tree_attention
 
-    kw = dict(q_positions=q_pos, window=window, key_positions=win_pos, layer=layer, impl=_OP_IMPL[attn_impl])
+    kw = dict(q_positions=q_pos, window=window, key_positions=win_pos, layer=layer, impl=_OP_IMPL[attn_impl],
+              sm_scale=sm_scale)
     if mesh is None:
         return tree_attention(q, k_all, v_all, lengths, mask, **kw)
     return sharded_tree_attention(mesh, q, k_all, v_all, lengths, mask, **kw)
@@ -400,8 +416,14 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
     # with weights stored narrower, the residual stream, attention and KV cache keep the compute dtype
     act_dtype = compute_dtype(params)
     x = embed_rows(params["embed"], tokens, act_dtype, params.get("embed_words"))
+    if config.scale_embed:  # Gemma: sqrt(hidden_size) rounded to the table's dtype, as its reference does
+        x = x * jnp.asarray(math.sqrt(config.hidden_size), params["embed"].dtype).astype(act_dtype)
     if config.is_gpt2:
         x = x + embed_rows(params["pos_embed"], positions, act_dtype)
+    # [L, hd/2]: one row per layer where layers differ (Gemma 3's sliding-window layers), else [hd/2]
+    inv_freqs = None
+    if config.local_rope_theta is not None:
+        inv_freqs = jnp.asarray(rope_inv_freqs(config))
     inv_freq = jnp.asarray(rope_inv_freq(config)) if config.uses_rope else None
     positions = positions.astype(jnp.int32)
     mask = attn_mask.astype(bool)
@@ -424,17 +446,20 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
         if lp is None:
             lp = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), layers)
         window = jax.lax.dynamic_index_in_dim(windows, layer, keepdims=False)
+        layer_inv_freq = (inv_freq if inv_freqs is None
+                          else jax.lax.dynamic_index_in_dim(inv_freqs, layer, keepdims=False))
 
         def attend(q, k, v):
             if cache is None:  # the T tokens see each other as attn_mask says
                 vis = _window_mask(mask, positions, positions, window)
-                return attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), vis), (None, None)
+                a = attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), vis, config.attn_scale)
+                return a, (None, None)
             k2, v2 = write_layer(k_all, v_all, layer, k, v, write_start)
             a = _cached_attention(q, k2, v2, layer, window, cache.lengths, mask, positions, win_pos, attn_impl,
-                                  mesh)
+                                  mesh, config.attn_scale)
             return a, (k2, v2)
 
-        x, (k_all, v_all) = _layer(config, x, lp, positions, inv_freq, attend)
+        x, (k_all, v_all) = _layer(config, x, lp, positions, layer_inv_freq, attend)
         return (x, k_all, v_all), (x if return_layers else None)
 
     init = (x, None, None) if cache is None else (x, cache.k, cache.v)
@@ -513,8 +538,8 @@ def init_params(config: ModelConfig, key, std: float = 0.02):
     def normal(shape, scale=std):
         return (scale * jax.random.normal(next(keys), shape, jnp.float32)).astype(dt)
 
-    def norm_params(shape):
-        p = {"scale": jnp.ones(shape, dt)}
+    def norm_params(shape):  # the identity: scale 1, or 0 where the norm scales by 1 + scale (Gemma)
+        p = {"scale": (jnp.zeros if config.norm_plus_one else jnp.ones)(shape, dt)}
         if config.is_gpt2:
             p["bias"] = jnp.zeros(shape, dt)
         return p
@@ -535,7 +560,9 @@ def init_params(config: ModelConfig, key, std: float = 0.02):
     if config.o_bias:
         layers["bo"] = jnp.zeros((n, d), dt)
     if config.qk_norm:
-        layers.update(q_norm={"scale": jnp.ones((n, hd), dt)}, k_norm={"scale": jnp.ones((n, hd), dt)})
+        layers.update(q_norm=norm_params((n, hd)), k_norm=norm_params((n, hd)))
+    if config.sandwich_norms:
+        layers.update(attn_out_norm=norm_params((n, d)), mlp_out_norm=norm_params((n, d)))
     if config.is_gpt2 or config.mlp_bias:
         layers.update(b_up=jnp.zeros((n, f), dt), b_down=jnp.zeros((n, d), dt))
         if not config.is_gpt2:

@@ -29,8 +29,9 @@ def make_tokenizer(out_dir, vocab_size: int = 320):
 
 
 def make_hf_model(kind: str, vocab_size: int = 320, seed: int = 0, random_norms: bool = False, **overrides):
-    """A random transformers model of the given family, in eval mode (no dropout). random_norms: the norm
-    weights drawn around 1 instead of all ones (a norm applied in the wrong place then shows)."""
+    """A random transformers model of the given family, in eval mode (no dropout). random_norms: the norms'
+    scales drawn around 1 instead of all ones (a norm applied in the wrong place then shows); Gemma's norms
+    scale by 1 + weight, so their weights are drawn around 0."""
     import torch
     import transformers as tf
 
@@ -45,7 +46,12 @@ def make_hf_model(kind: str, vocab_size: int = 320, seed: int = 0, random_norms:
         cfg_cls, cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
                         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
                         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+                        "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM),
+                        "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
                         "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}[kind]
+        if kind in ("gemma", "gemma3_text"):  # their configs derive layer types and RoPE sets at init
+            llama_like.update(head_dim=8, **overrides)
+            overrides = {}
         cfg = cfg_cls(**{**llama_like, **base})
     for k, v in overrides.items():
         setattr(cfg, k, v)
@@ -56,7 +62,7 @@ def make_hf_model(kind: str, vocab_size: int = 320, seed: int = 0, random_norms:
         with torch.no_grad():
             for name, w in model.named_parameters():
                 if "norm" in name:
-                    w.copy_(1 + 0.5 * torch.randn_like(w))
+                    w.copy_((0 if kind.startswith("gemma") else 1) + 0.5 * torch.randn_like(w))
     return model
 
 

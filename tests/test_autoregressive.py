@@ -28,8 +28,11 @@ def random_params(config, seed: int = 0, std: float = 0.5):
     return jax.tree_util.tree_map_with_path(leaf, param_shapes(config),
                                             is_leaf=lambda x: isinstance(x, tuple))
 PROMPT_LENS = (5, 2, 7)
-# Qwen3's per-head query/key norms with scales that are not all ones, and a head_dim of its own
-FAMILY_OVERRIDES = {"qwen3": dict(head_dim=16, random_norms=True)}
+# Norm scales that are not all ones (Qwen3's per-head query/key norms, Gemma's), a head_dim of Qwen3's
+# own, Gemma 3's sliding-window layer (its own RoPE base) beside a full one and its query scale
+FAMILY_OVERRIDES = {"qwen3": dict(head_dim=16, random_norms=True), "gemma": dict(random_norms=True),
+                    "gemma3_text": dict(random_norms=True, sliding_window=4, query_pre_attn_scalar=24,
+                                        layer_types=["sliding_attention", "full_attention"])}
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +70,7 @@ def hf_greedy(hf, prompt, n, **kw):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen3", "gemma", "gemma3_text"])
 def test_greedy_matches_transformers_for_a_ragged_batch(hf_models, kind, prompts):
     hf, config, params = hf_models(kind)
     tokens, lengths = pad_prompts(prompts)
@@ -78,16 +81,17 @@ def test_greedy_matches_transformers_for_a_ragged_batch(hf_models, kind, prompts
     assert int(out.stats["target_calls"]) == N_NEW  # prefill + N - 1 steps
 
 
-def test_qwen3_speculative_decoding_equals_greedy(tmp_path, prompts):
-    """A Qwen3 checkpoint through the public API: speculative decoding with a Qwen3 draft model (a
-    1-layer one of other weights, whose drafts are mostly rejected, and the target itself, whose drafts
-    are all accepted) gives plain greedy's tokens; the tree-attention op runs the query/key norms too."""
+@pytest.mark.parametrize("kind", ["qwen3", "gemma3_text"])
+def test_speculative_decoding_equals_greedy_on_newer_families(tmp_path, prompts, kind):
+    """A Qwen3 / Gemma 3 checkpoint through the public API: speculative decoding with a draft model of its
+    family (a 1-layer one of other weights, whose drafts are mostly rejected, and the target itself, whose
+    drafts are all accepted) gives plain greedy's tokens: a tree verified through the tree-attention op
+    with the family's query/key norms, query scale and per-layer RoPE."""
     import jaxdecode
     from jd_testutil import make_checkpoint
-    target = jaxdecode.load(make_checkpoint("qwen3", tmp_path / "target", **FAMILY_OVERRIDES["qwen3"]))
-    draft = jaxdecode.load(make_checkpoint("qwen3", tmp_path / "draft", seed=1, num_hidden_layers=1,
-                                           layer_types=["full_attention"],
-                                           **FAMILY_OVERRIDES["qwen3"]))
+    target = jaxdecode.load(make_checkpoint(kind, tmp_path / "target", **FAMILY_OVERRIDES[kind]))
+    draft = jaxdecode.load(make_checkpoint(kind, tmp_path / "draft", seed=1, num_hidden_layers=1,
+                                           **{**FAMILY_OVERRIDES[kind], "layer_types": ["full_attention"]}))
     want = [g.tokens for g in jaxdecode.generate(target, prompts, method="greedy", max_new_tokens=N_NEW,
                                                  eos_ids=[])]
     for d in (draft, target):

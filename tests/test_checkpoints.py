@@ -21,9 +21,9 @@ VOCAB = 64
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """Clean checkpoints to break: a Llama (GQA, untied) and a GPT-2 (tied)."""
+    """Clean checkpoints to break: a Llama (GQA, untied), a GPT-2 (tied) and a Gemma 3."""
     root = tmp_path_factory.mktemp("ckpt")
-    for kind in ("llama", "gpt2"):
+    for kind in ("llama", "gpt2", "gemma3_text"):
         make_hf_model(kind, vocab_size=VOCAB).save_pretrained(str(root / kind))
     return root
 
@@ -31,6 +31,11 @@ def saved(tmp_path_factory):
 @pytest.fixture
 def llama_dir(saved, tmp_path) -> Path:
     return Path(shutil.copytree(saved / "llama", tmp_path / "llama"))
+
+
+@pytest.fixture
+def gemma3_dir(saved, tmp_path) -> Path:
+    return Path(shutil.copytree(saved / "gemma3_text", tmp_path / "gemma3_text"))
 
 
 @pytest.fixture
@@ -57,7 +62,7 @@ def test_error_types_are_value_errors():
 
 
 def test_the_clean_checkpoints_load(saved):
-    for kind in ("llama", "gpt2"):
+    for kind in ("llama", "gpt2", "gemma3_text"):
         config, _ = load_params(saved / kind)
         assert config.model_type == kind
 
@@ -73,7 +78,8 @@ def test_unsupported_architecture(llama_dir):
 @pytest.mark.parametrize("changes, message", [
     (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}),
      r"unsupported rope_type='yarn'; supported: default, llama3, linear"),
-    (dict(hidden_act="gelu"), r"unsupported hidden_act='gelu'"),
+    (dict(hidden_act="relu"), r"unsupported hidden_act='relu'; the gated MLP implements \['gelu', "
+                              r"'gelu_pytorch_tanh', 'silu'\]"),
     (dict(num_key_value_heads=3), r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"),
     (dict(dtype="int8"), r"unsupported dtype 'int8'"),
 ])
@@ -92,6 +98,47 @@ def test_unsupported_gpt2_options(gpt2_dir, changes, message):
     edit_config(gpt2_dir, **changes)
     with pytest.raises(ConfigError, match=message):
         load_params(gpt2_dir)
+
+
+def test_gemma2_is_named_unsupported(gemma3_dir):
+    edit_config(gemma3_dir, model_type="gemma2", architectures=["Gemma2ForCausalLM"])
+    with pytest.raises(ConfigError, match=r"model_type='gemma2'.*supports model_type in \(.*'gemma3_text'.*"
+                                          r"Gemma 2 soft-caps its attention scores"):
+        load_params(gemma3_dir)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(final_logit_softcapping=30.0), r"final_logit_softcapping=30.0: jaxdecode does not soft-cap logits"),
+    (dict(attn_logit_softcapping=50.0), r"attn_logit_softcapping=50.0"),
+    (dict(use_bidirectional_attention=True), r"EmbeddingGemma, an encoder"),
+    (dict(sliding_window=None), r"has sliding-attention layers but sliding_window is None"),
+    (dict(layer_types=["full_attention"]), r"layer_types has 1 entries for 2 layers"),
+    (dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                           "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
+     r"unsupported rope_type='linear' for Gemma 3's sliding-window layers"),
+    (dict(hidden_activation="relu"), r"unsupported hidden_act='relu'"),
+])
+def test_unsupported_gemma3_options(gemma3_dir, changes, message):
+    edit_config(gemma3_dir, **changes)
+    with pytest.raises(ConfigError, match=message):
+        load_params(gemma3_dir)
+
+
+def test_a_layout_that_cannot_express_the_network_is_not_saved(tmp_path):
+    import jax
+    from jaxdecode.models import init_params, save_params
+    cfg = ModelConfig(model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64, qk_norm=True)
+    with pytest.raises(ConfigError, match=r"a llama config.json cannot express qk_norm=True \(the layouts that "
+                                          r"imply these options: qwen3: qk_norm"):
+        save_params(cfg, init_params(cfg, jax.random.PRNGKey(0)), tmp_path)
+    with pytest.raises(ConfigError, match=r"cannot express .*local_rope_theta=100.0"):
+        cfg.replace(qk_norm=False, local_rope_theta=100.0).to_hf_dict()
+    with pytest.raises(ConfigError, match=r"one sliding_window for every windowed layer; this config has "
+                                          r"several: \[2, 4\]"):
+        ModelConfig(model_type="mistral", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
+                    num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64,
+                    sliding_windows=(2, 4)).to_hf_dict()
 
 
 def test_requested_dtype_must_be_supported(llama_dir):

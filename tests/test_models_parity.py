@@ -43,6 +43,14 @@ VARIANTS = {
     "qwen3_biases_tied_window": ("qwen3", dict(attention_bias=True, tie_word_embeddings=True, random_norms=True,
                                                use_sliding_window=True, sliding_window=4, max_window_layers=1,
                                                layer_types=["full_attention", "sliding_attention"])),
+    "gemma_mha": ("gemma", dict(num_key_value_heads=4, random_norms=True)),
+    # sliding layer 0 (its own unscaled RoPE base), full layer 1 (linear scaling), a query scale that is
+    # not head_dim's, untied
+    "gemma3_window_local_rope": ("gemma3_text", dict(
+        random_norms=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=24, tie_word_embeddings=False,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
     "mistral_window4": ("mistral", dict(sliding_window=4)),  # window < sequence length
     "gpt2_tied": ("gpt2", {}),
     "gpt2_untied": ("gpt2", dict(tie_word_embeddings=False)),
@@ -128,6 +136,13 @@ def test_variants_load_the_intended_shapes(built):
     assert (c.qk_norm, c.qkv_bias, c.o_bias, c.tie_word_embeddings, c.sliding_windows) == (True, True, True,
                                                                                           True, (0, 4))
     assert built("mistral_window4").config.sliding_windows == (4, 4)
+    c = built("gemma_mha").config
+    assert (c.norm_plus_one, c.scale_embed, c.sandwich_norms, c.qk_norm, c.activation, c.tie_word_embeddings,
+            c.query_pre_attn_scalar, c.local_rope_theta) == (True, True, False, False, "gelu_tanh", True, None, None)
+    c = built("gemma3_window_local_rope").config
+    assert (c.norm_plus_one, c.scale_embed, c.sandwich_norms, c.qk_norm, c.tie_word_embeddings) == (True,) * 4 + (False,)
+    assert (c.sliding_windows, c.query_pre_attn_scalar, c.local_rope_theta, c.rope_theta) == ((4, 0), 24.0, 100.0, 1e6)
+    assert dict(c.rope_scaling) == {"rope_type": "linear", "factor": 2.0}
     assert built("gpt2_untied").config.tie_word_embeddings is False
     assert "lm_head" in built("gpt2_untied").params
 
@@ -142,6 +157,20 @@ def test_rope_scaling_and_windows_matter(built, name):
     assert max_valid_diff(jax_logits(plain, v.params, v.tokens, v.valid), v.logits, v.valid) > 1e-3
 
 
+@pytest.mark.parametrize("change", ["local_rope_theta", "query_pre_attn_scalar", "sandwich_norms",
+                                    "norm_plus_one", "scale_embed"])
+def test_gemma3_options_matter(built, change):
+    """Each Gemma 3 option changes the logits, so the parity above covers it."""
+    v = built("gemma3_window_local_rope")
+    params = v.params
+    if change == "sandwich_norms":
+        params = {**params, "layers": {k: x for k, x in params["layers"].items()
+                                       if k not in ("attn_out_norm", "mlp_out_norm")}}
+    other = {"local_rope_theta": 1e6, "query_pre_attn_scalar": None}.get(change, False)
+    logits = jax_logits(v.config.replace(**{change: other}), params, v.tokens, v.valid)
+    assert max_valid_diff(logits, v.logits, v.valid) > 1e-3
+
+
 def test_qwen3_query_key_norms_matter(built):
     """Without its per-head query/key norms a Qwen3 model computes other logits, so parity covers them."""
     v = built("qwen3_qk_norm_head_dim16")
@@ -150,10 +179,61 @@ def test_qwen3_query_key_norms_matter(built):
     assert max_valid_diff(plain, v.logits, v.valid) > 1e-3
 
 
+def test_gemma3_vision_language_checkpoint_loads_its_language_model(tmp_path):
+    """A Gemma3ForConditionalGeneration checkpoint (as released: language_model.* tensors beside the
+    vision tower's, a text_config listing only what differs from transformers' defaults) loads as its
+    text model; its logits on text equal the vision-language model's."""
+    import torch
+    import transformers as tf
+    torch.manual_seed(0)
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, sliding_window=4, query_pre_attn_scalar=24,
+                layer_types=["sliding_attention", "full_attention"], initializer_range=0.2)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=28, patch_size=14)
+    model = tf.Gemma3ForConditionalGeneration(tf.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=VOCAB - 1,
+        boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2)).eval()
+    with torch.no_grad():
+        for name, w in model.named_parameters():
+            if "norm" in name:
+                w.copy_(0.5 * torch.randn_like(w))
+    model.save_pretrained(str(tmp_path))
+    tokens, valid = _batch()
+    tokens = np.minimum(tokens, VOCAB - 4)  # no image tokens
+    want = torch_logits(model, tokens, valid)
+    config, params = load_params(tmp_path)
+    assert config.model_type == "gemma3_text" and config.sliding_windows == (4, 0)
+    assert max_valid_diff(jax_logits(config, params, tokens, valid), want, valid) <= ATOL
+    # the released form: text_config without the keys at transformers' defaults
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    defaults = tf.Gemma3TextConfig().to_dict()
+    cfg["text_config"] = {k: v for k, v in cfg["text_config"].items() if defaults.get(k) != v}
+    assert "rms_norm_eps" not in cfg["text_config"] and "hidden_size" in cfg["text_config"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    sparse_config, sparse_params = load_params(tmp_path)
+    assert sparse_config == config
+    jax.tree.map(np.testing.assert_array_equal, sparse_params, params)
+    del cfg["text_config"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"model_type 'gemma3' but no text_config object"):
+        load_params(tmp_path)
+
+
 def _to_4x_form(cfg: dict) -> dict:
-    """Rewrite a transformers 5.x config.json into the 4.x form (rope_theta/rope_scaling/torch_dtype)."""
+    """Rewrite a transformers 5.x config.json into the 4.x form (rope_theta/rope_scaling/torch_dtype;
+    Gemma: hidden_activation; Gemma 3: rope_local_base_freq, sliding_window_pattern)."""
     cfg = dict(cfg)
     rope = dict(cfg.pop("rope_parameters"))
+    if cfg["model_type"] == "gemma3_text":
+        cfg["rope_local_base_freq"] = rope.pop("sliding_attention")["rope_theta"]
+        rope = rope.pop("full_attention")
+        types = cfg.pop("layer_types")
+        cfg["sliding_window_pattern"] = types.index("full_attention") + 1
+        assert types == ["sliding_attention" if (i + 1) % cfg["sliding_window_pattern"] else "full_attention"
+                         for i in range(len(types))]
+    if cfg["model_type"] == "gemma":
+        cfg["hidden_activation"], cfg["hidden_act"] = None, "gelu"  # 4.x: the released configs' form
     cfg["rope_theta"] = rope.pop("rope_theta")
     cfg["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
     cfg["torch_dtype"] = cfg.pop("dtype")
@@ -163,7 +243,8 @@ def _to_4x_form(cfg: dict) -> dict:
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_untied_llama3", "llama_mha_tied_linear_biases",
-                                  "qwen2_window_on_layer1", "qwen3_biases_tied_window", "mistral_window4"])
+                                  "qwen2_window_on_layer1", "qwen3_biases_tied_window", "gemma_mha",
+                                  "gemma3_window_local_rope", "mistral_window4"])
 def test_config_json_4x_form_loads_like_5x(built, tmp_path, name):
     v = built(name)
     cfg5 = json.loads((v.dir / "config.json").read_text())

@@ -320,14 +320,18 @@ def test_kernel_lowers_for_gpu_and_tpu(variant, platform, target, shape):
     assert target in text
 
 
-def test_whole_model_verification_with_kernel_equals_reference():
-    """A target forward over [root, tree] with the interpret-mode kernel equals the XLA attention."""
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_whole_model_verification_with_kernel_equals_reference(family):
+    """A target forward over [root, tree] with the interpret-mode kernel equals the XLA attention (Gemma 3:
+    the kernel's own score scale, from query_pre_attn_scalar, and a RoPE base per layer)."""
     from jaxdecode.models import ModelConfig, advance, causal_mask, forward, init_cache, init_params
     from jaxdecode.tree import ancestor_mask, depths
 
-    cfg = ModelConfig(model_type="llama", vocab_size=40, hidden_size=32, intermediate_size=64,
+    gemma3 = dict(query_pre_attn_scalar=24, local_rope_theta=100.0, rope_theta=1e6, activation="gelu_tanh",
+                  qk_norm=True, norm_plus_one=True, scale_embed=True, sandwich_norms=True)
+    cfg = ModelConfig(model_type=family, vocab_size=40, hidden_size=32, intermediate_size=64,
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                      max_position_embeddings=64, sliding_windows=(0, 4))
+                      max_position_embeddings=64, sliding_windows=(0, 4), **(gemma3 if family != "llama" else {}))
     params = init_params(cfg, jax.random.PRNGKey(2), std=0.3)
     rng = np.random.RandomState(5)
     cache = init_cache(cfg, 2, 32)
