@@ -14,8 +14,10 @@ import numpy as np
 
 # model_type values handled by the llama-family forward (pre-norm, RMSNorm, RoPE, gated MLP); Qwen3 and
 # the Gemma layouts add the options of _LAYOUT_FLAGS.
-LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma3_text", "smollm", "smollm3_llama")
-GEMMA_TYPES = ("gemma", "gemma3_text")
+LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "smollm", "smollm3_llama")
+GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
+# Gemma 2 and 3: sandwich norms, query_pre_attn_scalar, sliding-window layers by layer_types, softcaps
+_GEMMA_23 = ("gemma2", "gemma3_text")
 # Masked-diffusion LM layouts (llama-family networks without the causal mask), by config.json
 # model_type: LLaDA (GSAI-ML/LLaDA-8B-*: its own keys and weight names), Dream (Dream-org/Dream-v0-*:
 # Qwen2 keys and weight names, logits shifted by one) and Fast-dLLM v2 (Efficient-Large-Model/
@@ -31,8 +33,8 @@ _LAYOUT_DEFAULTS = {LLADA_TYPE: ("bidirectional", 0), DREAM_TYPE: ("bidirectiona
 # The network options a layout implies without a config.json key of its own (all False elsewhere).
 _LAYOUT_FLAGS = {"qwen3": dict(qk_norm=True),
                  "gemma": dict(norm_plus_one=True, scale_embed=True),
+                 "gemma2": dict(norm_plus_one=True, scale_embed=True, sandwich_norms=True),
                  "gemma3_text": dict(qk_norm=True, norm_plus_one=True, scale_embed=True, sandwich_norms=True)}
-_UNSUPPORTED_HINTS = {"gemma2": ". Gemma 2 soft-caps its attention scores, which jaxdecode's attention does not do"}
 _FLAGS = ("qk_norm", "norm_plus_one", "scale_embed", "sandwich_norms")
 # Our activation names <-> transformers' (gated MLPs)
 _HF_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}
@@ -44,7 +46,7 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    model_type: str  # "llama" | "qwen2" | "qwen3" | "mistral" | "gemma" | "gemma3_text" | "gpt2" (HF model_type)
+    model_type: str  # "llama" | "qwen2" | "qwen3" | "mistral" | "gemma" | "gemma2" | "gemma3_text" | "gpt2"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -69,6 +71,9 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # as config.json gives it (an int in transformers' schema)
     # RoPE base of the sliding-window layers, unscaled (Gemma 3); None: every layer uses rope_theta
     local_rope_theta: float | None = None
+    # c * tanh(x / c) of the attention scores (after scaling) and of the output logits (Gemma 2); None: off
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     # Per-layer sliding window (0 = full attention); a token at position p sees keys at p' with p - p' < w.
     sliding_windows: tuple = ()
     tie_word_embeddings: bool = False
@@ -170,8 +175,7 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"unsupported architecture: config.json has model_type={model_type!r} "
-                f"(architectures={archs}); jaxdecode supports model_type in {SUPPORTED_MODEL_TYPES}"
-                + _UNSUPPORTED_HINTS.get(model_type, ""))
+                f"(architectures={archs}); jaxdecode supports model_type in {SUPPORTED_MODEL_TYPES}")
         if model_type == LLADA_TYPE:
             base = cls._from_hf_standard(_llada_as_llama(cfg), dtype).replace(extra=_llada_extra(cfg))
         elif model_type in (DREAM_TYPE, FAST_DLLM_TYPE):  # Qwen2 networks and keys
@@ -221,7 +225,7 @@ class ModelConfig:
             _check_gemma_options(cfg)
         rope_theta, scaling_t, local_theta = _rope(cfg, model_type)
         windows = _sliding_windows(cfg, model_type, n_layers)
-        gemma3 = model_type == "gemma3_text"
+        gemma23 = model_type in _GEMMA_23
         qkv_bias_default = model_type == "qwen2"  # Qwen2's attention_bias means q/k/v biases, on by default
         return cls(
             model_type=model_type, vocab_size=cfg["vocab_size"], hidden_size=d,
@@ -236,7 +240,9 @@ class ModelConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)), sliding_windows=windows,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in GEMMA_TYPES)),
             activation=_activation(cfg, model_type),
-            query_pre_attn_scalar=(cfg.get("query_pre_attn_scalar") or 256) if gemma3 else None,
+            query_pre_attn_scalar=(cfg.get("query_pre_attn_scalar") or 256) if gemma23 else None,
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping") if gemma23 else None,
+            final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma23 else None,
             dtype=dtype, bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
             pad_token_id=cfg.get("pad_token_id"), extra=_extra(cfg), **_LAYOUT_FLAGS.get(model_type, {}))
 
@@ -273,7 +279,8 @@ class ModelConfig:
             return out
         self._check_layout_expresses()
         arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                "gemma3_text": "Gemma3ForCausalLM",
                 DREAM_TYPE: "DreamModel", FAST_DLLM_TYPE: "Fast_dLLM_QwenForCausalLM"}[self.model_type]
         rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope_scaling is not None:
@@ -287,12 +294,16 @@ class ModelConfig:
                    rope_theta=self.rope_theta, mlp_bias=self.mlp_bias)
         if self.model_type in GEMMA_TYPES:  # 4.x Gemma and Gemma 3 read hidden_activation
             out["hidden_activation"] = act
+        if self.model_type in _GEMMA_23:
+            out.update(query_pre_attn_scalar=self.query_pre_attn_scalar,
+                       attn_logit_softcapping=self.attn_logit_softcapping,
+                       final_logit_softcapping=self.final_logit_softcapping,
+                       layer_types=["sliding_attention" if w else "full_attention" for w in self.sliding_windows],
+                       sliding_window=max(self.sliding_windows) or 4096)
         if self.model_type == "gemma3_text":  # 5.x: RoPE per layer type; 4.x: the local base apart
             out.update(rope_parameters={"full_attention": rope, "sliding_attention": {
                 "rope_type": "default", "rope_theta": self.local_rope_theta}},
-                rope_local_base_freq=self.local_rope_theta, query_pre_attn_scalar=self.query_pre_attn_scalar,
-                layer_types=["sliding_attention" if w else "full_attention" for w in self.sliding_windows],
-                sliding_window=max(self.sliding_windows) or 4096)
+                rope_local_base_freq=self.local_rope_theta)
         if self.model_type not in _QWEN2_TYPES:
             out["attention_bias"] = self.qkv_bias
         elif self.o_bias:
@@ -304,7 +315,7 @@ class ModelConfig:
         if len(windows - {0}) > 1:
             raise ConfigError(f"a {self.model_type} config.json has one sliding_window for every windowed layer; "
                               f"this config has several: {sorted(windows - {0})}")
-        if windows != {0} and self.model_type != "gemma3_text":
+        if windows != {0} and self.model_type not in _GEMMA_23:
             if self.model_type == "mistral" and len(windows) == 1:
                 out["sliding_window"] = self.sliding_windows[0]
             else:
@@ -322,13 +333,14 @@ class ModelConfig:
         another network)."""
         flags = _LAYOUT_FLAGS.get(self.model_type, {})
         wrong = [f"{f}={getattr(self, f)}" for f in _FLAGS if getattr(self, f) != flags.get(f, False)]
-        gemma3 = self.model_type == "gemma3_text"
-        if self.query_pre_attn_scalar is not None and not gemma3:
-            wrong.append(f"query_pre_attn_scalar={self.query_pre_attn_scalar}")
-        if gemma3 and (self.query_pre_attn_scalar is None or self.local_rope_theta is None):
-            wrong.append("query_pre_attn_scalar / local_rope_theta unset (Gemma 3 always has them)")
-        if self.local_rope_theta is not None and not gemma3:
-            wrong.append(f"local_rope_theta={self.local_rope_theta}")
+        gemma23 = self.model_type in _GEMMA_23
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(self, name) is not None and not gemma23:
+                wrong.append(f"{name}={getattr(self, name)}")
+        if gemma23 and self.query_pre_attn_scalar is None:
+            wrong.append("query_pre_attn_scalar unset (Gemma 2 and 3 always have it)")
+        if (self.local_rope_theta is None) == (self.model_type == "gemma3_text"):
+            wrong.append(f"local_rope_theta={self.local_rope_theta} (Gemma 3 alone has it)")
         if self.activation not in _HF_ACTIVATIONS:
             wrong.append(f"activation={self.activation!r}")
         if wrong:
@@ -354,9 +366,11 @@ def _normalize_dtype(name: str) -> str:
 def _check_gemma_options(cfg: dict) -> None:
     """Gemma options whose network differs from the one the forward computes are refused by name."""
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if cfg.get(key) is not None:
-            raise ConfigError(f"unsupported {cfg.get('model_type')} option {key}={cfg[key]!r}: jaxdecode does not "
-                              f"soft-cap logits (Gemma 2 does; Gemma and Gemma 3 set it to null)")
+        cap = cfg.get(key)
+        if cap is not None and (cfg.get("model_type") not in _GEMMA_23 or isinstance(cap, bool)
+                                or not isinstance(cap, (int, float)) or not 0 < cap < float("inf")):
+            raise ConfigError(f"unsupported {cfg.get('model_type')} option {key}={cap!r}: soft-capping takes a "
+                              f"positive number, in a Gemma 2 or Gemma 3 config.json")
     if cfg.get("use_bidirectional_attention"):
         raise ConfigError("use_bidirectional_attention=true (EmbeddingGemma, an encoder) is not a causal LM; "
                           "jaxdecode decodes causal Gemma models")
@@ -367,7 +381,7 @@ def _activation(cfg: dict, model_type: str) -> str:
     if model_type == "gemma":  # 4.x reads hidden_activation, 5.x hidden_act; the released "gelu" is tanh's
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
         act = "gelu_pytorch_tanh" if act == "gelu" else act
-    elif model_type == "gemma3_text":
+    elif model_type in _GEMMA_23:
         act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
     else:
         act = cfg.get("hidden_act", "silu")
@@ -406,8 +420,9 @@ def _rope(cfg: dict, model_type: str) -> tuple:
 
 def _sliding_windows(cfg: dict, model_type: str, n_layers: int) -> tuple:
     window = cfg.get("sliding_window")
-    if model_type == "gemma3_text":  # layer_types, or (older configs) every pattern-th layer full
-        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+    if model_type in _GEMMA_23:  # layer_types, or (older configs) every pattern-th layer full
+        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or (
+            6 if model_type == "gemma3_text" else 2)
         types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                            for i in range(n_layers)]
         if "sliding_attention" in types and not window:

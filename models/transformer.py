@@ -91,8 +91,9 @@ _GATED_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": partial(jax.nn.gelu, app
                       "gelu": partial(jax.nn.gelu, approximate=False)}
 
 
-def attention(q, k, v, visible, scale: float | None = None):
-    """Grouped-query attention of T queries over S keys, scores scaled by `scale` (default 1/sqrt(hd)).
+def attention(q, k, v, visible, scale: float | None = None, softcap: float | None = None):
+    """Grouped-query attention of T queries over S keys, scores scaled by `scale` (default 1/sqrt(hd))
+    and, with a softcap c, soft-capped to c * tanh(score / c).
 
     q: [B, T, H, hd]; k, v: [B, KV, S, hd]; visible: bool[B, T, S]. Returns [B, T, H, hd].
     """
@@ -102,6 +103,8 @@ def attention(q, k, v, visible, scale: float | None = None):
     # scores: [B, KV, G, T, S]
     scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (1.0 / math.sqrt(hd) if scale is None else scale)
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
     scores = jnp.where(visible[:, None, None, :, :], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     # Output with the batch dims leading ([B, KV, G, T, hd]): XLA:CPU has no bf16 dot for the
@@ -207,8 +210,10 @@ def lm_logits(h, embed, lm_head=None):
 
 def output_logits(config: ModelConfig, params, h):
     """A model's float32 logits [..., V] of its final-normed states h [..., D] (its LM head, or its
-    embedding when the head is tied)."""
-    return lm_logits(h, params["embed"], None if config.tie_word_embeddings else params["lm_head"])
+    embedding when the head is tied), soft-capped where the model does (Gemma 2)."""
+    logits = lm_logits(h, params["embed"], None if config.tie_word_embeddings else params["lm_head"])
+    cap = config.final_logit_softcapping
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
 def embed_rows(table, ids, dtype, words=None):
@@ -360,14 +365,15 @@ ATTN_IMPLS = ("xla", "tree", "interpret")
 _OP_IMPL = {"xla": "blockwise", "tree": "auto", "interpret": "interpret"}
 
 
-def _cached_attention(q, k_all, v_all, layer, window, lengths, mask, q_pos, win_pos, attn_impl, mesh, sm_scale=None):
+def _cached_attention(q, k_all, v_all, layer, window, lengths, mask, q_pos, win_pos, attn_impl, mesh, sm_scale=None,
+                      softcap=None):
     """The tree-attention op over layer `layer` of the stacked cache (read in place, never sliced out);
     under shard_map on the mesh's local shards when a mesh is given (a Pallas call cannot be
     partitioned by GSPMD)."""
     from jaxdecode.kernels.tree_attention import sharded_tree_attention, tree_attention
 
     kw = dict(q_positions=q_pos, window=window, key_positions=win_pos, layer=layer, impl=_OP_IMPL[attn_impl],
-              sm_scale=sm_scale)
+              sm_scale=sm_scale, softcap=softcap)
     if mesh is None:
         return tree_attention(q, k_all, v_all, lengths, mask, **kw)
     return sharded_tree_attention(mesh, q, k_all, v_all, lengths, mask, **kw)
@@ -452,11 +458,12 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
         def attend(q, k, v):
             if cache is None:  # the T tokens see each other as attn_mask says
                 vis = _window_mask(mask, positions, positions, window)
-                a = attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), vis, config.attn_scale)
+                a = attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), vis, config.attn_scale,
+                              config.attn_logit_softcapping)
                 return a, (None, None)
             k2, v2 = write_layer(k_all, v_all, layer, k, v, write_start)
             a = _cached_attention(q, k2, v2, layer, window, cache.lengths, mask, positions, win_pos, attn_impl,
-                                  mesh, config.attn_scale)
+                                  mesh, config.attn_scale, config.attn_logit_softcapping)
             return a, (k2, v2)
 
         x, (k_all, v_all) = _layer(config, x, lp, positions, layer_inv_freq, attend)

@@ -1,7 +1,7 @@
 """Tree attention: N draft-tree nodes attend to their row's committed KV prefix and their ancestors.
 
     tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, q_positions=None, window=0,
-                   sm_scale=None, key_positions=None, layer=None, impl="auto") -> out
+                   sm_scale=None, key_positions=None, layer=None, impl="auto", softcap=None) -> out
       q           [B, N, H, hd]   queries of the N tree nodes (rope applied)
       k/v_cache   [B, KV, S, hd]  one layer's cache, the N nodes' own keys already written at slots
                                   lengths[b] .. lengths[b]+N-1 (what the model core does); or, with
@@ -19,6 +19,8 @@
       key_positions int32[B, W]   positions of the W window keys, for the sliding window; defaults to
                   q_positions (required when W > N and q_positions is given)
       out         [B, N, H, hd] in q.dtype; softmax in float32; sm_scale defaults to 1/sqrt(hd)
+      softcap     None, or c > 0: scores (after sm_scale) become c * tanh(score / c) before masking
+                  (Gemma 2's attention logit soft-capping)
 
 Semantics (`tree_attention_reference`, dense over all S slots): node i sees the committed slots
 < lengths[b] (key position = slot) and the window columns its tree_mask row marks, minus the keys
@@ -87,6 +89,7 @@ from __future__ import annotations
 
 import functools
 import math
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -110,7 +113,7 @@ _LANES = 128  # TPU lane width: m/l scratch is stored lane-replicated, as Mosaic
 
 # ----------------------------------------------------------------------------- input checks
 def _check_inputs(q, k_cache, v_cache, lengths, tree_mask, q_positions, window, sm_scale, key_positions=None,
-                  layer=None):
+                  layer=None, softcap=None):
     """Raise a ValueError naming the first problem with the inputs; returns (B, N, W, H, KV, S, hd)."""
     cache_layout = "[B, KV, S, hd]" if layer is None else "[L, B, KV, S, hd] (layer is given)"
     for name, x, nd in (("q", q, 4), ("k_cache", k_cache, 4 if layer is None else 5),
@@ -179,6 +182,9 @@ def _check_inputs(q, k_cache, v_cache, lengths, tree_mask, q_positions, window, 
     if sm_scale is not None and not (isinstance(sm_scale, (int, float, np.floating)) and math.isfinite(sm_scale)
                                      and sm_scale > 0):
         raise ValueError(f"sm_scale must be a positive finite number or None, got {sm_scale!r}")
+    if softcap is not None and not (isinstance(softcap, (int, float, np.floating)) and not isinstance(softcap, bool)
+                                    and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a positive finite number or None (no soft-capping), got {softcap!r}")
     lv = concrete(lengths)
     if lv is not None:
         if lv.size and (lv.min() < 0 or lv.max() + w_cols > s):
@@ -192,15 +198,30 @@ def _scale(sm_scale, hd) -> float:
     return float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(hd)
 
 
+class _Score(typing.NamedTuple):
+    """How q.k becomes a score (a static argument of the kernels): times `scale`, then, with a softcap c,
+    c * tanh(score / c) (Gemma 2), before masking."""
+    scale: float
+    softcap: float | None = None
+
+    def __call__(self, qk):
+        s = qk * self.scale
+        return s if self.softcap is None else self.softcap * jnp.tanh(s / self.softcap)
+
+
+def _score(sm_scale, softcap, hd) -> _Score:
+    return _Score(_scale(sm_scale, hd), None if softcap is None else float(softcap))
+
+
 # ----------------------------------------------------------------------------- reference
 def tree_attention_reference(q, k_cache, v_cache, lengths, tree_mask, *, q_positions=None, window=0,
-                             sm_scale=None, key_positions=None, layer=None):
+                             sm_scale=None, key_positions=None, layer=None, softcap=None):
     """Pure-jnp tree attention: dense visibility over all S slots, then plain softmax attention.
 
     Same arguments as `tree_attention` (without `impl`); the math of models.transformer.attention.
     """
     b, n, w_cols, h, kv, s, hd = _check_inputs(q, k_cache, v_cache, lengths, tree_mask, q_positions, window,
-                                               sm_scale, key_positions, layer)
+                                               sm_scale, key_positions, layer, softcap)
     if layer is not None:
         k_cache, v_cache = k_cache[layer], v_cache[layer]
     g = h // kv
@@ -224,7 +245,7 @@ def tree_attention_reference(q, k_cache, v_cache, lengths, tree_mask, *, q_posit
     qg = q.reshape(b, n, kv, g, hd)
     # scores: [B, KV, G, N, S]
     scores = jnp.einsum("bnkgd,bksd->bkgns", qg, k_cache, preferred_element_type=jnp.float32)
-    scores = scores * _scale(sm_scale, hd)
+    scores = _score(sm_scale, softcap, hd)(scores)
     scores = jnp.where(visible[:, None, None, :, :], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
     # Output in [B, KV, G, N, hd] order, transposed after: XLA:CPU (jax 0.10) cannot run the bf16 dot
@@ -256,15 +277,15 @@ def _online_update(state, s, v, precision):
     return m_new, l_new, alpha * acc_prev + pv
 
 
-def _qk(q, k, scale, precision):
+def _qk(q, k, score, precision):
     """q: [M, D], k: [K, D] -> f32 scores [M, K]."""
-    return _mm(q, k, 1, precision) * scale
+    return score(_mm(q, k, 1, precision))
 
 
-def _prefix_step(state, q, k, v, start, length, lo_slot, covered=None, *, s_true, s_padded, scale, precision):
+def _prefix_step(state, q, k, v, start, length, lo_slot, covered=None, *, s_true, s_padded, score, precision):
     """Prefix block of slots start..start+K-1. lo_slot: int32 [M, 1] first slot in each query's window.
     covered: slots below it were visited by an earlier block (a last block clamped to end at S)."""
-    s = _qk(q, k, scale, precision)  # [M, K]
+    s = _qk(q, k, score, precision)  # [M, K]
     slot = start + lax.broadcasted_iota(jnp.int32, s.shape, 1)  # [M, K]
     s = jnp.where((slot < length) & (slot >= lo_slot), s, _MASKED)
     if s_padded:  # slots past the real cache are not keys (matters for the all-masked uniform case)
@@ -274,9 +295,9 @@ def _prefix_step(state, q, k, v, start, length, lo_slot, covered=None, *, s_true
     return _online_update(state, s, v, precision)
 
 
-def _tree_step(state, q, kt, vt, tree_vis, *, scale, precision):
+def _tree_step(state, q, kt, vt, tree_vis, *, score, precision):
     """Tree block. kt, vt: [W_pad, D] the window keys/values; tree_vis: int32 [M, W_pad] (0 = unseen)."""
-    s = _qk(q, kt, scale, precision)  # [M, W_pad]
+    s = _qk(q, kt, score, precision)  # [M, W_pad]
     s = jnp.where(tree_vis != 0, s, _ABSENT)
     return _online_update(state, s, vt, precision)
 
@@ -303,7 +324,7 @@ def _tpu_kernel(len_ref, blo_ref, bhi_ref,  # SMEM scalar prefetch: int32 [B] ea
                 o_ref,  # [block_m, D]
                 m_ref, l_ref,  # f32 [block_m, 128] lane-replicated running max / denominator
                 acc_ref,  # f32 [block_m, D]
-                *, block_k, s_true, s_padded, scale, precision):
+                *, block_k, s_true, s_padded, score, precision):
     b, ki = pl.program_id(0), pl.program_id(3)
     rows, d = acc_ref.shape
 
@@ -323,18 +344,18 @@ def _tpu_kernel(len_ref, blo_ref, bhi_ref,  # SMEM scalar prefetch: int32 [B] ea
     @pl.when((ki >= blo_ref[b]) & (ki < bhi_ref[b]))
     def _prefix():
         store_state(_prefix_step(load_state(), q_ref[...], k_ref[...], v_ref[...], ki * block_k, len_ref[b],
-                                 lo_ref[...], s_true=s_true, s_padded=s_padded, scale=scale,
+                                 lo_ref[...], s_true=s_true, s_padded=s_padded, score=score,
                                  precision=precision))
 
     @pl.when(ki == pl.num_programs(3) - 1)
     def _tree_and_write():
-        state = _tree_step(load_state(), q_ref[...], kt_ref[...], vt_ref[...], tv_ref[...], scale=scale,
+        state = _tree_step(load_state(), q_ref[...], kt_ref[...], vt_ref[...], tv_ref[...], score=score,
                            precision=precision)
         o_ref[...] = _finish(state).astype(o_ref.dtype)
 
 
 def _call_tpu(qr, k_cache, v_cache, kt, vt, tv, lo, lengths, blk_lo, blk_hi, layer, *, block_k, block_m,
-              s_true, scale, interpret):
+              s_true, score, interpret):
     from jax.experimental.pallas import tpu as pltpu
 
     b, kv, m_pad, d = qr.shape
@@ -358,7 +379,7 @@ def _call_tpu(qr, k_cache, v_cache, kt, vt, tv, lo, lengths, blk_lo, blk_hi, lay
         return bi, qi, 0
 
     kernel = functools.partial(_tpu_kernel, block_k=block_k, s_true=s_true, s_padded=s_pad != s_true,
-                               scale=scale, precision=_precision(qr.dtype))
+                               score=score, precision=_precision(qr.dtype))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
         grid=(b, kv, m_pad // block_m, nk),
@@ -395,7 +416,7 @@ def _gpu_kernel(len_ref, blo_ref, bhi_ref,  # int32 scalars of this row
                 tv_ref,  # int32 [block_m, W_pad]
                 lo_ref,  # int32 [block_m, 1]
                 o_ref,  # [block_m, D_pad]
-                *, block_k, block_w, head_dim, s_true, scale, precision):
+                *, block_k, block_w, head_dim, s_true, score, precision):
     from jax.experimental.pallas import triton as plgpu
 
     rows, d_pad = q_ref.shape
@@ -412,11 +433,11 @@ def _gpu_kernel(len_ref, blo_ref, bhi_ref,  # int32 scalars of this row
     def body(ki, state):
         start = ki * block_k
         return _prefix_step(state, q, load_block(k_ref, start), load_block(v_ref, start), start, length, lo_slot,
-                            s_true=s_true, s_padded=k_ref.shape[0] != s_true, scale=scale, precision=precision)
+                            s_true=s_true, s_padded=k_ref.shape[0] != s_true, score=score, precision=precision)
 
     def window_body(wi, state):  # the tree window in blocks of block_w keys (GPU_WINDOW_BYTES)
         cols = pl.ds(pl.multiple_of(wi * block_w, block_w), block_w)
-        return _tree_step(state, q, kt_ref[cols, :], vt_ref[cols, :], tv_ref[:, cols], scale=scale,
+        return _tree_step(state, q, kt_ref[cols, :], vt_ref[cols, :], tv_ref[:, cols], score=score,
                           precision=precision)
 
     state = lax.fori_loop(blo_ref[()], bhi_ref[()], body, _init_state(rows, d_pad))
@@ -425,7 +446,7 @@ def _gpu_kernel(len_ref, blo_ref, bhi_ref,  # int32 scalars of this row
 
 
 def _call_gpu(qr, k_cache, v_cache, kt, vt, tv, lo, lengths, blk_lo, blk_hi, layer, *, block_k, block_m, block_w,
-              s_true, head_dim, scale, interpret):
+              s_true, head_dim, score, interpret):
     from jax.experimental.pallas import triton as plgpu
 
     b, kv, m_pad, d_pad = qr.shape
@@ -451,7 +472,7 @@ def _call_gpu(qr, k_cache, v_cache, kt, vt, tv, lo, lengths, blk_lo, blk_hi, lay
         return (0,)
 
     kernel = functools.partial(_gpu_kernel, block_k=block_k, block_w=block_w, head_dim=head_dim, s_true=s_true,
-                               scale=scale, precision=_precision(qr.dtype))
+                               score=score, precision=_precision(qr.dtype))
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((b, kv, m_pad, d_pad), qr.dtype),
@@ -600,9 +621,9 @@ def _as_stacked(k_cache, v_cache, layer):
 
 
 # ----------------------------------------------------------------------------- kernel wrapper
-@functools.partial(jax.jit, static_argnames=("scale", "variant", "block_k", "block_m", "block_w", "interpret"))
+@functools.partial(jax.jit, static_argnames=("score", "variant", "block_k", "block_m", "block_w", "interpret"))
 def _pallas_forward(q, k_cache, v_cache, lengths, tree_mask, q_positions, key_positions, window, layer, *,
-                    scale, variant, block_k, block_m, block_w, interpret):
+                    score, variant, block_k, block_m, block_w, interpret):
     """k/v_cache: [L, B, KV, S, hd]; layer: int32[1]."""
     b, n, h, hd = q.shape
     kv, s = k_cache.shape[2], k_cache.shape[3]
@@ -634,9 +655,9 @@ def _pallas_forward(q, k_cache, v_cache, lengths, tree_mask, q_positions, key_po
 
     args = (qr, k_cache, v_cache, kt, vt, tv_rows, lo_rows, lengths, blk_lo, blk_hi, layer)
     if variant == "tpu":
-        out = _call_tpu(*args, block_k=bk, block_m=bm, s_true=s, scale=scale, interpret=interpret)
+        out = _call_tpu(*args, block_k=bk, block_m=bm, s_true=s, score=score, interpret=interpret)
     else:  # the cache keeps its hd columns; the kernel's block is D_pad wide and loads are masked
-        out = _call_gpu(*args, block_k=bk, block_m=bm, block_w=plan["block_w"], s_true=s, head_dim=hd, scale=scale,
+        out = _call_gpu(*args, block_k=bk, block_m=bm, block_w=plan["block_w"], s_true=s, head_dim=hd, score=score,
                         interpret=interpret)
     return _from_query_rows(out, n, h, hd)
 
@@ -647,19 +668,19 @@ def _default_variant() -> str:
 
 def tree_attention_pallas(q, k_cache, v_cache, lengths, tree_mask, *, q_positions=None, window=0,
                           sm_scale=None, key_positions=None, layer=None, interpret=False, variant=None,
-                          block_k=None, block_m=None, block_w=None):
+                          block_k=None, block_m=None, block_w=None, softcap=None):
     """The Pallas kernel. `variant` "tpu" | "gpu" (default: by backend; "tpu" on CPU) picks the
     lowering; `interpret=True` runs it in Pallas interpret mode (any backend); `block_k` / `block_m` /
     `block_w` override the prefix block size / query rows per program / tree window keys per step
     (checked against the variant's rules)."""
     hd = _check_inputs(q, k_cache, v_cache, lengths, tree_mask, q_positions, window, sm_scale, key_positions,
-                       layer)[-1]
+                       layer, softcap)[-1]
     variant = variant or _default_variant()
     if variant not in _VARIANTS:
         raise ValueError(f"variant must be one of {_VARIANTS} or None, got {variant!r}")
     k_cache, v_cache, layer = _as_stacked(k_cache, v_cache, layer)
     return _pallas_forward(q, k_cache, v_cache, lengths, tree_mask, q_positions, key_positions,
-                           jnp.asarray(window, jnp.int32), layer, scale=_scale(sm_scale, hd), variant=variant,
+                           jnp.asarray(window, jnp.int32), layer, score=_score(sm_scale, softcap, hd), variant=variant,
                            block_k=block_k, block_m=block_m, block_w=block_w, interpret=bool(interpret))
 
 
@@ -681,9 +702,9 @@ def blockwise_block_k() -> int:
     return {"cpu": BLOCKWISE_BLOCK_K_CPU, "gpu": BLOCKWISE_BLOCK_K_GPU}.get(backend, BLOCKWISE_BLOCK_K)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_k"))
+@functools.partial(jax.jit, static_argnames=("score", "block_k"))
 def _blockwise_forward(q, k_cache, v_cache, lengths, tree_mask, q_positions, key_positions, window, layer, *,
-                       scale, block_k):
+                       score, block_k):
     """The kernel's steps in jnp, vmapped over (row, KV head). k/v_cache: [L, B, KV, S, hd]; layer int32[1]."""
     b, n, h, hd = q.shape
     kv, s = k_cache.shape[2], k_cache.shape[3]
@@ -699,10 +720,10 @@ def _blockwise_forward(q, k_cache, v_cache, lengths, tree_mask, q_positions, key
     precision = _precision(q.dtype)
 
     # One step per (row, KV head): vmapped over KV heads (shared length / window bounds), then rows.
-    prefix = functools.partial(_prefix_step, s_true=s, s_padded=False, scale=scale, precision=precision)
+    prefix = functools.partial(_prefix_step, s_true=s, s_padded=False, score=score, precision=precision)
     prefix = jax.vmap(jax.vmap(prefix, in_axes=(0, 0, 0, 0, None, None, None, None)),
                       in_axes=(0, 0, 0, 0, None, 0, 0, None))
-    tree = functools.partial(_tree_step, scale=scale, precision=precision)
+    tree = functools.partial(_tree_step, score=score, precision=precision)
     tree = jax.vmap(jax.vmap(tree, in_axes=(0, 0, 0, 0, None)))
 
     def block(i, state):
@@ -726,24 +747,24 @@ def _blockwise_forward(q, k_cache, v_cache, lengths, tree_mask, q_positions, key
 
 
 def tree_attention_blockwise(q, k_cache, v_cache, lengths, tree_mask, *, q_positions=None, window=0,
-                             sm_scale=None, key_positions=None, layer=None, block_k=None):
+                             sm_scale=None, key_positions=None, layer=None, block_k=None, softcap=None):
     """The kernel's math in jnp (XLA on any backend): cost follows the longest committed prefix in the
     batch, not the cache capacity. block_k: prefix slots per step (any positive int; None:
     `blockwise_block_k()`)."""
     hd = _check_inputs(q, k_cache, v_cache, lengths, tree_mask, q_positions, window, sm_scale, key_positions,
-                       layer)[-1]
+                       layer, softcap)[-1]
     block_k = blockwise_block_k() if block_k is None else block_k
     if isinstance(block_k, (bool, np.bool_)) or not isinstance(block_k, (int, np.integer)) or block_k <= 0:
         raise ValueError(f"block_k must be a positive int, got {block_k!r}")
     k_cache, v_cache, layer = _as_stacked(k_cache, v_cache, layer)
     return _blockwise_forward(q, k_cache, v_cache, lengths, tree_mask, q_positions, key_positions,
-                              jnp.asarray(window, jnp.int32), layer, scale=_scale(sm_scale, hd),
+                              jnp.asarray(window, jnp.int32), layer, score=_score(sm_scale, softcap, hd),
                               block_k=int(block_k))
 
 
 # ----------------------------------------------------------------------------- public ops
 def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, q_positions=None, window=0, sm_scale=None,
-                   key_positions=None, layer=None, impl="auto", block_k=None):
+                   key_positions=None, layer=None, impl="auto", block_k=None, softcap=None):
     """Attention of N tree nodes over their row's committed prefix plus their tree ancestors.
 
     impl: "auto" (the Pallas kernel on gpu/tpu, the blockwise jnp form elsewhere), "pallas", "interpret"
@@ -758,7 +779,8 @@ def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, q_positions=None,
     if impl == "pallas" and jax.default_backend() not in ("gpu", "tpu"):
         raise ValueError(f"impl='pallas' compiles the kernel for a GPU or TPU, but the default backend is "
                          f"{jax.default_backend()!r}: use impl='interpret' (or 'blockwise', or 'auto')")
-    kw = dict(q_positions=q_positions, window=window, sm_scale=sm_scale, key_positions=key_positions, layer=layer)
+    kw = dict(q_positions=q_positions, window=window, sm_scale=sm_scale, key_positions=key_positions, layer=layer,
+              softcap=softcap)
     if impl == "reference":
         return tree_attention_reference(q, k_cache, v_cache, lengths, tree_mask, **kw)
     if impl == "blockwise":
@@ -768,7 +790,7 @@ def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, q_positions=None,
 
 
 def sharded_tree_attention(mesh, q, k_cache, v_cache, lengths, tree_mask, *, q_positions=None, window=0,
-                           sm_scale=None, key_positions=None, layer=None, impl="auto"):
+                           sm_scale=None, key_positions=None, layer=None, impl="auto", softcap=None):
     """`tree_attention` under shard_map: batch over mesh axis "data", KV heads (with their query groups)
     over "model"; every device runs the op on its local shard (a stacked cache keeps its layer axis
     whole). An axis the mesh does not divide is replicated over that mesh axis instead (as in
@@ -776,7 +798,7 @@ def sharded_tree_attention(mesh, q, k_cache, v_cache, lengths, tree_mask, *, q_p
     from jax.sharding import PartitionSpec as P
 
     b, n, w_cols, h, kv, s, hd = _check_inputs(q, k_cache, v_cache, lengths, tree_mask, q_positions, window,
-                                               sm_scale, key_positions, layer)
+                                               sm_scale, key_positions, layer, softcap)
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
     missing = [a for a in ("data", "model") if a not in mesh.shape]
@@ -800,6 +822,7 @@ def sharded_tree_attention(mesh, q, k_cache, v_cache, lengths, tree_mask, *, q_p
     def local(q, k, v, lens, tm, *rest):
         qp, win, kp = rest[:3] if q_positions is not None else (None, 0, None)
         return tree_attention(q, k, v, lens, tm, q_positions=qp, window=win, sm_scale=sm_scale,
-                              key_positions=kp, layer=rest[-1] if layer is not None else None, impl=impl)
+                              key_positions=kp, layer=rest[-1] if layer is not None else None, impl=impl,
+                              softcap=softcap)
 
     return shard_map(local, mesh, tuple(specs), P(bax, None, hax, None))(*args)

@@ -47,9 +47,10 @@ def make_hf_model(kind: str, vocab_size: int = 320, seed: int = 0, random_norms:
                         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
                         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
                         "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM),
+                        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
                         "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
                         "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}[kind]
-        if kind in ("gemma", "gemma3_text"):  # their configs derive layer types and RoPE sets at init
+        if kind.startswith("gemma"):  # their configs derive layer types and RoPE sets at init
             llama_like.update(head_dim=8, **overrides)
             overrides = {}
         cfg = cfg_cls(**{**llama_like, **base})

@@ -31,6 +31,8 @@ PROMPT_LENS = (5, 2, 7)
 # Norm scales that are not all ones (Qwen3's per-head query/key norms, Gemma's), a head_dim of Qwen3's
 # own, Gemma 3's sliding-window layer (its own RoPE base) beside a full one and its query scale
 FAMILY_OVERRIDES = {"qwen3": dict(head_dim=16, random_norms=True), "gemma": dict(random_norms=True),
+                    "gemma2": dict(random_norms=True, sliding_window=4, attn_logit_softcapping=1.5,
+                                   final_logit_softcapping=2.0),
                     "gemma3_text": dict(random_norms=True, sliding_window=4, query_pre_attn_scalar=24,
                                         layer_types=["sliding_attention", "full_attention"])}
 
@@ -70,7 +72,7 @@ def hf_greedy(hf, prompt, n, **kw):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen3", "gemma", "gemma3_text"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen3", "gemma", "gemma2", "gemma3_text"])
 def test_greedy_matches_transformers_for_a_ragged_batch(hf_models, kind, prompts):
     hf, config, params = hf_models(kind)
     tokens, lengths = pad_prompts(prompts)
@@ -81,12 +83,12 @@ def test_greedy_matches_transformers_for_a_ragged_batch(hf_models, kind, prompts
     assert int(out.stats["target_calls"]) == N_NEW  # prefill + N - 1 steps
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "gemma3_text"])
+@pytest.mark.parametrize("kind", ["qwen3", "gemma2", "gemma3_text"])
 def test_speculative_decoding_equals_greedy_on_newer_families(tmp_path, prompts, kind):
-    """A Qwen3 / Gemma 3 checkpoint through the public API: speculative decoding with a draft model of its
-    family (a 1-layer one of other weights, whose drafts are mostly rejected, and the target itself, whose
-    drafts are all accepted) gives plain greedy's tokens: a tree verified through the tree-attention op
-    with the family's query/key norms, query scale and per-layer RoPE."""
+    """A Qwen3 / Gemma 2 / Gemma 3 checkpoint through the public API: speculative decoding with a draft model
+    of its family (a 1-layer one of other weights, whose drafts are mostly rejected, and the target itself,
+    whose drafts are all accepted) gives plain greedy's tokens: a tree verified through the tree-attention
+    op with the family's query/key norms, query scale, soft-capped scores and per-layer RoPE."""
     import jaxdecode
     from jd_testutil import make_checkpoint
     target = jaxdecode.load(make_checkpoint(kind, tmp_path / "target", **FAMILY_OVERRIDES[kind]))

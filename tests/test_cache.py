@@ -37,6 +37,12 @@ CONFIGS = {
         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64, sliding_windows=(2, 0),
         rope_theta=1e6, local_rope_theta=100.0, query_pre_attn_scalar=24, activation="gelu_tanh",
         qk_norm=True, norm_plus_one=True, scale_embed=True, sandwich_norms=True, tie_word_embeddings=True),
+    # soft-capped attention scores and logits (Gemma 2)
+    "gemma2_softcaps": ModelConfig(
+        model_type="gemma2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64, sliding_windows=(3, 0),
+        query_pre_attn_scalar=8, attn_logit_softcapping=1.0, final_logit_softcapping=2.0, activation="gelu_tanh",
+        norm_plus_one=True, scale_embed=True, sandwich_norms=True, tie_word_embeddings=True),
     "gpt2": ModelConfig(
         model_type="gpt2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
         num_heads=4, num_kv_heads=4, head_dim=8, max_position_embeddings=64, norm_eps=1e-5,

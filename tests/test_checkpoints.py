@@ -100,16 +100,11 @@ def test_unsupported_gpt2_options(gpt2_dir, changes, message):
         load_params(gpt2_dir)
 
 
-def test_gemma2_is_named_unsupported(gemma3_dir):
-    edit_config(gemma3_dir, model_type="gemma2", architectures=["Gemma2ForCausalLM"])
-    with pytest.raises(ConfigError, match=r"model_type='gemma2'.*supports model_type in \(.*'gemma3_text'.*"
-                                          r"Gemma 2 soft-caps its attention scores"):
-        load_params(gemma3_dir)
-
-
 @pytest.mark.parametrize("changes, message", [
-    (dict(final_logit_softcapping=30.0), r"final_logit_softcapping=30.0: jaxdecode does not soft-cap logits"),
-    (dict(attn_logit_softcapping=50.0), r"attn_logit_softcapping=50.0"),
+    (dict(final_logit_softcapping=-30.0), r"final_logit_softcapping=-30.0: soft-capping takes a positive number"),
+    (dict(attn_logit_softcapping="50"), r"attn_logit_softcapping='50'"),
+    (dict(model_type="gemma", attn_logit_softcapping=50.0), r"unsupported gemma option attn_logit_softcapping=50.0:"
+                                                           r" soft-capping takes a positive number, in a Gemma 2"),
     (dict(use_bidirectional_attention=True), r"EmbeddingGemma, an encoder"),
     (dict(sliding_window=None), r"has sliding-attention layers but sliding_window is None"),
     (dict(layer_types=["full_attention"]), r"layer_types has 1 entries for 2 layers"),

@@ -44,6 +44,9 @@ VARIANTS = {
                                                use_sliding_window=True, sliding_window=4, max_window_layers=1,
                                                layer_types=["full_attention", "sliding_attention"])),
     "gemma_mha": ("gemma", dict(num_key_value_heads=4, random_norms=True)),
+    # both soft-caps low enough to bend the scores and logits; sliding layer 0, full layer 1
+    "gemma2_softcaps_window": ("gemma2", dict(random_norms=True, sliding_window=4, query_pre_attn_scalar=24,
+                                              attn_logit_softcapping=1.5, final_logit_softcapping=2.0)),
     # sliding layer 0 (its own unscaled RoPE base), full layer 1 (linear scaling), a query scale that is
     # not head_dim's, untied
     "gemma3_window_local_rope": ("gemma3_text", dict(
@@ -139,6 +142,10 @@ def test_variants_load_the_intended_shapes(built):
     c = built("gemma_mha").config
     assert (c.norm_plus_one, c.scale_embed, c.sandwich_norms, c.qk_norm, c.activation, c.tie_word_embeddings,
             c.query_pre_attn_scalar, c.local_rope_theta) == (True, True, False, False, "gelu_tanh", True, None, None)
+    c = built("gemma2_softcaps_window").config
+    assert (c.sandwich_norms, c.qk_norm, c.sliding_windows, c.query_pre_attn_scalar, c.local_rope_theta) == (
+        True, False, (4, 0), 24, None)
+    assert (c.attn_logit_softcapping, c.final_logit_softcapping) == (1.5, 2.0)
     c = built("gemma3_window_local_rope").config
     assert (c.norm_plus_one, c.scale_embed, c.sandwich_norms, c.qk_norm, c.tie_word_embeddings) == (True,) * 4 + (False,)
     assert (c.sliding_windows, c.query_pre_attn_scalar, c.local_rope_theta, c.rope_theta) == ((4, 0), 24.0, 100.0, 1e6)
@@ -168,6 +175,13 @@ def test_gemma3_options_matter(built, change):
                                        if k not in ("attn_out_norm", "mlp_out_norm")}}
     other = {"local_rope_theta": 1e6, "query_pre_attn_scalar": None}.get(change, False)
     logits = jax_logits(v.config.replace(**{change: other}), params, v.tokens, v.valid)
+    assert max_valid_diff(logits, v.logits, v.valid) > 1e-3
+
+
+@pytest.mark.parametrize("change", ["attn_logit_softcapping", "final_logit_softcapping"])
+def test_gemma2_softcaps_matter(built, change):
+    v = built("gemma2_softcaps_window")
+    logits = jax_logits(v.config.replace(**{change: None}), v.params, v.tokens, v.valid)
     assert max_valid_diff(logits, v.logits, v.valid) > 1e-3
 
 
@@ -234,6 +248,8 @@ def _to_4x_form(cfg: dict) -> dict:
                          for i in range(len(types))]
     if cfg["model_type"] == "gemma":
         cfg["hidden_activation"], cfg["hidden_act"] = None, "gelu"  # 4.x: the released configs' form
+    if cfg["model_type"] == "gemma2":  # 4.x: even layers slide
+        assert cfg.pop("layer_types") == ["sliding_attention", "full_attention"]
     cfg["rope_theta"] = rope.pop("rope_theta")
     cfg["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
     cfg["torch_dtype"] = cfg.pop("dtype")
@@ -244,7 +260,7 @@ def _to_4x_form(cfg: dict) -> dict:
 
 @pytest.mark.parametrize("name", ["llama_gqa_untied_llama3", "llama_mha_tied_linear_biases",
                                   "qwen2_window_on_layer1", "qwen3_biases_tied_window", "gemma_mha",
-                                  "gemma3_window_local_rope", "mistral_window4"])
+                                  "gemma2_softcaps_window", "gemma3_window_local_rope", "mistral_window4"])
 def test_config_json_4x_form_loads_like_5x(built, tmp_path, name):
     v = built(name)
     cfg5 = json.loads((v.dir / "config.json").read_text())

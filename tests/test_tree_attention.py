@@ -74,6 +74,8 @@ KERNEL_CASES = {
     "odd-shapes-hd24-s40-g4": (dict(seed=5, h=4, kv=1, hd=24, s=40, tree="chain", lengths=(33, 0)), 0, {}),
     "query-blocks-padded-window": (dict(seed=6, h=4, kv=1, hd=32, tree="padded8", lengths=(12, 0)), 6,
                                    dict(block_k=16, block_m=16)),
+    # Gemma 2's soft-capped scores (a cap small enough that it changes them: see the test below)
+    "gqa-softcap-window": (dict(seed=9, lengths=(7, 30)), 5, dict(block_k=16, sm_scale=2.0, softcap=1.5)),
 }
 # the GPU lowering's tree window in several blocks (a 256-node tree on an H200 needs 4 of 128 keys)
 GPU_KERNEL_CASES = {
@@ -89,7 +91,7 @@ def test_kernel_interpret_matches_reference(case, variant):
     inp_kw, window, kw = {**KERNEL_CASES, **GPU_KERNEL_CASES}[case]
     inp = make_inputs(**inp_kw)
     dtype = inp["q"].dtype
-    want = call(tree_attention_reference, inp, window, sm_scale=kw.get("sm_scale"))
+    want = call(tree_attention_reference, inp, window, sm_scale=kw.get("sm_scale"), softcap=kw.get("softcap"))
     got = call(tree_attention_pallas, inp, window, interpret=True, variant=variant, **kw)
     assert_close(got, want, dtype)
     assert np.all(np.isfinite(np.asarray(got, np.float32)))
@@ -125,9 +127,24 @@ def test_public_op_dispatch_on_cpu():
 def test_blockwise_matches_reference(case, block_k):
     inp_kw, window, kw = KERNEL_CASES[case]
     inp = make_inputs(**inp_kw)
-    want = call(tree_attention_reference, inp, window, sm_scale=kw.get("sm_scale"))
-    got = call(tree_attention_blockwise, inp, window, sm_scale=kw.get("sm_scale"), block_k=block_k)
+    want = call(tree_attention_reference, inp, window, sm_scale=kw.get("sm_scale"), softcap=kw.get("softcap"))
+    got = call(tree_attention_blockwise, inp, window, sm_scale=kw.get("sm_scale"), block_k=block_k,
+               softcap=kw.get("softcap"))
     assert_close(got, want, inp["q"].dtype)
+
+
+def test_softcap_is_tanh_of_the_scaled_scores():
+    """The soft-capped reference equals plain attention over c * tanh(scores / c), and differs from the
+    uncapped op, so the kernel cases with a softcap test it."""
+    inp_kw, window, kw = KERNEL_CASES["gqa-softcap-window"]
+    inp = make_inputs(**inp_kw)
+    capped = call(tree_attention_reference, inp, window, sm_scale=2.0, softcap=1.5)
+    plain = call(tree_attention_reference, inp, window, sm_scale=2.0)
+    assert float(jnp.max(jnp.abs(capped - plain))) > 1e-2
+    from jaxdecode.kernels.tree_attention import _score
+    x = jnp.linspace(-5.0, 5.0, 11)
+    np.testing.assert_allclose(_score(2.0, 1.5, 64)(x), 1.5 * np.tanh(2.0 * np.asarray(x) / 1.5), rtol=1e-6)
+    np.testing.assert_allclose(_score(None, None, 64)(x), np.asarray(x) / 8.0, rtol=1e-6)
 
 
 @pytest.mark.parametrize("backend,want", [("cpu", 64), ("gpu", 4096), ("tpu", 256)])
@@ -240,6 +257,8 @@ BAD_INPUTS = [
     ({}, dict(key_positions=jnp.zeros((2, 6), jnp.int32)), "key_positions must be an integer array"),
     ({}, dict(window=-1), "window must be >= 0"),
     ({}, dict(sm_scale=0.0), "sm_scale must be a positive"),
+    ({}, dict(softcap=0.0), r"softcap must be a positive finite number or None \(no soft-capping\), got 0.0"),
+    ({}, dict(softcap=True), r"softcap must be a positive finite number"),
     ({}, dict(impl="cuda"), "impl must be one of"),
     ({}, dict(impl="pallas"), "impl='pallas' compiles the kernel for a GPU or TPU"),
     ({}, dict(layer=0), r"k_cache must be 5-D \(\[L, B, KV, S, hd\]"),
@@ -320,18 +339,21 @@ def test_kernel_lowers_for_gpu_and_tpu(variant, platform, target, shape):
     assert target in text
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3_text"])
 def test_whole_model_verification_with_kernel_equals_reference(family):
     """A target forward over [root, tree] with the interpret-mode kernel equals the XLA attention (Gemma 3:
-    the kernel's own score scale, from query_pre_attn_scalar, and a RoPE base per layer)."""
+    the kernel's own score scale, from query_pre_attn_scalar, and a RoPE base per layer; Gemma 2: scores
+    soft-capped in the kernel)."""
     from jaxdecode.models import ModelConfig, advance, causal_mask, forward, init_cache, init_params
     from jaxdecode.tree import ancestor_mask, depths
 
-    gemma3 = dict(query_pre_attn_scalar=24, local_rope_theta=100.0, rope_theta=1e6, activation="gelu_tanh",
-                  qk_norm=True, norm_plus_one=True, scale_embed=True, sandwich_norms=True)
+    gemma = dict(query_pre_attn_scalar=24, activation="gelu_tanh", norm_plus_one=True, scale_embed=True,
+                 sandwich_norms=True)
+    family_options = {"llama": {}, "gemma2": dict(gemma, attn_logit_softcapping=0.5, final_logit_softcapping=3.0),
+                      "gemma3_text": dict(gemma, local_rope_theta=100.0, rope_theta=1e6, qk_norm=True)}
     cfg = ModelConfig(model_type=family, vocab_size=40, hidden_size=32, intermediate_size=64,
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                      max_position_embeddings=64, sliding_windows=(0, 4), **(gemma3 if family != "llama" else {}))
+                      max_position_embeddings=64, sliding_windows=(0, 4), **family_options[family])
     params = init_params(cfg, jax.random.PRNGKey(2), std=0.3)
     rng = np.random.RandomState(5)
     cache = init_cache(cfg, 2, 32)
