@@ -35,6 +35,8 @@ _LAYOUT_FLAGS = {"qwen3": dict(qk_norm=True),
                  "gemma": dict(norm_plus_one=True, scale_embed=True),
                  "gemma2": dict(norm_plus_one=True, scale_embed=True, sandwich_norms=True),
                  "gemma3_text": dict(qk_norm=True, norm_plus_one=True, scale_embed=True, sandwich_norms=True)}
+# head_dim when config.json lacks it: transformers' class default for these layouts, not hidden / heads
+_HEAD_DIM_DEFAULTS = {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256}
 _FLAGS = ("qk_norm", "norm_plus_one", "scale_embed", "sandwich_norms")
 # Our activation names <-> transformers' (gated MLPs)
 _HF_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}
@@ -231,7 +233,7 @@ class ModelConfig:
             model_type=model_type, vocab_size=cfg["vocab_size"], hidden_size=d,
             intermediate_size=cfg["intermediate_size"], num_layers=n_layers, num_heads=n_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or n_heads,
-            head_dim=cfg.get("head_dim") or d // n_heads,
+            head_dim=cfg.get("head_dim") or _HEAD_DIM_DEFAULTS.get(model_type) or d // n_heads,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(rope_theta),
             rope_scaling=scaling_t, local_rope_theta=local_theta,
@@ -421,13 +423,14 @@ def _rope(cfg: dict, model_type: str) -> tuple:
 def _sliding_windows(cfg: dict, model_type: str, n_layers: int) -> tuple:
     window = cfg.get("sliding_window")
     if model_type in _GEMMA_23:  # layer_types, or (older configs) every pattern-th layer full
+        window = cfg.get("sliding_window", 4096)  # transformers' default when the key is absent
         pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or (
             6 if model_type == "gemma3_text" else 2)
         types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                            for i in range(n_layers)]
         if "sliding_attention" in types and not window:
             raise ConfigError(f"config.json's layer_types has sliding-attention layers but sliding_window is "
-                              f"{window!r}; set it (Gemma 3: 512 or 4096)")
+                              f"{window!r}; set it (Gemma 2 and 3: 4096, or 512 / 1024)")
         if len(types) != n_layers:
             raise ConfigError(f"config.json's layer_types has {len(types)} entries for {n_layers} layers")
         return tuple(int(window) if t == "sliding_attention" else 0 for t in types)

@@ -119,6 +119,15 @@ def test_unsupported_gemma3_options(gemma3_dir, changes, message):
         load_params(gemma3_dir)
 
 
+@pytest.mark.parametrize("model_type, head_dim", [("llama", 8), ("qwen3", 128), ("gemma", 256), ("gemma2", 256),
+                                                   ("gemma3_text", 256)])
+def test_head_dim_defaults_as_transformers(model_type, head_dim):
+    """A config.json without head_dim: hidden / heads for Llama, the class default for Qwen3 and Gemma."""
+    cfg = dict(model_type=model_type, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2)
+    assert ModelConfig.from_hf_dict(cfg).head_dim == head_dim
+
+
 def test_a_layout_that_cannot_express_the_network_is_not_saved(tmp_path):
     import jax
     from jaxdecode.models import init_params, save_params
