@@ -37,6 +37,7 @@ _LAYOUT_FLAGS = {"qwen3": dict(qk_norm=True),
                  "gemma3_text": dict(qk_norm=True, norm_plus_one=True, scale_embed=True, sandwich_norms=True)}
 # head_dim when config.json lacks it: transformers' class default for these layouts, not hidden / heads
 _HEAD_DIM_DEFAULTS = {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256}
+ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 _FLAGS = ("qk_norm", "norm_plus_one", "scale_embed", "sandwich_norms")
 # Our activation names <-> transformers' (gated MLPs)
 _HF_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}
@@ -415,8 +416,18 @@ def _rope(cfg: dict, model_type: str) -> tuple:
         scaling["rope_type"] = scaling.pop("type")
     scaling.pop("rope_theta", None)
     rope_type = scaling.get("rope_type", "default")
-    if rope_type not in ("default", "llama3", "linear"):
-        raise ConfigError(f"unsupported rope_type={rope_type!r}; supported: default, llama3, linear")
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(f"unsupported rope_type={rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+    if rope_type in ("llama3", "yarn"):  # as transformers: the pretraining length defaults to the model's
+        scaling.setdefault("original_max_position_embeddings",
+                           cfg.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048))
+    if rope_type == "yarn":
+        if local_theta is not None:
+            raise ConfigError("rope_type='yarn' with Gemma 3's per-layer RoPE is not supported (its attention "
+                              "factor would reach the sliding-window layers too); supported there: default, linear")
+        if scaling.get("factor") is None:  # DeepSeek-V3's form: the ratio of the two lengths
+            scaling["factor"] = cfg.get("max_position_embeddings", 2048) / scaling["original_max_position_embeddings"]
+        scaling = {k: v for k, v in scaling.items() if v is not None}
     return rope_theta, None if rope_type == "default" else tuple(sorted(scaling.items())), local_theta
 
 
@@ -562,7 +573,8 @@ def rope_inv_freqs(config: ModelConfig) -> np.ndarray:
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Inverse RoPE frequencies [head_dim // 2], with linear or llama3 scaling applied."""
+    """Inverse RoPE frequencies [head_dim // 2], with linear, llama3 or YaRN scaling applied (YaRN's factor
+    on cos and sin: rope_attention_factor)."""
     hd = config.head_dim
     inv = 1.0 / (config.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
     sc = config.rope_scaling_dict
@@ -582,4 +594,37 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return np.where(is_medium, smoothed, scaled).astype(np.float32)
+    if kind == "yarn":  # YaRN: each frequency between interpolated (/ factor) and kept, by its rotations
+        factor = float(sc["factor"])
+        old_ctx = float(sc["original_max_position_embeddings"])
+        beta_fast, beta_slow = float(sc.get("beta_fast") or 32), float(sc.get("beta_slow") or 1)
+
+        def correction_dim(rotations):  # the dimension whose wavelength fits `rotations` times in old_ctx
+            return hd * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(config.rope_theta))
+
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if sc.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, hd - 1)
+        ramp = np.clip((np.arange(hd // 2) - low) / ((high + 0.001 if low == high else high) - low), 0, 1)
+        keep = 1 - ramp  # 1: extrapolate (the original frequency), 0: interpolate
+        return (inv / factor * (1 - keep) + inv * keep).astype(np.float32)
     raise ConfigError(f"unsupported rope_type {kind!r}")
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The factor on RoPE's cos and sin (so on q.k twice): YaRN's 0.1 * ln(factor) + 1 (or its
+    attention_factor / mscale form); 1 for every other RoPE."""
+    sc = config.rope_scaling_dict
+    if sc is None or sc.get("rope_type") != "yarn":
+        return 1.0
+    if sc.get("attention_factor") is not None:
+        return float(sc["attention_factor"])
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = float(sc["factor"])
+    if sc.get("mscale") and sc.get("mscale_all_dim"):
+        return mscale(factor, float(sc["mscale"])) / mscale(factor, float(sc["mscale_all_dim"]))
+    return mscale(factor)

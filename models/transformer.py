@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .cache import KVCache, write_layer
-from .config import ModelConfig, rope_inv_freq, rope_inv_freqs
+from .config import ModelConfig, rope_attention_factor, rope_inv_freq, rope_inv_freqs
 
 _MASKED = -1e30  # finite, so a fully masked (padding) query gives a uniform softmax, never NaN
 
@@ -75,11 +75,14 @@ def gelu_new(x):
     return 0.5 * x * (1.0 + jnp.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * jnp.power(x, 3))))
 
 
-def apply_rope(x, positions, inv_freq):
-    """Rotate-half RoPE (the HF layout). x: [B, T, N, hd]; positions: [B, T]."""
+def apply_rope(x, positions, inv_freq, factor: float = 1.0):
+    """Rotate-half RoPE (the HF layout), cos and sin times `factor` (YaRN's attention factor).
+    x: [B, T, N, hd]; positions: [B, T]."""
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
     cos = jnp.cos(angles)[:, :, None, :]
     sin = jnp.sin(angles)[:, :, None, :]
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
     x32 = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     x1, x2 = x32[..., :half], x32[..., half:]
@@ -253,8 +256,9 @@ def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, attend):
         q = _norm(config, q, lp["q_norm"])
         k = _norm(config, k, lp["k_norm"])
     if config.uses_rope:
-        q = apply_rope(q, q_pos, inv_freq)
-        k = apply_rope(k, q_pos, inv_freq)
+        factor = rope_attention_factor(config)
+        q = apply_rope(q, q_pos, inv_freq, factor)
+        k = apply_rope(k, q_pos, inv_freq, factor)
     a, aux = attend(q, k, v)
     # contracted over one flattened (heads x head_dim) axis: with two contracting axes XLA:CPU copied wo
     # into another layout before each product, and a copy hoisted out of a 0/1-trip branch loop (each

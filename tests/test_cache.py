@@ -28,9 +28,10 @@ CONFIGS = {
     "mistral_window3": ModelConfig(
         model_type="mistral", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64, sliding_windows=(3, 3)),
-    "qwen3_qk_norm": ModelConfig(
+    "qwen3_qk_norm_yarn": ModelConfig(
         model_type="qwen3", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64, qk_norm=True),
+        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64, qk_norm=True, rope_theta=100.0,
+        rope_scaling=(("factor", 4.0), ("original_max_position_embeddings", 4), ("rope_type", "yarn"))),
     # sliding layer 0 with its own RoPE base, a query scale not head_dim's, sandwich and plus-one norms
     "gemma3_window2": ModelConfig(
         model_type="gemma3_text", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,

@@ -76,8 +76,8 @@ def test_unsupported_architecture(llama_dir):
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}),
-     r"unsupported rope_type='yarn'; supported: default, llama3, linear"),
+    (dict(rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}),
+     r"unsupported rope_type='dynamic'; supported: default, llama3, linear, yarn"),
     (dict(hidden_act="relu"), r"unsupported hidden_act='relu'; the gated MLP implements \['gelu', "
                               r"'gelu_pytorch_tanh', 'silu'\]"),
     (dict(num_key_value_heads=3), r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"),
@@ -126,6 +126,24 @@ def test_head_dim_defaults_as_transformers(model_type, head_dim):
     cfg = dict(model_type=model_type, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2)
     assert ModelConfig.from_hf_dict(cfg).head_dim == head_dim
+
+
+@pytest.mark.parametrize("rope, want", [
+    ({"rope_type": "yarn", "factor": 4.0}, {"factor": 4.0, "original_max_position_embeddings": 512}),
+    ({"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 128},  # DeepSeek-V3's form
+     {"factor": 4.0, "original_max_position_embeddings": 128}),
+    ({"rope_type": "llama3", "factor": 8.0}, {"factor": 8.0, "original_max_position_embeddings": 512}),
+])
+def test_rope_scaling_defaults_as_transformers(rope, want):
+    """The pretraining length defaults to max_position_embeddings, and YaRN's factor to the ratio."""
+    from jaxdecode.models.config import rope_attention_factor
+    cfg = dict(model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+               rope_parameters=dict(rope, rope_theta=10000.0))
+    config = ModelConfig.from_hf_dict(cfg)
+    assert dict(config.rope_scaling) == dict(want, rope_type=rope["rope_type"])
+    want_factor = 0.1 * np.log(4.0) + 1 if rope["rope_type"] == "yarn" else 1.0
+    assert rope_attention_factor(config) == pytest.approx(want_factor)
 
 
 def test_a_layout_that_cannot_express_the_network_is_not_saved(tmp_path):

@@ -27,6 +27,8 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
                # smaller than SEQ, so the scaled long-wavelength frequencies shape the logits
                "original_max_position_embeddings": 8, "rope_theta": 10000.0}
 LINEAR_ROPE = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+# YaRN over a pretraining length below SEQ with a base small enough that the ramp spans the dimensions
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 6, "rope_theta": 100.0}
 
 # name -> (HF family, config overrides on top of jd_testutil's tiny defaults: hidden 32, 2 layers,
 # 4 heads, 2 kv heads)
@@ -40,6 +42,7 @@ VARIANTS = {
                                              max_window_layers=1,
                                              layer_types=["full_attention", "sliding_attention"])),
     "qwen3_qk_norm_head_dim16": ("qwen3", dict(head_dim=16, random_norms=True)),
+    "qwen3_yarn": ("qwen3", dict(head_dim=16, rope_parameters=YARN_ROPE)),
     "qwen3_biases_tied_window": ("qwen3", dict(attention_bias=True, tie_word_embeddings=True, random_norms=True,
                                                use_sliding_window=True, sliding_window=4, max_window_layers=1,
                                                layer_types=["full_attention", "sliding_attention"])),
@@ -133,6 +136,7 @@ def test_variants_load_the_intended_shapes(built):
     c = built("qwen2_biases_head_dim16").config
     assert (c.head_dim, c.qkv_bias, c.o_bias) == (16, True, False)
     assert built("qwen2_window_on_layer1").config.sliding_windows == (0, 4)
+    assert dict(built("qwen3_yarn").config.rope_scaling) == {k: v for k, v in YARN_ROPE.items() if k != "rope_theta"}
     c = built("qwen3_qk_norm_head_dim16").config
     assert (c.head_dim, c.qk_norm, c.qkv_bias, c.o_bias, c.sliding_windows) == (16, True, False, False, (0, 0))
     c = built("qwen3_biases_tied_window").config
@@ -154,7 +158,7 @@ def test_variants_load_the_intended_shapes(built):
     assert "lm_head" in built("gpt2_untied").params
 
 
-@pytest.mark.parametrize("name", ["llama_gqa_untied_llama3", "llama_mha_tied_linear_biases",
+@pytest.mark.parametrize("name", ["llama_gqa_untied_llama3", "llama_mha_tied_linear_biases", "qwen3_yarn",
                                   "mistral_window4", "qwen2_window_on_layer1", "qwen3_biases_tied_window"])
 def test_rope_scaling_and_windows_matter(built, name):
     """Dropping the rope scaling / sliding window changes the logits, so parity above covers them."""
