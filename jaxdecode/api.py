@@ -128,9 +128,29 @@ def _prompt_list(prompts, messages) -> list:
     return list(prompts)
 
 
-def apply_chat_template(model: Model, conversation) -> str:
+# apply_chat_template arguments jaxdecode sets itself (the turn is opened, text comes back)
+_TEMPLATE_OWN = ("conversation", "add_generation_prompt", "tokenize", "continue_final_message", "return_dict")
+
+
+def check_chat_template_kwargs(kwargs) -> dict:
+    """chat_template_kwargs as a dict of variables for the template, or a ValueError saying what is wrong."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError(f"chat_template_kwargs must be a dict of template variables by name, e.g. "
+                         f"{{'enable_thinking': False}}, got {kwargs!r:.80}")
+    own = sorted(set(kwargs) & set(_TEMPLATE_OWN))
+    if own:
+        raise ValueError(f"chat_template_kwargs sets {own}, which jaxdecode sets itself (the assistant's turn "
+                         f"opened, text returned); leave them out")
+    return dict(kwargs)
+
+
+def apply_chat_template(model: Model, conversation, chat_template_kwargs: dict | None = None) -> str:
     """The conversation as the tokenizer's chat template writes it, with the assistant's turn opened
-    (transformers' apply_chat_template(..., add_generation_prompt=True))."""
+    (transformers' apply_chat_template(..., add_generation_prompt=True)). chat_template_kwargs: the
+    template's own variables, e.g. {"enable_thinking": False} (Qwen3) or {"tools": [...]}."""
+    extra = check_chat_template_kwargs(chat_template_kwargs)
     for i, m in enumerate(conversation):
         if not (isinstance(m.get("role"), str) and "content" in m):
             raise ValueError(f"message {i} of the conversation is {m!r}: each message needs a 'role' (a string) "
@@ -142,10 +162,11 @@ def apply_chat_template(model: Model, conversation) -> str:
         raise ValueError(f"the tokenizer of {model.path} has no chat template (no 'chat_template' in "
                          f"tokenizer_config.json, no chat_template.jinja), so messages cannot be formatted; "
                          f"pass the prompt as text (formatted yourself), or set model.tokenizer.chat_template")
-    return tok.apply_chat_template(list(conversation), add_generation_prompt=True, tokenize=False)
+    return tok.apply_chat_template(list(conversation), add_generation_prompt=True, tokenize=False, **extra)
 
 
-def _tokenize(model: Model, items: list, add_special_tokens: bool | None) -> list[list[int]]:
+def _tokenize(model: Model, items: list, add_special_tokens: bool | None,
+              chat_template_kwargs: dict | None = None) -> list[list[int]]:
     """Token ids of each item: texts as the tokenizer encodes them (its own special tokens, e.g. a BOS,
     unless add_special_tokens=False), conversations through the chat template (which writes its own
     special tokens, so none are added: transformers' rule), token ids as given."""
@@ -154,7 +175,8 @@ def _tokenize(model: Model, items: list, add_special_tokens: bool | None) -> lis
         if isinstance(p, str):
             ids = model.encode(p, add_special_tokens=True if add_special_tokens is None else add_special_tokens)
         elif _is_conversation(p):
-            ids = model.encode(apply_chat_template(model, p), add_special_tokens=bool(add_special_tokens))
+            ids = model.encode(apply_chat_template(model, p, chat_template_kwargs),
+                               add_special_tokens=bool(add_special_tokens))
         elif _is_ids(p):
             if _is_array(p):
                 _check_id_array(p, f"prompt {i}")
@@ -184,14 +206,16 @@ _BEAMS = ("beam", "diverse_beam", "constrained_beam")
 
 # ----------------------------------------------------------------------------- generate
 def generate(model: Model, prompts=None, method: str | None = None, max_new_tokens: int | None = None, *,
-             messages=None, generation_config: GenerationConfig | None = None,
+             messages=None, chat_template_kwargs: dict | None = None,
+             generation_config: GenerationConfig | None = None,
              num_return_sequences: int | None = None, add_special_tokens: bool | None = None,
              skip_special_tokens: bool = True, echo: bool = False, temperature: float | None = None,
              seed: int | None = None, eos_ids: Sequence[int] | None = None, _stream=None,
              **options) -> list[Generation]:
     """Generate continuations of `prompts`: a string, token ids, a conversation, or a list of them; or
     `messages=` (a conversation, [{"role": "user", "content": ...}, ...], or a list of them), formatted
-    by the tokenizer's chat template with the assistant's turn opened.
+    by the tokenizer's chat template with the assistant's turn opened; `chat_template_kwargs` are the
+    template's own variables (e.g. {"enable_thinking": False} for Qwen3, {"tools": [...]}).
 
     As transformers does: texts are encoded with the tokenizer's special tokens (a BOS where it adds one;
     add_special_tokens=False: none), token ids are used as given, and the returned text leaves special
@@ -240,7 +264,8 @@ def generate(model: Model, prompts=None, method: str | None = None, max_new_toke
         raise ValueError("echo=True reports the prompt's left-to-right log-probs, which a masked-diffusion LM "
                          "does not define; drop echo")
     items = _prompt_list(prompts, messages)
-    token_lists = _tokenize(model, items, add_special_tokens)
+    check_chat_template_kwargs(chat_template_kwargs)
+    token_lists = _tokenize(model, items, add_special_tokens, chat_template_kwargs)
     given = dict(options, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_ids=eos_ids)
     if defaults is not None:  # the checkpoint's / caller's generation config fills what the call leaves unset
         from jaxdecode.options import common_options

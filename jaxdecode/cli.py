@@ -54,6 +54,9 @@ def _add_generate(sub):
                    help="each --prompt is a user message, formatted by the tokenizer's chat template (with "
                         "--system as the system message)")
     g.add_argument("--system", default=None, help="with --chat: a system message before each user message")
+    g.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help="the chat template's own variables, as a JSON object, for --chat and \"messages\" "
+                        "prompts, e.g. '{\"enable_thinking\": false}' (Qwen3)")
     g.add_argument("--method", default=None,
                    help="decoding method (see `jaxdecode methods`; default: the checkpoint's "
                         "generation_config.json: sample if do_sample, beam if num_beams > 1, else greedy)")
@@ -233,6 +236,12 @@ def cmd_generate(args) -> int:
             raise ValueError(f"option {key} is given twice (a flag and --option); give it once")
         options[key] = value
     model = jaxdecode.load(args.model or _default_model(args.method or "greedy"), **_dtype_kw(args))
+    if args.chat_template_kwargs is not None:
+        try:
+            options["chat_template_kwargs"] = json.loads(args.chat_template_kwargs)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--chat-template-kwargs {args.chat_template_kwargs!r} is not JSON ({e.msg}); give an "
+                             f"object, e.g. '{{\"enable_thinking\": false}}'") from None
     call = dict(method=args.method, num_return_sequences=args.num_return_sequences,
                 add_special_tokens=args.add_special_tokens, skip_special_tokens=not args.keep_special_tokens,
                 echo=args.echo, **options)

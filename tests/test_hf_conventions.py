@@ -44,6 +44,45 @@ def bos_model(tmp_path_factory):
     return d, hf, tok, stop_tok
 
 
+# A Qwen3-style switch: the template closes an empty think block when enable_thinking is false
+THINKING = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+            "{% if enable_thinking is defined and enable_thinking is false %}{{ 'think: none\n' }}{% endif %}"
+            "{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template(bos_model, tmp_path, capsys):
+    from jaxdecode.cli import main
+    d, _, tok, _ = bos_model
+    model = jaxdecode.load(d)
+    model.tokenizer.chat_template = THINKING
+    conv = [{"role": "user", "content": "def add(a, b):"}]
+    off = tok.apply_chat_template(conv, chat_template=THINKING, add_generation_prompt=True, tokenize=True,
+                                  return_dict=True, enable_thinking=False)["input_ids"]
+    on = tok.apply_chat_template(conv, chat_template=THINKING, add_generation_prompt=True, tokenize=True,
+                                 return_dict=True)["input_ids"]
+    assert len(off) > len(on)
+    r = jaxdecode.generate(model, messages=conv, max_new_tokens=2, chat_template_kwargs={"enable_thinking": False})
+    assert r[0].prompt_tokens == off
+    assert jaxdecode.generate(model, messages=conv, max_new_tokens=2)[0].prompt_tokens == on
+    assert jaxdecode.apply_chat_template(model, conv, {"enable_thinking": False}).endswith("think: none\n")
+    for bad, match in (({"tokenize": True}, r"sets \['tokenize'\], which jaxdecode sets itself"),
+                       ("enable_thinking=False", r"chat_template_kwargs must be a dict of template variables")):
+        with pytest.raises(ValueError, match=match):
+            jaxdecode.generate(model, messages=conv, max_new_tokens=2, chat_template_kwargs=bad)
+    # the CLI's flag, through a checkpoint whose tokenizer has the template
+    ckpt = shutil.copytree(d, tmp_path / "ckpt")
+    cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(dict(cfg, chat_template=THINKING)))
+    for leftover in ckpt.glob("chat_template.jinja"):
+        leftover.unlink()
+    rc = main(["generate", "--model", str(ckpt), "--chat", "--prompt", "def add(a, b):", "--max-new-tokens", "2",
+               "--chat-template-kwargs", '{"enable_thinking": false}', "--json", "--echo"])
+    assert rc == 0 and len(json.loads(capsys.readouterr().out.splitlines()[0])["prompt_logprobs"]) == len(off)
+    rc = main(["generate", "--model", str(ckpt), "--chat", "--prompt", "x", "--chat-template-kwargs", "{enable"])
+    assert rc == 2 and "--chat-template-kwargs '{enable' is not JSON" in capsys.readouterr().err
+
+
 def test_text_prompts_get_the_tokenizers_bos_and_match_transformers(bos_model):
     d, hf, tok, _ = bos_model
     model = jaxdecode.load(d)
