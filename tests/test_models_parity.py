@@ -151,7 +151,8 @@ def test_variants_load_the_intended_shapes(built):
         True, False, (4, 0), 24, None)
     assert (c.attn_logit_softcapping, c.final_logit_softcapping) == (1.5, 2.0)
     c = built("gemma3_window_local_rope").config
-    assert (c.norm_plus_one, c.scale_embed, c.sandwich_norms, c.qk_norm, c.tie_word_embeddings) == (True,) * 4 + (False,)
+    assert (c.norm_plus_one, c.scale_embed, c.sandwich_norms, c.qk_norm) == (True,) * 4
+    assert c.tie_word_embeddings is False
     assert (c.sliding_windows, c.query_pre_attn_scalar, c.local_rope_theta, c.rope_theta) == ((4, 0), 24.0, 100.0, 1e6)
     assert dict(c.rope_scaling) == {"rope_type": "linear", "factor": 2.0}
     assert built("gpt2_untied").config.tie_word_embeddings is False
