@@ -171,8 +171,8 @@ def test_third_party_options_pass_through():
 
 # ----------------------------------------------------------------------------- CLI and README
 FIXED_FLAGS = {"help", "model", "prompt", "prompts_file", "method", "dtype", "param_dtype", "option", "json", "prompt_ids",
-               "prompts_format", "chat", "system", "num_return_sequences", "add_special_tokens", "keep_special_tokens",
-               "echo", "stream"}  # load() and generate() arguments that are not method options
+               "prompts_format", "chat", "system", "chat_template_kwargs", "num_return_sequences", "add_special_tokens",
+               "keep_special_tokens", "echo", "stream"}  # load() and generate() arguments that are not method options
 
 
 def _generate_parser():
