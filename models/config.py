@@ -14,7 +14,7 @@ import numpy as np
 
 # model_type values handled by the llama-family forward (pre-norm, RMSNorm, RoPE, gated MLP); Qwen3 and
 # the Gemma layouts add the options of _LAYOUT_FLAGS.
-LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "smollm", "smollm3_llama")
+LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "smollm3")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 # Gemma 2 and 3: sandwich norms, query_pre_attn_scalar, sliding-window layers by layer_types, softcaps
 _GEMMA_23 = ("gemma2", "gemma3_text")
@@ -24,7 +24,7 @@ _GEMMA_23 = ("gemma2", "gemma3_text")
 # Fast_dLLM_v2_*: a Qwen2 checkpoint plus `bd_size`, block diffusion with the same shift).
 LLADA_TYPE, DREAM_TYPE, FAST_DLLM_TYPE = "llada", "Dream", "Fast_dLLM_Qwen"
 DIFFUSION_MODEL_TYPES = (LLADA_TYPE, DREAM_TYPE, FAST_DLLM_TYPE)
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gpt2") + GEMMA_TYPES + DIFFUSION_MODEL_TYPES
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "gpt2") + GEMMA_TYPES + DIFFUSION_MODEL_TYPES
 ATTENTIONS = ("causal", "bidirectional", "block")
 # What each diffusion layout implies when its config.json does not say otherwise:
 # (attention, logits_shift). Fast-dLLM v2's block size is its config's `bd_size`.
@@ -77,6 +77,8 @@ class ModelConfig:
     # c * tanh(x / c) of the attention scores (after scaling) and of the output logits (Gemma 2); None: off
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # per layer, 1 where RoPE applies and 0 where it does not (SmolLM3's NoPE layers); () = every layer
+    rope_layers: tuple = ()
     # Per-layer sliding window (0 = full attention); a token at position p sees keys at p' with p - p' < w.
     sliding_windows: tuple = ()
     tie_word_embeddings: bool = False
@@ -98,6 +100,9 @@ class ModelConfig:
     def __post_init__(self):
         if not self.sliding_windows:
             object.__setattr__(self, "sliding_windows", (0,) * self.num_layers)
+        if self.rope_layers and (len(self.rope_layers) != self.num_layers or not set(self.rope_layers) <= {0, 1}):
+            raise ConfigError(f"rope_layers must give 1 (RoPE) or 0 (none) for each of the {self.num_layers} "
+                              f"layers, got {self.rope_layers}")
         if len(self.sliding_windows) != self.num_layers:
             raise ConfigError(
                 f"sliding_windows has {len(self.sliding_windows)} entries but the model has "
@@ -148,6 +153,11 @@ class ModelConfig:
     def jnp_dtype(self):
         import jax.numpy as jnp
         return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[self.dtype]
+
+    @property
+    def rope_per_layer(self) -> bool:
+        """The layers' RoPE differs (Gemma 3's local base, SmolLM3's layers without RoPE)."""
+        return self.local_rope_theta is not None or 0 in self.rope_layers
 
     @property
     def attn_scale(self) -> float | None:
@@ -246,6 +256,7 @@ class ModelConfig:
             query_pre_attn_scalar=(cfg.get("query_pre_attn_scalar") or 256) if gemma23 else None,
             attn_logit_softcapping=cfg.get("attn_logit_softcapping") if gemma23 else None,
             final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma23 else None,
+            rope_layers=_rope_layers(cfg, model_type, n_layers),
             dtype=dtype, bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
             pad_token_id=cfg.get("pad_token_id"), extra=_extra(cfg), **_LAYOUT_FLAGS.get(model_type, {}))
 
@@ -283,7 +294,7 @@ class ModelConfig:
         self._check_layout_expresses()
         arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                "gemma3_text": "Gemma3ForCausalLM",
+                "gemma3_text": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                 DREAM_TYPE: "DreamModel", FAST_DLLM_TYPE: "Fast_dLLM_QwenForCausalLM"}[self.model_type]
         rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope_scaling is not None:
@@ -307,6 +318,8 @@ class ModelConfig:
             out.update(rope_parameters={"full_attention": rope, "sliding_attention": {
                 "rope_type": "default", "rope_theta": self.local_rope_theta}},
                 rope_local_base_freq=self.local_rope_theta)
+        if self.model_type == "smollm3":
+            out["no_rope_layers"] = list(self.rope_layers or (1,) * self.num_layers)
         if self.model_type not in _QWEN2_TYPES:
             out["attention_bias"] = self.qkv_bias
         elif self.o_bias:
@@ -346,6 +359,8 @@ class ModelConfig:
             wrong.append(f"local_rope_theta={self.local_rope_theta} (Gemma 3 alone has it)")
         if self.activation not in _HF_ACTIVATIONS:
             wrong.append(f"activation={self.activation!r}")
+        if 0 in self.rope_layers and self.model_type != "smollm3":
+            wrong.append(f"rope_layers={self.rope_layers} (SmolLM3 alone has layers without RoPE)")
         if wrong:
             layouts = "; ".join(f"{t}: {', '.join(f)}" for t, f in _LAYOUT_FLAGS.items())
             raise ConfigError(f"a {self.model_type} config.json cannot express {', '.join(wrong)} (the layouts "
@@ -422,13 +437,24 @@ def _rope(cfg: dict, model_type: str) -> tuple:
         scaling.setdefault("original_max_position_embeddings",
                            cfg.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048))
     if rope_type == "yarn":
-        if local_theta is not None:
-            raise ConfigError("rope_type='yarn' with Gemma 3's per-layer RoPE is not supported (its attention "
-                              "factor would reach the sliding-window layers too); supported there: default, linear")
         if scaling.get("factor") is None:  # DeepSeek-V3's form: the ratio of the two lengths
             scaling["factor"] = cfg.get("max_position_embeddings", 2048) / scaling["original_max_position_embeddings"]
         scaling = {k: v for k, v in scaling.items() if v is not None}
     return rope_theta, None if rope_type == "default" else tuple(sorted(scaling.items())), local_theta
+
+
+def _rope_layers(cfg: dict, model_type: str, n_layers: int) -> tuple:
+    """SmolLM3's no_rope_layers (1: RoPE), or every no_rope_layer_interval-th layer without; () elsewhere."""
+    if model_type != "smollm3":
+        return ()
+    layers = cfg.get("no_rope_layers")
+    if layers is None:
+        interval = cfg.get("no_rope_layer_interval") or 4
+        layers = [int((i + 1) % interval != 0) for i in range(n_layers)]
+    if not isinstance(layers, list) or len(layers) != n_layers or not set(layers) <= {0, 1}:
+        raise ConfigError(f"config.json's no_rope_layers must be a list of 0 / 1 for the {n_layers} layers, "
+                          f"got {layers!r}")
+    return tuple(int(x) for x in layers)
 
 
 def _sliding_windows(cfg: dict, model_type: str, n_layers: int) -> tuple:
@@ -448,8 +474,10 @@ def _sliding_windows(cfg: dict, model_type: str, n_layers: int) -> tuple:
     if not window:
         return (0,) * n_layers
     layer_types = cfg.get("layer_types")
-    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3", "smollm3") and not cfg.get("use_sliding_window", False):
         return (0,) * n_layers
+    if model_type == "smollm3" and not layer_types:  # the layers without RoPE slide
+        return tuple(0 if rope else int(window) for rope in _rope_layers(cfg, model_type, n_layers))
     if layer_types:
         return tuple(int(window) if t == "sliding_attention" else 0 for t in layer_types)
     if model_type in ("qwen2", "qwen3"):
@@ -469,7 +497,7 @@ _KNOWN_KEYS = {
     "activation_function", "transformers_version", "mask_token_id", "diffusion_attention", "bd_size",
     "logits_shift", "hidden_activation", "query_pre_attn_scalar", "rope_local_base_freq",
     "sliding_window_pattern", "_sliding_window_pattern", "attn_logit_softcapping", "final_logit_softcapping",
-    "use_bidirectional_attention",
+    "use_bidirectional_attention", "no_rope_layers", "no_rope_layer_interval",
 }
 
 
@@ -563,13 +591,26 @@ def _llada_dict(c: ModelConfig) -> dict:
 
 
 def rope_inv_freqs(config: ModelConfig) -> np.ndarray:
-    """Each layer's inverse RoPE frequencies [num_layers, head_dim // 2]: rope_inv_freq's, and with a
-    local_rope_theta (Gemma 3) the sliding-window layers' own, unscaled."""
+    """Each layer's inverse RoPE frequencies [num_layers, head_dim // 2]: rope_inv_freq's; with a
+    local_rope_theta (Gemma 3) the sliding-window layers' own, unscaled; zeros (the identity rotation)
+    for a layer without RoPE (SmolLM3)."""
     full = rope_inv_freq(config)
-    if config.local_rope_theta is None:
-        return np.broadcast_to(full, (config.num_layers,) + full.shape)
-    local = rope_inv_freq(config.replace(rope_theta=config.local_rope_theta, rope_scaling=None))
-    return np.stack([local if w else full for w in config.sliding_windows])
+    local = full
+    if config.local_rope_theta is not None:
+        local = rope_inv_freq(config.replace(rope_theta=config.local_rope_theta, rope_scaling=None))
+    rows = [local if w else full for w in config.sliding_windows]
+    if config.rope_layers:
+        rows = [row if rope else np.zeros_like(row) for row, rope in zip(rows, config.rope_layers)]
+    return np.stack(rows)
+
+
+def rope_attention_factors(config: ModelConfig) -> np.ndarray:
+    """Each layer's factor on cos and sin [num_layers]: rope_attention_factor on the layers with the
+    scaled RoPE, 1 on Gemma 3's local layers (unscaled) and on layers without RoPE."""
+    factor = rope_attention_factor(config)
+    local = [config.local_rope_theta is not None and w > 0 for w in config.sliding_windows]
+    rope = config.rope_layers or (1,) * config.num_layers
+    return np.asarray([factor if r and not lo else 1.0 for r, lo in zip(rope, local)], np.float32)
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:

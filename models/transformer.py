@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .cache import KVCache, write_layer
-from .config import ModelConfig, rope_attention_factor, rope_inv_freq, rope_inv_freqs
+from .config import ModelConfig, rope_attention_factor, rope_attention_factors, rope_inv_freq, rope_inv_freqs
 
 _MASKED = -1e30  # finite, so a fully masked (padding) query gives a uniform softmax, never NaN
 
@@ -81,7 +81,7 @@ def apply_rope(x, positions, inv_freq, factor: float = 1.0):
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
     cos = jnp.cos(angles)[:, :, None, :]
     sin = jnp.sin(angles)[:, :, None, :]
-    if factor != 1.0:
+    if not (isinstance(factor, float) and factor == 1.0):  # a float, or a traced per-layer scalar
         cos, sin = cos * factor, sin * factor
     x32 = x.astype(jnp.float32)
     half = x.shape[-1] // 2
@@ -243,9 +243,10 @@ def with_embed_words(params):
 
 
 # ----------------------------------------------------------------------------- the layer
-def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, attend):
+def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, attend, rope_factor=None):
     """One transformer block. x: [B, T, D]. attend(q [B,T,H,hd], k, v [B,T,KV,hd]) -> (a [B,T,H,hd], aux):
-    the attention of this layer (with or without a cache); aux is returned as it is."""
+    the attention of this layer (with or without a cache); aux is returned as it is. rope_factor: this
+    layer's factor on RoPE's cos and sin (default: the config's, rope_attention_factor)."""
     h = _norm(config, x, lp["attn_norm"])
     q = matmul("btd,dnh->btnh", h, lp["wq"])  # [B, T, H, hd]
     k = matmul("btd,dnh->btnh", h, lp["wk"])  # [B, T, KV, hd]
@@ -256,7 +257,7 @@ def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, attend):
         q = _norm(config, q, lp["q_norm"])
         k = _norm(config, k, lp["k_norm"])
     if config.uses_rope:
-        factor = rope_attention_factor(config)
+        factor = rope_attention_factor(config) if rope_factor is None else rope_factor
         q = apply_rope(q, q_pos, inv_freq, factor)
         k = apply_rope(k, q_pos, inv_freq, factor)
     a, aux = attend(q, k, v)
@@ -430,10 +431,12 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
         x = x * jnp.asarray(math.sqrt(config.hidden_size), params["embed"].dtype).astype(act_dtype)
     if config.is_gpt2:
         x = x + embed_rows(params["pos_embed"], positions, act_dtype)
-    # [L, hd/2]: one row per layer where layers differ (Gemma 3's sliding-window layers), else [hd/2]
-    inv_freqs = None
-    if config.local_rope_theta is not None:
+    # [L, hd/2]: one row per layer where layers differ (Gemma 3's sliding-window layers, SmolLM3's layers
+    # without RoPE: zeros, so cos 1 and sin 0), else [hd/2]
+    inv_freqs = rope_factors = None
+    if config.rope_per_layer:
         inv_freqs = jnp.asarray(rope_inv_freqs(config))
+        rope_factors = jnp.asarray(rope_attention_factors(config))
     inv_freq = jnp.asarray(rope_inv_freq(config)) if config.uses_rope else None
     positions = positions.astype(jnp.int32)
     mask = attn_mask.astype(bool)
@@ -456,8 +459,10 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
         if lp is None:
             lp = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), layers)
         window = jax.lax.dynamic_index_in_dim(windows, layer, keepdims=False)
-        layer_inv_freq = (inv_freq if inv_freqs is None
-                          else jax.lax.dynamic_index_in_dim(inv_freqs, layer, keepdims=False))
+        layer_inv_freq, layer_factor = inv_freq, None
+        if inv_freqs is not None:
+            layer_inv_freq = jax.lax.dynamic_index_in_dim(inv_freqs, layer, keepdims=False)
+            layer_factor = jax.lax.dynamic_index_in_dim(rope_factors, layer, keepdims=False)
 
         def attend(q, k, v):
             if cache is None:  # the T tokens see each other as attn_mask says
@@ -470,7 +475,7 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
                                   mesh, config.attn_scale, config.attn_logit_softcapping)
             return a, (k2, v2)
 
-        x, (k_all, v_all) = _layer(config, x, lp, positions, layer_inv_freq, attend)
+        x, (k_all, v_all) = _layer(config, x, lp, positions, layer_inv_freq, attend, layer_factor)
         return (x, k_all, v_all), (x if return_layers else None)
 
     init = (x, None, None) if cache is None else (x, cache.k, cache.v)

@@ -46,6 +46,7 @@ def make_hf_model(kind: str, vocab_size: int = 320, seed: int = 0, random_norms:
         cfg_cls, cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
                         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
                         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+                        "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM),
                         "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM),
                         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
                         "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),

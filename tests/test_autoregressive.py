@@ -29,8 +29,11 @@ def random_params(config, seed: int = 0, std: float = 0.5):
                                             is_leaf=lambda x: isinstance(x, tuple))
 PROMPT_LENS = (5, 2, 7)
 # Norm scales that are not all ones (Qwen3's per-head query/key norms, Gemma's), a head_dim of Qwen3's
-# own, Gemma 3's sliding-window layer (its own RoPE base) beside a full one and its query scale
+# own, Gemma 3's sliding-window layer (its own RoPE base) beside a full one and its query scale, a SmolLM3
+# layer without RoPE beside one with YaRN
 FAMILY_OVERRIDES = {"qwen3": dict(head_dim=16, random_norms=True), "gemma": dict(random_norms=True),
+                    "smollm3": dict(no_rope_layers=[1, 0], rope_parameters={
+                        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 6, "rope_theta": 100.0}),
                     "gemma2": dict(random_norms=True, sliding_window=4, attn_logit_softcapping=1.5,
                                    final_logit_softcapping=2.0),
                     "gemma3_text": dict(random_norms=True, sliding_window=4, query_pre_attn_scalar=24,
@@ -72,7 +75,7 @@ def hf_greedy(hf, prompt, n, **kw):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen3", "gemma", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen3", "smollm3", "gemma", "gemma2", "gemma3_text"])
 def test_greedy_matches_transformers_for_a_ragged_batch(hf_models, kind, prompts):
     hf, config, params = hf_models(kind)
     tokens, lengths = pad_prompts(prompts)

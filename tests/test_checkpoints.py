@@ -146,6 +146,15 @@ def test_rope_scaling_defaults_as_transformers(rope, want):
     assert rope_attention_factor(config) == pytest.approx(want_factor)
 
 
+def test_smollm3_no_rope_layers():
+    cfg = dict(model_type="smollm3", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+               num_attention_heads=4, num_key_value_heads=2)
+    assert ModelConfig.from_hf_dict(cfg).rope_layers == (1, 1, 1, 0, 1, 1, 1, 0)  # every 4th, as transformers
+    assert ModelConfig.from_hf_dict(dict(cfg, no_rope_layer_interval=2)).rope_layers == (1, 0) * 4
+    with pytest.raises(ConfigError, match=r"no_rope_layers must be a list of 0 / 1 for the 8 layers, got \[1, 0\]"):
+        ModelConfig.from_hf_dict(dict(cfg, no_rope_layers=[1, 0]))
+
+
 def test_a_layout_that_cannot_express_the_network_is_not_saved(tmp_path):
     import jax
     from jaxdecode.models import init_params, save_params
@@ -156,6 +165,8 @@ def test_a_layout_that_cannot_express_the_network_is_not_saved(tmp_path):
         save_params(cfg, init_params(cfg, jax.random.PRNGKey(0)), tmp_path)
     with pytest.raises(ConfigError, match=r"cannot express .*local_rope_theta=100.0"):
         cfg.replace(qk_norm=False, local_rope_theta=100.0).to_hf_dict()
+    with pytest.raises(ConfigError, match=r"cannot express rope_layers=\(0,\) \(SmolLM3 alone"):
+        cfg.replace(qk_norm=False, rope_layers=(0,)).to_hf_dict()
     with pytest.raises(ConfigError, match=r"one sliding_window for every windowed layer; this config has "
                                           r"several: \[2, 4\]"):
         ModelConfig(model_type="mistral", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,

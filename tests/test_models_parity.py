@@ -46,6 +46,10 @@ VARIANTS = {
     "qwen3_biases_tied_window": ("qwen3", dict(attention_bias=True, tie_word_embeddings=True, random_norms=True,
                                                use_sliding_window=True, sliding_window=4, max_window_layers=1,
                                                layer_types=["full_attention", "sliding_attention"])),
+    # layer 1 without RoPE (its YaRN attention factor off too), layer 0 with YaRN
+    "smollm3_nope_yarn": ("smollm3", dict(no_rope_layers=[1, 0], rope_parameters=YARN_ROPE)),
+    "smollm3_window_on_nope": ("smollm3", dict(no_rope_layers=[1, 0], use_sliding_window=True, sliding_window=4,
+                                               layer_types=["full_attention", "sliding_attention"])),
     "gemma_mha": ("gemma", dict(num_key_value_heads=4, random_norms=True)),
     # both soft-caps low enough to bend the scores and logits; sliding layer 0, full layer 1
     "gemma2_softcaps_window": ("gemma2", dict(random_norms=True, sliding_window=4, query_pre_attn_scalar=24,
@@ -57,6 +61,11 @@ VARIANTS = {
         query_pre_attn_scalar=24, tie_word_embeddings=False,
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
+    # YaRN on the full layer only: the sliding layer keeps its own unscaled RoPE and no attention factor
+    "gemma3_yarn_on_full": ("gemma3_text", dict(
+        random_norms=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": dict(YARN_ROPE), "sliding_attention": {"rope_type": "default",
+                                                                                   "rope_theta": 100.0}})),
     "mistral_window4": ("mistral", dict(sliding_window=4)),  # window < sequence length
     "gpt2_tied": ("gpt2", {}),
     "gpt2_untied": ("gpt2", dict(tie_word_embeddings=False)),
@@ -137,6 +146,9 @@ def test_variants_load_the_intended_shapes(built):
     assert (c.head_dim, c.qkv_bias, c.o_bias) == (16, True, False)
     assert built("qwen2_window_on_layer1").config.sliding_windows == (0, 4)
     assert dict(built("qwen3_yarn").config.rope_scaling) == {k: v for k, v in YARN_ROPE.items() if k != "rope_theta"}
+    c = built("smollm3_nope_yarn").config
+    assert (c.rope_layers, c.sliding_windows, dict(c.rope_scaling)["rope_type"]) == ((1, 0), (0, 0), "yarn")
+    assert built("smollm3_window_on_nope").config.sliding_windows == (0, 4)
     c = built("qwen3_qk_norm_head_dim16").config
     assert (c.head_dim, c.qk_norm, c.qkv_bias, c.o_bias, c.sliding_windows) == (16, True, False, False, (0, 0))
     c = built("qwen3_biases_tied_window").config
@@ -160,6 +172,7 @@ def test_variants_load_the_intended_shapes(built):
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_untied_llama3", "llama_mha_tied_linear_biases", "qwen3_yarn",
+                                  "smollm3_nope_yarn", "gemma3_yarn_on_full",
                                   "mistral_window4", "qwen2_window_on_layer1", "qwen3_biases_tied_window"])
 def test_rope_scaling_and_windows_matter(built, name):
     """Dropping the rope scaling / sliding window changes the logits, so parity above covers them."""
@@ -187,6 +200,12 @@ def test_gemma3_options_matter(built, change):
 def test_gemma2_softcaps_matter(built, change):
     v = built("gemma2_softcaps_window")
     logits = jax_logits(v.config.replace(**{change: None}), v.params, v.tokens, v.valid)
+    assert max_valid_diff(logits, v.logits, v.valid) > 1e-3
+
+
+def test_smollm3_layers_without_rope_matter(built):
+    v = built("smollm3_nope_yarn")
+    logits = jax_logits(v.config.replace(rope_layers=()), v.params, v.tokens, v.valid)
     assert max_valid_diff(logits, v.logits, v.valid) > 1e-3
 
 
@@ -258,14 +277,15 @@ def _to_4x_form(cfg: dict) -> dict:
     cfg["rope_theta"] = rope.pop("rope_theta")
     cfg["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
     cfg["torch_dtype"] = cfg.pop("dtype")
-    if cfg["model_type"] in ("qwen2", "qwen3"):
+    if cfg["model_type"] in ("qwen2", "qwen3", "smollm3"):
         cfg.pop("layer_types", None)  # 4.x derives the windowed layers from max_window_layers
     return cfg
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_untied_llama3", "llama_mha_tied_linear_biases",
                                   "qwen2_window_on_layer1", "qwen3_biases_tied_window", "gemma_mha",
-                                  "gemma2_softcaps_window", "gemma3_window_local_rope", "mistral_window4"])
+                                  "gemma2_softcaps_window", "gemma3_window_local_rope", "smollm3_window_on_nope",
+                                  "mistral_window4"])
 def test_config_json_4x_form_loads_like_5x(built, tmp_path, name):
     v = built(name)
     cfg5 = json.loads((v.dir / "config.json").read_text())
