@@ -33,7 +33,8 @@ PROMPT_LENS = (5, 2, 7)
 # layer without RoPE beside one with YaRN
 FAMILY_OVERRIDES = {"qwen3": dict(head_dim=16, random_norms=True), "gemma": dict(random_norms=True),
                     "smollm3": dict(no_rope_layers=[1, 0], rope_parameters={
-                        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 6, "rope_theta": 100.0}),
+                        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 6,
+                        "rope_theta": 100.0}),
                     "gemma2": dict(random_norms=True, sliding_window=4, attn_logit_softcapping=1.5,
                                    final_logit_softcapping=2.0),
                     "gemma3_text": dict(random_norms=True, sliding_window=4, query_pre_attn_scalar=24,
