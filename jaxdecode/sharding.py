@@ -27,6 +27,7 @@ LOGICAL_RULES: dict[str, str | None] = {
     "kv_heads": MODEL,
     "mlp": MODEL,
     "vocab": MODEL,
+    "experts": None,  # each expert's MLP width splits over `model` instead
     "embed": None,
     "layers": None,
     "head_dim": None,
@@ -55,6 +56,10 @@ PARAM_AXES: dict[str, tuple] = {
     "b_gate": ("layers", "mlp"),
     "b_up": ("layers", "mlp"),
     "b_down": ("layers", "embed"),
+    "w_router": ("layers", "embed", "experts"),
+    "we_gate": ("layers", "experts", "embed", "mlp"),
+    "we_up": ("layers", "experts", "embed", "mlp"),
+    "we_down": ("layers", "experts", "mlp", "embed"),
 }
 
 CACHE_AXES = {"k": ("layers", "batch", "kv_heads", "seq", "head_dim"),

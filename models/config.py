@@ -14,7 +14,11 @@ import numpy as np
 
 # model_type values handled by the llama-family forward (pre-norm, RMSNorm, RoPE, gated MLP); Qwen3 and
 # the Gemma layouts add the options of _LAYOUT_FLAGS.
-LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "smollm3")
+LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "smollm3", "mixtral",
+                "qwen3_moe")
+# Mixture-of-experts layouts: every layer's MLP is top-k routed experts (Mixtral: top-k weights always
+# renormalised; Qwen3-MoE: when norm_topk_prob)
+MOE_TYPES = ("mixtral", "qwen3_moe")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 # Gemma 2 and 3: sandwich norms, query_pre_attn_scalar, sliding-window layers by layer_types, softcaps
 _GEMMA_23 = ("gemma2", "gemma3_text")
@@ -24,14 +28,15 @@ _GEMMA_23 = ("gemma2", "gemma3_text")
 # Fast_dLLM_v2_*: a Qwen2 checkpoint plus `bd_size`, block diffusion with the same shift).
 LLADA_TYPE, DREAM_TYPE, FAST_DLLM_TYPE = "llada", "Dream", "Fast_dLLM_Qwen"
 DIFFUSION_MODEL_TYPES = (LLADA_TYPE, DREAM_TYPE, FAST_DLLM_TYPE)
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "gpt2") + GEMMA_TYPES + DIFFUSION_MODEL_TYPES
+SUPPORTED_MODEL_TYPES = (("llama", "qwen2", "qwen3", "mistral", "smollm3", "gpt2") + GEMMA_TYPES + MOE_TYPES
+                         + DIFFUSION_MODEL_TYPES)
 ATTENTIONS = ("causal", "bidirectional", "block")
 # What each diffusion layout implies when its config.json does not say otherwise:
 # (attention, logits_shift). Fast-dLLM v2's block size is its config's `bd_size`.
 _LAYOUT_DEFAULTS = {LLADA_TYPE: ("bidirectional", 0), DREAM_TYPE: ("bidirectional", 1),
                     FAST_DLLM_TYPE: ("block", 1)}
 # The network options a layout implies without a config.json key of its own (all False elsewhere).
-_LAYOUT_FLAGS = {"qwen3": dict(qk_norm=True),
+_LAYOUT_FLAGS = {"qwen3": dict(qk_norm=True), "qwen3_moe": dict(qk_norm=True),
                  "gemma": dict(norm_plus_one=True, scale_embed=True),
                  "gemma2": dict(norm_plus_one=True, scale_embed=True, sandwich_norms=True),
                  "gemma3_text": dict(qk_norm=True, norm_plus_one=True, scale_embed=True, sandwich_norms=True)}
@@ -79,6 +84,13 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     # per layer, 1 where RoPE applies and 0 where it does not (SmolLM3's NoPE layers); () = every layer
     rope_layers: tuple = ()
+    # Mixture of experts (0 experts: a dense MLP): each token's MLP is the weighted sum of its top
+    # num_experts_per_tok experts (gated MLPs of width moe_intermediate_size) by the router's softmax,
+    # the top weights renormalised to sum to 1 when moe_norm_topk
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_norm_topk: bool = True
     # Per-layer sliding window (0 = full attention); a token at position p sees keys at p' with p - p' < w.
     sliding_windows: tuple = ()
     tie_word_embeddings: bool = False
@@ -100,6 +112,10 @@ class ModelConfig:
     def __post_init__(self):
         if not self.sliding_windows:
             object.__setattr__(self, "sliding_windows", (0,) * self.num_layers)
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0):
+            raise ConfigError(f"a mixture of {self.num_experts} experts needs 1 <= num_experts_per_tok <= "
+                              f"{self.num_experts} (got {self.num_experts_per_tok}) and moe_intermediate_size > 0 "
+                              f"(got {self.moe_intermediate_size})")
         if self.rope_layers and (len(self.rope_layers) != self.num_layers or not set(self.rope_layers) <= {0, 1}):
             raise ConfigError(f"rope_layers must give 1 (RoPE) or 0 (none) for each of the {self.num_layers} "
                               f"layers, got {self.rope_layers}")
@@ -175,6 +191,8 @@ class ModelConfig:
         d, f, v, hd = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
         attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2) + (2 * hd if self.qk_norm else 0)
         mlp = 2 * d * f if self.is_gpt2 else 3 * d * f
+        if self.num_experts:
+            mlp = self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
         emb = v * d * (1 if self.tie_word_embeddings else 2)
         if self.is_gpt2:
             emb += self.max_position_embeddings * d
@@ -256,7 +274,7 @@ class ModelConfig:
             query_pre_attn_scalar=(cfg.get("query_pre_attn_scalar") or 256) if gemma23 else None,
             attn_logit_softcapping=cfg.get("attn_logit_softcapping") if gemma23 else None,
             final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma23 else None,
-            rope_layers=_rope_layers(cfg, model_type, n_layers),
+            rope_layers=_rope_layers(cfg, model_type, n_layers), **_moe_fields(cfg, model_type, n_layers),
             dtype=dtype, bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
             pad_token_id=cfg.get("pad_token_id"), extra=_extra(cfg), **_LAYOUT_FLAGS.get(model_type, {}))
 
@@ -295,6 +313,7 @@ class ModelConfig:
         arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
                 "gemma3_text": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+                "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                 DREAM_TYPE: "DreamModel", FAST_DLLM_TYPE: "Fast_dLLM_QwenForCausalLM"}[self.model_type]
         rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope_scaling is not None:
@@ -320,6 +339,12 @@ class ModelConfig:
                 rope_local_base_freq=self.local_rope_theta)
         if self.model_type == "smollm3":
             out["no_rope_layers"] = list(self.rope_layers or (1,) * self.num_layers)
+        if self.model_type == "mixtral":
+            out.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok)
+        if self.model_type == "qwen3_moe":
+            out.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                       moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.moe_norm_topk,
+                       decoder_sparse_step=1, mlp_only_layers=[])
         if self.model_type not in _QWEN2_TYPES:
             out["attention_bias"] = self.qkv_bias
         elif self.o_bias:
@@ -359,6 +384,12 @@ class ModelConfig:
             wrong.append(f"local_rope_theta={self.local_rope_theta} (Gemma 3 alone has it)")
         if self.activation not in _HF_ACTIVATIONS:
             wrong.append(f"activation={self.activation!r}")
+        if (self.num_experts > 0) != (self.model_type in MOE_TYPES):
+            wrong.append(f"num_experts={self.num_experts} (the mixture-of-experts layouts: {', '.join(MOE_TYPES)})")
+        elif self.model_type == "mixtral" and not (self.moe_norm_topk
+                                                   and self.moe_intermediate_size == self.intermediate_size):
+            wrong.append("moe_norm_topk=False or experts narrower than intermediate_size (Mixtral renormalises, "
+                         "its experts are intermediate_size wide)")
         if 0 in self.rope_layers and self.model_type != "smollm3":
             wrong.append(f"rope_layers={self.rope_layers} (SmolLM3 alone has layers without RoPE)")
         if wrong:
@@ -443,6 +474,26 @@ def _rope(cfg: dict, model_type: str) -> tuple:
     return rope_theta, None if rope_type == "default" else tuple(sorted(scaling.items())), local_theta
 
 
+def _moe_fields(cfg: dict, model_type: str, n_layers: int) -> dict:
+    """The mixture-of-experts fields of a Mixtral / Qwen3-MoE config.json ({} for a dense layout)."""
+    if model_type not in MOE_TYPES:
+        return {}
+    experts = cfg.get("num_local_experts") if model_type == "mixtral" else (
+        cfg.get("num_experts") or cfg.get("num_local_experts"))
+    if model_type == "mixtral":
+        return dict(num_experts=experts or 8, num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
+                    moe_intermediate_size=cfg["intermediate_size"], moe_norm_topk=True)
+    step, dense = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers") or []
+    sparse = [i for i in range(n_layers) if i not in dense and (i + 1) % step == 0]
+    if len(sparse) != n_layers:
+        raise ConfigError(f"this qwen3_moe config.json has dense MLP layers (decoder_sparse_step={step}, "
+                          f"mlp_only_layers={dense}); jaxdecode loads mixture-of-experts models whose every "
+                          f"layer has experts (as the released Qwen3-MoE models)")
+    return dict(num_experts=experts or 128, num_experts_per_tok=cfg.get("num_experts_per_tok", 8),
+                moe_intermediate_size=cfg.get("moe_intermediate_size", 768),
+                moe_norm_topk=bool(cfg.get("norm_topk_prob", False)))
+
+
 def _rope_layers(cfg: dict, model_type: str, n_layers: int) -> tuple:
     """SmolLM3's no_rope_layers (1: RoPE), or every no_rope_layer_interval-th layer without; () elsewhere."""
     if model_type != "smollm3":
@@ -474,13 +525,13 @@ def _sliding_windows(cfg: dict, model_type: str, n_layers: int) -> tuple:
     if not window:
         return (0,) * n_layers
     layer_types = cfg.get("layer_types")
-    if model_type in ("qwen2", "qwen3", "smollm3") and not cfg.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe", "smollm3") and not cfg.get("use_sliding_window", False):
         return (0,) * n_layers
     if model_type == "smollm3" and not layer_types:  # the layers without RoPE slide
         return tuple(0 if rope else int(window) for rope in _rope_layers(cfg, model_type, n_layers))
     if layer_types:
         return tuple(int(window) if t == "sliding_attention" else 0 for t in layer_types)
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         # transformers 4.x semantics: layers >= max_window_layers use the window.
         mwl = cfg.get("max_window_layers", n_layers)
         return tuple(int(window) if i >= mwl else 0 for i in range(n_layers))
@@ -497,7 +548,8 @@ _KNOWN_KEYS = {
     "activation_function", "transformers_version", "mask_token_id", "diffusion_attention", "bd_size",
     "logits_shift", "hidden_activation", "query_pre_attn_scalar", "rope_local_base_freq",
     "sliding_window_pattern", "_sliding_window_pattern", "attn_logit_softcapping", "final_logit_softcapping",
-    "use_bidirectional_attention", "no_rope_layers", "no_rope_layer_interval",
+    "use_bidirectional_attention", "no_rope_layers", "no_rope_layer_interval", "num_local_experts", "num_experts",
+    "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
 }
 
 

@@ -288,10 +288,20 @@ def _hf_layer_map(config: ModelConfig, i: int) -> dict[str, tuple[str, callable,
         p + "self_attn.k_proj.weight": ("wk", lambda w: w.T.reshape(d, kv, hd), (kv * hd, d)),
         p + "self_attn.v_proj.weight": ("wv", lambda w: w.T.reshape(d, kv, hd), (kv * hd, d)),
         p + "self_attn.o_proj.weight": ("wo", lambda w: w.T.reshape(h, hd, d), (d, h * hd)),
-        p + "mlp.gate_proj.weight": ("w_gate", lambda w: w.T, (f, d)),
-        p + "mlp.up_proj.weight": ("w_up", lambda w: w.T, (f, d)),
-        p + "mlp.down_proj.weight": ("w_down", lambda w: w.T, (d, f)),
     })
+    if config.num_experts:  # "we_gate[j]": expert j's slice of the stacked [E, ...] weight
+        fm = config.moe_intermediate_size
+        moe, (gate, up, down) = _MOE_NAMES[config.model_type]
+        m[p + moe + ".gate.weight"] = ("w_router", lambda w: w.T, (config.num_experts, d))
+        for j in range(config.num_experts):
+            q = f"{p}{moe}.experts.{j}."
+            m[q + gate + ".weight"] = (f"we_gate[{j}]", lambda w: w.T, (fm, d))
+            m[q + up + ".weight"] = (f"we_up[{j}]", lambda w: w.T, (fm, d))
+            m[q + down + ".weight"] = (f"we_down[{j}]", lambda w: w.T, (d, fm))
+    else:
+        m.update({p + "mlp.gate_proj.weight": ("w_gate", lambda w: w.T, (f, d)),
+                  p + "mlp.up_proj.weight": ("w_up", lambda w: w.T, (f, d)),
+                  p + "mlp.down_proj.weight": ("w_down", lambda w: w.T, (d, f))})
     if config.qkv_bias:
         m[p + "self_attn.q_proj.bias"] = ("bq", lambda b: b.reshape(h, hd), (h * hd,))
         m[p + "self_attn.k_proj.bias"] = ("bk", lambda b: b.reshape(kv, hd), (kv * hd,))
@@ -306,6 +316,19 @@ def _hf_layer_map(config: ModelConfig, i: int) -> dict[str, tuple[str, callable,
         m[p + "mlp.up_proj.bias"] = ("b_up", lambda b: b, (f,))
         m[p + "mlp.down_proj.bias"] = ("b_down", lambda b: b, (d,))
     return {layout_name(config, k): v for k, v in m.items()}
+
+
+# model_type -> (the MoE block's module, its experts' (gate, up, down) projections)
+_MOE_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+              "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+
+
+def _expert_slot(ours: str) -> tuple:
+    """"we_gate[3]" -> ("we_gate", 3); "wq" -> ("wq", None)."""
+    if ours.endswith("]"):
+        name, j = ours[:-1].split("[")
+        return name, int(j)
+    return ours, None
 
 
 def _gpt2_prefix(tensors: dict) -> str:
@@ -392,15 +415,20 @@ def _convert_llama(config: ModelConfig, tensors: dict, expect: dict):
     used = set()
     per_layer: dict[str, list] = {}
     for i in range(config.num_layers):
+        experts: dict[str, list] = {}  # a stacked expert weight's slices of this layer, in expert order
         for hf_name, (ours, conv, hf_shape) in _hf_layer_map(config, i).items():
             if hf_name not in tensors:
                 raise CheckpointError(f"missing weight tensor {hf_name!r} (expected shape {hf_shape})")
             if tuple(tensors[hf_name].shape) != hf_shape:
                 raise CheckpointError(f"weight tensor {hf_name!r} has shape {tuple(tensors[hf_name].shape)}, "
                                       f"expected {hf_shape}")
-            w = conv_checked(hf_name, tensors[hf_name], conv, _lookup(expect["layers"], ours)[1:])
-            per_layer.setdefault(ours, []).append(w)
+            path, expert = _expert_slot(ours)
+            expected = _lookup(expect["layers"], path)[1 if expert is None else 2:]
+            w = conv_checked(hf_name, tensors[hf_name], conv, expected)
+            (per_layer if expert is None else experts).setdefault(path, []).append(w)
             used.add(hf_name)
+        for path, ws in experts.items():
+            per_layer.setdefault(path, []).append(jnp.stack(ws))
     d, v = config.hidden_size, config.vocab_size
 
     def get(name, shape):
@@ -524,9 +552,18 @@ def to_hf_tensors(config: ModelConfig, params) -> dict[str, jax.Array]:
             out[p + "self_attn.k_proj.weight"] = L["wk"][i].reshape(d, kv * hd).T
             out[p + "self_attn.v_proj.weight"] = L["wv"][i].reshape(d, kv * hd).T
             out[p + "self_attn.o_proj.weight"] = L["wo"][i].reshape(h * hd, d).T
-            out[p + "mlp.gate_proj.weight"] = L["w_gate"][i].T
-            out[p + "mlp.up_proj.weight"] = L["w_up"][i].T
-            out[p + "mlp.down_proj.weight"] = L["w_down"][i].T
+            if config.num_experts:
+                moe, (gate, up, down) = _MOE_NAMES[config.model_type]
+                out[p + moe + ".gate.weight"] = L["w_router"][i].T
+                for j in range(config.num_experts):
+                    q = f"{p}{moe}.experts.{j}."
+                    out[q + gate + ".weight"] = L["we_gate"][i, j].T
+                    out[q + up + ".weight"] = L["we_up"][i, j].T
+                    out[q + down + ".weight"] = L["we_down"][i, j].T
+            else:
+                out[p + "mlp.gate_proj.weight"] = L["w_gate"][i].T
+                out[p + "mlp.up_proj.weight"] = L["w_up"][i].T
+                out[p + "mlp.down_proj.weight"] = L["w_down"][i].T
             if config.qkv_bias:
                 out[p + "self_attn.q_proj.bias"] = L["bq"][i].reshape(-1)
                 out[p + "self_attn.k_proj.bias"] = L["bk"][i].reshape(-1)

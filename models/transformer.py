@@ -29,6 +29,8 @@ Parameter pytree (L = layers, D = hidden, H/KV = heads, hd = head dim, F = MLP w
             wq [L, D, H, hd], wk/wv [L, D, KV, hd],
             wo [L, H, hd, D], bq [L, H, hd], bk/bv [L, KV, hd], bo [L, D],
             w_gate/w_up [L, D, F], w_down [L, F, D], b_gate/b_up [L, F], b_down [L, D]
+            (mixture of experts, E experts of width Fm, in place of w_gate/w_up/w_down: w_router [L, D, E],
+            we_gate/we_up [L, E, D, Fm], we_down [L, E, Fm, D])
 """
 from __future__ import annotations
 
@@ -275,6 +277,8 @@ def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, attend, rope_factor=None
     if config.is_gpt2:
         u = matmul("btd,df->btf", h, lp["w_up"]) + lp["b_up"]
         m = matmul("btf,fd->btd", gelu_new(u), lp["w_down"]) + lp["b_down"]
+    elif config.num_experts:
+        m = moe_mlp(config, h, lp)
     else:
         g = matmul("btd,df->btf", h, lp["w_gate"])
         u = matmul("btd,df->btf", h, lp["w_up"])
@@ -286,6 +290,35 @@ def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, attend, rope_factor=None
     if config.sandwich_norms:
         m = _norm(config, m, lp["mlp_out_norm"])
     return x + m, aux
+
+
+def moe_mlp(config: ModelConfig, h, lp):
+    """Mixture of experts: each token [B, T, D] through its top-k experts' gated MLPs, summed with the
+    router's weights (softmax over the experts in float32, top k, renormalised when config.moe_norm_topk).
+
+    The N = B*T*k (token, expert) pairs are sorted by expert and each expert multiplies only its own
+    rows (`lax.ragged_dot`): the work is the routed tokens', not every expert's over every token."""
+    b, t, d = h.shape
+    k = config.num_experts_per_tok
+    logits = matmul("btd,de->bte", h, lp["w_router"], out_dtype=jnp.float32)  # [B, T, E]
+    top_w, top_e = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)  # [B, T, k]
+    if config.moe_norm_topk:
+        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    pair_expert = top_e.reshape(-1)  # [N]
+    order = jnp.argsort(pair_expert, stable=True)
+    pair_token = order // k  # the token (row of [B*T, D]) of each sorted pair
+    sizes = jnp.bincount(pair_expert, length=config.num_experts).astype(jnp.int32)  # [E] rows per expert
+    wdt = lp["we_up"].dtype
+
+    def grouped(x, w):  # x [N, C] sorted by expert, w [E, C, F] -> [N, F] float32
+        return jax.lax.ragged_dot(x.astype(wdt), w, sizes, preferred_element_type=jnp.float32)
+
+    xs = jnp.take(h.reshape(b * t, d), pair_token, axis=0)  # [N, D]
+    act = _GATED_ACTIVATIONS[config.activation]
+    y = grouped(act(grouped(xs, lp["we_gate"])) * grouped(xs, lp["we_up"]), lp["we_down"])  # [N, D]
+    y = y * jnp.take(top_w.reshape(-1), order)[:, None]
+    out = jnp.zeros((b * t, d), jnp.float32).at[pair_token].add(y)
+    return out.reshape(b, t, d).astype(h.dtype)
 
 
 def _layer_ids(config: ModelConfig, stop_at_layer, skip_layers, return_layers) -> tuple:
@@ -566,9 +599,14 @@ def init_params(config: ModelConfig, key, std: float = 0.02):
         "attn_norm": norm_params((n, d)), "mlp_norm": norm_params((n, d)),
         "wq": normal((n, d, h, hd)), "wk": normal((n, d, kv, hd)), "wv": normal((n, d, kv, hd)),
         "wo": normal((n, h, hd, d), resid),
-        "w_up": normal((n, d, f)), "w_down": normal((n, f, d), resid),
     }
-    if not config.is_gpt2:
+    if config.num_experts:
+        e, fm = config.num_experts, config.moe_intermediate_size
+        layers.update(w_router=normal((n, d, e)), we_gate=normal((n, e, d, fm)), we_up=normal((n, e, d, fm)),
+                      we_down=normal((n, e, fm, d), resid))
+    else:
+        layers.update(w_up=normal((n, d, f)), w_down=normal((n, f, d), resid))
+    if not config.is_gpt2 and not config.num_experts:
         layers["w_gate"] = normal((n, d, f))
     if config.qkv_bias:
         layers.update(bq=jnp.zeros((n, h, hd), dt), bk=jnp.zeros((n, kv, hd), dt),

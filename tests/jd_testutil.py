@@ -47,12 +47,19 @@ def make_hf_model(kind: str, vocab_size: int = 320, seed: int = 0, random_norms:
                         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
                         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
                         "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM),
+                        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+                        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
                         "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM),
                         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
                         "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
                         "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}[kind]
         if kind.startswith("gemma"):  # their configs derive layer types and RoPE sets at init
             llama_like.update(head_dim=8, **overrides)
+            overrides = {}
+        if kind in ("mixtral", "qwen3_moe"):  # 4 experts, 2 per token; Qwen3-MoE's narrower than the MLP
+            llama_like.update(num_local_experts=4, num_experts_per_tok=2, **overrides)
+            if kind == "qwen3_moe":
+                llama_like.update(moe_intermediate_size=24, head_dim=8)
             overrides = {}
         cfg = cfg_cls(**{**llama_like, **base})
     for k, v in overrides.items():

@@ -38,7 +38,8 @@ FAMILY_OVERRIDES = {"qwen3": dict(head_dim=16, random_norms=True), "gemma": dict
                     "gemma2": dict(random_norms=True, sliding_window=4, attn_logit_softcapping=1.5,
                                    final_logit_softcapping=2.0),
                     "gemma3_text": dict(random_norms=True, sliding_window=4, query_pre_attn_scalar=24,
-                                        layer_types=["sliding_attention", "full_attention"])}
+                                        layer_types=["sliding_attention", "full_attention"]),
+                    "qwen3_moe": dict(norm_topk_prob=True)}
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,8 @@ def hf_greedy(hf, prompt, n, **kw):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen3", "smollm3", "gemma", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen3", "smollm3", "gemma", "gemma2", "gemma3_text", "mixtral",
+                                  "qwen3_moe"])
 def test_greedy_matches_transformers_for_a_ragged_batch(hf_models, kind, prompts):
     hf, config, params = hf_models(kind)
     tokens, lengths = pad_prompts(prompts)
@@ -87,12 +89,13 @@ def test_greedy_matches_transformers_for_a_ragged_batch(hf_models, kind, prompts
     assert int(out.stats["target_calls"]) == N_NEW  # prefill + N - 1 steps
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("kind", ["qwen3", "gemma2", "gemma3_text", "qwen3_moe"])
 def test_speculative_decoding_equals_greedy_on_newer_families(tmp_path, prompts, kind):
-    """A Qwen3 / Gemma 2 / Gemma 3 checkpoint through the public API: speculative decoding with a draft model
-    of its family (a 1-layer one of other weights, whose drafts are mostly rejected, and the target itself,
+    """A Qwen3 / Gemma 2 / Gemma 3 / Qwen3-MoE checkpoint through the public API: speculative decoding with a
+    draft model of its family (a 1-layer one of other weights, whose drafts are mostly rejected, and the target itself,
     whose drafts are all accepted) gives plain greedy's tokens: a tree verified through the tree-attention
-    op with the family's query/key norms, query scale, soft-capped scores and per-layer RoPE."""
+    op with the family's query/key norms, query scale, soft-capped scores and per-layer RoPE, and (MoE) the
+    tree's tokens routed to their experts together."""
     import jaxdecode
     from jd_testutil import make_checkpoint
     target = jaxdecode.load(make_checkpoint(kind, tmp_path / "target", **FAMILY_OVERRIDES[kind]))

@@ -44,6 +44,11 @@ CONFIGS = {
         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64, sliding_windows=(3, 0),
         query_pre_attn_scalar=8, attn_logit_softcapping=1.0, final_logit_softcapping=2.0, activation="gelu_tanh",
         norm_plus_one=True, scale_embed=True, sandwich_norms=True, tie_word_embeddings=True),
+    # a mixture of 4 experts, 2 per token: a tree's tokens routed together
+    "mixtral_moe": ModelConfig(
+        model_type="mixtral", vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=24),
     "gpt2": ModelConfig(
         model_type="gpt2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
         num_heads=4, num_kv_heads=4, head_dim=8, max_position_embeddings=64, norm_eps=1e-5,

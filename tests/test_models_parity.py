@@ -67,6 +67,9 @@ VARIANTS = {
         rope_parameters={"full_attention": dict(YARN_ROPE), "sliding_attention": {"rope_type": "default",
                                                                                    "rope_theta": 100.0}})),
     "mistral_window4": ("mistral", dict(sliding_window=4)),  # window < sequence length
+    "mixtral_4x2": ("mixtral", {}),
+    "qwen3_moe_4x2_norm_topk": ("qwen3_moe", dict(norm_topk_prob=True, random_norms=True)),
+    "qwen3_moe_4x2_raw_topk": ("qwen3_moe", dict(norm_topk_prob=False)),
     "gpt2_tied": ("gpt2", {}),
     "gpt2_untied": ("gpt2", dict(tie_word_embeddings=False)),
 }
@@ -149,6 +152,11 @@ def test_variants_load_the_intended_shapes(built):
     c = built("smollm3_nope_yarn").config
     assert (c.rope_layers, c.sliding_windows, dict(c.rope_scaling)["rope_type"]) == ((1, 0), (0, 0), "yarn")
     assert built("smollm3_window_on_nope").config.sliding_windows == (0, 4)
+    c = built("mixtral_4x2").config
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.moe_norm_topk) == (4, 2, 64, True)
+    c = built("qwen3_moe_4x2_raw_topk").config
+    assert (c.num_experts, c.moe_intermediate_size, c.moe_norm_topk, c.qk_norm) == (4, 24, False, True)
+    assert built("qwen3_moe_4x2_norm_topk").config.moe_norm_topk
     c = built("qwen3_qk_norm_head_dim16").config
     assert (c.head_dim, c.qk_norm, c.qkv_bias, c.o_bias, c.sliding_windows) == (16, True, False, False, (0, 0))
     c = built("qwen3_biases_tied_window").config
@@ -206,6 +214,14 @@ def test_gemma2_softcaps_matter(built, change):
 def test_smollm3_layers_without_rope_matter(built):
     v = built("smollm3_nope_yarn")
     logits = jax_logits(v.config.replace(rope_layers=()), v.params, v.tokens, v.valid)
+    assert max_valid_diff(logits, v.logits, v.valid) > 1e-3
+
+
+@pytest.mark.parametrize("change", [dict(moe_norm_topk=True), dict(num_experts_per_tok=1)])
+def test_moe_routing_matters(built, change):
+    """Renormalising the top weights or routing to fewer experts changes the logits: parity covers them."""
+    v = built("qwen3_moe_4x2_raw_topk")
+    logits = jax_logits(v.config.replace(**change), v.params, v.tokens, v.valid)
     assert max_valid_diff(logits, v.logits, v.valid) > 1e-3
 
 

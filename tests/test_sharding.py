@@ -44,6 +44,21 @@ def test_sharded_forward_equals_single_device(setup):
     np.testing.assert_allclose(np.asarray(got_cache.k), np.asarray(ref_cache.k), atol=1e-5)
 
 
+def test_sharded_mixture_of_experts_equals_single_device(setup):
+    """Each expert's MLP width splits over `model` (the experts' axis stays whole): decode equals one device."""
+    _, mesh = setup
+    cfg = CONFIG.replace(model_type="qwen3_moe", qk_norm=True, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=16)
+    params = init_params(cfg, jax.random.PRNGKey(1), std=0.3)
+    sp = shard_params(params, mesh)
+    assert sp["layers"]["we_up"].sharding.spec == jax.sharding.PartitionSpec(None, None, None, "model")
+    prompts, lengths = pad_prompts([[3, 9, 27, 4, 1], [8, 2], [5, 5, 5], [60, 1, 33, 7]])
+    kw = dict(max_new_tokens=6, sampler=SamplerConfig(temperature=0.0), method="greedy")
+    ref = decode(cfg, params, prompts, lengths, **kw)
+    got = decode(cfg, sp, shard_batch(prompts, mesh), shard_batch(lengths, mesh), **kw)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
+
+
 @pytest.mark.parametrize("method,sampler", [("greedy", SamplerConfig(temperature=0.0)),
                                             ("sample", SamplerConfig(temperature=0.8, top_k=20))])
 def test_sharded_decode_equals_single_device(setup, method, sampler):
