@@ -112,7 +112,8 @@ class ModelConfig:
     def __post_init__(self):
         if not self.sliding_windows:
             object.__setattr__(self, "sliding_windows", (0,) * self.num_layers)
-        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0):
+        experts, k = self.num_experts, self.num_experts_per_tok
+        if experts and not (0 < k <= experts and self.moe_intermediate_size > 0):
             raise ConfigError(f"a mixture of {self.num_experts} experts needs 1 <= num_experts_per_tok <= "
                               f"{self.num_experts} (got {self.num_experts_per_tok}) and moe_intermediate_size > 0 "
                               f"(got {self.moe_intermediate_size})")
