@@ -146,6 +146,20 @@ def test_rope_scaling_defaults_as_transformers(rope, want):
     assert rope_attention_factor(config) == pytest.approx(want_factor)
 
 
+@pytest.mark.parametrize("changes, message", [
+    (dict(decoder_sparse_step=2), r"has dense MLP layers \(decoder_sparse_step=2, mlp_only_layers=\[\]\)"),
+    (dict(mlp_only_layers=[0]), r"mlp_only_layers=\[0\]\); jaxdecode loads mixture-of-experts models whose every"),
+    (dict(num_experts_per_tok=5), r"a mixture of 4 experts needs 1 <= num_experts_per_tok <= 4 \(got 5\)"),
+])
+def test_unsupported_moe_configs(changes, message):
+    cfg = dict(model_type="qwen3_moe", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=16)
+    assert ModelConfig.from_hf_dict(cfg).num_experts == 4
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf_dict(dict(cfg, **changes))
+
+
 def test_smollm3_no_rope_layers():
     cfg = dict(model_type="smollm3", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
                num_attention_heads=4, num_key_value_heads=2)
