@@ -292,6 +292,8 @@ def generate(model: Model, prompts=None, method: str | None = None, max_new_toke
             if v is not None and per_prompt(v) and not isinstance(v, (int, np.integer)) and len(v) == len(items):
                 given[k] = [x for x in v for _ in range(repeat)]
     opts = resolve(spec.name, given, batch=len(token_lists))
+    from jaxdecode.sharding import check_same_options, mesh_context
+    check_same_options(opts, opts.get("mesh"))
     prompt_tokens, prompt_lengths = pad_prompts(token_lists)
     if opts["eos_ids"] is None:
         opts["eos_ids"] = model.config.eos_token_ids
@@ -326,7 +328,7 @@ def generate(model: Model, prompts=None, method: str | None = None, max_new_toke
     # the method spent preparing (speculative: calibrate_seconds, tree_auto_seconds,
     # drafter_load_seconds), which its own stats report with its compiles: counted there only, so
     # seconds is the decode's and the figures add up.
-    with CompileClock() as compiling:
+    with CompileClock() as compiling, mesh_context(opts.get("mesh")):
         start = time.perf_counter()
         tokens, lengths, stats = spec.run(model, prompt_tokens, prompt_lengths, max_new_tokens, opts)
         tokens, lengths, stats = to_host((tokens, lengths, stats))  # also gathers what spans processes
@@ -344,7 +346,8 @@ def generate(model: Model, prompts=None, method: str | None = None, max_new_toke
     prompt_lp = None
     if echo:
         from jaxdecode.scoring import prompt_logprobs
-        prompt_lp = prompt_logprobs(model, token_lists, mesh=opts.get("mesh"))
+        with mesh_context(opts.get("mesh")):
+            prompt_lp = prompt_logprobs(model, token_lists, mesh=opts.get("mesh"))
     out = []
     for b, item in enumerate(items if repeat == 1 else [x for x in items for _ in range(repeat)]):
         rows = [(None, int(lengths[b]), np.asarray(tokens[b]))]

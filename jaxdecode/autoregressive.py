@@ -33,6 +33,7 @@ from jaxdecode.models.transformer import output_logits
 from jaxdecode.sampling import (SamplerConfig, greedy, mirostat_init, mirostat_step, mirostat_truncate,
                                 process_logits, sample, token_presence, validate_mirostat)
 from jaxdecode.scoring import LogprobRecord, check_logprob_flags, token_logprobs
+from jaxdecode.sharding import check_auto_axes, under_auto_mesh
 
 METHODS = ("greedy", "sample", "mirostat")
 CACHE_LEN_MULTIPLE = 64
@@ -337,6 +338,7 @@ def resolve_method(method: str, sampler: SamplerConfig) -> tuple[str, SamplerCon
     return method, sampler
 
 
+@under_auto_mesh
 def decode(config, params, prompt_tokens, prompt_lengths, *, max_new_tokens: int,
            sampler: SamplerConfig = SamplerConfig(), eos_ids: tuple = (), key=None,
            cache_len: int | None = None, method: str = "sample", mirostat_tau: float = 5.0,
@@ -361,6 +363,7 @@ def decode(config, params, prompt_tokens, prompt_lengths, *, max_new_tokens: int
     logprobs, top_logprobs = check_logprob_flags(logprobs, top_logprobs)
     method, sampler = resolve_method(method, sampler)
     eos_ids = validate_eos_ids(config, eos_ids)
+    check_auto_axes(params=params, prompt_tokens=prompt_tokens, prompt_lengths=prompt_lengths)
     prompt_tokens, prompt_lengths = validate_prompts(config, prompt_tokens, prompt_lengths,
                                                      max_new_tokens, cache_len)
     if cache_len is None:

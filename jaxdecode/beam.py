@@ -49,6 +49,7 @@ import jax.numpy as jnp
 from jaxdecode.autoregressive import (PromptError, default_cache_len, is_eos, nonfinite_rows, pad_id_for,
                                       prefill, validate_eos_ids, validate_prompts)
 from jaxdecode.models import advance, forward, init_cache, reorder_rows, split_layers
+from jaxdecode.sharding import check_auto_axes, under_auto_mesh
 
 
 class BeamConfigError(ValueError):
@@ -340,6 +341,7 @@ def _real(name: str, value, minimum: float | None = None) -> float:
     return float(value)
 
 
+@under_auto_mesh
 def beam_search(config, params, prompt_tokens, prompt_lengths, *, max_new_tokens: int,
                 num_beams: int, length_penalty: float = 1.0, eos_ids: tuple = (), num_groups: int = 1,
                 diversity_penalty: float = 0.0, cache_len: int | None = None,
@@ -366,6 +368,7 @@ def beam_search(config, params, prompt_tokens, prompt_lengths, *, max_new_tokens
     length_penalty = _real("length_penalty", length_penalty)
     diversity_penalty = _real("diversity_penalty", diversity_penalty, 0.0)
     eos_ids = validate_eos_ids(config, eos_ids)
+    check_auto_axes(params=params, prompt_tokens=prompt_tokens, prompt_lengths=prompt_lengths)
     prompt_tokens, prompt_lengths = validate_prompts(config, prompt_tokens, prompt_lengths,
                                                      max_new_tokens, cache_len)
     group_size = num_beams // num_groups

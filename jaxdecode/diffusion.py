@@ -71,6 +71,7 @@ from jaxdecode.diffusion_rules import (  # noqa: F401  (the rules and the filter
     Rule, StepContext, Threshold, Window, at_least_one, check_int, confidence, entropy, filter_apply, filter_features,
     init_filter, load_filter, make_rule, rank_desc, save_filter, top_n, with_top1)
 from jaxdecode.models import advance, bidirectional_mask, block_causal_mask, forward, init_cache, split_layers
+from jaxdecode.sharding import check_auto_axes, under_auto_mesh
 
 CACHE_MODES = ("none", "prefix", "dual", "exact")
 _NEG = -1e30
@@ -514,6 +515,7 @@ def _check_model(config, mask_id, logits_shift, method: str):
 def _check_inputs(config, prompt_tokens, prompt_lengths, answer_length, answer_lengths, mask_id, eos_ids):
     if isinstance(answer_length, bool) or not isinstance(answer_length, numbers.Integral) or answer_length < 1:
         raise DiffusionError(f"answer_length must be an int >= 1 (answer slots per prompt), got {answer_length!r}")
+    check_auto_axes(params=params, prompt_tokens=prompt_tokens, prompt_lengths=prompt_lengths)
     prompt_tokens, prompt_lengths = validate_prompts(config, prompt_tokens, prompt_lengths, int(answer_length))
     toks, lens = _concrete("prompt_tokens", prompt_tokens), _concrete("prompt_lengths", prompt_lengths)
     if toks is not None and lens is not None:
@@ -591,6 +593,7 @@ def _check_suffix(config, suffix_tokens, suffix_lengths, prompt_tokens, prompt_l
     return jnp.asarray(suffix_tokens, jnp.int32), jnp.asarray(suffix_lengths, jnp.int32)
 
 
+@under_auto_mesh
 def diffusion_decode(config, params, prompt_tokens, prompt_lengths, *, answer_length: int, rule=None,
                      block_length: int | None = None, eos_ids=(), key=None, mask_id=None, logits_shift=None,
                      max_forwards: int | None = None, answer_lengths=None, cache: str = "none",

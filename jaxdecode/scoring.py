@@ -146,8 +146,9 @@ def prompt_logprobs(model, token_lists, mesh=None) -> list[list[float | None]]:
         from jaxdecode.sharding import check_mesh, shard_batch, shard_params
         check_mesh(mesh)
         params, tokens, lengths = shard_params(params, mesh), shard_batch(tokens, mesh), shard_batch(lengths, mesh)
-    from jaxdecode.sharding import to_host
-    lp = np.asarray(to_host(_score_padded(model.config, params, jnp.asarray(tokens), jnp.asarray(lengths))))
+    from jaxdecode.sharding import mesh_context, to_host
+    with mesh_context(mesh):
+        lp = np.asarray(to_host(_score_padded(model.config, params, jnp.asarray(tokens), jnp.asarray(lengths))))
     return [[None] + [float(x) for x in lp[b, 1:len(ids)]] for b, ids in enumerate(lists)]
 
 

@@ -15,6 +15,10 @@ processes, so that `jaxdecode.generate(..., mesh=mesh)` returns the whole result
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -136,6 +140,9 @@ def _param_axes(path, leaf) -> tuple:
 
 
 def param_shardings(params, mesh: Mesh, rules=LOGICAL_RULES):
+    """The NamedSharding of every parameter on `mesh` (with Auto axes, as the decoders need: the same
+    shardings `shard_params` places them with)."""
+    mesh = auto_axes(mesh)
     return jax.tree_util.tree_map_with_path(
         lambda path, a: NamedSharding(mesh, spec_for(_param_axes(path, a), a.shape, mesh, rules)),
         params)
@@ -192,11 +199,100 @@ def shard_batch(x, mesh: Mesh, rules=LOGICAL_RULES):
     mesh = auto_axes(mesh)
     sharding = NamedSharding(mesh, spec_for(axes, np.shape(x), mesh, rules))
     if not sharding.is_fully_addressable and not _spans_processes(x):
-        from jax.experimental import multihost_utils
-        try:
-            multihost_utils.assert_equal(np.asarray(x))
-        except AssertionError:
-            raise ValueError(f"the batch (shape {np.shape(x)}) differs between processes: on a mesh that "
-                             f"spans processes every process must pass the same prompts and options "
-                             f"(this is process {jax.process_index()})") from None
+        # the shape first, as a fixed-size array: comparing arrays of different shapes aborts the collective
+        shape = np.zeros(9, np.int64)
+        shape[0], shape[1:1 + np.ndim(x)] = np.ndim(x), np.shape(x)[:8]
+        for what, value in (("shape", shape), ("contents", np.asarray(x))):
+            same_across_processes(value, f"the batch {what} (shape {np.shape(x)})",
+                                  "every process must pass the same prompts and options")
     return put(x, sharding)
+
+
+def same_across_processes(value, what: str, rule: str) -> None:
+    """Raise a ValueError naming `what` unless `value` (an array of one shape on every process) is the
+    same on every process. A collective: every process must call it."""
+    from jax.experimental import multihost_utils
+    try:
+        multihost_utils.assert_equal(value)
+    except AssertionError:
+        raise ValueError(f"{what} is not the same on every process: on a mesh that spans processes {rule} (this is "
+                         f"process {jax.process_index()})") from None
+
+
+def check_same_options(options: dict, mesh) -> None:
+    """On a mesh that spans processes, the options that are plain values (seed, temperature, lengths, ...)
+    must be the same on every process: a different seed would silently mix rows of two decodes."""
+    if mesh is None or jax.process_count() == 1 or all(d.process_index == jax.process_index()
+                                                         for d in np.asarray(mesh.devices).flat):
+        return
+
+    def plain(v):
+        return v is None or isinstance(v, (bool, int, float, str)) or (
+            isinstance(v, (list, tuple)) and all(plain(x) for x in v))
+    shown = {k: v for k, v in sorted(options.items()) if plain(v)}
+    digest = hashlib.sha256(json.dumps(shown, default=str).encode()).digest()
+    same_across_processes(np.frombuffer(digest, np.uint8), f"the options ({', '.join(shown)})",
+                          "every process must pass the same prompts and options")
+
+
+@contextlib.contextmanager
+def mesh_context(mesh=None):
+    """Inside a caller's `with jax.set_mesh(m)` with m from jax.make_mesh (Explicit axes), the decoders'
+    ops would be checked against m while their arrays live on Auto axes: run them with `mesh` (default:
+    m itself), as Auto axes, as the context instead. Outside such a context, or inside a jit (where the
+    context cannot change), nothing changes."""
+    get, setter = getattr(jax.sharding, "get_abstract_mesh", None), getattr(jax, "set_mesh", None)
+    axis_type = getattr(jax.sharding, "AxisType", None)
+    try:
+        context = None if get is None or setter is None or get().empty else jax.sharding.get_mesh()
+        if context is not None and (mesh is not None or any(t == axis_type.Explicit for t in context.axis_types)):
+            switch = setter(auto_axes(mesh if mesh is not None else context))
+            switch.__enter__()
+        else:
+            context = None
+    except ValueError:  # inside a jit the context cannot change: check_auto_axes explains what it cannot take
+        context = None
+    if context is None:
+        yield
+        return
+    try:
+        yield
+    finally:
+        switch.__exit__(None, None, None)
+
+
+def under_auto_mesh(fn):
+    """`fn` (a decoder) run under `mesh_context()`: callable inside a caller's jax.set_mesh context."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with mesh_context():
+            return fn(*args, **kwargs)
+    return wrapped
+
+
+def _explicit_axes(x) -> tuple:
+    """The Explicit mesh axes a traced array's type is sharded over (jax.make_mesh's default)."""
+    axis_type = getattr(jax.sharding, "AxisType", None)
+    sharding = getattr(getattr(x, "aval", None), "sharding", None)
+    spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+    if axis_type is None or spec is None or mesh is None or not getattr(mesh, "axis_types", None):
+        return ()
+    explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == axis_type.Explicit}
+    used = {a for entry in spec if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,))}
+    return tuple(sorted(used & explicit))
+
+
+def check_auto_axes(**arrays) -> None:
+    """Inside a caller's jit, arrays sharded over a mesh's Explicit axes (jax.make_mesh's default) carry
+    their sharding in their type, and the decoders' gathers would fail on it deep inside with a
+    ShardingTypeError: refuse them up front, saying how to place them instead."""
+    for name, tree in arrays.items():
+        for leaf in jax.tree.leaves(tree):
+            if isinstance(leaf, jax.core.Tracer) and _explicit_axes(leaf):
+                raise ValueError(
+                    f"{name} is sharded over the Explicit mesh axes {_explicit_axes(leaf)} (jax.make_mesh's "
+                    f"default) inside your jit; the decoders shard with Auto axes: place the arrays with "
+                    f"jaxdecode.sharding.shard_params / shard_batch (or param_shardings), or build the mesh "
+                    f"with jaxdecode.sharding.make_mesh or axis_types=(AxisType.Auto,) * 2")

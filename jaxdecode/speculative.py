@@ -42,6 +42,7 @@ from jaxdecode.autoregressive import (default_cache_len, is_eos, nonfinite_rows,
 from jaxdecode.models import advance, commit, forward, init_cache, split_layers, with_embed_words
 from jaxdecode.sampling import SamplerConfig, first_argmax, process_logits, sample
 from jaxdecode.scoring import LogprobRecord, check_logprob_flags, token_logprobs
+from jaxdecode.sharding import check_auto_axes, under_auto_mesh
 from jaxdecode.tree import (Tree, allowed_slots, ancestor_mask, broadcast_slots, complete_slots, constrain_tree,
                             depths, mask_logits, mask_probs, path_to_keep, slot_gather)
 from jaxdecode.verifiers import CHILD_RULES, VERIFIERS, VerifyResult, check_tree_kind, get_verifier
@@ -885,6 +886,7 @@ def check_constraint(config, constraint, verifier, eos_ids: tuple, max_new_token
     return constraint
 
 
+@under_auto_mesh
 def speculative_decode(config, params, drafter, prompt_tokens, prompt_lengths, *, max_new_tokens: int,
                        verifier, sampler: SamplerConfig = SamplerConfig(temperature=0.0),
                        eos_ids: tuple = (), key=None, cache_len: int | None = None,
@@ -931,6 +933,7 @@ def speculative_decode(config, params, drafter, prompt_tokens, prompt_lengths, *
     n = drafter.num_nodes
     # Room: prompt + new tokens + one verification tree (N nodes + the pending root) beyond them.
     extra = n + 1 + drafter.max_depth + 1
+    check_auto_axes(params=params, prompt_tokens=prompt_tokens, prompt_lengths=prompt_lengths)
     prompt_tokens, prompt_lengths = validate_prompts(config, prompt_tokens, prompt_lengths,
                                                      max_new_tokens)
     if constraint is not None:

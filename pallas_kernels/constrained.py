@@ -457,10 +457,9 @@ def constrained_topk(logits, k: int, *, candidates=None, mask=None, impl: str = 
 
 
 def row_axis(mesh, rows: int):
-    """The mesh axis rows shard over: "data" when it divides them, else None (replicated)."""
-    if "data" not in mesh.shape:
-        raise ValueError(f"the mesh needs an axis 'data' for the rows (axes: {tuple(mesh.shape)})")
-    return "data" if rows % mesh.shape["data"] == 0 else None
+    """The mesh axis rows shard over: "data" when the mesh has it and it divides them, else None
+    (replicated: a model-only mesh)."""
+    return "data" if "data" in mesh.shape and rows % mesh.shape["data"] == 0 else None
 
 
 def sharded_constrained_topk(mesh, logits, k: int, *, candidates=None, mask=None, impl: str = "auto"):

@@ -793,7 +793,7 @@ def sharded_tree_attention(mesh, q, k_cache, v_cache, lengths, tree_mask, *, q_p
                            sm_scale=None, key_positions=None, layer=None, impl="auto", softcap=None):
     """`tree_attention` under shard_map: batch over mesh axis "data", KV heads (with their query groups)
     over "model"; every device runs the op on its local shard (a stacked cache keeps its layer axis
-    whole). An axis the mesh does not divide is replicated over that mesh axis instead (as in
+    whole). An axis the mesh does not divide, or lacks, is replicated over that mesh axis instead (as in
     jaxdecode.sharding), which stays correct."""
     from jax.sharding import PartitionSpec as P
 
@@ -801,11 +801,9 @@ def sharded_tree_attention(mesh, q, k_cache, v_cache, lengths, tree_mask, *, q_p
                                                sm_scale, key_positions, layer, softcap)
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
-    missing = [a for a in ("data", "model") if a not in mesh.shape]
-    if missing:
-        raise ValueError(f"the mesh needs axes 'data' and 'model', it lacks {missing} (axes: {tuple(mesh.shape)})")
-    bax = "data" if b % mesh.shape["data"] == 0 else None
-    hax = "model" if kv % mesh.shape["model"] == 0 else None  # H = KV*G then splits at group boundaries
+    # an axis the mesh lacks counts as size 1 (a data-only or model-only mesh)
+    bax = "data" if "data" in mesh.shape and b % mesh.shape["data"] == 0 else None
+    hax = "model" if "model" in mesh.shape and kv % mesh.shape["model"] == 0 else None  # splits at group bounds
     sm_scale = _scale(sm_scale, hd)
 
     cache_spec = P(bax, hax, None, None) if layer is None else P(None, bax, hax, None, None)

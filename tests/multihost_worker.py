@@ -64,11 +64,17 @@ def main(process_id: int, num_processes: int, port: int, checkpoint: str, draft_
     out["devices"] = jax.device_count()
     out["greedy_from_local_params"] = [r.tokens for r in jaxdecode.generate(
         local(checkpoint), PROMPTS, "greedy", max_new_tokens=MAX_NEW_TOKENS, mesh=mesh)]
-    # Different prompts per process: a clear error, not a silently mixed batch.
-    try:
-        shard_batch(np.full((8, 3), process_id, np.int32), mesh)
-    except ValueError as e:
-        out["mismatch_error"] = str(e)
+    # Different prompts, prompt lengths or seeds per process: a clear error, not a silently mixed batch
+    # (nor a collective that aborts both processes on arrays of different sizes).
+    for case, call in (
+            ("mismatch_error", lambda: shard_batch(np.full((8, 3), process_id, np.int32), mesh)),
+            ("length_mismatch_error", lambda: shard_batch(np.zeros((8, 3 + process_id), np.int32), mesh)),
+            ("seed_mismatch_error", lambda: jaxdecode.generate(model, PROMPTS, "sample", max_new_tokens=2,
+                                                               mesh=mesh, seed=process_id))):
+        try:
+            call()
+        except ValueError as e:
+            out[case] = str(e)
     with open(out_path, "w") as f:
         json.dump(out, f)
     jax.distributed.shutdown()

@@ -82,4 +82,6 @@ def test_two_processes_decode_like_one(tiny_llama_dir, tmp_path):
         for name in worker.CASES:
             assert got[name] == want[name], (i, name)
         assert got["greedy_from_local_params"] == want["greedy"], i
-        assert "differs between processes" in got.get("mismatch_error", ""), got.get("mismatch_error")
+        assert "batch contents (shape (8, 3)) is not the same on every process" in got.get("mismatch_error", "")
+        assert f"batch shape (shape (8, {3 + i})) is not the same" in got.get("length_mismatch_error", "")
+        assert "the options (" in got.get("seed_mismatch_error", "") and "seed" in got["seed_mismatch_error"]

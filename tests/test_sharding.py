@@ -120,6 +120,49 @@ def test_a_mesh_from_jax_make_mesh_works(tiny_llama_dir):
                        atol=1e-4)
 
 
+@pytest.mark.parametrize("axes", [("data",), ("model",)])
+def test_one_axis_meshes_run_every_decoder_family(tiny_llama_dir, axes):
+    """A mesh with only a 'data' or only a 'model' axis (the other counts as size 1): speculative decoding
+    (its verification's attention under shard_map) and constrained beam search equal one device."""
+    import jaxdecode
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:8]), axes)
+    model = jaxdecode.load(tiny_llama_dir)
+    prompts = ["def f(", "x = 1"]
+    for kw in (dict(method="speculative", drafter="prompt_lookup", tree="chain:3", adaptive=False, eos_ids=[]),
+               dict(method="beam", num_beams=2, regex="[a-z ]+")):
+        want = [r.tokens for r in jaxdecode.generate(model, prompts, max_new_tokens=4, **kw)]
+        got = jaxdecode.generate(model, prompts, max_new_tokens=4, mesh=mesh, **kw)
+        assert [r.tokens for r in got] == want, (axes, kw)
+
+
+def test_explicit_meshes_inside_set_mesh_and_a_callers_jit(tiny_llama_dir):
+    """jax.make_mesh's Explicit axes: generate / score / decode run inside `with jax.set_mesh(mesh)`;
+    param_shardings places parameters as shard_params does (Auto axes); arrays placed on the Explicit axes
+    and passed into the caller's own jit are refused up front with the way to place them."""
+    import jaxdecode
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jaxdecode.sharding import param_shardings
+    mesh = jax.make_mesh((2, 4), ("data", "model"), devices=jax.devices()[:8])
+    model = jaxdecode.load(tiny_llama_dir)
+    prompts = ["def f(", "x = 1"]
+    want = [r.tokens for r in jaxdecode.generate(model, prompts, max_new_tokens=4, eos_ids=[])]
+    tokens, lengths = pad_prompts([model.encode(p) for p in prompts])
+    placed = jax.device_put(model.params, param_shardings(model.params, mesh))
+    assert jax.tree.leaves(placed)[0].sharding.mesh.axis_types == shard_params(model.params, mesh)[
+        "embed"].sharding.mesh.axis_types
+    with jax.set_mesh(mesh):
+        assert [r.tokens for r in jaxdecode.generate(model, prompts, max_new_tokens=4, eos_ids=[],
+                                                     mesh=mesh)] == want
+        assert np.isfinite(jaxdecode.score(model, prompts, mesh=mesh)[0].total)
+        out = decode(model.config, placed, tokens, lengths, max_new_tokens=4, method="greedy", eos_ids=())
+        assert np.asarray(out.tokens).tolist() == want
+    rows = NamedSharding(mesh, P("data"))
+    own = jax.jit(lambda p, t, n: decode(model.config, p, t, n, max_new_tokens=4, method="greedy").tokens)
+    with pytest.raises(ValueError, match=r"prompt_tokens is sharded over the Explicit mesh axes \('data',\) .* "
+                                         r"place the arrays with jaxdecode.sharding.shard_params / shard_batch"):
+        own(placed, jax.device_put(tokens, rows), jax.device_put(lengths, rows))
+
+
 @pytest.mark.parametrize("tree,temperature,verifier", [("eagle:depth=3,topk=2,total=5", 0.0, "greedy"),
                                                        ("static:2,2:iid", 0.8, "specinfer")])
 def test_sharded_speculative_equals_single_device(setup, tree, temperature, verifier):
