@@ -170,7 +170,8 @@ def _speculative(model, prompt_tokens, prompt_lengths, max_new_tokens, opts):
             with setup_clock(opts):  # reported as tree_auto_seconds, not in seconds
                 tree, tree_stats = resolve_auto_tree(model, build, prompt_tokens, prompt_lengths, spec=tree,
                                                      sampler=sampler, verifier=opts["verifier"],
-                                                     eos_ids=opts["eos_ids"], max_new_tokens=max_new_tokens)
+                                                     eos_ids=opts["eos_ids"], max_new_tokens=max_new_tokens,
+                                                     mesh=opts.get("mesh"))
         with setup_clock(opts) as loading:
             drafter = build(tree)
         drafter_load += loading[0]

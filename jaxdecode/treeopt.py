@@ -480,11 +480,12 @@ def _batches(prompt_tokens, prompt_lengths, batch_size: int) -> list:
 
 
 def time_runs(model, drafters, prompt_tokens, prompt_lengths, *, batch_size: int, max_new_tokens: int,
-              sampler=None, verifier=None, eos_ids: tuple = (), key=None, repeats: int = 3) -> list:
+              sampler=None, verifier=None, eos_ids: tuple = (), key=None, repeats: int = 3, mesh=None) -> list:
     """A TreeRun per drafter (None: plain decoding): each decodes the prompts, batch_size rows at a time,
     with the fixed engine (no adaptive policy: trees compared as trees); compiled by a first run, then
     all timed round robin (`repeats` rounds, the median of each), so they share the load of the moment.
-    verifier: the given one, else each drafter's default for the sampler."""
+    verifier: the given one, else each drafter's default for the sampler. mesh: decode on it, placed as
+    generate places a sharded decode (parameters over 'model', rows over 'data')."""
     from jaxdecode.autoregressive import decode
     from jaxdecode.sampling import SamplerConfig
     from jaxdecode.speculative import speculative_decode
@@ -493,11 +494,16 @@ def time_runs(model, drafters, prompt_tokens, prompt_lengths, *, batch_size: int
     sampler = sampler or SamplerConfig(temperature=0.0)
     key = key if key is not None else jax.random.PRNGKey(0)
     batches = _batches(prompt_tokens, prompt_lengths, batch_size)
+    params = model.params
+    if mesh is not None:
+        from jaxdecode.sharding import shard_batch, shard_params
+        params = shard_params(params, mesh)
+        batches = [(shard_batch(t, mesh), shard_batch(l, mesh)) for t, l in batches]
 
     def runner(drafter):
         if drafter is None:
             def run():
-                outs = [decode(model.config, model.params, t, l, max_new_tokens=max_new_tokens, sampler=sampler,
+                outs = [decode(model.config, params, t, l, max_new_tokens=max_new_tokens, sampler=sampler,
                                eos_ids=tuple(eos_ids), key=key, method="greedy" if sampler.is_greedy else "sample")
                         for t, l in batches]
                 jax.block_until_ready([o.tokens for o in outs])
@@ -508,8 +514,8 @@ def time_runs(model, drafters, prompt_tokens, prompt_lengths, *, batch_size: int
         v = get_verifier(v) if isinstance(v, str) else v
 
         def run():
-            outs = [speculative_decode(model.config, model.params, drafter, t, l, max_new_tokens=max_new_tokens,
-                                       verifier=v, sampler=sampler, eos_ids=tuple(eos_ids), key=key)
+            outs = [speculative_decode(model.config, params, drafter, t, l, max_new_tokens=max_new_tokens,
+                                       verifier=v, sampler=sampler, eos_ids=tuple(eos_ids), key=key, mesh=mesh)
                     for t, l in batches]
             jax.block_until_ready([o.tokens for o in outs])
             new = sum(int(np.asarray(o.lengths).sum()) for o in outs)
@@ -723,7 +729,7 @@ def _write_cached(path: Path, key: dict, **content) -> None:
 
 
 def _walk_measured(model, build_drafter, as_tree, ranked, prompt_tokens, prompt_lengths, *, budget: int, tokens: int,
-                   profile_key: dict, batch: int, sampler, verifier, eos_ids, key, cache_dir, progress):
+                   profile_key: dict, batch: int, sampler, verifier, eos_ids, key, cache_dir, progress, mesh=None):
     """`size_walk` over the model's ranking, each step `time_runs` of the two trees and plain decoding
     on the first prompts (at least one batch; _TRIAL_ROWS at batch 1); cached under trials/ (keyed by
     the profile's key, the ranking, the batch size, the device and the settings). ({paths: (TreeRun,
@@ -733,7 +739,7 @@ def _walk_measured(model, build_drafter, as_tree, ranked, prompt_tokens, prompt_
     ranking = hashlib.sha256(json.dumps([list(map(list, q)) for q in ranked]).encode()).hexdigest()
     tkey = {"schema": TRIAL_SCHEMA, "profile": profile_key, "ranking": ranking, "batch_size": batch,
             "device": device_fingerprint(), "jax": jax.__version__, "rows": rows, "tokens": tokens, "budget": budget,
-            "margin": _WALK_MARGIN}
+            "margin": _WALK_MARGIN, "mesh": None if mesh is None else {str(k): int(v) for k, v in mesh.shape.items()}}
     path = _cache_file("trials", tkey, cache_dir)
 
     def parse(d):
@@ -761,7 +767,7 @@ def _walk_measured(model, build_drafter, as_tree, ranked, prompt_tokens, prompt_
                 built[q] = build_drafter(as_tree(q)[0])
         drafters = [None] + [built[q] for q in cands]
         plain, *got = time_runs(model, drafters, toks, lens, batch_size=batch, max_new_tokens=tokens,
-                                sampler=sampler, verifier=verifier, eos_ids=eos_ids, key=key)
+                                sampler=sampler, verifier=verifier, eos_ids=eos_ids, key=key, mesh=mesh)
         for q, r in zip(cands, got):
             runs[q] = (r, plain.tokens_per_second)
             _emit(progress, f"tree=auto: {as_tree(q)[1]:40s} {len(q):3d} nodes: tau {r.tau:5.2f}, step "
@@ -782,7 +788,7 @@ def _walk_measured(model, build_drafter, as_tree, ranked, prompt_tokens, prompt_
 def resolve_auto_tree(model, build_drafter: Callable[[Any], Any], prompt_tokens, prompt_lengths, *,
                       spec: str = "auto", sampler=None, verifier=None, eos_ids: tuple = (),
                       max_new_tokens: int | None = None, cache_dir=None, progress=True, key=None,
-                      batch_size: int | None = None):
+                      batch_size: int | None = None, mesh=None):
     """What tree='auto' becomes for this drafter, model, batch and sampler: (tree, stats).
 
     build_drafter(tree) builds the drafter on a tree option (a builder or a spec string). The acceptance
@@ -797,7 +803,8 @@ def resolve_auto_tree(model, build_drafter: Callable[[Any], Any], prompt_tokens,
     model_tau, tau, step_ms, speedup) and tree_auto_seconds (the time this took: profiling,
     calibrating and running on a cache miss, reading the caches on a hit). batch_size: the
     batch decoding will run at, whose cost table prices the trees (default: the prompts' rows, as in
-    generate; give it when the prompts are a calibration set of another size)."""
+    generate; give it when the prompts are a calibration set of another size). mesh: the decode's; step
+    costs and the walk's runs are measured on it (the acceptance profile does not depend on it)."""
     from jaxdecode.costmodel import check_batch_size, load_or_calibrate
     from jaxdecode.drafters.builders import StaticTreeBuilder
     from jaxdecode.sampling import SamplerConfig
@@ -838,7 +845,7 @@ def resolve_auto_tree(model, build_drafter: Callable[[Any], Any], prompt_tokens,
     context = int(np.max(np.asarray(prompt_lengths))) + (max_new_tokens or settings["tokens"]) // 2
     limit = model.config.max_position_embeddings - drafter.max_depth - 1
     costs = load_or_calibrate(model, drafter, batch, context_len=max(2, min(context, limit)), sampler=sampler,
-                              verifier=verifier, cache_dir=cache_dir, progress=progress, any_context=True)
+                              verifier=verifier, cache_dir=cache_dir, progress=progress, any_context=True, mesh=mesh)
     max_nodes = min(settings["max_nodes"] or drafter.num_nodes, max(costs.widths))
     per_level, per_node = costs.draft_seconds / depth, 0.0
     if not chain:  # drafting cost = levels + nodes: a chain of the comb's depth tells the two apart
@@ -849,7 +856,7 @@ def resolve_auto_tree(model, build_drafter: Callable[[Any], Any], prompt_tokens,
         if chain_drafter is not None and chain_drafter.num_nodes == depth:
             chain_costs = load_or_calibrate(model, chain_drafter, batch, widths=(1,),
                                             context_len=max(2, min(context, limit)), sampler=sampler,
-                                            cache_dir=cache_dir, progress=progress, any_context=True)
+                                            cache_dir=cache_dir, progress=progress, any_context=True, mesh=mesh)
             per_level, per_node = split_draft_cost(costs.draft_seconds, width, depth, chain_costs.draft_seconds)
             bookkeeping = (costs.step_at(1) - chain_costs.step_at(1)) / max(drafter.num_nodes - depth, 1)
             costs = SizedCosts(costs, drafter.num_nodes, max(0.0, bookkeeping))
@@ -868,7 +875,7 @@ def resolve_auto_tree(model, build_drafter: Callable[[Any], Any], prompt_tokens,
         runs, best = _walk_measured(model, build_drafter, as_tree, choice.ranked, prompt_tokens, prompt_lengths,
                                     budget=settings["finalists"], tokens=tokens, profile_key=pkey, batch=batch,
                                     sampler=sampler, verifier=given, eos_ids=eos_ids, key=key, cache_dir=cache_dir,
-                                    progress=progress)
+                                    progress=progress, mesh=mesh)
         run, plain_tps = runs[best]
         choice = dataclasses.replace(choice, paths=best, num_nodes=len(best), depth=max(map(len, best)),
                                      expected_accepted=run.tau - 1.0, expected_tau=run.tau,

@@ -293,6 +293,37 @@ def test_generate_auto_tree_greedy_exact(pair, flat_costs, monkeypatch):
     assert again[0].batch_stats["tree"] == s["tree"] and [r.tokens for r in again] == [r.tokens for r in plain]
 
 
+def test_generate_auto_tree_measures_on_the_mesh(pair, monkeypatch, tmp_path):
+    """tree="auto" under a mesh prices trees with step costs and runs measured on that mesh (they were
+    measured on one device), and its output equals plain greedy's."""
+    import jax
+    import jaxdecode
+    import jaxdecode.costmodel as cm
+    import jaxdecode.treeopt as to
+    monkeypatch.setenv("JAXDECODE_CACHE_DIR", str(tmp_path))
+    meshes = []
+
+    def fake(model, drafter, batch_size, **kw):
+        meshes.append(kw.get("mesh"))
+        widths = cm.default_widths(drafter.num_nodes)
+        return cm.CostTable(widths=widths, verify_seconds=(1e-3,) * len(widths), draft_seconds=0.0,
+                            idle_seconds=0.0, batch_size=batch_size)
+
+    def runs(model, drafters, *a, **kw):
+        meshes.append(kw.get("mesh"))
+        return [to.TreeRun(1.0 + (d.num_nodes if d else 0), 1e-3, 1e3 * (1.0 + (d.num_nodes if d else 0)))
+                for d in drafters]
+    monkeypatch.setattr(cm, "load_or_calibrate", fake)
+    monkeypatch.setattr(to, "time_runs", runs)
+    target, other = pair
+    mesh = jax.make_mesh((2, 4), ("data", "model"), devices=jax.devices()[:8])
+    plain = jaxdecode.generate(target, PROMPTS, method="greedy", max_new_tokens=6, eos_ids=())
+    out = jaxdecode.generate(target, PROMPTS, method="speculative", draft=other, max_new_tokens=6, eos_ids=(),
+                             tree="auto:width=2,depth=2,tokens=8,finalists=2", mesh=mesh, adaptive=False)
+    assert [r.tokens for r in out] == [r.tokens for r in plain]
+    assert meshes and all(m is not None and dict(m.shape) == {"data": 2, "model": 4} for m in meshes)
+
+
 def test_auto_tree_walks_down_by_measured_runs(pair, flat_costs, monkeypatch, tmp_path):
     import jaxdecode
     import jaxdecode.treeopt as to
