@@ -322,6 +322,11 @@ def _temperature_class(desc):
     return out
 
 
+def mesh_text(mesh) -> str:
+    """How a table's meta names the mesh it was measured on: "one device" or "data=2,model=4"."""
+    return "one device" if mesh is None else ",".join(f"{k}={int(v)}" for k, v in mesh.shape.items())
+
+
 def drafter_fingerprint(drafter) -> dict:
     """Type name, static fields and a content hash of the drafter's arrays (its weights, tables). A
     drafter built for a sampling temperature (the retrieval drafter's cut reads its rates there) is
@@ -589,7 +594,7 @@ def measure(model, drafter, batch_size: int, *, widths=None, context_len: int | 
             "dtype": config.dtype, "weights_dtype": weights_dtype(params), "drafter": type(drafter).__name__,
             "num_nodes": n,
             "device": device_fingerprint(), "jax": jax.__version__, "context_len": context_len,
-            "attn_impl": attn_impl, "repeats": repeats, "sampling": not sampler.is_greedy,
+            "attn_impl": attn_impl, "repeats": repeats, "sampling": not sampler.is_greedy, "mesh": mesh_text(mesh),
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     where = f"batch {b}, context {context_len}"
 

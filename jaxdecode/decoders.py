@@ -251,7 +251,8 @@ def _adaptive_policy(model, drafter, sampler, verifier, prompt_tokens, max_new_t
     batch_size, sampled = int(prompt_tokens.shape[0]), not sampler.is_greedy
     if isinstance(costs, (str, os.PathLike)):
         path, costs = costs, _costs_from_file(costs, batch_size, sampled=sampled)
-        _check_costs_fit(costs, f"costs={str(path)!r} holds a cost table", model, drafter, batch_size, sampled)
+        _check_costs_fit(costs, f"costs={str(path)!r} holds a cost table", model, drafter, batch_size, sampled,
+                         opts.get("mesh"))
     elif costs is None:
         with setup_clock(opts) as spent:  # reported apart as calibrate_seconds, not in seconds
             costs = costmodel.load_or_calibrate(model, drafter, batch_size, widths=widths,
@@ -260,7 +261,7 @@ def _adaptive_policy(model, drafter, sampler, verifier, prompt_tokens, max_new_t
                                                 any_context=True)
         opts["calibrate_seconds"] = spent[0]
     else:
-        _check_costs_fit(costs, "costs= is a cost table", model, drafter, batch_size, sampled)
+        _check_costs_fit(costs, "costs= is a cost table", model, drafter, batch_size, sampled, opts.get("mesh"))
     if jax.process_count() > 1:  # every process must decide alike: all use process 0's measurements
         costs = _same_costs_everywhere(costs)
     return policy, costs
@@ -275,11 +276,11 @@ def _calibrate_hint(batch_size: int, sampled: bool) -> str:
             f"unset to measure it")
 
 
-def _check_costs_fit(costs, what: str, model, drafter, batch_size: int, sampled: bool) -> None:
+def _check_costs_fit(costs, what: str, model, drafter, batch_size: int, sampled: bool, mesh=None) -> None:
     """A costs= table prices this call's steps only if it was measured for them: the same batch size, drafter
-    (type and node count), compute and weight dtypes, and greedy or sampled decoding. What a table's meta
-    does not record (tables made by hand, older files) is not checked."""
-    from jaxdecode.costmodel import weights_dtype
+    (type and node count), compute and weight dtypes, greedy or sampled decoding, and mesh. What a table's
+    meta does not record (tables made by hand, older files) is not checked."""
+    from jaxdecode.costmodel import mesh_text, weights_dtype
     if isinstance(getattr(costs, "batch_size", None), int) and costs.batch_size != batch_size:
         # a step's cost grows with the batch: another size's table misprices every step
         raise ValueError(f"{what} measured at batch size {costs.batch_size}, not at this call's {batch_size}: "
@@ -293,7 +294,8 @@ def _check_costs_fit(costs, what: str, model, drafter, batch_size: int, sampled:
               ("compute dtype", meta.get("dtype"), model.config.dtype),
               ("weight dtype", floats(meta.get("weights_dtype") or "") or None, weights_dtype(model.params)),
               ("decoding", {True: "sampled", False: "greedy"}.get(meta.get("sampling")),
-               "sampled" if sampled else "greedy")]
+               "sampled" if sampled else "greedy"),
+              ("mesh", meta.get("mesh"), mesh_text(mesh))]
     for name, measured, call in checks:
         if measured is not None and measured != call:
             raise ValueError(f"{what} measured for {name} {measured}, but this call has {call}: it would "

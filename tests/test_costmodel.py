@@ -583,7 +583,7 @@ def test_costs_of_another_batch_size_are_refused(tiny_llama_dir, tmp_path, count
 
 def test_costs_for_another_setup_are_refused(tiny_llama_dir, tmp_path, counted):
     """A costs= table (object or file) is checked against what its meta records: the drafter's type and node
-    count, the compute and weight dtypes and greedy or sampled decoding. A greedy table object priced a
+    count, the compute and weight dtypes, greedy or sampled decoding and the mesh. A greedy table object priced a
     sampled call, and a retrieval table a prompt-lookup or bf16 call, without a word. The hint names the
     call's temperature (following a hint without it led to the next error)."""
     import jaxdecode
@@ -597,7 +597,8 @@ def test_costs_for_another_setup_are_refused(tiny_llama_dir, tmp_path, counted):
                                                               "PromptLookupDrafter"),
                           (dict(num_nodes=16), "tree size .nodes. 16, but this call has 2"),
                           (dict(weights_dtype="bfloat16"), "weight dtype bfloat16, but this call has float32"),
-                          (dict(dtype="bfloat16"), "compute dtype bfloat16")]:
+                          (dict(dtype="bfloat16"), "compute dtype bfloat16"),
+                          (dict(mesh="data=2,model=4"), "mesh data=2,model=4, but this call has one device")]:
         bad = dataclasses.replace(base, meta=dict(fit, **change))
         with pytest.raises(ValueError, match=f"costs= is a cost table measured for {match}.*--batch-size 1 --json"):
             jaxdecode.generate(model, ["import os"], costs=bad, **kw)
