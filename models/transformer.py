@@ -296,8 +296,8 @@ def moe_mlp(config: ModelConfig, h, lp):
     """Mixture of experts: each token [B, T, D] through its top-k experts' gated MLPs, summed with the
     router's weights (softmax over the experts in float32, top k, renormalised when config.moe_norm_topk).
 
-    The N = B*T*k (token, expert) pairs are sorted by expert and each expert multiplies only its own
-    rows (`lax.ragged_dot`): the work is the routed tokens', not every expert's over every token."""
+    The N = B*T*k (token, expert) pairs are sorted by expert and multiplied as one grouped matmul
+    (`lax.ragged_dot`: each expert over its own rows), not every expert over every token."""
     b, t, d = h.shape
     k = config.num_experts_per_tok
     logits = matmul("btd,de->bte", h, lp["w_router"], out_dtype=jnp.float32)  # [B, T, E]
