@@ -515,7 +515,6 @@ def _check_model(config, mask_id, logits_shift, method: str):
 def _check_inputs(config, prompt_tokens, prompt_lengths, answer_length, answer_lengths, mask_id, eos_ids):
     if isinstance(answer_length, bool) or not isinstance(answer_length, numbers.Integral) or answer_length < 1:
         raise DiffusionError(f"answer_length must be an int >= 1 (answer slots per prompt), got {answer_length!r}")
-    check_auto_axes(params=params, prompt_tokens=prompt_tokens, prompt_lengths=prompt_lengths)
     prompt_tokens, prompt_lengths = validate_prompts(config, prompt_tokens, prompt_lengths, int(answer_length))
     toks, lens = _concrete("prompt_tokens", prompt_tokens), _concrete("prompt_lengths", prompt_lengths)
     if toks is not None and lens is not None:
@@ -644,6 +643,7 @@ def diffusion_decode(config, params, prompt_tokens, prompt_lengths, *, answer_le
         raise DiffusionError(f"rule must be a Rule or one of {', '.join(RULES)}, got {rule!r}")
     eos_ids = validate_eos_ids(config, eos_ids)
     rule.check(config, eos_ids)
+    check_auto_axes(params=params, prompt_tokens=prompt_tokens, prompt_lengths=prompt_lengths)
     prompt_tokens, prompt_lengths, answer_lengths = _check_inputs(
         config, prompt_tokens, prompt_lengths, answer_length, answer_lengths, mask_id, eos_ids)
     attention = getattr(config, "attention", "bidirectional")
