@@ -129,7 +129,8 @@ def _prompt_list(prompts, messages) -> list:
 
 
 # apply_chat_template arguments jaxdecode sets itself (the turn is opened, text comes back)
-_TEMPLATE_OWN = ("conversation", "add_generation_prompt", "tokenize", "continue_final_message", "return_dict")
+_TEMPLATE_OWN = ("conversation", "messages", "add_generation_prompt", "tokenize", "continue_final_message",
+                 "return_dict")
 
 
 def check_chat_template_kwargs(kwargs) -> dict:
@@ -264,7 +265,9 @@ def generate(model: Model, prompts=None, method: str | None = None, max_new_toke
         raise ValueError("echo=True reports the prompt's left-to-right log-probs, which a masked-diffusion LM "
                          "does not define; drop echo")
     items = _prompt_list(prompts, messages)
-    check_chat_template_kwargs(chat_template_kwargs)
+    if check_chat_template_kwargs(chat_template_kwargs) and not any(_is_conversation(p) for p in items):
+        raise ValueError("chat_template_kwargs are the chat template's variables, but no prompt is a conversation "
+                         "(messages= or a list of {'role', 'content'} dicts; CLI --chat): pass one, or drop them")
     token_lists = _tokenize(model, items, add_special_tokens, chat_template_kwargs)
     given = dict(options, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_ids=eos_ids)
     if defaults is not None:  # the checkpoint's / caller's generation config fills what the call leaves unset

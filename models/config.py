@@ -43,6 +43,8 @@ _LAYOUT_FLAGS = {"qwen3": dict(qk_norm=True), "qwen3_moe": dict(qk_norm=True),
 # head_dim when config.json lacks it: transformers' class default for these layouts, not hidden / heads
 _HEAD_DIM_DEFAULTS = {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256}
 ROPE_TYPES = ("default", "llama3", "linear", "yarn")
+_NO_ATTENTION_BIAS = ("mistral", "mixtral")
+_MLP_BIAS_TYPES = ("llama", "smollm3")
 _FLAGS = ("qk_norm", "norm_plus_one", "scale_embed", "sandwich_norms")
 # Our activation names <-> transformers' (gated MLPs)
 _HF_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}
@@ -208,6 +210,8 @@ class ModelConfig:
             raise ConfigError(
                 f"unsupported architecture: config.json has model_type={model_type!r} "
                 f"(architectures={archs}); jaxdecode supports model_type in {SUPPORTED_MODEL_TYPES}")
+        if model_type in _FAMILY_DEFAULT_TYPES:
+            cfg = _with_family_defaults(cfg)
         if model_type == LLADA_TYPE:
             base = cls._from_hf_standard(_llada_as_llama(cfg), dtype).replace(extra=_llada_extra(cfg))
         elif model_type in (DREAM_TYPE, FAST_DLLM_TYPE):  # Qwen2 networks and keys
@@ -259,6 +263,10 @@ class ModelConfig:
         windows = _sliding_windows(cfg, model_type, n_layers)
         gemma23 = model_type in _GEMMA_23
         qkv_bias_default = model_type == "qwen2"  # Qwen2's attention_bias means q/k/v biases, on by default
+        # transformers' Mistral and Mixtral attention has no biases, and only Llama and SmolLM3 MLPs take one:
+        # the keys mean nothing there
+        attn_bias = bool(cfg.get("attention_bias", qkv_bias_default)) and model_type not in _NO_ATTENTION_BIAS
+        mlp_bias = bool(cfg.get("mlp_bias", False)) and model_type in _MLP_BIAS_TYPES
         return cls(
             model_type=model_type, vocab_size=cfg["vocab_size"], hidden_size=d,
             intermediate_size=cfg["intermediate_size"], num_layers=n_layers, num_heads=n_heads,
@@ -267,9 +275,8 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(rope_theta),
             rope_scaling=scaling_t, local_rope_theta=local_theta,
-            qkv_bias=bool(cfg.get("attention_bias", qkv_bias_default)),
-            o_bias=bool(cfg.get("attention_bias", False)) and model_type != "qwen2",
-            mlp_bias=bool(cfg.get("mlp_bias", False)), sliding_windows=windows,
+            qkv_bias=attn_bias, o_bias=attn_bias and model_type != "qwen2", mlp_bias=mlp_bias,
+            sliding_windows=windows,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in GEMMA_TYPES)),
             activation=_activation(cfg, model_type),
             query_pre_attn_scalar=(cfg.get("query_pre_attn_scalar") or 256) if gemma23 else None,
@@ -385,6 +392,14 @@ class ModelConfig:
             wrong.append(f"local_rope_theta={self.local_rope_theta} (Gemma 3 alone has it)")
         if self.activation not in _HF_ACTIVATIONS:
             wrong.append(f"activation={self.activation!r}")
+        if self.model_type in _NO_ATTENTION_BIAS and (self.qkv_bias or self.o_bias):
+            wrong.append("attention biases (transformers' Mistral and Mixtral attention has none)")
+        elif self.model_type not in _QWEN2_TYPES and self.qkv_bias != self.o_bias:
+            wrong.append(f"qkv_bias={self.qkv_bias} with o_bias={self.o_bias} (attention_bias sets both)")
+        if self.mlp_bias and self.model_type not in _MLP_BIAS_TYPES:
+            wrong.append(f"mlp_bias=True (only {', '.join(_MLP_BIAS_TYPES)} MLPs take one)")
+        if self.model_type in ("mixtral", "qwen3_moe") and len(set(self.sliding_windows)) > 1:
+            wrong.append(f"sliding_windows={self.sliding_windows} (one window for every layer in this layout)")
         if (self.num_experts > 0) != (self.model_type in MOE_TYPES):
             wrong.append(f"num_experts={self.num_experts} (the mixture-of-experts layouts: {', '.join(MOE_TYPES)})")
         elif self.model_type == "mixtral" and not (self.moe_norm_topk
@@ -411,6 +426,32 @@ def _normalize_dtype(name: str) -> str:
     if name not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"unsupported dtype {name!r}; use float32, bfloat16 or float16")
     return name
+
+
+# Layouts whose transformers config class assumes its own values for keys a config.json leaves out (Gemma
+# 2's soft-caps 50 / 30, Mixtral's rope_theta 1e6 and rms_norm_eps 1e-5, SmolLM3's rope_theta 2e6 and tied
+# embeddings, ...): those values are read from the class, as transformers reads the file.
+_FAMILY_DEFAULT_TYPES = ("qwen3", "qwen3_moe", "mixtral", "gemma", "gemma2", "gemma3_text", "smollm3")
+
+
+def _with_family_defaults(cfg: dict) -> dict:
+    """cfg completed with its transformers config class's values for the keys it lacks (cfg's own win);
+    cfg as it is without transformers, or when the class refuses it (the checks here then name what is
+    wrong, in this library's terms)."""
+    try:
+        from transformers import AutoConfig
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return cfg
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its notes on defaults (ids past a tiny vocabulary) are not ours
+    try:
+        full = AutoConfig.for_model(**cfg).to_dict()
+    except Exception:  # noqa: BLE001 (transformers' validation errors have no common base)
+        return cfg
+    finally:
+        hf_logging.set_verbosity(level)
+    return {**full, **cfg}
 
 
 def _check_gemma_options(cfg: dict) -> None:
@@ -465,6 +506,11 @@ def _rope(cfg: dict, model_type: str) -> tuple:
     rope_type = scaling.get("rope_type", "default")
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"unsupported rope_type={rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+    factor = scaling.get("factor")
+    if rope_type in ("linear", "llama3") or (rope_type == "yarn" and "factor" not in scaling):
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ConfigError(f"rope_type={rope_type!r} needs a positive 'factor' in config.json's rope scaling, "
+                              f"got {factor!r}")
     if rope_type in ("llama3", "yarn"):  # as transformers: the pretraining length defaults to the model's
         scaling.setdefault("original_max_position_embeddings",
                            cfg.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048))
@@ -511,6 +557,13 @@ def _rope_layers(cfg: dict, model_type: str, n_layers: int) -> tuple:
 
 def _sliding_windows(cfg: dict, model_type: str, n_layers: int) -> tuple:
     window = cfg.get("sliding_window")
+    unknown = sorted(set(cfg.get("layer_types") or ()) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ConfigError(f"config.json's layer_types has {unknown}; jaxdecode builds full_attention and "
+                          f"sliding_attention layers")
+    if model_type in ("mixtral", "qwen3_moe"):  # one window for every layer (transformers reads no layer_types)
+        on = bool(window) and (model_type == "mixtral" or cfg.get("use_sliding_window", False))
+        return (int(window) if on else 0,) * n_layers
     if model_type in _GEMMA_23:  # layer_types, or (older configs) every pattern-th layer full
         window = cfg.get("sliding_window", 4096)  # transformers' default when the key is absent
         pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or (

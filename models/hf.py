@@ -115,9 +115,13 @@ def _text_config(cfg: dict, path: Path) -> dict:
             text[key] = cfg[key]
     try:
         from transformers import AutoConfig
-        return AutoConfig.for_model(**text).to_dict()
     except ImportError:
         return text
+    try:
+        return AutoConfig.for_model(**text).to_dict()
+    except Exception as e:  # noqa: BLE001 (transformers' validation errors have no common base)
+        raise ConfigError(f"{path / 'config.json'}: its text_config is refused by transformers "
+                          f"({_one_line(e)}); fix it or re-download the checkpoint") from None
 
 
 def _text_tensors(tensors: dict, model_type: str) -> dict:

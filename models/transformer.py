@@ -311,7 +311,12 @@ def moe_mlp(config: ModelConfig, h, lp):
     wdt = lp["we_up"].dtype
 
     def grouped(x, w):  # x [N, C] sorted by expert, w [E, C, F] -> [N, F] float32
-        return jax.lax.ragged_dot(x.astype(wdt), w, sizes, preferred_element_type=jnp.float32)
+        hi = x.astype(wdt)
+        out = jax.lax.ragged_dot(hi, w, sizes, preferred_element_type=jnp.float32)
+        if jnp.dtype(x.dtype).itemsize > jnp.dtype(wdt).itemsize:  # weights stored narrower (`matmul`'s split)
+            lo = (x - hi.astype(x.dtype)).astype(wdt)
+            out = out + jax.lax.ragged_dot(lo, w, sizes, preferred_element_type=jnp.float32)
+        return out
 
     xs = jnp.take(h.reshape(b * t, d), pair_token, axis=0)  # [N, D]
     act = _GATED_ACTIVATIONS[config.activation]
@@ -460,8 +465,8 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
     # with weights stored narrower, the residual stream, attention and KV cache keep the compute dtype
     act_dtype = compute_dtype(params)
     x = embed_rows(params["embed"], tokens, act_dtype, params.get("embed_words"))
-    if config.scale_embed:  # Gemma: sqrt(hidden_size) rounded to the table's dtype, as its reference does
-        x = x * jnp.asarray(math.sqrt(config.hidden_size), params["embed"].dtype).astype(act_dtype)
+    if config.scale_embed:  # Gemma: sqrt(hidden_size) in the activations' dtype, as its reference rounds it
+        x = x * jnp.asarray(math.sqrt(config.hidden_size), act_dtype)
     if config.is_gpt2:
         x = x + embed_rows(params["pos_embed"], positions, act_dtype)
     # [L, hd/2]: one row per layer where layers differ (Gemma 3's sliding-window layers, SmolLM3's layers

@@ -160,6 +160,53 @@ def test_unsupported_moe_configs(changes, message):
         ModelConfig.from_hf_dict(dict(cfg, **changes))
 
 
+@pytest.mark.parametrize("model_type, want", [
+    ("gemma2", dict(attn_logit_softcapping=50.0, final_logit_softcapping=30.0)),
+    ("mixtral", dict(rope_theta=1e6, norm_eps=1e-5)),
+    ("smollm3", dict(rope_theta=2e6, tie_word_embeddings=True)),
+])
+def test_keys_left_out_take_the_familys_transformers_defaults(model_type, want):
+    """A config.json without these keys is read as transformers reads it: its config class's values."""
+    cfg = dict(model_type=model_type, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=8, bos_token_id=0, eos_token_id=1,
+               pad_token_id=0)
+    config = ModelConfig.from_hf_dict(cfg)
+    assert {k: getattr(config, k) for k in want} == want
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4}), r"rope_type='linear' needs a positive 'factor'"),
+    (dict(rope_parameters={"rope_type": "llama3", "factor": 0, "rope_theta": 1e4}), r"needs a positive 'factor'.*0"),
+    (dict(layer_types=["full_attention", "chunked_attention"]), r"layer_types has \['chunked_attention'\]"),
+])
+def test_bad_rope_and_layer_types_are_refused_at_load(changes, message):
+    cfg = dict(model_type="qwen3", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf_dict(dict(cfg, **changes))
+
+
+def test_biases_a_layout_cannot_say_are_not_saved():
+    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
+                head_dim=8, max_position_embeddings=64)
+    for cfg, match in [(ModelConfig(model_type="qwen3", qk_norm=True, qkv_bias=True, **base),
+                        r"qkv_bias=True with o_bias=False \(attention_bias sets both\)"),
+                       (ModelConfig(model_type="mistral", qkv_bias=True, o_bias=True, **base),
+                        r"attention biases \(transformers' Mistral and Mixtral attention has none\)"),
+                       (ModelConfig(model_type="gemma", norm_plus_one=True, scale_embed=True, mlp_bias=True,
+                                    activation="gelu_tanh", **base), r"mlp_bias=True \(only llama, smollm3"),
+                       (ModelConfig(model_type="mixtral", num_experts=2, num_experts_per_tok=1,
+                                    moe_intermediate_size=64, **dict(base, num_layers=2), sliding_windows=(4, 0)),
+                        r"one window for every layer")]:
+        with pytest.raises(ConfigError, match=match):
+            cfg.to_hf_dict()
+    # and on load, the keys a layout does not read are ignored as transformers ignores them
+    loaded = ModelConfig.from_hf_dict(dict(model_type="mistral", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                           num_hidden_layers=1, num_attention_heads=4, attention_bias=True,
+                                           mlp_bias=True))
+    assert not (loaded.qkv_bias or loaded.o_bias or loaded.mlp_bias)
+
+
 def test_smollm3_no_rope_layers():
     cfg = dict(model_type="smollm3", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
                num_attention_heads=4, num_key_value_heads=2)

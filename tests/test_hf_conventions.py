@@ -66,7 +66,10 @@ def test_chat_template_kwargs_reach_the_template(bos_model, tmp_path, capsys):
     assert r[0].prompt_tokens == off
     assert jaxdecode.generate(model, messages=conv, max_new_tokens=2)[0].prompt_tokens == on
     assert jaxdecode.apply_chat_template(model, conv, {"enable_thinking": False}).endswith("think: none\n")
+    with pytest.raises(ValueError, match=r"no prompt is a conversation"):
+        jaxdecode.generate(model, "def f(", max_new_tokens=2, chat_template_kwargs={"enable_thinking": False})
     for bad, match in (({"tokenize": True}, r"sets \['tokenize'\], which jaxdecode sets itself"),
+                       ({"messages": []}, r"sets \['messages'\]"),
                        ("enable_thinking=False", r"chat_template_kwargs must be a dict of template variables")):
         with pytest.raises(ValueError, match=match):
             jaxdecode.generate(model, messages=conv, max_new_tokens=2, chat_template_kwargs=bad)

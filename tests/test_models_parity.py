@@ -70,6 +70,7 @@ VARIANTS = {
     "mixtral_4x2": ("mixtral", {}),
     "qwen3_moe_4x2_norm_topk": ("qwen3_moe", dict(norm_topk_prob=True, random_norms=True)),
     "qwen3_moe_4x2_raw_topk": ("qwen3_moe", dict(norm_topk_prob=False)),
+    "qwen3_moe_window": ("qwen3_moe", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
     "gpt2_tied": ("gpt2", {}),
     "gpt2_untied": ("gpt2", dict(tie_word_embeddings=False)),
 }
@@ -157,6 +158,7 @@ def test_variants_load_the_intended_shapes(built):
     c = built("qwen3_moe_4x2_raw_topk").config
     assert (c.num_experts, c.moe_intermediate_size, c.moe_norm_topk, c.qk_norm) == (4, 24, False, True)
     assert built("qwen3_moe_4x2_norm_topk").config.moe_norm_topk
+    assert built("qwen3_moe_window").config.sliding_windows == (4, 4)  # every layer, as transformers 5
     c = built("qwen3_qk_norm_head_dim16").config
     assert (c.head_dim, c.qk_norm, c.qkv_bias, c.o_bias, c.sliding_windows) == (16, True, False, False, (0, 0))
     c = built("qwen3_biases_tied_window").config
@@ -343,6 +345,25 @@ def test_save_params_round_trips_through_transformers(built, tmp_path, name, sha
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     assert type(model).__name__ == type(v.torch_model).__name__
     assert max_valid_diff(torch_logits(model, v.tokens, v.valid), v.logits, v.valid) <= ATOL
+
+
+@pytest.mark.parametrize("name", ["gemma2_softcaps_window", "qwen3_moe_4x2_norm_topk"])
+def test_weight_only_bfloat16_equals_transformers_on_the_rounded_weights(built, name):
+    """load(param_dtype="bfloat16") rounds the weights only: its logits equal transformers' float32 model
+    whose weights are rounded the same way (Gemma's embedding scale stays float32; the experts' inputs
+    keep float32 precision, as every other matmul's)."""
+    import torch
+    from jaxdecode.model import narrow_weights
+    v = built(name)
+    rounded = copy_model = type(v.torch_model)(v.torch_model.config).eval()
+    copy_model.load_state_dict(v.torch_model.state_dict())
+    with torch.no_grad():
+        for p_name, w in rounded.named_parameters():
+            if w.ndim >= 2:
+                w.copy_(w.to(torch.bfloat16).to(torch.float32))
+    want = torch_logits(rounded, v.tokens, v.valid)
+    got = jax_logits(v.config, narrow_weights(v.params, "bfloat16"), v.tokens, v.valid)
+    assert max_valid_diff(got, want, v.valid) <= 1e-4
 
 
 def test_bfloat16_load_runs_close_to_float32(built):
