@@ -801,6 +801,10 @@ def sharded_tree_attention(mesh, q, k_cache, v_cache, lengths, tree_mask, *, q_p
                                                sm_scale, key_positions, layer, softcap)
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+    other = [a for a in mesh.axis_names if a not in ("data", "model")]
+    if other:
+        raise ValueError(f"the mesh's axes are {tuple(mesh.axis_names)}, but this op shards rows over an axis named "
+                         f"'data' and KV heads over one named 'model' (a mesh may lack either); rename {other}")
     # an axis the mesh lacks counts as size 1 (a data-only or model-only mesh)
     bax = "data" if "data" in mesh.shape and b % mesh.shape["data"] == 0 else None
     hax = "model" if "model" in mesh.shape and kv % mesh.shape["model"] == 0 else None  # splits at group bounds

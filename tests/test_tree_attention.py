@@ -291,7 +291,8 @@ def test_bad_kernel_options_and_mesh(mesh):
         with pytest.raises(ValueError, match=match):
             call(tree_attention_pallas, inp, interpret=True, **kw)
     flat = jax.sharding.Mesh(np.asarray(jax.devices()[:8]), ("x",))
-    with pytest.raises(ValueError, match="needs axes 'data' and 'model'"):
+    with pytest.raises(ValueError, match=r"the mesh's axes are \('x',\), but this op shards rows over an axis "
+                                         r"named 'data'.*rename \['x'\]"):
         call(lambda *a, **k: sharded_tree_attention(flat, *a, **k), inp)
 
 
