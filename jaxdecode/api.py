@@ -151,7 +151,11 @@ def apply_chat_template(model: Model, conversation, chat_template_kwargs: dict |
     """The conversation as the tokenizer's chat template writes it, with the assistant's turn opened
     (transformers' apply_chat_template(..., add_generation_prompt=True)). chat_template_kwargs: the
     template's own variables, e.g. {"enable_thinking": False} (Qwen3) or {"tools": [...]}."""
-    extra = check_chat_template_kwargs(chat_template_kwargs)
+    return _format_conversation(model, conversation, check_chat_template_kwargs(chat_template_kwargs))
+
+
+def _format_conversation(model: Model, conversation, template_vars: dict) -> str:
+    """apply_chat_template with its template variables already checked."""
     for i, m in enumerate(conversation):
         if not (isinstance(m.get("role"), str) and "content" in m):
             raise ValueError(f"message {i} of the conversation is {m!r}: each message needs a 'role' (a string) "
@@ -163,11 +167,10 @@ def apply_chat_template(model: Model, conversation, chat_template_kwargs: dict |
         raise ValueError(f"the tokenizer of {model.path} has no chat template (no 'chat_template' in "
                          f"tokenizer_config.json, no chat_template.jinja), so messages cannot be formatted; "
                          f"pass the prompt as text (formatted yourself), or set model.tokenizer.chat_template")
-    return tok.apply_chat_template(list(conversation), add_generation_prompt=True, tokenize=False, **extra)
+    return tok.apply_chat_template(list(conversation), add_generation_prompt=True, tokenize=False, **template_vars)
 
 
-def _tokenize(model: Model, items: list, add_special_tokens: bool | None,
-              chat_template_kwargs: dict | None = None) -> list[list[int]]:
+def _tokenize(model: Model, items: list, add_special_tokens: bool | None, template_vars: dict) -> list[list[int]]:
     """Token ids of each item: texts as the tokenizer encodes them (its own special tokens, e.g. a BOS,
     unless add_special_tokens=False), conversations through the chat template (which writes its own
     special tokens, so none are added: transformers' rule), token ids as given."""
@@ -176,7 +179,7 @@ def _tokenize(model: Model, items: list, add_special_tokens: bool | None,
         if isinstance(p, str):
             ids = model.encode(p, add_special_tokens=True if add_special_tokens is None else add_special_tokens)
         elif _is_conversation(p):
-            ids = model.encode(apply_chat_template(model, p, chat_template_kwargs),
+            ids = model.encode(_format_conversation(model, p, template_vars),
                                add_special_tokens=bool(add_special_tokens))
         elif _is_ids(p):
             if _is_array(p):
@@ -265,10 +268,11 @@ def generate(model: Model, prompts=None, method: str | None = None, max_new_toke
         raise ValueError("echo=True reports the prompt's left-to-right log-probs, which a masked-diffusion LM "
                          "does not define; drop echo")
     items = _prompt_list(prompts, messages)
-    if check_chat_template_kwargs(chat_template_kwargs) and not any(_is_conversation(p) for p in items):
+    template_vars = check_chat_template_kwargs(chat_template_kwargs)
+    if template_vars and not any(_is_conversation(p) for p in items):
         raise ValueError("chat_template_kwargs are the chat template's variables, but no prompt is a conversation "
                          "(messages= or a list of {'role', 'content'} dicts; CLI --chat): pass one, or drop them")
-    token_lists = _tokenize(model, items, add_special_tokens, chat_template_kwargs)
+    token_lists = _tokenize(model, items, add_special_tokens, template_vars)
     given = dict(options, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_ids=eos_ids)
     if defaults is not None:  # the checkpoint's / caller's generation config fills what the call leaves unset
         from jaxdecode.options import common_options

@@ -555,6 +555,10 @@ def _rope_layers(cfg: dict, model_type: str, n_layers: int) -> tuple:
     return tuple(int(x) for x in layers)
 
 
+# Dense Qwen layouts: a window only with use_sliding_window, on the layers from max_window_layers on
+_QWEN_WINDOWS = ("qwen2", "qwen3")
+
+
 def _sliding_windows(cfg: dict, model_type: str, n_layers: int) -> tuple:
     window = cfg.get("sliding_window")
     unknown = sorted(set(cfg.get("layer_types") or ()) - {"full_attention", "sliding_attention"})
@@ -579,13 +583,13 @@ def _sliding_windows(cfg: dict, model_type: str, n_layers: int) -> tuple:
     if not window:
         return (0,) * n_layers
     layer_types = cfg.get("layer_types")
-    if model_type in ("qwen2", "qwen3", "qwen3_moe", "smollm3") and not cfg.get("use_sliding_window", False):
+    if model_type in _QWEN_WINDOWS + ("smollm3",) and not cfg.get("use_sliding_window", False):
         return (0,) * n_layers
     if model_type == "smollm3" and not layer_types:  # the layers without RoPE slide
         return tuple(0 if rope else int(window) for rope in _rope_layers(cfg, model_type, n_layers))
     if layer_types:
         return tuple(int(window) if t == "sliding_attention" else 0 for t in layer_types)
-    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
+    if model_type in _QWEN_WINDOWS:
         # transformers 4.x semantics: layers >= max_window_layers use the window.
         mwl = cfg.get("max_window_layers", n_layers)
         return tuple(int(window) if i >= mwl else 0 for i in range(n_layers))

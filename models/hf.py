@@ -102,8 +102,8 @@ _TEXT_TOWERS = {
 
 def _text_config(cfg: dict, path: Path) -> dict:
     """A vision-language config.json -> its language model's config in the text layout's form. The
-    released ones list only what differs from transformers' defaults there, which transformers' text
-    config class fills in (when installed; else the keys must be present)."""
+    released ones list only what differs from transformers' defaults there, which the text layout's
+    family defaults fill in as for a text-only checkpoint."""
     tower = _TEXT_TOWERS[cfg["model_type"]]
     text = cfg.get("text_config")
     if not isinstance(text, dict):
@@ -113,15 +113,7 @@ def _text_config(cfg: dict, path: Path) -> dict:
     for key in ("dtype", "torch_dtype", "eos_token_id", "bos_token_id", "pad_token_id", "tie_word_embeddings"):
         if text.get(key) is None and cfg.get(key) is not None:
             text[key] = cfg[key]
-    try:
-        from transformers import AutoConfig
-    except ImportError:
-        return text
-    try:
-        return AutoConfig.for_model(**text).to_dict()
-    except Exception as e:  # noqa: BLE001 (transformers' validation errors have no common base)
-        raise ConfigError(f"{path / 'config.json'}: its text_config is refused by transformers "
-                          f"({_one_line(e)}); fix it or re-download the checkpoint") from None
+    return text  # the text layout's defaults fill in the rest (`ModelConfig.from_hf_dict`)
 
 
 def _text_tensors(tensors: dict, model_type: str) -> dict:

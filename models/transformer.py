@@ -312,11 +312,14 @@ def moe_mlp(config: ModelConfig, h, lp):
 
     def grouped(x, w):  # x [N, C] sorted by expert, w [E, C, F] -> [N, F] float32
         hi = x.astype(wdt)
-        out = jax.lax.ragged_dot(hi, w, sizes, preferred_element_type=jnp.float32)
-        if jnp.dtype(x.dtype).itemsize > jnp.dtype(wdt).itemsize:  # weights stored narrower (`matmul`'s split)
-            lo = (x - hi.astype(x.dtype)).astype(wdt)
-            out = out + jax.lax.ragged_dot(lo, w, sizes, preferred_element_type=jnp.float32)
-        return out
+        if jnp.dtype(x.dtype).itemsize <= jnp.dtype(wdt).itemsize:
+            return jax.lax.ragged_dot(hi, w, sizes, preferred_element_type=jnp.float32)
+        # Weights stored narrower: `matmul`'s hi / lo split, each pair's two rows kept together so the rows
+        # stay grouped by expert and every expert's weights are read once.
+        lo = (x - hi.astype(x.dtype)).astype(wdt)
+        both = jnp.stack([hi, lo], axis=1).reshape(-1, x.shape[-1])  # [2N, C]
+        out = jax.lax.ragged_dot(both, w, 2 * sizes, preferred_element_type=jnp.float32)  # [2N, F]
+        return out.reshape(x.shape[0], 2, -1).sum(axis=1)
 
     xs = jnp.take(h.reshape(b * t, d), pair_token, axis=0)  # [N, D]
     act = _GATED_ACTIVATIONS[config.activation]
@@ -474,7 +477,8 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
     inv_freqs = rope_factors = None
     if config.rope_per_layer:
         inv_freqs = jnp.asarray(rope_inv_freqs(config))
-        rope_factors = jnp.asarray(rope_attention_factors(config))
+        factors = rope_attention_factors(config)
+        rope_factors = jnp.asarray(factors) if np.any(factors != 1) else None  # YaRN's factor on some layers
     inv_freq = jnp.asarray(rope_inv_freq(config)) if config.uses_rope else None
     positions = positions.astype(jnp.int32)
     mask = attn_mask.astype(bool)
@@ -500,7 +504,8 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
         layer_inv_freq, layer_factor = inv_freq, None
         if inv_freqs is not None:
             layer_inv_freq = jax.lax.dynamic_index_in_dim(inv_freqs, layer, keepdims=False)
-            layer_factor = jax.lax.dynamic_index_in_dim(rope_factors, layer, keepdims=False)
+            layer_factor = 1.0 if rope_factors is None else jax.lax.dynamic_index_in_dim(rope_factors, layer,
+                                                                                         keepdims=False)
 
         def attend(q, k, v):
             if cache is None:  # the T tokens see each other as attn_mask says

@@ -366,6 +366,19 @@ def test_weight_only_bfloat16_equals_transformers_on_the_rounded_weights(built, 
     assert max_valid_diff(got, want, v.valid) <= 1e-4
 
 
+def test_weight_only_bfloat16_experts_read_their_weights_once(built):
+    """Under weight-only bf16 each grouped expert product is ONE ragged_dot (the hi / lo rows of each pair
+    stacked), not one per part: three per layer, as in float32."""
+    from jaxdecode.model import narrow_weights
+    from jaxdecode.models.transformer import moe_mlp
+    v = built("qwen3_moe_4x2_norm_topk")
+    lp = jax.tree.map(lambda a: a[0], v.params["layers"])
+    h = jnp.ones((2, 3, v.config.hidden_size), jnp.float32)
+    for params in (lp, narrow_weights(lp, "bfloat16")):
+        eqns = jax.make_jaxpr(lambda p: moe_mlp(v.config, h, p))(params).eqns
+        assert sum("ragged_dot" in e.primitive.name for e in eqns) == 3
+
+
 def test_bfloat16_load_runs_close_to_float32(built):
     v = built("llama_gqa_untied_llama3")
     config, params = load_params(v.dir, dtype="bfloat16")
