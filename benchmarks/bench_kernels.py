@@ -8,7 +8,9 @@ tree         tree attention (jaxdecode.kernels.tree_attention): the Pallas kerne
              (6 query / 2 KV heads, hd 64) and a 7B-like one (32 / 8, hd 128), batch 1 and 4, committed
              prefix of 3/4 of the cache, N tree nodes (a random tree) from 1 to 256; float32 for the
              embedded shape (as the benchmarks decode it), bfloat16 for the 7B-like one. Correctness
-             first: |kernel - reference| on every timed shape. The 7B-like shape at batch 1 only.
+             first: |kernel - reference| on every timed shape. The 7B-like shape at batch 1 only. A
+             Gemma-2-like shape (head_dim 256, query_pre_attn_scalar's scale, soft-capped scores, a
+             sliding window) in bfloat16, batch 1.
 constrained  the constrained top-k step (jaxdecode.kernels.constrained): kernel vs reference, mask form
              and candidates form (64 slots), V = 32768 at 1 and 64 rows, and V = 4096 at 8 rows.
 
@@ -66,8 +68,12 @@ def _call(fn, inp, **kw):
               q_positions=inp["q_positions"], **kw)
 
 
-# the embedded target decodes in float32 in the benchmarks; a 7B model would serve in bfloat16
-TREE_SHAPES = {"embedded": (6, 2, 64, 512, jnp.float32, (1, 4)), "7b-like": (32, 8, 128, 4096, jnp.bfloat16, (1,))}
+# the embedded target decodes in float32 in the benchmarks; a 7B model would serve in bfloat16; Gemma 2's
+# 9B shape: head_dim 256, scores scaled by query_pre_attn_scalar**-0.5 and soft-capped at 50, and a
+# sliding-window layer (4096 keys in the real model; 1024 here, so the window cuts the 3/4 prefix)
+TREE_SHAPES = {"embedded": (6, 2, 64, 512, jnp.float32, (1, 4)), "7b-like": (32, 8, 128, 4096, jnp.bfloat16, (1,)),
+               "gemma2-like": (16, 8, 256, 2048, jnp.bfloat16, (1,))}
+TREE_OPTIONS = {"gemma2-like": dict(sm_scale=256 ** -0.5, softcap=50.0, window=1024)}
 
 
 def bench_tree(args):
@@ -80,14 +86,16 @@ def bench_tree(args):
         shapes = [(name, *TREE_SHAPES[name]) for name in names]
         nodes = [int(x) for x in args.nodes.split(",")]
         block_ms = [None] + [int(x) for x in args.block_m.split(",")] if args.block_m else [None]
-    else:
-        shapes, nodes, block_ms = [("tiny", 4, 2, 16, 64, jnp.float32, (2,))], (1, 7), (None,)
-    # block_m is static: one jitted kernel per value (None: the default plan)
-    pallas_at = {bm: jax.jit(functools.partial(tree_attention_pallas, interpret=not ACCEL,
-                                               **({} if bm is None else {"block_m": bm}))) for bm in block_ms}
-    blockwise = jax.jit(tree_attention_blockwise)
-    reference = jax.jit(tree_attention_reference)
+    else:  # a plain tiny shape, and the Gemma options (head_dim 256 is slow in interpret mode: 32 here)
+        shapes, nodes, block_ms = [("tiny", 4, 2, 16, 64, jnp.float32, (2,)),
+                                   ("tiny-softcap", 4, 2, 32, 64, jnp.float32, (1,))], (1, 7), (None,)
     for name, h, kv, hd, s, dtype, batches in shapes:
+        opts = TREE_OPTIONS.get(name, dict(softcap=20.0, sm_scale=0.3, window=24) if name == "tiny-softcap" else {})
+        # block_m is static: one jitted kernel per value (None: the default plan)
+        pallas_at = {bm: jax.jit(functools.partial(tree_attention_pallas, interpret=not ACCEL, **opts,
+                                                   **({} if bm is None else {"block_m": bm}))) for bm in block_ms}
+        blockwise = jax.jit(functools.partial(tree_attention_blockwise, **opts))
+        reference = jax.jit(functools.partial(tree_attention_reference, **opts))
         for b in batches:
             sweep = block_ms if b == batches[0] else [None]
             for n, block_m in [(n, bm) for n in nodes for bm in sweep if bm is None or n * h // kv > bm]:
@@ -99,7 +107,7 @@ def bench_tree(args):
                 inp = tree_inputs(len(rows), b, n, h, kv, s, hd, dtype)
                 want = np.asarray(_call(reference, inp), np.float32)
                 row = dict(shape=name, dtype=jnp.dtype(dtype).name, batch=b, nodes=n, heads=h, kv_heads=kv,
-                           head_dim=hd, cache=s, block_m=block_m)
+                           head_dim=hd, cache=s, block_m=block_m, **opts)
                 pallas = pallas_at[block_m]
                 try:
                     got = np.asarray(_call(pallas, inp), np.float32)
@@ -162,7 +170,7 @@ def main(argv=None):
     ap.add_argument("--nodes", default="1,16,64,256")
     ap.add_argument("--block-m", default="16,64",
                     help="also time the tree kernel at these query rows per program (where a shape has more rows)")
-    ap.add_argument("--shapes", default="embedded,7b-like", help="tree attention shapes to run, in this order")
+    ap.add_argument("--shapes", default="embedded,7b-like,gemma2-like", help="tree attention shapes to run, in this order")
     ap.add_argument("--repeats", type=int, default=100)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
