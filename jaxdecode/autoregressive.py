@@ -88,14 +88,15 @@ def _check_count(name: str, value, minimum: int) -> int:
 
 
 def validate_prompts(config, prompt_tokens, prompt_lengths, max_new_tokens: int,
-                     cache_len: int | None = None):
+                     cache_len: int | None = None, lookahead: int = 0):
     """Check prompts before jit; return (prompt_tokens, prompt_lengths) as int32 arrays.
 
     prompt_tokens: int[B, P] right-padded (ids past a row's length are ignored); prompt_lengths:
     int[B]. The width P is kept as given, so callers control the compiled shapes. `cache_len` None
     means the caller sizes the cache to fit (see default_cache_len). Raises PromptError naming the
     offending row and the fix. With traced inputs the value checks are skipped and the width P
-    stands in for the longest prompt.
+    stands in for the longest prompt. lookahead: positions past a row's next token that a forward may
+    hold (a speculative tree's depth), for the LongRoPE check (check_rope_switch).
     """
     max_new_tokens = _check_count("max_new_tokens", max_new_tokens, 1)
     if cache_len is not None:
@@ -149,7 +150,39 @@ def validate_prompts(config, prompt_tokens, prompt_lengths, max_new_tokens: int,
         raise PromptError(f"the longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = "
                           f"{total} exceeds the model's max_position_embeddings "
                           f"({config.max_position_embeddings}); shorten the prompt or max_new_tokens")
+    check_rope_switch(config, lengths if tokens is not None and lengths is not None else None, shape_t[1],
+                      max_new_tokens, lookahead)
     return jnp.asarray(prompt_tokens, jnp.int32), jnp.asarray(prompt_lengths, jnp.int32)
+
+
+def check_rope_switch(config, lengths, width: int, max_new_tokens: int, lookahead: int = 0) -> None:
+    """A LongRoPE model (Phi-3) takes its long factors in a forward whose sequence reaches
+    original_max_position_embeddings (models.config.rope_switch_position); transformers' generate then
+    recomputes the whole cache with them. jaxdecode keeps the cache, so a row's forwards must stay on one
+    side: they hold positions from prompt_length - 2 (a speculative decode prefills all but the last prompt
+    token) to prompt_length + max_new_tokens - 2 + lookahead. lengths None (traced): any prompt up to `width`
+    tokens must stay on one side."""
+    from jaxdecode.models.config import rope_switch_position
+    switch = rope_switch_position(config)
+    if switch is None:
+        return
+    reach = max_new_tokens - 2 + lookahead  # the furthest position a row's forwards hold, past its prompt
+    if lengths is None:
+        if min(width, switch + 1) + reach >= switch:
+            raise PromptError(f"this model's LongRoPE switches to its long factors at position {switch} "
+                              f"(original_max_position_embeddings), and the prompts are traced: keep the prompt "
+                              f"width ({width}) + max_new_tokens ({max_new_tokens}) within {switch + 1 - lookahead}")
+        return
+    lengths = np.asarray(lengths)
+    cross = np.flatnonzero((lengths - 2 < switch) & (lengths + reach >= switch))
+    if cross.size:
+        i = int(cross[0])
+        raise PromptError(
+            f"row {i}'s prompt ({int(lengths[i])} tokens) + max_new_tokens ({max_new_tokens}) crosses position "
+            f"{switch} (original_max_position_embeddings), where this model's LongRoPE switches from its short to "
+            f"its long factors for the whole sequence: transformers' generate recomputes the cache there, "
+            f"jaxdecode does not. Keep prompt + max_new_tokens <= {switch + 1 - lookahead}, or decode a prompt "
+            f"of more than {switch + 1} tokens (the long factors throughout)")
 
 
 def validate_eos_ids(config, eos_ids) -> tuple:

@@ -89,15 +89,17 @@ def narrow_weights(params, param_dtype: str):
     (models.transformer.forward). What `load(param_dtype=...)` does after loading."""
     dt = _param_dtype(param_dtype)
 
-    def narrow(a, stacked: bool):  # stacked: the layer weights carry a leading layer axis
-        is_matrix = a.ndim - int(stacked) >= 2
+    def narrow(path, a, stacked: bool):  # stacked: the layer weights carry a leading layer axis
+        # a norm scale stays wide whatever its shape (OLMo 2's query norm is [heads, head_dim] per layer)
+        is_matrix = a.ndim - int(stacked) >= 2 and not (path and getattr(path[-1], "key", None) == "scale")
         return a.astype(dt) if is_matrix and jnp.issubdtype(a.dtype, jnp.floating) else a
 
     layers = params.get("layers")
     stacked = layers is not None and not isinstance(layers, (tuple, list))
-    out = {k: jax.tree.map(lambda a: narrow(a, False), v) for k, v in params.items() if k != "layers"}
+    out = {k: jax.tree_util.tree_map_with_path(lambda p, a: narrow(p, a, False), v)
+           for k, v in params.items() if k != "layers"}
     if layers is not None:
-        out["layers"] = jax.tree.map(lambda a: narrow(a, stacked), layers)
+        out["layers"] = jax.tree_util.tree_map_with_path(lambda p, a: narrow(p, a, stacked), layers)
     return out
 
 

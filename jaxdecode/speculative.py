@@ -935,7 +935,7 @@ def speculative_decode(config, params, drafter, prompt_tokens, prompt_lengths, *
     extra = n + 1 + drafter.max_depth + 1
     check_auto_axes(params=params, prompt_tokens=prompt_tokens, prompt_lengths=prompt_lengths)
     prompt_tokens, prompt_lengths = validate_prompts(config, prompt_tokens, prompt_lengths,
-                                                     max_new_tokens)
+                                                     max_new_tokens, lookahead=drafter.max_depth + 1)
     if constraint is not None:
         constraint = check_constraint(config, constraint, verifier, eos_ids, max_new_tokens, prompt_tokens.shape[0])
     width = prompt_tokens.shape[1]

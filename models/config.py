@@ -12,24 +12,28 @@ from typing import Any
 
 import numpy as np
 
-# model_type values handled by the llama-family forward (pre-norm, RMSNorm, RoPE, gated MLP); Qwen3 and
-# the Gemma layouts add the options of _LAYOUT_FLAGS.
+# model_type values handled by the llama-family forward (pre-norm, RMSNorm, RoPE, gated MLP); Qwen3, the
+# Gemma and the OLMo layouts add the options of _LAYOUT_FLAGS, Phi-3 a partial rotary factor and LongRoPE.
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "smollm3", "mixtral",
-                "qwen3_moe")
+                "qwen3_moe", "phi3", "olmo2", "olmo3")
 # Mixture-of-experts layouts: every layer's MLP is top-k routed experts (Mixtral: top-k weights always
 # renormalised; Qwen3-MoE: when norm_topk_prob)
 MOE_TYPES = ("mixtral", "qwen3_moe")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 # Gemma 2 and 3: sandwich norms, query_pre_attn_scalar, sliding-window layers by layer_types, softcaps
 _GEMMA_23 = ("gemma2", "gemma3_text")
+# OLMo 2 and 3: norms on the attention's and MLP's outputs only, query / key norms over all heads
+OLMO_TYPES = ("olmo2", "olmo3")
+# Layouts whose sliding-window layers have a RoPE of their own, unscaled (rope_parameters per layer type)
+_LOCAL_ROPE_TYPES = ("gemma3_text", "olmo3")
 # Masked-diffusion LM layouts (llama-family networks without the causal mask), by config.json
 # model_type: LLaDA (GSAI-ML/LLaDA-8B-*: its own keys and weight names), Dream (Dream-org/Dream-v0-*:
 # Qwen2 keys and weight names, logits shifted by one) and Fast-dLLM v2 (Efficient-Large-Model/
 # Fast_dLLM_v2_*: a Qwen2 checkpoint plus `bd_size`, block diffusion with the same shift).
 LLADA_TYPE, DREAM_TYPE, FAST_DLLM_TYPE = "llada", "Dream", "Fast_dLLM_Qwen"
 DIFFUSION_MODEL_TYPES = (LLADA_TYPE, DREAM_TYPE, FAST_DLLM_TYPE)
-SUPPORTED_MODEL_TYPES = (("llama", "qwen2", "qwen3", "mistral", "smollm3", "gpt2") + GEMMA_TYPES + MOE_TYPES
-                         + DIFFUSION_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = (("llama", "qwen2", "qwen3", "mistral", "smollm3", "phi3", "gpt2") + GEMMA_TYPES + OLMO_TYPES
+                         + MOE_TYPES + DIFFUSION_MODEL_TYPES)
 ATTENTIONS = ("causal", "bidirectional", "block")
 # What each diffusion layout implies when its config.json does not say otherwise:
 # (attention, logits_shift). Fast-dLLM v2's block size is its config's `bd_size`.
@@ -39,13 +43,19 @@ _LAYOUT_DEFAULTS = {LLADA_TYPE: ("bidirectional", 0), DREAM_TYPE: ("bidirectiona
 _LAYOUT_FLAGS = {"qwen3": dict(qk_norm=True), "qwen3_moe": dict(qk_norm=True),
                  "gemma": dict(norm_plus_one=True, scale_embed=True),
                  "gemma2": dict(norm_plus_one=True, scale_embed=True, sandwich_norms=True),
-                 "gemma3_text": dict(qk_norm=True, norm_plus_one=True, scale_embed=True, sandwich_norms=True)}
+                 "gemma3_text": dict(qk_norm=True, norm_plus_one=True, scale_embed=True, sandwich_norms=True),
+                 "olmo2": dict(post_norms=True, qk_norm=True, qk_norm_full=True),
+                 "olmo3": dict(post_norms=True, qk_norm=True, qk_norm_full=True)}
 # head_dim when config.json lacks it: transformers' class default for these layouts, not hidden / heads
 _HEAD_DIM_DEFAULTS = {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256}
 ROPE_TYPES = ("default", "llama3", "linear", "yarn")
-_NO_ATTENTION_BIAS = ("mistral", "mixtral")
+# Phi-3's RoPE (transformers' Phi3Config accepts these alone; its "su" and "yarn" mean longrope)
+PHI3_ROPE_TYPES = ("default", "longrope")
+_NO_ATTENTION_BIAS = ("mistral", "mixtral", "phi3")
 _MLP_BIAS_TYPES = ("llama", "smollm3")
-_FLAGS = ("qk_norm", "norm_plus_one", "scale_embed", "sandwich_norms")
+_FLAGS = ("qk_norm", "norm_plus_one", "scale_embed", "sandwich_norms", "post_norms", "qk_norm_full")
+# One sliding window (or none) for every layer: transformers reads no layer_types for these
+_ONE_WINDOW_TYPES = ("mixtral", "qwen3_moe", "phi3")
 # Our activation names <-> transformers' (gated MLPs)
 _HF_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}
 
@@ -56,7 +66,7 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    model_type: str  # "llama" | "qwen2" | "qwen3" | "mistral" | "gemma" | "gemma2" | "gemma3_text" | "gpt2"
+    model_type: str  # "llama" | "qwen2" | "qwen3" | "mistral" | "gemma*" | "phi3" | "olmo2" | "olmo3" | "gpt2" | ...
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -70,6 +80,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     # rope scaling as a sorted tuple of (key, value) pairs, e.g. (("factor", 8.0), ("rope_type", "llama3"), ...)
     rope_scaling: tuple | None = None
+    # RoPE rotates the first int(head_dim * partial_rotary_factor) dims of each head, the rest pass (Phi-4-mini)
+    partial_rotary_factor: float = 1.0
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
@@ -77,6 +89,9 @@ class ModelConfig:
     norm_plus_one: bool = False  # RMSNorms scale by 1 + weight, in float32 (Gemma)
     scale_embed: bool = False  # token embeddings times sqrt(hidden_size), in the table's dtype (Gemma)
     sandwich_norms: bool = False  # RMSNorms on the attention's and the MLP's outputs too (Gemma 3)
+    post_norms: bool = False  # RMSNorms on the attention's and the MLP's outputs only, none on inputs (OLMo 2)
+    # with qk_norm: one RMSNorm over all heads' queries (keys), n_heads * head_dim wide, not one per head (OLMo 2)
+    qk_norm_full: bool = False
     # attention scores scaled by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5 (Gemma 3)
     query_pre_attn_scalar: float | None = None  # as config.json gives it (an int in transformers' schema)
     # RoPE base of the sliding-window layers, unscaled (Gemma 3); None: every layer uses rope_theta
@@ -130,7 +145,39 @@ class ModelConfig:
             raise ConfigError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
                 f"({self.num_kv_heads})")
+        if self.qk_norm_full and not self.qk_norm:
+            raise ConfigError("qk_norm_full=True (query / key norms over all heads) needs qk_norm=True")
+        if self.post_norms and self.sandwich_norms:
+            raise ConfigError("post_norms (output norms only, OLMo 2) and sandwich_norms (input and output norms, "
+                              "Gemma 2 / 3) exclude each other")
+        self._check_rope_fields()
         self._check_diffusion_fields()
+
+    def _check_rope_fields(self):
+        f = self.partial_rotary_factor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise ConfigError(f"partial_rotary_factor must be a number in (0, 1], got {f!r}")
+        if f != 1 and (self.rotary_dim < 2 or self.rotary_dim % 2):
+            raise ConfigError(f"partial_rotary_factor={f} gives {self.rotary_dim} rotary dims of head_dim="
+                              f"{self.head_dim} (int(head_dim * factor)); jaxdecode's RoPE rotates an even number "
+                              f"of them, at least 2")
+        sc = self.rope_scaling_dict or {}
+        if sc.get("rope_type") != "longrope":
+            return
+        omax = sc.get("original_max_position_embeddings")
+        if isinstance(omax, bool) or not isinstance(omax, (int, np.integer)) or omax < 1:
+            raise ConfigError(f"longrope needs original_max_position_embeddings, a positive int, got {omax!r}")
+        for key in ("short_factor", "long_factor"):
+            v = sc.get(key)
+            if (not isinstance(v, tuple) or len(v) != self.rotary_dim // 2
+                    or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in v)):
+                raise ConfigError(f"longrope's {key} must be a list of {self.rotary_dim // 2} positive numbers (one "
+                                  f"per rotary frequency: head_dim {self.head_dim} x partial_rotary_factor "
+                                  f"{self.partial_rotary_factor} / 2), got {v!r}")
+        for key in ("factor", "attention_factor"):
+            v = sc.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+                raise ConfigError(f"longrope's {key} must be a positive number, got {v!r}")
 
     def _check_diffusion_fields(self):
         if self.attention not in ATTENTIONS:
@@ -174,6 +221,17 @@ class ModelConfig:
         return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[self.dtype]
 
     @property
+    def rotary_dim(self) -> int:
+        """The dims of each head RoPE rotates (the first ones; transformers' int(head_dim * factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def norm_scale_f32(self) -> bool:
+        """RMSNorms multiply by their weight in float32 before the cast back (OLMo 2's order; Llama's casts
+        first). Only reduced-precision activations see the difference."""
+        return self.model_type in OLMO_TYPES
+
+    @property
     def rope_per_layer(self) -> bool:
         """The layers' RoPE differs (Gemma 3's local base, SmolLM3's layers without RoPE)."""
         return self.local_rope_theta is not None or 0 in self.rope_layers
@@ -192,7 +250,8 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         d, f, v, hd = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
-        attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2) + (2 * hd if self.qk_norm else 0)
+        qk = hd * (self.num_heads + self.num_kv_heads if self.qk_norm_full else 2) if self.qk_norm else 0
+        attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2) + qk
         mlp = 2 * d * f if self.is_gpt2 else 3 * d * f
         if self.num_experts:
             mlp = self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
@@ -259,7 +318,7 @@ class ModelConfig:
         d = cfg["hidden_size"]
         if model_type in GEMMA_TYPES:
             _check_gemma_options(cfg)
-        rope_theta, scaling_t, local_theta = _rope(cfg, model_type)
+        rope_theta, scaling_t, local_theta, partial = _rope(cfg, model_type)
         windows = _sliding_windows(cfg, model_type, n_layers)
         gemma23 = model_type in _GEMMA_23
         qkv_bias_default = model_type == "qwen2"  # Qwen2's attention_bias means q/k/v biases, on by default
@@ -274,7 +333,7 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or _HEAD_DIM_DEFAULTS.get(model_type) or d // n_heads,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(rope_theta),
-            rope_scaling=scaling_t, local_rope_theta=local_theta,
+            rope_scaling=scaling_t, local_rope_theta=local_theta, partial_rotary_factor=partial,
             qkv_bias=attn_bias, o_bias=attn_bias and model_type != "qwen2", mlp_bias=mlp_bias,
             sliding_windows=windows,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in GEMMA_TYPES)),
@@ -284,7 +343,8 @@ class ModelConfig:
             final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma23 else None,
             rope_layers=_rope_layers(cfg, model_type, n_layers), **_moe_fields(cfg, model_type, n_layers),
             dtype=dtype, bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
-            pad_token_id=cfg.get("pad_token_id"), extra=_extra(cfg), **_LAYOUT_FLAGS.get(model_type, {}))
+            pad_token_id=cfg.get("pad_token_id"), extra=_extra(cfg, _KNOWN_KEYS | _FAMILY_KEYS.get(model_type, set())),
+            **_LAYOUT_FLAGS.get(model_type, {}))
 
     def to_hf_dict(self) -> dict[str, Any]:
         """config.json in the transformers 5.x form (4.x readers accept it too: it also has rope_theta);
@@ -321,7 +381,8 @@ class ModelConfig:
         arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
                 "gemma3_text": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-                "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM",
+                "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM",
                 DREAM_TYPE: "DreamModel", FAST_DLLM_TYPE: "Fast_dLLM_QwenForCausalLM"}[self.model_type]
         rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope_scaling is not None:
@@ -341,10 +402,18 @@ class ModelConfig:
                        final_logit_softcapping=self.final_logit_softcapping,
                        layer_types=["sliding_attention" if w else "full_attention" for w in self.sliding_windows],
                        sliding_window=max(self.sliding_windows) or 4096)
-        if self.model_type == "gemma3_text":  # 5.x: RoPE per layer type; 4.x: the local base apart
+        if self.model_type == "olmo3":
+            out.update(layer_types=["sliding_attention" if w else "full_attention" for w in self.sliding_windows],
+                       sliding_window=max(self.sliding_windows) or 4096)
+        if self.model_type in _LOCAL_ROPE_TYPES:  # 5.x: RoPE per layer type; 4.x (Gemma 3): the local base apart
             out.update(rope_parameters={"full_attention": rope, "sliding_attention": {
-                "rope_type": "default", "rope_theta": self.local_rope_theta}},
-                rope_local_base_freq=self.local_rope_theta)
+                "rope_type": "default", "rope_theta": self.local_rope_theta}})
+            if self.model_type == "gemma3_text":
+                out["rope_local_base_freq"] = self.local_rope_theta
+        if self.model_type == "phi3":  # Phi3Config reads these two at the top level (its own wins there)
+            rope["partial_rotary_factor"] = out["partial_rotary_factor"] = self.partial_rotary_factor
+            if self.rope_scaling is not None:
+                out["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
         if self.model_type == "smollm3":
             out["no_rope_layers"] = list(self.rope_layers or (1,) * self.num_layers)
         if self.model_type == "mixtral":
@@ -364,7 +433,9 @@ class ModelConfig:
         if len(windows - {0}) > 1:
             raise ConfigError(f"a {self.model_type} config.json has one sliding_window for every windowed layer; "
                               f"this config has several: {sorted(windows - {0})}")
-        if windows != {0} and self.model_type not in _GEMMA_23:
+        if self.model_type == "phi3":  # one window over every layer, or none
+            out["sliding_window"] = self.sliding_windows[0] or None
+        elif windows != {0} and self.model_type not in _GEMMA_23 + OLMO_TYPES:
             if self.model_type == "mistral" and len(windows) == 1:
                 out["sliding_window"] = self.sliding_windows[0]
             else:
@@ -388,8 +459,16 @@ class ModelConfig:
                 wrong.append(f"{name}={getattr(self, name)}")
         if gemma23 and self.query_pre_attn_scalar is None:
             wrong.append("query_pre_attn_scalar unset (Gemma 2 and 3 always have it)")
-        if (self.local_rope_theta is None) == (self.model_type == "gemma3_text"):
-            wrong.append(f"local_rope_theta={self.local_rope_theta} (Gemma 3 alone has it)")
+        if (self.local_rope_theta is None) == (self.model_type in _LOCAL_ROPE_TYPES):
+            wrong.append(f"local_rope_theta={self.local_rope_theta} (Gemma 3 and OLMo 3 alone have it)")
+        rope_type = (self.rope_scaling_dict or {}).get("rope_type", "default")
+        if self.model_type == "phi3" and rope_type not in PHI3_ROPE_TYPES:
+            wrong.append(f"rope_type={rope_type!r} (Phi-3's RoPE is {' or '.join(PHI3_ROPE_TYPES)})")
+        if self.model_type != "phi3" and (rope_type == "longrope" or self.partial_rotary_factor != 1):
+            wrong.append(f"rope_type={rope_type!r}, partial_rotary_factor={self.partial_rotary_factor} (Phi-3 "
+                         f"alone has longrope and a partial rotary factor)")
+        if self.model_type == "olmo2" and set(self.sliding_windows) != {0}:
+            wrong.append(f"sliding_windows={self.sliding_windows} (OLMo 2 has no sliding window)")
         if self.activation not in _HF_ACTIVATIONS:
             wrong.append(f"activation={self.activation!r}")
         if self.model_type in _NO_ATTENTION_BIAS and (self.qkv_bias or self.o_bias):
@@ -398,7 +477,7 @@ class ModelConfig:
             wrong.append(f"qkv_bias={self.qkv_bias} with o_bias={self.o_bias} (attention_bias sets both)")
         if self.mlp_bias and self.model_type not in _MLP_BIAS_TYPES:
             wrong.append(f"mlp_bias=True (only {', '.join(_MLP_BIAS_TYPES)} MLPs take one)")
-        if self.model_type in ("mixtral", "qwen3_moe") and len(set(self.sliding_windows)) > 1:
+        if self.model_type in _ONE_WINDOW_TYPES and len(set(self.sliding_windows)) > 1:
             wrong.append(f"sliding_windows={self.sliding_windows} (one window for every layer in this layout)")
         if (self.num_experts > 0) != (self.model_type in MOE_TYPES):
             wrong.append(f"num_experts={self.num_experts} (the mixture-of-experts layouts: {', '.join(MOE_TYPES)})")
@@ -431,7 +510,8 @@ def _normalize_dtype(name: str) -> str:
 # Layouts whose transformers config class assumes its own values for keys a config.json leaves out (Gemma
 # 2's soft-caps 50 / 30, Mixtral's rope_theta 1e6 and rms_norm_eps 1e-5, SmolLM3's rope_theta 2e6 and tied
 # embeddings, ...): those values are read from the class, as transformers reads the file.
-_FAMILY_DEFAULT_TYPES = ("qwen3", "qwen3_moe", "mixtral", "gemma", "gemma2", "gemma3_text", "smollm3")
+_FAMILY_DEFAULT_TYPES = ("qwen3", "qwen3_moe", "mixtral", "gemma", "gemma2", "gemma3_text", "smollm3", "phi3",
+                         "olmo2", "olmo3")
 
 
 def _with_family_defaults(cfg: dict) -> dict:
@@ -483,26 +563,34 @@ def _activation(cfg: dict, model_type: str) -> str:
 
 
 def _rope(cfg: dict, model_type: str) -> tuple:
-    """(rope_theta, rope scaling as sorted pairs or None, the sliding layers' theta or None) from either
-    config.json form. Gemma 3's sliding-window layers use an unscaled RoPE of their own base."""
+    """(rope_theta, rope scaling as sorted pairs or None, the sliding layers' theta or None, partial rotary
+    factor) from either config.json form. Gemma 3's and OLMo 3's sliding-window layers use an unscaled RoPE of
+    their own base."""
     params = dict(cfg.get("rope_parameters") or {})
     local_theta = None
-    if model_type == "gemma3_text":
+    if model_type in _LOCAL_ROPE_TYPES:
+        name = {"gemma3_text": "Gemma 3", "olmo3": "OLMo 3"}[model_type]
         if "full_attention" in params or "sliding_attention" in params:  # 5.x: one set per layer type
             local = dict(params.get("sliding_attention") or {})
             params = dict(params.get("full_attention") or {})
-        else:  # 4.x: rope_theta and rope_scaling for the full layers, rope_local_base_freq
+        else:  # 4.x: rope_theta and rope_scaling for the full layers, rope_local_base_freq (Gemma 3)
             local = {}
-        params.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
-        local_theta = float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0)))
-        if local.get("rope_type", "default") != "default":
-            raise ConfigError(f"unsupported rope_type={local['rope_type']!r} for Gemma 3's sliding-window layers; "
-                              f"supported: default")
+        if model_type == "gemma3_text":
+            params.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+            local_theta = float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0)))
+        else:  # Olmo3Config gives the 4.x rope_theta to the full layers only: the sliding ones keep its 500000
+            params.setdefault("rope_theta", cfg.get("rope_theta", 500_000.0))
+            local_theta = float(local.get("rope_theta", 500_000.0))
+        if local.get("rope_type", local.get("type", "default")) != "default":
+            raise ConfigError(f"unsupported rope_type={local.get('rope_type', local.get('type'))!r} for {name}'s "
+                              f"sliding-window layers; supported: default")
     rope_theta = params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
     scaling = dict(cfg.get("rope_scaling") or {}) or params
     if "type" in scaling and "rope_type" not in scaling:
         scaling["rope_type"] = scaling.pop("type")
     scaling.pop("rope_theta", None)
+    if model_type == "phi3":
+        return (rope_theta, *_phi3_rope(cfg, scaling))
     rope_type = scaling.get("rope_type", "default")
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"unsupported rope_type={rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
@@ -518,7 +606,40 @@ def _rope(cfg: dict, model_type: str) -> tuple:
         if scaling.get("factor") is None:  # DeepSeek-V3's form: the ratio of the two lengths
             scaling["factor"] = cfg.get("max_position_embeddings", 2048) / scaling["original_max_position_embeddings"]
         scaling = {k: v for k, v in scaling.items() if v is not None}
-    return rope_theta, None if rope_type == "default" else tuple(sorted(scaling.items())), local_theta
+    return rope_theta, None if rope_type == "default" else tuple(sorted(scaling.items())), local_theta, 1.0
+
+
+def _phi3_rope(cfg: dict, scaling: dict) -> tuple:
+    """Phi-3's rope scaling (default or longrope), local theta (None) and partial rotary factor, read as
+    transformers' Phi3Config reads them: the factor from rope_parameters, else the top-level key; the
+    pretraining length from the top-level original_max_position_embeddings (4096 when absent), which
+    wins over rope_parameters'; "su" and "yarn" are longrope's old names."""
+    scaling.pop("type", None)  # transformers' normalised dict keeps the old name beside rope_type
+    partial = scaling.pop("partial_rotary_factor", None)
+    partial = cfg.get("partial_rotary_factor", 1.0) if partial is None else partial
+    if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+        raise ConfigError(f"unsupported partial_rotary_factor={partial!r}; it takes a number in (0, 1]")
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type in ("su", "yarn"):
+        rope_type = scaling["rope_type"] = "longrope"
+    if rope_type not in PHI3_ROPE_TYPES:
+        raise ConfigError(f"unsupported rope_type={rope_type!r} for phi3; supported: {', '.join(PHI3_ROPE_TYPES)}")
+    if rope_type == "default":
+        return None, None, float(partial)
+    omax = cfg.get("original_max_position_embeddings", 4096)
+    scaling = {k: v for k, v in scaling.items() if v is not None}
+    scaling["original_max_position_embeddings"] = omax
+    unknown = sorted(set(scaling) - {"rope_type", "short_factor", "long_factor", "original_max_position_embeddings",
+                                     "factor", "attention_factor"})
+    if unknown:
+        raise ConfigError(f"unsupported longrope keys {unknown} in config.json's rope scaling; jaxdecode reads "
+                          f"short_factor, long_factor, factor, attention_factor and original_max_position_embeddings")
+    for key in ("short_factor", "long_factor"):
+        if not isinstance(scaling.get(key), list):
+            raise ConfigError(f"longrope needs {key}, a list of numbers, in config.json's rope scaling; got "
+                              f"{scaling.get(key)!r}")
+        scaling[key] = tuple(scaling[key])  # hashable: the config is a static argument of the jitted forward
+    return tuple(sorted(scaling.items())), None, float(partial)
 
 
 def _moe_fields(cfg: dict, model_type: str, n_layers: int) -> dict:
@@ -565,18 +686,20 @@ def _sliding_windows(cfg: dict, model_type: str, n_layers: int) -> tuple:
     if unknown:
         raise ConfigError(f"config.json's layer_types has {unknown}; jaxdecode builds full_attention and "
                           f"sliding_attention layers")
-    if model_type in ("mixtral", "qwen3_moe"):  # one window for every layer (transformers reads no layer_types)
-        on = bool(window) and (model_type == "mixtral" or cfg.get("use_sliding_window", False))
+    if model_type == "olmo2":  # transformers' OLMo 2 has no sliding window (it reads neither key)
+        return (0,) * n_layers
+    if model_type in _ONE_WINDOW_TYPES:  # one window for every layer (transformers reads no layer_types)
+        on = bool(window) and (model_type != "qwen3_moe" or cfg.get("use_sliding_window", False))
         return (int(window) if on else 0,) * n_layers
-    if model_type in _GEMMA_23:  # layer_types, or (older configs) every pattern-th layer full
+    if model_type in _GEMMA_23 + ("olmo3",):  # layer_types, or (older configs) every pattern-th layer full
         window = cfg.get("sliding_window", 4096)  # transformers' default when the key is absent
         pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or (
-            6 if model_type == "gemma3_text" else 2)
+            {"gemma3_text": 6, "olmo3": 4}.get(model_type, 2))
         types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                            for i in range(n_layers)]
         if "sliding_attention" in types and not window:
             raise ConfigError(f"config.json's layer_types has sliding-attention layers but sliding_window is "
-                              f"{window!r}; set it (Gemma 2 and 3: 4096, or 512 / 1024)")
+                              f"{window!r}; set it (Gemma 2 and 3: 4096, or 512 / 1024; OLMo 3: 4096)")
         if len(types) != n_layers:
             raise ConfigError(f"config.json's layer_types has {len(types)} entries for {n_layers} layers")
         return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
@@ -609,6 +732,8 @@ _KNOWN_KEYS = {
     "use_bidirectional_attention", "no_rope_layers", "no_rope_layer_interval", "num_local_experts", "num_experts",
     "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
 }
+# Keys a layout's own ModelConfig fields carry (elsewhere they stay in `extra`, as config.json said them)
+_FAMILY_KEYS = {"phi3": {"partial_rotary_factor"}}
 
 
 def _extra(cfg: dict, known=_KNOWN_KEYS) -> tuple:
@@ -724,14 +849,16 @@ def rope_attention_factors(config: ModelConfig) -> np.ndarray:
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Inverse RoPE frequencies [head_dim // 2], with linear, llama3 or YaRN scaling applied (YaRN's factor
-    on cos and sin: rope_attention_factor)."""
-    hd = config.head_dim
+    """Inverse RoPE frequencies [rotary_dim // 2], with linear, llama3 or YaRN scaling applied (YaRN's factor
+    on cos and sin: rope_attention_factor); LongRoPE's short factors (its long ones: rope_long_inv_freq)."""
+    hd = config.rotary_dim
     inv = 1.0 / (config.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
     sc = config.rope_scaling_dict
     if sc is None:
         return inv.astype(np.float32)
     kind = sc.get("rope_type", "default")
+    if kind == "longrope":
+        return (inv / np.asarray(sc["short_factor"], np.float64)).astype(np.float32)
     if kind == "linear":
         return (inv / float(sc["factor"])).astype(np.float32)
     if kind == "llama3":
@@ -763,14 +890,40 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     raise ConfigError(f"unsupported rope_type {kind!r}")
 
 
+def rope_long_inv_freq(config: ModelConfig) -> np.ndarray | None:
+    """LongRoPE's (Phi-3) inverse frequencies past the pretraining length, by its long factors; None for
+    every other RoPE. Which set a forward uses: models.transformer.forward (as transformers: the long one
+    once a sequence reaches rope_switch_position)."""
+    sc = config.rope_scaling_dict
+    if sc is None or sc.get("rope_type") != "longrope":
+        return None
+    hd = config.rotary_dim
+    inv = 1.0 / (config.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    return (inv / np.asarray(sc["long_factor"], np.float64)).astype(np.float32)
+
+
+def rope_switch_position(config) -> int | None:
+    """LongRoPE: the first position whose forward takes the long factors (original_max_position_embeddings,
+    past which transformers switches); None for every other RoPE (and for configs without one)."""
+    sc = getattr(config, "rope_scaling_dict", None)
+    if sc is None or sc.get("rope_type") != "longrope":
+        return None
+    return int(sc["original_max_position_embeddings"])
+
+
 def rope_attention_factor(config: ModelConfig) -> float:
     """The factor on RoPE's cos and sin (so on q.k twice): YaRN's 0.1 * ln(factor) + 1 (or its
-    attention_factor / mscale form); 1 for every other RoPE."""
+    attention_factor / mscale form); LongRoPE's sqrt(1 + ln(factor) / ln(original length)) (or its
+    attention_factor), the same for its short and long factors; 1 for every other RoPE."""
     sc = config.rope_scaling_dict
-    if sc is None or sc.get("rope_type") != "yarn":
+    if sc is None or sc.get("rope_type") not in ("yarn", "longrope"):
         return 1.0
     if sc.get("attention_factor") is not None:
         return float(sc["attention_factor"])
+    if sc["rope_type"] == "longrope":  # factor: the context's growth (transformers' default: the lengths' ratio)
+        omax = sc["original_max_position_embeddings"]
+        factor = sc.get("factor") or config.max_position_embeddings / omax
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(omax))
 
     def mscale(scale, m=1.0):
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0

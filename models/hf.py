@@ -264,7 +264,8 @@ def layout_name(config: ModelConfig, name: str) -> str:
 
 
 def _hf_layer_map(config: ModelConfig, i: int) -> dict[str, tuple[str, callable, tuple]]:
-    """HF tensor name -> (our layer param path, conversion from the HF tensor, HF shape) for layer i.
+    """HF tensor name -> (our layer param path, conversion from the HF tensor, HF shape) for layer i. A fused
+    tensor (Phi-3's qkv_proj, gate_up_proj) maps to a tuple of our paths, its conversion to a tuple of parts.
 
     The HF shape is checked before converting: a reshape alone would accept a tensor of the right
     size but the wrong layout (e.g. a transposed k_proj) and load garbage silently.
@@ -272,20 +273,32 @@ def _hf_layer_map(config: ModelConfig, i: int) -> dict[str, tuple[str, callable,
     d, h, kv, hd, f = (config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
                        config.intermediate_size)
     p = f"model.layers.{i}."
-    m = {p + "input_layernorm.weight": ("attn_norm/scale", lambda w: w, (d,))}
-    if config.sandwich_norms:  # Gemma 3: post_attention_layernorm is the attention output's norm
-        m[p + "post_attention_layernorm.weight"] = ("attn_out_norm/scale", lambda w: w, (d,))
-        m[p + "pre_feedforward_layernorm.weight"] = ("mlp_norm/scale", lambda w: w, (d,))
-        m[p + "post_feedforward_layernorm.weight"] = ("mlp_out_norm/scale", lambda w: w, (d,))
+    if config.post_norms:  # OLMo 2: the attention's and the MLP's outputs are normed, not their inputs
+        m = {p + "post_attention_layernorm.weight": ("attn_out_norm/scale", lambda w: w, (d,)),
+             p + "post_feedforward_layernorm.weight": ("mlp_out_norm/scale", lambda w: w, (d,))}
+    elif config.sandwich_norms:  # Gemma 3: post_attention_layernorm is the attention output's norm
+        m = {p + "input_layernorm.weight": ("attn_norm/scale", lambda w: w, (d,)),
+             p + "post_attention_layernorm.weight": ("attn_out_norm/scale", lambda w: w, (d,)),
+             p + "pre_feedforward_layernorm.weight": ("mlp_norm/scale", lambda w: w, (d,)),
+             p + "post_feedforward_layernorm.weight": ("mlp_out_norm/scale", lambda w: w, (d,))}
     else:
-        m[p + "post_attention_layernorm.weight"] = ("mlp_norm/scale", lambda w: w, (d,))
-    m.update({
-        p + "self_attn.q_proj.weight": ("wq", lambda w: w.T.reshape(d, h, hd), (h * hd, d)),
-        p + "self_attn.k_proj.weight": ("wk", lambda w: w.T.reshape(d, kv, hd), (kv * hd, d)),
-        p + "self_attn.v_proj.weight": ("wv", lambda w: w.T.reshape(d, kv, hd), (kv * hd, d)),
-        p + "self_attn.o_proj.weight": ("wo", lambda w: w.T.reshape(h, hd, d), (d, h * hd)),
-    })
-    if config.num_experts:  # "we_gate[j]": expert j's slice of the stacked [E, ...] weight
+        m = {p + "input_layernorm.weight": ("attn_norm/scale", lambda w: w, (d,)),
+             p + "post_attention_layernorm.weight": ("mlp_norm/scale", lambda w: w, (d,))}
+    if config.model_type == "phi3":  # one fused q/k/v projection: rows q (h heads), then k, then v (kv heads)
+        m[p + "self_attn.qkv_proj.weight"] = (("wq", "wk", "wv"), lambda w: (
+            w[:h * hd].T.reshape(d, h, hd), w[h * hd:(h + kv) * hd].T.reshape(d, kv, hd),
+            w[(h + kv) * hd:].T.reshape(d, kv, hd)), ((h + 2 * kv) * hd, d))
+    else:
+        m.update({
+            p + "self_attn.q_proj.weight": ("wq", lambda w: w.T.reshape(d, h, hd), (h * hd, d)),
+            p + "self_attn.k_proj.weight": ("wk", lambda w: w.T.reshape(d, kv, hd), (kv * hd, d)),
+            p + "self_attn.v_proj.weight": ("wv", lambda w: w.T.reshape(d, kv, hd), (kv * hd, d)),
+        })
+    m[p + "self_attn.o_proj.weight"] = ("wo", lambda w: w.T.reshape(h, hd, d), (d, h * hd))
+    if config.model_type == "phi3":  # one fused gate/up projection: the gate's rows first (chunk(2))
+        m[p + "mlp.gate_up_proj.weight"] = (("w_gate", "w_up"), lambda w: (w[:f].T, w[f:].T), (2 * f, d))
+        m[p + "mlp.down_proj.weight"] = ("w_down", lambda w: w.T, (d, f))
+    elif config.num_experts:  # "we_gate[j]": expert j's slice of the stacked [E, ...] weight
         fm = config.moe_intermediate_size
         moe, (gate, up, down) = _MOE_NAMES[config.model_type]
         m[p + moe + ".gate.weight"] = ("w_router", lambda w: w.T, (config.num_experts, d))
@@ -304,7 +317,10 @@ def _hf_layer_map(config: ModelConfig, i: int) -> dict[str, tuple[str, callable,
         m[p + "self_attn.v_proj.bias"] = ("bv", lambda b: b.reshape(kv, hd), (kv * hd,))
     if config.o_bias:
         m[p + "self_attn.o_proj.bias"] = ("bo", lambda b: b, (d,))
-    if config.qk_norm:
+    if config.qk_norm_full:  # OLMo 2: over all heads ([H * hd]), kept per head as the projections are
+        m[p + "self_attn.q_norm.weight"] = ("q_norm/scale", lambda w: w.reshape(h, hd), (h * hd,))
+        m[p + "self_attn.k_norm.weight"] = ("k_norm/scale", lambda w: w.reshape(kv, hd), (kv * hd,))
+    elif config.qk_norm:
         m[p + "self_attn.q_norm.weight"] = ("q_norm/scale", lambda w: w, (hd,))
         m[p + "self_attn.k_norm.weight"] = ("k_norm/scale", lambda w: w, (hd,))
     if config.mlp_bias:
@@ -418,6 +434,13 @@ def _convert_llama(config: ModelConfig, tensors: dict, expect: dict):
             if tuple(tensors[hf_name].shape) != hf_shape:
                 raise CheckpointError(f"weight tensor {hf_name!r} has shape {tuple(tensors[hf_name].shape)}, "
                                       f"expected {hf_shape}")
+            if isinstance(ours, tuple):  # a fused tensor: each part to its own parameter
+                parts = conv_checked(hf_name, tensors[hf_name], conv,
+                                     tuple(_lookup(expect["layers"], path)[1:] for path in ours))
+                for path, w in zip(ours, parts):
+                    per_layer.setdefault(path, []).append(w)
+                used.add(hf_name)
+                continue
             path, expert = _expert_slot(ours)
             expected = _lookup(expect["layers"], path)[1 if expert is None else 2:]
             w = conv_checked(hf_name, tensors[hf_name], conv, expected)
@@ -454,14 +477,18 @@ def _lookup(tree, path):
 
 
 def conv_checked(name, w, conv, expected_shape):
+    """conv(w), checked to have expected_shape (a tuple of shapes: conv gives that many parts)."""
     try:
         out = conv(w)
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"weight tensor {name!r} has shape {tuple(w.shape)}, which does not fit "
                               f"the expected {tuple(expected_shape)} (after transposing): {e}") from None
-    if tuple(out.shape) != tuple(expected_shape):
+    fused = isinstance(out, tuple)
+    got = tuple(tuple(o.shape) for o in out) if fused else tuple(out.shape)
+    want = tuple(tuple(s) for s in expected_shape) if fused else tuple(expected_shape)
+    if got != want:
         raise CheckpointError(f"weight tensor {name!r} has shape {tuple(w.shape)}, which does not fit "
-                              f"the expected {tuple(expected_shape)}")
+                              f"the expected {want}")
     return out
 
 
@@ -537,18 +564,29 @@ def to_hf_tensors(config: ModelConfig, params) -> dict[str, jax.Array]:
     else:
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            out[p + "input_layernorm.weight"] = L["attn_norm"]["scale"][i]
-            if config.sandwich_norms:
+            if config.post_norms:  # OLMo 2: output norms only
+                out[p + "post_attention_layernorm.weight"] = L["attn_out_norm"]["scale"][i]
+                out[p + "post_feedforward_layernorm.weight"] = L["mlp_out_norm"]["scale"][i]
+            elif config.sandwich_norms:
+                out[p + "input_layernorm.weight"] = L["attn_norm"]["scale"][i]
                 out[p + "post_attention_layernorm.weight"] = L["attn_out_norm"]["scale"][i]
                 out[p + "pre_feedforward_layernorm.weight"] = L["mlp_norm"]["scale"][i]
                 out[p + "post_feedforward_layernorm.weight"] = L["mlp_out_norm"]["scale"][i]
             else:
+                out[p + "input_layernorm.weight"] = L["attn_norm"]["scale"][i]
                 out[p + "post_attention_layernorm.weight"] = L["mlp_norm"]["scale"][i]
-            out[p + "self_attn.q_proj.weight"] = L["wq"][i].reshape(d, h * hd).T
-            out[p + "self_attn.k_proj.weight"] = L["wk"][i].reshape(d, kv * hd).T
-            out[p + "self_attn.v_proj.weight"] = L["wv"][i].reshape(d, kv * hd).T
+            q, k, v = (L["wq"][i].reshape(d, h * hd).T, L["wk"][i].reshape(d, kv * hd).T,
+                       L["wv"][i].reshape(d, kv * hd).T)
+            if config.model_type == "phi3":  # fused back as Phi-3 stores them
+                out[p + "self_attn.qkv_proj.weight"] = jnp.concatenate([q, k, v], axis=0)
+            else:
+                out.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
+                            p + "self_attn.v_proj.weight": v})
             out[p + "self_attn.o_proj.weight"] = L["wo"][i].reshape(h * hd, d).T
-            if config.num_experts:
+            if config.model_type == "phi3":
+                out[p + "mlp.gate_up_proj.weight"] = jnp.concatenate([L["w_gate"][i].T, L["w_up"][i].T], axis=0)
+                out[p + "mlp.down_proj.weight"] = L["w_down"][i].T
+            elif config.num_experts:
                 moe, (gate, up, down) = _MOE_NAMES[config.model_type]
                 out[p + moe + ".gate.weight"] = L["w_router"][i].T
                 for j in range(config.num_experts):
@@ -566,9 +604,9 @@ def to_hf_tensors(config: ModelConfig, params) -> dict[str, jax.Array]:
                 out[p + "self_attn.v_proj.bias"] = L["bv"][i].reshape(-1)
             if config.o_bias:
                 out[p + "self_attn.o_proj.bias"] = L["bo"][i]
-            if config.qk_norm:
-                out[p + "self_attn.q_norm.weight"] = L["q_norm"]["scale"][i]
-                out[p + "self_attn.k_norm.weight"] = L["k_norm"]["scale"][i]
+            if config.qk_norm:  # OLMo 2's over all heads: flattened back to [H * hd]
+                out[p + "self_attn.q_norm.weight"] = L["q_norm"]["scale"][i].reshape(-1)
+                out[p + "self_attn.k_norm.weight"] = L["k_norm"]["scale"][i].reshape(-1)
             if config.mlp_bias:
                 out[p + "mlp.gate_proj.bias"] = L["b_gate"][i]
                 out[p + "mlp.up_proj.bias"] = L["b_up"][i]

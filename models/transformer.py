@@ -24,8 +24,10 @@ under shard_map on each device's rows and KV heads. Without a cache the T tokens
 Parameter pytree (L = layers, D = hidden, H/KV = heads, hd = head dim, F = MLP width):
     embed [V, D]; pos_embed [P, D] (GPT-2); lm_head [D, V] (untied only)
     final_norm {scale [D], bias [D] (GPT-2)}
-    layers: attn_norm/mlp_norm {scale [L, D], bias}, q_norm/k_norm {scale [L, hd]} (Qwen3, Gemma 3),
-            attn_out_norm/mlp_out_norm {scale [L, D]} (Gemma 3's norms on the attention and MLP outputs),
+    layers: attn_norm/mlp_norm {scale [L, D], bias} (none in OLMo 2), q_norm/k_norm {scale [L, hd]} (Qwen3,
+            Gemma 3; OLMo 2's norms over all heads: [L, H, hd] / [L, KV, hd]),
+            attn_out_norm/mlp_out_norm {scale [L, D]} (Gemma 3's and OLMo 2's norms on the attention and MLP
+            outputs),
             wq [L, D, H, hd], wk/wv [L, D, KV, hd],
             wo [L, H, hd, D], bq [L, H, hd], bk/bv [L, KV, hd], bo [L, D],
             w_gate/w_up [L, D, F], w_down [L, F, D], b_gate/b_up [L, F], b_down [L, D]
@@ -43,19 +45,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from .cache import KVCache, write_layer
-from .config import ModelConfig, rope_attention_factor, rope_attention_factors, rope_inv_freq, rope_inv_freqs
+from .config import (ModelConfig, rope_attention_factor, rope_attention_factors, rope_inv_freq, rope_inv_freqs,
+                     rope_long_inv_freq, rope_switch_position)
 
 _MASKED = -1e30  # finite, so a fully masked (padding) query gives a uniform softmax, never NaN
 
 
 # ----------------------------------------------------------------------------- building blocks
-def rms_norm(x, p, eps, plus_one: bool = False):
-    """RMSNorm over the last axis. plus_one (Gemma): scaled by 1 + scale in float32 before the cast back,
-    as Gemma's reference does; otherwise cast back, then scaled (Llama's order)."""
+def rms_norm(x, p, eps, plus_one: bool = False, scale_f32: bool = False, axes=(-1,)):
+    """RMSNorm over the trailing `axes` (p["scale"] spans them). plus_one (Gemma): scaled by 1 + scale in
+    float32 before the cast back, as Gemma's reference does; scale_f32 (OLMo 2): scaled in float32, then cast
+    back; otherwise cast back, then scaled (Llama's order)."""
     x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axes, keepdims=True) + eps)
     if plus_one:
         return (y * (1.0 + p["scale"].astype(jnp.float32))).astype(x.dtype)
+    if scale_f32:
+        return (y * p["scale"].astype(jnp.float32)).astype(x.dtype)
     return y.astype(x.dtype) * p["scale"]
 
 
@@ -67,10 +73,10 @@ def layer_norm(x, p, eps):
     return (y * p["scale"].astype(jnp.float32) + p["bias"].astype(jnp.float32)).astype(x.dtype)
 
 
-def _norm(config: ModelConfig, x, p):
+def _norm(config: ModelConfig, x, p, axes=(-1,)):
     if config.is_gpt2:
         return layer_norm(x, p, config.norm_eps)
-    return rms_norm(x, p, config.norm_eps, config.norm_plus_one)
+    return rms_norm(x, p, config.norm_eps, config.norm_plus_one, config.norm_scale_f32, axes)
 
 
 def gelu_new(x):
@@ -78,18 +84,22 @@ def gelu_new(x):
 
 
 def apply_rope(x, positions, inv_freq, factor: float = 1.0):
-    """Rotate-half RoPE (the HF layout), cos and sin times `factor` (YaRN's attention factor).
-    x: [B, T, N, hd]; positions: [B, T]."""
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
+    """Rotate-half RoPE (the HF layout), cos and sin times `factor` (YaRN's attention factor), over the first
+    2 * len(inv_freq) dims of each head; the others pass unrotated (a partial rotary factor, as transformers).
+    x: [B, T, N, hd]; positions: [B, T]; inv_freq: [r/2], or [B, r/2] (a set per row: LongRoPE's)."""
+    if inv_freq.ndim == 2:
+        inv_freq = inv_freq[:, None, :]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, r/2]
     cos = jnp.cos(angles)[:, :, None, :]
     sin = jnp.sin(angles)[:, :, None, :]
     if not (isinstance(factor, float) and factor == 1.0):  # a float, or a traced per-layer scalar
         cos, sin = cos * factor, sin * factor
-    x32 = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
+    rot = 2 * angles.shape[-1]
+    x32 = x[..., :rot].astype(jnp.float32)
+    half = rot // 2
     x1, x2 = x32[..., :half], x32[..., half:]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return out if rot == x.shape[-1] else jnp.concatenate([out, x[..., rot:]], axis=-1)
 
 
 _GATED_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": partial(jax.nn.gelu, approximate=True),
@@ -249,15 +259,17 @@ def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, attend, rope_factor=None
     """One transformer block. x: [B, T, D]. attend(q [B,T,H,hd], k, v [B,T,KV,hd]) -> (a [B,T,H,hd], aux):
     the attention of this layer (with or without a cache); aux is returned as it is. rope_factor: this
     layer's factor on RoPE's cos and sin (default: the config's, rope_attention_factor)."""
-    h = _norm(config, x, lp["attn_norm"])
+    h = x if config.post_norms else _norm(config, x, lp["attn_norm"])
     q = matmul("btd,dnh->btnh", h, lp["wq"])  # [B, T, H, hd]
     k = matmul("btd,dnh->btnh", h, lp["wk"])  # [B, T, KV, hd]
     v = matmul("btd,dnh->btnh", h, lp["wv"])
     if config.qkv_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-    if config.qk_norm:  # Qwen3, Gemma 3: each head's query and key RMS-normed over head_dim, before RoPE
-        q = _norm(config, q, lp["q_norm"])
-        k = _norm(config, k, lp["k_norm"])
+    if config.qk_norm:  # Qwen3, Gemma 3: each head's query and key RMS-normed over head_dim, before RoPE;
+        # OLMo 2: all heads' queries (keys) as one vector, normed over [heads, head_dim] where they lie
+        axes = (-2, -1) if config.qk_norm_full else (-1,)
+        q = _norm(config, q, lp["q_norm"], axes)
+        k = _norm(config, k, lp["k_norm"], axes)
     if config.uses_rope:
         factor = rope_attention_factor(config) if rope_factor is None else rope_factor
         q = apply_rope(q, q_pos, inv_freq, factor)
@@ -270,10 +282,10 @@ def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, attend, rope_factor=None
     o = matmul("btk,kd->btd", a.reshape(a.shape[:2] + (-1,)), wo.reshape((-1, wo.shape[-1])))  # [B, T, D]
     if config.o_bias:
         o = o + lp["bo"]
-    if config.sandwich_norms:
+    if config.sandwich_norms or config.post_norms:
         o = _norm(config, o, lp["attn_out_norm"])
     x = x + o
-    h = _norm(config, x, lp["mlp_norm"])
+    h = x if config.post_norms else _norm(config, x, lp["mlp_norm"])
     if config.is_gpt2:
         u = matmul("btd,df->btf", h, lp["w_up"]) + lp["b_up"]
         m = matmul("btf,fd->btd", gelu_new(u), lp["w_down"]) + lp["b_down"]
@@ -287,7 +299,7 @@ def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, attend, rope_factor=None
         m = matmul("btf,fd->btd", _GATED_ACTIVATIONS[config.activation](g) * u, lp["w_down"])
         if config.mlp_bias:
             m = m + lp["b_down"]
-    if config.sandwich_norms:
+    if config.sandwich_norms or config.post_norms:
         m = _norm(config, m, lp["mlp_out_norm"])
     return x + m, aux
 
@@ -482,6 +494,9 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
     inv_freq = jnp.asarray(rope_inv_freq(config)) if config.uses_rope else None
     positions = positions.astype(jnp.int32)
     mask = attn_mask.astype(bool)
+    switch = rope_switch_position(config)
+    if switch is not None:  # LongRoPE: its long factors for a row whose furthest token reaches the switch
+        inv_freq = _longrope_inv_freq(config, inv_freq, switch, positions, mask, write_offset)
     if cache is not None:
         write_start = cache.lengths if write_offset is None else cache.lengths + write_offset.astype(jnp.int32)
         win_pos = window_key_positions(positions, cache.lengths, mask.shape[2], write_offset, key_positions)
@@ -551,6 +566,25 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
     return logits, hidden, new_cache
 
 
+def _longrope_inv_freq(config: ModelConfig, short, switch: int, positions, mask, write_offset):
+    """LongRoPE's inverse frequencies per row [B, r/2]: the long factors where the row's furthest token
+    is at a position >= switch (original_max_position_embeddings), the short ones elsewhere. transformers
+    decides so per forward (max(position_ids) + 1 > original_max_position_embeddings); here per row, over
+    the row's own tokens (those that see themselves: not padding), so a row's logits do not depend on its
+    batch-mates nor on padding. A cache written with the other set would mix them, which transformers'
+    generate avoids by recomputing the cache at the switch: the decoders refuse a decode that would cross
+    it (jaxdecode.autoregressive.validate_prompts)."""
+    b, t = positions.shape
+    col = jnp.arange(t, dtype=jnp.int32)[None, :]
+    if write_offset is not None:  # with a cache: new token i sits at window column write_offset[b] + i
+        col = col + write_offset.astype(jnp.int32)[:, None]
+    own = jnp.take_along_axis(mask, jnp.broadcast_to(jnp.minimum(col, mask.shape[2] - 1), (b, t))[..., None],
+                              axis=2)[..., 0]
+    furthest = jnp.max(jnp.where(own, positions, -1), axis=1)  # [B]
+    long = jnp.asarray(rope_long_inv_freq(config))
+    return jnp.where((furthest >= switch)[:, None], long[None, :], short[None, :])
+
+
 def causal_mask(batch: int, t: int) -> jax.Array:
     return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t))
 
@@ -606,10 +640,11 @@ def init_params(config: ModelConfig, key, std: float = 0.02):
     # Residual projections scaled down by depth (GPT-2 style) for stable training from scratch.
     resid = std / math.sqrt(2 * n)
     layers = {
-        "attn_norm": norm_params((n, d)), "mlp_norm": norm_params((n, d)),
         "wq": normal((n, d, h, hd)), "wk": normal((n, d, kv, hd)), "wv": normal((n, d, kv, hd)),
         "wo": normal((n, h, hd, d), resid),
     }
+    if not config.post_norms:
+        layers.update(attn_norm=norm_params((n, d)), mlp_norm=norm_params((n, d)))
     if config.num_experts:
         e, fm = config.num_experts, config.moe_intermediate_size
         layers.update(w_router=normal((n, d, e)), we_gate=normal((n, e, d, fm)), we_up=normal((n, e, d, fm)),
@@ -623,9 +658,11 @@ def init_params(config: ModelConfig, key, std: float = 0.02):
                       bv=jnp.zeros((n, kv, hd), dt))
     if config.o_bias:
         layers["bo"] = jnp.zeros((n, d), dt)
-    if config.qk_norm:
+    if config.qk_norm_full:
+        layers.update(q_norm=norm_params((n, h, hd)), k_norm=norm_params((n, kv, hd)))
+    elif config.qk_norm:
         layers.update(q_norm=norm_params((n, hd)), k_norm=norm_params((n, hd)))
-    if config.sandwich_norms:
+    if config.sandwich_norms or config.post_norms:
         layers.update(attn_out_norm=norm_params((n, d)), mlp_out_norm=norm_params((n, d)))
     if config.is_gpt2 or config.mlp_bias:
         layers.update(b_up=jnp.zeros((n, f), dt), b_down=jnp.zeros((n, d), dt))

@@ -52,9 +52,15 @@ def make_hf_model(kind: str, vocab_size: int = 320, seed: int = 0, random_norms:
                         "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM),
                         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
                         "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
-                        "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}[kind]
+                        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+                        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
+                        "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
+                        "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM)}[kind]
         if kind.startswith("gemma"):  # their configs derive layer types and RoPE sets at init
             llama_like.update(head_dim=8, **overrides)
+            overrides = {}
+        if kind in ("phi3", "olmo2", "olmo3"):  # so do these (Phi-3: the partial rotary factor, longrope)
+            llama_like.update(**overrides)
             overrides = {}
         if kind in ("mixtral", "qwen3_moe"):  # 4 experts, 2 per token; Qwen3-MoE's narrower than the MLP
             llama_like.update(num_local_experts=4, num_experts_per_tok=2, **overrides)

@@ -39,7 +39,15 @@ FAMILY_OVERRIDES = {"qwen3": dict(head_dim=16, random_norms=True), "gemma": dict
                                    final_logit_softcapping=2.0),
                     "gemma3_text": dict(random_norms=True, sliding_window=4, query_pre_attn_scalar=24,
                                         layer_types=["sliding_attention", "full_attention"]),
-                    "qwen3_moe": dict(norm_topk_prob=True)}
+                    "qwen3_moe": dict(norm_topk_prob=True),
+                    # a partial rotary factor, LongRoPE short of its switch (64), a window over every layer, tied
+                    "phi3": dict(random_norms=True, partial_rotary_factor=0.75, sliding_window=4,
+                                 tie_word_embeddings=True, original_max_position_embeddings=64, rope_parameters={
+                                     "rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0],
+                                     "long_factor": [3.0, 4.0, 5.0], "rope_theta": 10000.0}),
+                    "olmo2": dict(random_norms=True),
+                    "olmo3": dict(random_norms=True, sliding_window=4,
+                                  layer_types=["sliding_attention", "full_attention"])}
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +86,7 @@ def hf_greedy(hf, prompt, n, **kw):
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen3", "smollm3", "gemma", "gemma2", "gemma3_text", "mixtral",
-                                  "qwen3_moe"])
+                                  "qwen3_moe", "phi3", "olmo2", "olmo3"])
 def test_greedy_matches_transformers_for_a_ragged_batch(hf_models, kind, prompts):
     hf, config, params = hf_models(kind)
     tokens, lengths = pad_prompts(prompts)
@@ -89,7 +97,7 @@ def test_greedy_matches_transformers_for_a_ragged_batch(hf_models, kind, prompts
     assert int(out.stats["target_calls"]) == N_NEW  # prefill + N - 1 steps
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "gemma2", "gemma3_text", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["qwen3", "gemma2", "gemma3_text", "qwen3_moe", "phi3", "olmo2"])
 def test_speculative_decoding_equals_greedy_on_newer_families(tmp_path, prompts, kind):
     """A Qwen3 / Gemma 2 / Gemma 3 / Qwen3-MoE checkpoint through the public API: speculative decoding with a
     draft model of its family (a 1-layer one of other weights, whose drafts are mostly rejected, and the target itself,
@@ -108,6 +116,32 @@ def test_speculative_decoding_equals_greedy_on_newer_families(tmp_path, prompts,
                                  max_new_tokens=N_NEW, eos_ids=[], adaptive=False)
         assert [g.tokens for g in out] == want
     assert out[0].batch_stats["target_calls"] < N_NEW  # the target's own drafts were accepted
+
+
+def test_longrope_past_its_switch_matches_transformers(tmp_path):
+    """Prompts longer than original_max_position_embeddings (4) + 1: transformers' Phi-3 takes the long factors in
+    every forward, and so does jaxdecode: greedy equals generate, speculative decoding equals greedy. A decode that
+    would cross the switch (transformers recomputes the cache there) is refused by name."""
+    import jaxdecode
+    from jd_testutil import make_checkpoint
+    over = dict(FAMILY_OVERRIDES["phi3"], original_max_position_embeddings=4)
+    path = make_checkpoint("phi3", tmp_path / "phi3", **over)
+    hf = make_hf_model("phi3", **over)
+    model = jaxdecode.load(path)
+    rng = np.random.default_rng(1)
+    long_prompts = [rng.integers(1, 320, n).tolist() for n in (6, 7, 8)]
+    want = [hf_greedy(hf, p, N_NEW) for p in long_prompts]
+    assert [g.tokens for g in jaxdecode.generate(model, long_prompts, method="greedy", max_new_tokens=N_NEW,
+                                                 eos_ids=[])] == want
+    out = jaxdecode.generate(model, long_prompts, method="speculative", draft=model, tree="eagle:depth=3,topk=2",
+                             max_new_tokens=N_NEW, eos_ids=[], adaptive=False)
+    assert [g.tokens for g in out] == want
+    with pytest.raises(PromptError, match=r"row 1's prompt \(2 tokens\) \+ max_new_tokens \(8\) crosses position 4 "
+                                          r"\(original_max_position_embeddings\), where this model's LongRoPE"):
+        jaxdecode.generate(model, [long_prompts[0], [1, 2]], method="greedy", max_new_tokens=N_NEW, eos_ids=[])
+    # a short decode stays on the short factors, as transformers' does
+    assert jaxdecode.generate(model, [[3, 4]], method="greedy", max_new_tokens=3, eos_ids=[])[0].tokens == \
+        hf_greedy(hf, [3, 4], 3)
 
 
 def test_greedy_with_repetition_penalty_matches_transformers(hf_models, prompts):

@@ -207,6 +207,124 @@ def test_biases_a_layout_cannot_say_are_not_saved():
     assert not (loaded.qkv_bias or loaded.o_bias or loaded.mlp_bias)
 
 
+PHI3 = dict(model_type="phi3", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+OLMO3 = dict(model_type="olmo3", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2)
+
+
+def _longrope(n=4, **kw):
+    return dict(rope_type="longrope", short_factor=[1.0] * n, long_factor=[2.0] * n, rope_theta=1e4, **kw)
+
+
+@pytest.mark.parametrize("cfg, message", [
+    (dict(PHI3, rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}),
+     r"unsupported rope_type='llama3' for phi3; supported: default, longrope"),
+    (dict(PHI3, partial_rotary_factor=0.625), r"partial_rotary_factor=0.625 gives 5 rotary dims of head_dim=8 "
+                                              r"\(int\(head_dim \* factor\)\); jaxdecode's RoPE rotates an even"),
+    (dict(PHI3, partial_rotary_factor=1.5), r"unsupported partial_rotary_factor=1.5; it takes a number in \(0, 1\]"),
+    (dict(PHI3, partial_rotary_factor=0.75, rope_parameters=_longrope(4)),
+     r"longrope's short_factor must be a list of 3 positive numbers \(one per rotary frequency: head_dim 8 x "
+     r"partial_rotary_factor 0.75 / 2\), got \(1.0, 1.0, 1.0, 1.0\)"),
+    (dict(PHI3, rope_parameters=dict(_longrope(), long_factor=None)),
+     r"longrope needs long_factor, a list of numbers, in config.json's rope scaling; got None"),
+    (dict(PHI3, rope_parameters=_longrope(mscale=2.0)), r"unsupported longrope keys \['mscale'\]"),
+    (dict(PHI3, rope_parameters=_longrope(attention_factor=-1.0)),
+     r"longrope's attention_factor must be a positive number, got -1.0"),
+    (dict(OLMO3, sliding_window=None, layer_types=["sliding_attention", "full_attention"]),
+     r"has sliding-attention layers but sliding_window is None; set it \(.*OLMo 3: 4096\)"),
+    (dict(OLMO3, rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                  "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
+     r"unsupported rope_type='linear' for OLMo 3's sliding-window layers; supported: default"),
+    (dict(OLMO3, rope_parameters={"full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4},
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+     r"unsupported rope_type='dynamic'; supported: default, llama3, linear, yarn"),
+    (dict(PHI3, model_type="llama", rope_parameters=_longrope()),
+     r"unsupported rope_type='longrope'; supported: default, llama3, linear, yarn"),
+])
+def test_unsupported_phi3_and_olmo_options_are_refused_at_load(cfg, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf_dict(cfg)
+
+
+def test_phi3_and_olmo3_configs_read_as_transformers_reads_them():
+    """Keys left out take the class defaults (Phi-3: a 4096-token pretraining length, no window; OLMo 3: RoPE
+    base 500000, window 4096 on three layers of four); Phi-3's "su" / "yarn" are longrope, its top-level
+    original_max_position_embeddings and partial_rotary_factor are read (the released 4.x form), the former over
+    rope_parameters' own; OLMo 2 has no window whatever its config.json says."""
+    from jaxdecode.models.config import rope_attention_factor
+    c = ModelConfig.from_hf_dict(dict(PHI3, rope_scaling=dict(type="su", short_factor=[1.0] * 3, long_factor=[2.0] * 3),
+                                      partial_rotary_factor=0.75))
+    sc = dict(c.rope_scaling)
+    assert (sc["rope_type"], sc["original_max_position_embeddings"], c.partial_rotary_factor, c.rotary_dim,
+            c.sliding_windows, c.norm_eps, c.tie_word_embeddings) == ("longrope", 4096, 0.75, 6, (0, 0), 1e-5, False)
+    assert rope_attention_factor(c) == 1.0  # max_position_embeddings 256 < 4096: nothing to stretch
+    c = ModelConfig.from_hf_dict(dict(PHI3, original_max_position_embeddings=64, sliding_window=16,
+                                      rope_parameters=_longrope(original_max_position_embeddings=128)))
+    assert dict(c.rope_scaling)["original_max_position_embeddings"] == 64 and c.sliding_windows == (16, 16)
+    assert rope_attention_factor(c) == pytest.approx(np.sqrt(1 + np.log(256 / 64) / np.log(64)))
+    c = ModelConfig.from_hf_dict(dict(OLMO3, num_hidden_layers=4))
+    assert (c.rope_theta, c.local_rope_theta, c.sliding_windows) == (5e5, 5e5, (4096, 4096, 4096, 0))
+    # the 4.x form: Olmo3Config gives rope_theta to the full layers, the sliding ones keep 500000
+    c = ModelConfig.from_hf_dict(dict(OLMO3, rope_theta=1e4, layer_types=["sliding_attention", "full_attention"]))
+    assert (c.rope_theta, c.local_rope_theta) == (1e4, 5e5)
+    c = ModelConfig.from_hf_dict(dict(OLMO3, model_type="olmo2", sliding_window=4,
+                                      layer_types=["sliding_attention"] * 2))
+    assert (c.sliding_windows, c.post_norms, c.qk_norm_full, c.local_rope_theta) == ((0, 0), True, True, None)
+
+
+def test_phi3_and_olmo_networks_a_layout_cannot_say_are_not_saved():
+    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                head_dim=8, max_position_embeddings=64)
+    olmo = dict(post_norms=True, qk_norm=True, qk_norm_full=True)
+    for cfg, match in [
+            (ModelConfig(model_type="llama", **olmo, **base), r"a llama config.json cannot express qk_norm=True, "
+                                                             r"post_norms=True, qk_norm_full=True"),
+            (ModelConfig(model_type="olmo2", **dict(olmo, qk_norm_full=False), **base), r"qk_norm_full=False"),
+            (ModelConfig(model_type="llama", partial_rotary_factor=0.75, **base),
+             r"partial_rotary_factor=0.75 \(Phi-3 alone has longrope and a partial rotary factor\)"),
+            (ModelConfig(model_type="phi3", rope_scaling=(("factor", 2.0), ("rope_type", "linear")), **base),
+             r"rope_type='linear' \(Phi-3's RoPE is default or longrope\)"),
+            (ModelConfig(model_type="phi3", sliding_windows=(4, 0), **base), r"one window for every layer"),
+            (ModelConfig(model_type="phi3", qkv_bias=True, o_bias=True, **base), r"attention biases"),
+            (ModelConfig(model_type="olmo2", sliding_windows=(4, 0), **olmo, **base), r"OLMo 2 has no sliding window"),
+            (ModelConfig(model_type="olmo3", **olmo, **base), r"local_rope_theta=None \(Gemma 3 and OLMo 3 alone")]:
+        with pytest.raises(ConfigError, match=match):
+            cfg.to_hf_dict()
+    with pytest.raises(ConfigError, match=r"qk_norm_full=True \(query / key norms over all heads\) needs qk_norm"):
+        ModelConfig(model_type="olmo2", post_norms=True, qk_norm_full=True, **base)
+    with pytest.raises(ConfigError, match=r"post_norms .* and sandwich_norms .* exclude each other"):
+        ModelConfig(model_type="olmo2", post_norms=True, sandwich_norms=True, **base)
+
+
+def _truncate_rows_of(name):
+    def edit(t):
+        t[name] = t[name][:-1]
+    return edit
+
+
+@pytest.fixture(scope="module")
+def phi3_saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("phi3")
+    make_hf_model("phi3", vocab_size=VOCAB).save_pretrained(str(root))
+    return root
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_truncate_rows_of("model.layers.0.self_attn.qkv_proj.weight"),
+     r"'model.layers.0.self_attn.qkv_proj.weight' has shape \(63, 32\), expected \(64, 32\)"),
+    (lambda t: t.pop("model.layers.1.mlp.gate_up_proj.weight"),
+     r"missing weight tensor 'model.layers.1.mlp.gate_up_proj.weight' \(expected shape \(128, 32\)\)"),
+    (lambda t: t.update({"model.layers.0.self_attn.q_proj.weight": np.zeros((32, 32), np.float32)}),
+     r"not used by a phi3 model with this config.json: model.layers.0.self_attn.q_proj.weight"),
+], ids=["qkv_proj", "gate_up_proj", "unfused_q_proj"])
+def test_phi3_fused_tensors_are_checked_by_name(phi3_saved, tmp_path, edit, message):
+    d = Path(shutil.copytree(phi3_saved, tmp_path / "phi3"))
+    edit_tensors(d, edit)
+    with pytest.raises(CheckpointError, match=message):
+        load_params(d)
+
+
 def test_smollm3_no_rope_layers():
     cfg = dict(model_type="smollm3", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
                num_attention_heads=4, num_key_value_heads=2)

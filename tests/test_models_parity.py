@@ -29,6 +29,12 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 LINEAR_ROPE = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
 # YaRN over a pretraining length below SEQ with a base small enough that the ramp spans the dimensions
 YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 6, "rope_theta": 100.0}
+# Phi-3's LongRoPE (head_dim 8: 4 frequencies; 3 with a partial rotary factor of 0.75). Its pretraining length
+# (top-level original_max_position_embeddings) is 64 (> SEQ: the short factors) or 4 (< every row: the long ones)
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 4.0, 6.0, 8.0],
+            "rope_theta": 10000.0}
+LONGROPE_3 = {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0], "long_factor": [3.0, 4.0, 5.0],
+              "rope_theta": 10000.0}
 
 # name -> (HF family, config overrides on top of jd_testutil's tiny defaults: hidden 32, 2 layers,
 # 4 heads, 2 kv heads)
@@ -71,6 +77,18 @@ VARIANTS = {
     "qwen3_moe_4x2_norm_topk": ("qwen3_moe", dict(norm_topk_prob=True, random_norms=True)),
     "qwen3_moe_4x2_raw_topk": ("qwen3_moe", dict(norm_topk_prob=False)),
     "qwen3_moe_window": ("qwen3_moe", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
+    # Phi-4-mini's options: a partial rotary factor (6 of 8 dims rotate), tied; a window over every layer
+    "phi3_partial_window_tied": ("phi3", dict(random_norms=True, partial_rotary_factor=0.75, sliding_window=4,
+                                              tie_word_embeddings=True)),
+    "phi3_longrope_short": ("phi3", dict(rope_parameters=LONGROPE, original_max_position_embeddings=64)),
+    "phi3_longrope_partial_long": ("phi3", dict(random_norms=True, partial_rotary_factor=0.75,
+                                                rope_parameters=LONGROPE_3, original_max_position_embeddings=4)),
+    "olmo2_post_norms_biases": ("olmo2", dict(random_norms=True, attention_bias=True)),
+    # sliding layer 0 (its own unscaled RoPE base), full layer 1 with YaRN
+    "olmo3_window_yarn": ("olmo3", dict(
+        random_norms=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": dict(YARN_ROPE), "sliding_attention": {"rope_type": "default",
+                                                                                   "rope_theta": 1000.0}})),
     "gpt2_tied": ("gpt2", {}),
     "gpt2_untied": ("gpt2", dict(tie_word_embeddings=False)),
 }
@@ -179,11 +197,31 @@ def test_variants_load_the_intended_shapes(built):
     assert dict(c.rope_scaling) == {"rope_type": "linear", "factor": 2.0}
     assert built("gpt2_untied").config.tie_word_embeddings is False
     assert "lm_head" in built("gpt2_untied").params
+    c = built("phi3_partial_window_tied").config
+    assert (c.partial_rotary_factor, c.rotary_dim, c.sliding_windows, c.tie_word_embeddings, c.rope_scaling,
+            c.qkv_bias) == (0.75, 6, (4, 4), True, None, False)
+    c = built("phi3_longrope_short").config
+    assert (c.rotary_dim, dict(c.rope_scaling)) == (8, dict(
+        rope_type="longrope", short_factor=(1.0, 1.5, 2.0, 3.0), long_factor=(2.0, 4.0, 6.0, 8.0),
+        original_max_position_embeddings=64))
+    c = built("phi3_longrope_partial_long").config
+    assert (c.rotary_dim, dict(c.rope_scaling)["original_max_position_embeddings"]) == (6, 4)
+    c = built("olmo2_post_norms_biases").config
+    assert (c.post_norms, c.qk_norm, c.qk_norm_full, c.sandwich_norms, c.qkv_bias, c.o_bias, c.sliding_windows) == (
+        True, True, True, False, True, True, (0, 0))
+    assert built("olmo2_post_norms_biases").params["layers"]["q_norm"]["scale"].shape == (2, 4, 8)
+    assert "attn_norm" not in built("olmo2_post_norms_biases").params["layers"]
+    c = built("olmo3_window_yarn").config
+    assert (c.post_norms, c.qk_norm_full, c.sliding_windows, c.local_rope_theta, c.rope_theta) == (
+        True, True, (4, 0), 1000.0, 100.0)
+    assert dict(c.rope_scaling)["rope_type"] == "yarn"
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_untied_llama3", "llama_mha_tied_linear_biases", "qwen3_yarn",
                                   "smollm3_nope_yarn", "gemma3_yarn_on_full",
-                                  "mistral_window4", "qwen2_window_on_layer1", "qwen3_biases_tied_window"])
+                                  "mistral_window4", "qwen2_window_on_layer1", "qwen3_biases_tied_window",
+                                  "phi3_partial_window_tied", "phi3_longrope_short", "phi3_longrope_partial_long",
+                                  "olmo3_window_yarn"])
 def test_rope_scaling_and_windows_matter(built, name):
     """Dropping the rope scaling / sliding window changes the logits, so parity above covers them."""
     v = built(name)
@@ -224,6 +262,59 @@ def test_moe_routing_matters(built, change):
     """Renormalising the top weights or routing to fewer experts changes the logits: parity covers them."""
     v = built("qwen3_moe_4x2_raw_topk")
     logits = jax_logits(v.config.replace(**change), v.params, v.tokens, v.valid)
+    assert max_valid_diff(logits, v.logits, v.valid) > 1e-3
+
+
+@pytest.mark.parametrize("name, change", [
+    ("phi3_partial_window_tied", dict(partial_rotary_factor=1.0)),
+    ("phi3_longrope_short", dict(short_factor=(1.0,) * 4)),  # the short factors are the ones used ...
+    ("phi3_longrope_partial_long", dict(long_factor=(1.0, 1.5, 2.0))),  # ... and the long ones past the switch
+    ("phi3_longrope_partial_long", dict(attention_factor=1.0)),
+    ("olmo3_window_yarn", dict(local_rope_theta=100.0)),
+])
+def test_phi3_and_olmo3_rope_options_matter(built, name, change):
+    """Each RoPE option of these layouts changes the logits, so the parity above covers it."""
+    v = built(name)
+    rope = {k: change.pop(k) for k in list(change) if k not in ("partial_rotary_factor", "local_rope_theta")}
+    config = v.config.replace(**change)
+    if rope:
+        config = config.replace(rope_scaling=tuple(sorted({**dict(config.rope_scaling), **rope}.items())))
+    assert config != v.config
+    assert max_valid_diff(jax_logits(config, v.params, v.tokens, v.valid), v.logits, v.valid) > 1e-3
+
+
+def test_longrope_switches_per_row_as_transformers_per_sequence(tmp_path):
+    """LongRoPE's factor set is chosen per forward in transformers (long once the sequence passes
+    original_max_position_embeddings = 8 here); jaxdecode chooses per row, so in one padded batch the rows of
+    12 and 9 tokens take the long factors and the row of 5 the short ones, each as transformers computes that
+    sequence alone."""
+    torch_model = make_hf_model("phi3", vocab_size=VOCAB, rope_parameters=LONGROPE, original_max_position_embeddings=8)
+    torch_model.save_pretrained(str(tmp_path))
+    config, params = load_params(tmp_path)
+    tokens, valid = _batch()
+    got = jax_logits(config, params, tokens, valid)
+    for row, n in enumerate(BATCH_LENGTHS):
+        want = torch_logits(torch_model, tokens[row:row + 1, :n], valid[row:row + 1, :n])[0]
+        assert np.abs(got[row, :n] - want).max() <= ATOL, f"row {row}"
+    # the long factors changed the long rows: the short set alone computes other logits there
+    short = config.replace(rope_scaling=tuple(sorted({**dict(config.rope_scaling),
+                                                      "long_factor": tuple(LONGROPE["short_factor"])}.items())))
+    other = jax_logits(short, params, tokens, valid)
+    assert np.abs(other[0, :12] - got[0, :12]).max() > 1e-3 and np.abs(other[2, :5] - got[2, :5]).max() == 0
+
+
+def test_olmo2_norm_placement_and_scope_matter(built):
+    """OLMo 2's norms on the outputs (not the inputs) and its query / key norms over all heads (not per head):
+    the same weights placed otherwise compute other logits, so the parity above covers both."""
+    v = built("olmo2_post_norms_biases")
+    layers = v.params["layers"]
+    pre = {k: x for k, x in layers.items() if k not in ("attn_out_norm", "mlp_out_norm")}
+    pre.update(attn_norm=layers["attn_out_norm"], mlp_norm=layers["mlp_out_norm"])
+    logits = jax_logits(v.config.replace(post_norms=False), {**v.params, "layers": pre}, v.tokens, v.valid)
+    assert max_valid_diff(logits, v.logits, v.valid) > 1e-3
+    per_head = dict(layers, q_norm={"scale": layers["q_norm"]["scale"][:, 0]},
+                    k_norm={"scale": layers["k_norm"]["scale"][:, 0]})
+    logits = jax_logits(v.config.replace(qk_norm_full=False), {**v.params, "layers": per_head}, v.tokens, v.valid)
     assert max_valid_diff(logits, v.logits, v.valid) > 1e-3
 
 
@@ -278,7 +369,7 @@ def test_gemma3_vision_language_checkpoint_loads_its_language_model(tmp_path):
 
 def _to_4x_form(cfg: dict) -> dict:
     """Rewrite a transformers 5.x config.json into the 4.x form (rope_theta/rope_scaling/torch_dtype;
-    Gemma: hidden_activation; Gemma 3: rope_local_base_freq, sliding_window_pattern)."""
+    Gemma: hidden_activation; Gemma 3: rope_local_base_freq, sliding_window_pattern; Phi-3: as released)."""
     cfg = dict(cfg)
     rope = dict(cfg.pop("rope_parameters"))
     if cfg["model_type"] == "gemma3_text":
@@ -293,7 +384,11 @@ def _to_4x_form(cfg: dict) -> dict:
     if cfg["model_type"] == "gemma2":  # 4.x: even layers slide
         assert cfg.pop("layer_types") == ["sliding_attention", "full_attention"]
     cfg["rope_theta"] = rope.pop("rope_theta")
-    cfg["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
+    if cfg["model_type"] == "phi3":  # the released form: "type", both lengths and the partial factor at the top
+        assert rope.pop("partial_rotary_factor") == cfg["partial_rotary_factor"]
+        rope.pop("original_max_position_embeddings", None)
+        rope["type"] = rope.pop("rope_type")
+    cfg["rope_scaling"] = None if rope.get("rope_type", rope.get("type", "default")) == "default" else rope
     cfg["torch_dtype"] = cfg.pop("dtype")
     if cfg["model_type"] in ("qwen2", "qwen3", "smollm3"):
         cfg.pop("layer_types", None)  # 4.x derives the windowed layers from max_window_layers
@@ -303,7 +398,8 @@ def _to_4x_form(cfg: dict) -> dict:
 @pytest.mark.parametrize("name", ["llama_gqa_untied_llama3", "llama_mha_tied_linear_biases",
                                   "qwen2_window_on_layer1", "qwen3_biases_tied_window", "gemma_mha",
                                   "gemma2_softcaps_window", "gemma3_window_local_rope", "smollm3_window_on_nope",
-                                  "mistral_window4"])
+                                  "mistral_window4", "phi3_partial_window_tied", "phi3_longrope_partial_long",
+                                  "olmo2_post_norms_biases"])
 def test_config_json_4x_form_loads_like_5x(built, tmp_path, name):
     v = built(name)
     cfg5 = json.loads((v.dir / "config.json").read_text())
@@ -347,7 +443,8 @@ def test_save_params_round_trips_through_transformers(built, tmp_path, name, sha
     assert max_valid_diff(torch_logits(model, v.tokens, v.valid), v.logits, v.valid) <= ATOL
 
 
-@pytest.mark.parametrize("name", ["gemma2_softcaps_window", "qwen3_moe_4x2_norm_topk"])
+@pytest.mark.parametrize("name", ["gemma2_softcaps_window", "qwen3_moe_4x2_norm_topk", "phi3_longrope_partial_long",
+                                  "olmo3_window_yarn"])
 def test_weight_only_bfloat16_equals_transformers_on_the_rounded_weights(built, name):
     """load(param_dtype="bfloat16") rounds the weights only: its logits equal transformers' float32 model
     whose weights are rounded the same way (Gemma's embedding scale stays float32; the experts' inputs

@@ -59,6 +59,33 @@ def test_sharded_mixture_of_experts_equals_single_device(setup):
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
 
 
+@pytest.mark.parametrize("layout", ["olmo2", "phi3_longrope"])
+def test_sharded_olmo2_and_longrope_forward_equals_single_device(setup, layout):
+    """OLMo 2's query / key norms over all heads shard with the heads (the norm then reduces across devices);
+    Phi-3's LongRoPE picks its factors per row, rows on different devices (row 0 past the switch, row 1 not)."""
+    from jaxdecode.models import padded_causal_mask
+    _, mesh = setup
+    if layout == "olmo2":
+        cfg = CONFIG.replace(model_type="olmo2", num_kv_heads=4, post_norms=True, qk_norm=True, qk_norm_full=True)
+    else:
+        cfg = CONFIG.replace(model_type="phi3", partial_rotary_factor=0.75, rope_scaling=(
+            ("long_factor", (3.0, 4.0, 5.0)), ("original_max_position_embeddings", 4), ("rope_type", "longrope"),
+            ("short_factor", (1.0, 1.5, 2.0))))
+    params = init_params(cfg, jax.random.PRNGKey(2), std=0.3)
+    params["layers"] = {k: (v if "norm" not in k else {"scale": v["scale"] + 0.3 * jnp.arange(v["scale"].size)
+                                                       .reshape(v["scale"].shape) / v["scale"].size})
+                        for k, v in params["layers"].items()}
+    sp = shard_params(params, mesh)
+    if layout == "olmo2":
+        assert sp["layers"]["q_norm"]["scale"].sharding.spec == jax.sharding.PartitionSpec(None, "model", None)
+    toks = jnp.asarray(np.random.RandomState(0).randint(0, 64, (2, 6)))
+    pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
+    mask = padded_causal_mask(jnp.arange(6)[None, :] < jnp.asarray([6, 3])[:, None])
+    ref, _, _ = forward(cfg, params, toks, pos, None, mask)
+    got, _, _ = forward(cfg, sp, shard_batch(toks, mesh), shard_batch(pos, mesh), None, shard_batch(mask, mesh))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5)
+
+
 @pytest.mark.parametrize("method,sampler", [("greedy", SamplerConfig(temperature=0.0)),
                                             ("sample", SamplerConfig(temperature=0.8, top_k=20))])
 def test_sharded_decode_equals_single_device(setup, method, sampler):
