@@ -83,6 +83,10 @@ def _param_dtype(name):
     return jnp.dtype(name)
 
 
+# per-head norm scales and attention biases: vectors in transformers, so never narrowed
+_WIDE_PARAMS = ("scale", "bq", "bk", "bv")
+
+
 def narrow_weights(params, param_dtype: str):
     """Store the weight matrices (every float parameter of 2 or more dims) in `param_dtype`; the 1-D ones
     (norm scales, biases) keep theirs, and with them the dtype the forward computes in
@@ -90,8 +94,10 @@ def narrow_weights(params, param_dtype: str):
     dt = _param_dtype(param_dtype)
 
     def narrow(path, a, stacked: bool):  # stacked: the layer weights carry a leading layer axis
-        # a norm scale stays wide whatever its shape (OLMo 2's query norm is [heads, head_dim] per layer)
-        is_matrix = a.ndim - int(stacked) >= 2 and not (path and getattr(path[-1], "key", None) == "scale")
+        # norm scales and biases stay wide whatever their shape (OLMo 2's query norm and Qwen2's query bias
+        # are [heads, head_dim] per layer; transformers keeps them vectors)
+        name = getattr(path[-1], "key", None) if path else None
+        is_matrix = a.ndim - int(stacked) >= 2 and name not in _WIDE_PARAMS
         return a.astype(dt) if is_matrix and jnp.issubdtype(a.dtype, jnp.floating) else a
 
     layers = params.get("layers")

@@ -28,10 +28,12 @@ def make_tokenizer(out_dir, vocab_size: int = 320):
     return fast
 
 
-def make_hf_model(kind: str, vocab_size: int = 320, seed: int = 0, random_norms: bool = False, **overrides):
+def make_hf_model(kind: str, vocab_size: int = 320, seed: int = 0, random_norms: bool = False,
+                  random_biases: bool = False, **overrides):
     """A random transformers model of the given family, in eval mode (no dropout). random_norms: the norms'
     scales drawn around 1 instead of all ones (a norm applied in the wrong place then shows); Gemma's norms
-    scale by 1 + weight, so their weights are drawn around 0."""
+    scale by 1 + weight, so their weights are drawn around 0. random_biases: the linear layers' biases
+    drawn instead of transformers' zeros."""
     import torch
     import transformers as tf
 
@@ -73,11 +75,12 @@ def make_hf_model(kind: str, vocab_size: int = 320, seed: int = 0, random_norms:
     # Larger init than the default spreads the logits, so greedy choices are not near-ties.
     cfg.initializer_range = overrides.get("initializer_range", 0.2)
     model = cls(cfg).eval()
-    if random_norms:
-        with torch.no_grad():
-            for name, w in model.named_parameters():
-                if "norm" in name:
-                    w.copy_((0 if kind.startswith("gemma") else 1) + 0.5 * torch.randn_like(w))
+    with torch.no_grad():
+        for name, w in model.named_parameters():
+            if random_norms and "norm" in name:
+                w.copy_((0 if kind.startswith("gemma") else 1) + 0.5 * torch.randn_like(w))
+            elif random_biases and name.endswith(".bias") and "norm" not in name:
+                w.copy_(0.5 * torch.randn_like(w))
     return model
 
 

@@ -66,7 +66,8 @@ def test_param_dtype_narrows_the_matrices_only(family, bf16_dir, tiny_gpt2_dir):
         for k in path_:
             n = n[k.key]
         per_layer_ndim = w.ndim - (path_[0].key == "layers")  # stacked layers: a leading layer axis
-        assert n.dtype == (jnp.bfloat16 if per_layer_ndim >= 2 else jnp.float32), (path_, w.shape, n.dtype)
+        vector = path_[-1].key in ("bq", "bk", "bv")  # GPT-2's q/k/v biases: [heads, head_dim], vectors in HF
+        assert n.dtype == (jnp.bfloat16 if per_layer_ndim >= 2 and not vector else jnp.float32), (path_, n.dtype)
     assert narrow.params["layers"][next(k for k in narrow.params["layers"] if "norm" in k)]["scale"].dtype \
         == jnp.float32  # a stacked norm scale is 2-D but per layer a vector: it keeps the compute dtype
     assert narrow.config.dtype == "float32" and compute_dtype(narrow.params) == jnp.float32

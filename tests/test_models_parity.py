@@ -44,6 +44,7 @@ VARIANTS = {
                                                    rope_parameters=LINEAR_ROPE, attention_bias=True,
                                                    mlp_bias=True)),
     "qwen2_biases_head_dim16": ("qwen2", dict(head_dim=16)),  # head_dim != hidden / heads (8)
+    "qwen2_random_biases": ("qwen2", dict(random_biases=True)),
     "qwen2_window_on_layer1": ("qwen2", dict(use_sliding_window=True, sliding_window=4,
                                              max_window_layers=1,
                                              layer_types=["full_attention", "sliding_attention"])),
@@ -444,7 +445,7 @@ def test_save_params_round_trips_through_transformers(built, tmp_path, name, sha
 
 
 @pytest.mark.parametrize("name", ["gemma2_softcaps_window", "qwen3_moe_4x2_norm_topk", "phi3_longrope_partial_long",
-                                  "olmo3_window_yarn"])
+                                  "olmo3_window_yarn", "qwen2_random_biases"])
 def test_weight_only_bfloat16_equals_transformers_on_the_rounded_weights(built, name):
     """load(param_dtype="bfloat16") rounds the weights only: its logits equal transformers' float32 model
     whose weights are rounded the same way (Gemma's embedding scale stays float32; the experts' inputs
