@@ -507,8 +507,9 @@ def block_plan(variant: str, s: int, m: int, w: int, hd: int, block_k: int | Non
 
     TPU: the (8, 128) rule (blocks' last two dims multiples of (8, 128) or full array dims); the window
     is one block (it sits in VMEM whole).
-    GPU: every loaded tensor a power of two, dot operands >= 16; window blocks of at most
-    GPU_WINDOW_BYTES of keys and values, so a large tree fits in shared memory.
+    GPU: every loaded tensor a power of two, dot operands >= 16; window blocks, and by default prefix
+    blocks, of at most GPU_WINDOW_BYTES of keys and values, so a large tree and a wide head (hd 256)
+    fit in shared memory.
     """
     if variant not in _VARIANTS:
         raise ValueError(f"variant must be one of {_VARIANTS}, got {variant!r}")
@@ -532,8 +533,10 @@ def block_plan(variant: str, s: int, m: int, w: int, hd: int, block_k: int | Non
                              f"applies to the GPU lowering only, got {block_w}")
         return dict(block_k=block_k, block_m=block_m, block_w=w_pad, s_pad=round_up(s, block_k),
                     m_pad=round_up(m, block_m), w_pad=w_pad, d_pad=hd)
-    if block_k is None:
-        block_k = next((c for c in (64, 32, 16) if s % c == 0), 16)
+    d_pad = next_pow2(max(hd, 16))
+    kv_rows = max(16, GPU_WINDOW_BYTES // (2 * d_pad * 4))  # keys per block within the window's byte budget
+    if block_k is None:  # the prefix blocks under the same budget: 64 keys up to hd 128, 32 at Gemma's 256
+        block_k = next((c for c in (64, 32, 16) if s % c == 0 and c <= kv_rows), 16)
     elif block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"GPU block_k must be a power of two >= 16, got {block_k}")
     m_pow2 = next_pow2(max(m, 16))
@@ -543,9 +546,8 @@ def block_plan(variant: str, s: int, m: int, w: int, hd: int, block_k: int | Non
         block_m = min(m_pow2, GPU_BLOCK_M)
     elif block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"GPU block_m must be a power of two >= 16, got {block_m}")
-    d_pad = next_pow2(max(hd, 16))
     if block_w is None:  # powers of two: d_pad is one
-        block_w = min(next_pow2(max(w, 16)), max(16, GPU_WINDOW_BYTES // (2 * d_pad * 4)))
+        block_w = min(next_pow2(max(w, 16)), kv_rows)
     elif block_w < 16 or block_w & (block_w - 1):
         raise ValueError(f"GPU block_w must be a power of two >= 16, got {block_w}")
     w_pad = round_up(max(w, 1), block_w)  # whole blocks: 257 keys are 3 blocks of 128, not 512 keys

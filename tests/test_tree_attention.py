@@ -311,6 +311,7 @@ def test_block_plan_obeys_backend_rules(variant, s, m, n, hd):
             assert p[key] >= 16 and p[key] & (p[key] - 1) == 0, (key, p)
         assert p["block_m"] <= 32  # 64 spilled on an H200 (GPU_BLOCK_M)
         assert p["w_pad"] % p["block_w"] == 0 and 2 * p["block_w"] * p["d_pad"] * 4 <= 64 * 1024  # shared memory
+        assert 2 * p["block_k"] * p["d_pad"] * 4 <= 64 * 1024 and (p["block_k"] == 64 or hd > 128 or s % 64)
 
 
 @pytest.mark.parametrize("variant,platform,target", [("gpu", "cuda", "__gpu$xla.gpu.triton"),
@@ -321,17 +322,21 @@ def test_block_plan_obeys_backend_rules(variant, s, m, n, hd):
                                    # the embedded target's 256-node verification (257 window keys: 3 blocks
                                    # of 128 on the GPU; the whole window, padded to 512 keys, asked an H200
                                    # for 264 KiB of shared memory)
-                                   (1, 257, 6, 2, 512, 64, jnp.float32, 4)])
+                                   (1, 257, 6, 2, 512, 64, jnp.float32, 4),
+                                   # Gemma 2 / 3: head_dim 256, scores scaled by query_pre_attn_scalar and
+                                   # soft-capped (the options below, for hd 256)
+                                   (1, 7, 8, 4, 2048, 256, jnp.bfloat16, 3)])
 def test_kernel_lowers_for_gpu_and_tpu(variant, platform, target, shape):
     """Runs Pallas' Triton / Mosaic lowering (its block-shape and power-of-two checks) on this CPU
     machine; compiling and running the result needs the hardware. L > 0: a stacked cache read at a
     traced layer (as inside the model's layer scan)."""
     b, n, h, kv, s, hd, dt, n_layers = shape
     cache = (b, kv, s, hd) if not n_layers else (n_layers, b, kv, s, hd)
+    gemma = dict(sm_scale=256 ** -0.5, softcap=50.0) if hd == 256 else {}
 
     def f(q, k, v, lens, tm, qp, w, layer):
         return tree_attention_pallas(q, k, v, lens, tm, q_positions=qp, window=w, variant=variant,
-                                     layer=layer if n_layers else None)
+                                     layer=layer if n_layers else None, **gemma)
 
     args = [jax.ShapeDtypeStruct(x, d) for x, d in (((b, n, h, hd), dt), (cache, dt), (cache, dt),
                                                     ((b,), jnp.int32), ((b, n, n), jnp.bool_), ((b, n), jnp.int32),
