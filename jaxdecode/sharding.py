@@ -64,6 +64,11 @@ PARAM_AXES: dict[str, tuple] = {
     "we_gate": ("layers", "experts", "embed", "mlp"),
     "we_up": ("layers", "experts", "embed", "mlp"),
     "we_down": ("layers", "experts", "mlp", "embed"),
+    # Qwen2-MoE's shared expert: its width over `model` as a dense MLP's; its one-logit gate [L, D, 1] whole
+    "ws_gate": ("layers", "embed", "mlp"),
+    "ws_up": ("layers", "embed", "mlp"),
+    "ws_down": ("layers", "mlp", "embed"),
+    "w_shared_gate": ("layers", "embed", None),
 }
 
 CACHE_AXES = {"k": ("layers", "batch", "kv_heads", "seq", "head_dim"),

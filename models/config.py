@@ -13,12 +13,13 @@ from typing import Any
 import numpy as np
 
 # model_type values handled by the llama-family forward (pre-norm, RMSNorm, RoPE, gated MLP); Qwen3, the
-# Gemma and the OLMo layouts add the options of _LAYOUT_FLAGS, Phi-3 a partial rotary factor and LongRoPE.
+# Gemma and the OLMo layouts add the options of _LAYOUT_FLAGS, Phi-3 a partial rotary factor and LongRoPE,
+# Granite its multipliers.
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "smollm3", "mixtral",
-                "qwen3_moe", "phi3", "olmo2", "olmo3")
+                "qwen3_moe", "phi3", "olmo2", "olmo3", "granite", "qwen2_moe", "olmoe")
 # Mixture-of-experts layouts: every layer's MLP is top-k routed experts (Mixtral: top-k weights always
-# renormalised; Qwen3-MoE: when norm_topk_prob)
-MOE_TYPES = ("mixtral", "qwen3_moe")
+# renormalised; Qwen3-MoE, Qwen2-MoE, OLMoE: when norm_topk_prob; Qwen2-MoE: plus a gated shared expert)
+MOE_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 # Gemma 2 and 3: sandwich norms, query_pre_attn_scalar, sliding-window layers by layer_types, softcaps
 _GEMMA_23 = ("gemma2", "gemma3_text")
@@ -32,8 +33,8 @@ _LOCAL_ROPE_TYPES = ("gemma3_text", "olmo3")
 # Fast_dLLM_v2_*: a Qwen2 checkpoint plus `bd_size`, block diffusion with the same shift).
 LLADA_TYPE, DREAM_TYPE, FAST_DLLM_TYPE = "llada", "Dream", "Fast_dLLM_Qwen"
 DIFFUSION_MODEL_TYPES = (LLADA_TYPE, DREAM_TYPE, FAST_DLLM_TYPE)
-SUPPORTED_MODEL_TYPES = (("llama", "qwen2", "qwen3", "mistral", "smollm3", "phi3", "gpt2") + GEMMA_TYPES + OLMO_TYPES
-                         + MOE_TYPES + DIFFUSION_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = (("llama", "qwen2", "qwen3", "mistral", "smollm3", "phi3", "granite", "gpt2") + GEMMA_TYPES
+                         + OLMO_TYPES + MOE_TYPES + DIFFUSION_MODEL_TYPES)
 ATTENTIONS = ("causal", "bidirectional", "block")
 # What each diffusion layout implies when its config.json does not say otherwise:
 # (attention, logits_shift). Fast-dLLM v2's block size is its config's `bd_size`.
@@ -45,17 +46,24 @@ _LAYOUT_FLAGS = {"qwen3": dict(qk_norm=True), "qwen3_moe": dict(qk_norm=True),
                  "gemma2": dict(norm_plus_one=True, scale_embed=True, sandwich_norms=True),
                  "gemma3_text": dict(qk_norm=True, norm_plus_one=True, scale_embed=True, sandwich_norms=True),
                  "olmo2": dict(post_norms=True, qk_norm=True, qk_norm_full=True),
-                 "olmo3": dict(post_norms=True, qk_norm=True, qk_norm_full=True)}
+                 "olmo3": dict(post_norms=True, qk_norm=True, qk_norm_full=True),
+                 # OLMoE: OLMo 2's query / key norms over all heads, but Llama's input norms
+                 "olmoe": dict(qk_norm=True, qk_norm_full=True)}
 # head_dim when config.json lacks it: transformers' class default for these layouts, not hidden / heads
 _HEAD_DIM_DEFAULTS = {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256}
 ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 # Phi-3's RoPE (transformers' Phi3Config accepts these alone; its "su" and "yarn" mean longrope)
 PHI3_ROPE_TYPES = ("default", "longrope")
 _NO_ATTENTION_BIAS = ("mistral", "mixtral", "phi3")
-_MLP_BIAS_TYPES = ("llama", "smollm3")
+_MLP_BIAS_TYPES = ("llama", "smollm3", "granite")
 _FLAGS = ("qk_norm", "norm_plus_one", "scale_embed", "sandwich_norms", "post_norms", "qk_norm_full")
 # One sliding window (or none) for every layer: transformers reads no layer_types for these
 _ONE_WINDOW_TYPES = ("mixtral", "qwen3_moe", "phi3")
+# No sliding window: transformers' attention masks these causally whatever config.json says (OLMoE: only its
+# flash-attention path would read a sliding_window, so one is refused at load)
+_NO_WINDOW_TYPES = ("olmo2", "granite", "olmoe")
+# Granite's multipliers (config.json keys and ModelConfig fields alike) and their neutral values
+_GRANITE_MULTIPLIERS = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_scaling": 1.0}
 # Our activation names <-> transformers' (gated MLPs)
 _HF_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}
 
@@ -108,6 +116,19 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     moe_norm_topk: bool = True
+    # Qwen2-MoE: a shared expert (a gated MLP this wide) beside the routed ones in every layer, its output times
+    # sigmoid(h . w_shared_gate); 0: none
+    shared_expert_intermediate_size: int = 0
+    # OLMoE: queries, keys and values clamped to [-clip_qkv, clip_qkv] after the query / key norms; None: off
+    clip_qkv: float | None = None
+    # Granite: embeddings times embedding_multiplier, each block's attention and MLP outputs times
+    # residual_multiplier before their residual add (both in float32, then cast back, as transformers multiplies
+    # by a Python float), logits divided by logits_scaling; attention scores scaled by attention_multiplier
+    # instead of head_dim ** -0.5 (None: that default)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    attention_multiplier: float | None = None
     # Per-layer sliding window (0 = full attention); a token at position p sees keys at p' with p - p' < w.
     sliding_windows: tuple = ()
     tie_word_embeddings: bool = False
@@ -147,6 +168,21 @@ class ModelConfig:
                 f"({self.num_kv_heads})")
         if self.qk_norm_full and not self.qk_norm:
             raise ConfigError("qk_norm_full=True (query / key norms over all heads) needs qk_norm=True")
+        if self.attention_multiplier is not None and self.query_pre_attn_scalar is not None:
+            raise ConfigError("attention_multiplier (Granite) and query_pre_attn_scalar (Gemma 2 / 3) both set the "
+                              "attention scores' scale; give one")
+        if self.shared_expert_intermediate_size and not self.num_experts:
+            raise ConfigError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size}: a shared "
+                              f"expert sits beside routed ones, and this config has num_experts=0")
+        for name, value in (*((k, getattr(self, k)) for k in _GRANITE_MULTIPLIERS),
+                            ("attention_multiplier", self.attention_multiplier), ("clip_qkv", self.clip_qkv)):
+            if value is not None and not _finite_number(value):
+                raise ConfigError(f"{name} must be a finite number, got {value!r}")
+        if self.logits_scaling == 0:
+            raise ConfigError("logits_scaling=0: the logits are divided by it")
+        if self.clip_qkv is not None and self.clip_qkv <= 0:
+            raise ConfigError(f"clip_qkv must be positive (queries, keys and values are clamped to [-clip_qkv, "
+                              f"clip_qkv]), got {self.clip_qkv!r}")
         if self.post_norms and self.sandwich_norms:
             raise ConfigError("post_norms (output norms only, OLMo 2) and sandwich_norms (input and output norms, "
                               "Gemma 2 / 3) exclude each other")
@@ -239,6 +275,8 @@ class ModelConfig:
     @property
     def attn_scale(self) -> float | None:
         """The attention scores' scale when it is not 1/sqrt(head_dim) (None: that default)."""
+        if self.attention_multiplier is not None:
+            return float(self.attention_multiplier)
         return None if self.query_pre_attn_scalar is None else float(self.query_pre_attn_scalar) ** -0.5
 
     @property
@@ -255,6 +293,7 @@ class ModelConfig:
         mlp = 2 * d * f if self.is_gpt2 else 3 * d * f
         if self.num_experts:
             mlp = self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
+            mlp += (3 * self.shared_expert_intermediate_size + 1) * d if self.shared_expert_intermediate_size else 0
         emb = v * d * (1 if self.tie_word_embeddings else 2)
         if self.is_gpt2:
             emb += self.max_position_embeddings * d
@@ -322,9 +361,11 @@ class ModelConfig:
         windows = _sliding_windows(cfg, model_type, n_layers)
         gemma23 = model_type in _GEMMA_23
         qkv_bias_default = model_type == "qwen2"  # Qwen2's attention_bias means q/k/v biases, on by default
-        # transformers' Mistral and Mixtral attention has no biases, and only Llama and SmolLM3 MLPs take one:
-        # the keys mean nothing there
+        # transformers' Mistral and Mixtral attention has no biases, and only Llama, SmolLM3 and Granite MLPs take
+        # one: the keys mean nothing there
         attn_bias = bool(cfg.get("attention_bias", qkv_bias_default)) and model_type not in _NO_ATTENTION_BIAS
+        if model_type == "qwen2_moe":  # its q/k/v biases by qkv_bias (on by default); attention_bias is not read
+            attn_bias = bool(cfg.get("qkv_bias", True))
         mlp_bias = bool(cfg.get("mlp_bias", False)) and model_type in _MLP_BIAS_TYPES
         return cls(
             model_type=model_type, vocab_size=cfg["vocab_size"], hidden_size=d,
@@ -334,7 +375,7 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(rope_theta),
             rope_scaling=scaling_t, local_rope_theta=local_theta, partial_rotary_factor=partial,
-            qkv_bias=attn_bias, o_bias=attn_bias and model_type != "qwen2", mlp_bias=mlp_bias,
+            qkv_bias=attn_bias, o_bias=attn_bias and model_type not in ("qwen2", "qwen2_moe"), mlp_bias=mlp_bias,
             sliding_windows=windows,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in GEMMA_TYPES)),
             activation=_activation(cfg, model_type),
@@ -342,6 +383,7 @@ class ModelConfig:
             attn_logit_softcapping=cfg.get("attn_logit_softcapping") if gemma23 else None,
             final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma23 else None,
             rope_layers=_rope_layers(cfg, model_type, n_layers), **_moe_fields(cfg, model_type, n_layers),
+            **_granite_fields(cfg, model_type), **_olmoe_fields(cfg, model_type, d, n_heads),
             dtype=dtype, bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
             pad_token_id=cfg.get("pad_token_id"), extra=_extra(cfg, _KNOWN_KEYS | _FAMILY_KEYS.get(model_type, set())),
             **_LAYOUT_FLAGS.get(model_type, {}))
@@ -382,7 +424,8 @@ class ModelConfig:
                 "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
                 "gemma3_text": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM",
-                "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM",
+                "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM", "granite": "GraniteForCausalLM",
+                "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
                 DREAM_TYPE: "DreamModel", FAST_DLLM_TYPE: "Fast_dLLM_QwenForCausalLM"}[self.model_type]
         rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope_scaling is not None:
@@ -418,11 +461,20 @@ class ModelConfig:
             out["no_rope_layers"] = list(self.rope_layers or (1,) * self.num_layers)
         if self.model_type == "mixtral":
             out.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok)
-        if self.model_type == "qwen3_moe":
+        if self.model_type in ("qwen3_moe", "qwen2_moe"):
             out.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
                        moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.moe_norm_topk,
                        decoder_sparse_step=1, mlp_only_layers=[])
-        if self.model_type not in _QWEN2_TYPES:
+        if self.model_type == "qwen2_moe":  # its q/k/v biases' key (attention_bias means nothing there)
+            out.update(shared_expert_intermediate_size=self.shared_expert_intermediate_size, qkv_bias=self.qkv_bias)
+        if self.model_type == "olmoe":
+            out.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                       norm_topk_prob=self.moe_norm_topk, clip_qkv=self.clip_qkv)
+        if self.model_type == "granite":
+            out.update({k: getattr(self, k) for k in (*_GRANITE_MULTIPLIERS, "attention_multiplier")})
+        if self.model_type == "qwen2_moe":
+            pass  # its qkv_bias is written above; an o_proj bias is refused by _check_layout_expresses
+        elif self.model_type not in _QWEN2_TYPES:
             out["attention_bias"] = self.qkv_bias
         elif self.o_bias:
             raise ConfigError(f"a {self.model_type} config.json cannot express an o_proj bias (Qwen2's "
@@ -467,13 +519,27 @@ class ModelConfig:
         if self.model_type != "phi3" and (rope_type == "longrope" or self.partial_rotary_factor != 1):
             wrong.append(f"rope_type={rope_type!r}, partial_rotary_factor={self.partial_rotary_factor} (Phi-3 "
                          f"alone has longrope and a partial rotary factor)")
-        if self.model_type == "olmo2" and set(self.sliding_windows) != {0}:
-            wrong.append(f"sliding_windows={self.sliding_windows} (OLMo 2 has no sliding window)")
+        if self.model_type in _NO_WINDOW_TYPES and set(self.sliding_windows) != {0}:
+            name = {"olmo2": "OLMo 2", "granite": "Granite", "olmoe": "OLMoE"}[self.model_type]
+            wrong.append(f"sliding_windows={self.sliding_windows} ({name} has no sliding window)")
+        granite = self.model_type == "granite"
+        for name, neutral in _GRANITE_MULTIPLIERS.items():
+            if getattr(self, name) != neutral and not granite:
+                wrong.append(f"{name}={getattr(self, name)} (Granite alone has it)")
+        if (self.attention_multiplier is None) == granite:
+            wrong.append(f"attention_multiplier={self.attention_multiplier} (Granite alone has it, always)")
+        if (self.shared_expert_intermediate_size > 0) != (self.model_type == "qwen2_moe"):
+            wrong.append(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} (Qwen2-MoE alone "
+                         f"has a shared expert, always)")
+        if self.clip_qkv is not None and self.model_type != "olmoe":
+            wrong.append(f"clip_qkv={self.clip_qkv} (OLMoE alone has it)")
         if self.activation not in _HF_ACTIVATIONS:
             wrong.append(f"activation={self.activation!r}")
         if self.model_type in _NO_ATTENTION_BIAS and (self.qkv_bias or self.o_bias):
             wrong.append("attention biases (transformers' Mistral and Mixtral attention has none)")
-        elif self.model_type not in _QWEN2_TYPES and self.qkv_bias != self.o_bias:
+        elif self.model_type == "qwen2_moe" and self.o_bias:
+            wrong.append("o_bias=True (Qwen2-MoE's o_proj has no bias; qkv_bias sets the q/k/v ones)")
+        elif self.model_type not in _QWEN2_TYPES + ("qwen2_moe",) and self.qkv_bias != self.o_bias:
             wrong.append(f"qkv_bias={self.qkv_bias} with o_bias={self.o_bias} (attention_bias sets both)")
         if self.mlp_bias and self.model_type not in _MLP_BIAS_TYPES:
             wrong.append(f"mlp_bias=True (only {', '.join(_MLP_BIAS_TYPES)} MLPs take one)")
@@ -485,6 +551,11 @@ class ModelConfig:
                                                    and self.moe_intermediate_size == self.intermediate_size):
             wrong.append("moe_norm_topk=False or experts narrower than intermediate_size (Mixtral renormalises, "
                          "its experts are intermediate_size wide)")
+        elif self.model_type == "olmoe" and self.moe_intermediate_size != self.intermediate_size:
+            wrong.append(f"moe_intermediate_size={self.moe_intermediate_size} (OLMoE's experts are intermediate_size "
+                         f"wide, {self.intermediate_size})")
+        if self.model_type == "olmoe" and self.head_dim * self.num_heads != self.hidden_size:
+            wrong.append(f"head_dim={self.head_dim} (OLMoE's is hidden_size // num_attention_heads)")
         if 0 in self.rope_layers and self.model_type != "smollm3":
             wrong.append(f"rope_layers={self.rope_layers} (SmolLM3 alone has layers without RoPE)")
         if wrong:
@@ -495,6 +566,10 @@ class ModelConfig:
 
 
 _QWEN2_TYPES = ("qwen2", DREAM_TYPE, FAST_DLLM_TYPE)
+
+
+def _finite_number(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _normalize_dtype(name: str) -> str:
@@ -511,7 +586,7 @@ def _normalize_dtype(name: str) -> str:
 # 2's soft-caps 50 / 30, Mixtral's rope_theta 1e6 and rms_norm_eps 1e-5, SmolLM3's rope_theta 2e6 and tied
 # embeddings, ...): those values are read from the class, as transformers reads the file.
 _FAMILY_DEFAULT_TYPES = ("qwen3", "qwen3_moe", "mixtral", "gemma", "gemma2", "gemma3_text", "smollm3", "phi3",
-                         "olmo2", "olmo3")
+                         "olmo2", "olmo3", "granite", "qwen2_moe", "olmoe")
 
 
 def _with_family_defaults(cfg: dict) -> dict:
@@ -643,7 +718,8 @@ def _phi3_rope(cfg: dict, scaling: dict) -> tuple:
 
 
 def _moe_fields(cfg: dict, model_type: str, n_layers: int) -> dict:
-    """The mixture-of-experts fields of a Mixtral / Qwen3-MoE config.json ({} for a dense layout)."""
+    """The mixture-of-experts fields of a Mixtral / Qwen3-MoE / Qwen2-MoE / OLMoE config.json ({} for a dense
+    layout). The fallbacks are the config classes' defaults (`_with_family_defaults` fills them in first)."""
     if model_type not in MOE_TYPES:
         return {}
     experts = cfg.get("num_local_experts") if model_type == "mixtral" else (
@@ -651,15 +727,59 @@ def _moe_fields(cfg: dict, model_type: str, n_layers: int) -> dict:
     if model_type == "mixtral":
         return dict(num_experts=experts or 8, num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
                     moe_intermediate_size=cfg["intermediate_size"], moe_norm_topk=True)
+    if model_type == "olmoe":  # its experts are intermediate_size wide, as Mixtral's
+        if cfg.get("num_experts") == 0:
+            raise ConfigError("this olmoe config.json has num_experts=0; jaxdecode loads OLMoE with experts in every "
+                              "layer, as transformers builds it")
+        return dict(num_experts=experts or 64, num_experts_per_tok=cfg.get("num_experts_per_tok", 8),
+                    moe_intermediate_size=cfg["intermediate_size"],
+                    moe_norm_topk=bool(cfg.get("norm_topk_prob", False)))
     step, dense = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers") or []
-    sparse = [i for i in range(n_layers) if i not in dense and (i + 1) % step == 0]
-    if len(sparse) != n_layers:
-        raise ConfigError(f"this qwen3_moe config.json has dense MLP layers (decoder_sparse_step={step}, "
-                          f"mlp_only_layers={dense}); jaxdecode loads mixture-of-experts models whose every "
-                          f"layer has experts (as the released Qwen3-MoE models)")
-    return dict(num_experts=experts or 128, num_experts_per_tok=cfg.get("num_experts_per_tok", 8),
-                moe_intermediate_size=cfg.get("moe_intermediate_size", 768),
-                moe_norm_topk=bool(cfg.get("norm_topk_prob", False)))
+    sparse = [i for i in range(n_layers) if i not in dense and step and (i + 1) % step == 0]
+    released = "Qwen3-MoE" if model_type == "qwen3_moe" else "Qwen1.5-MoE / Qwen2-MoE"
+    if len(sparse) != n_layers or cfg.get("num_experts") == 0:
+        why = "num_experts=0" if cfg.get("num_experts") == 0 else f"decoder_sparse_step={step}, mlp_only_layers={dense}"
+        raise ConfigError(f"this {model_type} config.json has dense MLP layers ({why}); jaxdecode loads "
+                          f"mixture-of-experts models whose every layer has experts (as the released {released} "
+                          f"models)")
+    if model_type == "qwen3_moe":
+        return dict(num_experts=experts or 128, num_experts_per_tok=cfg.get("num_experts_per_tok", 8),
+                    moe_intermediate_size=cfg.get("moe_intermediate_size", 768),
+                    moe_norm_topk=bool(cfg.get("norm_topk_prob", False)))
+    shared = cfg.get("shared_expert_intermediate_size", 5632)
+    if isinstance(shared, bool) or not isinstance(shared, int) or shared <= 0:
+        raise ConfigError(f"unsupported qwen2_moe shared_expert_intermediate_size={shared!r}; jaxdecode's "
+                          f"Qwen2-MoE has a shared expert of a positive width in every layer")
+    return dict(num_experts=experts or 60, num_experts_per_tok=cfg.get("num_experts_per_tok", 4),
+                moe_intermediate_size=cfg.get("moe_intermediate_size", 1408),
+                moe_norm_topk=bool(cfg.get("norm_topk_prob", False)), shared_expert_intermediate_size=shared)
+
+
+def _granite_fields(cfg: dict, model_type: str) -> dict:
+    """Granite's multipliers (transformers' defaults, 1, for keys left out); {} for the other layouts."""
+    if model_type != "granite":
+        return {}
+    out = {k: cfg.get(k, v) for k, v in _GRANITE_MULTIPLIERS.items()}
+    out["attention_multiplier"] = cfg.get("attention_multiplier", 1.0)
+    for key, value in out.items():
+        if not _finite_number(value) or (key == "logits_scaling" and value == 0):
+            raise ConfigError(f"unsupported granite {key}={value!r}; it takes a finite number"
+                              + (" other than 0" if key == "logits_scaling" else ""))
+    return {k: float(v) for k, v in out.items()}
+
+
+def _olmoe_fields(cfg: dict, model_type: str, d: int, n_heads: int) -> dict:
+    """OLMoE's clip_qkv; its query / key norms span hidden_size, so head_dim must be hidden_size // heads."""
+    if model_type != "olmoe":
+        return {}
+    if cfg.get("head_dim") not in (None, d // n_heads):
+        raise ConfigError(f"unsupported olmoe head_dim={cfg['head_dim']!r}: transformers' OLMoE norms the queries "
+                          f"over hidden_size ({d}), so its head_dim is hidden_size // num_attention_heads "
+                          f"({d // n_heads})")
+    clip = cfg.get("clip_qkv")
+    if clip is not None and (not _finite_number(clip) or clip <= 0):
+        raise ConfigError(f"unsupported olmoe clip_qkv={clip!r}; it takes a positive number (or null: no clamp)")
+    return dict(clip_qkv=None if clip is None else float(clip))
 
 
 def _rope_layers(cfg: dict, model_type: str, n_layers: int) -> tuple:
@@ -686,8 +806,14 @@ def _sliding_windows(cfg: dict, model_type: str, n_layers: int) -> tuple:
     if unknown:
         raise ConfigError(f"config.json's layer_types has {unknown}; jaxdecode builds full_attention and "
                           f"sliding_attention layers")
-    if model_type == "olmo2":  # transformers' OLMo 2 has no sliding window (it reads neither key)
+    if model_type == "olmoe" and window is not None:
+        raise ConfigError(f"unsupported olmoe sliding_window={window!r}: transformers' OLMoE windows its attention "
+                          f"on its flash-attention path only (eager and SDPA attend to every key); jaxdecode "
+                          f"loads OLMoE without a window (remove the key)")
+    if model_type in _NO_WINDOW_TYPES:  # transformers' OLMo 2 and Granite read neither key
         return (0,) * n_layers
+    if model_type == "qwen2_moe":
+        return _qwen2_moe_windows(cfg, window, n_layers)
     if model_type in _ONE_WINDOW_TYPES:  # one window for every layer (transformers reads no layer_types)
         on = bool(window) and (model_type != "qwen3_moe" or cfg.get("use_sliding_window", False))
         return (int(window) if on else 0,) * n_layers
@@ -719,6 +845,25 @@ def _sliding_windows(cfg: dict, model_type: str, n_layers: int) -> tuple:
     return (int(window),) * n_layers
 
 
+def _qwen2_moe_windows(cfg: dict, window, n_layers: int) -> tuple:
+    """Qwen2-MoE's windows as transformers 5 reads them: with use_sliding_window, the layers layer_types calls
+    sliding (by default the even ones below max_window_layers) see sliding_window keys; without it, none."""
+    types = cfg.get("layer_types")
+    if not cfg.get("use_sliding_window", False):
+        if types and "sliding_attention" in types:  # transformers' window is then 0: such a layer sees no key
+            raise ConfigError("this qwen2_moe config.json's layer_types has sliding-attention layers but "
+                              "use_sliding_window is false (transformers then masks every key of those layers); "
+                              "set use_sliding_window, or make every layer full_attention")
+        return (0,) * n_layers
+    if not window:
+        raise ConfigError(f"this qwen2_moe config.json sets use_sliding_window but sliding_window is {window!r}")
+    mwl = cfg.get("max_window_layers", 28)
+    types = types or ["sliding_attention" if (i + 1) % 2 and i < mwl else "full_attention" for i in range(n_layers)]
+    if len(types) != n_layers:
+        raise ConfigError(f"config.json's layer_types has {len(types)} entries for {n_layers} layers")
+    return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
+
+
 _KNOWN_KEYS = {
     "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
@@ -733,7 +878,8 @@ _KNOWN_KEYS = {
     "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
 }
 # Keys a layout's own ModelConfig fields carry (elsewhere they stay in `extra`, as config.json said them)
-_FAMILY_KEYS = {"phi3": {"partial_rotary_factor"}}
+_FAMILY_KEYS = {"phi3": {"partial_rotary_factor"}, "granite": {*_GRANITE_MULTIPLIERS, "attention_multiplier"},
+                "qwen2_moe": {"shared_expert_intermediate_size", "qkv_bias"}, "olmoe": {"clip_qkv"}}
 
 
 def _extra(cfg: dict, known=_KNOWN_KEYS) -> tuple:

@@ -307,6 +307,12 @@ def _hf_layer_map(config: ModelConfig, i: int) -> dict[str, tuple[str, callable,
             m[q + gate + ".weight"] = (f"we_gate[{j}]", lambda w: w.T, (fm, d))
             m[q + up + ".weight"] = (f"we_up[{j}]", lambda w: w.T, (fm, d))
             m[q + down + ".weight"] = (f"we_down[{j}]", lambda w: w.T, (d, fm))
+        fs = config.shared_expert_intermediate_size
+        if fs:  # Qwen2-MoE's shared expert and its sigmoid gate ([1, D]: one logit per token)
+            m.update({p + "mlp.shared_expert.gate_proj.weight": ("ws_gate", lambda w: w.T, (fs, d)),
+                      p + "mlp.shared_expert.up_proj.weight": ("ws_up", lambda w: w.T, (fs, d)),
+                      p + "mlp.shared_expert.down_proj.weight": ("ws_down", lambda w: w.T, (d, fs)),
+                      p + "mlp.shared_expert_gate.weight": ("w_shared_gate", lambda w: w.T, (1, d))})
     else:
         m.update({p + "mlp.gate_proj.weight": ("w_gate", lambda w: w.T, (f, d)),
                   p + "mlp.up_proj.weight": ("w_up", lambda w: w.T, (f, d)),
@@ -332,7 +338,9 @@ def _hf_layer_map(config: ModelConfig, i: int) -> dict[str, tuple[str, callable,
 
 # model_type -> (the MoE block's module, its experts' (gate, up, down) projections)
 _MOE_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
-              "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+              "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+              "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+              "olmoe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 
 
 def _expert_slot(ours: str) -> tuple:
@@ -594,6 +602,11 @@ def to_hf_tensors(config: ModelConfig, params) -> dict[str, jax.Array]:
                     out[q + gate + ".weight"] = L["we_gate"][i, j].T
                     out[q + up + ".weight"] = L["we_up"][i, j].T
                     out[q + down + ".weight"] = L["we_down"][i, j].T
+                if config.shared_expert_intermediate_size:
+                    out[p + "mlp.shared_expert.gate_proj.weight"] = L["ws_gate"][i].T
+                    out[p + "mlp.shared_expert.up_proj.weight"] = L["ws_up"][i].T
+                    out[p + "mlp.shared_expert.down_proj.weight"] = L["ws_down"][i].T
+                    out[p + "mlp.shared_expert_gate.weight"] = L["w_shared_gate"][i].T
             else:
                 out[p + "mlp.gate_proj.weight"] = L["w_gate"][i].T
                 out[p + "mlp.up_proj.weight"] = L["w_up"][i].T

@@ -32,7 +32,8 @@ Parameter pytree (L = layers, D = hidden, H/KV = heads, hd = head dim, F = MLP w
             wo [L, H, hd, D], bq [L, H, hd], bk/bv [L, KV, hd], bo [L, D],
             w_gate/w_up [L, D, F], w_down [L, F, D], b_gate/b_up [L, F], b_down [L, D]
             (mixture of experts, E experts of width Fm, in place of w_gate/w_up/w_down: w_router [L, D, E],
-            we_gate/we_up [L, E, D, Fm], we_down [L, E, Fm, D])
+            we_gate/we_up [L, E, D, Fm], we_down [L, E, Fm, D]; Qwen2-MoE's shared expert of width Fs beside
+            them: ws_gate/ws_up [L, D, Fs], ws_down [L, Fs, D], its sigmoid gate w_shared_gate [L, D, 1])
 """
 from __future__ import annotations
 
@@ -225,10 +226,19 @@ def lm_logits(h, embed, lm_head=None):
 
 def output_logits(config: ModelConfig, params, h):
     """A model's float32 logits [..., V] of its final-normed states h [..., D] (its LM head, or its
-    embedding when the head is tied), soft-capped where the model does (Gemma 2)."""
+    embedding when the head is tied), divided by logits_scaling (Granite) and soft-capped where the model
+    does (Gemma 2)."""
     logits = lm_logits(h, params["embed"], None if config.tie_word_embeddings else params["lm_head"])
+    if config.logits_scaling != 1.0:
+        logits = logits / config.logits_scaling
     cap = config.final_logit_softcapping
     return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def times_float(x, factor: float):
+    """x * factor as transformers multiplies a tensor by a Python float (Granite's multipliers): in float32,
+    one rounding back to x's dtype (not factor rounded to x's dtype first, as jnp would for bf16)."""
+    return (x.astype(jnp.float32) * factor).astype(x.dtype)
 
 
 def embed_rows(table, ids, dtype, words=None):
@@ -270,6 +280,9 @@ def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, attend, rope_factor=None
         axes = (-2, -1) if config.qk_norm_full else (-1,)
         q = _norm(config, q, lp["q_norm"], axes)
         k = _norm(config, k, lp["k_norm"], axes)
+    if config.clip_qkv is not None:  # OLMoE: after the norms, before RoPE
+        c = config.clip_qkv
+        q, k, v = jnp.clip(q, -c, c), jnp.clip(k, -c, c), jnp.clip(v, -c, c)
     if config.uses_rope:
         factor = rope_attention_factor(config) if rope_factor is None else rope_factor
         q = apply_rope(q, q_pos, inv_freq, factor)
@@ -284,6 +297,8 @@ def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, attend, rope_factor=None
         o = o + lp["bo"]
     if config.sandwich_norms or config.post_norms:
         o = _norm(config, o, lp["attn_out_norm"])
+    if config.residual_multiplier != 1.0:  # Granite
+        o = times_float(o, config.residual_multiplier)
     x = x + o
     h = x if config.post_norms else _norm(config, x, lp["mlp_norm"])
     if config.is_gpt2:
@@ -291,6 +306,8 @@ def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, attend, rope_factor=None
         m = matmul("btf,fd->btd", gelu_new(u), lp["w_down"]) + lp["b_down"]
     elif config.num_experts:
         m = moe_mlp(config, h, lp)
+        if config.shared_expert_intermediate_size:
+            m = m + shared_expert(config, h, lp)
     else:
         g = matmul("btd,df->btf", h, lp["w_gate"])
         u = matmul("btd,df->btf", h, lp["w_up"])
@@ -301,7 +318,17 @@ def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, attend, rope_factor=None
             m = m + lp["b_down"]
     if config.sandwich_norms or config.post_norms:
         m = _norm(config, m, lp["mlp_out_norm"])
+    if config.residual_multiplier != 1.0:
+        m = times_float(m, config.residual_multiplier)
     return x + m, aux
+
+
+def shared_expert(config: ModelConfig, h, lp):
+    """Qwen2-MoE's shared expert: a gated MLP every token runs, times sigmoid(h . w_shared_gate)."""
+    act = _GATED_ACTIVATIONS[config.activation]
+    u = act(matmul("btd,df->btf", h, lp["ws_gate"])) * matmul("btd,df->btf", h, lp["ws_up"])
+    gate = jax.nn.sigmoid(matmul("btd,dk->btk", h, lp["w_shared_gate"]))  # [B, T, 1]
+    return gate * matmul("btf,fd->btd", u, lp["ws_down"])
 
 
 def moe_mlp(config: ModelConfig, h, lp):
@@ -482,6 +509,8 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
     x = embed_rows(params["embed"], tokens, act_dtype, params.get("embed_words"))
     if config.scale_embed:  # Gemma: sqrt(hidden_size) in the activations' dtype, as its reference rounds it
         x = x * jnp.asarray(math.sqrt(config.hidden_size), act_dtype)
+    if config.embedding_multiplier != 1.0:  # Granite
+        x = times_float(x, config.embedding_multiplier)
     if config.is_gpt2:
         x = x + embed_rows(params["pos_embed"], positions, act_dtype)
     # [L, hd/2]: one row per layer where layers differ (Gemma 3's sliding-window layers, SmolLM3's layers
@@ -649,6 +678,10 @@ def init_params(config: ModelConfig, key, std: float = 0.02):
         e, fm = config.num_experts, config.moe_intermediate_size
         layers.update(w_router=normal((n, d, e)), we_gate=normal((n, e, d, fm)), we_up=normal((n, e, d, fm)),
                       we_down=normal((n, e, fm, d), resid))
+        fs = config.shared_expert_intermediate_size
+        if fs:
+            layers.update(ws_gate=normal((n, d, fs)), ws_up=normal((n, d, fs)), ws_down=normal((n, fs, d), resid),
+                          w_shared_gate=normal((n, d, 1)))
     else:
         layers.update(w_up=normal((n, d, f)), w_down=normal((n, f, d), resid))
     if not config.is_gpt2 and not config.num_experts:

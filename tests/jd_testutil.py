@@ -57,17 +57,26 @@ def make_hf_model(kind: str, vocab_size: int = 320, seed: int = 0, random_norms:
                         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
                         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
                         "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
-                        "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM)}[kind]
+                        "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM),
+                        "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
+                        "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
+                        "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM)}[kind]
         if kind.startswith("gemma"):  # their configs derive layer types and RoPE sets at init
             llama_like.update(head_dim=8, **overrides)
             overrides = {}
-        if kind in ("phi3", "olmo2", "olmo3"):  # so do these (Phi-3: the partial rotary factor, longrope)
+        if kind in ("phi3", "olmo2", "olmo3", "granite"):  # so do these (Phi-3: the partial rotary factor, longrope)
             llama_like.update(**overrides)
             overrides = {}
         if kind in ("mixtral", "qwen3_moe"):  # 4 experts, 2 per token; Qwen3-MoE's narrower than the MLP
             llama_like.update(num_local_experts=4, num_experts_per_tok=2, **overrides)
             if kind == "qwen3_moe":
                 llama_like.update(moe_intermediate_size=24, head_dim=8)
+            overrides = {}
+        if kind in ("qwen2_moe", "olmoe"):  # 4 experts, 2 per token (Qwen2-MoE: 24 wide, its shared expert 40)
+            moe = dict(num_experts=4, num_experts_per_tok=2)
+            if kind == "qwen2_moe":
+                moe.update(moe_intermediate_size=24, shared_expert_intermediate_size=40)
+            llama_like.update(**moe, **overrides)
             overrides = {}
         cfg = cfg_cls(**{**llama_like, **base})
     for k, v in overrides.items():

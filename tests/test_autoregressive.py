@@ -47,7 +47,13 @@ FAMILY_OVERRIDES = {"qwen3": dict(head_dim=16, random_norms=True), "gemma": dict
                                      "long_factor": [3.0, 4.0, 5.0], "rope_theta": 10000.0}),
                     "olmo2": dict(random_norms=True),
                     "olmo3": dict(random_norms=True, sliding_window=4,
-                                  layer_types=["sliding_attention", "full_attention"])}
+                                  layer_types=["sliding_attention", "full_attention"]),
+                    "granite": dict(random_norms=True, embedding_multiplier=3.0, residual_multiplier=0.3,
+                                    attention_multiplier=0.2, logits_scaling=2.5),
+                    # the shared expert, q/k/v biases, a window on layer 0 (transformers 5's default layer_types)
+                    "qwen2_moe": dict(random_biases=True, use_sliding_window=True, sliding_window=4,
+                                      max_window_layers=1),
+                    "olmoe": dict(random_norms=True, norm_topk_prob=True, clip_qkv=0.5)}
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +92,7 @@ def hf_greedy(hf, prompt, n, **kw):
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen3", "smollm3", "gemma", "gemma2", "gemma3_text", "mixtral",
-                                  "qwen3_moe", "phi3", "olmo2", "olmo3"])
+                                  "qwen3_moe", "phi3", "olmo2", "olmo3", "granite", "qwen2_moe", "olmoe"])
 def test_greedy_matches_transformers_for_a_ragged_batch(hf_models, kind, prompts):
     hf, config, params = hf_models(kind)
     tokens, lengths = pad_prompts(prompts)
@@ -97,7 +103,8 @@ def test_greedy_matches_transformers_for_a_ragged_batch(hf_models, kind, prompts
     assert int(out.stats["target_calls"]) == N_NEW  # prefill + N - 1 steps
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "gemma2", "gemma3_text", "qwen3_moe", "phi3", "olmo2"])
+@pytest.mark.parametrize("kind", ["qwen3", "gemma2", "gemma3_text", "qwen3_moe", "phi3", "olmo2", "granite",
+                                  "qwen2_moe", "olmoe"])
 def test_speculative_decoding_equals_greedy_on_newer_families(tmp_path, prompts, kind):
     """A Qwen3 / Gemma 2 / Gemma 3 / Qwen3-MoE checkpoint through the public API: speculative decoding with a
     draft model of its family (a 1-layer one of other weights, whose drafts are mostly rejected, and the target itself,

@@ -164,6 +164,14 @@ def test_unsupported_moe_configs(changes, message):
     ("gemma2", dict(attn_logit_softcapping=50.0, final_logit_softcapping=30.0)),
     ("mixtral", dict(rope_theta=1e6, norm_eps=1e-5)),
     ("smollm3", dict(rope_theta=2e6, tie_word_embeddings=True)),
+    # Granite's attention scale is attention_multiplier, 1.0 by default (not head_dim ** -0.5)
+    ("granite", dict(attention_multiplier=1.0, attn_scale=1.0, embedding_multiplier=1.0, logits_scaling=1.0,
+                     norm_eps=1e-6, tie_word_embeddings=False)),
+    ("qwen2_moe", dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408, moe_norm_topk=False,
+                       shared_expert_intermediate_size=5632, qkv_bias=True, o_bias=False,
+                       max_position_embeddings=32768)),
+    ("olmoe", dict(num_experts=64, num_experts_per_tok=8, moe_intermediate_size=64, moe_norm_topk=False, norm_eps=1e-5,
+                   clip_qkv=None, qk_norm_full=True)),
 ])
 def test_keys_left_out_take_the_familys_transformers_defaults(model_type, want):
     """A config.json without these keys is read as transformers reads it: its config class's values."""
@@ -184,6 +192,93 @@ def test_bad_rope_and_layer_types_are_refused_at_load(changes, message):
                num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_hf_dict(dict(cfg, **changes))
+
+
+GRANITE = dict(model_type="granite", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2)
+QWEN2_MOE = dict(GRANITE, model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                 shared_expert_intermediate_size=24)
+OLMOE = dict(GRANITE, model_type="olmoe", num_experts=4, num_experts_per_tok=2)
+
+
+@pytest.mark.parametrize("cfg, message", [
+    (dict(GRANITE, embedding_multiplier=None), r"unsupported granite embedding_multiplier=None; it takes a finite"),
+    (dict(GRANITE, logits_scaling=0), r"unsupported granite logits_scaling=0; it takes a finite number other than 0"),
+    (dict(GRANITE, attention_multiplier="1/128"), r"unsupported granite attention_multiplier='1/128'"),
+    (dict(QWEN2_MOE, decoder_sparse_step=2), r"qwen2_moe config.json has dense MLP layers \(decoder_sparse_step=2"),
+    (dict(QWEN2_MOE, mlp_only_layers=[1]), r"mlp_only_layers=\[1\]\); jaxdecode loads mixture-of-experts models"),
+    (dict(QWEN2_MOE, num_experts=0), r"dense MLP layers \(num_experts=0\); jaxdecode loads mixture-of-experts"),
+    (dict(QWEN2_MOE, shared_expert_intermediate_size=0), r"unsupported qwen2_moe shared_expert_intermediate_size=0"),
+    (dict(QWEN2_MOE, layer_types=["sliding_attention", "full_attention"]),
+     r"layer_types has sliding-attention layers but use_sliding_window is false"),
+    (dict(QWEN2_MOE, use_sliding_window=True, sliding_window=None),
+     r"sets use_sliding_window but sliding_window is None"),
+    (dict(OLMOE, clip_qkv=-1.0), r"unsupported olmoe clip_qkv=-1.0; it takes a positive number \(or null"),
+    (dict(OLMOE, head_dim=16), r"unsupported olmoe head_dim=16: transformers' OLMoE norms the queries over "
+                               r"hidden_size \(32\), so its head_dim is hidden_size // num_attention_heads \(8\)"),
+    (dict(OLMOE, sliding_window=4), r"unsupported olmoe sliding_window=4: transformers' OLMoE windows its attention "
+                                    r"on its flash-attention path only"),
+    (dict(OLMOE, num_experts=0), r"this olmoe config.json has num_experts=0"),
+    (dict(OLMOE, num_experts_per_tok=5), r"a mixture of 4 experts needs 1 <= num_experts_per_tok <= 4 \(got 5\)"),
+])
+def test_unsupported_granite_and_moe_options_are_refused_at_load(cfg, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf_dict(cfg)
+
+
+def test_granite_and_moe_configs_read_as_transformers_reads_them():
+    """Qwen2-MoE reads its q/k/v biases from qkv_bias (attention_bias means nothing there) and, with
+    use_sliding_window, windows the layers layer_types names (by default the even ones below max_window_layers,
+    as transformers 5); Granite reads no window, OLMoE its experts' width from intermediate_size."""
+    c = ModelConfig.from_hf_dict(dict(QWEN2_MOE, attention_bias=False))
+    assert (c.qkv_bias, c.o_bias) == (True, False)
+    assert not ModelConfig.from_hf_dict(dict(QWEN2_MOE, qkv_bias=False, attention_bias=True)).qkv_bias
+    c = ModelConfig.from_hf_dict(dict(QWEN2_MOE, num_hidden_layers=6, use_sliding_window=True, sliding_window=8,
+                                      max_window_layers=4))
+    assert c.sliding_windows == (8, 0, 8, 0, 0, 0)
+    c = ModelConfig.from_hf_dict(dict(QWEN2_MOE, use_sliding_window=True, sliding_window=8,
+                                      layer_types=["full_attention", "sliding_attention"]))
+    assert c.sliding_windows == (0, 8)
+    assert ModelConfig.from_hf_dict(dict(QWEN2_MOE, sliding_window=8)).sliding_windows == (0, 0)
+    assert ModelConfig.from_hf_dict(dict(GRANITE, sliding_window=4)).sliding_windows == (0, 0)
+    c = ModelConfig.from_hf_dict(dict(OLMOE, intermediate_size=48, moe_intermediate_size=16, num_local_experts=8,
+                                      num_experts=None))
+    assert (c.moe_intermediate_size, c.num_experts) == (48, 8)
+
+
+def test_granite_and_moe_networks_a_layout_cannot_say_are_not_saved():
+    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                head_dim=8, max_position_embeddings=64)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+    olmoe = dict(qk_norm=True, qk_norm_full=True, **moe)
+    for cfg, match in [
+            (ModelConfig(model_type="llama", embedding_multiplier=2.0, **base),
+             r"a llama config.json cannot express embedding_multiplier=2.0 \(Granite alone has it\)"),
+            (ModelConfig(model_type="llama", logits_scaling=4.0, **base), r"logits_scaling=4.0 \(Granite alone"),
+            (ModelConfig(model_type="llama", attention_multiplier=0.5, **base),
+             r"attention_multiplier=0.5 \(Granite alone has it, always\)"),
+            (ModelConfig(model_type="granite", **base), r"attention_multiplier=None \(Granite alone has it, always\)"),
+            (ModelConfig(model_type="granite", attention_multiplier=1.0, sliding_windows=(4, 4), **base),
+             r"sliding_windows=\(4, 4\) \(Granite has no sliding window\)"),
+            (ModelConfig(model_type="qwen2_moe", qkv_bias=True, **moe, **base),
+             r"shared_expert_intermediate_size=0 \(Qwen2-MoE alone has a shared expert, always\)"),
+            (ModelConfig(model_type="qwen3_moe", qk_norm=True, shared_expert_intermediate_size=16, **moe, **base),
+             r"a qwen3_moe config.json cannot express shared_expert_intermediate_size=16"),
+            (ModelConfig(model_type="qwen2_moe", qkv_bias=True, o_bias=True, shared_expert_intermediate_size=16, **moe,
+                         **base), r"o_bias=True \(Qwen2-MoE's o_proj has no bias"),
+            (ModelConfig(model_type="olmoe", **dict(olmoe, moe_intermediate_size=16), **base),
+             r"moe_intermediate_size=16 \(OLMoE's experts are intermediate_size wide, 64\)"),
+            (ModelConfig(model_type="olmoe", **dict(olmoe, qk_norm_full=False), **base), r"qk_norm_full=False"),
+            (ModelConfig(model_type="olmoe", **olmoe, **dict(base, head_dim=16)), r"head_dim=16 \(OLMoE's is hidden"),
+            (ModelConfig(model_type="mixtral", clip_qkv=8.0, **moe, **base), r"clip_qkv=8.0 \(OLMoE alone has it\)")]:
+        with pytest.raises(ConfigError, match=match):
+            cfg.to_hf_dict()
+    with pytest.raises(ConfigError, match=r"attention_multiplier \(Granite\) and query_pre_attn_scalar"):
+        ModelConfig(model_type="granite", attention_multiplier=1.0, query_pre_attn_scalar=24, **base)
+    with pytest.raises(ConfigError, match=r"shared_expert_intermediate_size=16: a shared expert sits beside"):
+        ModelConfig(model_type="qwen2_moe", shared_expert_intermediate_size=16, **base)
+    with pytest.raises(ConfigError, match=r"logits_scaling=0: the logits are divided by it"):
+        ModelConfig(model_type="granite", attention_multiplier=1.0, logits_scaling=0.0, **base)
 
 
 def test_biases_a_layout_cannot_say_are_not_saved():

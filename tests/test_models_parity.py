@@ -90,6 +90,21 @@ VARIANTS = {
         random_norms=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
         rope_parameters={"full_attention": dict(YARN_ROPE), "sliding_attention": {"rope_type": "default",
                                                                                    "rope_theta": 1000.0}})),
+    # every multiplier away from 1 (Granite 3's own: 12, 0.22, 1/128, 8 or 16), attention and MLP biases
+    "granite_multipliers_biases": ("granite", dict(
+        random_norms=True, random_biases=True, attention_bias=True, mlp_bias=True, embedding_multiplier=3.0,
+        residual_multiplier=0.3, attention_multiplier=0.2, logits_scaling=2.5)),
+    "granite_tied_head_dim16_llama3": ("granite", dict(
+        tie_word_embeddings=True, head_dim=16, rope_parameters=LLAMA3_ROPE, embedding_multiplier=12.0,
+        residual_multiplier=0.22, attention_multiplier=0.125, logits_scaling=8.0)),
+    # q/k/v biases and the gated shared expert; raw top-k weights (norm_topk_prob's default)
+    "qwen2_moe_shared_random_biases": ("qwen2_moe", dict(random_biases=True, random_norms=True)),
+    # transformers 5's default windows: the even layers below max_window_layers (here layer 0 of 2)
+    "qwen2_moe_norm_topk_window": ("qwen2_moe", dict(norm_topk_prob=True, use_sliding_window=True, sliding_window=4,
+                                                     max_window_layers=1)),
+    "olmoe_norm_topk": ("olmoe", dict(random_norms=True, norm_topk_prob=True)),
+    "olmoe_raw_topk_clip_biases": ("olmoe", dict(random_norms=True, random_biases=True, attention_bias=True,
+                                                 clip_qkv=0.5)),
     "gpt2_tied": ("gpt2", {}),
     "gpt2_untied": ("gpt2", dict(tie_word_embeddings=False)),
 }
@@ -216,13 +231,33 @@ def test_variants_load_the_intended_shapes(built):
     assert (c.post_norms, c.qk_norm_full, c.sliding_windows, c.local_rope_theta, c.rope_theta) == (
         True, True, (4, 0), 1000.0, 100.0)
     assert dict(c.rope_scaling)["rope_type"] == "yarn"
+    c = built("granite_multipliers_biases").config
+    assert (c.embedding_multiplier, c.residual_multiplier, c.attention_multiplier, c.logits_scaling, c.attn_scale,
+            c.qkv_bias, c.o_bias, c.mlp_bias, c.tie_word_embeddings) == (3.0, 0.3, 0.2, 2.5, 0.2, True, True, True,
+                                                                         False)
+    c = built("granite_tied_head_dim16_llama3").config
+    assert (c.head_dim, c.tie_word_embeddings, dict(c.rope_scaling)["rope_type"], c.attn_scale) == (
+        16, True, "llama3", 0.125)
+    c = built("qwen2_moe_shared_random_biases").config
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.shared_expert_intermediate_size,
+            c.moe_norm_topk, c.qkv_bias, c.o_bias, c.qk_norm, c.sliding_windows) == (4, 2, 24, 40, False, True, False,
+                                                                                     False, (0, 0))
+    assert built("qwen2_moe_shared_random_biases").params["layers"]["w_shared_gate"].shape == (2, 32, 1)
+    c = built("qwen2_moe_norm_topk_window").config
+    assert (c.moe_norm_topk, c.sliding_windows) == (True, (4, 0))
+    c = built("olmoe_norm_topk").config
+    assert (c.num_experts, c.moe_intermediate_size, c.moe_norm_topk, c.qk_norm_full, c.post_norms, c.clip_qkv,
+            c.norm_scale_f32) == (4, 64, True, True, False, None, False)
+    assert "attn_norm" in built("olmoe_norm_topk").params["layers"]
+    c = built("olmoe_raw_topk_clip_biases").config
+    assert (c.moe_norm_topk, c.clip_qkv, c.qkv_bias, c.o_bias) == (False, 0.5, True, True)
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_untied_llama3", "llama_mha_tied_linear_biases", "qwen3_yarn",
                                   "smollm3_nope_yarn", "gemma3_yarn_on_full",
                                   "mistral_window4", "qwen2_window_on_layer1", "qwen3_biases_tied_window",
                                   "phi3_partial_window_tied", "phi3_longrope_short", "phi3_longrope_partial_long",
-                                  "olmo3_window_yarn"])
+                                  "olmo3_window_yarn", "granite_tied_head_dim16_llama3", "qwen2_moe_norm_topk_window"])
 def test_rope_scaling_and_windows_matter(built, name):
     """Dropping the rope scaling / sliding window changes the logits, so parity above covers them."""
     v = built(name)
@@ -282,6 +317,54 @@ def test_phi3_and_olmo3_rope_options_matter(built, name, change):
         config = config.replace(rope_scaling=tuple(sorted({**dict(config.rope_scaling), **rope}.items())))
     assert config != v.config
     assert max_valid_diff(jax_logits(config, v.params, v.tokens, v.valid), v.logits, v.valid) > 1e-3
+
+
+@pytest.mark.parametrize("name, change", [
+    ("granite_multipliers_biases", dict(embedding_multiplier=1.0)),
+    ("granite_multipliers_biases", dict(residual_multiplier=1.0)),
+    ("granite_multipliers_biases", dict(attention_multiplier=None)),  # head_dim ** -0.5 instead
+    ("granite_multipliers_biases", dict(logits_scaling=1.0)),
+    ("qwen2_moe_shared_random_biases", dict(moe_norm_topk=True)),
+    ("qwen2_moe_norm_topk_window", dict(moe_norm_topk=False)),
+    ("olmoe_norm_topk", dict(moe_norm_topk=False)),
+    ("olmoe_raw_topk_clip_biases", dict(moe_norm_topk=True)),
+    ("olmoe_raw_topk_clip_biases", dict(clip_qkv=None)),
+])
+def test_granite_and_moe_options_matter(built, name, change):
+    """Each Granite multiplier, the top-k renormalisation and OLMoE's clamp change the logits, so the parity
+    above covers them."""
+    v = built(name)
+    config = v.config.replace(**change)
+    assert config != v.config
+    assert max_valid_diff(jax_logits(config, v.params, v.tokens, v.valid), v.logits, v.valid) > 1e-3
+
+
+@pytest.mark.parametrize("part", ["shared_expert", "shared_expert_gate"])
+def test_qwen2_moe_shared_expert_matters(built, part):
+    """Without its shared expert, or with its gate at sigmoid(0) = 1/2, a Qwen2-MoE model computes other logits."""
+    v = built("qwen2_moe_shared_random_biases")
+    layers, config = dict(v.params["layers"]), v.config
+    if part == "shared_expert":
+        config = config.replace(shared_expert_intermediate_size=0)
+        for k in ("ws_gate", "ws_up", "ws_down", "w_shared_gate"):
+            del layers[k]
+    else:
+        layers["w_shared_gate"] = jnp.zeros_like(layers["w_shared_gate"])
+    logits = jax_logits(config, {**v.params, "layers": layers}, v.tokens, v.valid)
+    assert max_valid_diff(logits, v.logits, v.valid) > 1e-3
+
+
+def test_granite_multipliers_round_as_transformers_in_bfloat16():
+    """transformers multiplies a bf16 tensor by Granite's Python-float multipliers in float32 and rounds once;
+    jnp would round the multiplier to bf16 first. times_float is transformers' product, bit for bit."""
+    import torch
+    from jaxdecode.models.transformer import times_float
+    x = np.random.default_rng(0).normal(0, 4, 4096).astype(np.float32)
+    xb = jnp.asarray(x, jnp.bfloat16)
+    for m in (0.22, 12.0, 0.0078125, 1 / 3):
+        want = (torch.tensor(x).to(torch.bfloat16) * m).float().numpy()
+        np.testing.assert_array_equal(np.asarray(times_float(xb, m), np.float32), want)
+    assert (np.asarray(xb * 0.22, np.float32) != (torch.tensor(x).to(torch.bfloat16) * 0.22).float().numpy()).any()
 
 
 def test_longrope_switches_per_row_as_transformers_per_sequence(tmp_path):
@@ -400,7 +483,8 @@ def _to_4x_form(cfg: dict) -> dict:
                                   "qwen2_window_on_layer1", "qwen3_biases_tied_window", "gemma_mha",
                                   "gemma2_softcaps_window", "gemma3_window_local_rope", "smollm3_window_on_nope",
                                   "mistral_window4", "phi3_partial_window_tied", "phi3_longrope_partial_long",
-                                  "olmo2_post_norms_biases"])
+                                  "olmo2_post_norms_biases", "granite_tied_head_dim16_llama3",
+                                  "qwen2_moe_shared_random_biases", "olmoe_raw_topk_clip_biases"])
 def test_config_json_4x_form_loads_like_5x(built, tmp_path, name):
     v = built(name)
     cfg5 = json.loads((v.dir / "config.json").read_text())
@@ -445,7 +529,8 @@ def test_save_params_round_trips_through_transformers(built, tmp_path, name, sha
 
 
 @pytest.mark.parametrize("name", ["gemma2_softcaps_window", "qwen3_moe_4x2_norm_topk", "phi3_longrope_partial_long",
-                                  "olmo3_window_yarn", "qwen2_random_biases"])
+                                  "olmo3_window_yarn", "qwen2_random_biases", "granite_multipliers_biases",
+                                  "qwen2_moe_shared_random_biases", "olmoe_raw_topk_clip_biases"])
 def test_weight_only_bfloat16_equals_transformers_on_the_rounded_weights(built, name):
     """load(param_dtype="bfloat16") rounds the weights only: its logits equal transformers' float32 model
     whose weights are rounded the same way (Gemma's embedding scale stays float32; the experts' inputs

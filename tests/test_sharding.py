@@ -86,6 +86,33 @@ def test_sharded_olmo2_and_longrope_forward_equals_single_device(setup, layout):
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["qwen2_moe", "olmoe"])
+def test_sharded_shared_expert_and_olmoe_forward_equals_single_device(setup, layout):
+    """Qwen2-MoE's shared expert splits its width over `model` as a dense MLP (its one-logit gate whole); OLMoE's
+    query / key norms over all heads (without OLMo 2's output norms) shard with the heads, its clamp after them."""
+    from jaxdecode.models import padded_causal_mask
+    _, mesh = setup
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    if layout == "qwen2_moe":
+        cfg = CONFIG.replace(model_type="qwen2_moe", qkv_bias=True, shared_expert_intermediate_size=24, **moe)
+    else:
+        cfg = CONFIG.replace(model_type="olmoe", num_kv_heads=4, qk_norm=True, qk_norm_full=True, clip_qkv=0.5, **moe)
+    params = init_params(cfg, jax.random.PRNGKey(3), std=0.3)
+    sp = shard_params(params, mesh)
+    if layout == "qwen2_moe":
+        assert sp["layers"]["ws_up"].sharding.spec == jax.sharding.PartitionSpec(None, None, "model")
+        assert sp["layers"]["ws_down"].sharding.spec == jax.sharding.PartitionSpec(None, "model", None)
+        assert sp["layers"]["w_shared_gate"].sharding.spec == jax.sharding.PartitionSpec(None, None, None)
+    else:
+        assert sp["layers"]["k_norm"]["scale"].sharding.spec == jax.sharding.PartitionSpec(None, "model", None)
+    toks = jnp.asarray(np.random.RandomState(0).randint(0, 64, (2, 6)))
+    pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
+    mask = padded_causal_mask(jnp.arange(6)[None, :] < jnp.asarray([6, 3])[:, None])
+    ref, _, _ = forward(cfg, params, toks, pos, None, mask)
+    got, _, _ = forward(cfg, sp, shard_batch(toks, mesh), shard_batch(pos, mesh), None, shard_batch(mask, mesh))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5)
+
+
 @pytest.mark.parametrize("method,sampler", [("greedy", SamplerConfig(temperature=0.0)),
                                             ("sample", SamplerConfig(temperature=0.8, top_k=20))])
 def test_sharded_decode_equals_single_device(setup, method, sampler):
