@@ -229,10 +229,20 @@ def output_logits(config: ModelConfig, params, h):
     embedding when the head is tied), divided by logits_scaling (Granite) and soft-capped where the model
     does (Gemma 2)."""
     logits = lm_logits(h, params["embed"], None if config.tie_word_embeddings else params["lm_head"])
-    if config.logits_scaling != 1.0:
-        logits = logits / config.logits_scaling
-    cap = config.final_logit_softcapping
-    return logits if cap is None else cap * jnp.tanh(logits / cap)
+    return finish_logits(logits, *logits_finish(config))
+
+
+def logits_finish(config: ModelConfig) -> tuple:
+    """(logits_scaling, final_logit_softcapping): what a model does to its head's logits (finish_logits).
+    Drafters that read the target's head keep it, so their drafts follow the target's distribution."""
+    return float(config.logits_scaling), config.final_logit_softcapping
+
+
+def finish_logits(logits, scaling: float = 1.0, softcap: float | None = None):
+    """Head logits as the model emits them: divided by `scaling` (Granite), then soft-capped (Gemma 2)."""
+    if scaling != 1.0:
+        logits = logits / scaling
+    return logits if softcap is None else softcap * jnp.tanh(logits / softcap)
 
 
 def times_float(x, factor: float):

@@ -168,6 +168,28 @@ def test_decode_and_training_see_the_same_context(trained):
     np.testing.assert_allclose(np.asarray(q_dec), np.asarray(jax.nn.log_softmax(logits[:, 0])), atol=1e-4)
 
 
+def test_a_soft_capped_target_drafts_from_its_capped_head(trained, monkeypatch):
+    """A target that soft-caps its logits (Gemma 2): the drafter's q and the training forward's both come
+    from the capped head, the target's own distribution."""
+    capped = jaxdecode.Model(trained["target"].config.replace(final_logit_softcapping=2.0), trained["target"].params)
+    monkeypatch.setattr(trained["module"], "target_config", capped.config)
+    drafter = make_block_drafter(trained["params"], CFG, capped, tree=f"chain:{K}")
+    toks, lens = pad_prompts(trained["heldout"][:2])
+    b, t = toks.shape
+    _, hidden, _ = forward(capped.config, capped.params, toks, jnp.broadcast_to(jnp.arange(t), (b, t)), None,
+                           causal_mask(b, t), return_layers=feature_request(drafter.feature_layers))
+    dcfg = drafter_model_config(CFG, capped.config)
+    k_ref, v_ref = context_kv(dcfg, drafter.params, select_features(hidden, drafter.feature_layers),
+                              jnp.broadcast_to(jnp.arange(t), (b, t)))
+    a = jnp.asarray(lens) - 3
+    q_dec = drafter.block_logprobs(BlockState(k=k_ref, v=v_ref, lengths=a),
+                                   DraftContext(history=toks, hist_len=a + 1, key=jax.random.PRNGKey(0)), T1)
+    logits, _, _ = block_outputs(trained["module"], {"tokens": np.asarray(toks), "anchors": np.asarray(a)[:, None]},
+                                 capped.params)
+    assert float(jnp.max(jnp.abs(logits))) <= 2.0  # the training forward's logits are capped
+    np.testing.assert_allclose(np.asarray(q_dec), np.asarray(jax.nn.log_softmax(logits[:, 0])), atol=1e-4)
+
+
 def test_context_window_hides_older_context(trained):
     """context_window = W: q depends only on the newest W committed positions (garbage in older slots
     changes nothing; without the window it does), and greedy speculative output stays plain greedy."""

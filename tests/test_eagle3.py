@@ -93,11 +93,14 @@ def test_unroll_shapes_and_loss_weights():
     np.testing.assert_array_equal(np.asarray(labels)[w[0] > 0], (toks[:, 2:][w[0, :, :8] > 0]) // 2)
 
 
-@pytest.mark.parametrize("vocab", [(), EVEN])
-def test_decode_matches_the_training_unroll(vocab):
+@pytest.mark.parametrize("vocab,softcap", [((), None), (EVEN, None), ((), 2.0)])
+def test_decode_matches_the_training_unroll(vocab, softcap):
     """init + propose (chain) give the distributions the TTT unroll gives at the same positions, and
-    init on a prefix + observe equals init on the whole text."""
+    init on a prefix + observe equals init on the whole text. A target that soft-caps its logits (Gemma
+    2): both draft from the capped head, as the target's own distribution is."""
+    from jaxdecode.models.transformer import finish_logits, logits_finish
     cfg, params = tiny()
+    cfg = cfg.replace(final_logit_softcapping=softcap)
     ec = e3.default_config(cfg, draft_vocab=vocab)
     ep = random_drafter_params(ec, cfg)
     drafter = e3.Eagle3Drafter.build(ep, ec, cfg, params, ChainBuilder(3))
@@ -117,7 +120,8 @@ def test_decode_matches_the_training_unroll(vocab):
     head = e3.draft_head(ep, e3.target_head(cfg, params), ec.draft_vocab)
     emb = jnp.take(params["embed"], jnp.asarray(full[1:])[None], axis=0)
     hs = te.ttt_hidden(dcfg, ep, emb, e3.fuse_features(ep, ffeats[:, :, :-1]), 3)
-    ref = jax.nn.log_softmax(e3.head_logits(ep, head, dcfg.norm_eps, hs), axis=-1)  # [3, 1, T-1, M]
+    ref = jax.nn.log_softmax(finish_logits(e3.head_logits(ep, head, dcfg.norm_eps, hs), *logits_finish(cfg)),
+                             axis=-1)  # [3, 1, T-1, M]
     cols = np.asarray(vocab) if vocab else np.arange(V)
     for d in range(3):
         got = np.log(np.asarray(slots[0, d])[cols])

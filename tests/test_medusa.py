@@ -123,6 +123,22 @@ def test_untrained_heads_are_the_lm_head():
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("finish", [dict(logits_scaling=4.0), dict(final_logit_softcapping=2.0)])
+def test_untrained_heads_draft_the_targets_own_distribution(finish):
+    """A target that scales (Granite) or soft-caps (Gemma 2) its logits: zero-init heads draft from the
+    target's own next-token distribution (output_logits), not from its raw LM head's, at T = 1."""
+    from jaxdecode.models.transformer import output_logits
+    target = Model(TARGET.config.replace(**finish), TARGET.params)
+    h = 3.0 * jax.random.normal(jax.random.PRNGKey(1), (5, 32))
+    want = jax.nn.log_softmax(output_logits(target.config, target.params, h), axis=-1)
+    for cfg in CONFIGS.values():
+        drafter = make_heads_drafter(init_params(cfg, 32, jax.random.PRNGKey(2)), cfg, target)
+        z = medusa_hidden(drafter.params, h) if isinstance(cfg, MedusaConfig) else hydra_hidden(
+            drafter.params, h, jax.random.normal(jax.random.PRNGKey(3), (5, K, 32)))
+        got = drafter._logq(z, SamplerConfig(temperature=1.0))
+        np.testing.assert_allclose(got, jnp.broadcast_to(want[:, None], (5, K, V)), rtol=1e-5, atol=1e-5)
+
+
 def test_hydra_head_reads_only_earlier_tokens():
     """Head k depends on e_0..e_k only (sequential dependence, no peeking at later drafts)."""
     cfg = CONFIGS["hydra"]

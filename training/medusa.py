@@ -23,6 +23,7 @@ from flax import nnx
 from jaxdecode.drafters.medusa import (HydraConfig, MedusaConfig, head_logits, hydra_hidden, init_params,
                                        medusa_hidden, target_head)
 from jaxdecode.models import causal_mask, forward
+from jaxdecode.models.transformer import finish_logits, logits_finish
 
 from .drafters import TrainKind, register_train_kind
 
@@ -80,7 +81,7 @@ def head_outputs(module: HeadsModule, batch, target_params):
     if isinstance(module.cfg, HydraConfig):  # teacher forcing: e_j = emb(x_{t+1+j}), j = 0..K-1
         nxt = jnp.stack([_shifted(toks, j + 1, 0) for j in range(k)], axis=2)  # [B, T, K]
         emb = jnp.take(embed, nxt, axis=0).astype(jnp.float32)
-    logits = head_logits(module(h, emb), embed, lm_head)  # [B, T, K, V]
+    logits = finish_logits(head_logits(module(h, emb), embed, lm_head), *logits_finish(tcfg))  # [B, T, K, V]
     return logits, labels, weight
 
 

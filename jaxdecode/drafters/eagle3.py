@@ -33,7 +33,7 @@ from jaxdecode.drafters.draft_lm import catch_up_blocks, check_catch_up_sizes, d
 from jaxdecode.models import ModelConfig, advance, forward, init_cache, padded_causal_mask
 from jaxdecode.models import init_params as model_init_params
 from jaxdecode.models import param_shapes as model_param_shapes
-from jaxdecode.models.transformer import embed_rows, rms_norm
+from jaxdecode.models.transformer import embed_rows, finish_logits, logits_finish, rms_norm
 from jaxdecode.sampling import SamplerConfig
 from jaxdecode.speculative import FINAL, accepted_features
 from jaxdecode.tree import ancestor_mask, depths
@@ -232,6 +232,8 @@ class Eagle3Drafter:
     acceptance_prior: tuple = dataclasses.field(default=(), metadata=dict(static=True))
     # Catch-up block lengths (as DraftLM's): () = draft_lm.catch_up_widths(max_depth + 1).
     catch_up_sizes: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+    # the target's logits_finish (Granite's scaling, Gemma 2's soft-cap): drafts from its distribution
+    finish: tuple = dataclasses.field(default=(1.0, None), metadata=dict(static=True))
 
     num_nodes = property(lambda self: self.builder.num_nodes)
     max_depth = property(lambda self: self.builder.max_depth)
@@ -247,7 +249,8 @@ class Eagle3Drafter:
         d2t = jnp.asarray(cfg.draft_vocab, jnp.int32) if cfg.draft_vocab else None
         return cls(params={**p, "head": head}, embed=target_params["embed"], d2t=d2t,
                    layer_config=layer_config(cfg, target_config), builder=builder,
-                   feature_layers=cfg.feature_layers, vocab_size=target_config.vocab_size)
+                   feature_layers=cfg.feature_layers, vocab_size=target_config.vocab_size,
+                   finish=logits_finish(target_config))
 
     # pieces
     def _inputs(self, tokens, feat):
@@ -256,7 +259,7 @@ class Eagle3Drafter:
 
     def _logq(self, logits, sampler: SamplerConfig):
         """Draft log-probs over the target vocabulary (-inf outside the draft vocabulary)."""
-        lp = draft_logprobs(logits, sampler)
+        lp = draft_logprobs(finish_logits(logits, *self.finish), sampler)
         if self.d2t is None:
             return lp
         full = jnp.full(lp.shape[:-1] + (self.vocab_size,), -jnp.inf, lp.dtype)

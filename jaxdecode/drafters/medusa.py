@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jaxdecode.drafters.builders import build_tree
 from jaxdecode.drafters.draft_lm import draft_logprobs
 from jaxdecode.drafters.trained import DrafterKind, register_kind
-from jaxdecode.models.transformer import embed_rows, lm_logits
+from jaxdecode.models.transformer import embed_rows, finish_logits, lm_logits, logits_finish
 from jaxdecode.speculative import FINAL, accepted_features
 from jaxdecode.tree import depths
 
@@ -167,6 +167,8 @@ class HeadsDrafter:
     feature_layers: tuple = dataclasses.field(default=(FINAL,), metadata=dict(static=True))
     # Held-out acceptance by depth from training (TrainedDrafter.make): the adaptive policy's start.
     acceptance_prior: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+    # the target's logits_finish (Granite's scaling, Gemma 2's soft-cap): drafts from its distribution
+    finish: tuple = dataclasses.field(default=(1.0, None), metadata=dict(static=True))
 
     num_nodes = property(lambda self: self.builder.num_nodes)
     max_depth = property(lambda self: self.builder.max_depth)
@@ -184,7 +186,7 @@ class HeadsDrafter:
         return jnp.where((pos >= 0)[:, None], h, 0.0)
 
     def _logq(self, x, sampler):
-        return draft_logprobs(head_logits(x, self.embed, self.lm_head), sampler)
+        return draft_logprobs(finish_logits(head_logits(x, self.embed, self.lm_head), *self.finish), sampler)
 
     def propose(self, h, ctx, sampler):
         b, k = h.shape[0], self.cfg.num_heads
@@ -272,7 +274,8 @@ def make_heads_drafter(params, cfg, target, tree=None, temperature: float = 0.0,
     check_tree_depth(cfg, builder)
     check_params(cfg, params, embed.shape[1])
     params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
-    return HeadsDrafter(params=params, embed=embed, lm_head=lm_head, cfg=cfg, builder=builder)
+    return HeadsDrafter(params=params, embed=embed, lm_head=lm_head, cfg=cfg, builder=builder,
+                        finish=logits_finish(target.config))
 
 
 def _param_shapes(cfg, target_config) -> dict:
