@@ -93,6 +93,31 @@ def test_greedy_speculative_equals_plain_greedy(case):
     assert np.all(np.asarray(out.stats["verify_calls"]) >= 1)
 
 
+@pytest.mark.parametrize("family", ["smollm3", "qwen2_moe"])
+def test_kangaroo_over_per_layer_and_expert_targets(family):
+    """Kangaroo over a target with layers without RoPE (SmolLM3: the draft network keeps layer l's) and over
+    a mixture of experts with a shared expert (Qwen2-MoE: the fresh adapter zeroes every down projection, so
+    it starts as the early exit at layer l): greedy speculative output equals plain greedy."""
+    base = tiny().config
+    extra = dict(rope_layers=(1, 0, 1)) if family == "smollm3" else dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+        moe_norm_topk=False, qkv_bias=True)
+    cfg = base.replace(model_type=family, **extra)
+    target = types.SimpleNamespace(config=cfg, params=init_params(cfg, jax.random.PRNGKey(0), std=0.3), path=None)
+    kcfg = ss.KangarooConfig(exit_layer=1, threshold=0.0)
+    adapter = ss.init_adapter(kcfg, cfg, jax.random.PRNGKey(1))
+    net_cfg, net_params = ss.kangaroo_network(cfg, target.params, kcfg, adapter)
+    h0 = {"layers": jax.tree.map(lambda a: a[:1], target.params["layers"])}
+    exit_cfg = cfg.replace(num_layers=1, sliding_windows=cfg.sliding_windows[:1], rope_layers=cfg.rope_layers[:1])
+    toks, lens = pad_prompts(PROMPTS1)
+    from jaxdecode.models import causal_mask, forward
+    pos = jnp.broadcast_to(jnp.arange(toks.shape[1]), toks.shape)
+    exit_logits = forward(exit_cfg, {**target.params, **h0}, toks, pos, None, causal_mask(*toks.shape))[0]
+    net_logits = forward(net_cfg, net_params, toks, pos, None, causal_mask(*toks.shape))[0]
+    np.testing.assert_allclose(np.asarray(net_logits), np.asarray(exit_logits), atol=1e-5)  # a zero adapter
+    greedy_check(target, ss.make_kangaroo(adapter, kcfg, target, "chain:3"), PROMPTS1, new=8)
+
+
 # ----------------------------------------------------------------------------- cost: no cache copies
 def test_run_time_layer_list_and_in_place_switch_compute_what_they_replace():
     """forward(layer_ids=, num_layers_run=) equals the static sub-network; switch_in_place / run_if equal

@@ -545,7 +545,7 @@ def _check_exit(cfg: KangarooConfig, target_config: ModelConfig):
 
 def adapter_config(target_config: ModelConfig) -> ModelConfig:
     """A one-layer model of the target's shape: the adapter's layer parameters."""
-    return dataclasses.replace(target_config, num_layers=1, sliding_windows=(0,))
+    return dataclasses.replace(target_config, num_layers=1, sliding_windows=(0,), rope_layers=())
 
 
 def kangaroo_param_shapes(cfg: KangarooConfig, target_config: ModelConfig) -> dict:
@@ -559,8 +559,7 @@ def init_adapter(cfg: KangarooConfig, target_config: ModelConfig, key) -> dict:
     from jaxdecode.models import init_params
     _check_exit(cfg, target_config)
     layer = init_params(dataclasses.replace(adapter_config(target_config), dtype="float32"), key)["layers"]
-    layer = {**layer, "wo": jnp.zeros_like(layer["wo"]), "w_down": jnp.zeros_like(layer["w_down"])}
-    for name in ("bo", "b_down"):
+    for name in ("wo", "w_down", "we_down", "ws_down", "bo", "b_down"):  # experts: we_down (and ws_down), no w_down
         if name in layer:
             layer[name] = jnp.zeros_like(layer[name])
     return {"layer": layer}
@@ -575,7 +574,9 @@ def kangaroo_network(target_config: ModelConfig, target_params, cfg: KangarooCon
     layers = jax.tree.map(lambda t, a: jnp.concatenate([t[:l], a.astype(t.dtype)], axis=0),
                           target_params["layers"], adapter["layer"])
     windows = tuple(target_config.sliding_windows[:l]) + (target_config.sliding_windows[l],)
-    config = dataclasses.replace(target_config, num_layers=l + 1, sliding_windows=windows)
+    rope = target_config.rope_layers  # per layer (SmolLM3's NoPE layers): the adapter takes layer l's, as its window
+    rope = tuple(rope[:l]) + (rope[l],) if rope else ()
+    config = dataclasses.replace(target_config, num_layers=l + 1, sliding_windows=windows, rope_layers=rope)
     return config, {**target_params, "layers": layers}
 
 
