@@ -218,6 +218,10 @@ def test_save_load_decode_round_trip(trained, tmp_path):
     target = trained["target"]
     cfg = default_config(target.config, block_size=K, num_layers=1, anchors=8, gamma=2.0)
     assert cfg.feature_layers == (0, 1)  # written out for the 2-layer target
+    # so is the layers' shape taken from the target: the saved config says it without the target
+    tc = target.config
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size) == (
+        tc.num_heads, tc.num_kv_heads, tc.head_dim, tc.intermediate_size)
     path = save_drafter(tmp_path / "block", "block", CFG, trained["params"], target.config,
                                   extra={"tau": trained["tau1"]})
     td = jaxdecode.load_drafter(path, target)

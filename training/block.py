@@ -19,6 +19,8 @@ so a batch always gets the same anchors (a resumed run sees exactly the anchors 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -149,7 +151,11 @@ def default_config(target_config, **overrides) -> BlockConfig:
     cfg = BlockConfig(**overrides)
     if not cfg.feature_layers:
         cfg = BlockConfig(**{**overrides, "feature_layers": feature_layers_for(cfg, target_config)})
-    return cfg
+    # write out the shape taken from the target (0 = the target's), as eagle3 does: the saved drafter then
+    # fits any target of its vocab / width / depth instead of failing its shape check on another head layout
+    d = drafter_model_config(cfg, target_config)
+    return dataclasses.replace(cfg, num_heads=d.num_heads, num_kv_heads=d.num_kv_heads, head_dim=d.head_dim,
+                               intermediate_size=d.intermediate_size)
 
 
 def params_of(module: BlockModule) -> dict:
