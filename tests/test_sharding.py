@@ -59,11 +59,21 @@ def test_sharded_mixture_of_experts_equals_single_device(setup):
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
 
 
+def _check_sharded_forward(cfg, params, sharded, mesh):
+    """The forward over sharded params and batch equals the single-device one (two ragged rows)."""
+    from jaxdecode.models import padded_causal_mask
+    toks = jnp.asarray(np.random.RandomState(0).randint(0, 64, (2, 6)))
+    pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
+    mask = padded_causal_mask(jnp.arange(6)[None, :] < jnp.asarray([6, 3])[:, None])
+    ref, _, _ = forward(cfg, params, toks, pos, None, mask)
+    got, _, _ = forward(cfg, sharded, shard_batch(toks, mesh), shard_batch(pos, mesh), None, shard_batch(mask, mesh))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5)
+
+
 @pytest.mark.parametrize("layout", ["olmo2", "phi3_longrope"])
 def test_sharded_olmo2_and_longrope_forward_equals_single_device(setup, layout):
     """OLMo 2's query / key norms over all heads shard with the heads (the norm then reduces across devices);
     Phi-3's LongRoPE picks its factors per row, rows on different devices (row 0 past the switch, row 1 not)."""
-    from jaxdecode.models import padded_causal_mask
     _, mesh = setup
     if layout == "olmo2":
         cfg = CONFIG.replace(model_type="olmo2", num_kv_heads=4, post_norms=True, qk_norm=True, qk_norm_full=True)
@@ -78,19 +88,13 @@ def test_sharded_olmo2_and_longrope_forward_equals_single_device(setup, layout):
     sp = shard_params(params, mesh)
     if layout == "olmo2":
         assert sp["layers"]["q_norm"]["scale"].sharding.spec == jax.sharding.PartitionSpec(None, "model", None)
-    toks = jnp.asarray(np.random.RandomState(0).randint(0, 64, (2, 6)))
-    pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
-    mask = padded_causal_mask(jnp.arange(6)[None, :] < jnp.asarray([6, 3])[:, None])
-    ref, _, _ = forward(cfg, params, toks, pos, None, mask)
-    got, _, _ = forward(cfg, sp, shard_batch(toks, mesh), shard_batch(pos, mesh), None, shard_batch(mask, mesh))
-    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5)
+    _check_sharded_forward(cfg, params, sp, mesh)
 
 
 @pytest.mark.parametrize("layout", ["qwen2_moe", "olmoe"])
 def test_sharded_shared_expert_and_olmoe_forward_equals_single_device(setup, layout):
     """Qwen2-MoE's shared expert splits its width over `model` as a dense MLP (its one-logit gate whole); OLMoE's
     query / key norms over all heads (without OLMo 2's output norms) shard with the heads, its clamp after them."""
-    from jaxdecode.models import padded_causal_mask
     _, mesh = setup
     moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
     if layout == "qwen2_moe":
@@ -105,12 +109,7 @@ def test_sharded_shared_expert_and_olmoe_forward_equals_single_device(setup, lay
         assert sp["layers"]["w_shared_gate"].sharding.spec == jax.sharding.PartitionSpec(None, None, None)
     else:
         assert sp["layers"]["k_norm"]["scale"].sharding.spec == jax.sharding.PartitionSpec(None, "model", None)
-    toks = jnp.asarray(np.random.RandomState(0).randint(0, 64, (2, 6)))
-    pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
-    mask = padded_causal_mask(jnp.arange(6)[None, :] < jnp.asarray([6, 3])[:, None])
-    ref, _, _ = forward(cfg, params, toks, pos, None, mask)
-    got, _, _ = forward(cfg, sp, shard_batch(toks, mesh), shard_batch(pos, mesh), None, shard_batch(mask, mesh))
-    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5)
+    _check_sharded_forward(cfg, params, sp, mesh)
 
 
 @pytest.mark.parametrize("method,sampler", [("greedy", SamplerConfig(temperature=0.0)),
