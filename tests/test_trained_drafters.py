@@ -76,8 +76,8 @@ def unigram_kind():
     tr.unregister_kind("unigram")  # keep the README's option table free of test kinds
 
 
-def tiny_config(vocab=V, hidden=32, layers=2):
-    return ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=64,
+def tiny_config(vocab=V, hidden=32, layers=2, model_type="llama"):
+    return ModelConfig(model_type=model_type, vocab_size=vocab, hidden_size=hidden, intermediate_size=64,
                        num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=hidden // 4,
                        max_position_embeddings=256, sliding_windows=(0,) * layers)
 
@@ -111,7 +111,7 @@ PROMPTS = [[3, 9, 27, 4, 1, 7], [8, 2, 5]]
 def test_save_load_round_trip(target, saved):
     meta = json.loads((saved / "config.json").read_text())
     assert meta["jaxdecode_drafter"] == "unigram"
-    assert meta["target"] == {"vocab_size": V, "hidden_size": 32, "num_layers": 2}
+    assert meta["target"] == {"vocab_size": V, "hidden_size": 32, "num_layers": 2, "model_type": "llama"}
     td = jaxdecode.load_drafter(saved, target)
     assert td.kind is KIND and td.name == "unigram" and td.path == str(saved)
     assert td.cfg == UnigramConfig(depth=3, widths=(1, 2))  # tuples survive JSON
@@ -162,15 +162,27 @@ def test_save_refuses_bad_params_and_configs(target, tmp_path):
 
 
 @pytest.mark.parametrize("field,other", [("vocab_size", dict(vocab=96)), ("hidden_size", dict(hidden=64)),
-                                         ("num_layers", dict(layers=3))])
+                                         ("num_layers", dict(layers=3)), ("model_type", dict(model_type="qwen3"))])
 def test_other_target_is_refused(saved, field, other):
+    """Another vocabulary, width or depth; and, for a drafter that reads the target's states, another family
+    of the same shape (its weights were fitted to that family's states)."""
     other_target = jaxdecode.Model(config=tiny_config(**other), params=None, path="targets/other")
     have = getattr(other_target.config, field)
-    want = {"vocab_size": V, "hidden_size": 32, "num_layers": 2}[field]
+    want = {"vocab_size": V, "hidden_size": 32, "num_layers": 2, "model_type": "llama"}[field]
     with pytest.raises(tr.DrafterTargetError, match=rf"drafter {saved} was trained for a target with "
                                                     rf"{field} {want}, but this target \(targets/other\) "
                                                     rf"has {have}"):
         jaxdecode.load_drafter(saved, other_target)
+
+
+def test_a_record_without_the_family_still_loads(saved):
+    """Drafters saved before the family was recorded load onto any target of their vocabulary, width and
+    depth, as they did."""
+    meta = json.loads((saved / "config.json").read_text())
+    assert meta["target"].pop("model_type") == "llama"
+    (saved / "config.json").write_text(json.dumps(meta))
+    other = jaxdecode.Model(config=tiny_config(model_type="qwen3"), params=None, path="targets/other")
+    assert jaxdecode.load_drafter(saved, other).target == meta["target"]
 
 
 def _break(path, how):

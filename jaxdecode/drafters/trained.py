@@ -288,6 +288,10 @@ def _target_record(kind: DrafterKind, target_config) -> dict:
                              f"{type(target_config).__name__} does not have")
         v = getattr(target_config, f)
         rec[f] = list(v) if isinstance(v, tuple) else v
+    # the family too, for kinds that read the target's hidden states: weights trained on one family's
+    # states do not fit another's of the same vocab / width / depth (check_target compares it when recorded)
+    if "hidden_size" in kind.target_fields:
+        rec.setdefault("model_type", getattr(target_config, "model_type", None))
     return rec
 
 
@@ -419,7 +423,9 @@ def check_target(drafter: TrainedDrafter | dict, target) -> None:
         return
     tcfg = _target_config(target)
     target_name = getattr(target, "path", None) or "this target"
-    for f in kind.target_fields:
+    fields = tuple(kind.target_fields) + (("model_type",) if "model_type" in record
+                                          and "model_type" not in kind.target_fields else ())
+    for f in fields:
         want = record.get(f)
         have = getattr(tcfg, f, None)
         have = list(have) if isinstance(have, tuple) else have
