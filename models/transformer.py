@@ -319,13 +319,8 @@ def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, attend, rope_factor=None
         if config.shared_expert_intermediate_size:
             m = m + shared_expert(config, h, lp)
     else:
-        g = matmul("btd,df->btf", h, lp["w_gate"])
-        u = matmul("btd,df->btf", h, lp["w_up"])
-        if config.mlp_bias:
-            g, u = g + lp["b_gate"], u + lp["b_up"]
-        m = matmul("btf,fd->btd", _GATED_ACTIVATIONS[config.activation](g) * u, lp["w_down"])
-        if config.mlp_bias:
-            m = m + lp["b_down"]
+        biases = (lp["b_gate"], lp["b_up"], lp["b_down"]) if config.mlp_bias else None
+        m = gated_mlp(config, h, lp["w_gate"], lp["w_up"], lp["w_down"], biases)
     if config.sandwich_norms or config.post_norms:
         m = _norm(config, m, lp["mlp_out_norm"])
     if config.residual_multiplier != 1.0:
@@ -333,12 +328,21 @@ def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, attend, rope_factor=None
     return x + m, aux
 
 
+def gated_mlp(config: ModelConfig, h, w_gate, w_up, w_down, biases=None):
+    """act(h W_gate + b_gate) * (h W_up + b_up), then W_down (+ b_down): h [B, T, D] -> [B, T, D].
+    biases: (b_gate, b_up, b_down) or None."""
+    g = matmul("btd,df->btf", h, w_gate)
+    u = matmul("btd,df->btf", h, w_up)
+    if biases is not None:
+        g, u = g + biases[0], u + biases[1]
+    m = matmul("btf,fd->btd", _GATED_ACTIVATIONS[config.activation](g) * u, w_down)
+    return m if biases is None else m + biases[2]
+
+
 def shared_expert(config: ModelConfig, h, lp):
     """Qwen2-MoE's shared expert: a gated MLP every token runs, times sigmoid(h . w_shared_gate)."""
-    act = _GATED_ACTIVATIONS[config.activation]
-    u = act(matmul("btd,df->btf", h, lp["ws_gate"])) * matmul("btd,df->btf", h, lp["ws_up"])
     gate = jax.nn.sigmoid(matmul("btd,dk->btk", h, lp["w_shared_gate"]))  # [B, T, 1]
-    return gate * matmul("btf,fd->btd", u, lp["ws_down"])
+    return gate * gated_mlp(config, h, lp["ws_gate"], lp["ws_up"], lp["ws_down"])
 
 
 def moe_mlp(config: ModelConfig, h, lp):
