@@ -23,6 +23,7 @@ TRAINING = NOTEBOOK.parent / "speculative_training.ipynb"
 
 def test_speculative_training_notebook_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXDECODE_NOTEBOOK_TINY", "1")  # the kernel inherits it: tiny target and steps
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # its mkdtemp work dir goes with the test's
     nb = nbformat.read(TRAINING, as_version=4)
     NotebookClient(nb, timeout=900, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path)}}).execute()
@@ -37,6 +38,7 @@ DIFFUSION = NOTEBOOK.parent / "diffusion.ipynb"
 
 def test_diffusion_notebook_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXDECODE_NOTEBOOK_TINY", "1")  # one tiny task dLLM, a few steps and prompts
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # its mkdtemp work dir goes with the test's
     nb = nbformat.read(DIFFUSION, as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path)}}).execute()

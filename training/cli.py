@@ -141,43 +141,72 @@ def _target_and_corpus(args, why: str):
 
 
 def add_drafter_parser(sub, command: str) -> argparse.ArgumentParser:
-    is_lm = command == "draft-lm"
+    is_lm, is_head = command == "draft-lm", command == "accept-head"
     what = ("a small draft LM on the target's own continuations (on-policy), exported as an HF "
             "directory for --drafter draft_lm --draft DIR" if is_lm else
             f"a {command} drafter on a frozen target, exported for --drafter {command.replace('-', '_')} "
             f"--drafter-dir DIR")
-    p = sub.add_parser(
-        command, help=f"train {what.split(',')[0]}", formatter_class=_DefaultsFormatter,
-        description=f"Train {what}. The target stays frozen. Every --eval-every steps the held-out loss "
-                    f"and the drafter's acceptance (tau and the rate by tree depth, from real greedy "
-                    f"speculative runs on held-out prompts) go to WORKDIR/{'run/' if is_lm else ''}metrics.jsonl "
-                    f"and the plot "
-                    f"WORKDIR/training.png (when matplotlib is installed). Rerunning the same command resumes "
-                    f"from the last checkpoint; self-distillation data is generated once and cached in "
-                    f"WORKDIR/data.")
+    if is_head:  # trains on labels of verification runs, not on text: no --data, --seq-len or --tree
+        about = ("The target stays frozen. The inner drafter (--draft DIR, or --set inner=KIND) drafts chains "
+                 "of --set draft_len=K on --prompts training windows, one label run per --temperatures entry; "
+                 "the target's verdicts label each position. Every --eval-every steps the BCE on label runs "
+                 "over --eval-prompts held-out windows goes to WORKDIR/metrics.jsonl; the export records the "
+                 "held-out BCE and calibration (ECE) and the threshold h its training runs price best. "
+                 "Rerunning the same command resumes from the last checkpoint.")
+    else:
+        about = (f"The target stays frozen. Every --eval-every steps the held-out loss and the drafter's "
+                 f"acceptance (tau and the rate by tree depth, from real greedy speculative runs on held-out "
+                 f"prompts) go to WORKDIR/{'run/' if is_lm else ''}metrics.jsonl and the plot "
+                 f"WORKDIR/training.png (when matplotlib is installed). Rerunning the same command resumes "
+                 f"from the last checkpoint; self-distillation data is generated once and cached in "
+                 f"WORKDIR/data.")
+    # No abbreviations for the head: --data would be read as --data-parallel, --temperature as --temperatures.
+    p = sub.add_parser(command, help=f"train {what.split(',')[0]}", formatter_class=_DefaultsFormatter,
+                       description=f"Train {what}. {about}", allow_abbrev=not is_head)
     _add_target_and_sources(p, workdir="checkpoints, logs, data")
-    p.add_argument("--data", choices=("corpus", "self", "mix"), default="self" if is_lm else "corpus",
-                   help="training text: corpus windows, the target's own continuations of corpus prompts "
-                        "(self-distillation), or half of each")
+    if is_head:
+        p.add_argument("--data", type=_no_head_data, help=argparse.SUPPRESS)
+    else:
+        p.add_argument("--data", choices=("corpus", "self", "mix"), default="self" if is_lm else "corpus",
+                       help="training text: corpus windows, the target's own continuations of corpus prompts "
+                            "(self-distillation), or half of each")
     p.add_argument("--steps", type=int, default=2000 if is_lm else 1000, help="optimizer steps to train to")
-    p.add_argument("--batch-size", type=int, default=8 if is_lm else 16, help="sequences per step")
-    p.add_argument("--seq-len", type=int, default=96,
-                   help="tokens per training sequence (self data: --prompt-len + the continuation)")
+    if is_head:
+        p.add_argument("--batch-size", type=int, default=256, help="labelled row-steps per optimizer step")
+    else:
+        p.add_argument("--batch-size", type=int, default=8 if is_lm else 16, help="sequences per step")
+        p.add_argument("--seq-len", type=int, default=96,
+                       help="tokens per training sequence (self data: --prompt-len + the continuation)")
     p.add_argument("--lr", type=float, default=3e-3 if is_lm else 1e-3, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=50, help="linear warmup steps")
     p.add_argument("--weight-decay", type=float, default=0.1 if is_lm else 0.0, help="AdamW weight decay")
     p.add_argument("--seed", type=int, default=0, help="initialisation, data and batch-order seed")
-    g = p.add_argument_group("self-distillation data (--data self|mix)")
-    g.add_argument("--prompts", type=int, default=1024, help="corpus prompts the target continues")
-    g.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt")
-    g.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled continuations")
-    g.add_argument("--greedy-fraction", type=float, default=0.5, help="continuations decoded greedily")
-    g.add_argument("--gen-batch-size", type=int, default=32, help="rows per batched decode call")
-    e = p.add_argument_group("held-out evaluation")
-    e.add_argument("--eval-every", type=int, default=200, help="evaluate every N steps (0: at the end)")
-    e.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts decoded speculatively")
-    e.add_argument("--eval-new-tokens", type=int, default=64, help="tokens decoded per held-out prompt")
-    e.add_argument("--tree", default=None, help="tree of the held-out runs (default: the kind's own)")
+    if is_head:
+        g = p.add_argument_group("label runs (the inner drafter's chains, verified by the target)")
+        g.add_argument("--prompts", type=int, default=256,
+                       help="training windows labelled (on the embedded target the held-out BCE stops improving "
+                            "past ~200: BENCHMARKS.md)")
+        g.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt window")
+        g.add_argument("--new-tokens", "--eval-new-tokens", dest="eval_new_tokens", type=int, default=64, metavar="N",
+                       help="tokens decoded per window, training and held-out")
+        g.add_argument("--temperatures", type=_label_temperatures, default="0,0.7",
+                       help="comma-separated; one label run each: greedy verification at 0, the chain "
+                            "verifier on sampled chains above")
+        e = p.add_argument_group("held-out evaluation")
+        e.add_argument("--eval-every", type=int, default=200, help="evaluate every N steps (0: at the end)")
+        e.add_argument("--eval-prompts", type=int, default=16, help="held-out windows labelled (BCE, ECE)")
+    else:
+        g = p.add_argument_group("self-distillation data (--data self|mix)")
+        g.add_argument("--prompts", type=int, default=1024, help="corpus prompts the target continues")
+        g.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt")
+        g.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled continuations")
+        g.add_argument("--greedy-fraction", type=float, default=0.5, help="continuations decoded greedily")
+        g.add_argument("--gen-batch-size", type=int, default=32, help="rows per batched decode call")
+        e = p.add_argument_group("held-out evaluation")
+        e.add_argument("--eval-every", type=int, default=200, help="evaluate every N steps (0: at the end)")
+        e.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts decoded speculatively")
+        e.add_argument("--eval-new-tokens", type=int, default=64, help="tokens decoded per held-out prompt")
+        e.add_argument("--tree", default=None, help="tree of the held-out runs (default: the kind's own)")
     if is_lm:
         p.add_argument("--size", default="draft", choices=("tiny", "draft", "small"),
                        help="draft model size (draft: the shipped draft's recipe, ~2.4 M)")
@@ -187,15 +216,21 @@ def add_drafter_parser(sub, command: str) -> argparse.ArgumentParser:
         p.add_argument("--distill-alpha", type=float, default=1.0, help="weight of the KL term (rest: CE)")
     else:
         p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                       help="a field of the kind's config (e.g. num_heads=4), value as JSON; repeatable")
-        p.add_argument("--draft", default=None, help="draft model directory, for kinds that draft with one")
-        if command == "accept-head":
+                       help=("a field of AcceptHeadConfig (inner: the drafter the head cuts, e.g. '\"eagle3\"'; "
+                             "draft_len: its chain's K; hidden; target_proj), value as JSON; repeatable"
+                             if is_head else "a field of the kind's config (e.g. num_heads=4), value as JSON; "
+                                             "repeatable"))
+        p.add_argument("--draft", default=None,
+                       help="the draft LM whose chains the head cuts (the default inner drafter)" if is_head
+                       else "draft model directory, for kinds that draft with one")
+        if is_head:
             p.add_argument("--inner-dir", default=None,
                            help="with --set inner=KIND (a trained drafter, e.g. eagle3 or retrieval): its "
                                 "directory (default: the one shipped with the target)")
-        p.add_argument("--export-dtype", default=None, choices=("float32", "bfloat16"),
-                       help="store the exported weights in this dtype (loading casts them to the target's "
-                            "compute dtype); default: as trained (float32)")
+        else:  # the head's few thousand weights stay float32
+            p.add_argument("--export-dtype", default=None, choices=("float32", "bfloat16"),
+                           help="store the exported weights in this dtype (loading casts them to the target's "
+                                "compute dtype); default: as trained (float32)")
     p.add_argument("--data-parallel", type=int, default=None, help="devices on the data axis (default: all)")
     p.add_argument("--fsdp", action="store_true", help="shard params and optimizer state over data")
     p.add_argument("--checkpoint-every", type=int, default=200, help="checkpoint every N steps (0: at the end)")
@@ -236,18 +271,32 @@ def add_retrieval_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def _temperatures(text: str) -> tuple:
-    """'0.7,1.0' -> (0.7, 1.0); '' -> (); each a finite number > 0."""
+def _temperatures(text: str, greedy: bool = False) -> tuple:
+    """'0.7,1.0' -> (0.7, 1.0); '' -> (); each finite and > 0 (>= 0 with greedy: 0 is a greedy run)."""
     import math
     try:
         temps = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of temperatures "
                                          f"(e.g. 0.7 or 0.7,1.0)") from None
-    bad = [t for t in temps if not (t > 0 and math.isfinite(t))]
+    bad = [t for t in temps if not ((t >= 0 if greedy else t > 0) and math.isfinite(t))]
     if bad or len(set(temps)) != len(temps):
-        raise argparse.ArgumentTypeError(f"temperatures must be finite, > 0 and given once each (greedy is "
-                                         f"always measured), got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"temperatures must be finite, {'>= 0 (0: greedy)' if greedy else '> 0'} and given once each"
+            f"{'' if greedy else ' (greedy is always measured)'}, got {text!r}")
+    return temps
+
+
+def _no_head_data(text: str):
+    raise argparse.ArgumentTypeError(f"train accept-head learns from labels of verification runs on corpus "
+                                     f"windows, not from training text: --data {text} does not apply, drop it")
+
+
+def _label_temperatures(text: str) -> tuple:
+    """--temperatures of train accept-head: one label run each, 0 greedy; at least one."""
+    temps = _temperatures(text, greedy=True)
+    if not temps:
+        raise argparse.ArgumentTypeError("give at least one temperature, e.g. 0 or 0,0.7")
     return temps
 
 
@@ -487,7 +536,7 @@ def _run_filter(args, task, out: Path, work: Path) -> int:
 def _run_accept_head(args, target, corpus_dir, out: Path, work: Path, tcfg) -> int:
     """`jaxdecode train accept-head`: label runs of the inner drafter's chains on the target (the --draft
     LM, or a trained kind: --set inner=eagle3 [--inner-dir DIR]), then the head
-    (training.accept_head.train_accept_head); --data does not apply. --set draft_len=K: the chain length."""
+    (training.accept_head.train_accept_head). --set draft_len=K: the chain length."""
     import jaxdecode
 
     from .accept_head import train_accept_head
@@ -503,13 +552,11 @@ def _run_accept_head(args, target, corpus_dir, out: Path, work: Path, tcfg) -> i
     if inner == "draft_lm" and args.inner_dir is not None:
         raise ValueError("--inner-dir is the directory of a trained inner drafter (--set inner=KIND); a draft LM "
                          "is given with --draft DIR")
-    if args.data != "corpus":
-        raise ValueError(f"train accept-head trains on labels from verification runs on corpus prompts; "
-                         f"--data {args.data} does not apply: drop it")
     draft = jaxdecode.load(args.draft, dtype="float32") if args.draft else None
-    run = train_accept_head(target, draft, corpus_dir, out, k=int(k),
+    run = train_accept_head(target, draft, corpus_dir, out, k=int(k), temperatures=args.temperatures,
                             train_config=tcfg, prompts=args.prompts, heldout=args.eval_prompts,
                             prompt_len=args.prompt_len, new_tokens=args.eval_new_tokens, workdir=work,
+                            batch_size=args.batch_size,
                             config_overrides=sets, seed=args.seed, inner=inner, inner_dir=args.inner_dir)
     report = "; ".join(f"{t}: ECE {r['ece']:.3f}, BCE {r['bce']:.3f}" for t, r in run.report.items()
                        if isinstance(r, dict) and "ece" in r)
@@ -573,11 +620,17 @@ def run_train_drafter(args) -> int:
                        weight_decay=args.weight_decay, seed=args.seed, eval_every=args.eval_every,
                        checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
                        data_parallel=args.data_parallel, fsdp=args.fsdp, progress=not args.no_progress)
+    if kind is not None:
+        _check_drafter_args(args, kind.name)
+    if kind is not None and kind.name == "accept_head":  # trains on labels of verification runs, not on text
+        target, out, work, corpus_dir = _target_and_corpus(args, "label-run prompts are tokenized")
+        try:
+            return _run_accept_head(args, target, corpus_dir, out, work, tcfg)
+        except ResumeMismatchError as e:
+            raise e.renamed({k: _drafter_flag(k) for k, _, _ in e.changes}) from None
     if args.data != "corpus" and args.seq_len <= args.prompt_len:
         raise ValueError(f"--data {args.data}: --seq-len ({args.seq_len}) must exceed --prompt-len "
                          f"({args.prompt_len}): the difference is the continuation the target writes")
-    if kind is not None:
-        _check_drafter_args(args, kind.name)
     target, out, work, corpus_dir = _target_and_corpus(args, "training data is tokenized")
     distill = DistillOptions(num_prompts=args.prompts, prompt_len=args.prompt_len,
                              new_tokens=max(args.seq_len - args.prompt_len, 1), temperature=args.temperature,
@@ -592,8 +645,6 @@ def run_train_drafter(args) -> int:
                                  distill_temperature=args.distill_temperature,
                                  distill_alpha=args.distill_alpha, eval_options=evals)
             logs = work / "run" / "metrics.jsonl"
-        elif kind.name == "accept_head":  # trains on labels of verification runs, not on text windows
-            return _run_accept_head(args, target, corpus_dir, out, work, tcfg)
         else:
             opts = {"draft_model": jaxdecode.load(args.draft, dtype="float32")} if args.draft else None
             res = train_drafter(kind.name, target, corpus_dir, out, train_config=tcfg, data=args.data,
