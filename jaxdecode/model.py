@@ -83,7 +83,8 @@ def _param_dtype(name):
     return jnp.dtype(name)
 
 
-# per-head norm scales and attention biases: vectors in transformers, so never narrowed
+# norm scales and q/k/v biases: never narrowed, whatever their shape (vectors in transformers, Cohere's per-head
+# query / key norm scales aside)
 _WIDE_PARAMS = ("scale", "bq", "bk", "bv")
 
 
@@ -94,8 +95,8 @@ def narrow_weights(params, param_dtype: str):
     dt = _param_dtype(param_dtype)
 
     def narrow(path, a, stacked: bool):  # stacked: the layer weights carry a leading layer axis
-        # norm scales and biases stay wide whatever their shape (OLMo 2's query norm and Qwen2's query bias
-        # are [heads, head_dim] per layer; transformers keeps them vectors)
+        # norm scales and biases stay wide whatever their shape (OLMo 2's and Cohere's query norms and Qwen2's
+        # query bias are [heads, head_dim] per layer)
         name = getattr(path[-1], "key", None) if path else None
         is_matrix = a.ndim - int(stacked) >= 2 and name not in _WIDE_PARAMS
         return a.astype(dt) if is_matrix and jnp.issubdtype(a.dtype, jnp.floating) else a

@@ -138,7 +138,8 @@ def _param_axes(path, leaf) -> tuple:
                          f"add it to jaxdecode.sharding.PARAM_AXES")
     if key in ("scale", "bias") and leaf.ndim == 2:  # per-layer norms: [L, D]
         axes = ("layers",) + axes
-    if key == "scale" and leaf.ndim == 3:  # OLMo 2's query / key norms over all heads: [L, heads, hd], as the heads
+    # OLMo 2's query / key norms over all heads, Cohere's scales per head: [L, heads, hd], sharded as the heads
+    if key == "scale" and leaf.ndim == 3:
         axes = ("layers", "kv_heads" if path[-2].key == "k_norm" else "heads", "head_dim")
     if len(axes) != leaf.ndim:
         raise ValueError(f"parameter {jax.tree_util.keystr(path)} has {leaf.ndim} axes, its rule "

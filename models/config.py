@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 
 # model_type values handled by the llama-family forward (pre-norm, RMSNorm, RoPE, gated MLP); Qwen3, the
-# Gemma and the OLMo layouts add the options of _LAYOUT_FLAGS, Phi-3 a partial rotary factor and LongRoPE,
-# Granite its multipliers.
+# Gemma, the OLMo and the Cohere layouts add the options of _LAYOUT_FLAGS, Phi-3 a partial rotary factor and
+# LongRoPE, Granite its multipliers, Cohere its logit_scale.
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "smollm3", "mixtral",
-                "qwen3_moe", "phi3", "olmo2", "olmo3", "granite", "qwen2_moe", "olmoe")
+                "qwen3_moe", "phi3", "olmo2", "olmo3", "granite", "qwen2_moe", "olmoe", "cohere", "cohere2")
 # Mixture-of-experts layouts: every layer's MLP is top-k routed experts (Mixtral: top-k weights always
 # renormalised; Qwen3-MoE, Qwen2-MoE, OLMoE: when norm_topk_prob; Qwen2-MoE: plus a gated shared expert)
 MOE_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
@@ -27,6 +27,13 @@ _GEMMA_23 = ("gemma2", "gemma3_text")
 OLMO_TYPES = ("olmo2", "olmo3")
 # Layouts whose sliding-window layers have a RoPE of their own, unscaled (rope_parameters per layer type)
 _LOCAL_ROPE_TYPES = ("gemma3_text", "olmo3")
+# Command-R (cohere) and Command R7B (cohere2): parallel blocks, LayerNorms without bias, interleaved RoPE (pairs
+# (0, 1), (2, 3), ... rotate: the q / k rows are permuted to the half-split layout on load), logits times
+# logit_scale; Command R7B's RoPE only on its sliding-window layers, no query / key norms
+COHERE_TYPES = ("cohere", "cohere2")
+# Layouts whose windows come by layer_types (or every sliding_window_pattern-th layer full), sliding_window 4096
+# by default
+_LAYER_TYPE_WINDOWS = ("gemma2", "gemma3_text", "olmo3", "cohere2")
 # Masked-diffusion LM layouts (llama-family networks without the causal mask), by config.json
 # model_type: LLaDA (GSAI-ML/LLaDA-8B-*: its own keys and weight names), Dream (Dream-org/Dream-v0-*:
 # Qwen2 keys and weight names, logits shifted by one) and Fast-dLLM v2 (Efficient-Large-Model/
@@ -34,7 +41,7 @@ _LOCAL_ROPE_TYPES = ("gemma3_text", "olmo3")
 LLADA_TYPE, DREAM_TYPE, FAST_DLLM_TYPE = "llada", "Dream", "Fast_dLLM_Qwen"
 DIFFUSION_MODEL_TYPES = (LLADA_TYPE, DREAM_TYPE, FAST_DLLM_TYPE)
 SUPPORTED_MODEL_TYPES = (("llama", "qwen2", "qwen3", "mistral", "smollm3", "phi3", "granite", "gpt2") + GEMMA_TYPES
-                         + OLMO_TYPES + MOE_TYPES + DIFFUSION_MODEL_TYPES)
+                         + OLMO_TYPES + MOE_TYPES + COHERE_TYPES + DIFFUSION_MODEL_TYPES)
 ATTENTIONS = ("causal", "bidirectional", "block")
 # What each diffusion layout implies when its config.json does not say otherwise:
 # (attention, logits_shift). Fast-dLLM v2's block size is its config's `bd_size`.
@@ -48,7 +55,10 @@ _LAYOUT_FLAGS = {"qwen3": dict(qk_norm=True), "qwen3_moe": dict(qk_norm=True),
                  "olmo2": dict(post_norms=True, qk_norm=True, qk_norm_full=True),
                  "olmo3": dict(post_norms=True, qk_norm=True, qk_norm_full=True),
                  # OLMoE: OLMo 2's query / key norms over all heads, but Llama's input norms
-                 "olmoe": dict(qk_norm=True, qk_norm_full=True)}
+                 "olmoe": dict(qk_norm=True, qk_norm_full=True),
+                 # Cohere: query / key norms (per head, a scale per head) by use_qk_norm, not implied
+                 "cohere": dict(parallel_block=True, norm_center=True),
+                 "cohere2": dict(parallel_block=True, norm_center=True)}
 # head_dim when config.json lacks it: transformers' class default for these layouts, not hidden / heads
 _HEAD_DIM_DEFAULTS = {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256}
 ROPE_TYPES = ("default", "llama3", "linear", "yarn")
@@ -56,12 +66,13 @@ ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 PHI3_ROPE_TYPES = ("default", "longrope")
 _NO_ATTENTION_BIAS = ("mistral", "mixtral", "phi3")
 _MLP_BIAS_TYPES = ("llama", "smollm3", "granite")
-_FLAGS = ("qk_norm", "norm_plus_one", "scale_embed", "sandwich_norms", "post_norms", "qk_norm_full")
+_FLAGS = ("qk_norm", "norm_plus_one", "scale_embed", "sandwich_norms", "post_norms", "qk_norm_full", "parallel_block",
+          "norm_center", "qk_norm_head_scales")
 # One sliding window (or none) for every layer: transformers reads no layer_types for these
 _ONE_WINDOW_TYPES = ("mixtral", "qwen3_moe", "phi3")
 # No sliding window: transformers' attention masks these causally whatever config.json says (OLMoE: only its
 # flash-attention path would read a sliding_window, so one is refused at load)
-_NO_WINDOW_TYPES = ("olmo2", "granite", "olmoe")
+_NO_WINDOW_TYPES = ("olmo2", "granite", "olmoe", "cohere")
 # Granite's multipliers (config.json keys and ModelConfig fields alike) and their neutral values
 _GRANITE_MULTIPLIERS = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_scaling": 1.0}
 # Our activation names <-> transformers' (gated MLPs)
@@ -100,6 +111,14 @@ class ModelConfig:
     post_norms: bool = False  # RMSNorms on the attention's and the MLP's outputs only, none on inputs (OLMo 2)
     # with qk_norm: one RMSNorm over all heads' queries (keys), n_heads * head_dim wide, not one per head (OLMo 2)
     qk_norm_full: bool = False
+    # with qk_norm: each head normed over its head_dim as usual, but with a scale of its own ([heads, head_dim]
+    # per layer, as OLMo 2's; Cohere)
+    qk_norm_head_scales: bool = False
+    # the norms subtract the mean first: LayerNorms without bias, scaled in float32 (Cohere's CohereLayerNorm)
+    norm_center: bool = False
+    # parallel blocks: the attention and the MLP both read the block's one input norm, x + attn(h) + mlp(h), no
+    # mlp_norm (Cohere)
+    parallel_block: bool = False
     # attention scores scaled by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5 (Gemma 3)
     query_pre_attn_scalar: float | None = None  # as config.json gives it (an int in transformers' schema)
     # RoPE base of the sliding-window layers, unscaled (Gemma 3); None: every layer uses rope_theta
@@ -129,6 +148,8 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     attention_multiplier: float | None = None
+    # Cohere: logits times logit_scale (a multiplier, as transformers multiplies; Granite's logits_scaling divides)
+    logit_scale: float = 1.0
     # Per-layer sliding window (0 = full attention); a token at position p sees keys at p' with p - p' < w.
     sliding_windows: tuple = ()
     tie_word_embeddings: bool = False
@@ -168,6 +189,12 @@ class ModelConfig:
                 f"({self.num_kv_heads})")
         if self.qk_norm_full and not self.qk_norm:
             raise ConfigError("qk_norm_full=True (query / key norms over all heads) needs qk_norm=True")
+        if self.qk_norm_head_scales and (not self.qk_norm or self.qk_norm_full):
+            raise ConfigError("qk_norm_head_scales=True (a query / key norm scale per head) needs qk_norm=True and "
+                              "excludes qk_norm_full (one norm over all heads)")
+        if self.parallel_block and (self.post_norms or self.sandwich_norms):
+            raise ConfigError("parallel_block (attention and MLP read one input norm, Cohere) excludes post_norms "
+                              "and sandwich_norms")
         if self.attention_multiplier is not None and self.query_pre_attn_scalar is not None:
             raise ConfigError("attention_multiplier (Granite) and query_pre_attn_scalar (Gemma 2 / 3) both set the "
                               "attention scores' scale; give one")
@@ -175,7 +202,8 @@ class ModelConfig:
             raise ConfigError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size}: a shared "
                               f"expert sits beside routed ones, and this config has num_experts=0")
         for name, value in (*((k, getattr(self, k)) for k in _GRANITE_MULTIPLIERS),
-                            ("attention_multiplier", self.attention_multiplier), ("clip_qkv", self.clip_qkv)):
+                            ("attention_multiplier", self.attention_multiplier), ("clip_qkv", self.clip_qkv),
+                            ("logit_scale", self.logit_scale)):
             if value is not None and not _finite_number(value):
                 raise ConfigError(f"{name} must be a finite number, got {value!r}")
         if self.logits_scaling == 0:
@@ -263,9 +291,16 @@ class ModelConfig:
 
     @property
     def norm_scale_f32(self) -> bool:
-        """RMSNorms multiply by their weight in float32 before the cast back (OLMo 2's order; Llama's casts
-        first). Only reduced-precision activations see the difference."""
-        return self.model_type in OLMO_TYPES
+        """RMSNorms multiply by their weight in float32 before the cast back (OLMo 2's order, and Cohere's
+        LayerNorm's; Llama's casts first). Only reduced-precision activations see the difference."""
+        return self.model_type in OLMO_TYPES + COHERE_TYPES
+
+    @property
+    def rope_interleaved(self) -> bool:
+        """The checkpoint's RoPE rotates interleaved pairs (0, 1), (2, 3), ... of each head (Cohere), not its
+        halves: models.hf permutes the query / key rows (their biases and norm scales) to the half-split layout
+        on load, back on save. q . k is the same under one permutation of both, and so are the norms."""
+        return self.model_type in COHERE_TYPES
 
     @property
     def rope_per_layer(self) -> bool:
@@ -288,7 +323,8 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         d, f, v, hd = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
-        qk = hd * (self.num_heads + self.num_kv_heads if self.qk_norm_full else 2) if self.qk_norm else 0
+        per_head = self.qk_norm_full or self.qk_norm_head_scales
+        qk = hd * (self.num_heads + self.num_kv_heads if per_head else 2) if self.qk_norm else 0
         attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2) + qk
         mlp = 2 * d * f if self.is_gpt2 else 3 * d * f
         if self.num_experts:
@@ -367,23 +403,29 @@ class ModelConfig:
         if model_type == "qwen2_moe":  # its q/k/v biases by qkv_bias (on by default); attention_bias is not read
             attn_bias = bool(cfg.get("qkv_bias", True))
         mlp_bias = bool(cfg.get("mlp_bias", False)) and model_type in _MLP_BIAS_TYPES
+        cohere = model_type in COHERE_TYPES
+        # Command R7B: RoPE on its sliding-window layers alone (transformers rotates where a layer has a window)
+        rope_layers = (tuple(int(w > 0) for w in windows) if model_type == "cohere2"
+                       else _rope_layers(cfg, model_type, n_layers))
         return cls(
             model_type=model_type, vocab_size=cfg["vocab_size"], hidden_size=d,
             intermediate_size=cfg["intermediate_size"], num_layers=n_layers, num_heads=n_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or n_heads,
             head_dim=cfg.get("head_dim") or _HEAD_DIM_DEFAULTS.get(model_type) or d // n_heads,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(rope_theta),
+            norm_eps=cfg.get("layer_norm_eps", 1e-5) if cohere else cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
             rope_scaling=scaling_t, local_rope_theta=local_theta, partial_rotary_factor=partial,
             qkv_bias=attn_bias, o_bias=attn_bias and model_type not in ("qwen2", "qwen2_moe"), mlp_bias=mlp_bias,
             sliding_windows=windows,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in GEMMA_TYPES)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in GEMMA_TYPES + COHERE_TYPES)),
             activation=_activation(cfg, model_type),
             query_pre_attn_scalar=(cfg.get("query_pre_attn_scalar") or 256) if gemma23 else None,
             attn_logit_softcapping=cfg.get("attn_logit_softcapping") if gemma23 else None,
             final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma23 else None,
-            rope_layers=_rope_layers(cfg, model_type, n_layers), **_moe_fields(cfg, model_type, n_layers),
+            rope_layers=rope_layers, **_moe_fields(cfg, model_type, n_layers),
             **_granite_fields(cfg, model_type), **_olmoe_fields(cfg, model_type, d, n_heads),
+            **_cohere_fields(cfg, model_type),
             dtype=dtype, bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
             pad_token_id=cfg.get("pad_token_id"), extra=_extra(cfg, _KNOWN_KEYS | _FAMILY_KEYS.get(model_type, set())),
             **_LAYOUT_FLAGS.get(model_type, {}))
@@ -425,7 +467,8 @@ class ModelConfig:
                 "gemma3_text": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM",
                 "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM", "granite": "GraniteForCausalLM",
-                "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+                "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "cohere": "CohereForCausalLM",
+                "cohere2": "Cohere2ForCausalLM",
                 DREAM_TYPE: "DreamModel", FAST_DLLM_TYPE: "Fast_dLLM_QwenForCausalLM"}[self.model_type]
         rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope_scaling is not None:
@@ -445,7 +488,12 @@ class ModelConfig:
                        final_logit_softcapping=self.final_logit_softcapping,
                        layer_types=["sliding_attention" if w else "full_attention" for w in self.sliding_windows],
                        sliding_window=max(self.sliding_windows) or 4096)
-        if self.model_type == "olmo3":
+        if self.model_type in COHERE_TYPES:  # its LayerNorms' key; rms_norm_eps means nothing there
+            del out["rms_norm_eps"]
+            out.update(layer_norm_eps=self.norm_eps, logit_scale=self.logit_scale)
+            if self.model_type == "cohere":
+                out["use_qk_norm"] = self.qk_norm
+        if self.model_type in ("olmo3", "cohere2"):
             out.update(layer_types=["sliding_attention" if w else "full_attention" for w in self.sliding_windows],
                        sliding_window=max(self.sliding_windows) or 4096)
         if self.model_type in _LOCAL_ROPE_TYPES:  # 5.x: RoPE per layer type; 4.x (Gemma 3): the local base apart
@@ -487,7 +535,7 @@ class ModelConfig:
                               f"this config has several: {sorted(windows - {0})}")
         if self.model_type == "phi3":  # one window over every layer, or none
             out["sliding_window"] = self.sliding_windows[0] or None
-        elif windows != {0} and self.model_type not in _GEMMA_23 + OLMO_TYPES:
+        elif windows != {0} and self.model_type not in _LAYER_TYPE_WINDOWS + OLMO_TYPES:
             if self.model_type == "mistral" and len(windows) == 1:
                 out["sliding_window"] = self.sliding_windows[0]
             else:
@@ -504,6 +552,8 @@ class ModelConfig:
         """Refuse to save options the model_type's config.json has no way to say (they would load as
         another network)."""
         flags = _LAYOUT_FLAGS.get(self.model_type, {})
+        if self.model_type == "cohere":  # use_qk_norm: both on (a scale per head) or both off
+            flags = {**flags, "qk_norm": self.qk_norm, "qk_norm_head_scales": self.qk_norm}
         wrong = [f"{f}={getattr(self, f)}" for f in _FLAGS if getattr(self, f) != flags.get(f, False)]
         gemma23 = self.model_type in _GEMMA_23
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
@@ -520,12 +570,14 @@ class ModelConfig:
             wrong.append(f"rope_type={rope_type!r}, partial_rotary_factor={self.partial_rotary_factor} (Phi-3 "
                          f"alone has longrope and a partial rotary factor)")
         if self.model_type in _NO_WINDOW_TYPES and set(self.sliding_windows) != {0}:
-            name = {"olmo2": "OLMo 2", "granite": "Granite", "olmoe": "OLMoE"}[self.model_type]
+            name = {"olmo2": "OLMo 2", "granite": "Granite", "olmoe": "OLMoE", "cohere": "Command-R"}[self.model_type]
             wrong.append(f"sliding_windows={self.sliding_windows} ({name} has no sliding window)")
         granite = self.model_type == "granite"
         for name, neutral in _GRANITE_MULTIPLIERS.items():
             if getattr(self, name) != neutral and not granite:
                 wrong.append(f"{name}={getattr(self, name)} (Granite alone has it)")
+        if self.logit_scale != 1.0 and self.model_type not in COHERE_TYPES:
+            wrong.append(f"logit_scale={self.logit_scale} (Command-R and Command R7B alone have it)")
         if (self.attention_multiplier is None) == granite:
             wrong.append(f"attention_multiplier={self.attention_multiplier} (Granite alone has it, always)")
         if (self.shared_expert_intermediate_size > 0) != (self.model_type == "qwen2_moe"):
@@ -556,7 +608,12 @@ class ModelConfig:
                          f"wide, {self.intermediate_size})")
         if self.model_type == "olmoe" and self.head_dim * self.num_heads != self.hidden_size:
             wrong.append(f"head_dim={self.head_dim} (OLMoE's is hidden_size // num_attention_heads)")
-        if 0 in self.rope_layers and self.model_type != "smollm3":
+        if self.model_type == "cohere2":  # layer_types says both the windows and where RoPE is
+            want = tuple(int(w > 0) for w in self.sliding_windows)
+            if (self.rope_layers or (1,) * self.num_layers) != want:
+                wrong.append(f"rope_layers={self.rope_layers} (Command R7B's RoPE is on its sliding-window layers "
+                             f"alone: {want})")
+        elif 0 in self.rope_layers and self.model_type != "smollm3":
             wrong.append(f"rope_layers={self.rope_layers} (SmolLM3 alone has layers without RoPE)")
         if wrong:
             layouts = "; ".join(f"{t}: {', '.join(f)}" for t, f in _LAYOUT_FLAGS.items())
@@ -586,7 +643,7 @@ def _normalize_dtype(name: str) -> str:
 # 2's soft-caps 50 / 30, Mixtral's rope_theta 1e6 and rms_norm_eps 1e-5, SmolLM3's rope_theta 2e6 and tied
 # embeddings, ...): those values are read from the class, as transformers reads the file.
 _FAMILY_DEFAULT_TYPES = ("qwen3", "qwen3_moe", "mixtral", "gemma", "gemma2", "gemma3_text", "smollm3", "phi3",
-                         "olmo2", "olmo3", "granite", "qwen2_moe", "olmoe")
+                         "olmo2", "olmo3", "granite", "qwen2_moe", "olmoe", "cohere", "cohere2")
 
 
 def _with_family_defaults(cfg: dict) -> dict:
@@ -782,6 +839,21 @@ def _olmoe_fields(cfg: dict, model_type: str, d: int, n_heads: int) -> dict:
     return dict(clip_qkv=None if clip is None else float(clip))
 
 
+def _cohere_fields(cfg: dict, model_type: str) -> dict:
+    """Command-R's logit_scale (0.0625 when left out, as transformers) and its query / key norms (use_qk_norm: a
+    scale per head); Command R7B's logit_scale (its attention reads no use_qk_norm); {} for the other layouts."""
+    if model_type not in COHERE_TYPES:
+        return {}
+    scale = cfg.get("logit_scale", 0.0625)
+    if not _finite_number(scale):
+        raise ConfigError(f"unsupported {model_type} logit_scale={scale!r}; it takes a finite number (the logits are "
+                          f"multiplied by it)")
+    out = dict(logit_scale=float(scale))
+    if model_type == "cohere" and cfg.get("use_qk_norm"):
+        out.update(qk_norm=True, qk_norm_head_scales=True)
+    return out
+
+
 def _rope_layers(cfg: dict, model_type: str, n_layers: int) -> tuple:
     """SmolLM3's no_rope_layers (1: RoPE), or every no_rope_layer_interval-th layer without; () elsewhere."""
     if model_type != "smollm3":
@@ -817,15 +889,16 @@ def _sliding_windows(cfg: dict, model_type: str, n_layers: int) -> tuple:
     if model_type in _ONE_WINDOW_TYPES:  # one window for every layer (transformers reads no layer_types)
         on = bool(window) and (model_type != "qwen3_moe" or cfg.get("use_sliding_window", False))
         return (int(window) if on else 0,) * n_layers
-    if model_type in _GEMMA_23 + ("olmo3",):  # layer_types, or (older configs) every pattern-th layer full
+    if model_type in _LAYER_TYPE_WINDOWS:  # layer_types, or (older configs) every pattern-th layer full
         window = cfg.get("sliding_window", 4096)  # transformers' default when the key is absent
         pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or (
-            {"gemma3_text": 6, "olmo3": 4}.get(model_type, 2))
+            {"gemma3_text": 6, "olmo3": 4, "cohere2": 4}.get(model_type, 2))
         types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                            for i in range(n_layers)]
         if "sliding_attention" in types and not window:
             raise ConfigError(f"config.json's layer_types has sliding-attention layers but sliding_window is "
-                              f"{window!r}; set it (Gemma 2 and 3: 4096, or 512 / 1024; OLMo 3: 4096)")
+                              f"{window!r}; set it (Gemma 2 and 3: 4096, or 512 / 1024; Command R7B: 4096; "
+                              f"OLMo 3: 4096)")
         if len(types) != n_layers:
             raise ConfigError(f"config.json's layer_types has {len(types)} entries for {n_layers} layers")
         return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
@@ -879,7 +952,9 @@ _KNOWN_KEYS = {
 }
 # Keys a layout's own ModelConfig fields carry (elsewhere they stay in `extra`, as config.json said them)
 _FAMILY_KEYS = {"phi3": {"partial_rotary_factor"}, "granite": {*_GRANITE_MULTIPLIERS, "attention_multiplier"},
-                "qwen2_moe": {"shared_expert_intermediate_size", "qkv_bias"}, "olmoe": {"clip_qkv"}}
+                "qwen2_moe": {"shared_expert_intermediate_size", "qkv_bias"}, "olmoe": {"clip_qkv"},
+                "cohere": {"logit_scale", "layer_norm_eps", "use_qk_norm"},
+                "cohere2": {"logit_scale", "layer_norm_eps"}}
 
 
 def _extra(cfg: dict, known=_KNOWN_KEYS) -> tuple:

@@ -282,16 +282,18 @@ def _hf_layer_map(config: ModelConfig, i: int) -> dict[str, tuple[str, callable,
              p + "pre_feedforward_layernorm.weight": ("mlp_norm/scale", lambda w: w, (d,)),
              p + "post_feedforward_layernorm.weight": ("mlp_out_norm/scale", lambda w: w, (d,))}
     else:
-        m = {p + "input_layernorm.weight": ("attn_norm/scale", lambda w: w, (d,)),
-             p + "post_attention_layernorm.weight": ("mlp_norm/scale", lambda w: w, (d,))}
+        m = {p + "input_layernorm.weight": ("attn_norm/scale", lambda w: w, (d,))}
+        if not config.parallel_block:  # Cohere's MLP reads the input norm's output too
+            m[p + "post_attention_layernorm.weight"] = ("mlp_norm/scale", lambda w: w, (d,))
+    r = _to_halves(config)  # each head's last axis: HF's interleaved RoPE pairs -> our halves (Cohere)
     if config.model_type == "phi3":  # one fused q/k/v projection: rows q (h heads), then k, then v (kv heads)
         m[p + "self_attn.qkv_proj.weight"] = (("wq", "wk", "wv"), lambda w: (
             w[:h * hd].T.reshape(d, h, hd), w[h * hd:(h + kv) * hd].T.reshape(d, kv, hd),
             w[(h + kv) * hd:].T.reshape(d, kv, hd)), ((h + 2 * kv) * hd, d))
     else:
         m.update({
-            p + "self_attn.q_proj.weight": ("wq", lambda w: w.T.reshape(d, h, hd), (h * hd, d)),
-            p + "self_attn.k_proj.weight": ("wk", lambda w: w.T.reshape(d, kv, hd), (kv * hd, d)),
+            p + "self_attn.q_proj.weight": ("wq", lambda w: r(w.T.reshape(d, h, hd)), (h * hd, d)),
+            p + "self_attn.k_proj.weight": ("wk", lambda w: r(w.T.reshape(d, kv, hd)), (kv * hd, d)),
             p + "self_attn.v_proj.weight": ("wv", lambda w: w.T.reshape(d, kv, hd), (kv * hd, d)),
         })
     m[p + "self_attn.o_proj.weight"] = ("wo", lambda w: w.T.reshape(h, hd, d), (d, h * hd))
@@ -318,14 +320,17 @@ def _hf_layer_map(config: ModelConfig, i: int) -> dict[str, tuple[str, callable,
                   p + "mlp.up_proj.weight": ("w_up", lambda w: w.T, (f, d)),
                   p + "mlp.down_proj.weight": ("w_down", lambda w: w.T, (d, f))})
     if config.qkv_bias:
-        m[p + "self_attn.q_proj.bias"] = ("bq", lambda b: b.reshape(h, hd), (h * hd,))
-        m[p + "self_attn.k_proj.bias"] = ("bk", lambda b: b.reshape(kv, hd), (kv * hd,))
+        m[p + "self_attn.q_proj.bias"] = ("bq", lambda b: r(b.reshape(h, hd)), (h * hd,))
+        m[p + "self_attn.k_proj.bias"] = ("bk", lambda b: r(b.reshape(kv, hd)), (kv * hd,))
         m[p + "self_attn.v_proj.bias"] = ("bv", lambda b: b.reshape(kv, hd), (kv * hd,))
     if config.o_bias:
         m[p + "self_attn.o_proj.bias"] = ("bo", lambda b: b, (d,))
     if config.qk_norm_full:  # OLMo 2: over all heads ([H * hd]), kept per head as the projections are
         m[p + "self_attn.q_norm.weight"] = ("q_norm/scale", lambda w: w.reshape(h, hd), (h * hd,))
         m[p + "self_attn.k_norm.weight"] = ("k_norm/scale", lambda w: w.reshape(kv, hd), (kv * hd,))
+    elif config.qk_norm_head_scales:  # Cohere: [heads, head_dim] as transformers stores them
+        m[p + "self_attn.q_norm.weight"] = ("q_norm/scale", r, (h, hd))
+        m[p + "self_attn.k_norm.weight"] = ("k_norm/scale", r, (kv, hd))
     elif config.qk_norm:
         m[p + "self_attn.q_norm.weight"] = ("q_norm/scale", lambda w: w, (hd,))
         m[p + "self_attn.k_norm.weight"] = ("k_norm/scale", lambda w: w, (hd,))
@@ -334,6 +339,25 @@ def _hf_layer_map(config: ModelConfig, i: int) -> dict[str, tuple[str, callable,
         m[p + "mlp.up_proj.bias"] = ("b_up", lambda b: b, (f,))
         m[p + "mlp.down_proj.bias"] = ("b_down", lambda b: b, (d,))
     return {layout_name(config, k): v for k, v in m.items()}
+
+
+def _rope_permutation(config: ModelConfig, back: bool = False):
+    """Index along head_dim taking a checkpoint's interleaved RoPE layout (pairs (2i, 2i + 1) rotate by frequency
+    i: Cohere) to the half-split one the forward rotates (i and hd/2 + i): ours[j] = hf[perm[j]]; back: its
+    inverse. None where the checkpoint's RoPE is half-split already."""
+    if not config.rope_interleaved:
+        return None
+    hd = config.head_dim
+    perm = np.concatenate([np.arange(0, hd, 2), np.arange(1, hd, 2)])
+    return np.argsort(perm) if back else perm
+
+
+def _to_halves(config: ModelConfig, back: bool = False):
+    """x[..., head_dim] -> x in the half-split RoPE layout (back: to the checkpoint's); the identity where they
+    agree. Applied to the query / key projections, their biases and norm scales alike, so q . k and the per-head
+    norms are unchanged."""
+    perm = _rope_permutation(config, back)
+    return (lambda x: x) if perm is None else (lambda x: x[..., perm])
 
 
 # model_type -> (the MoE block's module, its experts' (gate, up, down) projections)
@@ -570,6 +594,7 @@ def to_hf_tensors(config: ModelConfig, params) -> dict[str, jax.Array]:
         out["transformer.ln_f.weight"] = params["final_norm"]["scale"]
         out["transformer.ln_f.bias"] = params["final_norm"]["bias"]
     else:
+        r = _to_halves(config, back=True)  # our half-split q / k back to the checkpoint's RoPE layout (Cohere)
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             if config.post_norms:  # OLMo 2: output norms only
@@ -582,8 +607,9 @@ def to_hf_tensors(config: ModelConfig, params) -> dict[str, jax.Array]:
                 out[p + "post_feedforward_layernorm.weight"] = L["mlp_out_norm"]["scale"][i]
             else:
                 out[p + "input_layernorm.weight"] = L["attn_norm"]["scale"][i]
-                out[p + "post_attention_layernorm.weight"] = L["mlp_norm"]["scale"][i]
-            q, k, v = (L["wq"][i].reshape(d, h * hd).T, L["wk"][i].reshape(d, kv * hd).T,
+                if not config.parallel_block:
+                    out[p + "post_attention_layernorm.weight"] = L["mlp_norm"]["scale"][i]
+            q, k, v = (r(L["wq"][i]).reshape(d, h * hd).T, r(L["wk"][i]).reshape(d, kv * hd).T,
                        L["wv"][i].reshape(d, kv * hd).T)
             if config.model_type == "phi3":  # fused back as Phi-3 stores them
                 out[p + "self_attn.qkv_proj.weight"] = jnp.concatenate([q, k, v], axis=0)
@@ -612,12 +638,15 @@ def to_hf_tensors(config: ModelConfig, params) -> dict[str, jax.Array]:
                 out[p + "mlp.up_proj.weight"] = L["w_up"][i].T
                 out[p + "mlp.down_proj.weight"] = L["w_down"][i].T
             if config.qkv_bias:
-                out[p + "self_attn.q_proj.bias"] = L["bq"][i].reshape(-1)
-                out[p + "self_attn.k_proj.bias"] = L["bk"][i].reshape(-1)
+                out[p + "self_attn.q_proj.bias"] = r(L["bq"][i]).reshape(-1)
+                out[p + "self_attn.k_proj.bias"] = r(L["bk"][i]).reshape(-1)
                 out[p + "self_attn.v_proj.bias"] = L["bv"][i].reshape(-1)
             if config.o_bias:
                 out[p + "self_attn.o_proj.bias"] = L["bo"][i]
-            if config.qk_norm:  # OLMo 2's over all heads: flattened back to [H * hd]
+            if config.qk_norm_head_scales:  # Cohere's: [H, hd] as transformers stores them
+                out[p + "self_attn.q_norm.weight"] = r(L["q_norm"]["scale"][i])
+                out[p + "self_attn.k_norm.weight"] = r(L["k_norm"]["scale"][i])
+            elif config.qk_norm:  # OLMo 2's over all heads: flattened back to [H * hd]
                 out[p + "self_attn.q_norm.weight"] = L["q_norm"]["scale"][i].reshape(-1)
                 out[p + "self_attn.k_norm.weight"] = L["k_norm"]["scale"][i].reshape(-1)
             if config.mlp_bias:

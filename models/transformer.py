@@ -24,8 +24,9 @@ under shard_map on each device's rows and KV heads. Without a cache the T tokens
 Parameter pytree (L = layers, D = hidden, H/KV = heads, hd = head dim, F = MLP width):
     embed [V, D]; pos_embed [P, D] (GPT-2); lm_head [D, V] (untied only)
     final_norm {scale [D], bias [D] (GPT-2)}
-    layers: attn_norm/mlp_norm {scale [L, D], bias} (none in OLMo 2), q_norm/k_norm {scale [L, hd]} (Qwen3,
-            Gemma 3; OLMo 2's norms over all heads: [L, H, hd] / [L, KV, hd]),
+    layers: attn_norm/mlp_norm {scale [L, D], bias} (none in OLMo 2; no mlp_norm in Cohere's parallel blocks),
+            q_norm/k_norm {scale [L, hd]} (Qwen3, Gemma 3; OLMo 2's norms over all heads and Cohere's scales per
+            head: [L, H, hd] / [L, KV, hd]),
             attn_out_norm/mlp_out_norm {scale [L, D]} (Gemma 3's and OLMo 2's norms on the attention and MLP
             outputs),
             wq [L, D, H, hd], wk/wv [L, D, KV, hd],
@@ -53,11 +54,14 @@ _MASKED = -1e30  # finite, so a fully masked (padding) query gives a uniform sof
 
 
 # ----------------------------------------------------------------------------- building blocks
-def rms_norm(x, p, eps, plus_one: bool = False, scale_f32: bool = False, axes=(-1,)):
+def rms_norm(x, p, eps, plus_one: bool = False, scale_f32: bool = False, axes=(-1,), center: bool = False):
     """RMSNorm over the trailing `axes` (p["scale"] spans them). plus_one (Gemma): scaled by 1 + scale in
     float32 before the cast back, as Gemma's reference does; scale_f32 (OLMo 2): scaled in float32, then cast
-    back; otherwise cast back, then scaled (Llama's order)."""
+    back; otherwise cast back, then scaled (Llama's order). center (Cohere): the mean subtracted first, so a
+    LayerNorm without bias."""
     x32 = x.astype(jnp.float32)
+    if center:
+        x32 = x32 - jnp.mean(x32, axis=axes, keepdims=True)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axes, keepdims=True) + eps)
     if plus_one:
         return (y * (1.0 + p["scale"].astype(jnp.float32))).astype(x.dtype)
@@ -77,7 +81,7 @@ def layer_norm(x, p, eps):
 def _norm(config: ModelConfig, x, p, axes=(-1,)):
     if config.is_gpt2:
         return layer_norm(x, p, config.norm_eps)
-    return rms_norm(x, p, config.norm_eps, config.norm_plus_one, config.norm_scale_f32, axes)
+    return rms_norm(x, p, config.norm_eps, config.norm_plus_one, config.norm_scale_f32, axes, config.norm_center)
 
 
 def gelu_new(x):
@@ -226,20 +230,24 @@ def lm_logits(h, embed, lm_head=None):
 
 def output_logits(config: ModelConfig, params, h):
     """A model's float32 logits [..., V] of its final-normed states h [..., D] (its LM head, or its
-    embedding when the head is tied), divided by logits_scaling (Granite) and soft-capped where the model
-    does (Gemma 2)."""
+    embedding when the head is tied), times logit_scale (Cohere), divided by logits_scaling (Granite) and
+    soft-capped where the model does (Gemma 2)."""
     logits = lm_logits(h, params["embed"], None if config.tie_word_embeddings else params["lm_head"])
     return finish_logits(logits, *logits_finish(config))
 
 
 def logits_finish(config: ModelConfig) -> tuple:
-    """(logits_scaling, final_logit_softcapping): what a model does to its head's logits (finish_logits).
-    Drafters that read the target's head keep it, so their drafts follow the target's distribution."""
-    return float(config.logits_scaling), config.final_logit_softcapping
+    """(logits_scaling, final_logit_softcapping, logit_scale): what a model does to its head's logits
+    (finish_logits). Drafters that read the target's head keep it, so their drafts follow the target's
+    distribution."""
+    return float(config.logits_scaling), config.final_logit_softcapping, float(config.logit_scale)
 
 
-def finish_logits(logits, scaling: float = 1.0, softcap: float | None = None):
-    """Head logits as the model emits them: divided by `scaling` (Granite), then soft-capped (Gemma 2)."""
+def finish_logits(logits, scaling: float = 1.0, softcap: float | None = None, multiplier: float = 1.0):
+    """Head logits as the model emits them: times `multiplier` (Cohere's logit_scale), divided by `scaling`
+    (Granite), then soft-capped (Gemma 2)."""
+    if multiplier != 1.0:
+        logits = logits * multiplier
     if scaling != 1.0:
         logits = logits / scaling
     return logits if softcap is None else softcap * jnp.tanh(logits / softcap)
@@ -285,8 +293,9 @@ def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, attend, rope_factor=None
     v = matmul("btd,dnh->btnh", h, lp["wv"])
     if config.qkv_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-    if config.qk_norm:  # Qwen3, Gemma 3: each head's query and key RMS-normed over head_dim, before RoPE;
-        # OLMo 2: all heads' queries (keys) as one vector, normed over [heads, head_dim] where they lie
+    if config.qk_norm:  # Qwen3, Gemma 3: each head's query and key RMS-normed over head_dim, before RoPE (Cohere:
+        # a scale per head, [H, hd], broadcast); OLMo 2: all heads' queries (keys) as one vector, normed over
+        # [heads, head_dim] where they lie
         axes = (-2, -1) if config.qk_norm_full else (-1,)
         q = _norm(config, q, lp["q_norm"], axes)
         k = _norm(config, k, lp["k_norm"], axes)
@@ -310,7 +319,10 @@ def _layer(config: ModelConfig, x, lp, q_pos, inv_freq, attend, rope_factor=None
     if config.residual_multiplier != 1.0:  # Granite
         o = times_float(o, config.residual_multiplier)
     x = x + o
-    h = x if config.post_norms else _norm(config, x, lp["mlp_norm"])
+    if config.post_norms:
+        h = x
+    elif not config.parallel_block:  # parallel (Cohere): the MLP reads the attention's normed input, h as it is
+        h = _norm(config, x, lp["mlp_norm"])
     if config.is_gpt2:
         u = matmul("btd,df->btf", h, lp["w_up"]) + lp["b_up"]
         m = matmul("btf,fd->btd", gelu_new(u), lp["w_down"]) + lp["b_down"]
@@ -687,7 +699,9 @@ def init_params(config: ModelConfig, key, std: float = 0.02):
         "wo": normal((n, h, hd, d), resid),
     }
     if not config.post_norms:
-        layers.update(attn_norm=norm_params((n, d)), mlp_norm=norm_params((n, d)))
+        layers["attn_norm"] = norm_params((n, d))
+    if not (config.post_norms or config.parallel_block):
+        layers["mlp_norm"] = norm_params((n, d))
     if config.num_experts:
         e, fm = config.num_experts, config.moe_intermediate_size
         layers.update(w_router=normal((n, d, e)), we_gate=normal((n, e, d, fm)), we_up=normal((n, e, d, fm)),
@@ -705,7 +719,7 @@ def init_params(config: ModelConfig, key, std: float = 0.02):
                       bv=jnp.zeros((n, kv, hd), dt))
     if config.o_bias:
         layers["bo"] = jnp.zeros((n, d), dt)
-    if config.qk_norm_full:
+    if config.qk_norm_full or config.qk_norm_head_scales:
         layers.update(q_norm=norm_params((n, h, hd)), k_norm=norm_params((n, kv, hd)))
     elif config.qk_norm:
         layers.update(q_norm=norm_params((n, hd)), k_norm=norm_params((n, hd)))

@@ -33,7 +33,8 @@ def make_hf_model(kind: str, vocab_size: int = 320, seed: int = 0, random_norms:
     """A random transformers model of the given family, in eval mode (no dropout). random_norms: the norms'
     scales drawn around 1 instead of all ones (a norm applied in the wrong place then shows); Gemma's norms
     scale by 1 + weight, so their weights are drawn around 0. random_biases: the linear layers' biases
-    drawn instead of transformers' zeros."""
+    drawn instead of transformers' zeros (every weight named *norm*: Cohere's LayerNorms and per-head query /
+    key norm scales too)."""
     import torch
     import transformers as tf
 
@@ -60,11 +61,14 @@ def make_hf_model(kind: str, vocab_size: int = 320, seed: int = 0, random_norms:
                         "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM),
                         "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
                         "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
-                        "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM)}[kind]
+                        "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
+                        "cohere": (tf.CohereConfig, tf.CohereForCausalLM),
+                        "cohere2": (tf.Cohere2Config, tf.Cohere2ForCausalLM)}[kind]
         if kind.startswith("gemma"):  # their configs derive layer types and RoPE sets at init
             llama_like.update(head_dim=8, **overrides)
             overrides = {}
-        if kind in ("phi3", "olmo2", "olmo3", "granite"):  # so do these (Phi-3: the partial rotary factor, longrope)
+        # so do these (Phi-3: the partial rotary factor, longrope; Command R7B: its layer types)
+        if kind in ("phi3", "olmo2", "olmo3", "granite", "cohere", "cohere2"):
             llama_like.update(**overrides)
             overrides = {}
         if kind in ("mixtral", "qwen3_moe"):  # 4 experts, 2 per token; Qwen3-MoE's narrower than the MLP

@@ -53,7 +53,13 @@ FAMILY_OVERRIDES = {"qwen3": dict(head_dim=16, random_norms=True), "gemma": dict
                     # the shared expert, q/k/v biases, a window on layer 0 (transformers 5's default layer_types)
                     "qwen2_moe": dict(random_biases=True, use_sliding_window=True, sliding_window=4,
                                       max_window_layers=1),
-                    "olmoe": dict(random_norms=True, norm_topk_prob=True, clip_qkv=0.5)}
+                    "olmoe": dict(random_norms=True, norm_topk_prob=True, clip_qkv=0.5),
+                    # per-head query / key LayerNorms and biases (interleaved RoPE, permuted on load), a logit_scale
+                    "cohere": dict(random_norms=True, random_biases=True, use_qk_norm=True, attention_bias=True,
+                                   logit_scale=0.5),
+                    # a sliding layer with RoPE beside a full one without, a window shorter than the decode
+                    "cohere2": dict(random_norms=True, sliding_window=4, logit_scale=0.5,
+                                    layer_types=["sliding_attention", "full_attention"])}
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +98,8 @@ def hf_greedy(hf, prompt, n, **kw):
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen3", "smollm3", "gemma", "gemma2", "gemma3_text", "mixtral",
-                                  "qwen3_moe", "phi3", "olmo2", "olmo3", "granite", "qwen2_moe", "olmoe"])
+                                  "qwen3_moe", "phi3", "olmo2", "olmo3", "granite", "qwen2_moe", "olmoe", "cohere",
+                                  "cohere2"])
 def test_greedy_matches_transformers_for_a_ragged_batch(hf_models, kind, prompts):
     hf, config, params = hf_models(kind)
     tokens, lengths = pad_prompts(prompts)
@@ -104,7 +111,7 @@ def test_greedy_matches_transformers_for_a_ragged_batch(hf_models, kind, prompts
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "gemma2", "gemma3_text", "qwen3_moe", "phi3", "olmo2", "granite",
-                                  "qwen2_moe", "olmoe"])
+                                  "qwen2_moe", "olmoe", "cohere", "cohere2"])
 def test_speculative_decoding_equals_greedy_on_newer_families(tmp_path, prompts, kind):
     """A Qwen3 / Gemma 2 / Gemma 3 / Qwen3-MoE checkpoint through the public API: speculative decoding with a
     draft model of its family (a 1-layer one of other weights, whose drafts are mostly rejected, and the target itself,

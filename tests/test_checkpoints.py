@@ -172,6 +172,12 @@ def test_unsupported_moe_configs(changes, message):
                        max_position_embeddings=32768)),
     ("olmoe", dict(num_experts=64, num_experts_per_tok=8, moe_intermediate_size=64, moe_norm_topk=False, norm_eps=1e-5,
                    clip_qkv=None, qk_norm_full=True)),
+    # Command-R's RoPE base is 500000 (its class's default_theta), its LayerNorms' eps layer_norm_eps, tied
+    ("cohere", dict(logit_scale=0.0625, norm_eps=1e-5, rope_theta=5e5, tie_word_embeddings=True, qk_norm=False,
+                    parallel_block=True, norm_center=True, sliding_windows=(0, 0), rope_layers=())),
+    # Command R7B: three sliding layers of four (here both of 2), window 4096, RoPE base 10000
+    ("cohere2", dict(logit_scale=0.0625, norm_eps=1e-5, rope_theta=1e4, tie_word_embeddings=True, qk_norm=False,
+                     sliding_windows=(4096, 4096), rope_layers=(1, 1))),
 ])
 def test_keys_left_out_take_the_familys_transformers_defaults(model_type, want):
     """A config.json without these keys is read as transformers reads it: its config class's values."""
@@ -279,6 +285,108 @@ def test_granite_and_moe_networks_a_layout_cannot_say_are_not_saved():
         ModelConfig(model_type="qwen2_moe", shared_expert_intermediate_size=16, **base)
     with pytest.raises(ConfigError, match=r"logits_scaling=0: the logits are divided by it"):
         ModelConfig(model_type="granite", attention_multiplier=1.0, logits_scaling=0.0, **base)
+
+
+COHERE = dict(GRANITE, model_type="cohere")
+COHERE2 = dict(GRANITE, model_type="cohere2")
+
+
+@pytest.mark.parametrize("cfg, message", [
+    (dict(COHERE, logit_scale=None), r"unsupported cohere logit_scale=None; it takes a finite number \(the logits are "
+                                     r"multiplied by it\)"),
+    (dict(COHERE2, logit_scale="0.5"), r"unsupported cohere2 logit_scale='0.5'"),
+    (dict(COHERE2, sliding_window=None), r"has sliding-attention layers but sliding_window is None; set it \(.*"
+                                         r"Command R7B: 4096"),
+    (dict(COHERE2, layer_types=["full_attention"]), r"layer_types has 1 entries for 2 layers"),
+    (dict(COHERE, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+     r"unsupported rope_type='dynamic'; supported: default, llama3, linear, yarn"),
+    (dict(COHERE, hidden_act="relu"), r"unsupported hidden_act='relu'"),
+])
+def test_unsupported_cohere_options_are_refused_at_load(cfg, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf_dict(cfg)
+
+
+def test_cohere_configs_read_as_transformers_reads_them():
+    """Command R7B's windows and RoPE by layer_types, or (the released form) every sliding_window_pattern-th layer
+    full: RoPE on the sliding layers alone; its attention reads no use_qk_norm (kept for the save). Command-R reads
+    no window, its query / key norms by use_qk_norm, head_dim when given."""
+    c = ModelConfig.from_hf_dict(dict(COHERE2, num_hidden_layers=8, sliding_window=16))
+    assert (c.sliding_windows, c.rope_layers) == ((16, 16, 16, 0) * 2, (1, 1, 1, 0) * 2)
+    c = ModelConfig.from_hf_dict(dict(COHERE2, num_hidden_layers=4, sliding_window=16, sliding_window_pattern=2,
+                                      use_qk_norm=True))
+    assert (c.sliding_windows, c.rope_layers, c.qk_norm) == ((16, 0, 16, 0), (1, 0, 1, 0), False)
+    assert c.to_hf_dict()["use_qk_norm"] is True  # not read, kept as config.json said it
+    c = ModelConfig.from_hf_dict(dict(COHERE2, layer_types=["full_attention"] * 2))
+    assert (c.sliding_windows, c.rope_layers) == ((0, 0), (0, 0))  # no positional encoding at all
+    c = ModelConfig.from_hf_dict(dict(COHERE, sliding_window=4, use_qk_norm=True, head_dim=16, attention_bias=True))
+    assert (c.sliding_windows, c.qk_norm, c.qk_norm_head_scales, c.head_dim, c.qkv_bias, c.o_bias) == (
+        (0, 0), True, True, 16, True, True)
+    out = c.to_hf_dict()
+    assert (out["architectures"], out["layer_norm_eps"], out["use_qk_norm"], "rms_norm_eps" in out) == (
+        ["CohereForCausalLM"], 1e-5, True, False)
+
+
+def test_cohere_networks_a_layout_cannot_say_are_not_saved():
+    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                head_dim=8, max_position_embeddings=64)
+    cohere = dict(parallel_block=True, norm_center=True)
+    for cfg, match in [
+            (ModelConfig(model_type="llama", logit_scale=0.3, **base),
+             r"a llama config.json cannot express logit_scale=0.3 \(Command-R and Command R7B alone have it\)"),
+            (ModelConfig(model_type="llama", **cohere, **base),
+             r"a llama config.json cannot express parallel_block=True, norm_center=True"),
+            (ModelConfig(model_type="cohere", parallel_block=True, **base), r"cannot express norm_center=False"),
+            (ModelConfig(model_type="cohere", qk_norm=True, **cohere, **base),
+             r"a cohere config.json cannot express qk_norm_head_scales=False"),
+            (ModelConfig(model_type="cohere2", qk_norm=True, qk_norm_head_scales=True, **cohere, **base),
+             r"a cohere2 config.json cannot express qk_norm=True, qk_norm_head_scales=True"),
+            (ModelConfig(model_type="cohere", sliding_windows=(4, 4), **cohere, **base),
+             r"sliding_windows=\(4, 4\) \(Command-R has no sliding window\)"),
+            (ModelConfig(model_type="cohere", rope_layers=(1, 0), **cohere, **base),
+             r"rope_layers=\(1, 0\) \(SmolLM3 alone has layers without RoPE\)"),
+            (ModelConfig(model_type="cohere2", sliding_windows=(4, 0), **cohere, **base),
+             r"rope_layers=\(\) \(Command R7B's RoPE is on its sliding-window layers alone: \(1, 0\)\)"),
+            (ModelConfig(model_type="cohere2", sliding_windows=(4, 0), rope_layers=(0, 1), **cohere, **base),
+             r"rope_layers=\(0, 1\) \(Command R7B's RoPE"),
+            (ModelConfig(model_type="cohere", mlp_bias=True, **cohere, **base), r"mlp_bias=True \(only llama"),
+            (ModelConfig(model_type="cohere", qkv_bias=True, **cohere, **base),
+             r"qkv_bias=True with o_bias=False \(attention_bias sets both\)")]:
+        with pytest.raises(ConfigError, match=match):
+            cfg.to_hf_dict()
+    # what a Command R7B config.json says: all-sliding layers rotate everywhere, a full one not at all
+    assert ModelConfig(model_type="cohere2", sliding_windows=(4, 4), **cohere, **base).to_hf_dict()["layer_types"] == [
+        "sliding_attention"] * 2
+    with pytest.raises(ConfigError, match=r"qk_norm_head_scales=True \(a query / key norm scale per head\) needs "
+                                          r"qk_norm=True and excludes qk_norm_full"):
+        ModelConfig(model_type="cohere", qk_norm_head_scales=True, **cohere, **base)
+    with pytest.raises(ConfigError, match=r"parallel_block .* excludes post_norms and sandwich_norms"):
+        ModelConfig(model_type="cohere", parallel_block=True, post_norms=True, **base)
+    with pytest.raises(ConfigError, match=r"logit_scale must be a finite number, got inf"):
+        ModelConfig(model_type="cohere", logit_scale=float("inf"), **cohere, **base)
+
+
+@pytest.fixture(scope="module")
+def cohere_saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cohere")
+    make_hf_model("cohere", vocab_size=VOCAB, use_qk_norm=True).save_pretrained(str(root))
+    return root
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.update({"model.layers.0.self_attn.q_norm.weight": np.ones(32, np.float32)}),
+     r"'model.layers.0.self_attn.q_norm.weight' has shape \(32,\), expected \(4, 8\)"),
+    (lambda t: t.update({"model.layers.1.post_attention_layernorm.weight": np.ones(32, np.float32)}),
+     r"not used by a cohere model with this config.json: model.layers.1.post_attention_layernorm.weight"),
+    (lambda t: t.pop("model.layers.1.self_attn.k_norm.weight"),
+     r"missing weight tensor 'model.layers.1.self_attn.k_norm.weight' \(expected shape \(2, 8\)\)"),
+], ids=["flat_q_norm", "mlp_norm", "k_norm"])
+def test_cohere_tensors_are_checked_by_name(cohere_saved, tmp_path, edit, message):
+    """Command-R's per-head norm scales are [heads, head_dim]; its parallel block has no second norm."""
+    d = Path(shutil.copytree(cohere_saved, tmp_path / "cohere"))
+    edit_tensors(d, edit)
+    with pytest.raises(CheckpointError, match=message):
+        load_params(d)
 
 
 def test_biases_a_layout_cannot_say_are_not_saved():

@@ -123,9 +123,9 @@ def test_untrained_heads_are_the_lm_head():
                                    rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("finish", [dict(logits_scaling=4.0), dict(final_logit_softcapping=2.0)])
+@pytest.mark.parametrize("finish", [dict(logits_scaling=4.0), dict(final_logit_softcapping=2.0), dict(logit_scale=0.3)])
 def test_untrained_heads_draft_the_targets_own_distribution(finish):
-    """A target that scales (Granite) or soft-caps (Gemma 2) its logits: zero-init heads draft from the
+    """A target that scales (Granite, Cohere) or soft-caps (Gemma 2) its logits: zero-init heads draft from the
     target's own next-token distribution (output_logits), not from its raw LM head's, at T = 1."""
     from jaxdecode.models.transformer import output_logits
     target = Model(TARGET.config.replace(**finish), TARGET.params)

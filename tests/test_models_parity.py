@@ -105,6 +105,15 @@ VARIANTS = {
     "olmoe_norm_topk": ("olmoe", dict(random_norms=True, norm_topk_prob=True)),
     "olmoe_raw_topk_clip_biases": ("olmoe", dict(random_norms=True, random_biases=True, attention_bias=True,
                                                  clip_qkv=0.5)),
+    # Command-R: per-head query / key LayerNorms (a scale per head), attention biases (q / k ones permuted to the
+    # half-split RoPE layout with the rows), a logit_scale that is not a power of 2; tied (its default)
+    "cohere_qk_norm_biases": ("cohere", dict(random_norms=True, random_biases=True, use_qk_norm=True,
+                                             attention_bias=True, logit_scale=0.3)),
+    "cohere_untied_linear": ("cohere", dict(random_norms=True, tie_word_embeddings=False, logit_scale=2.0,
+                                            rope_parameters=LINEAR_ROPE)),
+    # Command R7B: sliding layer 0 (RoPE) beside full layer 1 (no positional encoding), window < SEQ
+    "cohere2_window_nope": ("cohere2", dict(random_norms=True, sliding_window=4, logit_scale=0.5,
+                                            layer_types=["sliding_attention", "full_attention"])),
     "gpt2_tied": ("gpt2", {}),
     "gpt2_untied": ("gpt2", dict(tie_word_embeddings=False)),
 }
@@ -251,13 +260,27 @@ def test_variants_load_the_intended_shapes(built):
     assert "attn_norm" in built("olmoe_norm_topk").params["layers"]
     c = built("olmoe_raw_topk_clip_biases").config
     assert (c.moe_norm_topk, c.clip_qkv, c.qkv_bias, c.o_bias) == (False, 0.5, True, True)
+    c = built("cohere_qk_norm_biases").config
+    assert (c.parallel_block, c.norm_center, c.qk_norm, c.qk_norm_head_scales, c.qk_norm_full, c.qkv_bias, c.o_bias,
+            c.logit_scale, c.tie_word_embeddings, c.norm_scale_f32, c.rope_interleaved, c.norm_eps) == (
+        True, True, True, True, False, True, True, 0.3, True, True, True, 1e-5)
+    layers = built("cohere_qk_norm_biases").params["layers"]
+    assert layers["q_norm"]["scale"].shape == (2, 4, 8) and layers["k_norm"]["scale"].shape == (2, 2, 8)
+    assert "mlp_norm" not in layers and "lm_head" not in built("cohere_qk_norm_biases").params
+    c = built("cohere_untied_linear").config
+    assert (c.qk_norm, c.tie_word_embeddings, c.logit_scale, dict(c.rope_scaling)["rope_type"]) == (
+        False, False, 2.0, "linear")
+    c = built("cohere2_window_nope").config
+    assert (c.sliding_windows, c.rope_layers, c.qk_norm, c.logit_scale, c.parallel_block, c.norm_center) == (
+        (4, 0), (1, 0), False, 0.5, True, True)
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_untied_llama3", "llama_mha_tied_linear_biases", "qwen3_yarn",
                                   "smollm3_nope_yarn", "gemma3_yarn_on_full",
                                   "mistral_window4", "qwen2_window_on_layer1", "qwen3_biases_tied_window",
                                   "phi3_partial_window_tied", "phi3_longrope_short", "phi3_longrope_partial_long",
-                                  "olmo3_window_yarn", "granite_tied_head_dim16_llama3", "qwen2_moe_norm_topk_window"])
+                                  "olmo3_window_yarn", "granite_tied_head_dim16_llama3", "qwen2_moe_norm_topk_window",
+                                  "cohere_untied_linear", "cohere2_window_nope"])
 def test_rope_scaling_and_windows_matter(built, name):
     """Dropping the rope scaling / sliding window changes the logits, so parity above covers them."""
     v = built(name)
@@ -354,6 +377,46 @@ def test_qwen2_moe_shared_expert_matters(built, part):
     assert max_valid_diff(logits, v.logits, v.valid) > 1e-3
 
 
+def _cohere_change(v, change):
+    """(config, params) of a Cohere variant with one option changed (the params it then needs derived)."""
+    config, layers = v.config, dict(v.params["layers"])
+    if change == "parallel_block":  # sequential: the MLP normed anew after the attention's add (same scales)
+        config, layers["mlp_norm"] = config.replace(parallel_block=False), layers["attn_norm"]
+    elif change == "qk_norm":
+        config = config.replace(qk_norm=False, qk_norm_head_scales=False)
+        del layers["q_norm"], layers["k_norm"]
+    elif change == "qk_norm_full":  # the same scales, but one norm over all heads (OLMo 2's) instead of per head
+        config = config.replace(qk_norm_head_scales=False, qk_norm_full=True)
+    elif change == "interleaved_rope":  # the checkpoint's q / k layout as it is: rotated by halves, not pairs
+        from jaxdecode.models.hf import _to_halves
+        back = _to_halves(config, back=True)
+        layers.update({k: back(layers[k]) for k in ("wq", "wk", "bq", "bk") if k in layers})
+        layers.update({k: {"scale": back(layers[k]["scale"])} for k in ("q_norm", "k_norm") if k in layers})
+    elif change == "rope_layers":  # RoPE on every layer, the full ones too
+        config = config.replace(rope_layers=())
+    elif change == "logit_scale":
+        config = config.replace(logit_scale=1.0)
+    else:  # RMSNorms: not centred
+        config = config.replace(norm_center=False)
+    return config, {**v.params, "layers": layers}
+
+
+@pytest.mark.parametrize("name, change", [
+    ("cohere_qk_norm_biases", "logit_scale"), ("cohere_qk_norm_biases", "norm_center"),
+    ("cohere_qk_norm_biases", "parallel_block"), ("cohere_qk_norm_biases", "qk_norm"),
+    ("cohere_qk_norm_biases", "qk_norm_full"), ("cohere_qk_norm_biases", "interleaved_rope"),
+    ("cohere_untied_linear", "interleaved_rope"), ("cohere2_window_nope", "rope_layers"),
+    ("cohere2_window_nope", "interleaved_rope"), ("cohere2_window_nope", "logit_scale"),
+])
+def test_cohere_options_matter(built, name, change):
+    """Each Cohere option (its logit_scale, LayerNorm's centring, the parallel block, the per-head query / key
+    norms and their scope, the interleaved RoPE layout, Command R7B's RoPE on its sliding layers alone) changes
+    the logits, so the parity above covers it."""
+    v = built(name)
+    config, params = _cohere_change(v, change)
+    assert max_valid_diff(jax_logits(config, params, v.tokens, v.valid), v.logits, v.valid) > 1e-3
+
+
 def test_granite_multipliers_round_as_transformers_in_bfloat16():
     """transformers multiplies a bf16 tensor by Granite's Python-float multipliers in float32 and rounds once;
     jnp would round the multiplier to bf16 first. times_float is transformers' product, bit for bit."""
@@ -365,6 +428,26 @@ def test_granite_multipliers_round_as_transformers_in_bfloat16():
         want = (torch.tensor(x).to(torch.bfloat16) * m).float().numpy()
         np.testing.assert_array_equal(np.asarray(times_float(xb, m), np.float32), want)
     assert (np.asarray(xb * 0.22, np.float32) != (torch.tensor(x).to(torch.bfloat16) * 0.22).float().numpy()).any()
+
+
+def test_cohere_layer_norm_equals_transformers_in_bfloat16(built):
+    """CohereLayerNorm centres, normalises and scales in float32, then rounds once: a Cohere model's norm (through
+    its config: norm_center, norm_scale_f32) equals it bit for bit in bfloat16; Llama's order (rounded, then
+    scaled) does not."""
+    import torch
+    from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+    from jaxdecode.models.transformer import _norm
+    config = built("cohere2_window_nope").config
+    rng = np.random.default_rng(0)
+    x, w = rng.normal(0.5, 3, (64, 256)).astype(np.float32), rng.normal(1, 0.5, 256).astype(np.float32)
+    ln = CohereLayerNorm(256, eps=config.norm_eps).to(torch.bfloat16)
+    with torch.no_grad():
+        ln.weight.copy_(torch.tensor(w))
+        want = ln(torch.tensor(x).to(torch.bfloat16)).float().numpy()
+    xb, p = jnp.asarray(x, jnp.bfloat16), {"scale": jnp.asarray(w, jnp.bfloat16)}
+    np.testing.assert_array_equal(np.asarray(_norm(config, xb, p), np.float32), want)
+    llama_order = config.replace(model_type="llama")  # norm_scale_f32 is the layout's: off for Llama
+    assert (np.asarray(_norm(llama_order, xb, p), np.float32) != want).any()
 
 
 def test_longrope_switches_per_row_as_transformers_per_sequence(tmp_path):
@@ -453,12 +536,14 @@ def test_gemma3_vision_language_checkpoint_loads_its_language_model(tmp_path):
 
 def _to_4x_form(cfg: dict) -> dict:
     """Rewrite a transformers 5.x config.json into the 4.x form (rope_theta/rope_scaling/torch_dtype;
-    Gemma: hidden_activation; Gemma 3: rope_local_base_freq, sliding_window_pattern; Phi-3: as released)."""
+    Gemma: hidden_activation; Gemma 3: rope_local_base_freq, sliding_window_pattern; Command R7B:
+    sliding_window_pattern; Phi-3: as released)."""
     cfg = dict(cfg)
     rope = dict(cfg.pop("rope_parameters"))
     if cfg["model_type"] == "gemma3_text":
         cfg["rope_local_base_freq"] = rope.pop("sliding_attention")["rope_theta"]
         rope = rope.pop("full_attention")
+    if cfg["model_type"] in ("gemma3_text", "cohere2"):  # the released form: a pattern, not the layer types
         types = cfg.pop("layer_types")
         cfg["sliding_window_pattern"] = types.index("full_attention") + 1
         assert types == ["sliding_attention" if (i + 1) % cfg["sliding_window_pattern"] else "full_attention"
@@ -484,7 +569,8 @@ def _to_4x_form(cfg: dict) -> dict:
                                   "gemma2_softcaps_window", "gemma3_window_local_rope", "smollm3_window_on_nope",
                                   "mistral_window4", "phi3_partial_window_tied", "phi3_longrope_partial_long",
                                   "olmo2_post_norms_biases", "granite_tied_head_dim16_llama3",
-                                  "qwen2_moe_shared_random_biases", "olmoe_raw_topk_clip_biases"])
+                                  "qwen2_moe_shared_random_biases", "olmoe_raw_topk_clip_biases",
+                                  "cohere_qk_norm_biases", "cohere2_window_nope"])
 def test_config_json_4x_form_loads_like_5x(built, tmp_path, name):
     v = built(name)
     cfg5 = json.loads((v.dir / "config.json").read_text())
@@ -530,11 +616,12 @@ def test_save_params_round_trips_through_transformers(built, tmp_path, name, sha
 
 @pytest.mark.parametrize("name", ["gemma2_softcaps_window", "qwen3_moe_4x2_norm_topk", "phi3_longrope_partial_long",
                                   "olmo3_window_yarn", "qwen2_random_biases", "granite_multipliers_biases",
-                                  "qwen2_moe_shared_random_biases", "olmoe_raw_topk_clip_biases"])
+                                  "qwen2_moe_shared_random_biases", "olmoe_raw_topk_clip_biases",
+                                  "cohere_qk_norm_biases", "cohere2_window_nope"])
 def test_weight_only_bfloat16_equals_transformers_on_the_rounded_weights(built, name):
     """load(param_dtype="bfloat16") rounds the weights only: its logits equal transformers' float32 model
     whose weights are rounded the same way (Gemma's embedding scale stays float32; the experts' inputs
-    keep float32 precision, as every other matmul's)."""
+    keep float32 precision, as every other matmul's; norm scales stay wide, Cohere's [heads, head_dim] ones too)."""
     import torch
     from jaxdecode.model import narrow_weights
     v = built(name)
@@ -542,7 +629,7 @@ def test_weight_only_bfloat16_equals_transformers_on_the_rounded_weights(built, 
     copy_model.load_state_dict(v.torch_model.state_dict())
     with torch.no_grad():
         for p_name, w in rounded.named_parameters():
-            if w.ndim >= 2:
+            if w.ndim >= 2 and "norm" not in p_name:
                 w.copy_(w.to(torch.bfloat16).to(torch.float32))
     want = torch_logits(rounded, v.tokens, v.valid)
     got = jax_logits(v.config, narrow_weights(v.params, "bfloat16"), v.tokens, v.valid)

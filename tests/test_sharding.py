@@ -112,6 +112,29 @@ def test_sharded_shared_expert_and_olmoe_forward_equals_single_device(setup, lay
     _check_sharded_forward(cfg, params, sp, mesh)
 
 
+@pytest.mark.parametrize("layout", ["cohere", "cohere2"])
+def test_sharded_cohere_forward_equals_single_device(setup, layout):
+    """Command-R's per-head query / key norm scales shard with the heads (each head normed where it lies), its
+    parallel block reads one LayerNorm, its q / k biases shard as the heads; Command R7B's sliding layer rotates,
+    its full one does not. Every norm scale and bias random, so a misplaced shard shows."""
+    _, mesh = setup
+    cohere = dict(parallel_block=True, norm_center=True, logit_scale=0.5)
+    if layout == "cohere":
+        cfg = CONFIG.replace(model_type="cohere", num_kv_heads=4, qk_norm=True, qk_norm_head_scales=True,
+                             qkv_bias=True, o_bias=True, **cohere)
+    else:
+        cfg = CONFIG.replace(model_type="cohere2", sliding_windows=(3, 0), rope_layers=(1, 0), **cohere)
+    rng = np.random.default_rng(4)
+    params = jax.tree.map(lambda a: a + jnp.asarray(rng.normal(0, 0.3, a.shape), a.dtype),
+                          init_params(cfg, jax.random.PRNGKey(4), std=0.3))
+    sp = shard_params(params, mesh)
+    assert "mlp_norm" not in sp["layers"]
+    if layout == "cohere":
+        assert sp["layers"]["k_norm"]["scale"].sharding.spec == jax.sharding.PartitionSpec(None, "model", None)
+        assert sp["layers"]["bq"].sharding.spec == jax.sharding.PartitionSpec(None, "model", None)
+    _check_sharded_forward(cfg, params, sp, mesh)
+
+
 @pytest.mark.parametrize("method,sampler", [("greedy", SamplerConfig(temperature=0.0)),
                                             ("sample", SamplerConfig(temperature=0.8, top_k=20))])
 def test_sharded_decode_equals_single_device(setup, method, sampler):

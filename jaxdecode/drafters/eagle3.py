@@ -232,7 +232,8 @@ class Eagle3Drafter:
     acceptance_prior: tuple = dataclasses.field(default=(), metadata=dict(static=True))
     # Catch-up block lengths (as DraftLM's): () = draft_lm.catch_up_widths(max_depth + 1).
     catch_up_sizes: tuple = dataclasses.field(default=(), metadata=dict(static=True))
-    # the target's logits_finish (Granite's scaling, Gemma 2's soft-cap): drafts from its distribution
+    # the target's logits_finish (Granite's scaling, Cohere's logit_scale, Gemma 2's soft-cap): drafts from its
+    # distribution
     finish: tuple = dataclasses.field(default=(1.0, None), metadata=dict(static=True))
 
     num_nodes = property(lambda self: self.builder.num_nodes)

@@ -167,7 +167,8 @@ class HeadsDrafter:
     feature_layers: tuple = dataclasses.field(default=(FINAL,), metadata=dict(static=True))
     # Held-out acceptance by depth from training (TrainedDrafter.make): the adaptive policy's start.
     acceptance_prior: tuple = dataclasses.field(default=(), metadata=dict(static=True))
-    # the target's logits_finish (Granite's scaling, Gemma 2's soft-cap): drafts from its distribution
+    # the target's logits_finish (Granite's scaling, Cohere's logit_scale, Gemma 2's soft-cap): drafts from its
+    # distribution
     finish: tuple = dataclasses.field(default=(1.0, None), metadata=dict(static=True))
 
     num_nodes = property(lambda self: self.builder.num_nodes)
