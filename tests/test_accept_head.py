@@ -51,13 +51,20 @@ def tiny_pair(vocab=V, layers=2, hidden=32, noise=0.03):
 
 
 def manual_head(cfg: AcceptHeadConfig, slope=3.0, bias=2.0):
-    """Head params with logit ~ bias + slope * log q(token): confident drafts are kept, others cut."""
+    """Head params with logit ~ bias + slope * log q(token): confident drafts are kept, others cut. With
+    drafter_proj, a random projection of the drafter's state moves the same hidden unit (so it matters)."""
     w = np.zeros((cfg.input_dim, cfg.hidden), np.float32)
     w[0, 0] = -1.0  # hidden unit 0 = silu(-log q(token)): grows as the draft is less sure
     out = np.zeros((cfg.hidden, 1), np.float32)
     out[0, 0] = -slope
-    return {"inp": {"kernel": jnp.asarray(w), "bias": jnp.zeros((cfg.hidden,))},
+    head = {"inp": {"kernel": jnp.asarray(w), "bias": jnp.zeros((cfg.hidden,))},
             "out": {"kernel": jnp.asarray(out), "bias": jnp.full((1,), bias)}}
+    if cfg.drafter_proj:
+        head["inp"]["kernel"] = head["inp"]["kernel"].at[-cfg.drafter_proj:, 0].set(1.0)
+        head["drafter"] = {"kernel": jax.random.normal(jax.random.PRNGKey(5), (cfg.drafter_state_dim,
+                                                                              cfg.drafter_proj)),
+                           "bias": jnp.zeros((cfg.drafter_proj,))}
+    return head
 
 
 CFG, TARGET, DRAFT = tiny_pair()
@@ -161,8 +168,9 @@ class CutRows(AcceptHeadDrafter):
     def propose(self, state, ctx, sampler):
         inner_state, tfeat = state
         tree, slots, inner_state = self.inner.propose(inner_state, ctx, sampler)
+        ds = inner_state.sources if self.head_config.drafter_proj else None
         lg = head_logits(self.params, self.head_config, chain_features(tree, slots),
-                         jnp.arange(tree.tokens.shape[1]))
+                         jnp.arange(tree.tokens.shape[1]), drafter_state=ds)
         own = 1.0 - jnp.exp(jnp.cumsum(log_accept(lg), axis=1)) <= self.threshold
         wrong = (jnp.arange(tree.tokens.shape[0]) >= self.wrong_from)[:, None]
         keep = jnp.where(wrong, own, keep_mask(lg, self.threshold))
@@ -178,6 +186,8 @@ def check_lossless_through_the_loop(cfg, target, inner, head_cfg, seed: int):
     prompt = [2, 5]
     per = ROWS // CHUNKS
     cases = (("chain", "lossless"), ("block", "lossless"), ("chain", "broken"))
+    if head_cfg.drafter_proj:  # the tail cut reads the states the chain recorded
+        inner = dataclasses.replace(inner, record_sources=True)
     drafter = CutRows(inner=inner, params=manual_head(head_cfg, slope=4.0, bias=3.0), threshold=jnp.float32(0.4),
                       head_config=head_cfg, stop_drafting=False, wrong_from=2 * per)
     spans = {}
@@ -370,12 +380,90 @@ def test_head_over_eagle3_greedy_equals_plain_greedy(target_proj):
             assert np.asarray(out.stats["tau"]).max() > 1.2, "the inner drafter should get drafts accepted"
 
 
+def test_head_over_eagle3_states_cuts_alike_while_drafting_and_after():
+    """drafter_proj: the head reads EAGLE-3's layer state per position, while the chain is drafted
+    (StoppingChainBuilder.source) or recorded after it (stop_drafting=False): the same cuts, output ==
+    plain greedy, and the states move the cuts (a head without them cuts elsewhere)."""
+    from jaxdecode.drafters.eagle3 import Eagle3Error
+    mcfg, params = bigram_target()
+    inner, _, _ = eagle3_inner(mcfg, params, noise=0.1, oracle=True)
+    cfg = dataclasses.replace(HEAD, inner="eagle3", drafter_proj=4, drafter_state_dim=inner.source_state_dim)
+    head = manual_head(cfg)
+    toks, lens = pad_prompts(PROMPTS)
+    ref = np.asarray(decode(mcfg, params, toks, lens, max_new_tokens=24, sampler=GREEDY, method="greedy").tokens)
+    for h in (0.3, 0.6):
+        hists = []
+        for stop, params_ in ((True, head), (False, head),
+                              (True, {**head, "drafter": {**head["drafter"], "kernel": 0 * head["drafter"]["kernel"]}})):
+            drafter = AcceptHeadDrafter.wrap(inner, params_, cfg, h, stop_drafting=stop)
+            assert drafter._can_stop_early() == stop and drafter.inner.record_sources == (not stop)
+            out = speculative_decode(mcfg, params, drafter, toks, lens, max_new_tokens=24,
+                                     verifier=get_verifier("greedy"))
+            np.testing.assert_array_equal(np.asarray(out.tokens), ref, err_msg=f"h={h} stop={stop}")
+            hists.append(np.asarray(out.stats["accept_hist"]))
+        np.testing.assert_array_equal(hists[0], hists[1], err_msg=f"h={h}")
+        assert not np.array_equal(hists[0], hists[2]), "the drafter's states should move the cuts"
+    # refused: a drafter without states, states of another width, recording a branching tree's
+    draft = DraftLM(params=DRAFT, config=CFG, builder=ChainBuilder(K, "argmax"))
+    with pytest.raises(SpeculativeError, match="does not give"):
+        AcceptHeadDrafter.wrap(draft, manual_head(cfg), cfg, 0.5)
+    with pytest.raises(SpeculativeError, match="states 5 wide"):
+        AcceptHeadDrafter.wrap(inner, head, dataclasses.replace(cfg, drafter_state_dim=5), 0.5)
+    from jaxdecode.drafters.builders import StaticTreeBuilder
+    tree_inner = dataclasses.replace(inner, builder=StaticTreeBuilder(((0,), (1,), (0, 0))), record_sources=True)
+    with pytest.raises(Eagle3Error, match="chain"):
+        speculative_decode(mcfg, params, tree_inner, toks, lens, max_new_tokens=4, verifier=get_verifier("greedy"))
+    with pytest.raises(ValueError, match="drafter_state_dim"):
+        AcceptHeadConfig(drafter_proj=4)
+
+
 @pytest.mark.exec_bound  # 1e5 rows: running, not compiling (tests/conftest.py)
-def test_head_over_eagle3_sampling_is_lossless():
-    """The head over EAGLE-3 sampling the chain (see check_lossless_through_the_loop)."""
+@pytest.mark.parametrize("drafter_proj", [0, 4])
+def test_head_over_eagle3_sampling_is_lossless(drafter_proj):
+    """The head over EAGLE-3 sampling the chain (see check_lossless_through_the_loop); with drafter_proj the
+    cut also reads the layer state each token was drafted from (known before the token is drawn)."""
     cfg, target, _ = tiny_pair(vocab=SV, layers=2, hidden=8, noise=0.5)
     inner, _, _ = eagle3_inner(cfg, target, k=2, rule="sample", noise=1.0)
-    check_lossless_through_the_loop(cfg, target, inner, dataclasses.replace(HEAD, inner="eagle3"), seed=300)
+    head_cfg = dataclasses.replace(HEAD, inner="eagle3", drafter_proj=drafter_proj,
+                                   drafter_state_dim=inner.source_state_dim if drafter_proj else 0)
+    check_lossless_through_the_loop(cfg, target, inner, head_cfg, seed=300 + drafter_proj)
+
+
+def test_train_over_eagle3_states_save_load_decode(tmp_path):
+    """train_accept_head(inner='eagle3', drafter_proj=P) records EAGLE-3's state per position in its label
+    runs (float16), sets drafter_state_dim from the drafter, and the saved head decodes == plain greedy."""
+    from jaxdecode.drafters.trained import save_drafter
+    from jaxdecode.training.accept_head import DSTATE, predict, train_accept_head
+    from jaxdecode.training.trainer import TrainConfig
+    mcfg, params = bigram_target()
+    inner, ec, p = eagle3_inner(mcfg, params, noise=0.1, oracle=True)
+    e3_dir = save_drafter(tmp_path / "eagle3", "eagle3", ec, p, mcfg)
+    target = jaxdecode.Model(config=mcfg, params=params)
+    rng = np.random.default_rng(2)
+    prompts = [[int(t) for t in rng.integers(1, V, rng.integers(2, 9))] for _ in range(16)]
+    tc = TrainConfig(steps=20, learning_rate=1e-2, warmup_steps=2, log_every=10, eval_every=0,
+                     checkpoint_every=0, progress=False, data_parallel=1)
+    run = train_accept_head(target, None, out_dir=tmp_path / "head", train_config=tc, k=K, temperatures=(0.0,),
+                            train_prompts=prompts[:12], heldout_prompts=prompts[12:], new_tokens=12,
+                            batch_rows=8, batch_size=32, inner="eagle3", inner_dir=e3_dir,
+                            config_overrides={"hidden": HEAD.hidden, "max_depth": HEAD.max_depth, "drafter_proj": 3})
+    width = inner.source_state_dim
+    assert (run.cfg.drafter_proj, run.cfg.drafter_state_dim) == (3, width)
+    ds = run.train_data[DSTATE]
+    assert ds.shape == run.train_data["x"].shape[:2] + (width,) and ds.dtype == np.float16
+    assert np.abs(ds).max() > 0  # real states, not the zeros init wrote
+    assert np.isfinite(predict(run.head.params, run.cfg, run.heldout_data["T=0"])).all()
+    loaded = load_drafter(run.out_dir, target)
+    assert loaded.cfg == run.cfg and loaded.params["drafter"]["kernel"].shape == (width, 3)
+    drafter = make_drafter("accept_head", target, drafter_dir=run.out_dir, inner_dir=e3_dir, threshold=0.5)
+    toks, lens = pad_prompts(PROMPTS)
+    out = speculative_decode(mcfg, params, drafter, toks, lens, max_new_tokens=16, verifier=get_verifier("greedy"))
+    ref = decode(mcfg, params, toks, lens, max_new_tokens=16, sampler=GREEDY, method="greedy").tokens
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref))
+    draft = jaxdecode.Model(config=CFG, params=DRAFT)
+    with pytest.raises(ValueError, match="does not give"):
+        train_accept_head(target, draft, out_dir=tmp_path / "x", train_config=tc, k=K, temperatures=(0.0,),
+                          train_prompts=prompts, heldout_prompts=prompts, config_overrides={"drafter_proj": 3})
 
 
 def test_train_over_eagle3_save_load_decode(tmp_path):

@@ -36,6 +36,11 @@ from jaxdecode.speculative import speculative_decode
 from .trainer import TrainConfig, train
 
 KEYS = ("x", "tfeat", "label", "mask")  # a label set: numpy arrays with N examples each
+DSTATE = "dstate"  # and, for a head with drafter_proj, the inner drafter's state per position [N, K, S]
+
+
+def _keys(data: dict) -> tuple:
+    return KEYS + ((DSTATE,) if DSTATE in data else ())
 
 
 # ----------------------------------------------------------------------------- module and loss
@@ -48,11 +53,14 @@ class AcceptHeadModule(nnx.Module):
         self.out = nnx.Linear(cfg.hidden, 1, rngs=rngs)
         if cfg.target_proj:
             self.target = nnx.Linear(target_config.hidden_size, cfg.target_proj, rngs=rngs)
+        if cfg.drafter_proj:
+            self.drafter = nnx.Linear(cfg.drafter_state_dim, cfg.drafter_proj, rngs=rngs)
 
-    def __call__(self, x, tfeat=None):
-        """x f32[B, K, node_dim], tfeat f32[B, D] -> logits f32[B, K] (the decode function itself)."""
+    def __call__(self, x, tfeat=None, dstate=None):
+        """x f32[B, K, node_dim], tfeat f32[B, D], dstate f32[B, K, S] -> logits f32[B, K] (the decode
+        function itself)."""
         params = nnx.to_pure_dict(nnx.state(self, nnx.Param))
-        return head_logits(params, self.cfg, x, jnp.arange(x.shape[1]), tfeat)
+        return head_logits(params, self.cfg, x, jnp.arange(x.shape[1]), tfeat, dstate)
 
 
 def params_of(module) -> dict:
@@ -60,7 +68,11 @@ def params_of(module) -> dict:
 
 
 def _bce(module, batch):
-    logits = module(batch["x"], batch["tfeat"] if module.cfg.target_proj else None)
+    if module.cfg.drafter_proj and DSTATE not in batch:
+        raise ValueError("this head reads the inner drafter's states (drafter_proj): its labels need them too "
+                         "(collect_labels(..., states=True))")
+    logits = module(batch["x"], batch["tfeat"] if module.cfg.target_proj else None,
+                    batch[DSTATE] if module.cfg.drafter_proj else None)
     mask = batch["mask"].astype(jnp.float32)
     per = optax.sigmoid_binary_cross_entropy(logits, batch["label"].astype(jnp.float32))
     return (per * mask).sum(), mask.sum()
@@ -101,9 +113,11 @@ class LabelRecorder:
     """The inner chain drafter unchanged, plus a host record of each verification: the head's inputs
     at proposal time and the verifier's verdict (num_accepted). Features: the inner drafter's own, then
     the target's bonus-slot state (FINAL) for the head's optional projection. classes > 0: the inputs
-    are the one-hot of the drafter's confidence classes (node_inputs)."""
+    are the one-hot of the drafter's confidence classes (node_inputs). states: the inner drafter's state
+    per position too (its recorded `sources`, float16 on the host: a head with drafter_proj reads them)."""
     inner: Any
     classes: int = dataclasses.field(default=0, metadata=dict(static=True))
+    states: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     feature_layers = property(lambda self: head_feature_layers(self.inner, 1))
     num_nodes = property(lambda self: self.inner.num_nodes)
@@ -115,49 +129,63 @@ class LabelRecorder:
     def init(self, prompt_tokens, prompt_lengths, cache_len, key, features=None):
         b, k = prompt_tokens.shape[0], self.num_nodes
         inner = init_inner(self.inner, prompt_tokens, prompt_lengths, cache_len, key, features)
+        width = self.inner.source_state_dim if self.states else 0
         return (inner, prefill_bonus_feature(features, prompt_lengths, final_index(self.feature_layers)),
-                jnp.zeros((b, k, self.classes or NUM_SCALARS), jnp.float32))
+                jnp.zeros((b, k, self.classes or NUM_SCALARS), jnp.float32), jnp.zeros((b, k, width), jnp.float16))
 
     def propose(self, state, ctx, sampler):
-        inner, tfeat, _ = state
+        inner, tfeat, _, ds = state
         tree, slots, inner = self.inner.propose(inner, ctx, sampler)
-        return tree, slots, (inner, tfeat, node_inputs(tree, slots, self.classes))
+        if self.states:
+            ds = inner.sources.astype(jnp.float16)
+        return tree, slots, (inner, tfeat, node_inputs(tree, slots, self.classes), ds)
 
     def observe(self, state, obs):
-        inner, tfeat, x = state
+        inner, tfeat, x, ds = state
         jax.debug.callback(lambda *a: _SINK.append(tuple(np.asarray(v) for v in a)),
-                           x, tfeat, obs.num_accepted, obs.active)
+                           x, tfeat, ds, obs.num_accepted, obs.active)
         return (self.inner.observe(inner, inner_observation(obs, self.inner)),
-                bonus_slot_feature(obs, tfeat, final_index(self.feature_layers)), x)
+                bonus_slot_feature(obs, tfeat, final_index(self.feature_layers)), x, ds)
 
 
 def labels_from_records(records, k: int) -> dict:
-    """Host records [(x [B,K,node_dim], tfeat [B,D], num_accepted [B], active [B])] -> a label set."""
-    xs, ts, acc = [], [], []
-    for x, t, n, active in records:
+    """Host records [(x [B,K,node_dim], tfeat [B,D], drafter states [B,K,S] (S may be 0), num_accepted [B],
+    active [B])] -> a label set (with DSTATE, float16, when S > 0)."""
+    xs, ts, ds, acc = [], [], [], []
+    for x, t, d, n, active in records:
         xs.append(x[active])
         ts.append(t[active])
+        ds.append(d[active])
         acc.append(n[active])
     acc = np.concatenate(acc)
     i = np.arange(k)[None, :]
-    return {"x": np.concatenate(xs).astype(np.float32), "tfeat": np.concatenate(ts).astype(np.float32),
-            "label": (i < acc[:, None]).astype(np.float32),
-            "mask": (i <= acc[:, None]).astype(np.float32)}
+    out = {"x": np.concatenate(xs).astype(np.float32), "tfeat": np.concatenate(ts).astype(np.float32),
+           "label": (i < acc[:, None]).astype(np.float32),
+           "mask": (i <= acc[:, None]).astype(np.float32)}
+    if ds and ds[0].shape[-1]:
+        out[DSTATE] = np.concatenate(ds).astype(np.float16)
+    return out
 
 
 def collect_labels(config, params, inner, prompts, *, verifier, sampler, max_new_tokens: int,
-                   batch_size: int = 8, key=None, eos_ids: tuple = ()) -> dict:
+                   batch_size: int = 8, key=None, eos_ids: tuple = (), states: bool = False) -> dict:
     """Run the engine with `inner` (a chain drafter with draft probabilities, or of point masses with
     confidence classes) over `prompts` (lists of token ids) and return the label set of every active
-    row-step."""
+    row-step; with `states`, the inner drafter's state per position too (DSTATE: a drafter that records
+    its sources, e.g. eagle3)."""
     from jaxdecode.autoregressive import pad_prompts
     classes = drafter_classes(inner) if inner.child_rule == "point" else 0
     if not getattr(inner, "is_chain", False) or (inner.child_rule == "point" and not classes):
         raise ValueError("acceptance labels come from a chain drafter with draft probabilities (e.g. a "
                          "draft LM with tree='chain:K') or with confidence classes (retrieval)")
     inner = without_own_cut(inner)  # every position is labelled: the head learns where to cut
+    if states:
+        if not (hasattr(inner, "record_sources") and hasattr(inner, "source_state_dim")):
+            raise ValueError(f"a head over the drafter's states (drafter_proj) needs a drafter that records the "
+                             f"state each position was drafted from (eagle3), not {type(inner).__name__}")
+        inner = dataclasses.replace(inner, record_sources=True)
     key = jax.random.PRNGKey(0) if key is None else key
-    recorder = LabelRecorder(inner, classes)
+    recorder = LabelRecorder(inner, classes, states)
     _SINK.clear()
     for start in range(0, len(prompts), batch_size):
         chunk = list(prompts[start:start + batch_size])
@@ -173,7 +201,7 @@ def collect_labels(config, params, inner, prompts, *, verifier, sampler, max_new
 
 
 def concat_labels(*sets) -> dict:
-    return {k: np.concatenate([s[k] for s in sets]) for k in KEYS}
+    return {k: np.concatenate([s[k] for s in sets]) for k in _keys(sets[0])}
 
 
 def split_labels(data: dict, held_out_fraction: float, seed: int = 0) -> tuple[dict, dict]:
@@ -192,14 +220,15 @@ def label_batches(data: dict, batch_size: int, seed: int = 0):
 
     def batches(step):
         idx = np.random.default_rng((seed, step)).integers(0, n, batch_size)
-        return {k: data[k][idx] for k in KEYS}
+        return {k: data[k][idx].astype(np.float32) if k == DSTATE else data[k][idx] for k in _keys(data)}
     return batches
 
 
 def eval_chunks(data: dict, batch_size: int = 1024):
     def chunks():
         for s in range(0, len(data["x"]), batch_size):
-            yield {k: data[k][s:s + batch_size] for k in KEYS}
+            yield {k: data[k][s:s + batch_size].astype(np.float32) if k == DSTATE else data[k][s:s + batch_size]
+                   for k in _keys(data)}
     return chunks
 
 
@@ -223,11 +252,21 @@ def train_head(data: dict, cfg: AcceptHeadConfig, target_config, train_config: T
     return HeadResult(params=params_of(res.module), module=res.module, result=res)
 
 
+def _head_logits(params, cfg: AcceptHeadConfig, data: dict, chunk: int = 4096) -> np.ndarray:
+    """The head's logits over a label set, f32[N, K] (in chunks: the drafter states are large)."""
+    out = []
+    for s in range(0, len(data["x"]), chunk):
+        part = {k: v[s:s + chunk] for k, v in data.items()}
+        x = jnp.asarray(part["x"])
+        tf = jnp.asarray(part["tfeat"]) if cfg.target_proj else None
+        ds = jnp.asarray(part[DSTATE], jnp.float32) if cfg.drafter_proj else None
+        out.append(np.asarray(head_logits(params, cfg, x, jnp.arange(x.shape[1]), tf, ds)))
+    return np.concatenate(out) if out else np.zeros((0, data["x"].shape[1]), np.float32)
+
+
 def predict(params, cfg: AcceptHeadConfig, data: dict) -> np.ndarray:
     """P(accept) per example and position: f32[N, K]."""
-    x = jnp.asarray(data["x"])
-    tf = jnp.asarray(data["tfeat"]) if cfg.target_proj else None
-    return np.asarray(jax.nn.sigmoid(head_logits(params, cfg, x, jnp.arange(x.shape[1]), tf)))
+    return np.asarray(jax.nn.sigmoid(_head_logits(params, cfg, data)))
 
 
 def bce(p, label, mask) -> float:
@@ -261,8 +300,7 @@ def speed_estimate(params, cfg: AcceptHeadConfig, data: dict, thresholds, *, dra
     Returns {"head": {h: tokens/cost}, "fixed": {K': tokens/cost}}."""
     accepted = (data["label"] * data["mask"]).sum(1)  # [N]: the verifier's accepted length
     k = data["x"].shape[1]
-    tf = jnp.asarray(data["tfeat"]) if cfg.target_proj else None
-    logits = head_logits(params, cfg, jnp.asarray(data["x"]), jnp.arange(k), tf)
+    logits = jnp.asarray(_head_logits(params, cfg, data))
 
     def rate(length):
         tokens = np.minimum(accepted, length) + 1
@@ -391,7 +429,13 @@ def train_accept_head(target, draft=None, corpus_dir=None, out_dir=None, *, trai
     classes = drafter_classes(probe) if point else 0
     if draft_cost is None:  # a drafter of point masses looks its drafts up: no forward to pay for
         draft_cost = 0.0 if point else 0.2
-    cfg = AcceptHeadConfig(**{"max_depth": max(k, AcceptHeadConfig.max_depth), **(config_overrides or {}),
+    overrides = dict(config_overrides or {})
+    if overrides.get("drafter_proj"):  # the width of the states the head reads is the inner drafter's
+        if not hasattr(probe, "source_state_dim"):
+            raise ValueError(f"drafter_proj: the head reads the states the inner drafter drafts from, which the "
+                             f"{inner!r} drafter does not give (eagle3 does)")
+        overrides["drafter_state_dim"] = int(probe.source_state_dim)
+    cfg = AcceptHeadConfig(**{"max_depth": max(k, AcceptHeadConfig.max_depth), **overrides,
                               "draft_len": k, "inner": inner, "classes": classes})
     if train_prompts is None or heldout_prompts is None:
         if corpus_dir is None:
@@ -409,7 +453,7 @@ def train_accept_head(target, draft=None, corpus_dir=None, out_dir=None, *, trai
         rule, verifier = ("argmax", "greedy") if t == 0 else ("sample", "point_mass" if point else "chain")
         chain = inner_drafter(rule)
         run = dict(verifier=get_verifier(verifier), sampler=SamplerConfig(temperature=float(t)),
-                   max_new_tokens=new_tokens, batch_size=batch_rows, eos_ids=eos)
+                   max_new_tokens=new_tokens, batch_size=batch_rows, eos_ids=eos, states=cfg.drafter_proj > 0)
         train_sets.append(collect_labels(target.config, target.params, chain, list(train_prompts),
                                          key=jax.random.PRNGKey(seed * 100 + 2 * i), **run))
         held_sets[f"T={t:g}"] = collect_labels(target.config, target.params, chain, list(heldout_prompts),

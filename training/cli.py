@@ -192,6 +192,7 @@ def add_drafter_parser(sub, command: str) -> argparse.ArgumentParser:
         g.add_argument("--temperatures", type=_label_temperatures, default="0,0.7",
                        help="comma-separated; one label run each: greedy verification at 0, the chain "
                             "verifier on sampled chains above")
+        g.add_argument("--label-batch-size", type=int, default=8, help="rows per batched label-run decode call")
         e = p.add_argument_group("held-out evaluation")
         e.add_argument("--eval-every", type=int, default=200, help="evaluate every N steps (0: at the end)")
         e.add_argument("--eval-prompts", type=int, default=16, help="held-out windows labelled (BCE, ECE)")
@@ -556,7 +557,7 @@ def _run_accept_head(args, target, corpus_dir, out: Path, work: Path, tcfg) -> i
     run = train_accept_head(target, draft, corpus_dir, out, k=int(k), temperatures=args.temperatures,
                             train_config=tcfg, prompts=args.prompts, heldout=args.eval_prompts,
                             prompt_len=args.prompt_len, new_tokens=args.eval_new_tokens, workdir=work,
-                            batch_size=args.batch_size,
+                            batch_size=args.batch_size, batch_rows=args.label_batch_size,
                             config_overrides=sets, seed=args.seed, inner=inner, inner_dir=args.inner_dir)
     report = "; ".join(f"{t}: ECE {r['ece']:.3f}, BCE {r['bce']:.3f}" for t, r in run.report.items()
                        if isinstance(r, dict) and "ece" in r)

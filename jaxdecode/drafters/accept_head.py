@@ -59,12 +59,19 @@ class AcceptHeadConfig:
     draft_len: int = 8  # K of the chain it was trained on: the default tree chain:K
     inner: str = "draft_lm"  # the drafter it was trained over: "draft_lm" or a trained kind (e.g. "eagle3")
     classes: int = 0  # > 0: per-node inputs are the one-hot of the drafter's confidence class (Tree.classes)
+    # > 0: the inner drafter's own state that drafted each position (its `source_state`, e.g. EAGLE-3's layer
+    # output), projected to drafter_proj dims; drafter_state_dim is that state's width (set by training)
+    drafter_proj: int = 0
+    drafter_state_dim: int = 0
 
     def __post_init__(self):
         if (self.hidden < 1 or self.max_depth < 1 or self.target_proj < 0 or not 1 <= self.draft_len
-                or self.classes < 0):
+                or self.classes < 0 or self.drafter_proj < 0 or self.drafter_state_dim < 0):
             raise ValueError(f"AcceptHeadConfig needs hidden >= 1, max_depth >= 1, target_proj >= 0, "
-                             f"draft_len >= 1 and classes >= 0, got {self}")
+                             f"draft_len >= 1, classes >= 0 and drafter_proj >= 0, got {self}")
+        if self.drafter_proj and not self.drafter_state_dim:
+            raise ValueError("AcceptHeadConfig.drafter_proj > 0 reads the inner drafter's states: "
+                             "drafter_state_dim must give their width (training sets it from the drafter)")
         if not isinstance(self.inner, str) or not self.inner:
             raise ValueError(f"AcceptHeadConfig.inner names the drafter the head was trained over ('draft_lm' "
                              f"or a trained kind such as 'eagle3'), got {self.inner!r}")
@@ -77,7 +84,7 @@ class AcceptHeadConfig:
 
     @property
     def input_dim(self) -> int:
-        return self.node_dim + self.max_depth + self.target_proj
+        return self.node_dim + self.max_depth + self.target_proj + self.drafter_proj
 
 
 def check_threshold(h) -> float:
@@ -117,14 +124,18 @@ def node_inputs(tree: Tree, slots, classes: int):
     return jax.nn.one_hot(tree.classes, classes, dtype=jnp.float32)
 
 
-def head_logits(params, cfg: AcceptHeadConfig, feats, depth, target_feat=None):
+def head_logits(params, cfg: AcceptHeadConfig, feats, depth, target_feat=None, drafter_state=None):
     """Logit of P(accept) per position. feats f32[B, K, node_dim], depth int32[K] (0 = first draft token),
-    target_feat f32[B, D] (required iff cfg.target_proj) -> f32[B, K]."""
+    target_feat f32[B, D] (required iff cfg.target_proj), drafter_state f32[B, K, S] (the inner drafter's
+    state per position; required iff cfg.drafter_proj) -> f32[B, K]."""
     b, k, _ = feats.shape
     parts = [feats, jnp.broadcast_to(jax.nn.one_hot(depth, cfg.max_depth), (b, k, cfg.max_depth))]
     if cfg.target_proj:
         t = target_feat.astype(jnp.float32) @ params["target"]["kernel"] + params["target"]["bias"]  # [B, P]
         parts.append(jnp.broadcast_to(jax.nn.silu(t)[:, None, :], (b, k, cfg.target_proj)))
+    if cfg.drafter_proj:
+        s = drafter_state.astype(jnp.float32) @ params["drafter"]["kernel"] + params["drafter"]["bias"]  # [B, K, Q]
+        parts.append(jax.nn.silu(s))
     x = jnp.concatenate(parts, axis=-1)  # [B, K, Din]
     h = jax.nn.silu(x @ params["inp"]["kernel"] + params["inp"]["bias"])  # [B, K, H]
     return (h @ params["out"]["kernel"] + params["out"]["bias"])[..., 0]
@@ -223,6 +234,8 @@ class AcceptHeadDrafter:
                                    "eagle3, hydra, medusa), or train the head over its confidence classes "
                                    "(retrieval)")
         inner = without_own_cut(inner)  # the head decides where the chain ends (module docstring)
+        if head_config.drafter_proj:
+            inner = _with_sources(inner, head_config, stop_drafting)
         if inner.num_nodes > head_config.max_depth:
             raise SpeculativeError(f"this acceptance head knows draft positions 1..{head_config.max_depth}, "
                                    f"but the chain has {inner.num_nodes}: use tree='chain:"
@@ -246,20 +259,23 @@ class AcceptHeadDrafter:
         cfg = self.head_config
         tf = tfeat if cfg.target_proj else None
         if self._can_stop_early():
-            def stop(d, logq, tok, log_cum):
+            def stop(d, logq, tok, log_cum, source=None):  # source f32[B, S]: the drafter's state (drafter_proj)
                 feats = scalar_features(logq, tok)[:, None, :]  # [B, 1, 3]
-                lg = head_logits(self.params, cfg, feats, jnp.full((1,), d, jnp.int32), tf)[:, 0]
+                ds = None if source is None else source[:, None, :]
+                lg = head_logits(self.params, cfg, feats, jnp.full((1,), d, jnp.int32), tf, ds)[:, 0]
                 log_cum = log_cum + log_accept(lg)
                 return 1.0 - jnp.exp(log_cum) <= self.threshold, log_cum
 
             b = ctx.hist_len.shape[0]
-            builder = StoppingChainBuilder(self.inner.builder, stop, jnp.zeros((b,), jnp.float32))
+            builder = StoppingChainBuilder(self.inner.builder, stop, jnp.zeros((b,), jnp.float32),
+                                           self.inner.source_state if cfg.drafter_proj else None)
             inner = dataclasses.replace(self.inner, builder=builder)
             tree, slots, inner_state = inner.propose(inner_state, ctx, sampler)
         else:
             tree, slots, inner_state = self.inner.propose(inner_state, ctx, sampler)
             k = tree.tokens.shape[1]
-            lg = head_logits(self.params, cfg, node_inputs(tree, slots, cfg.classes), jnp.arange(k), tf)
+            ds = inner_state.sources if cfg.drafter_proj else None  # recorded (_with_sources)
+            lg = head_logits(self.params, cfg, node_inputs(tree, slots, cfg.classes), jnp.arange(k), tf, ds)
             tree = tree.replace(valid=tree.valid & keep_mask(lg, self.threshold))
         return tree, slots, (inner_state, tfeat)
 
@@ -275,6 +291,27 @@ class AcceptHeadDrafter:
         if self.head_config.target_proj:
             tfeat = bonus_slot_feature(obs, tfeat, final_index(self.feature_layers))
         return inner_state, tfeat
+
+
+def _with_sources(inner, cfg: AcceptHeadConfig, stop_drafting: bool):
+    """`inner` checked for the states a drafter_proj head reads: `source_state` of cfg.drafter_state_dim
+    (read while the chain is drafted), and with stop_drafting off, each proposal's states kept in its
+    state (`record_sources`)."""
+    width = getattr(inner, "source_state_dim", None)
+    if width is None or not hasattr(inner, "source_state"):
+        raise SpeculativeError(f"this acceptance head reads the states the {cfg.inner!r} drafter drafts from "
+                               f"(drafter_proj), which this drafter does not give: wrap the drafter the head was "
+                               f"trained with")
+    if width != cfg.drafter_state_dim:
+        raise SpeculativeError(f"this acceptance head reads drafter states {cfg.drafter_state_dim} wide, but this "
+                               f"{cfg.inner!r} drafter's are {width}: wrap the drafter the head was trained with")
+    if stop_drafting and isinstance(getattr(inner, "builder", None), ChainBuilder):
+        return inner  # the head reads them as the chain is drafted (AcceptHeadDrafter._can_stop_early)
+    if not hasattr(inner, "record_sources"):
+        raise SpeculativeError(f"this acceptance head reads the {cfg.inner!r} drafter's states after the whole "
+                               f"chain is drafted (stop_drafting=False), which this drafter cannot keep: leave "
+                               f"stop_drafting on")
+    return dataclasses.replace(inner, record_sources=True)
 
 
 def prefill_bonus_feature(features, prompt_lengths, index: int = 0):
@@ -300,6 +337,8 @@ def param_shapes(cfg: AcceptHeadConfig, target_config) -> dict:
               "out": {"kernel": (cfg.hidden, 1), "bias": (1,)}}
     if cfg.target_proj:
         shapes["target"] = {"kernel": (target_config.hidden_size, cfg.target_proj), "bias": (cfg.target_proj,)}
+    if cfg.drafter_proj:
+        shapes["drafter"] = {"kernel": (cfg.drafter_state_dim, cfg.drafter_proj), "bias": (cfg.drafter_proj,)}
     return shapes
 
 

@@ -99,10 +99,14 @@ class StoppingChainBuilder:
 
     stop(d, logq [B, V], token [B], carry) -> (keep_next bool[B], carry): called after token d was
     drafted from logq; keep_next False ends the row's chain after node d. Created per propose call
-    (it closes over traced values), never hashed as jit static data."""
+    (it closes over traced values), never hashed as jit static data.
+    With `source` (a drafter's `source_state(scorer_state, d) -> f32[B, S]`: the drafter's own state that
+    gave logq, e.g. EAGLE-3's layer output), stop takes it as a fifth argument: an acceptance head reads
+    the drafter's state while it drafts."""
     base: ChainBuilder
     stop: Callable
     carry0: Any
+    source: Callable | None = None
 
     num_nodes = property(lambda self: self.base.num_nodes)
     max_depth = property(lambda self: self.base.max_depth)
@@ -119,7 +123,8 @@ class StoppingChainBuilder:
 
         def draft(d, logq, st):  # token d from logq; the head decides whether the row goes on
             tok = _ranked(logq, 1, self.base.rule, keys[d])[:, 0]
-            going, carry = self.stop(d, logq, tok, st["carry"])
+            extra = () if self.source is None else (self.source(st["scorer"], d),)
+            going, carry = self.stop(d, logq, tok, st["carry"], *extra)
             going = going & st["going"]
             return tok, going, {**st, "carry": carry,
                                 "tokens": st["tokens"].at[:, d].set(tok),
@@ -328,6 +333,8 @@ def build_tree(builder, ctx, scorer_state, logq_root, expand, key):
         return mask_logprobs(logq, allowed_slots(constraint, new, v)), (inner, work)
 
     logq_root = mask_logprobs(logq_root, constraint.allowed(root, v))
+    if getattr(builder, "source", None) is not None:  # the drafter's state lies in the wrapped scorer's first part
+        builder = dataclasses.replace(builder, source=lambda sc, d, source=builder.source: source(sc[0], d))
     tree, slots, (scorer_state, _) = builder.build((scorer_state, work0), logq_root, constrained_expand, key)
     return tree, slots, scorer_state
 

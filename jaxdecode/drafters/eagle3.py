@@ -216,6 +216,9 @@ class Eagle3State:
     # propose runs (t >= cache.lengths) and older ones (already in the cache, kept so positions stay
     # fixed); the last max_depth + 1 are room for observe's slice writes.
     fused: jax.Array
+    # f32[B, N, D] with record_sources: the layer state each node of the last proposal was drafted from
+    # (its parent's output; the root's for depth-1 nodes): label runs of an acceptance head read them.
+    sources: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -235,6 +238,8 @@ class Eagle3Drafter:
     # the target's logits_finish (Granite's scaling, Cohere's logit_scale, Gemma 2's soft-cap): drafts from its
     # distribution
     finish: tuple = dataclasses.field(default=(1.0, None), metadata=dict(static=True))
+    # keep each proposal's node sources in the state (Eagle3State.sources; chains only)
+    record_sources: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     num_nodes = property(lambda self: self.builder.num_nodes)
     max_depth = property(lambda self: self.builder.max_depth)
@@ -252,6 +257,18 @@ class Eagle3Drafter:
                    layer_config=layer_config(cfg, target_config), builder=builder,
                    feature_layers=cfg.feature_layers, vocab_size=target_config.vocab_size,
                    finish=logits_finish(target_config))
+
+    @property
+    def source_state_dim(self) -> int:
+        """Width of `source_state`: the layer's hidden size."""
+        return self.layer_config.hidden_size
+
+    def source_state(self, scratch, d):
+        """The layer state whose head gave chain position d's draft distribution, f32[B, D], from the
+        tree builder's scratch (StoppingChainBuilder.source: an acceptance head reads it while the chain
+        is drafted): node d's parent is node d - 1."""
+        _, hbuf, root = scratch
+        return _node_sources(hbuf, root, jnp.full((root.shape[0], 1), d - 1, jnp.int32))[:, 0]
 
     # pieces
     def _inputs(self, tokens, feat):
@@ -312,7 +329,9 @@ class Eagle3Drafter:
         cache, h = self._append(cache, nxt, g, valid)
         root = jnp.take_along_axis(h, jnp.maximum(prompt_lengths - 2, 0)[:, None, None], axis=1)[:, 0]
         fused = jnp.zeros((b, max(cache_len, p) + self.max_depth + 1, g.shape[-1]), g.dtype).at[:, :p].set(g)
-        return Eagle3State(cache=cache, root=jnp.where((prompt_lengths >= 2)[:, None], root, 0.0), fused=fused)
+        sources = jnp.zeros((b, self.num_nodes, root.shape[-1]), jnp.float32) if self.record_sources else None
+        return Eagle3State(cache=cache, root=jnp.where((prompt_lengths >= 2)[:, None], root, 0.0), fused=fused,
+                           sources=sources)
 
     def observe(self, state: Eagle3State, obs):
         """Store the committed slots' fused features; the layer runs over them at the next propose."""
@@ -341,7 +360,7 @@ class Eagle3Drafter:
         logq_root = self._logq(head_logits(self.params, head, eps, root), sampler)
 
         def expand(scratch, start, tokens, parents_all):
-            cache, hbuf = scratch  # hbuf [B, W, D]: layer outputs of the working nodes
+            cache, hbuf, _ = scratch  # hbuf [B, W, D]: layer outputs of the working nodes
             f = tokens.shape[1]
             # dynamic slices: `start` may be traced (a builder whose levels run in a lax.while_loop)
             par = jax.lax.dynamic_slice_in_dim(parents_all, start, f, axis=1)  # [B, F]
@@ -353,13 +372,23 @@ class Eagle3Drafter:
                                      root_pos[:, None] + node_depth, cache, mask,
                                      write_offset=jnp.full((b,), start, jnp.int32))
             hbuf = jax.lax.dynamic_update_slice_in_dim(hbuf, h.astype(hbuf.dtype), start, axis=1)
-            return self._logq(lg, sampler), (cache, hbuf)
+            return self._logq(lg, sampler), (cache, hbuf, root)
 
         hbuf = jnp.zeros((b, self.builder.working_size, d), root.dtype)
-        tree, slots, (cache, _) = build_tree(self.builder, ctx, (cache, hbuf), logq_root, expand, ctx.key)
+        tree, slots, (cache, hbuf, _) = build_tree(self.builder, ctx, (cache, hbuf, root), logq_root, expand, ctx.key)
         # The scratch cache: the tree's entries lie beyond its lengths (never attended), and keeping
         # the caught-up one would make XLA copy it before the tree writes.
-        return tree, slots, Eagle3State(cache=cache, root=root, fused=state.fused)
+        if self.record_sources and not self.is_chain:  # hbuf is by working index, a chain's alone is by node
+            raise Eagle3Error("record_sources keeps the states of a chain's nodes: use tree='chain:K'")
+        sources = _node_sources(hbuf, root, tree.parents) if self.record_sources else None
+        return tree, slots, Eagle3State(cache=cache, root=root, fused=state.fused, sources=sources)
+
+
+def _node_sources(hbuf, root, parents):
+    """The layer state each node was drafted from, f32[B, N, D]: its parent's output (hbuf [B, W, D], by
+    working index) or the root [B, D] for parents < 0."""
+    par = jnp.take_along_axis(hbuf, jnp.maximum(parents, 0)[..., None], axis=1)
+    return jnp.where((parents < 0)[..., None], root[:, None, :], par).astype(jnp.float32)
 
 
 def make(params, cfg: Eagle3Config, target, tree=None, temperature: float = 0.0, **options):
