@@ -14,12 +14,16 @@ import numpy as np
 
 # model_type values handled by the llama-family forward (pre-norm, RMSNorm, RoPE, gated MLP); Qwen3, the
 # Gemma, the OLMo and the Cohere layouts add the options of _LAYOUT_FLAGS, Phi-3 a partial rotary factor and
-# LongRoPE, Granite its multipliers, Cohere its logit_scale.
+# LongRoPE, Granite (dense and MoE) its multipliers, Cohere its logit_scale.
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "smollm3", "mixtral",
-                "qwen3_moe", "phi3", "olmo2", "olmo3", "granite", "qwen2_moe", "olmoe", "cohere", "cohere2")
-# Mixture-of-experts layouts: every layer's MLP is top-k routed experts (Mixtral: top-k weights always
-# renormalised; Qwen3-MoE, Qwen2-MoE, OLMoE: when norm_topk_prob; Qwen2-MoE: plus a gated shared expert)
-MOE_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
+                "qwen3_moe", "phi3", "olmo2", "olmo3", "granite", "qwen2_moe", "olmoe", "cohere", "cohere2",
+                "granitemoe", "granitemoeshared")
+# Mixture-of-experts layouts: every layer's MLP is top-k routed experts (Mixtral, Granite-MoE: top-k weights
+# always renormalised; Qwen3-MoE, Qwen2-MoE, OLMoE: when norm_topk_prob; Qwen2-MoE: plus a shared expert gated
+# by a sigmoid, Granite-MoE-shared: plus an ungated one)
+MOE_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "granitemoeshared")
+# Granite's multipliers (embedding, residual, attention, logits): the dense layout and the two MoE ones
+GRANITE_TYPES = ("granite", "granitemoe", "granitemoeshared")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 # Gemma 2 and 3: sandwich norms, query_pre_attn_scalar, sliding-window layers by layer_types, softcaps
 _GEMMA_23 = ("gemma2", "gemma3_text")
@@ -72,7 +76,7 @@ _FLAGS = ("qk_norm", "norm_plus_one", "scale_embed", "sandwich_norms", "post_nor
 _ONE_WINDOW_TYPES = ("mixtral", "qwen3_moe", "phi3")
 # No sliding window: transformers' attention masks these causally whatever config.json says (OLMoE: only its
 # flash-attention path would read a sliding_window, so one is refused at load)
-_NO_WINDOW_TYPES = ("olmo2", "granite", "olmoe", "cohere")
+_NO_WINDOW_TYPES = ("olmo2", "olmoe", "cohere") + GRANITE_TYPES
 # Granite's multipliers (config.json keys and ModelConfig fields alike) and their neutral values
 _GRANITE_MULTIPLIERS = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_scaling": 1.0}
 # Our activation names <-> transformers' (gated MLPs)
@@ -136,7 +140,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     moe_norm_topk: bool = True
     # Qwen2-MoE: a shared expert (a gated MLP this wide) beside the routed ones in every layer, its output times
-    # sigmoid(h . w_shared_gate); 0: none
+    # sigmoid(h . w_shared_gate); Granite-MoE-shared: its output as it is (shared_expert_gated); 0: none
     shared_expert_intermediate_size: int = 0
     # OLMoE: queries, keys and values clamped to [-clip_qkv, clip_qkv] after the query / key norms; None: off
     clip_qkv: float | None = None
@@ -303,6 +307,12 @@ class ModelConfig:
         return self.model_type in COHERE_TYPES
 
     @property
+    def shared_expert_gated(self) -> bool:
+        """The shared expert's output is scaled by sigmoid(h . w_shared_gate) (Qwen2-MoE); Granite-MoE-shared's
+        dense shared MLP adds its output as it is."""
+        return self.model_type != "granitemoeshared"
+
+    @property
     def rope_per_layer(self) -> bool:
         """The layers' RoPE differs (Gemma 3's local base, SmolLM3's layers without RoPE)."""
         return self.local_rope_theta is not None or 0 in self.rope_layers
@@ -329,7 +339,8 @@ class ModelConfig:
         mlp = 2 * d * f if self.is_gpt2 else 3 * d * f
         if self.num_experts:
             mlp = self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
-            mlp += (3 * self.shared_expert_intermediate_size + 1) * d if self.shared_expert_intermediate_size else 0
+            fs = self.shared_expert_intermediate_size
+            mlp += (3 * fs + int(self.shared_expert_gated)) * d if fs else 0
         emb = v * d * (1 if self.tie_word_embeddings else 2)
         if self.is_gpt2:
             emb += self.max_position_embeddings * d
@@ -469,6 +480,7 @@ class ModelConfig:
                 "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM", "granite": "GraniteForCausalLM",
                 "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "cohere": "CohereForCausalLM",
                 "cohere2": "Cohere2ForCausalLM",
+                "granitemoe": "GraniteMoeForCausalLM", "granitemoeshared": "GraniteMoeSharedForCausalLM",
                 DREAM_TYPE: "DreamModel", FAST_DLLM_TYPE: "Fast_dLLM_QwenForCausalLM"}[self.model_type]
         rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope_scaling is not None:
@@ -507,8 +519,10 @@ class ModelConfig:
                 out["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
         if self.model_type == "smollm3":
             out["no_rope_layers"] = list(self.rope_layers or (1,) * self.num_layers)
-        if self.model_type == "mixtral":
+        if self.model_type in ("mixtral", "granitemoe", "granitemoeshared"):
             out.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok)
+        if self.model_type == "granitemoeshared":
+            out["shared_intermediate_size"] = self.shared_expert_intermediate_size
         if self.model_type in ("qwen3_moe", "qwen2_moe"):
             out.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
                        moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.moe_norm_topk,
@@ -518,7 +532,7 @@ class ModelConfig:
         if self.model_type == "olmoe":
             out.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
                        norm_topk_prob=self.moe_norm_topk, clip_qkv=self.clip_qkv)
-        if self.model_type == "granite":
+        if self.model_type in GRANITE_TYPES:
             out.update({k: getattr(self, k) for k in (*_GRANITE_MULTIPLIERS, "attention_multiplier")})
         if self.model_type == "qwen2_moe":
             pass  # its qkv_bias is written above; an o_proj bias is refused by _check_layout_expresses
@@ -570,9 +584,9 @@ class ModelConfig:
             wrong.append(f"rope_type={rope_type!r}, partial_rotary_factor={self.partial_rotary_factor} (Phi-3 "
                          f"alone has longrope and a partial rotary factor)")
         if self.model_type in _NO_WINDOW_TYPES and set(self.sliding_windows) != {0}:
-            name = {"olmo2": "OLMo 2", "granite": "Granite", "olmoe": "OLMoE", "cohere": "Command-R"}[self.model_type]
+            name = {"olmo2": "OLMo 2", "olmoe": "OLMoE", "cohere": "Command-R"}.get(self.model_type, "Granite")
             wrong.append(f"sliding_windows={self.sliding_windows} ({name} has no sliding window)")
-        granite = self.model_type == "granite"
+        granite = self.model_type in GRANITE_TYPES
         for name, neutral in _GRANITE_MULTIPLIERS.items():
             if getattr(self, name) != neutral and not granite:
                 wrong.append(f"{name}={getattr(self, name)} (Granite alone has it)")
@@ -580,9 +594,10 @@ class ModelConfig:
             wrong.append(f"logit_scale={self.logit_scale} (Command-R and Command R7B alone have it)")
         if (self.attention_multiplier is None) == granite:
             wrong.append(f"attention_multiplier={self.attention_multiplier} (Granite alone has it, always)")
-        if (self.shared_expert_intermediate_size > 0) != (self.model_type == "qwen2_moe"):
-            wrong.append(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} (Qwen2-MoE alone "
-                         f"has a shared expert, always)")
+        shared = self.shared_expert_intermediate_size
+        if (shared > 0) != (self.model_type == "qwen2_moe") and self.model_type != "granitemoeshared":
+            wrong.append(f"shared_expert_intermediate_size={shared} (Qwen2-MoE alone has a shared expert, always; "
+                         f"Granite-MoE-shared an optional one)")
         if self.clip_qkv is not None and self.model_type != "olmoe":
             wrong.append(f"clip_qkv={self.clip_qkv} (OLMoE alone has it)")
         if self.activation not in _HF_ACTIVATIONS:
@@ -599,10 +614,10 @@ class ModelConfig:
             wrong.append(f"sliding_windows={self.sliding_windows} (one window for every layer in this layout)")
         if (self.num_experts > 0) != (self.model_type in MOE_TYPES):
             wrong.append(f"num_experts={self.num_experts} (the mixture-of-experts layouts: {', '.join(MOE_TYPES)})")
-        elif self.model_type == "mixtral" and not (self.moe_norm_topk
-                                                   and self.moe_intermediate_size == self.intermediate_size):
-            wrong.append("moe_norm_topk=False or experts narrower than intermediate_size (Mixtral renormalises, "
-                         "its experts are intermediate_size wide)")
+        elif self.model_type in ("mixtral", "granitemoe", "granitemoeshared") and not (
+                self.moe_norm_topk and self.moe_intermediate_size == self.intermediate_size):
+            wrong.append("moe_norm_topk=False or experts narrower than intermediate_size (Mixtral and Granite-MoE "
+                         "renormalise, their experts are intermediate_size wide)")
         elif self.model_type == "olmoe" and self.moe_intermediate_size != self.intermediate_size:
             wrong.append(f"moe_intermediate_size={self.moe_intermediate_size} (OLMoE's experts are intermediate_size "
                          f"wide, {self.intermediate_size})")
@@ -643,7 +658,7 @@ def _normalize_dtype(name: str) -> str:
 # 2's soft-caps 50 / 30, Mixtral's rope_theta 1e6 and rms_norm_eps 1e-5, SmolLM3's rope_theta 2e6 and tied
 # embeddings, ...): those values are read from the class, as transformers reads the file.
 _FAMILY_DEFAULT_TYPES = ("qwen3", "qwen3_moe", "mixtral", "gemma", "gemma2", "gemma3_text", "smollm3", "phi3",
-                         "olmo2", "olmo3", "granite", "qwen2_moe", "olmoe", "cohere", "cohere2")
+                         "olmo2", "olmo3", "qwen2_moe", "olmoe", "cohere", "cohere2") + GRANITE_TYPES
 
 
 def _with_family_defaults(cfg: dict) -> dict:
@@ -784,6 +799,8 @@ def _moe_fields(cfg: dict, model_type: str, n_layers: int) -> dict:
     if model_type == "mixtral":
         return dict(num_experts=experts or 8, num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
                     moe_intermediate_size=cfg["intermediate_size"], moe_norm_topk=True)
+    if model_type in GRANITE_TYPES:
+        return _granite_moe_fields(cfg, model_type)
     if model_type == "olmoe":  # its experts are intermediate_size wide, as Mixtral's
         if cfg.get("num_experts") == 0:
             raise ConfigError("this olmoe config.json has num_experts=0; jaxdecode loads OLMoE with experts in every "
@@ -812,15 +829,31 @@ def _moe_fields(cfg: dict, model_type: str, n_layers: int) -> dict:
                 moe_norm_topk=bool(cfg.get("norm_topk_prob", False)), shared_expert_intermediate_size=shared)
 
 
+def _granite_moe_fields(cfg: dict, model_type: str) -> dict:
+    """Granite-MoE's experts: num_local_experts of intermediate_size, the top k by the router's logits weighted by
+    a softmax over those k (the same weights as renormalising the top k of a softmax over all: moe_norm_topk);
+    Granite-MoE-shared's dense shared MLP of shared_intermediate_size beside them (0: none, as transformers)."""
+    experts, shared = cfg.get("num_local_experts", 8), cfg.get("shared_intermediate_size", 0)
+    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
+        raise ConfigError(f"unsupported {model_type} num_local_experts={experts!r}; jaxdecode loads Granite-MoE with "
+                          f"experts in every layer (a positive count)")
+    if model_type == "granitemoeshared" and (isinstance(shared, bool) or not isinstance(shared, int) or shared < 0):
+        raise ConfigError(f"unsupported granitemoeshared shared_intermediate_size={shared!r}; it takes a width >= 0 "
+                          f"(0: no shared MLP)")
+    return dict(num_experts=experts, num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
+                moe_intermediate_size=cfg["intermediate_size"], moe_norm_topk=True,
+                shared_expert_intermediate_size=shared if model_type == "granitemoeshared" else 0)
+
+
 def _granite_fields(cfg: dict, model_type: str) -> dict:
     """Granite's multipliers (transformers' defaults, 1, for keys left out); {} for the other layouts."""
-    if model_type != "granite":
+    if model_type not in GRANITE_TYPES:
         return {}
     out = {k: cfg.get(k, v) for k, v in _GRANITE_MULTIPLIERS.items()}
     out["attention_multiplier"] = cfg.get("attention_multiplier", 1.0)
     for key, value in out.items():
         if not _finite_number(value) or (key == "logits_scaling" and value == 0):
-            raise ConfigError(f"unsupported granite {key}={value!r}; it takes a finite number"
+            raise ConfigError(f"unsupported {model_type} {key}={value!r}; it takes a finite number"
                               + (" other than 0" if key == "logits_scaling" else ""))
     return {k: float(v) for k, v in out.items()}
 
@@ -951,7 +984,9 @@ _KNOWN_KEYS = {
     "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
 }
 # Keys a layout's own ModelConfig fields carry (elsewhere they stay in `extra`, as config.json said them)
-_FAMILY_KEYS = {"phi3": {"partial_rotary_factor"}, "granite": {*_GRANITE_MULTIPLIERS, "attention_multiplier"},
+_GRANITE_KEYS = {*_GRANITE_MULTIPLIERS, "attention_multiplier"}
+_FAMILY_KEYS = {"phi3": {"partial_rotary_factor"}, "granite": _GRANITE_KEYS, "granitemoe": _GRANITE_KEYS,
+                "granitemoeshared": _GRANITE_KEYS | {"shared_intermediate_size"},
                 "qwen2_moe": {"shared_expert_intermediate_size", "qkv_bias"}, "olmoe": {"clip_qkv"},
                 "cohere": {"logit_scale", "layer_norm_eps", "use_qk_norm"},
                 "cohere2": {"logit_scale", "layer_norm_eps"}}

@@ -300,6 +300,17 @@ def _hf_layer_map(config: ModelConfig, i: int) -> dict[str, tuple[str, callable,
     if config.model_type == "phi3":  # one fused gate/up projection: the gate's rows first (chunk(2))
         m[p + "mlp.gate_up_proj.weight"] = (("w_gate", "w_up"), lambda w: (w[:f].T, w[f:].T), (2 * f, d))
         m[p + "mlp.down_proj.weight"] = ("w_down", lambda w: w.T, (d, f))
+    elif config.model_type in _GRANITE_MOE:  # every expert in one tensor: [E, 2 Fm, D] (gate rows, then up), [E, D, Fm]
+        fm, e, q = config.moe_intermediate_size, config.num_experts, p + "block_sparse_moe."
+        m[q + "router.layer.weight"] = ("w_router", lambda w: w.T, (e, d))
+        m[q + "input_linear.weight"] = (("we_gate", "we_up"), lambda w: (
+            w[:, :fm].transpose(0, 2, 1), w[:, fm:].transpose(0, 2, 1)), (e, 2 * fm, d))
+        m[q + "output_linear.weight"] = ("we_down", lambda w: w.transpose(0, 2, 1), (e, d, fm))
+        fs = config.shared_expert_intermediate_size
+        if fs:  # Granite-MoE-shared's dense shared MLP, its gate and up rows fused the same way; no sigmoid gate
+            m[p + "shared_mlp.input_linear.weight"] = (("ws_gate", "ws_up"), lambda w: (w[:fs].T, w[fs:].T),
+                                                       (2 * fs, d))
+            m[p + "shared_mlp.output_linear.weight"] = ("ws_down", lambda w: w.T, (d, fs))
     elif config.num_experts:  # "we_gate[j]": expert j's slice of the stacked [E, ...] weight
         fm = config.moe_intermediate_size
         moe, (gate, up, down) = _MOE_NAMES[config.model_type]
@@ -360,6 +371,8 @@ def _to_halves(config: ModelConfig, back: bool = False):
     return (lambda x: x) if perm is None else (lambda x: x[..., perm])
 
 
+# Granite-MoE layouts: experts fused in block_sparse_moe.{input_linear, output_linear}, router.layer
+_GRANITE_MOE = ("granitemoe", "granitemoeshared")
 # model_type -> (the MoE block's module, its experts' (gate, up, down) projections)
 _MOE_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
               "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
@@ -620,6 +633,15 @@ def to_hf_tensors(config: ModelConfig, params) -> dict[str, jax.Array]:
             if config.model_type == "phi3":
                 out[p + "mlp.gate_up_proj.weight"] = jnp.concatenate([L["w_gate"][i].T, L["w_up"][i].T], axis=0)
                 out[p + "mlp.down_proj.weight"] = L["w_down"][i].T
+            elif config.model_type in _GRANITE_MOE:  # fused again as transformers stores them
+                q = p + "block_sparse_moe."
+                out[q + "router.layer.weight"] = L["w_router"][i].T
+                out[q + "input_linear.weight"] = jnp.concatenate(
+                    [L["we_gate"][i].transpose(0, 2, 1), L["we_up"][i].transpose(0, 2, 1)], axis=1)
+                out[q + "output_linear.weight"] = L["we_down"][i].transpose(0, 2, 1)
+                if config.shared_expert_intermediate_size:
+                    out[p + "shared_mlp.input_linear.weight"] = jnp.concatenate([L["ws_gate"][i].T, L["ws_up"][i].T])
+                    out[p + "shared_mlp.output_linear.weight"] = L["ws_down"][i].T
             elif config.num_experts:
                 moe, (gate, up, down) = _MOE_NAMES[config.model_type]
                 out[p + moe + ".gate.weight"] = L["w_router"][i].T

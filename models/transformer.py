@@ -34,7 +34,8 @@ Parameter pytree (L = layers, D = hidden, H/KV = heads, hd = head dim, F = MLP w
             w_gate/w_up [L, D, F], w_down [L, F, D], b_gate/b_up [L, F], b_down [L, D]
             (mixture of experts, E experts of width Fm, in place of w_gate/w_up/w_down: w_router [L, D, E],
             we_gate/we_up [L, E, D, Fm], we_down [L, E, Fm, D]; Qwen2-MoE's shared expert of width Fs beside
-            them: ws_gate/ws_up [L, D, Fs], ws_down [L, Fs, D], its sigmoid gate w_shared_gate [L, D, 1])
+            them: ws_gate/ws_up [L, D, Fs], ws_down [L, Fs, D], its sigmoid gate w_shared_gate [L, D, 1] (none in
+            Granite-MoE-shared's))
 """
 from __future__ import annotations
 
@@ -352,9 +353,12 @@ def gated_mlp(config: ModelConfig, h, w_gate, w_up, w_down, biases=None):
 
 
 def shared_expert(config: ModelConfig, h, lp):
-    """Qwen2-MoE's shared expert: a gated MLP every token runs, times sigmoid(h . w_shared_gate)."""
-    gate = jax.nn.sigmoid(matmul("btd,dk->btk", h, lp["w_shared_gate"]))  # [B, T, 1]
-    return gate * gated_mlp(config, h, lp["ws_gate"], lp["ws_up"], lp["ws_down"])
+    """The shared expert: a gated MLP every token runs, times sigmoid(h . w_shared_gate) (Qwen2-MoE) or as it is
+    (Granite-MoE-shared: config.shared_expert_gated False)."""
+    m = gated_mlp(config, h, lp["ws_gate"], lp["ws_up"], lp["ws_down"])
+    if not config.shared_expert_gated:
+        return m
+    return jax.nn.sigmoid(matmul("btd,dk->btk", h, lp["w_shared_gate"])) * m  # [B, T, 1] * [B, T, D]
 
 
 def moe_mlp(config: ModelConfig, h, lp):
@@ -708,8 +712,9 @@ def init_params(config: ModelConfig, key, std: float = 0.02):
                       we_down=normal((n, e, fm, d), resid))
         fs = config.shared_expert_intermediate_size
         if fs:
-            layers.update(ws_gate=normal((n, d, fs)), ws_up=normal((n, d, fs)), ws_down=normal((n, fs, d), resid),
-                          w_shared_gate=normal((n, d, 1)))
+            layers.update(ws_gate=normal((n, d, fs)), ws_up=normal((n, d, fs)), ws_down=normal((n, fs, d), resid))
+            if config.shared_expert_gated:
+                layers["w_shared_gate"] = normal((n, d, 1))
     else:
         layers.update(w_up=normal((n, d, f)), w_down=normal((n, f, d), resid))
     if not config.is_gpt2 and not config.num_experts:

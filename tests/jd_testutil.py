@@ -63,7 +63,9 @@ def make_hf_model(kind: str, vocab_size: int = 320, seed: int = 0, random_norms:
                         "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
                         "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
                         "cohere": (tf.CohereConfig, tf.CohereForCausalLM),
-                        "cohere2": (tf.Cohere2Config, tf.Cohere2ForCausalLM)}[kind]
+                        "cohere2": (tf.Cohere2Config, tf.Cohere2ForCausalLM),
+                        "granitemoe": (tf.GraniteMoeConfig, tf.GraniteMoeForCausalLM),
+                        "granitemoeshared": (tf.GraniteMoeSharedConfig, tf.GraniteMoeSharedForCausalLM)}[kind]
         if kind.startswith("gemma"):  # their configs derive layer types and RoPE sets at init
             llama_like.update(head_dim=8, **overrides)
             overrides = {}
@@ -71,7 +73,10 @@ def make_hf_model(kind: str, vocab_size: int = 320, seed: int = 0, random_norms:
         if kind in ("phi3", "olmo2", "olmo3", "granite", "cohere", "cohere2"):
             llama_like.update(**overrides)
             overrides = {}
-        if kind in ("mixtral", "qwen3_moe"):  # 4 experts, 2 per token; Qwen3-MoE's narrower than the MLP
+        if kind in ("mixtral", "qwen3_moe", "granitemoe", "granitemoeshared"):  # 4 experts, 2 per token; Qwen3-MoE's
+            # narrower than the MLP; Granite-MoE-shared's shared MLP 40 wide
+            if kind == "granitemoeshared":
+                llama_like.update(shared_intermediate_size=40)
             llama_like.update(num_local_experts=4, num_experts_per_tok=2, **overrides)
             if kind == "qwen3_moe":
                 llama_like.update(moe_intermediate_size=24, head_dim=8)

@@ -59,7 +59,12 @@ FAMILY_OVERRIDES = {"qwen3": dict(head_dim=16, random_norms=True), "gemma": dict
                                    logit_scale=0.5),
                     # a sliding layer with RoPE beside a full one without, a window shorter than the decode
                     "cohere2": dict(random_norms=True, sliding_window=4, logit_scale=0.5,
-                                    layer_types=["sliding_attention", "full_attention"])}
+                                    layer_types=["sliding_attention", "full_attention"]),
+                    "granitemoe": dict(random_norms=True, random_biases=True, attention_bias=True,
+                                       embedding_multiplier=3.0, residual_multiplier=0.3, attention_multiplier=0.2,
+                                       logits_scaling=2.5),
+                    "granitemoeshared": dict(random_norms=True, embedding_multiplier=3.0, residual_multiplier=0.3,
+                                             attention_multiplier=0.2, logits_scaling=2.5)}
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +104,7 @@ def hf_greedy(hf, prompt, n, **kw):
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen3", "smollm3", "gemma", "gemma2", "gemma3_text", "mixtral",
                                   "qwen3_moe", "phi3", "olmo2", "olmo3", "granite", "qwen2_moe", "olmoe", "cohere",
-                                  "cohere2"])
+                                  "cohere2", "granitemoe", "granitemoeshared"])
 def test_greedy_matches_transformers_for_a_ragged_batch(hf_models, kind, prompts):
     hf, config, params = hf_models(kind)
     tokens, lengths = pad_prompts(prompts)
@@ -111,7 +116,7 @@ def test_greedy_matches_transformers_for_a_ragged_batch(hf_models, kind, prompts
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "gemma2", "gemma3_text", "qwen3_moe", "phi3", "olmo2", "granite",
-                                  "qwen2_moe", "olmoe", "cohere", "cohere2"])
+                                  "qwen2_moe", "olmoe", "cohere", "cohere2", "granitemoe", "granitemoeshared"])
 def test_speculative_decoding_equals_greedy_on_newer_families(tmp_path, prompts, kind):
     """A Qwen3 / Gemma 2 / Gemma 3 / Qwen3-MoE checkpoint through the public API: speculative decoding with a
     draft model of its family (a 1-layer one of other weights, whose drafts are mostly rejected, and the target itself,

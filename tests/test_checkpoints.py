@@ -178,6 +178,11 @@ def test_unsupported_moe_configs(changes, message):
     # Command R7B: three sliding layers of four (here both of 2), window 4096, RoPE base 10000
     ("cohere2", dict(logit_scale=0.0625, norm_eps=1e-5, rope_theta=1e4, tie_word_embeddings=True, qk_norm=False,
                      sliding_windows=(4096, 4096), rope_layers=(1, 1))),
+    # Granite-MoE: 8 experts of intermediate_size, 2 per token, the softmax over the top 2 (renormalised)
+    ("granitemoe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, moe_norm_topk=True,
+                        attn_scale=1.0, shared_expert_intermediate_size=0, norm_eps=1e-6)),
+    # its shared variant's class default is no shared MLP (shared_intermediate_size 0)
+    ("granitemoeshared", dict(num_experts=8, shared_expert_intermediate_size=0, shared_expert_gated=False)),
 ])
 def test_keys_left_out_take_the_familys_transformers_defaults(model_type, want):
     """A config.json without these keys is read as transformers reads it: its config class's values."""
@@ -205,6 +210,7 @@ GRANITE = dict(model_type="granite", vocab_size=VOCAB, hidden_size=32, intermedi
 QWEN2_MOE = dict(GRANITE, model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                  shared_expert_intermediate_size=24)
 OLMOE = dict(GRANITE, model_type="olmoe", num_experts=4, num_experts_per_tok=2)
+GRANITEMOE = dict(GRANITE, model_type="granitemoe", num_local_experts=4, num_experts_per_tok=2)
 
 
 @pytest.mark.parametrize("cfg, message", [
@@ -226,6 +232,10 @@ OLMOE = dict(GRANITE, model_type="olmoe", num_experts=4, num_experts_per_tok=2)
                                     r"on its flash-attention path only"),
     (dict(OLMOE, num_experts=0), r"this olmoe config.json has num_experts=0"),
     (dict(OLMOE, num_experts_per_tok=5), r"a mixture of 4 experts needs 1 <= num_experts_per_tok <= 4 \(got 5\)"),
+    (dict(GRANITEMOE, num_local_experts=0), r"unsupported granitemoe num_local_experts=0; jaxdecode loads Granite-MoE"),
+    (dict(GRANITEMOE, logits_scaling=0), r"unsupported granitemoe logits_scaling=0; it takes a finite number other"),
+    (dict(GRANITEMOE, model_type="granitemoeshared", shared_intermediate_size=-8),
+     r"unsupported granitemoeshared shared_intermediate_size=-8; it takes a width >= 0"),
 ])
 def test_unsupported_granite_and_moe_options_are_refused_at_load(cfg, message):
     with pytest.raises(ConfigError, match=message):
@@ -252,6 +262,18 @@ def test_granite_and_moe_configs_read_as_transformers_reads_them():
     assert (c.moe_intermediate_size, c.num_experts) == (48, 8)
 
 
+def test_granite_moe_configs_read_and_write_as_transformers():
+    """Granite-MoE reads no window and renormalises its top k whatever norm_topk_prob says (a key it lacks);
+    Granite-MoE-shared without a shared MLP (shared_intermediate_size 0, its class default) loads and saves so."""
+    c = ModelConfig.from_hf_dict(dict(GRANITEMOE, sliding_window=4, norm_topk_prob=False, intermediate_size=48))
+    assert (c.sliding_windows, c.moe_norm_topk, c.moe_intermediate_size, c.num_experts) == ((0, 0), True, 48, 4)
+    for cfg in (GRANITEMOE, dict(GRANITEMOE, model_type="granitemoeshared", shared_intermediate_size=0),
+                dict(GRANITEMOE, model_type="granitemoeshared", shared_intermediate_size=24)):
+        c = ModelConfig.from_hf_dict(cfg)
+        assert c.shared_expert_intermediate_size == cfg.get("shared_intermediate_size", 0)
+        assert ModelConfig.from_hf_dict(c.to_hf_dict()) == c
+
+
 def test_granite_and_moe_networks_a_layout_cannot_say_are_not_saved():
     base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                 head_dim=8, max_position_embeddings=64)
@@ -267,7 +289,7 @@ def test_granite_and_moe_networks_a_layout_cannot_say_are_not_saved():
             (ModelConfig(model_type="granite", attention_multiplier=1.0, sliding_windows=(4, 4), **base),
              r"sliding_windows=\(4, 4\) \(Granite has no sliding window\)"),
             (ModelConfig(model_type="qwen2_moe", qkv_bias=True, **moe, **base),
-             r"shared_expert_intermediate_size=0 \(Qwen2-MoE alone has a shared expert, always\)"),
+             r"shared_expert_intermediate_size=0 \(Qwen2-MoE alone has a shared expert, always; Granite-MoE-shared"),
             (ModelConfig(model_type="qwen3_moe", qk_norm=True, shared_expert_intermediate_size=16, **moe, **base),
              r"a qwen3_moe config.json cannot express shared_expert_intermediate_size=16"),
             (ModelConfig(model_type="qwen2_moe", qkv_bias=True, o_bias=True, shared_expert_intermediate_size=16, **moe,
@@ -276,7 +298,14 @@ def test_granite_and_moe_networks_a_layout_cannot_say_are_not_saved():
              r"moe_intermediate_size=16 \(OLMoE's experts are intermediate_size wide, 64\)"),
             (ModelConfig(model_type="olmoe", **dict(olmoe, qk_norm_full=False), **base), r"qk_norm_full=False"),
             (ModelConfig(model_type="olmoe", **olmoe, **dict(base, head_dim=16)), r"head_dim=16 \(OLMoE's is hidden"),
-            (ModelConfig(model_type="mixtral", clip_qkv=8.0, **moe, **base), r"clip_qkv=8.0 \(OLMoE alone has it\)")]:
+            (ModelConfig(model_type="mixtral", clip_qkv=8.0, **moe, **base), r"clip_qkv=8.0 \(OLMoE alone has it\)"),
+            (ModelConfig(model_type="granitemoe", **moe, **base), r"attention_multiplier=None \(Granite alone"),
+            (ModelConfig(model_type="granitemoe", attention_multiplier=1.0, **dict(moe, moe_norm_topk=False), **base),
+             r"moe_norm_topk=False or experts narrower than intermediate_size \(Mixtral and Granite-MoE renormalise"),
+            (ModelConfig(model_type="granitemoe", attention_multiplier=1.0, shared_expert_intermediate_size=16, **moe,
+                         **base), r"a granitemoe config.json cannot express shared_expert_intermediate_size=16"),
+            (ModelConfig(model_type="granitemoeshared", attention_multiplier=1.0, sliding_windows=(4, 4), **moe,
+                         **base), r"sliding_windows=\(4, 4\) \(Granite has no sliding window\)")]:
         with pytest.raises(ConfigError, match=match):
             cfg.to_hf_dict()
     with pytest.raises(ConfigError, match=r"attention_multiplier \(Granite\) and query_pre_attn_scalar"):

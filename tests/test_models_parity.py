@@ -114,6 +114,14 @@ VARIANTS = {
     # Command R7B: sliding layer 0 (RoPE) beside full layer 1 (no positional encoding), window < SEQ
     "cohere2_window_nope": ("cohere2", dict(random_norms=True, sliding_window=4, logit_scale=0.5,
                                             layer_types=["sliding_attention", "full_attention"])),
+    # Granite's multipliers away from 1 over fused experts (softmax over the top 2 logits), attention biases
+    "granitemoe_multipliers_biases": ("granitemoe", dict(
+        random_norms=True, random_biases=True, attention_bias=True, embedding_multiplier=3.0,
+        residual_multiplier=0.3, attention_multiplier=0.2, logits_scaling=2.5)),
+    # the ungated dense shared MLP (40 wide) beside the experts, tied, llama3 RoPE
+    "granitemoeshared_tied_llama3": ("granitemoeshared", dict(
+        random_norms=True, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE, embedding_multiplier=12.0,
+        residual_multiplier=0.22, attention_multiplier=0.125, logits_scaling=8.0)),
     "gpt2_tied": ("gpt2", {}),
     "gpt2_untied": ("gpt2", dict(tie_word_embeddings=False)),
 }
@@ -273,6 +281,17 @@ def test_variants_load_the_intended_shapes(built):
     c = built("cohere2_window_nope").config
     assert (c.sliding_windows, c.rope_layers, c.qk_norm, c.logit_scale, c.parallel_block, c.norm_center) == (
         (4, 0), (1, 0), False, 0.5, True, True)
+    c = built("granitemoe_multipliers_biases").config
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.moe_norm_topk,
+            c.shared_expert_intermediate_size, c.embedding_multiplier, c.residual_multiplier, c.attn_scale,
+            c.logits_scaling, c.qkv_bias, c.o_bias, c.sliding_windows) == (4, 2, 64, True, 0, 3.0, 0.3, 0.2, 2.5,
+                                                                           True, True, (0, 0))
+    c = built("granitemoeshared_tied_llama3").config
+    assert (c.shared_expert_intermediate_size, c.shared_expert_gated, c.tie_word_embeddings,
+            dict(c.rope_scaling)["rope_type"]) == (40, False, True, "llama3")
+    layers = built("granitemoeshared_tied_llama3").params["layers"]
+    assert layers["ws_up"].shape == (2, 32, 40) and "w_shared_gate" not in layers
+    assert c.replace(model_type="qwen2_moe").num_parameters() - c.num_parameters() == 2 * 32  # no gate vector
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_untied_llama3", "llama_mha_tied_linear_biases", "qwen3_yarn",
@@ -280,7 +299,7 @@ def test_variants_load_the_intended_shapes(built):
                                   "mistral_window4", "qwen2_window_on_layer1", "qwen3_biases_tied_window",
                                   "phi3_partial_window_tied", "phi3_longrope_short", "phi3_longrope_partial_long",
                                   "olmo3_window_yarn", "granite_tied_head_dim16_llama3", "qwen2_moe_norm_topk_window",
-                                  "cohere_untied_linear", "cohere2_window_nope"])
+                                  "cohere_untied_linear", "cohere2_window_nope", "granitemoeshared_tied_llama3"])
 def test_rope_scaling_and_windows_matter(built, name):
     """Dropping the rope scaling / sliding window changes the logits, so parity above covers them."""
     v = built(name)
@@ -352,6 +371,11 @@ def test_phi3_and_olmo3_rope_options_matter(built, name, change):
     ("olmoe_norm_topk", dict(moe_norm_topk=False)),
     ("olmoe_raw_topk_clip_biases", dict(moe_norm_topk=True)),
     ("olmoe_raw_topk_clip_biases", dict(clip_qkv=None)),
+    ("granitemoe_multipliers_biases", dict(moe_norm_topk=False)),  # the softmax over the top k only
+    ("granitemoe_multipliers_biases", dict(residual_multiplier=1.0)),
+    ("granitemoe_multipliers_biases", dict(attention_multiplier=None)),
+    ("granitemoeshared_tied_llama3", dict(embedding_multiplier=1.0)),
+    ("granitemoeshared_tied_llama3", dict(logits_scaling=1.0)),
 ])
 def test_granite_and_moe_options_matter(built, name, change):
     """Each Granite multiplier, the top-k renormalisation and OLMoE's clamp change the logits, so the parity
@@ -415,6 +439,23 @@ def test_cohere_options_matter(built, name, change):
     v = built(name)
     config, params = _cohere_change(v, change)
     assert max_valid_diff(jax_logits(config, params, v.tokens, v.valid), v.logits, v.valid) > 1e-3
+
+
+@pytest.mark.parametrize("part", ["shared_mlp", "sigmoid_gate"])
+def test_granitemoeshared_ungated_shared_mlp_matters(built, part):
+    """Without its shared MLP, or with Qwen2-MoE's sigmoid gate on it (at sigmoid(0) = 1/2), a Granite-MoE-shared
+    model computes other logits: the parity above covers the shared MLP added as it is."""
+    v = built("granitemoeshared_tied_llama3")
+    layers, config = dict(v.params["layers"]), v.config
+    if part == "shared_mlp":
+        config = config.replace(shared_expert_intermediate_size=0)
+        for k in ("ws_gate", "ws_up", "ws_down"):
+            del layers[k]
+    else:
+        config = config.replace(model_type="qwen2_moe")
+        layers["w_shared_gate"] = jnp.zeros(layers["ws_up"].shape[:2] + (1,))
+    logits = jax_logits(config, {**v.params, "layers": layers}, v.tokens, v.valid)
+    assert max_valid_diff(logits, v.logits, v.valid) > 1e-3
 
 
 def test_granite_multipliers_round_as_transformers_in_bfloat16():
@@ -570,7 +611,7 @@ def _to_4x_form(cfg: dict) -> dict:
                                   "mistral_window4", "phi3_partial_window_tied", "phi3_longrope_partial_long",
                                   "olmo2_post_norms_biases", "granite_tied_head_dim16_llama3",
                                   "qwen2_moe_shared_random_biases", "olmoe_raw_topk_clip_biases",
-                                  "cohere_qk_norm_biases", "cohere2_window_nope"])
+                                  "cohere_qk_norm_biases", "cohere2_window_nope", "granitemoeshared_tied_llama3"])
 def test_config_json_4x_form_loads_like_5x(built, tmp_path, name):
     v = built(name)
     cfg5 = json.loads((v.dir / "config.json").read_text())
@@ -617,7 +658,8 @@ def test_save_params_round_trips_through_transformers(built, tmp_path, name, sha
 @pytest.mark.parametrize("name", ["gemma2_softcaps_window", "qwen3_moe_4x2_norm_topk", "phi3_longrope_partial_long",
                                   "olmo3_window_yarn", "qwen2_random_biases", "granite_multipliers_biases",
                                   "qwen2_moe_shared_random_biases", "olmoe_raw_topk_clip_biases",
-                                  "cohere_qk_norm_biases", "cohere2_window_nope"])
+                                  "cohere_qk_norm_biases", "cohere2_window_nope", "granitemoe_multipliers_biases",
+                                  "granitemoeshared_tied_llama3"])
 def test_weight_only_bfloat16_equals_transformers_on_the_rounded_weights(built, name):
     """load(param_dtype="bfloat16") rounds the weights only: its logits equal transformers' float32 model
     whose weights are rounded the same way (Gemma's embedding scale stays float32; the experts' inputs

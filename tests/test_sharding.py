@@ -135,6 +135,21 @@ def test_sharded_cohere_forward_equals_single_device(setup, layout):
     _check_sharded_forward(cfg, params, sp, mesh)
 
 
+def test_sharded_granitemoeshared_forward_equals_single_device(setup):
+    """Granite-MoE-shared: its multipliers, experts split over `model` as every MoE's, the ungated shared MLP's
+    width over `model` as a dense MLP's."""
+    _, mesh = setup
+    cfg = CONFIG.replace(model_type="granitemoeshared", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                         shared_expert_intermediate_size=24, embedding_multiplier=3.0, residual_multiplier=0.3,
+                         attention_multiplier=0.2, logits_scaling=2.5)
+    params = init_params(cfg, jax.random.PRNGKey(4), std=0.3)
+    sp = shard_params(params, mesh)
+    assert sp["layers"]["ws_gate"].sharding.spec == jax.sharding.PartitionSpec(None, None, "model")
+    assert sp["layers"]["ws_down"].sharding.spec == jax.sharding.PartitionSpec(None, "model", None)
+    assert "w_shared_gate" not in sp["layers"]
+    _check_sharded_forward(cfg, params, sp, mesh)
+
+
 @pytest.mark.parametrize("method,sampler", [("greedy", SamplerConfig(temperature=0.0)),
                                             ("sample", SamplerConfig(temperature=0.8, top_k=20))])
 def test_sharded_decode_equals_single_device(setup, method, sampler):
