@@ -44,6 +44,7 @@ PARAM_AXES: dict[str, tuple] = {
     "embed": ("vocab", "embed"),
     "pos_embed": ("positions", "embed"),
     "lm_head": ("embed", "vocab"),
+    "lm_head_bias": ("vocab",),  # Phi-3.5-MoE's, split over `model` with the head's vocabulary
     "scale": ("embed",),  # final_norm (the per-layer norms get a leading "layers" axis)
     "bias": ("embed",),
     "wq": ("layers", "embed", "heads", "head_dim"),

@@ -14,14 +14,15 @@ import numpy as np
 
 # model_type values handled by the llama-family forward (pre-norm, RMSNorm, RoPE, gated MLP); Qwen3, the
 # Gemma, the OLMo and the Cohere layouts add the options of _LAYOUT_FLAGS, Phi-3 a partial rotary factor and
-# LongRoPE, Granite (dense and MoE) its multipliers, Cohere its logit_scale.
+# LongRoPE, Granite (dense and MoE) its multipliers, Cohere its logit_scale, Phi-3.5-MoE LayerNorms, an LM-head
+# bias, LongRoPE and sparsemixer routing.
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "smollm3", "mixtral",
                 "qwen3_moe", "phi3", "olmo2", "olmo3", "granite", "qwen2_moe", "olmoe", "cohere", "cohere2",
-                "granitemoe", "granitemoeshared")
+                "granitemoe", "granitemoeshared", "phimoe")
 # Mixture-of-experts layouts: every layer's MLP is top-k routed experts (Mixtral, Granite-MoE: top-k weights
 # always renormalised; Qwen3-MoE, Qwen2-MoE, OLMoE: when norm_topk_prob; Qwen2-MoE: plus a shared expert gated
-# by a sigmoid, Granite-MoE-shared: plus an ungated one)
-MOE_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "granitemoeshared")
+# by a sigmoid, Granite-MoE-shared: plus an ungated one; Phi-3.5-MoE: sparsemixer's two experts, as they are)
+MOE_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "granitemoeshared", "phimoe")
 # Granite's multipliers (embedding, residual, attention, logits): the dense layout and the two MoE ones
 GRANITE_TYPES = ("granite", "granitemoe", "granitemoeshared")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
@@ -62,18 +63,20 @@ _LAYOUT_FLAGS = {"qwen3": dict(qk_norm=True), "qwen3_moe": dict(qk_norm=True),
                  "olmoe": dict(qk_norm=True, qk_norm_full=True),
                  # Cohere: query / key norms (per head, a scale per head) by use_qk_norm, not implied
                  "cohere": dict(parallel_block=True, norm_center=True),
-                 "cohere2": dict(parallel_block=True, norm_center=True)}
+                 "cohere2": dict(parallel_block=True, norm_center=True),
+                 "phimoe": dict(layer_norm=True)}
 # head_dim when config.json lacks it: transformers' class default for these layouts, not hidden / heads
 _HEAD_DIM_DEFAULTS = {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256}
 ROPE_TYPES = ("default", "llama3", "linear", "yarn")
-# Phi-3's RoPE (transformers' Phi3Config accepts these alone; its "su" and "yarn" mean longrope)
+# Phi-3's RoPE (transformers' Phi3Config accepts these alone; its "su" and "yarn" mean longrope); Phi-3.5-MoE's too
 PHI3_ROPE_TYPES = ("default", "longrope")
+LONGROPE_TYPES = ("phi3", "phimoe")
 _NO_ATTENTION_BIAS = ("mistral", "mixtral", "phi3")
 _MLP_BIAS_TYPES = ("llama", "smollm3", "granite")
 _FLAGS = ("qk_norm", "norm_plus_one", "scale_embed", "sandwich_norms", "post_norms", "qk_norm_full", "parallel_block",
-          "norm_center", "qk_norm_head_scales")
+          "norm_center", "qk_norm_head_scales", "layer_norm")
 # One sliding window (or none) for every layer: transformers reads no layer_types for these
-_ONE_WINDOW_TYPES = ("mixtral", "qwen3_moe", "phi3")
+_ONE_WINDOW_TYPES = ("mixtral", "qwen3_moe", "phi3", "phimoe")
 # No sliding window: transformers' attention masks these causally whatever config.json says (OLMoE: only its
 # flash-attention path would read a sliding_window, so one is refused at load)
 _NO_WINDOW_TYPES = ("olmo2", "olmoe", "cohere") + GRANITE_TYPES
@@ -123,6 +126,9 @@ class ModelConfig:
     # parallel blocks: the attention and the MLP both read the block's one input norm, x + attn(h) + mlp(h), no
     # mlp_norm (Cohere)
     parallel_block: bool = False
+    # LayerNorms (mean and variance, a scale and a bias) instead of RMSNorms (Phi-3.5-MoE; GPT-2 has its own path)
+    layer_norm: bool = False
+    lm_head_bias: bool = False  # the LM head adds a bias [V] (Phi-3.5-MoE's lm_head_bias)
     # attention scores scaled by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5 (Gemma 3)
     query_pre_attn_scalar: float | None = None  # as config.json gives it (an int in transformers' schema)
     # RoPE base of the sliding-window layers, unscaled (Gemma 3); None: every layer uses rope_theta
@@ -139,6 +145,9 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     moe_norm_topk: bool = True
+    # Phi-3.5-MoE's sparsemixer routing (its inference form, jitter_eps = router_jitter_noise): two experts, each
+    # weighted by a softmax over the scores within 2 * eps (relative) of its own; None: the softmax top-k above
+    sparsemixer_eps: float | None = None
     # Qwen2-MoE: a shared expert (a gated MLP this wide) beside the routed ones in every layer, its output times
     # sigmoid(h . w_shared_gate); Granite-MoE-shared: its output as it is (shared_expert_gated); 0: none
     shared_expert_intermediate_size: int = 0
@@ -215,6 +224,16 @@ class ModelConfig:
         if self.clip_qkv is not None and self.clip_qkv <= 0:
             raise ConfigError(f"clip_qkv must be positive (queries, keys and values are clamped to [-clip_qkv, "
                               f"clip_qkv]), got {self.clip_qkv!r}")
+        if self.sparsemixer_eps is not None:
+            if not _finite_number(self.sparsemixer_eps) or self.sparsemixer_eps < 0:
+                raise ConfigError(f"sparsemixer_eps must be a finite number >= 0, got {self.sparsemixer_eps!r}")
+            if self.num_experts_per_tok != 2 or self.moe_norm_topk:
+                raise ConfigError(f"sparsemixer routing picks two experts and weights them as they are: it needs "
+                                  f"num_experts_per_tok=2 and moe_norm_topk=False, got {self.num_experts_per_tok} "
+                                  f"and {self.moe_norm_topk}")
+        if self.layer_norm and (self.qk_norm or self.norm_plus_one):
+            raise ConfigError("layer_norm=True (LayerNorms) with qk_norm or norm_plus_one (RMSNorm options) is not a "
+                              "network jaxdecode builds")
         if self.post_norms and self.sandwich_norms:
             raise ConfigError("post_norms (output norms only, OLMo 2) and sandwich_norms (input and output norms, "
                               "Gemma 2 / 3) exclude each other")
@@ -242,7 +261,7 @@ class ModelConfig:
                 raise ConfigError(f"longrope's {key} must be a list of {self.rotary_dim // 2} positive numbers (one "
                                   f"per rotary frequency: head_dim {self.head_dim} x partial_rotary_factor "
                                   f"{self.partial_rotary_factor} / 2), got {v!r}")
-        for key in ("factor", "attention_factor"):
+        for key in ("factor", "attention_factor", "short_mscale", "long_mscale"):
             v = sc.get(key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
                 raise ConfigError(f"longrope's {key} must be a positive number, got {v!r}")
@@ -437,6 +456,7 @@ class ModelConfig:
             rope_layers=rope_layers, **_moe_fields(cfg, model_type, n_layers),
             **_granite_fields(cfg, model_type), **_olmoe_fields(cfg, model_type, d, n_heads),
             **_cohere_fields(cfg, model_type),
+            lm_head_bias=bool(cfg.get("lm_head_bias", False)) and model_type == "phimoe",
             dtype=dtype, bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
             pad_token_id=cfg.get("pad_token_id"), extra=_extra(cfg, _KNOWN_KEYS | _FAMILY_KEYS.get(model_type, set())),
             **_LAYOUT_FLAGS.get(model_type, {}))
@@ -481,6 +501,7 @@ class ModelConfig:
                 "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "cohere": "CohereForCausalLM",
                 "cohere2": "Cohere2ForCausalLM",
                 "granitemoe": "GraniteMoeForCausalLM", "granitemoeshared": "GraniteMoeSharedForCausalLM",
+                "phimoe": "PhimoeForCausalLM",
                 DREAM_TYPE: "DreamModel", FAST_DLLM_TYPE: "Fast_dLLM_QwenForCausalLM"}[self.model_type]
         rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope_scaling is not None:
@@ -519,8 +540,12 @@ class ModelConfig:
                 out["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
         if self.model_type == "smollm3":
             out["no_rope_layers"] = list(self.rope_layers or (1,) * self.num_layers)
-        if self.model_type in ("mixtral", "granitemoe", "granitemoeshared"):
+        if self.model_type in ("mixtral", "granitemoe", "granitemoeshared", "phimoe"):
             out.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok)
+        if self.model_type == "phimoe":  # its pretraining length at the top too, as transformers 4.x reads it
+            out.update(router_jitter_noise=self.sparsemixer_eps, lm_head_bias=self.lm_head_bias)
+            if self.rope_scaling is not None:
+                out["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
         if self.model_type == "granitemoeshared":
             out["shared_intermediate_size"] = self.shared_expert_intermediate_size
         if self.model_type in ("qwen3_moe", "qwen2_moe"):
@@ -547,7 +572,7 @@ class ModelConfig:
         if len(windows - {0}) > 1:
             raise ConfigError(f"a {self.model_type} config.json has one sliding_window for every windowed layer; "
                               f"this config has several: {sorted(windows - {0})}")
-        if self.model_type == "phi3":  # one window over every layer, or none
+        if self.model_type in LONGROPE_TYPES:  # one window over every layer, or none
             out["sliding_window"] = self.sliding_windows[0] or None
         elif windows != {0} and self.model_type not in _LAYER_TYPE_WINDOWS + OLMO_TYPES:
             if self.model_type == "mistral" and len(windows) == 1:
@@ -580,9 +605,23 @@ class ModelConfig:
         rope_type = (self.rope_scaling_dict or {}).get("rope_type", "default")
         if self.model_type == "phi3" and rope_type not in PHI3_ROPE_TYPES:
             wrong.append(f"rope_type={rope_type!r} (Phi-3's RoPE is {' or '.join(PHI3_ROPE_TYPES)})")
-        if self.model_type != "phi3" and (rope_type == "longrope" or self.partial_rotary_factor != 1):
+        if self.model_type == "phimoe" and rope_type not in PHI3_ROPE_TYPES:
+            wrong.append(f"rope_type={rope_type!r} (Phi-3.5-MoE's RoPE is {' or '.join(PHI3_ROPE_TYPES)})")
+        if (self.model_type not in LONGROPE_TYPES and rope_type == "longrope"
+                or self.model_type != "phi3" and self.partial_rotary_factor != 1):
             wrong.append(f"rope_type={rope_type!r}, partial_rotary_factor={self.partial_rotary_factor} (Phi-3 "
-                         f"alone has longrope and a partial rotary factor)")
+                         f"alone has longrope and a partial rotary factor; Phi-3.5-MoE longrope)")
+        sc = self.rope_scaling_dict or {}
+        mscales = {k for k in ("short_mscale", "long_mscale") if sc.get(k) is not None}
+        if rope_type == "longrope" and (self.model_type == "phimoe") != (len(mscales) == 2):
+            wrong.append(f"longrope with {sorted(mscales) or 'no'} mscales (Phi-3.5-MoE's longrope has both "
+                         f"short_mscale and long_mscale, Phi-3's neither)")
+        if self.model_type == "phimoe" and (sc.keys() & {"factor", "attention_factor"}):
+            wrong.append("longrope factor / attention_factor (Phi-3.5-MoE's mscales set its attention factor)")
+        if (self.sparsemixer_eps is not None) != (self.model_type == "phimoe"):
+            wrong.append(f"sparsemixer_eps={self.sparsemixer_eps} (Phi-3.5-MoE alone routes by sparsemixer, always)")
+        if self.lm_head_bias and self.model_type != "phimoe":
+            wrong.append("lm_head_bias=True (Phi-3.5-MoE alone has an LM-head bias)")
         if self.model_type in _NO_WINDOW_TYPES and set(self.sliding_windows) != {0}:
             name = {"olmo2": "OLMo 2", "olmoe": "OLMoE", "cohere": "Command-R"}.get(self.model_type, "Granite")
             wrong.append(f"sliding_windows={self.sliding_windows} ({name} has no sliding window)")
@@ -658,7 +697,7 @@ def _normalize_dtype(name: str) -> str:
 # 2's soft-caps 50 / 30, Mixtral's rope_theta 1e6 and rms_norm_eps 1e-5, SmolLM3's rope_theta 2e6 and tied
 # embeddings, ...): those values are read from the class, as transformers reads the file.
 _FAMILY_DEFAULT_TYPES = ("qwen3", "qwen3_moe", "mixtral", "gemma", "gemma2", "gemma3_text", "smollm3", "phi3",
-                         "olmo2", "olmo3", "qwen2_moe", "olmoe", "cohere", "cohere2") + GRANITE_TYPES
+                         "olmo2", "olmo3", "qwen2_moe", "olmoe", "cohere", "cohere2", "phimoe") + GRANITE_TYPES
 
 
 def _with_family_defaults(cfg: dict) -> dict:
@@ -738,6 +777,8 @@ def _rope(cfg: dict, model_type: str) -> tuple:
     scaling.pop("rope_theta", None)
     if model_type == "phi3":
         return (rope_theta, *_phi3_rope(cfg, scaling))
+    if model_type == "phimoe":
+        return rope_theta, _phimoe_rope(cfg, scaling), None, 1.0
     rope_type = scaling.get("rope_type", "default")
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"unsupported rope_type={rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
@@ -789,6 +830,44 @@ def _phi3_rope(cfg: dict, scaling: dict) -> tuple:
     return tuple(sorted(scaling.items())), None, float(partial)
 
 
+def _phimoe_rope(cfg: dict, scaling: dict) -> tuple | None:
+    """Phi-3.5-MoE's rope scaling (None or longrope) as transformers 5's PhimoeConfig reads it: the pretraining
+    length from rope_parameters (max_position_embeddings when absent), cos and sin times short_mscale / long_mscale
+    (both required). Its factor sets follow Phi-3's: the short ones, then the long ones for a sequence past the
+    pretraining length (see README: transformers 5.25 keeps the short ones there)."""
+    scaling.pop("type", None)
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type not in PHI3_ROPE_TYPES:
+        raise ConfigError(f"unsupported rope_type={rope_type!r} for phimoe; supported: {', '.join(PHI3_ROPE_TYPES)}")
+    partial = scaling.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ConfigError(f"unsupported phimoe partial_rotary_factor={partial!r}: Phi-3.5-MoE rotates whole heads")
+    if rope_type == "default":
+        return None
+    scaling = {k: v for k, v in scaling.items() if v is not None}
+    scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings", 131072))
+    top = cfg.get("original_max_position_embeddings")
+    if top is not None and top != scaling["original_max_position_embeddings"]:  # 4.x switches factors by this one
+        raise ConfigError(f"this phimoe config.json has original_max_position_embeddings={top!r} at the top level but "
+                          f"{scaling['original_max_position_embeddings']!r} in its rope scaling: transformers 4.x and "
+                          f"5.x would switch its LongRoPE at different lengths; make them equal")
+    unknown = sorted(set(scaling) - {"rope_type", "short_factor", "long_factor", "short_mscale", "long_mscale",
+                                     "original_max_position_embeddings"})
+    if unknown:
+        raise ConfigError(f"unsupported phimoe longrope keys {unknown} in config.json's rope scaling; jaxdecode reads "
+                          f"short_factor, long_factor, short_mscale, long_mscale and original_max_position_embeddings")
+    for key in ("short_factor", "long_factor"):
+        if not isinstance(scaling.get(key), list):
+            raise ConfigError(f"longrope needs {key}, a list of numbers, in config.json's rope scaling; got "
+                              f"{scaling.get(key)!r}")
+        scaling[key] = tuple(scaling[key])
+    for key in ("short_mscale", "long_mscale"):  # transformers' PhimoeConfig refuses a longrope without them
+        if not _finite_number(scaling.get(key)):
+            raise ConfigError(f"phimoe's longrope needs {key}, a number, in config.json's rope scaling; got "
+                              f"{scaling.get(key)!r}")
+    return tuple(sorted(scaling.items()))
+
+
 def _moe_fields(cfg: dict, model_type: str, n_layers: int) -> dict:
     """The mixture-of-experts fields of a Mixtral / Qwen3-MoE / Qwen2-MoE / OLMoE config.json ({} for a dense
     layout). The fallbacks are the config classes' defaults (`_with_family_defaults` fills them in first)."""
@@ -801,6 +880,16 @@ def _moe_fields(cfg: dict, model_type: str, n_layers: int) -> dict:
                     moe_intermediate_size=cfg["intermediate_size"], moe_norm_topk=True)
     if model_type in GRANITE_TYPES:
         return _granite_moe_fields(cfg, model_type)
+    if model_type == "phimoe":  # sparsemixer: always two experts of intermediate_size, weights as they come
+        experts, k, eps = cfg.get("num_local_experts", 16), cfg.get("num_experts_per_tok", 2), cfg.get(
+            "router_jitter_noise", 0.01)
+        if k != 2:
+            raise ConfigError(f"unsupported phimoe num_experts_per_tok={k!r}: transformers' sparsemixer routes every "
+                              f"token to two experts whatever it says, so jaxdecode loads Phi-3.5-MoE with 2")
+        if not _finite_number(eps) or eps < 0:
+            raise ConfigError(f"unsupported phimoe router_jitter_noise={eps!r}; it takes a number >= 0")
+        return dict(num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=cfg["intermediate_size"],
+                    moe_norm_topk=False, sparsemixer_eps=float(eps))
     if model_type == "olmoe":  # its experts are intermediate_size wide, as Mixtral's
         if cfg.get("num_experts") == 0:
             raise ConfigError("this olmoe config.json has num_experts=0; jaxdecode loads OLMoE with experts in every "
@@ -989,7 +1078,8 @@ _FAMILY_KEYS = {"phi3": {"partial_rotary_factor"}, "granite": _GRANITE_KEYS, "gr
                 "granitemoeshared": _GRANITE_KEYS | {"shared_intermediate_size"},
                 "qwen2_moe": {"shared_expert_intermediate_size", "qkv_bias"}, "olmoe": {"clip_qkv"},
                 "cohere": {"logit_scale", "layer_norm_eps", "use_qk_norm"},
-                "cohere2": {"logit_scale", "layer_norm_eps"}}
+                "cohere2": {"logit_scale", "layer_norm_eps"},
+                "phimoe": {"router_jitter_noise", "lm_head_bias", "original_max_position_embeddings"}}
 
 
 def _extra(cfg: dict, known=_KNOWN_KEYS) -> tuple:
@@ -1167,13 +1257,25 @@ def rope_switch_position(config) -> int | None:
     return int(sc["original_max_position_embeddings"])
 
 
+def rope_long_attention_factor(config: ModelConfig) -> float:
+    """The factor on cos and sin with LongRoPE's long factors: Phi-3.5-MoE's long_mscale; rope_attention_factor
+    for every other RoPE (Phi-3's factor is the same for both sets)."""
+    sc = config.rope_scaling_dict or {}
+    if sc.get("rope_type") == "longrope" and sc.get("long_mscale") is not None:
+        return float(sc["long_mscale"])
+    return rope_attention_factor(config)
+
+
 def rope_attention_factor(config: ModelConfig) -> float:
     """The factor on RoPE's cos and sin (so on q.k twice): YaRN's 0.1 * ln(factor) + 1 (or its
     attention_factor / mscale form); LongRoPE's sqrt(1 + ln(factor) / ln(original length)) (or its
-    attention_factor), the same for its short and long factors; 1 for every other RoPE."""
+    attention_factor), the same for its short and long factors, or Phi-3.5-MoE's short_mscale (its long_mscale
+    with the long factors: rope_long_attention_factor); 1 for every other RoPE."""
     sc = config.rope_scaling_dict
     if sc is None or sc.get("rope_type") not in ("yarn", "longrope"):
         return 1.0
+    if sc["rope_type"] == "longrope" and sc.get("short_mscale") is not None:
+        return float(sc["short_mscale"])
     if sc.get("attention_factor") is not None:
         return float(sc["attention_factor"])
     if sc["rope_type"] == "longrope":  # factor: the context's growth (transformers' default: the lengths' ratio)

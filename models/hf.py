@@ -285,6 +285,9 @@ def _hf_layer_map(config: ModelConfig, i: int) -> dict[str, tuple[str, callable,
         m = {p + "input_layernorm.weight": ("attn_norm/scale", lambda w: w, (d,))}
         if not config.parallel_block:  # Cohere's MLP reads the input norm's output too
             m[p + "post_attention_layernorm.weight"] = ("mlp_norm/scale", lambda w: w, (d,))
+        if config.layer_norm:  # Phi-3.5-MoE's LayerNorms: a bias beside each scale
+            m.update({p + "input_layernorm.bias": ("attn_norm/bias", lambda b: b, (d,)),
+                      p + "post_attention_layernorm.bias": ("mlp_norm/bias", lambda b: b, (d,))})
     r = _to_halves(config)  # each head's last axis: HF's interleaved RoPE pairs -> our halves (Cohere)
     if config.model_type == "phi3":  # one fused q/k/v projection: rows q (h heads), then k, then v (kv heads)
         m[p + "self_attn.qkv_proj.weight"] = (("wq", "wk", "wv"), lambda w: (
@@ -377,7 +380,8 @@ _GRANITE_MOE = ("granitemoe", "granitemoeshared")
 _MOE_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
               "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
               "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-              "olmoe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+              "olmoe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+              "phimoe": ("block_sparse_moe", ("w1", "w3", "w2"))}
 
 
 def _expert_slot(ours: str) -> tuple:
@@ -503,6 +507,10 @@ def _convert_llama(config: ModelConfig, tensors: dict, expect: dict):
         "final_norm": {"scale": get(layout_name(config, "model.norm.weight"), (d,))},
         "layers": _nest({k: jnp.stack(x) for k, x in per_layer.items()}),
     }
+    if config.layer_norm:
+        params["final_norm"]["bias"] = get("model.norm.bias", (d,))
+    if config.lm_head_bias:  # a bias of its own, also beside a tied head
+        params["lm_head_bias"] = get("lm_head.bias", (v,))
     if config.tie_word_embeddings:  # some tied checkpoints store a copy of the embedding as the head
         head = layout_name(config, "lm_head.weight")
         if head in tensors and not np.array_equal(np.asarray(tensors[head]), np.asarray(params["embed"])):
@@ -622,6 +630,9 @@ def to_hf_tensors(config: ModelConfig, params) -> dict[str, jax.Array]:
                 out[p + "input_layernorm.weight"] = L["attn_norm"]["scale"][i]
                 if not config.parallel_block:
                     out[p + "post_attention_layernorm.weight"] = L["mlp_norm"]["scale"][i]
+                if config.layer_norm:
+                    out[p + "input_layernorm.bias"] = L["attn_norm"]["bias"][i]
+                    out[p + "post_attention_layernorm.bias"] = L["mlp_norm"]["bias"][i]
             q, k, v = (r(L["wq"][i]).reshape(d, h * hd).T, r(L["wk"][i]).reshape(d, kv * hd).T,
                        L["wv"][i].reshape(d, kv * hd).T)
             if config.model_type == "phi3":  # fused back as Phi-3 stores them
@@ -677,6 +688,10 @@ def to_hf_tensors(config: ModelConfig, params) -> dict[str, jax.Array]:
                 out[p + "mlp.down_proj.bias"] = L["b_down"][i]
         out["model.embed_tokens.weight"] = params["embed"]
         out["model.norm.weight"] = params["final_norm"]["scale"]
+        if config.layer_norm:
+            out["model.norm.bias"] = params["final_norm"]["bias"]
+        if config.lm_head_bias:
+            out["lm_head.bias"] = params["lm_head_bias"]
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = params["lm_head"].T
     if not config.is_gpt2:

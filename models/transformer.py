@@ -49,7 +49,7 @@ import numpy as np
 
 from .cache import KVCache, write_layer
 from .config import (ModelConfig, rope_attention_factor, rope_attention_factors, rope_inv_freq, rope_inv_freqs,
-                     rope_long_inv_freq, rope_switch_position)
+                     rope_long_attention_factor, rope_long_inv_freq, rope_switch_position)
 
 _MASKED = -1e30  # finite, so a fully masked (padding) query gives a uniform softmax, never NaN
 
@@ -80,7 +80,7 @@ def layer_norm(x, p, eps):
 
 
 def _norm(config: ModelConfig, x, p, axes=(-1,)):
-    if config.is_gpt2:
+    if config.is_gpt2 or config.layer_norm:
         return layer_norm(x, p, config.norm_eps)
     return rms_norm(x, p, config.norm_eps, config.norm_plus_one, config.norm_scale_f32, axes, config.norm_center)
 
@@ -234,6 +234,8 @@ def output_logits(config: ModelConfig, params, h):
     embedding when the head is tied), times logit_scale (Cohere), divided by logits_scaling (Granite) and
     soft-capped where the model does (Gemma 2)."""
     logits = lm_logits(h, params["embed"], None if config.tie_word_embeddings else params["lm_head"])
+    if config.lm_head_bias:  # Phi-3.5-MoE: the head's own bias, before any scaling
+        logits = logits + params["lm_head_bias"].astype(jnp.float32)
     return finish_logits(logits, *logits_finish(config))
 
 
@@ -370,7 +372,10 @@ def moe_mlp(config: ModelConfig, h, lp):
     b, t, d = h.shape
     k = config.num_experts_per_tok
     logits = matmul("btd,de->bte", h, lp["w_router"], out_dtype=jnp.float32)  # [B, T, E]
-    top_w, top_e = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)  # [B, T, k]
+    if config.sparsemixer_eps is not None:
+        top_w, top_e = sparsemixer_top2(logits, config.sparsemixer_eps)
+    else:
+        top_w, top_e = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)  # [B, T, k]
     if config.moe_norm_topk:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
     pair_expert = top_e.reshape(-1)  # [N]
@@ -396,6 +401,23 @@ def moe_mlp(config: ModelConfig, h, lp):
     y = y * jnp.take(top_w.reshape(-1), order)[:, None]
     out = jnp.zeros((b * t, d), jnp.float32).at[pair_token].add(y)
     return out.reshape(b, t, d).astype(h.dtype)
+
+
+def sparsemixer_top2(scores, eps: float):
+    """Phi-3.5-MoE's routing of router logits scores [..., E] as transformers' sparsemixer computes it in eval mode:
+    the top expert, weighted by a softmax over the experts whose (top - score) / max(|score|, top) is at most
+    2 * eps (the others masked to -inf); then the top of the rest (the first masked out), weighted the same way
+    relative to its own score. Returns (weights [..., 2], experts [..., 2]); the weights are not renormalised."""
+    def pick(masked):  # masked: scores with the experts already taken at -inf; the threshold reads scores
+        top = jnp.max(masked, axis=-1, keepdims=True)
+        expert = jnp.argmax(masked, axis=-1)  # the first on a tie, as torch's max
+        far = (top - scores) / jnp.maximum(jnp.abs(scores), top) > 2 * eps  # 0/0 is NaN: kept, as in torch
+        gates = jax.nn.softmax(jnp.where(far, -jnp.inf, masked), axis=-1)
+        return jnp.take_along_axis(gates, expert[..., None], axis=-1)[..., 0], expert
+
+    w1, e1 = pick(scores)
+    w2, e2 = pick(jnp.where(jax.nn.one_hot(e1, scores.shape[-1], dtype=bool), -jnp.inf, scores))
+    return jnp.stack([w1, w2], axis=-1), jnp.stack([e1, e2], axis=-1)
 
 
 def _layer_ids(config: ModelConfig, stop_at_layer, skip_layers, return_layers) -> tuple:
@@ -554,8 +576,13 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
     positions = positions.astype(jnp.int32)
     mask = attn_mask.astype(bool)
     switch = rope_switch_position(config)
+    row_factor = None  # LongRoPE with a factor on cos and sin per set (Phi-3.5-MoE's mscales): [B, 1, 1, 1]
     if switch is not None:  # LongRoPE: its long factors for a row whose furthest token reaches the switch
-        inv_freq = _longrope_inv_freq(config, inv_freq, switch, positions, mask, write_offset)
+        long_rows = _longrope_rows(switch, positions, mask, write_offset)
+        inv_freq = jnp.where(long_rows[:, None], jnp.asarray(rope_long_inv_freq(config))[None, :], inv_freq[None, :])
+        short_factor, long_factor = rope_attention_factor(config), rope_long_attention_factor(config)
+        if short_factor != long_factor:
+            row_factor = jnp.where(long_rows, long_factor, short_factor).astype(jnp.float32)[:, None, None, None]
     if cache is not None:
         write_start = cache.lengths if write_offset is None else cache.lengths + write_offset.astype(jnp.int32)
         win_pos = window_key_positions(positions, cache.lengths, mask.shape[2], write_offset, key_positions)
@@ -575,7 +602,7 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
         if lp is None:
             lp = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), layers)
         window = jax.lax.dynamic_index_in_dim(windows, layer, keepdims=False)
-        layer_inv_freq, layer_factor = inv_freq, None
+        layer_inv_freq, layer_factor = inv_freq, row_factor
         if inv_freqs is not None:
             layer_inv_freq = jax.lax.dynamic_index_in_dim(inv_freqs, layer, keepdims=False)
             layer_factor = 1.0 if rope_factors is None else jax.lax.dynamic_index_in_dim(rope_factors, layer,
@@ -625,14 +652,13 @@ def forward(config: ModelConfig, params, tokens, positions, cache: KVCache | Non
     return logits, hidden, new_cache
 
 
-def _longrope_inv_freq(config: ModelConfig, short, switch: int, positions, mask, write_offset):
-    """LongRoPE's inverse frequencies per row [B, r/2]: the long factors where the row's furthest token
-    is at a position >= switch (original_max_position_embeddings), the short ones elsewhere. transformers
-    decides so per forward (max(position_ids) + 1 > original_max_position_embeddings); here per row, over
-    the row's own tokens (those that see themselves: not padding), so a row's logits do not depend on its
-    batch-mates nor on padding. A cache written with the other set would mix them, which transformers'
-    generate avoids by recomputing the cache at the switch: the decoders refuse a decode that would cross
-    it (jaxdecode.autoregressive.validate_prompts)."""
+def _longrope_rows(switch: int, positions, mask, write_offset):
+    """LongRoPE's choice per row, bool[B]: the long factors (and Phi-3.5-MoE's long_mscale) where the row's
+    furthest token is at a position >= switch (original_max_position_embeddings). transformers decides so per
+    forward (max(position_ids) + 1 > original_max_position_embeddings); here per row, over the row's own tokens
+    (those that see themselves: not padding), so a row's logits do not depend on its batch-mates nor on padding.
+    A cache written with the other set would mix them, which transformers' generate avoids by recomputing the
+    cache at the switch: the decoders refuse a decode that would cross it (autoregressive.validate_prompts)."""
     b, t = positions.shape
     col = jnp.arange(t, dtype=jnp.int32)[None, :]
     if write_offset is not None:  # with a cache: new token i sits at window column write_offset[b] + i
@@ -640,8 +666,7 @@ def _longrope_inv_freq(config: ModelConfig, short, switch: int, positions, mask,
     own = jnp.take_along_axis(mask, jnp.broadcast_to(jnp.minimum(col, mask.shape[2] - 1), (b, t))[..., None],
                               axis=2)[..., 0]
     furthest = jnp.max(jnp.where(own, positions, -1), axis=1)  # [B]
-    long = jnp.asarray(rope_long_inv_freq(config))
-    return jnp.where((furthest >= switch)[:, None], long[None, :], short[None, :])
+    return furthest >= switch
 
 
 def causal_mask(batch: int, t: int) -> jax.Array:
@@ -692,7 +717,7 @@ def init_params(config: ModelConfig, key, std: float = 0.02):
 
     def norm_params(shape):  # the identity: scale 1, or 0 where the norm scales by 1 + scale (Gemma)
         p = {"scale": (jnp.zeros if config.norm_plus_one else jnp.ones)(shape, dt)}
-        if config.is_gpt2:
+        if config.is_gpt2 or config.layer_norm:
             p["bias"] = jnp.zeros(shape, dt)
         return p
 
@@ -739,6 +764,8 @@ def init_params(config: ModelConfig, key, std: float = 0.02):
         params["pos_embed"] = normal((config.max_position_embeddings, d), 0.01)
     if not config.tie_word_embeddings:
         params["lm_head"] = normal((d, v))
+    if config.lm_head_bias:
+        params["lm_head_bias"] = jnp.zeros((v,), dt)
     return params
 
 

@@ -65,7 +65,8 @@ def make_hf_model(kind: str, vocab_size: int = 320, seed: int = 0, random_norms:
                         "cohere": (tf.CohereConfig, tf.CohereForCausalLM),
                         "cohere2": (tf.Cohere2Config, tf.Cohere2ForCausalLM),
                         "granitemoe": (tf.GraniteMoeConfig, tf.GraniteMoeForCausalLM),
-                        "granitemoeshared": (tf.GraniteMoeSharedConfig, tf.GraniteMoeSharedForCausalLM)}[kind]
+                        "granitemoeshared": (tf.GraniteMoeSharedConfig, tf.GraniteMoeSharedForCausalLM),
+                        "phimoe": (tf.PhimoeConfig, tf.PhimoeForCausalLM)}[kind]
         if kind.startswith("gemma"):  # their configs derive layer types and RoPE sets at init
             llama_like.update(head_dim=8, **overrides)
             overrides = {}
@@ -73,8 +74,8 @@ def make_hf_model(kind: str, vocab_size: int = 320, seed: int = 0, random_norms:
         if kind in ("phi3", "olmo2", "olmo3", "granite", "cohere", "cohere2"):
             llama_like.update(**overrides)
             overrides = {}
-        if kind in ("mixtral", "qwen3_moe", "granitemoe", "granitemoeshared"):  # 4 experts, 2 per token; Qwen3-MoE's
-            # narrower than the MLP; Granite-MoE-shared's shared MLP 40 wide
+        if kind in ("mixtral", "qwen3_moe", "granitemoe", "granitemoeshared", "phimoe"):  # 4 experts, 2 per token;
+            # Qwen3-MoE's narrower than the MLP; Granite-MoE-shared's shared MLP 40 wide
             if kind == "granitemoeshared":
                 llama_like.update(shared_intermediate_size=40)
             llama_like.update(num_local_experts=4, num_experts_per_tok=2, **overrides)
@@ -95,10 +96,28 @@ def make_hf_model(kind: str, vocab_size: int = 320, seed: int = 0, random_norms:
     model = cls(cfg).eval()
     with torch.no_grad():
         for name, w in model.named_parameters():
-            if random_norms and "norm" in name:
-                w.copy_((0 if kind.startswith("gemma") else 1) + 0.5 * torch.randn_like(w))
+            if random_norms and "norm" in name:  # a LayerNorm's bias (Phi-3.5-MoE) around 0, as Gemma's weights
+                zero = kind.startswith("gemma") or name.endswith(".bias")
+                w.copy_((0 if zero else 1) + 0.5 * torch.randn_like(w))
             elif random_biases and name.endswith(".bias") and "norm" not in name:
                 w.copy_(0.5 * torch.randn_like(w))
+    return model
+
+
+def phimoe_rope_by_length(model):
+    """transformers' Phi-3.5-MoE (PhimoeForCausalLM) with its LongRoPE factors chosen by each forward's sequence
+    length, as Microsoft's reference and earlier transformers choose them: 5.25 calls the LongRoPE init without the
+    length, so past original_max_position_embeddings it keeps the short factors (with long_mscale). Returns model."""
+    emb = model.model.rotary_emb
+    init = emb.rope_init_fn
+
+    def forward(x, position_ids=None, **kw):
+        emb.rope_init_fn = lambda config, *a, **k: init(config, x.device, int(position_ids.max()) + 1)
+        try:
+            return type(emb).forward(emb, x, position_ids, **kw)
+        finally:
+            emb.rope_init_fn = init
+    emb.forward = forward
     return model
 
 

@@ -64,7 +64,14 @@ FAMILY_OVERRIDES = {"qwen3": dict(head_dim=16, random_norms=True), "gemma": dict
                                        embedding_multiplier=3.0, residual_multiplier=0.3, attention_multiplier=0.2,
                                        logits_scaling=2.5),
                     "granitemoeshared": dict(random_norms=True, embedding_multiplier=3.0, residual_multiplier=0.3,
-                                             attention_multiplier=0.2, logits_scaling=2.5)}
+                                             attention_multiplier=0.2, logits_scaling=2.5),
+                    # LayerNorms, every bias, sparsemixer keeping several experts, a window over every layer,
+                    # LongRoPE short of its switch (64) with its short_mscale
+                    "phimoe": dict(random_norms=True, random_biases=True, attention_bias=True, lm_head_bias=True,
+                                   router_jitter_noise=0.3, sliding_window=4, rope_parameters={
+                                       "rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0],
+                                       "long_factor": [2.0, 4.0, 6.0, 8.0], "short_mscale": 1.2, "long_mscale": 1.5,
+                                       "original_max_position_embeddings": 64, "rope_theta": 10000.0})}
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +111,7 @@ def hf_greedy(hf, prompt, n, **kw):
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen3", "smollm3", "gemma", "gemma2", "gemma3_text", "mixtral",
                                   "qwen3_moe", "phi3", "olmo2", "olmo3", "granite", "qwen2_moe", "olmoe", "cohere",
-                                  "cohere2", "granitemoe", "granitemoeshared"])
+                                  "cohere2", "granitemoe", "granitemoeshared", "phimoe"])
 def test_greedy_matches_transformers_for_a_ragged_batch(hf_models, kind, prompts):
     hf, config, params = hf_models(kind)
     tokens, lengths = pad_prompts(prompts)
@@ -116,7 +123,8 @@ def test_greedy_matches_transformers_for_a_ragged_batch(hf_models, kind, prompts
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "gemma2", "gemma3_text", "qwen3_moe", "phi3", "olmo2", "granite",
-                                  "qwen2_moe", "olmoe", "cohere", "cohere2", "granitemoe", "granitemoeshared"])
+                                  "qwen2_moe", "olmoe", "cohere", "cohere2", "granitemoe", "granitemoeshared",
+                                  "phimoe"])
 def test_speculative_decoding_equals_greedy_on_newer_families(tmp_path, prompts, kind):
     """A Qwen3 / Gemma 2 / Gemma 3 / Qwen3-MoE checkpoint through the public API: speculative decoding with a
     draft model of its family (a 1-layer one of other weights, whose drafts are mostly rejected, and the target itself,
@@ -161,6 +169,26 @@ def test_longrope_past_its_switch_matches_transformers(tmp_path):
     # a short decode stays on the short factors, as transformers' does
     assert jaxdecode.generate(model, [[3, 4]], method="greedy", max_new_tokens=3, eos_ids=[])[0].tokens == \
         hf_greedy(hf, [3, 4], 3)
+
+
+def test_phimoe_longrope_past_its_switch_matches_the_reference(tmp_path):
+    """Prompts past original_max_position_embeddings (4) + 1: Phi-3.5-MoE's long factors and long_mscale in every
+    forward (transformers' model with the factors chosen by length, jd_testutil.phimoe_rope_by_length): greedy
+    equals its generate, speculative decoding equals greedy, a decode crossing the switch is refused."""
+    import jaxdecode
+    from jd_testutil import make_checkpoint, phimoe_rope_by_length
+    over = dict(FAMILY_OVERRIDES["phimoe"])
+    over["rope_parameters"] = dict(over["rope_parameters"], original_max_position_embeddings=4)
+    model = jaxdecode.load(make_checkpoint("phimoe", tmp_path / "phimoe", **over))
+    hf = phimoe_rope_by_length(make_hf_model("phimoe", **over))
+    rng = np.random.default_rng(1)
+    long_prompts = [rng.integers(1, 320, n).tolist() for n in (6, 7, 8)]
+    want = [hf_greedy(hf, p, N_NEW) for p in long_prompts]
+    for method, kw in (("greedy", {}), ("speculative", dict(draft=model, tree="eagle:depth=3,topk=2", adaptive=False))):
+        out = jaxdecode.generate(model, long_prompts, method=method, max_new_tokens=N_NEW, eos_ids=[], **kw)
+        assert [g.tokens for g in out] == want, method
+    with pytest.raises(PromptError, match=r"row 1's prompt \(2 tokens\) \+ max_new_tokens \(8\) crosses position 4"):
+        jaxdecode.generate(model, [long_prompts[0], [1, 2]], method="greedy", max_new_tokens=N_NEW, eos_ids=[])
 
 
 def test_greedy_with_repetition_penalty_matches_transformers(hf_models, prompts):

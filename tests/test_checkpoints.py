@@ -183,6 +183,10 @@ def test_unsupported_moe_configs(changes, message):
                         attn_scale=1.0, shared_expert_intermediate_size=0, norm_eps=1e-6)),
     # its shared variant's class default is no shared MLP (shared_intermediate_size 0)
     ("granitemoeshared", dict(num_experts=8, shared_expert_intermediate_size=0, shared_expert_gated=False)),
+    # Phi-3.5-MoE: 16 experts, sparsemixer at jitter_eps 0.01, LayerNorms of eps 1e-5, rope_theta 1e6, no biases
+    ("phimoe", dict(num_experts=16, num_experts_per_tok=2, moe_intermediate_size=64, moe_norm_topk=False,
+                    sparsemixer_eps=0.01, layer_norm=True, norm_eps=1e-5, rope_theta=1e6, rope_scaling=None,
+                    qkv_bias=False, lm_head_bias=False, sliding_windows=(0, 0))),
 ])
 def test_keys_left_out_take_the_familys_transformers_defaults(model_type, want):
     """A config.json without these keys is read as transformers reads it: its config class's values."""
@@ -211,6 +215,9 @@ QWEN2_MOE = dict(GRANITE, model_type="qwen2_moe", num_experts=4, num_experts_per
                  shared_expert_intermediate_size=24)
 OLMOE = dict(GRANITE, model_type="olmoe", num_experts=4, num_experts_per_tok=2)
 GRANITEMOE = dict(GRANITE, model_type="granitemoe", num_local_experts=4, num_experts_per_tok=2)
+PHIMOE = dict(GRANITE, model_type="phimoe", num_local_experts=4, max_position_embeddings=128)
+PHIMOE_ROPE = dict(rope_type="longrope", short_factor=[1.0] * 4, long_factor=[2.0] * 4, short_mscale=1.2,
+                   long_mscale=1.3, original_max_position_embeddings=16, rope_theta=1e4)
 
 
 @pytest.mark.parametrize("cfg, message", [
@@ -236,6 +243,18 @@ GRANITEMOE = dict(GRANITE, model_type="granitemoe", num_local_experts=4, num_exp
     (dict(GRANITEMOE, logits_scaling=0), r"unsupported granitemoe logits_scaling=0; it takes a finite number other"),
     (dict(GRANITEMOE, model_type="granitemoeshared", shared_intermediate_size=-8),
      r"unsupported granitemoeshared shared_intermediate_size=-8; it takes a width >= 0"),
+    (dict(PHIMOE, num_experts_per_tok=1), r"unsupported phimoe num_experts_per_tok=1: transformers' sparsemixer"),
+    (dict(PHIMOE, router_jitter_noise=-0.1), r"unsupported phimoe router_jitter_noise=-0.1; it takes a number >= 0"),
+    (dict(PHIMOE, rope_parameters=dict(rope_type="yarn", factor=2.0, rope_theta=1e4)),
+     r"unsupported rope_type='yarn' for phimoe; supported: default, longrope"),
+    (dict(PHIMOE, rope_parameters={k: v for k, v in PHIMOE_ROPE.items() if k != "long_mscale"}),
+     r"phimoe's longrope needs long_mscale, a number"),
+    (dict(PHIMOE, rope_parameters=dict(PHIMOE_ROPE, attention_factor=1.1)),
+     r"unsupported phimoe longrope keys \['attention_factor'\]"),
+    (dict(PHIMOE, rope_parameters=PHIMOE_ROPE, original_max_position_embeddings=32),
+     r"original_max_position_embeddings=32 at the top level but 16 in its rope scaling"),
+    (dict(PHIMOE, rope_parameters=dict(PHIMOE_ROPE, partial_rotary_factor=0.5)),
+     r"unsupported phimoe partial_rotary_factor=0.5: Phi-3.5-MoE rotates whole heads"),
 ])
 def test_unsupported_granite_and_moe_options_are_refused_at_load(cfg, message):
     with pytest.raises(ConfigError, match=message):
@@ -274,11 +293,29 @@ def test_granite_moe_configs_read_and_write_as_transformers():
         assert ModelConfig.from_hf_dict(c.to_hf_dict()) == c
 
 
+def test_phimoe_configs_read_and_write_as_transformers():
+    """Phi-3.5-MoE's longrope in the released 4.x form ("type", the pretraining length in both places) and the
+    5.x form read alike; without its own length the rope scaling takes max_position_embeddings, as transformers 5;
+    a window over every layer; saved and read back the same."""
+    released = dict(PHIMOE, rope_theta=1e4, original_max_position_embeddings=16, sliding_window=8, rope_scaling={
+        "type": "longrope", **{k: v for k, v in PHIMOE_ROPE.items() if k not in ("rope_type", "rope_theta")}})
+    c = ModelConfig.from_hf_dict(released)
+    assert c == ModelConfig.from_hf_dict(dict(PHIMOE, rope_parameters=PHIMOE_ROPE, sliding_window=8))
+    assert (dict(c.rope_scaling)["original_max_position_embeddings"], c.sliding_windows) == (16, (8, 8))
+    assert ModelConfig.from_hf_dict(c.to_hf_dict()) == c
+    rope = {k: v for k, v in PHIMOE_ROPE.items() if k != "original_max_position_embeddings"}
+    c = ModelConfig.from_hf_dict(dict(PHIMOE, rope_parameters=rope))
+    assert dict(c.rope_scaling)["original_max_position_embeddings"] == 128
+
+
 def test_granite_and_moe_networks_a_layout_cannot_say_are_not_saved():
     base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                 head_dim=8, max_position_embeddings=64)
     moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
     olmoe = dict(qk_norm=True, qk_norm_full=True, **moe)
+    phi3_rope = (("long_factor", (2.0,) * 4), ("original_max_position_embeddings", 16), ("rope_type", "longrope"),
+                 ("short_factor", (1.0,) * 4))
+    phimoe_rope = tuple(sorted(phi3_rope + (("long_mscale", 1.3), ("short_mscale", 1.2))))
     for cfg, match in [
             (ModelConfig(model_type="llama", embedding_multiplier=2.0, **base),
              r"a llama config.json cannot express embedding_multiplier=2.0 \(Granite alone has it\)"),
@@ -305,7 +342,20 @@ def test_granite_and_moe_networks_a_layout_cannot_say_are_not_saved():
             (ModelConfig(model_type="granitemoe", attention_multiplier=1.0, shared_expert_intermediate_size=16, **moe,
                          **base), r"a granitemoe config.json cannot express shared_expert_intermediate_size=16"),
             (ModelConfig(model_type="granitemoeshared", attention_multiplier=1.0, sliding_windows=(4, 4), **moe,
-                         **base), r"sliding_windows=\(4, 4\) \(Granite has no sliding window\)")]:
+                         **base), r"sliding_windows=\(4, 4\) \(Granite has no sliding window\)"),
+            (ModelConfig(model_type="llama", lm_head_bias=True, **base), r"lm_head_bias=True \(Phi-3.5-MoE alone"),
+            (ModelConfig(model_type="llama", layer_norm=True, **base), r"cannot express layer_norm=True"),
+            (ModelConfig(model_type="mixtral", sparsemixer_eps=0.01, **dict(moe, moe_norm_topk=False), **base),
+             r"sparsemixer_eps=0.01 \(Phi-3.5-MoE alone routes by sparsemixer, always\)"),
+            (ModelConfig(model_type="phimoe", layer_norm=True, **dict(moe, moe_norm_topk=False), **base),
+             r"sparsemixer_eps=None \(Phi-3.5-MoE alone"),
+            (ModelConfig(model_type="phimoe", layer_norm=True, sparsemixer_eps=0.01, rope_scaling=phi3_rope,
+                         **dict(moe, moe_norm_topk=False), **base), r"longrope with no mscales"),
+            (ModelConfig(model_type="phi3", rope_scaling=phimoe_rope, **base),
+             r"longrope with \['long_mscale', 'short_mscale'\] mscales"),
+            (ModelConfig(model_type="phimoe", layer_norm=True, sparsemixer_eps=0.01,
+                         rope_scaling=(("factor", 2.0), ("rope_type", "linear")), **dict(moe, moe_norm_topk=False),
+                         **base), r"rope_type='linear' \(Phi-3.5-MoE's RoPE is default or longrope\)")]:
         with pytest.raises(ConfigError, match=match):
             cfg.to_hf_dict()
     with pytest.raises(ConfigError, match=r"attention_multiplier \(Granite\) and query_pre_attn_scalar"):
@@ -314,6 +364,13 @@ def test_granite_and_moe_networks_a_layout_cannot_say_are_not_saved():
         ModelConfig(model_type="qwen2_moe", shared_expert_intermediate_size=16, **base)
     with pytest.raises(ConfigError, match=r"logits_scaling=0: the logits are divided by it"):
         ModelConfig(model_type="granite", attention_multiplier=1.0, logits_scaling=0.0, **base)
+    for bad in (dict(num_experts_per_tok=1, moe_norm_topk=False), dict(moe_norm_topk=True)):
+        with pytest.raises(ConfigError, match=r"sparsemixer routing picks two experts and weights them as they are"):
+            ModelConfig(model_type="phimoe", sparsemixer_eps=0.01, **{**moe, **bad}, **base)
+    with pytest.raises(ConfigError, match=r"sparsemixer_eps must be a finite number >= 0, got -1.0"):
+        ModelConfig(model_type="phimoe", sparsemixer_eps=-1.0, **dict(moe, moe_norm_topk=False), **base)
+    with pytest.raises(ConfigError, match=r"layer_norm=True \(LayerNorms\) with qk_norm or norm_plus_one"):
+        ModelConfig(model_type="phimoe", layer_norm=True, qk_norm=True, **base)
 
 
 COHERE = dict(GRANITE, model_type="cohere")

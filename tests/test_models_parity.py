@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jd_testutil import make_hf_model
+from jd_testutil import make_hf_model, phimoe_rope_by_length
 from jaxdecode.models import forward, load_params, padded_causal_mask, save_params
 
 VOCAB = 64
@@ -35,6 +35,9 @@ LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0], "long
             "rope_theta": 10000.0}
 LONGROPE_3 = {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0], "long_factor": [3.0, 4.0, 5.0],
               "rope_theta": 10000.0}
+# Phi-3.5-MoE's LongRoPE: its pretraining length inside rope_parameters (64 > SEQ: the short factors), cos and sin
+# times short_mscale, or long_mscale with the long factors (the released model has both 1.243...)
+PHIMOE_LONGROPE = dict(LONGROPE, short_mscale=1.2, long_mscale=1.5, original_max_position_embeddings=64)
 
 # name -> (HF family, config overrides on top of jd_testutil's tiny defaults: hidden 32, 2 layers,
 # 4 heads, 2 kv heads)
@@ -122,6 +125,13 @@ VARIANTS = {
     "granitemoeshared_tied_llama3": ("granitemoeshared", dict(
         random_norms=True, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE, embedding_multiplier=12.0,
         residual_multiplier=0.22, attention_multiplier=0.125, logits_scaling=8.0)),
+    # LayerNorms with biases, attention and LM-head biases, LongRoPE short of its switch, sparsemixer at its
+    # released jitter_eps (0.01: mostly one expert in each softmax)
+    "phimoe_longrope_biases": ("phimoe", dict(random_norms=True, random_biases=True, attention_bias=True,
+                                              lm_head_bias=True, rope_parameters=PHIMOE_LONGROPE)),
+    # a jitter_eps that keeps several experts in each softmax, a window over every layer, tied with a head bias
+    "phimoe_jitter_window_tied": ("phimoe", dict(random_norms=True, random_biases=True, lm_head_bias=True,
+                                                 tie_word_embeddings=True, router_jitter_noise=0.5, sliding_window=4)),
     "gpt2_tied": ("gpt2", {}),
     "gpt2_untied": ("gpt2", dict(tie_word_embeddings=False)),
 }
@@ -292,6 +302,19 @@ def test_variants_load_the_intended_shapes(built):
     layers = built("granitemoeshared_tied_llama3").params["layers"]
     assert layers["ws_up"].shape == (2, 32, 40) and "w_shared_gate" not in layers
     assert c.replace(model_type="qwen2_moe").num_parameters() - c.num_parameters() == 2 * 32  # no gate vector
+    c = built("phimoe_longrope_biases").config
+    assert (c.layer_norm, c.lm_head_bias, c.qkv_bias, c.o_bias, c.num_experts, c.num_experts_per_tok,
+            c.moe_intermediate_size, c.moe_norm_topk, c.sparsemixer_eps, c.sliding_windows, c.tie_word_embeddings,
+            c.norm_eps) == (True, True, True, True, 4, 2, 64, False, 0.01, (0, 0), False, 1e-5)
+    assert dict(c.rope_scaling) == dict(rope_type="longrope", short_factor=(1.0, 1.5, 2.0, 3.0),
+                                        long_factor=(2.0, 4.0, 6.0, 8.0), short_mscale=1.2, long_mscale=1.5,
+                                        original_max_position_embeddings=64)
+    p = built("phimoe_longrope_biases").params
+    assert (p["final_norm"]["bias"].shape, p["layers"]["attn_norm"]["bias"].shape, p["lm_head_bias"].shape) == (
+        (32,), (2, 32), (64,))
+    c = built("phimoe_jitter_window_tied").config
+    assert (c.sparsemixer_eps, c.sliding_windows, c.tie_word_embeddings, c.lm_head_bias, c.qkv_bias,
+            c.rope_scaling) == (0.5, (4, 4), True, True, False, None)
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_untied_llama3", "llama_mha_tied_linear_biases", "qwen3_yarn",
@@ -299,7 +322,8 @@ def test_variants_load_the_intended_shapes(built):
                                   "mistral_window4", "qwen2_window_on_layer1", "qwen3_biases_tied_window",
                                   "phi3_partial_window_tied", "phi3_longrope_short", "phi3_longrope_partial_long",
                                   "olmo3_window_yarn", "granite_tied_head_dim16_llama3", "qwen2_moe_norm_topk_window",
-                                  "cohere_untied_linear", "cohere2_window_nope", "granitemoeshared_tied_llama3"])
+                                  "cohere_untied_linear", "cohere2_window_nope", "granitemoeshared_tied_llama3",
+                                  "phimoe_longrope_biases", "phimoe_jitter_window_tied"])
 def test_rope_scaling_and_windows_matter(built, name):
     """Dropping the rope scaling / sliding window changes the logits, so parity above covers them."""
     v = built(name)
@@ -376,12 +400,23 @@ def test_phi3_and_olmo3_rope_options_matter(built, name, change):
     ("granitemoe_multipliers_biases", dict(attention_multiplier=None)),
     ("granitemoeshared_tied_llama3", dict(embedding_multiplier=1.0)),
     ("granitemoeshared_tied_llama3", dict(logits_scaling=1.0)),
+    ("phimoe_longrope_biases", dict(short_mscale=1.0)),  # rope_scaling entries
+    ("phimoe_longrope_biases", dict(short_factor=(1.0,) * 4)),
+    ("phimoe_longrope_biases", dict(sparsemixer_eps=0.5)),
+    ("phimoe_jitter_window_tied", dict(sparsemixer_eps=0.01)),
+    ("phimoe_jitter_window_tied", dict(sparsemixer_eps=None)),  # a softmax over all experts, its top 2
+    ("phimoe_jitter_window_tied", dict(sparsemixer_eps=None, moe_norm_topk=True)),  # ... renormalised
+    ("phimoe_jitter_window_tied", dict(lm_head_bias=False)),
 ])
 def test_granite_and_moe_options_matter(built, name, change):
-    """Each Granite multiplier, the top-k renormalisation and OLMoE's clamp change the logits, so the parity
-    above covers them."""
+    """Each Granite multiplier, the top-k renormalisation, OLMoE's clamp and Phi-3.5-MoE's routing, mscales and
+    head bias change the logits, so the parity above covers them."""
     v = built(name)
+    change = dict(change)
+    rope = {k: change.pop(k) for k in list(change) if k in ("short_mscale", "short_factor")}
     config = v.config.replace(**change)
+    if rope:
+        config = config.replace(rope_scaling=tuple(sorted({**dict(config.rope_scaling), **rope}.items())))
     assert config != v.config
     assert max_valid_diff(jax_logits(config, v.params, v.tokens, v.valid), v.logits, v.valid) > 1e-3
 
@@ -456,6 +491,62 @@ def test_granitemoeshared_ungated_shared_mlp_matters(built, part):
         layers["w_shared_gate"] = jnp.zeros(layers["ws_up"].shape[:2] + (1,))
     logits = jax_logits(config, {**v.params, "layers": layers}, v.tokens, v.valid)
     assert max_valid_diff(logits, v.logits, v.valid) > 1e-3
+
+
+@pytest.mark.parametrize("change", ["rms_norm", "no_norm_biases"])
+def test_phimoe_layer_norms_matter(built, change):
+    """Phi-3.5-MoE's LayerNorms: RMSNorms of the same scales, or its LayerNorms without their biases, compute
+    other logits, so the parity above covers the mean, the variance and the biases."""
+    v = built("phimoe_longrope_biases")
+    config, params = v.config, v.params
+    if change == "rms_norm":
+        config = config.replace(layer_norm=False)
+    strip = (lambda n: {"scale": n["scale"]}) if change == "rms_norm" else (
+        lambda n: {"scale": n["scale"], "bias": jnp.zeros_like(n["bias"])})
+    layers = {k: strip(x) if k.endswith("_norm") else x for k, x in params["layers"].items()}
+    params = {**params, "layers": layers, "final_norm": strip(params["final_norm"])}
+    assert max_valid_diff(jax_logits(config, params, v.tokens, v.valid), v.logits, v.valid) > 1e-3
+
+
+def test_sparsemixer_equals_transformers_routing():
+    """sparsemixer_top2 equals transformers' sparsemixer (eval mode) on scores with ties, zeros, negatives and
+    spreads that keep one or several experts in each masked softmax: the same two experts, the same weights."""
+    import torch
+    from transformers.models.phimoe.modeling_phimoe import sparsemixer
+    from jaxdecode.models.transformer import sparsemixer_top2
+    rng = np.random.default_rng(0)
+    scores = rng.normal(0, 2, (512, 6)).astype(np.float32)
+    scores[:64] = np.round(scores[:64])  # ties (the first index wins, in both) and zeros
+    scores[64:128] -= 10  # all negative
+    scores[128:136] = 0  # every score 0: 0 / 0 in the threshold
+    for eps in (0.0, 0.01, 0.1, 0.5, 2.0):
+        want_w, want_e = sparsemixer(torch.tensor(scores), jitter_eps=eps, training=False)
+        got_w, got_e = sparsemixer_top2(jnp.asarray(scores), eps)
+        np.testing.assert_array_equal(np.asarray(got_e), want_e.numpy())
+        np.testing.assert_allclose(np.asarray(got_w), want_w.numpy(), rtol=1e-6, atol=1e-7)
+        assert len(np.unique(np.round(np.asarray(got_w), 4))) > 2  # weights other than 1 (several kept)
+
+
+def test_phimoe_longrope_past_its_switch_per_row(tmp_path):
+    """Past original_max_position_embeddings (8 here) Phi-3.5-MoE rotates with its long factors and cos and sin
+    times long_mscale: Microsoft's reference and transformers' PhimoeRotaryEmbedding while it passed the sequence
+    length to the LongRoPE init. transformers 5.25 passes none, so its PhimoeForCausalLM keeps the short factors
+    (with long_mscale) there; jaxdecode follows the reference: the model compared here is transformers' with that
+    length passed. Per row, as for Phi-3: rows of 12 and 9 tokens long, the row of 5 short."""
+    torch_model = phimoe_rope_by_length(make_hf_model(
+        "phimoe", vocab_size=VOCAB, random_norms=True,
+        rope_parameters=dict(PHIMOE_LONGROPE, original_max_position_embeddings=8)))
+    torch_model.save_pretrained(str(tmp_path))
+    config, params = load_params(tmp_path)
+    tokens, valid = _batch()
+    got = jax_logits(config, params, tokens, valid)
+    for row, n in enumerate(BATCH_LENGTHS):
+        want = torch_logits(torch_model, tokens[row:row + 1, :n], valid[row:row + 1, :n])[0]
+        assert np.abs(got[row, :n] - want).max() <= ATOL, f"row {row}"
+    for change in (dict(long_factor=tuple(LONGROPE["short_factor"])), dict(long_mscale=1.2)):
+        other = jax_logits(config.replace(rope_scaling=tuple(sorted({**dict(config.rope_scaling), **change}.items()))),
+                           params, tokens, valid)
+        assert np.abs(other[0, :12] - got[0, :12]).max() > 1e-3 and np.abs(other[2, :5] - got[2, :5]).max() == 0
 
 
 def test_granite_multipliers_round_as_transformers_in_bfloat16():
@@ -598,6 +689,9 @@ def _to_4x_form(cfg: dict) -> dict:
         assert rope.pop("partial_rotary_factor") == cfg["partial_rotary_factor"]
         rope.pop("original_max_position_embeddings", None)
         rope["type"] = rope.pop("rope_type")
+    if cfg["model_type"] == "phimoe" and rope["rope_type"] == "longrope":  # as released: "type", the lengths in both
+        assert rope["original_max_position_embeddings"] == cfg["original_max_position_embeddings"]
+        rope["type"] = rope.pop("rope_type")
     cfg["rope_scaling"] = None if rope.get("rope_type", rope.get("type", "default")) == "default" else rope
     cfg["torch_dtype"] = cfg.pop("dtype")
     if cfg["model_type"] in ("qwen2", "qwen3", "smollm3"):
@@ -611,7 +705,8 @@ def _to_4x_form(cfg: dict) -> dict:
                                   "mistral_window4", "phi3_partial_window_tied", "phi3_longrope_partial_long",
                                   "olmo2_post_norms_biases", "granite_tied_head_dim16_llama3",
                                   "qwen2_moe_shared_random_biases", "olmoe_raw_topk_clip_biases",
-                                  "cohere_qk_norm_biases", "cohere2_window_nope", "granitemoeshared_tied_llama3"])
+                                  "cohere_qk_norm_biases", "cohere2_window_nope", "granitemoeshared_tied_llama3",
+                                  "phimoe_longrope_biases"])
 def test_config_json_4x_form_loads_like_5x(built, tmp_path, name):
     v = built(name)
     cfg5 = json.loads((v.dir / "config.json").read_text())
@@ -659,7 +754,8 @@ def test_save_params_round_trips_through_transformers(built, tmp_path, name, sha
                                   "olmo3_window_yarn", "qwen2_random_biases", "granite_multipliers_biases",
                                   "qwen2_moe_shared_random_biases", "olmoe_raw_topk_clip_biases",
                                   "cohere_qk_norm_biases", "cohere2_window_nope", "granitemoe_multipliers_biases",
-                                  "granitemoeshared_tied_llama3"])
+                                  "granitemoeshared_tied_llama3", "phimoe_longrope_biases",
+                                  "phimoe_jitter_window_tied"])
 def test_weight_only_bfloat16_equals_transformers_on_the_rounded_weights(built, name):
     """load(param_dtype="bfloat16") rounds the weights only: its logits equal transformers' float32 model
     whose weights are rounded the same way (Gemma's embedding scale stays float32; the experts' inputs

@@ -93,15 +93,21 @@ def test_greedy_speculative_equals_plain_greedy(case):
     assert np.all(np.asarray(out.stats["verify_calls"]) >= 1)
 
 
-@pytest.mark.parametrize("family", ["smollm3", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["smollm3", "qwen2_moe", "granitemoeshared", "phimoe"])
 def test_kangaroo_over_per_layer_and_expert_targets(family):
     """Kangaroo over a target with layers without RoPE (SmolLM3: the draft network keeps layer l's) and over
-    a mixture of experts with a shared expert (Qwen2-MoE: the fresh adapter zeroes every down projection, so
-    it starts as the early exit at layer l): greedy speculative output equals plain greedy."""
+    mixtures of experts with a shared expert (Qwen2-MoE; Granite-MoE-shared's ungated one under its multipliers)
+    or LayerNorms and sparsemixer (Phi-3.5-MoE): the fresh adapter zeroes every down projection (and the
+    attention's output bias), so it starts as the early exit at layer l; greedy speculative equals plain greedy."""
     base = tiny().config
-    extra = dict(rope_layers=(1, 0, 1)) if family == "smollm3" else dict(
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
-        moe_norm_topk=False, qkv_bias=True)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, moe_norm_topk=False)
+    extra = {"smollm3": dict(rope_layers=(1, 0, 1)),
+             "qwen2_moe": dict(shared_expert_intermediate_size=24, qkv_bias=True, **moe),
+             "granitemoeshared": dict(shared_expert_intermediate_size=24, embedding_multiplier=3.0,
+                                      residual_multiplier=0.3, attention_multiplier=0.2, logits_scaling=2.5,
+                                      **dict(moe, moe_norm_topk=True)),
+             "phimoe": dict(layer_norm=True, lm_head_bias=True, qkv_bias=True, o_bias=True, sparsemixer_eps=0.3,
+                            **moe)}[family]
     cfg = base.replace(model_type=family, **extra)
     target = types.SimpleNamespace(config=cfg, params=init_params(cfg, jax.random.PRNGKey(0), std=0.3), path=None)
     kcfg = ss.KangarooConfig(exit_layer=1, threshold=0.0)

@@ -150,6 +150,27 @@ def test_sharded_granitemoeshared_forward_equals_single_device(setup):
     _check_sharded_forward(cfg, params, sp, mesh)
 
 
+def test_sharded_phimoe_forward_equals_single_device(setup):
+    """Phi-3.5-MoE: LayerNorm biases whole, the LM-head bias split over `model` with the vocabulary, sparsemixer
+    routing, LongRoPE's factors and mscales per row (row 0 past the switch, row 1 not)."""
+    _, mesh = setup
+    cfg = CONFIG.replace(model_type="phimoe", layer_norm=True, lm_head_bias=True, qkv_bias=True, o_bias=True,
+                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, moe_norm_topk=False,
+                         sparsemixer_eps=0.3, sliding_windows=(4, 4), rope_scaling=(
+                             ("long_factor", (2.0, 4.0, 6.0, 8.0)), ("long_mscale", 1.5),
+                             ("original_max_position_embeddings", 4), ("rope_type", "longrope"),
+                             ("short_factor", (1.0, 1.5, 2.0, 3.0)), ("short_mscale", 1.2)))
+    params = init_params(cfg, jax.random.PRNGKey(5), std=0.2)
+    rng = np.random.default_rng(0)
+    params = jax.tree_util.tree_map_with_path(  # biases and norm scales away from 0 and 1
+        lambda path, a: a + jnp.asarray(rng.normal(0, 0.3, a.shape), a.dtype)
+        if "bias" in jax.tree_util.keystr(path) or "scale" in jax.tree_util.keystr(path) else a, params)
+    sp = shard_params(params, mesh)
+    assert sp["lm_head_bias"].sharding.spec == jax.sharding.PartitionSpec("model")
+    assert sp["layers"]["attn_norm"]["bias"].sharding.spec == jax.sharding.PartitionSpec(None, None)
+    _check_sharded_forward(cfg, params, sp, mesh)
+
+
 @pytest.mark.parametrize("method,sampler", [("greedy", SamplerConfig(temperature=0.0)),
                                             ("sample", SamplerConfig(temperature=0.8, top_k=20))])
 def test_sharded_decode_equals_single_device(setup, method, sampler):
