@@ -231,12 +231,10 @@ def lm_logits(h, embed, lm_head=None):
 
 def output_logits(config: ModelConfig, params, h):
     """A model's float32 logits [..., V] of its final-normed states h [..., D] (its LM head, or its
-    embedding when the head is tied), times logit_scale (Cohere), divided by logits_scaling (Granite) and
-    soft-capped where the model does (Gemma 2)."""
+    embedding when the head is tied), plus the head's bias (Phi-3.5-MoE), times logit_scale (Cohere), divided
+    by logits_scaling (Granite) and soft-capped where the model does (Gemma 2)."""
     logits = lm_logits(h, params["embed"], None if config.tie_word_embeddings else params["lm_head"])
-    if config.lm_head_bias:  # Phi-3.5-MoE: the head's own bias, before any scaling
-        logits = logits + params["lm_head_bias"].astype(jnp.float32)
-    return finish_logits(logits, *logits_finish(config))
+    return finish_logits(logits, *logits_finish(config), bias=head_bias(config, params))
 
 
 def logits_finish(config: ModelConfig) -> tuple:
@@ -246,9 +244,18 @@ def logits_finish(config: ModelConfig) -> tuple:
     return float(config.logits_scaling), config.final_logit_softcapping, float(config.logit_scale)
 
 
-def finish_logits(logits, scaling: float = 1.0, softcap: float | None = None, multiplier: float = 1.0):
-    """Head logits as the model emits them: times `multiplier` (Cohere's logit_scale), divided by `scaling`
-    (Granite), then soft-capped (Gemma 2)."""
+def head_bias(config: ModelConfig, params):
+    """The LM head's bias [V] (Phi-3.5-MoE's lm_head_bias), None where the head has none: finish_logits' `bias`.
+    Drafters that read the target's head keep it beside logits_finish (an array, so not in that static tuple)."""
+    return params["lm_head_bias"] if config.lm_head_bias else None
+
+
+def finish_logits(logits, scaling: float = 1.0, softcap: float | None = None, multiplier: float = 1.0, bias=None):
+    """Head logits as the model emits them: plus the head's `bias` [V] (Phi-3.5-MoE, before any scaling, as
+    its lm_head adds it), times `multiplier` (Cohere's logit_scale), divided by `scaling` (Granite), then
+    soft-capped (Gemma 2)."""
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
     if multiplier != 1.0:
         logits = logits * multiplier
     if scaling != 1.0:

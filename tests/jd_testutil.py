@@ -121,6 +121,20 @@ def phimoe_rope_by_length(model):
     return model
 
 
+def phimoe_like(config, seed: int = 0, std: float = 0.3):
+    """(config, params) of a tiny Phi-3.5-MoE target of config's shape (LayerNorms, attention biases, sparsemixer
+    over 4 experts) whose LM-head bias is drawn at random: init_params' zeros would hide a drafter that drops it."""
+    import jax
+
+    from jaxdecode.models import init_params
+    cfg = config.replace(model_type="phimoe", layer_norm=True, lm_head_bias=True, qkv_bias=True, o_bias=True,
+                         sparsemixer_eps=0.3, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=config.intermediate_size, moe_norm_topk=False)
+    params = init_params(cfg, jax.random.PRNGKey(seed), std=std)
+    bias = jax.random.normal(jax.random.PRNGKey(seed + 1), (cfg.vocab_size,), params["embed"].dtype)
+    return cfg, {**params, "lm_head_bias": bias}
+
+
 def make_checkpoint(kind: str, out_dir, vocab_size: int = 320, seed: int = 0, **overrides) -> Path:
     out_dir = Path(out_dir)
     make_hf_model(kind, vocab_size, seed, **overrides).save_pretrained(str(out_dir))

@@ -190,6 +190,31 @@ def test_a_soft_capped_target_drafts_from_its_capped_head(trained, monkeypatch):
     np.testing.assert_allclose(np.asarray(q_dec), np.asarray(jax.nn.log_softmax(logits[:, 0])), atol=1e-4)
 
 
+def test_a_head_bias_target_drafts_from_its_biased_head(trained, monkeypatch):
+    """A target whose LM head adds a bias (Phi-3.5-MoE, of the trained target's shape): the training forward's
+    logits differ from the bias-free target's by that bias alone, and the drafter's q is their distribution."""
+    from jd_testutil import phimoe_like
+    tcfg, tparams = phimoe_like(trained["target"].config)
+    monkeypatch.setattr(trained["module"], "target_config", tcfg)
+    drafter = make_block_drafter(trained["params"], CFG, jaxdecode.Model(tcfg, tparams), tree=f"chain:{K}")
+    toks, lens = pad_prompts(trained["heldout"][:2])
+    b, t = toks.shape
+    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    _, hidden, _ = forward(tcfg, tparams, toks, pos, None, causal_mask(b, t),
+                           return_layers=feature_request(drafter.feature_layers))
+    k_ref, v_ref = context_kv(drafter_model_config(CFG, tcfg), drafter.params,
+                              select_features(hidden, drafter.feature_layers), pos)
+    a = jnp.asarray(lens) - 3
+    q_dec = drafter.block_logprobs(BlockState(k=k_ref, v=v_ref, lengths=a),
+                                   DraftContext(history=toks, hist_len=a + 1, key=jax.random.PRNGKey(0)), T1)
+    batch = {"tokens": np.asarray(toks), "anchors": np.asarray(a)[:, None]}
+    logits, _, _ = block_outputs(trained["module"], batch, tparams)
+    plain, _, _ = block_outputs(trained["module"], batch, {**tparams, "lm_head_bias": 0 * tparams["lm_head_bias"]})
+    np.testing.assert_allclose(np.asarray(logits - plain), np.broadcast_to(tparams["lm_head_bias"], logits.shape),
+                               atol=1e-4)
+    np.testing.assert_allclose(np.asarray(q_dec), np.asarray(jax.nn.log_softmax(logits[:, 0])), atol=1e-4)
+
+
 def test_context_window_hides_older_context(trained):
     """context_window = W: q depends only on the newest W committed positions (garbage in older slots
     changes nothing; without the window it does), and greedy speculative output stays plain greedy."""

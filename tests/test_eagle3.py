@@ -93,6 +93,34 @@ def test_unroll_shapes_and_loss_weights():
     np.testing.assert_array_equal(np.asarray(labels)[w[0] > 0], (toks[:, 2:][w[0, :, :8] > 0]) // 2)
 
 
+@pytest.mark.parametrize("vocab", [(), EVEN])
+def test_a_head_bias_targets_drafts_and_training_logits_carry_its_bias(vocab):
+    """A target whose LM head adds a bias (Phi-3.5-MoE): an untrained drafter (head_delta 0: the target's head)
+    drafts at the root what the target's head gives for the drafter's state, over the draft vocabulary; the
+    training unroll's logits carry the same bias (they differ from the bias-free target's by it alone)."""
+    from flax import nnx
+    from jd_testutil import phimoe_like
+
+    from jaxdecode.models.transformer import output_logits, rms_norm
+    cfg, params = phimoe_like(tiny()[0])
+    ec = e3.default_config(cfg, draft_vocab=vocab)
+    ep = e3.init_params(ec, cfg, jax.random.PRNGKey(1))
+    drafter = e3.Eagle3Drafter.build(ep, ec, cfg, params, ChainBuilder(3))
+    eps = drafter.layer_config.norm_eps
+    h = 3.0 * jax.random.normal(jax.random.PRNGKey(2), (5, cfg.hidden_size))
+    cols = np.asarray(vocab) if vocab else np.arange(V)
+    want = jax.nn.log_softmax(output_logits(cfg, params, rms_norm(h, ep["final_norm"], eps))[:, cols], axis=-1)
+    got = drafter._logq(e3.head_logits(drafter.params, drafter.params["head"], eps, h), SamplerConfig(temperature=1.0))
+    np.testing.assert_allclose(np.asarray(got)[:, cols], want, rtol=1e-5, atol=1e-5)
+    module = te.eagle3_module(ec, cfg, nnx.Rngs(0))
+    batch = {"tokens": np.random.default_rng(0).integers(0, V, (2, 8)).astype(np.int32),
+             "mask": np.ones((2, 8), np.float32)}
+    logits = te.eagle3_outputs(module, batch, params)[0]
+    plain = te.eagle3_outputs(module, batch, {**params, "lm_head_bias": jnp.zeros_like(params["lm_head_bias"])})[0]
+    np.testing.assert_allclose(logits - plain, jnp.broadcast_to(params["lm_head_bias"][cols], logits.shape),
+                               atol=1e-5)
+
+
 @pytest.mark.parametrize("vocab,softcap", [((), None), (EVEN, None), ((), 2.0)])
 def test_decode_matches_the_training_unroll(vocab, softcap):
     """init + propose (chain) give the distributions the TTT unroll gives at the same positions, and

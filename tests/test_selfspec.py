@@ -125,6 +125,32 @@ def test_kangaroo_over_per_layer_and_expert_targets(family):
 
 
 # ----------------------------------------------------------------------------- cost: no cache copies
+def test_kangaroo_drafts_a_head_bias_targets_own_distribution():
+    """A target whose LM head adds a bias (Phi-3.5-MoE): the draft network ends in the target's head through
+    output_logits, bias included, so a fresh (zero) adapter's root logits in decoding and its logits in training
+    are the target's head on the exit state."""
+    from flax import nnx
+    from jd_testutil import phimoe_like
+
+    from jaxdecode.models import causal_mask, forward
+    from jaxdecode.models.transformer import _norm, output_logits
+    from jaxdecode.training.selfspec import KangarooModule, kangaroo_outputs
+    cfg, params = phimoe_like(tiny().config)
+    kcfg = ss.KangarooConfig(exit_layer=1, threshold=0.0)
+    drafter = ss.make_kangaroo(ss.init_adapter(kcfg, cfg, jax.random.PRNGKey(1)), kcfg,
+                               types.SimpleNamespace(config=cfg, params=params, path=None), "chain:3")
+    toks, lens = pad_prompts(PROMPTS4)
+    b, t = toks.shape
+    _, hidden, _ = forward(cfg, params, toks, jnp.broadcast_to(jnp.arange(t), (b, t)), None, causal_mask(b, t),
+                           return_layers=(0,))  # the state after layer 0: the exit at layer 1
+    want = output_logits(cfg, params, _norm(cfg, hidden["layers"][0], params["final_norm"]))  # [B, T, V]
+    root, _ = drafter._catch_up(drafter.init(toks, lens, 64, jax.random.PRNGKey(0)), toks, lens, 4)
+    np.testing.assert_allclose(np.asarray(root), np.asarray(want[jnp.arange(b), lens - 1]), atol=1e-5)
+    module = KangarooModule(kcfg, cfg, nnx.Rngs(0))
+    logits_d = kangaroo_outputs(module, {"tokens": toks, "mask": jnp.ones((b, t))}, params)[0]
+    np.testing.assert_allclose(np.asarray(logits_d), np.asarray(want), atol=1e-5)
+
+
 def test_run_time_layer_list_and_in_place_switch_compute_what_they_replace():
     """forward(layer_ids=, num_layers_run=) equals the static sub-network; switch_in_place / run_if equal
     lax.switch / lax.cond."""

@@ -31,7 +31,7 @@ from jaxdecode.drafters.block import (BlockConfig, block_hidden, block_inputs, c
                                       feature_layers_for, init_params)
 from jaxdecode.drafters.medusa import head_logits, target_head
 from jaxdecode.models import causal_mask, forward
-from jaxdecode.models.transformer import finish_logits, logits_finish
+from jaxdecode.models.transformer import finish_logits, head_bias, logits_finish
 from jaxdecode.speculative import feature_request, select_features
 
 
@@ -107,7 +107,8 @@ def block_outputs(module: BlockModule, batch, target_params):
     x = block_inputs(params, embed, blk[..., 0], k)  # [B, A, k+1, D]
     visible = (jnp.arange(t)[None, None, :] < anchors[..., None]) & (mask[:, None, :] > 0)  # [B, A, T]
     h = block_hidden(dcfg, params, x, idx, ctx_k, ctx_v, visible)[:, :, 1:]
-    logits = finish_logits(head_logits(h, embed, lm_head), *logits_finish(tcfg))
+    bias = jax.lax.stop_gradient(head_bias(tcfg, target_params))  # as decoding adds it (Phi-3.5-MoE)
+    logits = finish_logits(head_logits(h, embed, lm_head), *logits_finish(tcfg), bias=bias)
     return logits, blk[..., 1:], real[..., 1:] * real[..., :1]
 
 

@@ -24,8 +24,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxdecode.drafters.eagle3 import (Eagle3Config, default_config, draft_head, fuse_features, head_logits,
-                                       init_params, layer_config, layer_inputs, target_head)
+from jaxdecode.drafters.eagle3 import (Eagle3Config, default_config, draft_head, draft_head_bias, fuse_features,
+                                       head_logits, init_params, layer_config, layer_inputs, target_head)
 from jaxdecode.models import causal_mask, forward, rope_inv_freq
 from jaxdecode.models.transformer import _layer, attention, finish_logits, logits_finish
 from jaxdecode.speculative import feature_request, select_features
@@ -123,7 +123,8 @@ def eagle3_outputs(module: Eagle3Module, batch, target_params):
     dcfg = layer_config(cfg, tcfg)
     g = fuse_features(params, feats[:, :, :-1])  # entries t = 0..T-2
     hs = ttt_hidden(dcfg, params, jnp.take(embed, tokens[:, 1:], axis=0), g, cfg.ttt_steps)
-    logits = finish_logits(head_logits(params, head, dcfg.norm_eps, hs), *logits_finish(tcfg))  # [K, B, T-1, M]
+    bias = jax.lax.stop_gradient(draft_head_bias(tcfg, target_params, cfg.draft_vocab))  # as decoding adds it
+    logits = finish_logits(head_logits(params, head, dcfg.norm_eps, hs), *logits_finish(tcfg), bias=bias)  # [K,B,T-1,M]
     nxt2 = jnp.pad(tokens[:, 2:], ((0, 0), (0, 1)))  # x_{t+2} (entry T-2 has none)
     scored = jnp.pad(mask[:, 2:], ((0, 0), (0, 1)))
     labels = jnp.asarray(target_to_draft(cfg, tcfg.vocab_size))[nxt2]

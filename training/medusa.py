@@ -23,7 +23,7 @@ from flax import nnx
 from jaxdecode.drafters.medusa import (HydraConfig, MedusaConfig, head_logits, hydra_hidden, init_params,
                                        medusa_hidden, target_head)
 from jaxdecode.models import causal_mask, forward
-from jaxdecode.models.transformer import finish_logits, logits_finish
+from jaxdecode.models.transformer import finish_logits, head_bias, logits_finish
 
 from .drafters import TrainKind, register_train_kind
 
@@ -81,7 +81,8 @@ def head_outputs(module: HeadsModule, batch, target_params):
     if isinstance(module.cfg, HydraConfig):  # teacher forcing: e_j = emb(x_{t+1+j}), j = 0..K-1
         nxt = jnp.stack([_shifted(toks, j + 1, 0) for j in range(k)], axis=2)  # [B, T, K]
         emb = jnp.take(embed, nxt, axis=0).astype(jnp.float32)
-    logits = finish_logits(head_logits(module(h, emb), embed, lm_head), *logits_finish(tcfg))  # [B, T, K, V]
+    bias = jax.lax.stop_gradient(head_bias(tcfg, target_params))  # as decoding adds it (Phi-3.5-MoE)
+    logits = finish_logits(head_logits(module(h, emb), embed, lm_head), *logits_finish(tcfg), bias=bias)  # [B,T,K,V]
     return logits, labels, weight
 
 

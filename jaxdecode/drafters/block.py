@@ -42,7 +42,8 @@ from jaxdecode.drafters.trained import DrafterKind, register_kind
 from jaxdecode.models import ModelConfig, rope_inv_freq
 from jaxdecode.models import init_params as model_init_params
 from jaxdecode.models import param_shapes as model_param_shapes
-from jaxdecode.models.transformer import _MASKED, _layer, apply_rope, embed_rows, finish_logits, logits_finish, rms_norm
+from jaxdecode.models.transformer import (_MASKED, _layer, apply_rope, embed_rows, finish_logits, head_bias,
+                                         logits_finish, rms_norm)
 from jaxdecode.speculative import FINAL, accepted_features
 from jaxdecode.tree import depths
 
@@ -254,6 +255,8 @@ class BlockDrafter:
     # the target's logits_finish (Granite's scaling, Cohere's logit_scale, Gemma 2's soft-cap): drafts from its
     # distribution
     finish: tuple = dataclasses.field(default=(1.0, None), metadata=dict(static=True))
+    # the target's LM-head bias [V] (Phi-3.5-MoE; None: none), added before the finish as the target adds it
+    lm_head_bias: jax.Array | None = None
 
     num_nodes = property(lambda self: self.builder.num_nodes)
     max_depth = property(lambda self: self.builder.max_depth)
@@ -288,7 +291,8 @@ class BlockDrafter:
             visible &= slot >= st.lengths[:, None] - self.cfg.context_window
         visible = visible[:, None]  # [B, 1, S]
         h = block_hidden(self.dcfg, self.params, x, positions, st.k, st.v, visible)[:, 0, 1:]
-        return draft_logprobs(finish_logits(head_logits(h, self.embed, self.lm_head), *self.finish), sampler)
+        logits = finish_logits(head_logits(h, self.embed, self.lm_head), *self.finish, bias=self.lm_head_bias)
+        return draft_logprobs(logits, sampler)
 
     def propose(self, st: BlockState, ctx, sampler):
         b = ctx.hist_len.shape[0]
@@ -338,7 +342,8 @@ def make_block_drafter(params, cfg: BlockConfig, target, tree=None, temperature:
     embed, lm_head = target_head(tcfg, target.params)
     return BlockDrafter(params=jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params), embed=embed,
                         lm_head=lm_head, cfg=cfg, dcfg=drafter_model_config(cfg, tcfg), builder=builder,
-                        feature_layers=feature_layers_for(cfg, tcfg), finish=logits_finish(tcfg))
+                        feature_layers=feature_layers_for(cfg, tcfg), finish=logits_finish(tcfg),
+                        lm_head_bias=head_bias(tcfg, target.params))
 
 
 register_kind(DrafterKind(name="block", config_cls=BlockConfig, make=make_block_drafter,

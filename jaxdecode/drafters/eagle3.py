@@ -33,7 +33,7 @@ from jaxdecode.drafters.draft_lm import catch_up_blocks, check_catch_up_sizes, d
 from jaxdecode.models import ModelConfig, advance, forward, init_cache, padded_causal_mask
 from jaxdecode.models import init_params as model_init_params
 from jaxdecode.models import param_shapes as model_param_shapes
-from jaxdecode.models.transformer import embed_rows, finish_logits, logits_finish, rms_norm
+from jaxdecode.models.transformer import embed_rows, finish_logits, head_bias, logits_finish, rms_norm
 from jaxdecode.sampling import SamplerConfig
 from jaxdecode.speculative import FINAL, accepted_features
 from jaxdecode.tree import ancestor_mask, depths
@@ -168,6 +168,15 @@ def draft_head(params, base_head, draft_vocab: tuple):
     return base_head.astype(jnp.float32) + params["head_delta"]
 
 
+def draft_head_bias(target_config: ModelConfig, target_params, draft_vocab: tuple):
+    """The target head's bias over the draft vocabulary [M] (Phi-3.5-MoE), None where its head has none: the
+    drafter's logits then get what the target's get for the same state."""
+    bias = head_bias(target_config, target_params)
+    if bias is None or not draft_vocab:
+        return bias
+    return jnp.take(bias, jnp.asarray(draft_vocab, jnp.int32))
+
+
 def fuse_features(params, feats):
     """g = fc([f_1; ...; f_F]): feats [F, B, T, D] -> [B, T, D]."""
     f, b, t, d = feats.shape
@@ -240,6 +249,8 @@ class Eagle3Drafter:
     finish: tuple = dataclasses.field(default=(1.0, None), metadata=dict(static=True))
     # keep each proposal's node sources in the state (Eagle3State.sources; chains only)
     record_sources: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # the target's LM-head bias over the draft vocabulary [M] (Phi-3.5-MoE; None: none), added before the finish
+    head_bias: jax.Array | None = None
 
     num_nodes = property(lambda self: self.builder.num_nodes)
     max_depth = property(lambda self: self.builder.max_depth)
@@ -256,7 +267,8 @@ class Eagle3Drafter:
         return cls(params={**p, "head": head}, embed=target_params["embed"], d2t=d2t,
                    layer_config=layer_config(cfg, target_config), builder=builder,
                    feature_layers=cfg.feature_layers, vocab_size=target_config.vocab_size,
-                   finish=logits_finish(target_config))
+                   finish=logits_finish(target_config),
+                   head_bias=draft_head_bias(target_config, target_params, cfg.draft_vocab))
 
     @property
     def source_state_dim(self) -> int:
@@ -277,7 +289,7 @@ class Eagle3Drafter:
 
     def _logq(self, logits, sampler: SamplerConfig):
         """Draft log-probs over the target vocabulary (-inf outside the draft vocabulary)."""
-        lp = draft_logprobs(finish_logits(logits, *self.finish), sampler)
+        lp = draft_logprobs(finish_logits(logits, *self.finish, bias=self.head_bias), sampler)
         if self.d2t is None:
             return lp
         full = jnp.full(lp.shape[:-1] + (self.vocab_size,), -jnp.inf, lp.dtype)
@@ -410,4 +422,4 @@ _register()
 
 __all__ = ["Eagle3Config", "Eagle3Drafter", "Eagle3Error", "Eagle3State", "default_config", "default_feature_layers",
            "init_params", "param_shapes", "layer_config", "make", "fuse_features", "layer_inputs",
-           "run_layer", "head_logits", "draft_head", "target_head", "DEFAULT_TREE"]
+           "run_layer", "head_logits", "draft_head", "draft_head_bias", "target_head", "DEFAULT_TREE"]

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jaxdecode.drafters.builders import build_tree
 from jaxdecode.drafters.draft_lm import draft_logprobs
 from jaxdecode.drafters.trained import DrafterKind, register_kind
-from jaxdecode.models.transformer import embed_rows, finish_logits, lm_logits, logits_finish
+from jaxdecode.models.transformer import embed_rows, finish_logits, head_bias, lm_logits, logits_finish
 from jaxdecode.speculative import FINAL, accepted_features
 from jaxdecode.tree import depths
 
@@ -170,6 +170,8 @@ class HeadsDrafter:
     # the target's logits_finish (Granite's scaling, Cohere's logit_scale, Gemma 2's soft-cap): drafts from its
     # distribution
     finish: tuple = dataclasses.field(default=(1.0, None), metadata=dict(static=True))
+    # the target's LM-head bias [V] (Phi-3.5-MoE; None: none), added before the finish as the target adds it
+    lm_head_bias: jax.Array | None = None
 
     num_nodes = property(lambda self: self.builder.num_nodes)
     max_depth = property(lambda self: self.builder.max_depth)
@@ -187,7 +189,8 @@ class HeadsDrafter:
         return jnp.where((pos >= 0)[:, None], h, 0.0)
 
     def _logq(self, x, sampler):
-        return draft_logprobs(finish_logits(head_logits(x, self.embed, self.lm_head), *self.finish), sampler)
+        logits = finish_logits(head_logits(x, self.embed, self.lm_head), *self.finish, bias=self.lm_head_bias)
+        return draft_logprobs(logits, sampler)
 
     def propose(self, h, ctx, sampler):
         b, k = h.shape[0], self.cfg.num_heads
@@ -276,7 +279,7 @@ def make_heads_drafter(params, cfg, target, tree=None, temperature: float = 0.0,
     check_params(cfg, params, embed.shape[1])
     params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
     return HeadsDrafter(params=params, embed=embed, lm_head=lm_head, cfg=cfg, builder=builder,
-                        finish=logits_finish(target.config))
+                        finish=logits_finish(target.config), lm_head_bias=head_bias(target.config, target.params))
 
 
 def _param_shapes(cfg, target_config) -> dict:
