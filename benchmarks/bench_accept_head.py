@@ -297,8 +297,8 @@ def priced_ceilings(target, inner, head, configs, prompts, args, sampler, verifi
     those steps priced the same way. Printed as ratios to the best fixed length under the same pricing and
     to the best fixed length as timed (`over_timed_fixed`, the fair one: see below); {} when --ks lacks 1
     or --head-k."""
-    from jaxdecode.drafters.accept_head import head_logits, keep_mask
-    from jaxdecode.training.accept_head import collect_labels, stopping_ceilings
+    from jaxdecode.drafters.accept_head import keep_mask
+    from jaxdecode.training.accept_head import collect_labels, label_logits, stopping_ceilings
     steps = {}
     for name in secs:
         if name.startswith(f"{inner_kind} chain:") and not name.endswith(("own cut", FIXED_CATCH_UP)):
@@ -307,10 +307,10 @@ def priced_ceilings(target, inner, head, configs, prompts, args, sampler, verifi
         print(f"(no stopping ceilings: --ks must include 1 and --head-k {args.head_k})", file=sys.stderr)
         return {}
     labels = collect_labels(target.config, target.params, inner, prompts, verifier=verifier, sampler=sampler,
-                            max_new_tokens=args.new, batch_size=len(prompts), eos_ids=eos)
+                            max_new_tokens=args.new, batch_size=len(prompts), eos_ids=eos,
+                            states=head.cfg.drafter_proj > 0)
     accepted = (labels["label"] * labels["mask"]).sum(1).astype(int)
-    logits = head_logits(head.params, head.cfg, jnp.asarray(labels["x"]), jnp.arange(args.head_k),
-                         jnp.asarray(labels["tfeat"]) if head.cfg.target_proj else None)
+    logits = jnp.asarray(label_logits(head.params, head.cfg, labels))
     cuts = {name: np.asarray(keep_mask(logits, d.threshold)).sum(1) for name, d in configs.items()
             if name.startswith("accept_head") and name.endswith("stop")}
     c = stopping_ceilings(accepted, steps, secs["plain"] / outs["plain"][1], args.head_k, rules=cuts)

@@ -108,7 +108,10 @@ class Drafter(Protocol):
     False: True declares a chain drafter whose `propose` drafts at most DraftContext.max_nodes[b]
     levels in row b when it is set, each level costing a draft step; the adaptive policy then sets it
     before drafting and prices a draft of w nodes at what w levels cost, the cost table's
-    draft_by_width, instead of the whole chain).
+    draft_by_width, instead of the whole chain), source_state / source_state_dim (a chain drafter's own
+    state that gave position d's distribution, read from its tree builder's scratch:
+    `source_state(scratch, d) -> f32[B, S]`; an acceptance head with drafter_proj reads it while the chain
+    is drafted, drafters.builders.StoppingChainBuilder's `source`; EAGLE-3 gives it).
 
     feature_layers: target hidden states the drafter reads, a static tuple of layer ids (0..L-1: the
     output of that decoder layer) and/or FINAL (the last hidden state after the final norm, what the

@@ -252,7 +252,7 @@ def train_head(data: dict, cfg: AcceptHeadConfig, target_config, train_config: T
     return HeadResult(params=params_of(res.module), module=res.module, result=res)
 
 
-def _head_logits(params, cfg: AcceptHeadConfig, data: dict, chunk: int = 4096) -> np.ndarray:
+def label_logits(params, cfg: AcceptHeadConfig, data: dict, chunk: int = 4096) -> np.ndarray:
     """The head's logits over a label set, f32[N, K] (in chunks: the drafter states are large)."""
     out = []
     for s in range(0, len(data["x"]), chunk):
@@ -266,7 +266,7 @@ def _head_logits(params, cfg: AcceptHeadConfig, data: dict, chunk: int = 4096) -
 
 def predict(params, cfg: AcceptHeadConfig, data: dict) -> np.ndarray:
     """P(accept) per example and position: f32[N, K]."""
-    return np.asarray(jax.nn.sigmoid(_head_logits(params, cfg, data)))
+    return np.asarray(jax.nn.sigmoid(label_logits(params, cfg, data)))
 
 
 def bce(p, label, mask) -> float:
@@ -300,7 +300,7 @@ def speed_estimate(params, cfg: AcceptHeadConfig, data: dict, thresholds, *, dra
     Returns {"head": {h: tokens/cost}, "fixed": {K': tokens/cost}}."""
     accepted = (data["label"] * data["mask"]).sum(1)  # [N]: the verifier's accepted length
     k = data["x"].shape[1]
-    logits = jnp.asarray(_head_logits(params, cfg, data))
+    logits = jnp.asarray(label_logits(params, cfg, data))
 
     def rate(length):
         tokens = np.minimum(accepted, length) + 1

@@ -218,7 +218,8 @@ def add_drafter_parser(sub, command: str) -> argparse.ArgumentParser:
     else:
         p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                        help=("a field of AcceptHeadConfig (inner: the drafter the head cuts, e.g. '\"eagle3\"'; "
-                             "draft_len: its chain's K; hidden; target_proj), value as JSON; repeatable"
+                             "draft_len: its chain's K; hidden; target_proj; drafter_proj: read the inner "
+                             "drafter's own states, eagle3), value as JSON; repeatable"
                              if is_head else "a field of the kind's config (e.g. num_heads=4), value as JSON; "
                                              "repeatable"))
         p.add_argument("--draft", default=None,

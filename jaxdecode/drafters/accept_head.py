@@ -22,7 +22,10 @@ marked invalid (tree.valid False). Consequences:
 Inputs per position i, all known when token i is drafted: log q_i(token), log max q_i, the entropy of
 q_i (q_i: the inner drafter's distribution the token came from), the depth i (one-hot), and optionally
 the target's last hidden state at the "bonus slot" of the previous verification (the state whose
-logits produced the pending root; `feature_layers=(FINAL,)`), projected to `target_proj` dims.
+logits produced the pending root; `feature_layers=(FINAL,)`), projected to `target_proj` dims, and
+optionally the inner drafter's own state that gave q_i (`drafter_proj`: EAGLE-3's layer output at the
+position's parent, its `source_state`), projected to `drafter_proj` dims: known before token i is drawn,
+so the cut of position i never depends on token i itself and the output law stays the target's.
 A drafter of point masses has no q; one that labels its nodes with a confidence class of its own
 (`Tree.classes`, `confidence_classes`: the retrieval drafter's match length) gives the head the class
 one-hot instead of the three scalars (`AcceptHeadConfig.classes` = C > 0). Such a drafter's own cut
@@ -30,8 +33,9 @@ one-hot instead of the three scalars (`AcceptHeadConfig.classes` = C > 0). Such 
 
 The params pytree is the training module's `nnx.Param` state as a pure dict (training/accept_head.py):
 {"inp": {"kernel" [Din, H], "bias" [H]}, "out": {"kernel" [H, 1], "bias" [1]},
- "target": {"kernel" [D, P], "bias" [P]} (only with target_proj = P > 0)}, Din = node_dim + max_depth +
-P, node_dim = 3 (or C with classes).
+ "target": {"kernel" [D, P], "bias" [P]} (only with target_proj = P > 0),
+ "drafter": {"kernel" [S, Q], "bias" [Q]} (only with drafter_proj = Q > 0; S = drafter_state_dim)},
+Din = node_dim + max_depth + P + Q, node_dim = 3 (or C with classes).
 """
 from __future__ import annotations
 
