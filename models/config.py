@@ -822,12 +822,18 @@ def _phi3_rope(cfg: dict, scaling: dict) -> tuple:
     if unknown:
         raise ConfigError(f"unsupported longrope keys {unknown} in config.json's rope scaling; jaxdecode reads "
                           f"short_factor, long_factor, factor, attention_factor and original_max_position_embeddings")
+    _longrope_factor_tuples(scaling)
+    return tuple(sorted(scaling.items())), None, float(partial)
+
+
+def _longrope_factor_tuples(scaling: dict) -> None:
+    """LongRoPE's short / long factor lists, checked and made tuples in place (hashable: the config is a static
+    argument of the jitted forward)."""
     for key in ("short_factor", "long_factor"):
         if not isinstance(scaling.get(key), list):
             raise ConfigError(f"longrope needs {key}, a list of numbers, in config.json's rope scaling; got "
                               f"{scaling.get(key)!r}")
-        scaling[key] = tuple(scaling[key])  # hashable: the config is a static argument of the jitted forward
-    return tuple(sorted(scaling.items())), None, float(partial)
+        scaling[key] = tuple(scaling[key])
 
 
 def _phimoe_rope(cfg: dict, scaling: dict) -> tuple | None:
@@ -856,11 +862,7 @@ def _phimoe_rope(cfg: dict, scaling: dict) -> tuple | None:
     if unknown:
         raise ConfigError(f"unsupported phimoe longrope keys {unknown} in config.json's rope scaling; jaxdecode reads "
                           f"short_factor, long_factor, short_mscale, long_mscale and original_max_position_embeddings")
-    for key in ("short_factor", "long_factor"):
-        if not isinstance(scaling.get(key), list):
-            raise ConfigError(f"longrope needs {key}, a list of numbers, in config.json's rope scaling; got "
-                              f"{scaling.get(key)!r}")
-        scaling[key] = tuple(scaling[key])
+    _longrope_factor_tuples(scaling)
     for key in ("short_mscale", "long_mscale"):  # transformers' PhimoeConfig refuses a longrope without them
         if not _finite_number(scaling.get(key)):
             raise ConfigError(f"phimoe's longrope needs {key}, a number, in config.json's rope scaling; got "

@@ -429,20 +429,26 @@ def test_head_over_eagle3_sampling_is_lossless(drafter_proj):
     check_lossless_through_the_loop(cfg, target, inner, head_cfg, seed=300 + drafter_proj)
 
 
-def test_train_over_eagle3_states_save_load_decode(tmp_path):
-    """train_accept_head(inner='eagle3', drafter_proj=P) records EAGLE-3's state per position in its label
-    runs (float16), sets drafter_state_dim from the drafter, and the saved head decodes == plain greedy."""
+def _saved_eagle3_and_prompts(tmp_path, seed: int, n: int, steps: int):
+    """The bigram target, an oracle EAGLE-3 over it saved to tmp_path/eagle3, n random prompts and a
+    TrainConfig of `steps`: what the heads trained over EAGLE-3 start from."""
     from jaxdecode.drafters.trained import save_drafter
-    from jaxdecode.training.accept_head import DSTATE, predict, train_accept_head
     from jaxdecode.training.trainer import TrainConfig
     mcfg, params = bigram_target()
     inner, ec, p = eagle3_inner(mcfg, params, noise=0.1, oracle=True)
     e3_dir = save_drafter(tmp_path / "eagle3", "eagle3", ec, p, mcfg)
-    target = jaxdecode.Model(config=mcfg, params=params)
-    rng = np.random.default_rng(2)
-    prompts = [[int(t) for t in rng.integers(1, V, rng.integers(2, 9))] for _ in range(16)]
-    tc = TrainConfig(steps=20, learning_rate=1e-2, warmup_steps=2, log_every=10, eval_every=0,
-                     checkpoint_every=0, progress=False, data_parallel=1)
+    rng = np.random.default_rng(seed)
+    prompts = [[int(t) for t in rng.integers(1, V, rng.integers(2, 9))] for _ in range(n)]
+    tc = TrainConfig(steps=steps, learning_rate=1e-2, warmup_steps=max(steps // 12, 1), log_every=steps // 2,
+                     eval_every=0, checkpoint_every=0, progress=False, data_parallel=1)
+    return mcfg, params, inner, e3_dir, jaxdecode.Model(config=mcfg, params=params), prompts, tc
+
+
+def test_train_over_eagle3_states_save_load_decode(tmp_path):
+    """train_accept_head(inner='eagle3', drafter_proj=P) records EAGLE-3's state per position in its label
+    runs (float16), sets drafter_state_dim from the drafter, and the saved head decodes == plain greedy."""
+    from jaxdecode.training.accept_head import DSTATE, predict, train_accept_head
+    mcfg, params, inner, e3_dir, target, prompts, tc = _saved_eagle3_and_prompts(tmp_path, seed=2, n=16, steps=20)
     run = train_accept_head(target, None, out_dir=tmp_path / "head", train_config=tc, k=K, temperatures=(0.0,),
                             train_prompts=prompts[:12], heldout_prompts=prompts[12:], new_tokens=12,
                             batch_rows=8, batch_size=32, inner="eagle3", inner_dir=e3_dir,
@@ -470,17 +476,8 @@ def test_train_over_eagle3_save_load_decode(tmp_path):
     """train_accept_head(inner='eagle3') labels real runs of a saved EAGLE-3 drafter, records the inner
     kind in the config, and make_drafter('accept_head') rebuilds head + EAGLE-3 from the directories:
     greedy == plain greedy. A draft LM given to an EAGLE-3 head is refused."""
-    from jaxdecode.drafters.trained import save_drafter
     from jaxdecode.training.accept_head import train_accept_head
-    from jaxdecode.training.trainer import TrainConfig
-    mcfg, params = bigram_target()
-    _, ec, p = eagle3_inner(mcfg, params, noise=0.1, oracle=True)
-    e3_dir = save_drafter(tmp_path / "eagle3", "eagle3", ec, p, mcfg)
-    target = jaxdecode.Model(config=mcfg, params=params)
-    rng = np.random.default_rng(1)
-    prompts = [[int(t) for t in rng.integers(1, V, rng.integers(2, 9))] for _ in range(24)]
-    tc = TrainConfig(steps=60, learning_rate=1e-2, warmup_steps=5, log_every=30, eval_every=0,
-                     checkpoint_every=0, progress=False, data_parallel=1)
+    mcfg, params, _, e3_dir, target, prompts, tc = _saved_eagle3_and_prompts(tmp_path, seed=1, n=24, steps=60)
     run = train_accept_head(target, None, out_dir=tmp_path / "head", train_config=tc, k=K, temperatures=(0.0,),
                             train_prompts=prompts[:16], heldout_prompts=prompts[16:], new_tokens=16,
                             batch_rows=8, batch_size=64, inner="eagle3", inner_dir=e3_dir,
