@@ -132,11 +132,16 @@ def test_untrained_heads_draft_the_targets_own_distribution(finish):
     h = 3.0 * jax.random.normal(jax.random.PRNGKey(1), (5, 32))
     want = jax.nn.log_softmax(output_logits(target.config, target.params, h), axis=-1)
     for cfg in CONFIGS.values():
-        drafter = make_heads_drafter(init_params(cfg, 32, jax.random.PRNGKey(2)), cfg, target)
-        z = medusa_hidden(drafter.params, h) if isinstance(cfg, MedusaConfig) else hydra_hidden(
-            drafter.params, h, jax.random.normal(jax.random.PRNGKey(3), (5, K, 32)))
-        got = drafter._logq(z, SamplerConfig(temperature=1.0))
-        np.testing.assert_allclose(got, jnp.broadcast_to(want[:, None], (5, K, V)), rtol=1e-5, atol=1e-5)
+        _check_zero_heads_draft(cfg, target, h, want)
+
+
+def _check_zero_heads_draft(cfg, target, h, want):
+    """Zero-init heads of `cfg` over `target` draft `want` (log-probs [5, V]) at every depth from states h."""
+    drafter = make_heads_drafter(init_params(cfg, 32, jax.random.PRNGKey(2)), cfg, target)
+    z = medusa_hidden(drafter.params, h) if isinstance(cfg, MedusaConfig) else hydra_hidden(
+        drafter.params, h, jax.random.normal(jax.random.PRNGKey(3), (5, K, 32)))
+    got = drafter._logq(z, SamplerConfig(temperature=1.0))
+    np.testing.assert_allclose(got, jnp.broadcast_to(want[:, None], (5, K, V)), rtol=1e-5, atol=1e-5)
 
 
 def test_untrained_heads_draft_a_head_bias_targets_own_distribution():
@@ -153,11 +158,7 @@ def test_untrained_heads_draft_a_head_bias_targets_own_distribution():
     pos = jnp.broadcast_to(jnp.arange(9), (2, 9))
     own = forward(target.config, target.params, toks, pos, None, causal_mask(2, 9))[0]  # [B, T, V]
     for cfg in CONFIGS.values():
-        drafter = make_heads_drafter(init_params(cfg, 32, jax.random.PRNGKey(2)), cfg, target)
-        z = medusa_hidden(drafter.params, h) if isinstance(cfg, MedusaConfig) else hydra_hidden(
-            drafter.params, h, jax.random.normal(jax.random.PRNGKey(3), (5, K, 32)))
-        got = drafter._logq(z, SamplerConfig(temperature=1.0))
-        np.testing.assert_allclose(got, jnp.broadcast_to(want[:, None], (5, K, V)), rtol=1e-5, atol=1e-5)
+        _check_zero_heads_draft(cfg, target, h, want)
         module = heads_module(cfg, target.config, nnx.Rngs(0))
         logits, _, _ = head_outputs(module, {"tokens": toks, "mask": jnp.ones((2, 9))}, target.params)
         np.testing.assert_allclose(logits, jnp.broadcast_to(own[:, :, None], (2, 9, K, V)), rtol=1e-5, atol=1e-5)

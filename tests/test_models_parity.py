@@ -527,6 +527,19 @@ def test_sparsemixer_equals_transformers_routing():
         assert len(np.unique(np.round(np.asarray(got_w), 4))) > 2  # weights other than 1 (several kept)
 
 
+def _rows_equal_torch_alone(torch_model, tmp_path):
+    """torch_model saved and loaded here; each row of the padded batch equals transformers' forward of that
+    sequence alone (LongRoPE picks its factors per sequence). Returns (config, params, tokens, valid, logits)."""
+    torch_model.save_pretrained(str(tmp_path))
+    config, params = load_params(tmp_path)
+    tokens, valid = _batch()
+    got = jax_logits(config, params, tokens, valid)
+    for row, n in enumerate(BATCH_LENGTHS):
+        want = torch_logits(torch_model, tokens[row:row + 1, :n], valid[row:row + 1, :n])[0]
+        assert np.abs(got[row, :n] - want).max() <= ATOL, f"row {row}"
+    return config, params, tokens, valid, got
+
+
 def test_phimoe_longrope_past_its_switch_per_row(tmp_path):
     """Past original_max_position_embeddings (8 here) Phi-3.5-MoE rotates with its long factors and cos and sin
     times long_mscale: Microsoft's reference and transformers' PhimoeRotaryEmbedding while it passed the sequence
@@ -536,13 +549,7 @@ def test_phimoe_longrope_past_its_switch_per_row(tmp_path):
     torch_model = phimoe_rope_by_length(make_hf_model(
         "phimoe", vocab_size=VOCAB, random_norms=True,
         rope_parameters=dict(PHIMOE_LONGROPE, original_max_position_embeddings=8)))
-    torch_model.save_pretrained(str(tmp_path))
-    config, params = load_params(tmp_path)
-    tokens, valid = _batch()
-    got = jax_logits(config, params, tokens, valid)
-    for row, n in enumerate(BATCH_LENGTHS):
-        want = torch_logits(torch_model, tokens[row:row + 1, :n], valid[row:row + 1, :n])[0]
-        assert np.abs(got[row, :n] - want).max() <= ATOL, f"row {row}"
+    config, params, tokens, valid, got = _rows_equal_torch_alone(torch_model, tmp_path)
     for change in (dict(long_factor=tuple(LONGROPE["short_factor"])), dict(long_mscale=1.2)):
         other = jax_logits(config.replace(rope_scaling=tuple(sorted({**dict(config.rope_scaling), **change}.items()))),
                            params, tokens, valid)
@@ -588,13 +595,7 @@ def test_longrope_switches_per_row_as_transformers_per_sequence(tmp_path):
     12 and 9 tokens take the long factors and the row of 5 the short ones, each as transformers computes that
     sequence alone."""
     torch_model = make_hf_model("phi3", vocab_size=VOCAB, rope_parameters=LONGROPE, original_max_position_embeddings=8)
-    torch_model.save_pretrained(str(tmp_path))
-    config, params = load_params(tmp_path)
-    tokens, valid = _batch()
-    got = jax_logits(config, params, tokens, valid)
-    for row, n in enumerate(BATCH_LENGTHS):
-        want = torch_logits(torch_model, tokens[row:row + 1, :n], valid[row:row + 1, :n])[0]
-        assert np.abs(got[row, :n] - want).max() <= ATOL, f"row {row}"
+    config, params, tokens, valid, got = _rows_equal_torch_alone(torch_model, tmp_path)
     # the long factors changed the long rows: the short set alone computes other logits there
     short = config.replace(rope_scaling=tuple(sorted({**dict(config.rope_scaling),
                                                       "long_factor": tuple(LONGROPE["short_factor"])}.items())))
