@@ -376,8 +376,7 @@ class Eagle3Drafter:
             f = tokens.shape[1]
             # dynamic slices: `start` may be traced (a builder whose levels run in a lax.while_loop)
             par = jax.lax.dynamic_slice_in_dim(parents_all, start, f, axis=1)  # [B, F]
-            par_h = jnp.take_along_axis(hbuf, jnp.maximum(par, 0)[..., None], axis=1)
-            feat = jnp.where((par < 0)[..., None], root[:, None, :], par_h)  # the parent's own output
+            feat = _node_sources(hbuf, root, par).astype(hbuf.dtype)  # the parent's own output
             mask = jax.lax.dynamic_slice_in_dim(ancestor_mask(parents_all), start, f, axis=1)  # [B, F, W]
             node_depth = jax.lax.dynamic_slice_in_dim(depths(parents_all), start, f, axis=1)
             h, lg, cache = run_layer(self.layer_config, self.params, head, self._inputs(tokens, feat),
