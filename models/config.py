@@ -609,8 +609,8 @@ class ModelConfig:
             wrong.append(f"rope_type={rope_type!r} (Phi-3.5-MoE's RoPE is {' or '.join(PHI3_ROPE_TYPES)})")
         if (self.model_type not in LONGROPE_TYPES and rope_type == "longrope"
                 or self.model_type != "phi3" and self.partial_rotary_factor != 1):
-            wrong.append(f"rope_type={rope_type!r}, partial_rotary_factor={self.partial_rotary_factor} (Phi-3 "
-                         f"alone has longrope and a partial rotary factor; Phi-3.5-MoE longrope)")
+            wrong.append(f"rope_type={rope_type!r}, partial_rotary_factor={self.partial_rotary_factor} (longrope "
+                         f"is Phi-3's and Phi-3.5-MoE's alone, a partial rotary factor Phi-3's alone)")
         sc = self.rope_scaling_dict or {}
         mscales = {k for k in ("short_mscale", "long_mscale") if sc.get(k) is not None}
         if rope_type == "longrope" and (self.model_type == "phimoe") != (len(mscales) == 2):

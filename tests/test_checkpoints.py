@@ -571,7 +571,8 @@ def test_phi3_and_olmo_networks_a_layout_cannot_say_are_not_saved():
                                                              r"post_norms=True, qk_norm_full=True"),
             (ModelConfig(model_type="olmo2", **dict(olmo, qk_norm_full=False), **base), r"qk_norm_full=False"),
             (ModelConfig(model_type="llama", partial_rotary_factor=0.75, **base),
-             r"partial_rotary_factor=0.75 \(Phi-3 alone has longrope and a partial rotary factor\)"),
+             r"partial_rotary_factor=0.75 \(longrope is Phi-3's and Phi-3.5-MoE's alone, a partial rotary factor "
+             r"Phi-3's alone\)"),
             (ModelConfig(model_type="phi3", rope_scaling=(("factor", 2.0), ("rope_type", "linear")), **base),
              r"rope_type='linear' \(Phi-3's RoPE is default or longrope\)"),
             (ModelConfig(model_type="phi3", sliding_windows=(4, 0), **base), r"one window for every layer"),
