@@ -393,8 +393,8 @@ def test_head_over_eagle3_states_cuts_alike_while_drafting_and_after():
     ref = np.asarray(decode(mcfg, params, toks, lens, max_new_tokens=24, sampler=GREEDY, method="greedy").tokens)
     for h in (0.3, 0.6):
         hists = []
-        for stop, params_ in ((True, head), (False, head),
-                              (True, {**head, "drafter": {**head["drafter"], "kernel": 0 * head["drafter"]["kernel"]}})):
+        blind = {**head, "drafter": {**head["drafter"], "kernel": 0 * head["drafter"]["kernel"]}}  # states unread
+        for stop, params_ in ((True, head), (False, head), (True, blind)):
             drafter = AcceptHeadDrafter.wrap(inner, params_, cfg, h, stop_drafting=stop)
             assert drafter._can_stop_early() == stop and drafter.inner.record_sources == (not stop)
             out = speculative_decode(mcfg, params, drafter, toks, lens, max_new_tokens=24,

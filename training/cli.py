@@ -229,7 +229,7 @@ def add_drafter_parser(sub, command: str) -> argparse.ArgumentParser:
             p.add_argument("--inner-dir", default=None,
                            help="with --set inner=KIND (a trained drafter, e.g. eagle3 or retrieval): its "
                                 "directory (default: the one shipped with the target)")
-        else:  # the head's few thousand weights stay float32
+        else:  # the head is small (at most some 10^5 weights): it is exported as trained, float32
             p.add_argument("--export-dtype", default=None, choices=("float32", "bfloat16"),
                            help="store the exported weights in this dtype (loading casts them to the target's "
                                 "compute dtype); default: as trained (float32)")
