@@ -28,6 +28,8 @@
 #                     before the plain run's length became one vmap on GPU), trace_decode's ops per token
 #                     there, T=0 (1.15x), then the tree kernel at 16 query rows per program on the 7B-like
 #                     shape and the 257-node window in 3 blocks
+#           head      the tree kernel at head_dim 256 with a soft-cap, then the shipped acceptance head
+#                     against EAGLE-3's fixed chains at T=0 and T=0.7 (~5 minutes)
 #           lean      the adaptive default at batch 1 (T=0.7, T=0) with the plain steps at decode's
 #                     attention, rerun's cost tables carried in (~4 minutes)
 # Each step runs under its own time limit, so one slow or failing step leaves the others' results.
@@ -39,7 +41,7 @@
 # The workplace's device tool carries at most 64 MiB of working tree: run it from a branch whose index
 # leaves models/embedded/dllm/model.safetensors out (none of these parts needs the dLLM).
 set -u
-part=${1:?PART: kernels, drafters, final, adaptive, peers, retarget, probes, grid, verify256, rerun or lean}
+part=${1:?PART: kernels, drafters, final, adaptive, peers, retarget, probes, grid, verify256, rerun, lean or head}
 out=${2:-/tmp/jaxdecode_gpu}
 mkdir -p "$out"
 site=/tmp/jaxdecode_site
@@ -155,11 +157,23 @@ lean)
     # bookkeeping, ~1 ms on the H200 as its cost table reads, spread over up to 4x the tokens)
     mkdir -p "$JAXDECODE_CACHE_DIR"
     [ -f gpu_carry/cost_tables.tgz ] && tar xzf gpu_carry/cost_tables.tgz -C "$JAXDECODE_CACHE_DIR"
-    for run in "sampling 0.7 default" "greedy 0 highest"; do
+    for run in "sampling 0.7 default 240" "greedy 0 highest 150"; do
         set -- $run
-        step "$1" 150 env JAX_DEFAULT_MATMUL_PRECISION=$3 $PY benchmarks/bench_adaptive.py --batch-sizes 1 \
+        step "$1" "$4" env JAX_DEFAULT_MATMUL_PRECISION=$3 $PY benchmarks/bench_adaptive.py --batch-sizes 1 \
             --temperatures "$2" --drafter '' --prompts 16 --max-new-tokens 128 --repeats 2 \
             --row 'plain_run 128={"adaptive": {"plain_run": 128}}' --json-out "$out/$1.json"
+    done
+    ;;
+head)
+    # issue 10 on a GPU: the shipped acceptance head (reads EAGLE-3's state) against EAGLE-3's fixed
+    # chains, T=0 then T=0.7 (no cost calibration: fixed configurations), after the tree kernel at
+    # head_dim 256 with a soft-cap (gemma2-like), compiled for real for the first time (~5 minutes)
+    step bench_kernels 60 $PY benchmarks/bench_kernels.py --sections tree --shapes gemma2-like --nodes 16,257 \
+        --repeats 20 --json "$out/kernels.json"
+    for t in 0 0.7; do
+        step "accept_head_t$t" 130 $PY benchmarks/bench_accept_head.py \
+            --head models/embedded/target/drafters/accept_head --prompts 8 --prompt-tokens 128 --new 128 \
+            --ks 1,2,3,5,8 --thresholds 0.45,0.55 --temperatures "$t" --repeats 3 --json "$out/accept_head_t$t.json"
     done
     ;;
 *)
