@@ -96,7 +96,10 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     lm.add_argument("--keep-checkpoints", type=int, default=3, help="checkpoints kept (the newest)")
     lm.add_argument("--no-progress", action="store_true", help="no progress bar")
     for command in DRAFTER_COMMANDS:
-        add_drafter_parser(sub, command)
+        if command == "accept-head":
+            add_accept_head_parser(sub)
+        else:
+            add_drafter_parser(sub, command)
     add_retrieval_parser(sub)
     add_dllm_parsers(sub)
     return train
@@ -140,74 +143,65 @@ def _target_and_corpus(args, why: str):
     return target, out, work, corpus_dir
 
 
+def _add_optimizer_options(p, *, steps: int, batch: int, batch_help: str, lr: float, weight_decay: float) -> None:
+    """The optimizer options of a drafter command (train KIND, train accept-head)."""
+    p.add_argument("--steps", type=int, default=steps, help="optimizer steps to train to")
+    p.add_argument("--batch-size", type=int, default=batch, help=batch_help)
+    p.add_argument("--lr", type=float, default=lr, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=50, help="linear warmup steps")
+    p.add_argument("--weight-decay", type=float, default=weight_decay, help="AdamW weight decay")
+    p.add_argument("--seed", type=int, default=0, help="initialisation, data and batch-order seed")
+
+
+def _add_eval_group(p, prompts_help: str):
+    """The held-out evaluation group of a drafter command; returned for the options only one kind has."""
+    e = p.add_argument_group("held-out evaluation")
+    e.add_argument("--eval-every", type=int, default=200, help="evaluate every N steps (0: at the end)")
+    e.add_argument("--eval-prompts", type=int, default=16, help=prompts_help)
+    return e
+
+
+def _add_mesh_and_checkpoints(p) -> None:
+    p.add_argument("--data-parallel", type=int, default=None, help="devices on the data axis (default: all)")
+    p.add_argument("--fsdp", action="store_true", help="shard params and optimizer state over data")
+    p.add_argument("--checkpoint-every", type=int, default=200, help="checkpoint every N steps (0: at the end)")
+    p.add_argument("--keep-checkpoints", type=int, default=3, help="checkpoints kept (the newest)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
 def add_drafter_parser(sub, command: str) -> argparse.ArgumentParser:
-    is_lm, is_head = command == "draft-lm", command == "accept-head"
+    """`train KIND` for a drafter trained on text (the trained kinds, and the on-policy draft LM)."""
+    is_lm = command == "draft-lm"
     what = ("a small draft LM on the target's own continuations (on-policy), exported as an HF "
             "directory for --drafter draft_lm --draft DIR" if is_lm else
             f"a {command} drafter on a frozen target, exported for --drafter {command.replace('-', '_')} "
             f"--drafter-dir DIR")
-    if is_head:  # trains on labels of verification runs, not on text: no --data, --seq-len or --tree
-        about = ("The target stays frozen. The inner drafter (--draft DIR, or --set inner=KIND) drafts chains "
-                 "of --set draft_len=K on --prompts training windows, one label run per --temperatures entry; "
-                 "the target's verdicts label each position. Every --eval-every steps the BCE on label runs "
-                 "over --eval-prompts held-out windows goes to WORKDIR/metrics.jsonl; the export records the "
-                 "held-out BCE and calibration (ECE) and the threshold h its training runs price best. "
-                 "Rerunning the same command resumes from the last checkpoint.")
-    else:
-        about = (f"The target stays frozen. Every --eval-every steps the held-out loss and the drafter's "
-                 f"acceptance (tau and the rate by tree depth, from real greedy speculative runs on held-out "
-                 f"prompts) go to WORKDIR/{'run/' if is_lm else ''}metrics.jsonl and the plot "
-                 f"WORKDIR/training.png (when matplotlib is installed). Rerunning the same command resumes "
-                 f"from the last checkpoint; self-distillation data is generated once and cached in "
-                 f"WORKDIR/data.")
-    # No abbreviations for the head: --data would be read as --data-parallel, --temperature as --temperatures.
+    about = (f"The target stays frozen. Every --eval-every steps the held-out loss and the drafter's "
+             f"acceptance (tau and the rate by tree depth, from real greedy speculative runs on held-out "
+             f"prompts) go to WORKDIR/{'run/' if is_lm else ''}metrics.jsonl and the plot "
+             f"WORKDIR/training.png (when matplotlib is installed). Rerunning the same command resumes "
+             f"from the last checkpoint; self-distillation data is generated once and cached in "
+             f"WORKDIR/data.")
     p = sub.add_parser(command, help=f"train {what.split(',')[0]}", formatter_class=_DefaultsFormatter,
-                       description=f"Train {what}. {about}", allow_abbrev=not is_head)
+                       description=f"Train {what}. {about}")
     _add_target_and_sources(p, workdir="checkpoints, logs, data")
-    if is_head:
-        p.add_argument("--data", type=_no_head_data, help=argparse.SUPPRESS)
-    else:
-        p.add_argument("--data", choices=("corpus", "self", "mix"), default="self" if is_lm else "corpus",
-                       help="training text: corpus windows, the target's own continuations of corpus prompts "
-                            "(self-distillation), or half of each")
-    p.add_argument("--steps", type=int, default=2000 if is_lm else 1000, help="optimizer steps to train to")
-    if is_head:
-        p.add_argument("--batch-size", type=int, default=256, help="labelled row-steps per optimizer step")
-    else:
-        p.add_argument("--batch-size", type=int, default=8 if is_lm else 16, help="sequences per step")
-        p.add_argument("--seq-len", type=int, default=96,
-                       help="tokens per training sequence (self data: --prompt-len + the continuation)")
-    p.add_argument("--lr", type=float, default=3e-3 if is_lm else 1e-3, help="peak learning rate")
-    p.add_argument("--warmup", type=int, default=50, help="linear warmup steps")
-    p.add_argument("--weight-decay", type=float, default=0.1 if is_lm else 0.0, help="AdamW weight decay")
-    p.add_argument("--seed", type=int, default=0, help="initialisation, data and batch-order seed")
-    if is_head:
-        g = p.add_argument_group("label runs (the inner drafter's chains, verified by the target)")
-        g.add_argument("--prompts", type=int, default=256,
-                       help="training windows labelled (on the embedded target the held-out BCE stops improving "
-                            "past ~200: BENCHMARKS.md)")
-        g.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt window")
-        g.add_argument("--new-tokens", "--eval-new-tokens", dest="eval_new_tokens", type=int, default=64, metavar="N",
-                       help="tokens decoded per window, training and held-out")
-        g.add_argument("--temperatures", type=_label_temperatures, default="0,0.7",
-                       help="comma-separated; one label run each: greedy verification at 0, the chain "
-                            "verifier on sampled chains above")
-        g.add_argument("--label-batch-size", type=int, default=8, help="rows per batched label-run decode call")
-        e = p.add_argument_group("held-out evaluation")
-        e.add_argument("--eval-every", type=int, default=200, help="evaluate every N steps (0: at the end)")
-        e.add_argument("--eval-prompts", type=int, default=16, help="held-out windows labelled (BCE, ECE)")
-    else:
-        g = p.add_argument_group("self-distillation data (--data self|mix)")
-        g.add_argument("--prompts", type=int, default=1024, help="corpus prompts the target continues")
-        g.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt")
-        g.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled continuations")
-        g.add_argument("--greedy-fraction", type=float, default=0.5, help="continuations decoded greedily")
-        g.add_argument("--gen-batch-size", type=int, default=32, help="rows per batched decode call")
-        e = p.add_argument_group("held-out evaluation")
-        e.add_argument("--eval-every", type=int, default=200, help="evaluate every N steps (0: at the end)")
-        e.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts decoded speculatively")
-        e.add_argument("--eval-new-tokens", type=int, default=64, help="tokens decoded per held-out prompt")
-        e.add_argument("--tree", default=None, help="tree of the held-out runs (default: the kind's own)")
+    p.add_argument("--data", choices=("corpus", "self", "mix"), default="self" if is_lm else "corpus",
+                   help="training text: corpus windows, the target's own continuations of corpus prompts "
+                        "(self-distillation), or half of each")
+    _add_optimizer_options(p, steps=2000 if is_lm else 1000, batch=8 if is_lm else 16,
+                           batch_help="sequences per step", lr=3e-3 if is_lm else 1e-3,
+                           weight_decay=0.1 if is_lm else 0.0)
+    p.add_argument("--seq-len", type=int, default=96,
+                   help="tokens per training sequence (self data: --prompt-len + the continuation)")
+    g = p.add_argument_group("self-distillation data (--data self|mix)")
+    g.add_argument("--prompts", type=int, default=1024, help="corpus prompts the target continues")
+    g.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt")
+    g.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled continuations")
+    g.add_argument("--greedy-fraction", type=float, default=0.5, help="continuations decoded greedily")
+    g.add_argument("--gen-batch-size", type=int, default=32, help="rows per batched decode call")
+    e = _add_eval_group(p, "held-out prompts decoded speculatively")
+    e.add_argument("--eval-new-tokens", type=int, default=64, help="tokens decoded per held-out prompt")
+    e.add_argument("--tree", default=None, help="tree of the held-out runs (default: the kind's own)")
     if is_lm:
         p.add_argument("--size", default="draft", choices=("tiny", "draft", "small"),
                        help="draft model size (draft: the shipped draft's recipe, ~2.4 M)")
@@ -217,27 +211,54 @@ def add_drafter_parser(sub, command: str) -> argparse.ArgumentParser:
         p.add_argument("--distill-alpha", type=float, default=1.0, help="weight of the KL term (rest: CE)")
     else:
         p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                       help=("a field of AcceptHeadConfig (inner: the drafter the head cuts, e.g. '\"eagle3\"'; "
-                             "draft_len: its chain's K; hidden; target_proj; drafter_proj: read the inner "
-                             "drafter's own states, eagle3), value as JSON; repeatable"
-                             if is_head else "a field of the kind's config (e.g. num_heads=4), value as JSON; "
-                                             "repeatable"))
-        p.add_argument("--draft", default=None,
-                       help="the draft LM whose chains the head cuts (the default inner drafter)" if is_head
-                       else "draft model directory, for kinds that draft with one")
-        if is_head:
-            p.add_argument("--inner-dir", default=None,
-                           help="with --set inner=KIND (a trained drafter, e.g. eagle3 or retrieval): its "
-                                "directory (default: the one shipped with the target)")
-        else:  # the head is small (at most some 10^5 weights): it is exported as trained, float32
-            p.add_argument("--export-dtype", default=None, choices=("float32", "bfloat16"),
-                           help="store the exported weights in this dtype (loading casts them to the target's "
-                                "compute dtype); default: as trained (float32)")
-    p.add_argument("--data-parallel", type=int, default=None, help="devices on the data axis (default: all)")
-    p.add_argument("--fsdp", action="store_true", help="shard params and optimizer state over data")
-    p.add_argument("--checkpoint-every", type=int, default=200, help="checkpoint every N steps (0: at the end)")
-    p.add_argument("--keep-checkpoints", type=int, default=3, help="checkpoints kept (the newest)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+                       help="a field of the kind's config (e.g. num_heads=4), value as JSON; repeatable")
+        p.add_argument("--draft", default=None, help="draft model directory, for kinds that draft with one")
+        p.add_argument("--export-dtype", default=None, choices=("float32", "bfloat16"),
+                       help="store the exported weights in this dtype (loading casts them to the target's "
+                            "compute dtype); default: as trained (float32)")
+    _add_mesh_and_checkpoints(p)
+    return p
+
+
+def add_accept_head_parser(sub) -> argparse.ArgumentParser:
+    """`train accept-head`: it learns from labels of verification runs, not from text, so it has no
+    --data, --seq-len or --tree, and options of its own for the label runs."""
+    what = "an accept-head drafter on a frozen target, exported for --drafter accept_head --drafter-dir DIR"
+    about = ("The target stays frozen. The inner drafter (--draft DIR, or --set inner=KIND) drafts chains "
+             "of --set draft_len=K on --prompts training windows, one label run per --temperatures entry; "
+             "the target's verdicts label each position. Every --eval-every steps the BCE on label runs "
+             "over --eval-prompts held-out windows goes to WORKDIR/metrics.jsonl; the export records the "
+             "held-out BCE and calibration (ECE) and the threshold h its training runs price best. "
+             "Rerunning the same command resumes from the last checkpoint.")
+    # No abbreviations: --data would be read as --data-parallel, --temperature as --temperatures.
+    p = sub.add_parser("accept-head", help=f"train {what.split(',')[0]}", formatter_class=_DefaultsFormatter,
+                       description=f"Train {what}. {about}", allow_abbrev=False)
+    _add_target_and_sources(p, workdir="checkpoints, logs, data")
+    p.add_argument("--data", type=_no_head_data, help=argparse.SUPPRESS)
+    _add_optimizer_options(p, steps=1000, batch=256, batch_help="labelled row-steps per optimizer step", lr=1e-3,
+                           weight_decay=0.0)
+    g = p.add_argument_group("label runs (the inner drafter's chains, verified by the target)")
+    g.add_argument("--prompts", type=int, default=256,
+                   help="training windows labelled (on the embedded target the held-out BCE stops improving "
+                        "past ~200: BENCHMARKS.md)")
+    g.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt window")
+    g.add_argument("--new-tokens", "--eval-new-tokens", dest="eval_new_tokens", type=int, default=64, metavar="N",
+                   help="tokens decoded per window, training and held-out")
+    g.add_argument("--temperatures", type=_label_temperatures, default="0,0.7",
+                   help="comma-separated; one label run each: greedy verification at 0, the chain "
+                        "verifier on sampled chains above")
+    g.add_argument("--label-batch-size", type=int, default=8, help="rows per batched label-run decode call")
+    _add_eval_group(p, "held-out windows labelled (BCE, ECE)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a field of AcceptHeadConfig (inner: the drafter the head cuts, e.g. '\"eagle3\"'; "
+                        "draft_len: its chain's K; hidden; target_proj; drafter_proj: read the inner "
+                        "drafter's own states, eagle3), value as JSON; repeatable")
+    p.add_argument("--draft", default=None, help="the draft LM whose chains the head cuts (the default inner drafter)")
+    # The head is small (at most some 10^5 weights): it is exported as trained, float32 (no --export-dtype).
+    p.add_argument("--inner-dir", default=None,
+                   help="with --set inner=KIND (a trained drafter, e.g. eagle3 or retrieval): its "
+                        "directory (default: the one shipped with the target)")
+    _add_mesh_and_checkpoints(p)
     return p
 
 
