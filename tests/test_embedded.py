@@ -23,10 +23,14 @@ def test_embedded_models_share_a_tokenizer(embedded):
     assert target.decode(target.encode(PROMPTS[1])) == PROMPTS[1]
 
 
-@pytest.mark.real_costs  # batch 4: the default measures its cost table on the embedded models
+# Batch 4 runs the default (adaptive). One configuration measures its cost table on the embedded models
+# (real_costs: ~40-80 s of calibration each, so once is enough); the others decide from the synthetic table.
+_REAL_COSTS = pytest.mark.real_costs
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("opts", [dict(tree="chain:4"), dict(tree="eagle:depth=4,topk=3,total=10"),
-                                  dict(drafter="prompt_lookup", tree="chain:5")],
+                                  pytest.param(dict(drafter="prompt_lookup", tree="chain:5"), marks=_REAL_COSTS)],
                          ids=["draft_chain", "draft_eagle", "prompt_lookup"])
 def test_greedy_speculative_equals_greedy_on_embedded_models(embedded, batch, opts):
     target, draft = embedded
