@@ -23,21 +23,19 @@ def test_embedded_models_share_a_tokenizer(embedded):
     assert target.decode(target.encode(PROMPTS[1])) == PROMPTS[1]
 
 
-# Batch 4 runs the default (adaptive). One configuration measures its cost table on the embedded models
-# (real_costs: ~40-80 s of calibration each, so once is enough); the others decide from the synthetic table.
-_REAL_COSTS = pytest.mark.real_costs
-
-
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("opts", [dict(tree="chain:4"), dict(tree="eagle:depth=4,topk=3,total=10"),
-                                  pytest.param(dict(drafter="prompt_lookup", tree="chain:5"), marks=_REAL_COSTS)],
+                                  pytest.param(dict(drafter="prompt_lookup", tree="chain:5"),
+                                               marks=pytest.mark.real_costs)],
                          ids=["draft_chain", "draft_eagle", "prompt_lookup"])
 def test_greedy_speculative_equals_greedy_on_embedded_models(embedded, batch, opts):
     target, draft = embedded
     prompts = PROMPTS[:batch]
     plain = jaxdecode.generate(target, prompts, method="greedy", max_new_tokens=24, eos_ids=())
     extra = {"draft": draft} if "drafter" not in opts else {}
-    # Batch 4 runs the default (adaptive: costs measured, cached); batch 1 the fixed configuration.
+    # Batch 4 runs the default (adaptive), batch 1 the fixed configuration. At batch 4 prompt_lookup measures
+    # its cost table on the embedded models (real_costs: 40-80 s of calibration, so one configuration does);
+    # the draft LM's rows decide from the synthetic table.
     spec = jaxdecode.generate(target, prompts, method="speculative", max_new_tokens=24, eos_ids=(),
                               adaptive=batch > 1, **extra, **opts)
     assert [r.tokens for r in spec] == [r.tokens for r in plain]
