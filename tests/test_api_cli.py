@@ -159,6 +159,18 @@ def test_generate_refuses_bad_option_values(model, method, opts, match):
         jaxdecode.generate(model, [[5, 6]], method=method, max_new_tokens=2, **opts)
 
 
+@pytest.mark.parametrize("options, match", [
+    ({"catch_up": [2]}, "drafter 'draft_lm' takes no option 'catch_up'; its options: catch_up_sizes"),
+    ({"catch_up_sizes": [2, 8]}, r"catch_up_sizes must be ascending block lengths in 1\.\.4"),
+    ({"catch_up_sizes": "2,4"}, "catch_up_sizes must be a list of block lengths"),
+])
+def test_draft_lm_options_are_checked(model, options, match):
+    """A draft model's drafter options are checked like any drafter's, never silently dropped."""
+    with pytest.raises(ValueError, match=match):
+        jaxdecode.generate(model, [[5, 6]], method="speculative", draft=model, tree="chain:3",
+                           drafter_options=options, max_new_tokens=2)
+
+
 def test_an_int_tree_is_a_chain(model):
     want = [r.tokens for r in jaxdecode.generate(model, [[5, 6], [7]], method="greedy", max_new_tokens=6)]
     out = jaxdecode.generate(model, [[5, 6], [7]], method="speculative", draft=model, tree=3, max_new_tokens=6,

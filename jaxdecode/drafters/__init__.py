@@ -88,9 +88,9 @@ def make_drafter(name, target, draft=None, tree=None, temperature: float = 0.0, 
                              "causal one: use drafter='dllm' (CLI: --drafter dllm)")
         from jaxdecode.drafters.draft_lm import acceptance_prior_for
         from jaxdecode.models import split_layers
-        return DraftLM(params=split_layers(draft.config, draft.params), config=draft.config,
-                       builder=_tree_or_default(tree, "chain:4", temperature),
-                       acceptance_prior=acceptance_prior_for(draft, target))
+        return _construct(DraftLM, name, dict(params=split_layers(draft.config, draft.params), config=draft.config,
+                                              builder=_tree_or_default(tree, "chain:4", temperature),
+                                              acceptance_prior=acceptance_prior_for(draft, target)), kw)
     if name == "token_recycling":
         from jaxdecode.drafters.recycling import TokenRecyclingDrafter
         from jaxdecode.drafters.recycling import recycling_template

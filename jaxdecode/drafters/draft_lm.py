@@ -106,6 +106,14 @@ class DraftLM:
     # exact); () = `catch_up_widths(max_depth + 1)`; (max_depth + 1,) = one fixed block, as before.
     catch_up_sizes: tuple = dataclasses.field(default=(), metadata=dict(static=True))
 
+    def __post_init__(self):
+        # a list from a JSON drafter option is kept as a tuple (a static field must hash), checked here
+        sizes = self.catch_up_sizes
+        if not isinstance(sizes, (tuple, list)) or not all(isinstance(n, int) for n in sizes):
+            raise ValueError(f"DraftLM: catch_up_sizes must be a list of block lengths (ints), got {sizes!r}")
+        object.__setattr__(self, "catch_up_sizes", tuple(sizes))
+        check_catch_up_sizes(self.catch_up_sizes, self.max_depth)
+
     num_nodes = property(lambda self: self.builder.num_nodes)
     max_depth = property(lambda self: self.builder.max_depth)
     child_rule = property(lambda self: self.builder.rule)
