@@ -86,15 +86,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     lm.add_argument("--bf16", action="store_true", help="bfloat16 compute (float32 master weights)")
     lm.add_argument("--export-dtype", default="float32", choices=("float32", "bfloat16"),
                     help="dtype of the exported weights")
-    lm.add_argument("--data-parallel", type=int, default=None,
-                    help="devices on the data axis (default: all)")
-    lm.add_argument("--fsdp", action="store_true", help="shard params and optimizer state over data")
     lm.add_argument("--eval-every", type=int, default=200,
                     help="held-out evaluation every N steps (0: at the end)")
-    lm.add_argument("--checkpoint-every", type=int, default=200,
-                    help="checkpoint every N steps (0: at the end)")
-    lm.add_argument("--keep-checkpoints", type=int, default=3, help="checkpoints kept (the newest)")
-    lm.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_mesh_and_checkpoints(lm)
     for command in DRAFTER_COMMANDS:
         if command == "accept-head":
             add_accept_head_parser(sub)
