@@ -163,6 +163,7 @@ def test_generate_refuses_bad_option_values(model, method, opts, match):
     ({"catch_up": [2]}, "drafter 'draft_lm' takes no option 'catch_up'; its options: catch_up_sizes"),
     ({"catch_up_sizes": [2, 8]}, r"catch_up_sizes must be ascending block lengths in 1\.\.4"),
     ({"catch_up_sizes": "2,4"}, "catch_up_sizes must be a list of block lengths"),
+    ({"catch_up_sizes": [True, 2]}, "catch_up_sizes must be a list of block lengths"),
 ])
 def test_draft_lm_options_are_checked(model, options, match):
     """A draft model's drafter options are checked like any drafter's, never silently dropped."""

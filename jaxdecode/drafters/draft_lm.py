@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 import warnings
 from pathlib import Path
 
@@ -109,9 +110,10 @@ class DraftLM:
     def __post_init__(self):
         # a list from a JSON drafter option is kept as a tuple (a static field must hash), checked here
         sizes = self.catch_up_sizes
-        if not isinstance(sizes, (tuple, list)) or not all(isinstance(n, int) for n in sizes):
+        if not isinstance(sizes, (tuple, list)) or not all(
+                isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in sizes):
             raise ValueError(f"DraftLM: catch_up_sizes must be a list of block lengths (ints), got {sizes!r}")
-        object.__setattr__(self, "catch_up_sizes", tuple(sizes))
+        object.__setattr__(self, "catch_up_sizes", tuple(int(n) for n in sizes))
         check_catch_up_sizes(self.catch_up_sizes, self.max_depth)
 
     num_nodes = property(lambda self: self.builder.num_nodes)
