@@ -159,6 +159,8 @@ def test_bad_inputs(models):
         make_drafter("dllm", target, draft=dllm, window=300)
     with pytest.raises(DiffusionDrafterError, match="mask_id"):
         make_drafter("dllm", target, draft=dllm, mask_id=65)
+    with pytest.raises(DiffusionDrafterError, match="takes no option 'windows'; its options: window, steps"):
+        make_drafter("dllm", target, draft=dllm, windows=8)
     with pytest.raises(ValueError, match="drafter='dllm'"):
         make_drafter("draft_lm", target, draft=dllm)
 

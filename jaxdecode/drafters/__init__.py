@@ -77,7 +77,14 @@ def make_drafter(name, target, draft=None, tree=None, temperature: float = 0.0, 
     diffusion_draft = bool(getattr(getattr(draft, "config", None), "is_diffusion", False))
     name = name or (("dllm" if diffusion_draft else "draft_lm") if draft is not None else "prompt_lookup")
     if name == "dllm":  # a masked-diffusion LM drafting a chain in one forward (drafters.diffusion)
-        from jaxdecode.drafters.diffusion import make_dllm_drafter
+        import inspect
+
+        from jaxdecode.drafters.diffusion import DiffusionDrafterError, make_dllm_drafter
+        takes = [p.name for p in inspect.signature(make_dllm_drafter).parameters.values() if p.kind == p.KEYWORD_ONLY]
+        wrong = sorted(set(kw) - set(takes))
+        if wrong:  # named with the options it takes, as _construct does (not Python's TypeError)
+            raise DiffusionDrafterError(f"drafter 'dllm' takes no option {', '.join(map(repr, wrong))}; its options: "
+                             f"{', '.join(takes)}")
         return make_dllm_drafter(target, draft, tree, temperature, **kw)
     if name in ("draft_lm", "draft", "model"):
         if draft is None:
