@@ -326,6 +326,9 @@ def test_save_load_decode_round_trip(trained):
     wrong = ModelConfig(**{**dataclasses.asdict(CFG), "hidden_size": 48, "head_dim": 12})
     with pytest.raises(jaxdecode.drafters.DrafterLoadError, match="hidden_size"):
         load_drafter(trained.out_dir, jaxdecode.Model(config=wrong, params=None))
+    with pytest.raises(ValueError, match="'accept_head' takes no option 'treshold'; its options: draft_model, "
+                                         "threshold, stop_drafting, inner_dir"):  # not Python's TypeError
+        make_drafter("accept_head", target, drafter_dir=trained.out_dir, draft=draft, treshold=0.5)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -271,7 +271,7 @@ def make_heads_drafter(params, cfg, target, tree=None, temperature: float = 0.0,
     builder (default `default_tree(K)`)."""
     if kw:
         raise MedusaError(f"unknown {'hydra' if isinstance(cfg, HydraConfig) else 'medusa'} drafter options "
-                          f"{sorted(kw)}")
+                          f"{sorted(kw)} (it takes none)")
     from jaxdecode.drafters import tree_from_option
     embed, lm_head = target_head(target.config, target.params)
     builder = tree_from_option(tree, default_tree(cfg.num_heads), temperature)

@@ -158,6 +158,21 @@ def get_kind(name: str) -> DrafterKind:
     return _KINDS[name]
 
 
+def _check_options(kind: DrafterKind, options: dict) -> None:
+    """A kind whose `make` names its options (no **kwargs, which the kind checks itself): an unknown one
+    is refused with the options it takes, not with Python's TypeError."""
+    import inspect
+    params = list(inspect.signature(kind.make).parameters.values())
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        return
+    given = ("params", "cfg", "target", "tree", "temperature")  # what TrainedDrafter.make passes
+    takes = [p.name for p in params[len(given):]]
+    wrong = sorted(set(options) - set(takes))
+    if wrong:
+        raise ValueError(f"drafter {kind.name!r} takes no option {', '.join(map(repr, wrong))}; its options: "
+                         f"{', '.join(takes) or 'none'}")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainedDrafter:
     """A loaded trained drafter: its kind, config, params pytree (jax arrays), extra info, directory."""
@@ -179,6 +194,7 @@ class TrainedDrafter:
             defaults = self.kind.default_options(self.extra or {}, self.path)
             drafter_options = {**{k: v for k, v in defaults.items() if drafter_options.get(k) is None},
                                **drafter_options}
+        _check_options(self.kind, drafter_options)
         drafter = self.kind.make(self.params, self.cfg, target, tree, temperature, **drafter_options)
         prior = self.acceptance_prior
         declares = dataclasses.is_dataclass(drafter) and "acceptance_prior" in {
