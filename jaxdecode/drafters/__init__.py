@@ -24,8 +24,8 @@ from jaxdecode.drafters.builders import (ChainBuilder, DynamicTreeBuilder, Stati
                                          parse_tree_spec)
 from jaxdecode.drafters.draft_lm import DraftLM
 from jaxdecode.drafters.trained import (BUILTIN_KIND_MODULES, CONFIG_FILE, TENSOR_FILE, DrafterKind,
-                                        DrafterLoadError, TrainedDrafter, find_drafter_dir, get_kind,
-                                        is_trained_kind, kind_names, kinds_generation, load_drafter,
+                                        DrafterLoadError, TrainedDrafter, check_options, find_drafter_dir,
+                                        get_kind, is_trained_kind, kind_names, kinds_generation, load_drafter,
                                         read_drafter_config, register_kind, save_drafter)
 from jaxdecode.sampling import _is_real
 from jaxdecode.tree import TreeError
@@ -77,14 +77,9 @@ def make_drafter(name, target, draft=None, tree=None, temperature: float = 0.0, 
     diffusion_draft = bool(getattr(getattr(draft, "config", None), "is_diffusion", False))
     name = name or (("dllm" if diffusion_draft else "draft_lm") if draft is not None else "prompt_lookup")
     if name == "dllm":  # a masked-diffusion LM drafting a chain in one forward (drafters.diffusion)
-        import inspect
-
         from jaxdecode.drafters.diffusion import DiffusionDrafterError, make_dllm_drafter
-        takes = [p.name for p in inspect.signature(make_dllm_drafter).parameters.values() if p.kind == p.KEYWORD_ONLY]
-        wrong = sorted(set(kw) - set(takes))
-        if wrong:  # named with the options it takes, as _construct does (not Python's TypeError)
-            raise DiffusionDrafterError(f"drafter 'dllm' takes no option {', '.join(map(repr, wrong))}; its options: "
-                             f"{', '.join(takes)}")
+        check_options("dllm", make_dllm_drafter, kw, given=("target", "draft", "tree", "temperature"),
+                      error=DiffusionDrafterError)
         return make_dllm_drafter(target, draft, tree, temperature, **kw)
     if name in ("draft_lm", "draft", "model"):
         if draft is None:

@@ -513,11 +513,8 @@ def make_selfspec(name: str, target, tree=None, temperature: float = 0.0, **opti
     makers = {"swift": make_swift, "del": make_del}
     if name not in makers:
         raise SelfSpecError(f"unknown self-speculation drafter {name!r}; use one of {sorted(makers)}")
-    import inspect
-    allowed = [p for p in inspect.signature(makers[name]).parameters if p not in ("target", "tree", "temperature")]
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise SelfSpecError(f"unknown {name} drafter options {unknown}; it takes {allowed}")
+    from jaxdecode.drafters.trained import check_options
+    check_options(name, makers[name], options, given=("target", "tree", "temperature"), error=SelfSpecError)
     return makers[name](target, tree, temperature, **options)
 
 

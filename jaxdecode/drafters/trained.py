@@ -158,19 +158,19 @@ def get_kind(name: str) -> DrafterKind:
     return _KINDS[name]
 
 
-def _check_options(kind: DrafterKind, options: dict) -> None:
-    """A kind whose `make` names its options (no **kwargs, which the kind checks itself): an unknown one
-    is refused with the options it takes, not with Python's TypeError."""
+def check_options(name: str, make: Callable, options: dict, given: tuple = (), error=ValueError) -> None:
+    """The drafter options of `make` (a drafter's constructor function), checked before the call: an
+    unknown one is refused with the options it takes, not with Python's TypeError. given: the names
+    the caller passes itself (not options). A `make` with **kwargs checks its options itself."""
     import inspect
-    params = list(inspect.signature(kind.make).parameters.values())
+    params = [p for p in inspect.signature(make).parameters.values() if p.name not in given]
     if any(p.kind == p.VAR_KEYWORD for p in params):
         return
-    given = ("params", "cfg", "target", "tree", "temperature")  # what TrainedDrafter.make passes
-    takes = [p.name for p in params[len(given):]]
+    takes = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
     wrong = sorted(set(options) - set(takes))
     if wrong:
-        raise ValueError(f"drafter {kind.name!r} takes no option {', '.join(map(repr, wrong))}; its options: "
-                         f"{', '.join(takes) or 'none'}")
+        raise error(f"drafter {name!r} takes no option {', '.join(map(repr, wrong))}; its options: "
+                    f"{', '.join(takes) or 'none'}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +194,8 @@ class TrainedDrafter:
             defaults = self.kind.default_options(self.extra or {}, self.path)
             drafter_options = {**{k: v for k, v in defaults.items() if drafter_options.get(k) is None},
                                **drafter_options}
-        _check_options(self.kind, drafter_options)
+        check_options(self.name, self.kind.make, drafter_options,
+                      given=("params", "cfg", "target", "tree", "temperature"))
         drafter = self.kind.make(self.params, self.cfg, target, tree, temperature, **drafter_options)
         prior = self.acceptance_prior
         declares = dataclasses.is_dataclass(drafter) and "acceptance_prior" in {
