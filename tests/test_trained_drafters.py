@@ -308,6 +308,19 @@ def test_wiring_errors(target, saved, tmp_path):
         jaxdecode.generate(target, PROMPTS, "speculative", 4, drafter="nope")
 
 
+def test_check_options_names_what_a_make_takes():
+    """A kind's make with named options: an unknown one is refused with them, whatever its positional
+    parameters are called; a make with **kwargs checks its own."""
+    def make(p, c, tg, tr_, temp, *, alpha=1, beta=None):
+        return None
+    tr.check_options("mine", make, {"alpha": 2}, positional=5)
+    with pytest.raises(ValueError, match="drafter 'mine' takes no option 'c', 'gamma'; its options: alpha, beta"):
+        tr.check_options("mine", make, {"gamma": 1, "c": 0}, positional=5)
+    with pytest.raises(ValueError, match="takes no option 'x'; its options: none"):
+        tr.check_options("bare", lambda p, c, tg, tr_, temp: None, {"x": 1}, positional=5)
+    tr.check_options("open", lambda *a, **kw: None, {"anything": 1}, positional=5)
+
+
 def test_cli_drafter_dir(tiny_llama_dir, tmp_path, capsys):
     from jaxdecode.cli import main
     model = jaxdecode.load(tiny_llama_dir)

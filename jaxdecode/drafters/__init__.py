@@ -78,8 +78,7 @@ def make_drafter(name, target, draft=None, tree=None, temperature: float = 0.0, 
     name = name or (("dllm" if diffusion_draft else "draft_lm") if draft is not None else "prompt_lookup")
     if name == "dllm":  # a masked-diffusion LM drafting a chain in one forward (drafters.diffusion)
         from jaxdecode.drafters.diffusion import DiffusionDrafterError, make_dllm_drafter
-        check_options("dllm", make_dllm_drafter, kw, given=("target", "draft", "tree", "temperature"),
-                      error=DiffusionDrafterError)
+        check_options("dllm", make_dllm_drafter, kw, positional=4, error=DiffusionDrafterError)
         return make_dllm_drafter(target, draft, tree, temperature, **kw)
     if name in ("draft_lm", "draft", "model"):
         if draft is None:

@@ -514,7 +514,7 @@ def make_selfspec(name: str, target, tree=None, temperature: float = 0.0, **opti
     if name not in makers:
         raise SelfSpecError(f"unknown self-speculation drafter {name!r}; use one of {sorted(makers)}")
     from jaxdecode.drafters.trained import check_options
-    check_options(name, makers[name], options, given=("target", "tree", "temperature"), error=SelfSpecError)
+    check_options(name, makers[name], options, positional=3, error=SelfSpecError)
     return makers[name](target, tree, temperature, **options)
 
 

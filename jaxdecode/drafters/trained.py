@@ -158,14 +158,16 @@ def get_kind(name: str) -> DrafterKind:
     return _KINDS[name]
 
 
-def check_options(name: str, make: Callable, options: dict, given: tuple = (), error=ValueError) -> None:
+def check_options(name: str, make: Callable, options: dict, positional: int = 0, error=ValueError) -> None:
     """The drafter options of `make` (a drafter's constructor function), checked before the call: an
-    unknown one is refused with the options it takes, not with Python's TypeError. given: the names
-    the caller passes itself (not options). A `make` with **kwargs checks its options itself."""
+    unknown one is refused with the options it takes, not with Python's TypeError. positional: how
+    many leading parameters the caller passes by position (not options; any names). A `make` with
+    **kwargs checks its options itself."""
     import inspect
-    params = [p for p in inspect.signature(make).parameters.values() if p.name not in given]
+    params = list(inspect.signature(make).parameters.values())
     if any(p.kind == p.VAR_KEYWORD for p in params):
         return
+    params = params[positional:]
     takes = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
     wrong = sorted(set(options) - set(takes))
     if wrong:
@@ -194,8 +196,8 @@ class TrainedDrafter:
             defaults = self.kind.default_options(self.extra or {}, self.path)
             drafter_options = {**{k: v for k, v in defaults.items() if drafter_options.get(k) is None},
                                **drafter_options}
-        check_options(self.name, self.kind.make, drafter_options,
-                      given=("params", "cfg", "target", "tree", "temperature"))
+        # make(params, cfg, target, tree, temperature, **drafter_options)
+        check_options(self.name, self.kind.make, drafter_options, positional=5)
         drafter = self.kind.make(self.params, self.cfg, target, tree, temperature, **drafter_options)
         prior = self.acceptance_prior
         declares = dataclasses.is_dataclass(drafter) and "acceptance_prior" in {
