@@ -126,6 +126,24 @@ token) and cut the lean runs short: the retrieval default sampling 64 tokens at 
 prompts) took 23 drafting steps that kept nothing, 18 with the hold. So a drafting step that keeps
 nothing for the whole batch holds the batch plain for `hold` steps, 1, then 2, 4, ... up to
 `probe_period`; a step that keeps a node ends it. At batch 1 the hold is the row's own wait.
+
+Returns to drafting. The estimates drift back toward trying at the same rate whatever a try costs and
+however tries have paid. A drafter whose state lags (a draft LM, EAGLE-3, self-speculation:
+`Drafter.catch_up_lag`) first runs over every token committed since its last proposal: a steady step
+leaves it at most max_depth + 1 behind, which the measured step prices, but after a lean plain run of
+up to `plain_run` tokens the first drafting step pays for the whole run again (the table's
+`catch_up_seconds` per token; the embedded draft LM on the CPU: 5.6 ms after 32 plain tokens, 1.8
+plain steps). So each drafting step that follows a plain one is scored when it is verified: the plain
+steps it saved, the mean tokens it committed per live row less its cost in plain steps (the engine
+step at the width verified, the draft, the catch-up of the row furthest behind). `payoff` is their
+running mean (weight 1 - decay). After a return whose running mean is below 0 the batch drifts at
+half its rate (`explore_scale`, down to `explore_floor`); after one at or above 0, at twice (up to
+1). A drafter whose returns keep losing tries ever more rarely: the embedded draft LM (~3.3 tokens for
+~4.1 plain steps) went from 6.5 to 3.9 drafting steps per 128 tokens on the CPU, 0.970x -> 0.988x
+plain greedy (never drafting: 0.992x). One whose returns pay on the whole though most fail keeps
+about its rate: EAGLE-3 (a few accepted deep) 11.5 -> 10.8, 0.93x -> 0.95x. Pricing the catch-up in
+the plan instead cut both drafters' tries alike, and EAGLE-3 lost 4% (BENCHMARKS.md, "Returns to
+drafting" and "Pricing a drafter's catch-up").
 """
 from __future__ import annotations
 
@@ -149,6 +167,9 @@ class AdaptivePolicy:
     decay: float = 0.8  # weight of the past in a tried key's estimate
     prior: float = 0.6  # every key's estimate before evidence
     explore: float = 0.005  # per-step drift of an untried key's estimate (see `update`)
+    # The least fraction of `explore` a batch drifts at once its returns to drafting stop paying (see
+    # "Returns to drafting"); 1.0: always the full rate.
+    explore_floor: float = 1.0 / 64.0
     min_reach: float = 0.02  # a row verifies node i only while its reach P_b(i) >= this
     # A width that drafts must beat the plain step's tokens per second by this fraction: measured costs
     # carry noise, and a tie must not buy a slowdown.
@@ -218,6 +239,8 @@ class AdaptivePolicy:
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"AdaptivePolicy.{name} must lie in [0, 1], got {v}")
+        if not 0.0 < self.explore_floor <= 1.0:
+            raise ValueError(f"AdaptivePolicy.explore_floor must lie in (0, 1], got {self.explore_floor}")
         prior = tuple(float(a) for a in self.prior_by_depth)
         if not all(0.0 <= a <= 1.0 for a in prior):
             raise ValueError(f"AdaptivePolicy.prior_by_depth must hold acceptance rates in [0, 1], got "
@@ -260,10 +283,11 @@ def isotonic(values) -> np.ndarray:
 
 
 def cost_vector(policy: AdaptivePolicy, costs) -> jnp.ndarray:
-    """f32[2W + 1]: seconds of an engine step per policy width with drafting excluded (the table's
+    """f32[2W + 2]: seconds of an engine step per policy width with drafting excluded (the table's
     `step_at`: the forward, the verifier, the commit, ...), then the drafter's propose seconds per
     width (entry 0: the whole proposal; a `level_capped` drafter's draft of w nodes costs the table's
-    `draft_at(w)`, any other drafter's its whole proposal at every width), then its idle seconds.
+    `draft_at(w)`, any other drafter's its whole proposal at every width), then its idle seconds, then
+    its catch-up seconds per token beyond a steady step's (the table's `catch_up_seconds`; 0 without).
     `costs`: a jaxdecode.costmodel.CostTable (anything with step_at or verify_at / draft_seconds /
     idle_seconds, and optionally draft_at)."""
     at = getattr(costs, "step_at", None) or costs.verify_at
@@ -278,7 +302,8 @@ def cost_vector(policy: AdaptivePolicy, costs) -> jnp.ndarray:
     draft_at = getattr(costs, "draft_at", None)
     draft = [full] + ([float(draft_at(w)) for w in policy.widths[1:]] if draft_at else [full] * (len(verify) - 1))
     draft = [draft[0]] + isotonic(draft[1:]).tolist()
-    vec = np.asarray(verify + draft + [float(getattr(costs, "idle_seconds", 0.0))], np.float32)
+    vec = np.asarray(verify + draft + [float(getattr(costs, "idle_seconds", 0.0)),
+                                       float(getattr(costs, "catch_up_seconds", 0.0))], np.float32)
     if not np.all(np.isfinite(vec)) or np.any(vec < 0) or vec[0] <= 0:
         raise ValueError(f"the cost table gives unusable seconds {vec.tolist()} (need finite, >= 0, and a "
                          f"plain step > 0): re-measure it (jaxdecode calibrate --refresh)")
@@ -300,6 +325,9 @@ class PolicyState:
     full_shaped: jax.Array  # bool[N]: ... and its nodes
     hold: jax.Array  # int32[]: plain steps the batch takes before it may draft again (see "Batch backoff")
     backoff: jax.Array  # int32[]: the hold after the next drafting step that keeps nothing
+    streak: jax.Array  # int32[]: drafting steps since the batch's last plain step (see "Returns to drafting")
+    payoff: jax.Array  # f32[]: running mean of the plain steps each return to drafting saved (< 0: lost)
+    explore_scale: jax.Array  # f32[]: the fraction of `explore` the estimates drift at, from `payoff`
     # 0: keys are node indices (a fixed structure); R > 0: key = (depth - 1) * R + min(sibling rank, R - 1).
     ranks: int = dataclasses.field(default=0, metadata=dict(static=True))
     depth: int = dataclasses.field(default=1, metadata=dict(static=True))  # the drafter's max_depth
@@ -354,7 +382,8 @@ def init_state(policy: AdaptivePolicy, batch: int, max_depth: int, num_nodes: in
                        node_classes=jnp.zeros((batch, n), jnp.int32), stale=jnp.zeros((batch,), jnp.int32),
                        wait=jnp.full((batch,), policy.probe_first, jnp.int32),
                        full_parents=jnp.asarray(parents, jnp.int32), full_shaped=jnp.asarray(shaped),
-                       hold=jnp.int32(0), backoff=jnp.int32(1),
+                       hold=jnp.int32(0), backoff=jnp.int32(1), streak=jnp.int32(0), payoff=jnp.float32(0.0),
+                       explore_scale=jnp.float32(1.0),
                        ranks=ranks, depth=max_depth, classes=policy.classes)
 
 
@@ -705,11 +734,14 @@ def expand(perm, path, logits=None, features=None):
     return path, logits, features
 
 
-def update(policy: AdaptivePolicy, state: PolicyState, tree: Tree, path, committed, num_accepted, active):
+def update(policy: AdaptivePolicy, state: PolicyState, tree: Tree, path, committed, num_accepted, active,
+           costs=None, lag=None):
     """Fold one verification into the estimates. tree: the verified proposal (valid = the kept nodes);
     path int32[B, N] / num_accepted int32[B]: the verifier's accepted nodes, committed int32[B] how
     many of them were committed (fewer when EOS or max_new_tokens cut the row; the verdict past the
-    cut is discarded)."""
+    cut is discarded). costs: the cost vector, which scores a return to drafting ("Returns to
+    drafting"; None: not scored); lag: int32[], the tokens beyond a steady step's that the drafter
+    caught up on before this proposal (the most of any live row; None: it keeps up)."""
     b, n = tree.parents.shape
     rows = jnp.arange(b)[:, None]
     d = _depths(tree.parents, state.depth)
@@ -732,11 +764,36 @@ def update(policy: AdaptivePolicy, state: PolicyState, tree: Tree, path, committ
     heavy = n > _steady_weight(policy)
     w = 1.0 / (policy.decay * n + 1.0)
     seen = jnp.where(heavy, (1.0 - w) * a + w * x, policy.decay * a + (1.0 - policy.decay) * x)
-    new = jnp.where(tried_k, seen, _drifted(state, policy.explore))
+    new = jnp.where(tried_k, seen, _drifted(state, policy.explore * state.explore_scale))
     n_new = jnp.where(tried_k & heavy, jnp.maximum(policy.decay * n + 1.0, _steady_weight(policy)), n)
+    if costs is not None:
+        state = _score_return(policy, state, tree, committed, active, costs, lag)
+    drafted = jnp.any(tree.valid & active[:, None])
+    state = dataclasses.replace(state, streak=jnp.where(drafted, state.streak + 1, 0).astype(jnp.int32))
     return dataclasses.replace(state, accept=jnp.where(active[:, None], new, a),
                                weight=jnp.where(active[:, None], n_new, n),
                                stale=state.stale + active.astype(jnp.int32), hold=jnp.maximum(state.hold - 1, 0))
+
+
+def _score_return(policy: AdaptivePolicy, state: PolicyState, tree: Tree, committed, active, costs, lag):
+    """The state with a return to drafting scored, when this step is one (it kept a node after a plain
+    step): `payoff` takes the plain steps it saved, and `explore_scale` halves while the running payoff
+    is below 0, else doubles (see "Returns to drafting")."""
+    w = len(policy.widths)
+    kept = jnp.sum(tree.valid & active[:, None], axis=1)
+    returned = (jnp.max(kept) > 0) & (state.streak == 0)
+    at = jnp.searchsorted(jnp.asarray(policy.widths), jnp.max(kept))  # the forward's width
+    plain = costs[0] + costs[2 * w]  # a plain step and the drafter's idle
+    caught_up = 0.0 if lag is None or costs.shape[0] <= 2 * w + 1 else costs[2 * w + 1] * jnp.maximum(lag, 0)
+    spent = costs[at] + costs[w + at] + caught_up
+    live = jnp.maximum(jnp.sum(active), 1)
+    tokens = jnp.sum(jnp.where(active, committed + 1, 0)) / live  # committed nodes and the bonus, per live row
+    saved = (tokens * plain - spent) / plain
+    payoff = jnp.where(returned, policy.decay * state.payoff + (1.0 - policy.decay) * saved, state.payoff)
+    scale = jnp.where(payoff < 0.0, jnp.maximum(state.explore_scale / 2, policy.explore_floor),
+                      jnp.minimum(state.explore_scale * 2, 1.0))
+    return dataclasses.replace(state, payoff=payoff.astype(jnp.float32),
+                               explore_scale=jnp.where(returned, scale, state.explore_scale).astype(jnp.float32))
 
 
 def _steady_weight(policy: AdaptivePolicy) -> float:
@@ -759,6 +816,7 @@ def drift(policy: AdaptivePolicy, state: PolicyState, steps):
     compounded, rate 1 - (1 - explore)^steps toward where each key drifts — exact for depth-1 keys;
     a deeper key drifts toward its key above as that stood before the steps (a little slower than
     step by step)."""
-    rate = 1.0 - (1.0 - policy.explore) ** steps.astype(jnp.float32)[:, None]
+    rate = 1.0 - (1.0 - policy.explore * state.explore_scale) ** steps.astype(jnp.float32)[:, None]
+    state = dataclasses.replace(state, streak=jnp.where(jnp.any(steps > 0), 0, state.streak).astype(jnp.int32))
     return dataclasses.replace(state, accept=_drifted(state, rate), stale=state.stale + steps.astype(jnp.int32),
                                hold=jnp.maximum(state.hold - jnp.max(steps), 0).astype(jnp.int32))

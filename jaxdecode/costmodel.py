@@ -4,6 +4,7 @@
     table.verify_at(6)      # seconds of one target verification over [pending + 6 nodes], whole batch
     table.draft_seconds     # one drafter.propose;  table.idle_seconds: one drafter.idle (0 without one)
     table.draft_at(2)       # a level_capped drafter's propose capped at 2 nodes (else draft_seconds)
+    table.catch_up_seconds  # a lagging drafter's catch-up per token beyond a steady step's (0 without)
     table.step_at(6)        # seconds of a whole engine step verifying 6 nodes, drafting excluded
 
 `measure` times, compile excluded, exactly what the engine runs each step: the target's verification
@@ -50,7 +51,7 @@ import numpy as np
 from jaxdecode import files
 from jaxdecode.kernels.common import next_pow2, round_up
 
-SCHEMA = 20  # version of the cache file layout and of the key; bump when either changes meaning
+SCHEMA = 21  # version of the cache file layout and of the key; bump when either changes meaning
 # (4: DraftLM and self-speculation lost their idle step: older tables hold an idle cost no longer paid;
 # 5: plain steps of history_only drafters run as lean runs, priced per token;
 # 6: level_capped drafters draft only the levels a step verifies: draft_by_width, and forced steps
@@ -79,7 +80,9 @@ SCHEMA = 20  # version of the cache file layout and of the key; bump when either
 # tables overprice plain steps; 19: each item is the least of its timed loops, not their median: four
 # calibrations of the embedded target's steps (bf16, batch 1) spread +-9% by median, +-4% by least);
 # 20: a drafter's sampling temperature is keyed as greedy or sampled, not by value (the retrieval
-# default's cut reads it, its step costs do not): each new temperature measured again, ~45 s a time)
+# default's cut reads it, its step costs do not): each new temperature measured again, ~45 s a time;
+# 21: a drafter that catches up lazily (Drafter.catch_up_lag) has its catch-up measured per token,
+# which scores the adaptive policy's returns to drafting: older tables lack it)
 DEFAULT_CONTEXT_LEN = 256
 # Trips of a timed engine step, at least: the first steps from the prefilled state cost more than
 # later ones (EAGLE-3's plain step at batch 4: 6.0 ms per trip over 3 trips, 4.2 over 32, 3.6 in a
@@ -111,6 +114,9 @@ class CostTable:
     # A level_capped drafter's propose capped at each width's node count (entry 0, the plain step's, is
     # 0.0); () for drafters that draft their whole proposal whatever is verified.
     draft_by_width: tuple = ()
+    # Seconds per committed token that a proposal catches up on beyond a steady step's max_depth + 1
+    # (after a lean plain run; adaptive: "Returns to drafting"); 0.0 for drafters that keep up (no catch_up_lag).
+    catch_up_seconds: float = 0.0
     meta: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)  # for display
 
     def __post_init__(self):
@@ -129,7 +135,8 @@ class CostTable:
                                  f"got {self.draft_by_width!r}")
         for name, x in ([("verify_seconds", s) for s in v] + [("step_seconds", s) for s in self.step_seconds]
                         + [("draft_by_width", s) for s in self.draft_by_width]
-                        + [("draft_seconds", self.draft_seconds), ("idle_seconds", self.idle_seconds)]):
+                        + [("draft_seconds", self.draft_seconds), ("idle_seconds", self.idle_seconds),
+                           ("catch_up_seconds", self.catch_up_seconds)]):
             if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
                 raise CostTableError(f"{name} must hold finite numbers >= 0, got {x!r}")
         if type(self.batch_size) is not int or self.batch_size < 1:
@@ -173,8 +180,8 @@ class CostTable:
     def to_json(self) -> dict:
         return {"widths": list(self.widths), "verify_seconds": list(self.verify_seconds),
                 "step_seconds": list(self.step_seconds), "draft_by_width": list(self.draft_by_width),
-                "draft_seconds": self.draft_seconds,
-                "idle_seconds": self.idle_seconds, "batch_size": self.batch_size, "meta": self.meta}
+                "draft_seconds": self.draft_seconds, "idle_seconds": self.idle_seconds,
+                "catch_up_seconds": self.catch_up_seconds, "batch_size": self.batch_size, "meta": self.meta}
 
     @classmethod
     def from_json(cls, data) -> "CostTable":
@@ -185,7 +192,8 @@ class CostTable:
             except json.JSONDecodeError as e:
                 raise CostTableError(f"not JSON: {e}") from None
         fields = {"widths", "verify_seconds", "draft_seconds", "idle_seconds", "batch_size", "meta"}
-        optional = {"step_seconds", "draft_by_width"}  # absent in tables written before they were measured
+        # absent in tables written before they were measured
+        optional = {"step_seconds", "draft_by_width", "catch_up_seconds"}
         report = {"cache_file", "measured", "temperature"}  # what `jaxdecode calibrate --json` adds: ignored
         if not isinstance(data, dict) or not fields <= set(data) <= fields | optional | report:
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
@@ -196,6 +204,7 @@ class CostTable:
                        step_seconds=tuple(data.get("step_seconds", ())),
                        draft_by_width=tuple(data.get("draft_by_width", ())),
                        draft_seconds=data["draft_seconds"], idle_seconds=data["idle_seconds"],
+                       catch_up_seconds=data.get("catch_up_seconds", 0.0),
                        batch_size=data["batch_size"], meta=data["meta"])
         except TypeError as e:  # e.g. widths not a list
             raise CostTableError(f"malformed cost table: {e}") from None
@@ -650,6 +659,11 @@ def measure(model, drafter, batch_size: int, *, widths=None, context_len: int | 
         _emit(progress, f"calibrate: idle   ({name}, {where}): {idle * 1e3:9.3f} ms")
     for w, secs_w in zip(widths[1:], draft_by_width[1:]):
         _emit(progress, f"calibrate: draft  {w:4d} levels ({name}, {where}): {secs_w * 1e3:9.3f} ms")
+    catch_up = 0.0
+    if callable(getattr(drafter, "catch_up_lag", None)):
+        catch_up = _measure_catch_up(drafter, prompt, lengths, feats, cache_len, sampler, k_init, k_draft,
+                                     config.vocab_size, repeats, target_seconds)
+        _emit(progress, f"calibrate: catch-up per token ({name}, {where}): {catch_up * 1e3:9.3f} ms")
     steps = ()
     if whole_step:
         steps = _measure_steps(config, params, drafter, prompt, lengths, widths, sampler, verifier, attn_impl,
@@ -658,7 +672,43 @@ def measure(model, drafter, batch_size: int, *, widths=None, context_len: int | 
             _emit(progress, f"calibrate: step   {w:4d} nodes ({where}): {secs * 1e3:9.3f} ms")
     meta["verifier"] = getattr(_verifier(drafter, sampler, verifier), "name", "?")
     return CostTable(widths=widths, verify_seconds=tuple(verify), step_seconds=tuple(steps), draft_seconds=draft,
-                     idle_seconds=idle, batch_size=b, draft_by_width=draft_by_width, meta=meta)
+                     idle_seconds=idle, batch_size=b, draft_by_width=draft_by_width, catch_up_seconds=catch_up,
+                     meta=meta)
+
+
+# Tokens a timed catch-up runs beyond a steady step's: the adaptive policy's lean plain run at most.
+CATCH_UP_SPAN = 32
+CATCH_UP_TRIPS = 8  # proposals per timed loop (each starts from the init state: room for this many)
+
+
+def _measure_catch_up(drafter, prompt, lengths, feats, cache_len, sampler, k_init, k_draft, vocab_size: int,
+                      repeats: int, target_seconds: float) -> float:
+    """Seconds per token of a lagging drafter's catch-up beyond a steady step's (Drafter.catch_up_lag):
+    its propose timed with the history moved max_depth + 1 tokens per trip (a steady step at most) and
+    CATCH_UP_SPAN more (a proposal after a lean plain run), the difference per extra token."""
+    b, context_len = prompt.shape
+    steady = drafter.max_depth + 1
+    spans = (steady, steady + CATCH_UP_SPAN)
+    room = CATCH_UP_TRIPS * spans[-1]
+    feature_kw = {} if feats is None else {"features": feats}
+    state0 = jax.jit(lambda d, p, l, k: d.init(p, l, cache_len + room, k, **feature_kw))(drafter, prompt, lengths,
+                                                                                          k_init)
+    # The committed tokens ahead of the prompt: random ones (what the drafter reads, not what it makes).
+    ahead = jax.random.randint(jax.random.fold_in(k_draft, 1), (b, room + drafter.max_depth + 2), 0, vocab_size,
+                               jnp.int32)
+    history = jnp.concatenate([prompt, ahead], axis=1)
+
+    def step(a, state, i):
+        from jaxdecode.speculative import DraftContext
+        d, hist, span = a
+        ctx = DraftContext(history=hist, hist_len=lengths + (i + 1) * span, key=jax.random.fold_in(k_draft, i))
+        tree, probs, state = d.propose(state, ctx, sampler)
+        return state, (tree, probs)
+
+    loops = [_Loop(step, (drafter, history, jnp.int32(s))) for s in spans]
+    loops[1] = _Loop(step, loops[1].args, same_as=loops[0])
+    near, far = _time_loops(loops, state0, repeats, target_seconds, max_trips=CATCH_UP_TRIPS, fresh=True)
+    return max(far - near, 0.0) / CATCH_UP_SPAN
 
 
 def weights_dtype(params) -> str:
@@ -940,16 +990,17 @@ def parse_temperatures(text: str) -> tuple:
 def format_tables(rows) -> str:
     """A text table of (CostTable, cache file, measured now) rows: milliseconds per step, whole batch."""
     widths = sorted({w for t, _, _ in rows for w in t.widths})
-    head = ["batch", "ms at width"] + [f"{w}" for w in widths] + ["draft", "idle", "source"]
+    head = ["batch", "ms at width"] + [f"{w}" for w in widths] + ["draft", "idle", "catch-up/token", "source"]
     body = []
     for table, path, measured in rows:
         verify = [f"{table.verify_at(w) * 1e3:.3f}" for w in widths]
         body.append([str(table.batch_size), "verify"] + verify + [f"{table.draft_seconds * 1e3:.3f}",
                                                                    f"{table.idle_seconds * 1e3:.3f}",
+                                                                   f"{table.catch_up_seconds * 1e3:.3f}",
                                                                    "measured" if measured else "cached"])
         if table.step_seconds:  # the whole engine step as measured (drafting included; 0: a plain token)
             step = [f"{_interpolate(table.widths, table.step_seconds, w) * 1e3:.3f}" for w in widths]
-            body.append([str(table.batch_size), "whole step"] + step + ["", "", ""])
+            body.append([str(table.batch_size), "whole step"] + step + ["", "", "", ""])
     cols = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
     lines = ["  ".join(c.rjust(n) for c, n in zip(r, cols)) for r in [head] + body]
     meta = rows[0][0].meta if rows else {}

@@ -371,11 +371,11 @@ def _same_costs_everywhere(costs):
     import numpy as np
     from jax.experimental import multihost_utils
     n = len(costs.widths)
-    vec = np.asarray(list(costs.verify_seconds) + list(costs.step_seconds) + [costs.draft_seconds,
-                                                                               costs.idle_seconds], np.float64)
+    vec = np.asarray(list(costs.verify_seconds) + list(costs.step_seconds)
+                     + [costs.draft_seconds, costs.idle_seconds, costs.catch_up_seconds], np.float64)
     vec = np.asarray(multihost_utils.broadcast_one_to_all(vec), np.float64).tolist()
-    return dataclasses.replace(costs, verify_seconds=tuple(vec[:n]), step_seconds=tuple(vec[n:-2]),
-                               draft_seconds=vec[-2], idle_seconds=vec[-1])
+    return dataclasses.replace(costs, verify_seconds=tuple(vec[:n]), step_seconds=tuple(vec[n:-3]),
+                               draft_seconds=vec[-3], idle_seconds=vec[-2], catch_up_seconds=vec[-1])
 
 
 register_method("speculative", _speculative, method_options("speculative"), aliases=("spec",),

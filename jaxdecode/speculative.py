@@ -111,7 +111,10 @@ class Drafter(Protocol):
     draft_by_width, instead of the whole chain), source_state / source_state_dim (a chain drafter's own
     state that gave position d's distribution, read from its tree builder's scratch:
     `source_state(scratch, d) -> f32[B, S]`; an acceptance head with drafter_proj reads it while the chain
-    is drafted, drafters.builders.StoppingChainBuilder's `source`; EAGLE-3 gives it).
+    is drafted, drafters.builders.StoppingChainBuilder's `source`; EAGLE-3 gives it), catch_up_lag (a
+    drafter that catches up lazily on what was committed since its last proposal, as a draft LM does:
+    `catch_up_lag(state, hist_len) -> int32[B]`, the tokens its next proposal runs over first; the
+    adaptive policy scores a return to drafting with it, the cost table's catch_up_seconds).
 
     feature_layers: target hidden states the drafter reads, a static tuple of layer ids (0..L-1: the
     output of that decoder layer) and/or FINAL (the last hidden state after the final norm, what the
@@ -387,6 +390,15 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
     argmax_only = sampler.is_greedy and callable(getattr(verifier, "verify_argmax", None))
     # A chain drafter that drafts only the levels the policy's plan will verify (Drafter.level_capped).
     level_capped = policy is not None and bool(getattr(drafter, "level_capped", False))
+    lag_of = getattr(drafter, "catch_up_lag", None)
+
+    def catch_up_beyond(st, active):
+        """int32[] (None for a drafter that keeps up): the committed tokens beyond a steady step's
+        (max_depth + 1) that the drafter runs over before its next proposal, the most of any live row
+        (adaptive: "Returns to drafting")."""
+        if lag_of is None:
+            return None
+        return jnp.max(jnp.where(active, lag_of(st.drafter_state, st.hist_len), 0)) - (max_d + 1)
 
     def start(prompt_tokens, prompt_lengths, key) -> _SpecState:
         st = _start(config, params, drafter, prompt_tokens, prompt_lengths, key, cache_len=cache_len,
@@ -501,12 +513,13 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
             history=history, hist_len=hist_len, active=active, features=feats, committed=count))
 
     def finish(st, tree, dstate, pstate, key, active, verified, plain: bool = False, slot_path=None,
-               slot_states=None):
+               slot_states=None, lag=None):
         """Commit a verification's accepted path and bonus; observe; statistics. plain: nothing was
         drafted (the pending token alone was run: it stays where it was written). slot_path: the
         accepted path as forward slots when the forward ran a compacted tree (adaptive.compact);
         `verified` then holds the verdict in the drafter's node indices. slot_states: the constraint's
-        state per parent slot of `tree` (constraint= only)."""
+        state per parent slot of `tree` (constraint= only). lag: what the drafter caught up on before
+        this proposal (`catch_up_beyond`; scores a return to drafting)."""
         logits, feats, cache, res, nonfinite = verified
         if plain:
             cache = advance(cache, active.astype(jnp.int32))
@@ -547,7 +560,8 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
         acc_hist = st.accept_hist + hist
         policy_stats = {}
         if policy is not None:
-            pstate = adaptive_mod.update(policy, pstate, tree, res.path, committed, res.num_accepted, active)
+            pstate = adaptive_mod.update(policy, pstate, tree, res.path, committed, res.num_accepted, active,
+                                         costs, lag)
             kept = jnp.sum(tree.valid, axis=1).astype(jnp.int32)
             chosen = jnp.max(jnp.where(active, kept, 0))
             width_at = jnp.searchsorted(jnp.asarray(policy.widths), chosen)  # the forward's width index
@@ -587,6 +601,7 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
 
         def draft_and_verify(st):
             shape_valid = None
+            lag = catch_up_beyond(st, active)  # before the proposal catches up
             if level_capped:  # draft only the levels the plan verifies; the uncapped shape is the whole chain
                 tree, draft_probs, dstate, slots, allowed = propose(st, dataclasses.replace(ctx, max_nodes=plan_nodes))
                 shape_valid = tree.valid | (jnp.arange(n)[None, :] >= plan_nodes[:, None])
@@ -611,7 +626,7 @@ def _engine(config, params, drafter, costs=None, constraint=None, *, verifier, s
                     path, logits, feats = adaptive_mod.expand(perm, res.path, logits, feats)
                     verified = (logits, feats, cache, dataclasses.replace(res, path=path), nonfinite)
                 return finish(st, tree, dstate, pstate, key, active, verified, slot_path=slot_path,
-                              slot_states=slots)
+                              slot_states=slots, lag=lag)
 
             if lean_plain:
                 # Nothing kept (the proposal was empty or not worth its forward): the lean plain run

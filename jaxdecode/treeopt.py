@@ -301,6 +301,10 @@ class SizedCosts:
     def idle_seconds(self):
         return getattr(self.table, "idle_seconds", 0.0)
 
+    @property
+    def catch_up_seconds(self):
+        return getattr(self.table, "catch_up_seconds", 0.0)
+
     def verify_at(self, width) -> float:
         return self.table.verify_at(width)
 

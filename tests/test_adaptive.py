@@ -124,6 +124,68 @@ def test_never_accepted_drafts_stop_within_a_few_steps(models):
     assert s["width_hist"][0] >= steps - drafting  # the other steps verified no draft token at all
 
 
+def test_returns_to_drafting_that_lose_slow_the_drift():
+    """A drafting step after a plain one (a return) is scored in plain steps saved, the drafter's
+    catch-up included; while their running mean is below 0 each return halves the rate the estimates
+    drift back at (down to explore_floor), once it is not, each doubles it again (up to 1). Steps within
+    a drafting streak are not returns."""
+    policy = adaptive.AdaptivePolicy(widths=(0, 1, 2, 4), prior=0.5, explore=0.05, explore_floor=0.25)
+    chain = Tree(tokens=jnp.zeros((1, 4), jnp.int32), parents=jnp.array([[-1, 0, 1, 2]]), valid=jnp.ones((1, 4), bool))
+    # steps at widths 0/1/2/4 (drafting excluded), draft (whole, then per width), idle, catch-up per token
+    costs = jnp.asarray([1.0, 1.5, 1.6, 2.0] + [1.0] * 4 + [0.0, 0.1], jnp.float32)
+    one = jnp.ones((1,), bool)
+
+    def verified(state, accepted, lag=0):
+        path = jnp.asarray([[i if i < accepted else -1 for i in range(4)]], jnp.int32)
+        count = jnp.asarray([accepted], jnp.int32)
+        return adaptive.update(policy, state, chain, path, count, count, one, costs, jnp.int32(lag))
+
+    def plain(state, k=4):
+        return adaptive.drift(policy, state, jnp.asarray([k], jnp.int32))
+
+    fresh = adaptive.init_state(policy, 1, 4, 4, is_chain=True)
+    assert float(fresh.explore_scale) == 1.0 and float(fresh.payoff) == 0.0
+    # A miss at width 4: 1 token for 2.0 + 1.0 (+ 0.1 per token caught up) plain steps.
+    st = verified(fresh, 0, lag=10)
+    assert float(st.payoff) == pytest.approx(0.2 * (1 - 4.0)) and float(st.explore_scale) == 0.5
+    assert float(verified(fresh, 0).payoff) == pytest.approx(0.2 * (1 - 3.0))  # no catch-up: it lost less
+    assert float(verified(st, 0, lag=10).explore_scale) == 0.5  # within the streak: not a return
+    st = verified(plain(st), 0, lag=10)
+    assert float(st.explore_scale) == 0.25
+    st = verified(plain(st), 0, lag=10)
+    assert float(st.explore_scale) == 0.25  # the floor
+    # The estimates drift back at the scaled rate, over plain steps and in the engine's plain steps alike.
+    drifted = plain(st, 3)
+    want = st.accept[0, 0] + (1 - (1 - 0.05 * 0.25) ** 3) * (1 - st.accept[0, 0])
+    assert float(drifted.accept[0, 0]) == pytest.approx(float(want), rel=1e-5)
+    empty = chain.replace(valid=jnp.zeros((1, 4), bool))
+    stepped = adaptive.update(policy, st, empty, jnp.full((1, 4), -1, jnp.int32), jnp.zeros((1,), jnp.int32),
+                              jnp.zeros((1,), jnp.int32), one, costs)
+    want = st.accept[0, 0] + 0.05 * 0.25 * (1 - st.accept[0, 0])
+    assert float(stepped.accept[0, 0]) == pytest.approx(float(want), rel=1e-5)
+    assert int(stepped.streak) == 0 and float(stepped.payoff) == float(st.payoff)  # a plain step scores nothing
+    # Returns that pay (5 tokens for 3 plain steps) bring the mean back above 0, then the rate doubles.
+    scales = []
+    for _ in range(8):
+        st = verified(plain(st), 4)
+        scales.append(float(st.explore_scale))
+    assert scales[0] == 0.25 and scales[-1] == 1.0 and float(st.payoff) > 0
+    assert 0.5 in scales  # doubled one return at a time
+    with pytest.raises(ValueError, match="explore_floor"):
+        adaptive.AdaptivePolicy(widths=(0, 1), explore_floor=0.0)
+
+
+def test_a_drafter_whose_returns_lose_returns_more_rarely(models):
+    """A drafter that is never right, its estimates drifting back fast: with the drift slowed after
+    returns that lose, it drafts on fewer steps than at the full rate, and stays greedy-exact."""
+    n = 96
+    quick = dict(explore=0.1, costs=Costs(draft=0.6))
+    full = _oracle_stats(models, PROMPTS_4[:1], n, shift=1, explore_floor=1.0, **quick)
+    slowed = _oracle_stats(models, PROMPTS_4[:1], n, shift=1, **quick)
+    assert int(slowed["speculative_steps"][0]) < int(full["speculative_steps"][0]), (slowed["width_hist"],
+                                                                                     full["width_hist"])
+
+
 @pytest.mark.parametrize("shift", [1, 0])
 def test_lean_plain_runs_probe_when_step_by_step_would(models, shift):
     """Plain steps run as the engine's lean plain run (up to AdaptivePolicy.plain_run steps in one inner

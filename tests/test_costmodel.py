@@ -71,7 +71,8 @@ def test_a_step_is_priced_by_the_whole_engine_step():
     vec = cost_vector(AdaptivePolicy(widths=(0, 1, 2, 4)), t).tolist()
     # steps per width, then the draft per width (a drafter that drafts its whole proposal: the same), idle
     # (width 2 measured cheaper than width 1: the least-squares monotone fit pools them at their mean)
-    assert vec[:4] == pytest.approx([2.8e-3, 4.0e-3, 4.0e-3, 8.5e-3]) and vec[4:] == pytest.approx([5e-4] * 4 + [2e-4])
+    assert vec[:4] == pytest.approx([2.8e-3, 4.0e-3, 4.0e-3, 8.5e-3])
+    assert vec[4:] == pytest.approx([5e-4] * 4 + [2e-4, 0.0])  # draft per width, idle, catch-up
     assert table().step_at(2) == table().verify_at(2)  # nothing measured but the forward
 
 
@@ -105,7 +106,7 @@ def test_a_level_capped_draft_is_priced_at_the_levels_it_drafts():
     assert t.step_at(1) == pytest.approx(5e-3 - 2e-4) and t.step_at(4) == pytest.approx(9e-3 - 8e-4)
     assert CostTable.from_json(json.loads(json.dumps(t.to_json()))) == t
     vec = cost_vector(AdaptivePolicy(widths=(0, 1, 2, 4)), t).tolist()
-    assert vec[4:] == pytest.approx([8e-4, 2e-4, 4e-4, 8e-4, 0.0])  # whole proposal, per width, idle
+    assert vec[4:] == pytest.approx([8e-4, 2e-4, 4e-4, 8e-4, 0.0, 0.0])  # whole proposal, per width, idle, catch-up
     noisy = dataclasses.replace(t, draft_by_width=(0.0, 3e-4, 2e-4, 8e-4))  # a deeper draft measured cheaper
     assert cost_vector(AdaptivePolicy(widths=(0, 1, 2, 4)), noisy).tolist()[5:7] == pytest.approx([2.5e-4, 2.5e-4])
     assert table(draft=8e-4).draft_at(1) == pytest.approx(8e-4)
@@ -161,7 +162,8 @@ def test_measure_times_every_item(tmp_path, monkeypatch):
     assert lines[0].startswith("calibrate: measuring") and str(tmp_path) in lines[0]
     kinds = [line.split()[1] for line in lines[1:]]
     # a chain draft LM is level_capped: its propose is also timed capped at each drafting width
-    assert kinds == ["verify", "verify", "draft", "draft", "step", "step"], lines
+    assert kinds == ["verify", "verify", "draft", "draft", "catch-up", "step", "step"], lines
+    assert t.catch_up_seconds > 0  # a draft LM catches up on what was committed since it last drafted
     assert len(t.draft_by_width) == 2 and t.draft_by_width[0] == 0.0 and t.draft_by_width[1] > 0
     lines.clear()
     again = costmodel.load_or_calibrate((cfg, params), drafter, 2, widths=(0, 2), context_len=8,
@@ -435,7 +437,8 @@ def test_cli_calibrate_prints_a_table(tiny_llama_dir, tmp_path, capsys, counted)
     assert main(argv) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
-    assert lines[1].split() == ["batch", "ms", "at", "width", "0", "1", "2", "4", "draft", "idle", "source"]
+    assert lines[1].split() == ["batch", "ms", "at", "width", "0", "1", "2", "4", "draft", "idle", "catch-up/token",
+                                "source"]
     assert [line.split()[:2] for line in lines[2:6]] == [["1", "verify"], ["1", "whole"], ["2", "verify"],
                                                          ["2", "whole"]] and "measured" in lines[2]
     assert lines[3].split()[3:7] == ["2.000", "3.000", "4.000", "6.000"]  # the whole step at widths 0, 1, 2, 4

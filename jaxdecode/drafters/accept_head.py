@@ -283,6 +283,11 @@ class AcceptHeadDrafter:
             tree = tree.replace(valid=tree.valid & keep_mask(lg, self.threshold))
         return tree, slots, (inner_state, tfeat)
 
+    def catch_up_lag(self, state, hist_len):
+        """int32[B]: the inner drafter's (speculative.Drafter); 0 when it keeps no state behind."""
+        lag = getattr(self.inner, "catch_up_lag", None)
+        return jnp.zeros_like(hist_len) if lag is None else lag(state[0], hist_len)
+
     def idle(self, state, ctx):
         """A step without a proposal: the inner drafter's idle (a draft LM keeps its cache current)."""
         inner_state, tfeat = state

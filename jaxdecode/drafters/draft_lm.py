@@ -152,6 +152,10 @@ class DraftLM:
         return catch_up_blocks(block, cache, lambda c: c.lengths, ctx.hist_len, self.config.vocab_size,
                                widths=check_catch_up_sizes(self.catch_up_sizes, self.max_depth))
 
+    def catch_up_lag(self, cache, hist_len):
+        """int32[B]: committed tokens the next proposal catches up on first (speculative.Drafter)."""
+        return hist_len - cache.lengths
+
     def propose(self, cache, ctx, sampler: SamplerConfig):
         cfg, params = self.config, self.params
         root_logits, cache = self._catch_up(cache, ctx)  # now holds every committed token, pending included

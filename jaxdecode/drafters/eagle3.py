@@ -364,6 +364,10 @@ class Eagle3Drafter:
         start = jnp.maximum(obs.hist_len - count - 1, 0)
         return dataclasses.replace(state, fused=jax.vmap(write)(state.fused, g, count, start))
 
+    def catch_up_lag(self, state: Eagle3State, hist_len):
+        """int32[B]: stored entries the next proposal runs its layer over first (speculative.Drafter)."""
+        return hist_len - 1 - state.cache.lengths
+
     def propose(self, state: Eagle3State, ctx, sampler: SamplerConfig):
         cache, root = self._catch_up(state, ctx)  # every committed entry: root predicts the first level
         eps, head = self.layer_config.norm_eps, self.params["head"]

@@ -374,6 +374,10 @@ class SelfSpecDrafter:
         _, cache = self._catch_up(state, prompt_tokens, prompt_lengths - 1, prompt_tokens.shape[1])
         return dataclasses.replace(state, cache=cache)
 
+    def catch_up_lag(self, state: SelfSpecState, hist_len):
+        """int32[B]: committed tokens the next proposal catches up on first (speculative.Drafter)."""
+        return hist_len - state.cache.lengths
+
     def propose(self, state: SelfSpecState, ctx, sampler):
         root_logits, cache = self._catch_up(state, ctx.history, ctx.hist_len, self.max_depth + 1)
         b = root_logits.shape[0]
