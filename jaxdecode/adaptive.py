@@ -84,9 +84,9 @@ the best class (drafting is a lookup: proposing costs next to nothing); after dr
 keeps each row's nodes by this proposal's classes. A key tried this step (a kept node whose
 parent was committed, or a kept child of the root, and none of whose earlier siblings was) moves
 toward 1 if its node was committed, else 0 (weight 1 - decay); an untried key drifts by `explore`
-toward the estimate of the key above it (its parent node; depth 1: toward 1), so a row that stopped
-speculating probes again now and then, and a drafter that is always right grows its tree until the
-cost says stop.
+(times the batch's `explore_scale`, "Returns to drafting") toward the estimate of the key above it
+(its parent node; depth 1: toward 1), so a row that stopped speculating probes again now and then, and
+a drafter that is always right grows its tree until the cost says stop.
 
 Shape probes. Estimates drift back toward trying, but the plan also judges the last proposal's shape
 (shape "proposal"), and that does not drift: a lookup drafter whose last proposal was a one-node weak
