@@ -690,22 +690,23 @@ def _measure_catch_up(drafter, prompt, lengths, feats, cache_len, sampler, k_ini
     steady = drafter.max_depth + 1
     spans = (steady, steady + CATCH_UP_SPAN)
     room = CATCH_UP_TRIPS * spans[-1]
-    feature_kw = {} if feats is None else {"features": feats}
-    state0 = jax.jit(lambda d, p, l, k: d.init(p, l, cache_len + room, k, **feature_kw))(drafter, prompt, lengths,
-                                                                                          k_init)
+    # Every array goes in as an argument, none closed over: over several processes they span devices
+    # that are not this process's, and a jitted function may not capture such an array.
+    init = jax.jit(lambda d, p, l, k, f: d.init(p, l, cache_len + room, k, **({} if f is None else {"features": f})))
+    state0 = init(drafter, prompt, lengths, k_init, feats)
     # The committed tokens ahead of the prompt: random ones (what the drafter reads, not what it makes).
-    ahead = jax.random.randint(jax.random.fold_in(k_draft, 1), (b, room + drafter.max_depth + 2), 0, vocab_size,
-                               jnp.int32)
-    history = jnp.concatenate([prompt, ahead], axis=1)
+    width = context_len + room + drafter.max_depth + 2
+    ahead = jax.random.randint(jax.random.fold_in(k_draft, 1), (b, width), 0, vocab_size, jnp.int32)
+    history = ahead.at[:, :context_len].set(prompt)
 
     def step(a, state, i):
         from jaxdecode.speculative import DraftContext
-        d, hist, span = a
-        ctx = DraftContext(history=hist, hist_len=lengths + (i + 1) * span, key=jax.random.fold_in(k_draft, i))
+        d, hist, start, key, span = a
+        ctx = DraftContext(history=hist, hist_len=start + (i + 1) * span, key=jax.random.fold_in(key, i))
         tree, probs, state = d.propose(state, ctx, sampler)
         return state, (tree, probs)
 
-    loops = [_Loop(step, (drafter, history, jnp.int32(s))) for s in spans]
+    loops = [_Loop(step, (drafter, history, lengths, k_draft, jnp.int32(s))) for s in spans]
     loops[1] = _Loop(step, loops[1].args, same_as=loops[0])
     near, far = _time_loops(loops, state0, repeats, target_seconds, max_trips=CATCH_UP_TRIPS, fresh=True)
     return max(far - near, 0.0) / CATCH_UP_SPAN
