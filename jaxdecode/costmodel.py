@@ -627,9 +627,8 @@ def measure(model, drafter, batch_size: int, *, widths=None, context_len: int | 
         _emit(progress, f"calibrate: verify {w:4d} nodes ({where}): {secs * 1e3:9.3f} ms")
 
     # (b) drafter.propose (and idle) from its init state on the same prompt, as the engine calls them.
-    feats = select_features(hidden, feature_layers)
-    init = jax.jit(lambda d, p, l, k, f: d.init(p, l, cache_len, k, **({"features": f} if feature_layers else {})))
-    state0 = init(drafter, prompt, lengths, k_init, feats)
+    feats = select_features(hidden, feature_layers)  # None without feature layers
+    state0 = _init_drafter(drafter, prompt, lengths, cache_len, k_init, feats)
 
     history = jnp.zeros((b, hist_cap), jnp.int32).at[:, :context_len].set(prompt)
     ctx_args = (drafter, history, lengths, k_draft)
@@ -676,6 +675,15 @@ def measure(model, drafter, batch_size: int, *, widths=None, context_len: int | 
                      meta=meta)
 
 
+def _init_drafter(drafter, prompt, lengths, cache_len: int, key, feats):
+    """drafter.init as the engine calls it, jitted, with room for `cache_len` tokens; `feats` the
+    prompt's features (None for a drafter that reads none). Every array goes in as an argument, none
+    closed over: over several processes they span devices that are not this process's, and a jitted
+    function may not capture such an array."""
+    init = jax.jit(lambda d, p, l, k, f: d.init(p, l, cache_len, k, **({} if f is None else {"features": f})))
+    return init(drafter, prompt, lengths, key, feats)
+
+
 # Tokens a timed catch-up runs beyond a steady step's: the adaptive policy's lean plain run at most.
 CATCH_UP_SPAN = 32
 CATCH_UP_TRIPS = 8  # proposals per timed loop (each starts from the init state: room for this many)
@@ -690,10 +698,7 @@ def _measure_catch_up(drafter, prompt, lengths, feats, cache_len, sampler, k_ini
     steady = drafter.max_depth + 1
     spans = (steady, steady + CATCH_UP_SPAN)
     room = CATCH_UP_TRIPS * spans[-1]
-    # Every array goes in as an argument, none closed over: over several processes they span devices
-    # that are not this process's, and a jitted function may not capture such an array.
-    init = jax.jit(lambda d, p, l, k, f: d.init(p, l, cache_len + room, k, **({} if f is None else {"features": f})))
-    state0 = init(drafter, prompt, lengths, k_init, feats)
+    state0 = _init_drafter(drafter, prompt, lengths, cache_len + room, k_init, feats)
     # The committed tokens ahead of the prompt: random ones (what the drafter reads, not what it makes).
     width = context_len + room + drafter.max_depth + 2
     ahead = jax.random.randint(jax.random.fold_in(k_draft, 1), (b, width), 0, vocab_size, jnp.int32)

@@ -150,6 +150,17 @@ def test_bad_inner_drafters_and_thresholds_are_refused():
         wrapped(1.5)
 
 
+def test_catch_up_lag_is_the_inner_drafters():
+    """Over a draft LM (which catches up lazily) the head reports the draft LM's lag on its part of the
+    state; over a drafter that keeps up it has none, so calibration times no catch-up for it."""
+    import types
+    from jaxdecode.drafters.ngram import PromptLookupDrafter
+    head = wrapped(0.5)
+    state = (types.SimpleNamespace(lengths=jnp.asarray([3, 4])), None)  # (the draft LM's cache, features)
+    np.testing.assert_array_equal(np.asarray(head.catch_up_lag(state, jnp.asarray([5, 9]))), [2, 5])
+    assert dataclasses.replace(head, inner=PromptLookupDrafter(num_nodes=4)).catch_up_lag is None
+
+
 # ----------------------------------------------------------------------------------------------------
 # Lossless sampling through the model loop (the χ² harness of test_verifier_pairs).
 SV = 6

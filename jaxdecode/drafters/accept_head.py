@@ -283,10 +283,15 @@ class AcceptHeadDrafter:
             tree = tree.replace(valid=tree.valid & keep_mask(lg, self.threshold))
         return tree, slots, (inner_state, tfeat)
 
-    def catch_up_lag(self, state, hist_len):
-        """int32[B]: the inner drafter's (speculative.Drafter); 0 when it keeps no state behind."""
+    @property
+    def catch_up_lag(self):
+        """The inner drafter's catch_up_lag(state, hist_len) -> int32[B] over this drafter's state
+        (speculative.Drafter), or None when the inner drafter keeps up: then calibration times no
+        catch-up and the policy charges none, as for the inner drafter alone."""
         lag = getattr(self.inner, "catch_up_lag", None)
-        return jnp.zeros_like(hist_len) if lag is None else lag(state[0], hist_len)
+        if lag is None:
+            return None
+        return lambda state, hist_len: lag(state[0], hist_len)
 
     def idle(self, state, ctx):
         """A step without a proposal: the inner drafter's idle (a draft LM keeps its cache current)."""
