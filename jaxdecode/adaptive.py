@@ -144,6 +144,16 @@ plain greedy (never drafting: 0.992x). One whose returns pay on the whole though
 about its rate: EAGLE-3 (a few accepted deep) 11.5 -> 10.8, 0.93x -> 0.95x. Pricing the catch-up in
 the plan instead cut both drafters' tries alike, and EAGLE-3 lost 4% (BENCHMARKS.md, "Returns to
 drafting" and "Pricing a drafter's catch-up").
+
+Sampling margin. When sampling, a drafting width must beat the plain step by SAMPLING_MARGIN (0.3),
+not the greedy `margin` (0.15): each row's draft is then accepted by a coin flip, and a batch waits
+for its unluckiest row, so the realised gain falls short of the mean the plan prices; and the rates a
+drafter declares at a temperature were measured on its own training text. On the CPU the retrieval
+default at T = 0.7 drafted width-1 steps that lost: 0.93-0.97x plain sampling at batch 4, where never
+drafting ran 0.99-1.02x. With 0.3 it measured 1.05x / 1.01x, 0.99x / 0.97x and 1.03x / 1.05x at batch
+1 / 4 / 16 (held-out / outside; the same run: 1.04x / 0.98x, 0.95x / 0.93x, 0.99x / 1.01x), keeping
+the drafts that pay at batch 1 (BENCHMARKS.md, "A wider margin when sampling"). `speculative.policy_for`
+sets it; a policy option `margin` given explicitly wins.
 """
 from __future__ import annotations
 
@@ -156,6 +166,7 @@ import numpy as np
 
 from jaxdecode.tree import Tree, depths
 
+SAMPLING_MARGIN = 0.3  # AdaptivePolicy.margin when sampling ("Sampling margin")
 MEASURED_PRIOR_WEIGHT = 16.0  # observations a drafter's measured acceptance counts as ("Measured priors")
 MAX_RANK_KEYS = 16  # sibling ranks told apart in a changing tree's (depth, rank) keys; later ones share
 
@@ -172,7 +183,7 @@ class AdaptivePolicy:
     explore_floor: float = 1.0 / 64.0
     min_reach: float = 0.02  # a row verifies node i only while its reach P_b(i) >= this
     # A width that drafts must beat the plain step's tokens per second by this fraction: measured costs
-    # carry noise, and a tie must not buy a slowdown.
+    # carry noise, and a tie must not buy a slowdown (policy_for: SAMPLING_MARGIN when sampling).
     margin: float = 0.15
     # Where the shape comes from: "proposal" (the proposed valid nodes: greedy decoding), "structure"
     # (the tree's parents, validity ignored: sampling with a fixed shape), "none" (all nodes or none,

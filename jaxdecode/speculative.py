@@ -1019,9 +1019,12 @@ def policy_for(drafter, sampler: SamplerConfig, **overrides) -> "adaptive_mod.Ad
     classes"), started at its `class_prior` (measured greedily: when sampling, at the weight of a
     guess), or when sampling at its rates for that temperature (`class_prior_at`: a measurement there,
     or a guess between measured temperatures). Measured starts count as MEASURED_PRIOR_WEIGHT
-    observations (adaptive, "Measured priors")."""
+    observations (adaptive, "Measured priors"). Sampling: a drafting width must beat the plain step
+    by SAMPLING_MARGIN (adaptive, "Sampling margin")."""
     if sampler.is_greedy:
         overrides.setdefault("prior_by_depth", tuple(getattr(drafter, "acceptance_prior", None) or ()))
+    else:
+        overrides.setdefault("margin", adaptive_mod.SAMPLING_MARGIN)
     static = getattr(getattr(drafter, "builder", None), "static_parents", None) is not None
     classes = int(getattr(drafter, "confidence_classes", 0) or 0)
     if classes and (sampler.is_greedy or drafter.child_rule in ("point", "topk", "argmax")):

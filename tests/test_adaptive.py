@@ -542,6 +542,10 @@ def test_acceptance_prior_seeds_the_estimates_by_depth_for_greedy_decoding_only(
                                    class_prior=(0.3, 0.9))
     assert policy_for(lookup, GREEDY).prior_weight == adaptive.MEASURED_PRIOR_WEIGHT
     assert policy_for(lookup, SamplerConfig(temperature=0.7)).prior_weight == 0.0
+    # A drafting width must beat the plain step by more when sampling ("Sampling margin"); given, it wins.
+    assert policy_for(drafter, GREEDY).margin == adaptive.AdaptivePolicy(widths=(0, 1)).margin == 0.15
+    assert policy_for(drafter, SamplerConfig(temperature=0.7)).margin == adaptive.SAMPLING_MARGIN == 0.3
+    assert policy_for(drafter, SamplerConfig(temperature=0.7), margin=0.05).margin == 0.05
 
 
 def test_a_measured_prior_outweighs_a_few_early_misses():
