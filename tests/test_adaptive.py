@@ -542,10 +542,21 @@ def test_acceptance_prior_seeds_the_estimates_by_depth_for_greedy_decoding_only(
                                    class_prior=(0.3, 0.9))
     assert policy_for(lookup, GREEDY).prior_weight == adaptive.MEASURED_PRIOR_WEIGHT
     assert policy_for(lookup, SamplerConfig(temperature=0.7)).prior_weight == 0.0
-    # A drafting width must beat the plain step by more when sampling ("Sampling margin"); given, it wins.
-    assert policy_for(drafter, GREEDY).margin == adaptive.AdaptivePolicy(widths=(0, 1)).margin == 0.15
-    assert policy_for(drafter, SamplerConfig(temperature=0.7)).margin == adaptive.SAMPLING_MARGIN == 0.3
-    assert policy_for(drafter, SamplerConfig(temperature=0.7), margin=0.05).margin == 0.05
+
+
+def test_sampling_asks_a_wider_margin_of_a_drafting_width():
+    """Greedy keeps AdaptivePolicy's margin (0.15); sampling asks SAMPLING_MARGIN (0.3: adaptive,
+    "Sampling margin"), for a drafter keyed by depth and one keyed by confidence class; a margin the
+    caller gives wins either way."""
+    oracle = OracleDrafter(continuation=jnp.zeros((1, 4), jnp.int32), prompt_lengths=jnp.ones((1,), jnp.int32),
+                           depth=4, shift=0, vocab=64, acceptance_prior=(0.7, 0.6))
+    lookup = types.SimpleNamespace(num_nodes=4, max_depth=4, is_chain=True, child_rule="point", confidence_classes=2,
+                                   class_prior=(0.3, 0.9))
+    for drafter in (oracle, lookup):
+        assert policy_for(drafter, GREEDY).margin == adaptive.AdaptivePolicy(widths=(0, 1)).margin == 0.15
+        assert policy_for(drafter, SamplerConfig(temperature=0.7)).margin == adaptive.SAMPLING_MARGIN == 0.3
+        assert policy_for(drafter, SamplerConfig(temperature=0.7), margin=0.05).margin == 0.05
+        assert policy_for(drafter, GREEDY, margin=0.05).margin == 0.05
 
 
 def test_a_measured_prior_outweighs_a_few_early_misses():
