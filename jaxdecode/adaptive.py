@@ -526,6 +526,11 @@ def _best_width(policy, reach, order, eligible, depth, costs, remaining, drafted
     return jnp.argmin(step * jnp.max(steps, axis=1)), count
 
 
+def _plain_seconds(policy: AdaptivePolicy, costs):
+    """f32[]: what a step that drafts nothing costs: a plain step and the drafter's idle (cost_vector)."""
+    return costs[0] + costs[2 * len(policy.widths)]
+
+
 def probe_period(policy: AdaptivePolicy, costs):
     """int32[]: the longest wait between shape probes: at least `probe_every`, and enough that a probe
     that keeps nothing costs at most `probe_cost` of the plain steps between probes. Such a probe costs
@@ -533,7 +538,7 @@ def probe_period(policy: AdaptivePolicy, costs):
     engine step in place of a lean plain one, priced as the narrowest drafting width's extra (on the
     CPU at batch 16, sampling: 0.27 of a plain step, where the draft costs ~0.001)."""
     w = len(policy.widths)
-    plain = costs[0] + costs[2 * w]  # a plain step and the drafter's idle
+    plain = _plain_seconds(policy, costs)
     failed = costs[w] + jnp.maximum(costs[1] - costs[0], 0.0)
     need = jnp.ceil(failed / (policy.probe_cost * jnp.maximum(plain, 1e-9)))
     return jnp.maximum(need, policy.probe_every).astype(jnp.int32)
@@ -794,7 +799,7 @@ def _score_return(policy: AdaptivePolicy, state: PolicyState, tree: Tree, commit
     kept = jnp.sum(tree.valid & active[:, None], axis=1)
     returned = (jnp.max(kept) > 0) & (state.streak == 0)
     at = jnp.searchsorted(jnp.asarray(policy.widths), jnp.max(kept))  # the forward's width
-    plain = costs[0] + costs[2 * w]  # a plain step and the drafter's idle
+    plain = _plain_seconds(policy, costs)
     caught_up = 0.0 if lag is None or costs.shape[0] <= 2 * w + 1 else costs[2 * w + 1] * jnp.maximum(lag, 0)
     spent = costs[at] + costs[w + at] + caught_up
     live = jnp.maximum(jnp.sum(active), 1)
