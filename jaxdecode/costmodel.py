@@ -51,7 +51,7 @@ import numpy as np
 from jaxdecode import files
 from jaxdecode.kernels.common import next_pow2, round_up
 
-SCHEMA = 21  # version of the cache file layout and of the key; bump when either changes meaning
+SCHEMA = 22  # version of the cache file layout and of the key; bump when either changes meaning
 # (4: DraftLM and self-speculation lost their idle step: older tables hold an idle cost no longer paid;
 # 5: plain steps of history_only drafters run as lean runs, priced per token;
 # 6: level_capped drafters draft only the levels a step verifies: draft_by_width, and forced steps
@@ -82,7 +82,9 @@ SCHEMA = 21  # version of the cache file layout and of the key; bump when either
 # 20: a drafter's sampling temperature is keyed as greedy or sampled, not by value (the retrieval
 # default's cut reads it, its step costs do not): each new temperature measured again, ~45 s a time;
 # 21: a drafter that catches up lazily (Drafter.catch_up_lag) has its catch-up measured per token,
-# which scores the adaptive policy's returns to drafting: older tables lack it)
+# which scores the adaptive policy's returns to drafting: older tables lack it; 22: EAGLE-3's observe
+# stores the target's features unfused, its fc runs in the catch-up: older tables overprice its plain
+# steps and underprice its catch-up)
 DEFAULT_CONTEXT_LEN = 256
 # Trips of a timed engine step, at least: the first steps from the prefilled state cost more than
 # later ones (EAGLE-3's plain step at batch 4: 6.0 ms per trip over 3 trips, 4.2 over 32, 3.6 in a

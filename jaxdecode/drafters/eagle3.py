@@ -9,9 +9,11 @@ layer output at its parent ("training-time test": the model is trained on exactl
 
 Decode (the Drafter protocol): the drafter's cache holds one entry per committed position t whose
 target feature is known, paired with token x_{t+1}; `init` fills it from the prefill's features.
-`observe` only stores the committed slots' fused features g_t (`accepted_features`) by position: the
-layer runs over them lazily, at the next `propose`, in blocks (`catch_up_blocks`), so the adaptive
-policy's plain steps do not pay for a drafter they do not use. The last entry's output predicts the
+`observe` only stores the committed slots' target features (`accepted_features`, side by side as fc
+reads them) by position: fc and the layer run over them lazily, at the next `propose`, in blocks
+(`catch_up_blocks`), so the adaptive policy's plain steps do not pay for a drafter they do not use (fc
+on one token per plain step cost 9% of a plain sampling step at batch 1 on the CPU; over a block it is
+one matmul). The last entry's output predicts the
 tree's first level; `propose` grows any tree through the builders' `expand`, each level one forward
 that writes beyond the committed entries (`write_offset`, an ancestor window mask), like DraftLM.
 
@@ -177,13 +179,22 @@ def draft_head_bias(target_config: ModelConfig, target_params, draft_vocab: tupl
     return jnp.take(bias, jnp.asarray(draft_vocab, jnp.int32))
 
 
+def side_by_side(feats):
+    """[f_1; ...; f_F]: feats [F, B, T, D] -> [B, T, F*D], column f*D + d feature f's dimension d (fc's
+    rows). The activations are rearranged, not the weight (a reshaped weight is copied on every call)."""
+    f, b, t, d = feats.shape
+    return jnp.moveaxis(feats, 0, 2).reshape(b, t, f * d)
+
+
+def fuse(params, x):
+    """g = fc(x): x [B, T, F*D] (side_by_side) -> [B, T, D]."""
+    w = params["fc"]  # [F*D, D]
+    return x.astype(w.dtype) @ w
+
+
 def fuse_features(params, feats):
     """g = fc([f_1; ...; f_F]): feats [F, B, T, D] -> [B, T, D]."""
-    f, b, t, d = feats.shape
-    w = params["fc"]  # [F*D, D']: row f*D + d reads feature f's dimension d
-    # The activations are rearranged, not the weight (a reshaped weight is copied on every call).
-    x = jnp.moveaxis(feats.astype(w.dtype), 0, 2).reshape(b, t, f * d)  # [B, T, F*D]
-    return x @ w
+    return fuse(params, side_by_side(feats))
 
 
 def layer_inputs(params, eps: float, emb, feat):
@@ -221,10 +232,11 @@ def head_logits(params, head, eps: float, h):
 class Eagle3State:
     cache: object  # the decoder layer's KV cache: entries t = 0 .. cache.lengths - 1
     root: jax.Array  # [B, D] the layer output of entry cache.lengths - 1 (zeros before any entry)
-    # [B, cache_len + max_depth + 1, D] fused target features g_t by position t: the entries the next
-    # propose runs (t >= cache.lengths) and older ones (already in the cache, kept so positions stay
-    # fixed); the last max_depth + 1 are room for observe's slice writes.
-    fused: jax.Array
+    # [B, cache_len + max_depth + 1, F*D] the target features after token t, side by side (unfused), by
+    # position t: the entries the next propose fuses and runs (t >= cache.lengths) and older ones
+    # (already in the cache, kept so positions stay fixed); the last max_depth + 1 are room for
+    # observe's slice writes.
+    features: jax.Array
     # f32[B, N, D] with record_sources: the layer state each node of the last proposal was drafted from
     # (its parent's output; the root's for depth-1 nodes): label runs of an acceptance head read them.
     sources: jax.Array | None = None
@@ -305,17 +317,17 @@ class Eagle3Drafter:
         return advance(cache, valid.sum(axis=1)), h
 
     def _catch_up(self, state: Eagle3State, ctx):
-        """Run the layer over the stored entries its cache lacks (t < hist_len - 1: the pending token
+        """Run fc and the layer over the stored entries its cache lacks (t < hist_len - 1: the pending token
         is the last one paired), in padded blocks of up to max_depth + 1 (`catch_up_sizes`): (cache,
         root [B, D])."""
-        hist_cap, buf_cap = ctx.history.shape[1], state.fused.shape[1]
+        hist_cap, buf_cap = ctx.history.shape[1], state.features.shape[1]
 
         def block(cache, catch):  # the feature buffer is only read: closed over, not carried
             t = cache.lengths[:, None] + jnp.arange(catch, dtype=jnp.int32)[None, :]  # [B, C] positions
             valid = t < (ctx.hist_len - 1)[:, None]
             tokens = jnp.take_along_axis(ctx.history, jnp.minimum(t + 1, hist_cap - 1), axis=1)  # x_{t+1}
-            g = jnp.take_along_axis(state.fused, jnp.minimum(t, buf_cap - 1)[..., None], axis=1)  # [B, C, D]
-            cache, h = self._append(cache, tokens, g, valid)
+            x = jnp.take_along_axis(state.features, jnp.minimum(t, buf_cap - 1)[..., None], axis=1)  # [B, C, F*D]
+            cache, h = self._append(cache, tokens, fuse(self.params, x), valid)
             n_new = valid.sum(axis=1)
             return jnp.take_along_axis(h, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0], cache
 
@@ -337,32 +349,32 @@ class Eagle3Drafter:
         # Entry t pairs the feature after token t with token t+1: t = 0 .. len-2.
         nxt = jnp.concatenate([prompt_tokens[:, 1:], jnp.zeros((b, 1), prompt_tokens.dtype)], axis=1)
         valid = jnp.arange(p)[None, :] < (prompt_lengths - 1)[:, None]
-        g = fuse_features(self.params, features)  # [B, P, D]
-        cache, h = self._append(cache, nxt, g, valid)
+        x = side_by_side(features)  # [B, P, F*D]
+        cache, h = self._append(cache, nxt, fuse(self.params, x), valid)
         root = jnp.take_along_axis(h, jnp.maximum(prompt_lengths - 2, 0)[:, None, None], axis=1)[:, 0]
-        fused = jnp.zeros((b, max(cache_len, p) + self.max_depth + 1, g.shape[-1]), g.dtype).at[:, :p].set(g)
+        buf = jnp.zeros((b, max(cache_len, p) + self.max_depth + 1, x.shape[-1]), x.dtype).at[:, :p].set(x)
         sources = jnp.zeros((b, self.num_nodes, root.shape[-1]), jnp.float32) if self.record_sources else None
-        return Eagle3State(cache=cache, root=jnp.where((prompt_lengths >= 2)[:, None], root, 0.0), fused=fused,
+        return Eagle3State(cache=cache, root=jnp.where((prompt_lengths >= 2)[:, None], root, 0.0), features=buf,
                            sources=sources)
 
     def observe(self, state: Eagle3State, obs):
-        """Store the committed slots' fused features; the layer runs over them at the next propose."""
+        """Store the committed slots' target features; fc and the layer run over them at the next propose."""
         feats, count = accepted_features(obs)  # [F, B, N+1, Dm]: slot j = state after token p0 + j
         feats = feats[:, :, :self.max_depth + 1]  # at most max_depth + 1 are ever committed
         m = feats.shape[2]
-        g = fuse_features(self.params, feats).astype(state.fused.dtype)  # [B, m, D]
+        x = side_by_side(feats).astype(state.features.dtype)  # [B, m, F*D]
 
         # Slot j is entry t = hist_len - count - 1 + j (paired with the committed token after it). Each
         # row's m entries from there are rewritten in place, those past `count` with what they held
         # (a slice update per row: a scatter cost a plain step 3% at batch 4 on the CPU). The buffer
         # has max_depth + 1 entries of room past the cache, so a slice is never shifted back.
-        def write(buf, new, c, start):  # [T, D], [m, D], int32[], int32[]
+        def write(buf, new, c, start):  # [T, F*D], [m, F*D], int32[], int32[]
             old = jax.lax.dynamic_slice_in_dim(buf, start, m, axis=0)
             return jax.lax.dynamic_update_slice_in_dim(buf, jnp.where((jnp.arange(m) < c)[:, None], new, old),
                                                        start, axis=0)
 
         start = jnp.maximum(obs.hist_len - count - 1, 0)
-        return dataclasses.replace(state, fused=jax.vmap(write)(state.fused, g, count, start))
+        return dataclasses.replace(state, features=jax.vmap(write)(state.features, x, count, start))
 
     def catch_up_lag(self, state: Eagle3State, hist_len):
         """int32[B]: stored entries the next proposal runs its layer over first (speculative.Drafter)."""
@@ -396,7 +408,7 @@ class Eagle3Drafter:
         if self.record_sources and not self.is_chain:  # hbuf is by working index, a chain's alone is by node
             raise Eagle3Error("record_sources keeps the states of a chain's nodes: use tree='chain:K'")
         sources = _node_sources(hbuf, root, tree.parents) if self.record_sources else None
-        return tree, slots, Eagle3State(cache=cache, root=root, fused=state.fused, sources=sources)
+        return tree, slots, Eagle3State(cache=cache, root=root, features=state.features, sources=sources)
 
 
 def _node_sources(hbuf, root, parents):
@@ -424,5 +436,5 @@ def _register():
 _register()
 
 __all__ = ["Eagle3Config", "Eagle3Drafter", "Eagle3Error", "Eagle3State", "default_config", "default_feature_layers",
-           "init_params", "param_shapes", "layer_config", "make", "fuse_features", "layer_inputs",
-           "run_layer", "head_logits", "draft_head", "draft_head_bias", "target_head", "DEFAULT_TREE"]
+           "init_params", "param_shapes", "layer_config", "make", "side_by_side", "fuse", "fuse_features",
+           "layer_inputs", "run_layer", "head_logits", "draft_head", "draft_head_bias", "target_head", "DEFAULT_TREE"]
