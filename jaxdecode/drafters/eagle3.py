@@ -13,9 +13,9 @@ target feature is known, paired with token x_{t+1}; `init` fills it from the pre
 reads them) by position: fc and the layer run over them lazily, at the next `propose`, in blocks
 (`catch_up_blocks`), so the adaptive policy's plain steps do not pay for a drafter they do not use (fc
 on one token per plain step cost 9% of a plain sampling step at batch 1 on the CPU; over a block it is
-one matmul). The last entry's output predicts the
-tree's first level; `propose` grows any tree through the builders' `expand`, each level one forward
-that writes beyond the committed entries (`write_offset`, an ancestor window mask), like DraftLM.
+one matmul). The last entry's output predicts the tree's first level; `propose` grows any tree through
+the builders' `expand`, each level one forward that writes beyond the committed entries
+(`write_offset`, an ancestor window mask), like DraftLM.
 
 Params pytree (D = target hidden, F = len(feature_layers), M = draft vocabulary):
     fc [F*D, D]; fc2 [2D, D]; emb_norm/feat_norm/final_norm {scale [D]};
