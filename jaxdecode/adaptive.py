@@ -150,7 +150,7 @@ not the greedy `margin` (0.15): each row's draft is then accepted by a coin flip
 for its unluckiest row, so the realised gain falls short of the mean the plan prices; and the rates a
 drafter may declare at a temperature were measured on its own training text. On the CPU the retrieval
 default at T = 0.7 drafted width-1 steps that lost: 0.93-0.97x plain sampling at batch 4, where never
-drafting ran 0.99-1.02x. With 0.3 it measured 1.05x / 1.01x, 0.99x / 0.97x and 1.03x / 1.05x at batch
+drafting ran 0.99-1.05x. With 0.3 it measured 1.05x / 1.01x, 0.99x / 0.97x and 1.03x / 1.05x at batch
 1 / 4 / 16 (held-out / outside; the same run: 1.04x / 0.98x, 0.95x / 0.93x, 0.99x / 1.01x), keeping
 the drafts that pay at batch 1 (BENCHMARKS.md, "A wider margin when sampling"). `speculative.policy_for`
 sets it; a policy option `margin` given explicitly wins.
