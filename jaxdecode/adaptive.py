@@ -152,8 +152,14 @@ drafter may declare at a temperature were measured on its own training text. On 
 default at T = 0.7 drafted width-1 steps that lost: 0.93-0.97x plain sampling at batch 4, where never
 drafting ran 0.99-1.05x. With 0.3 it measured 1.05x / 1.01x, 0.99x / 0.97x and 1.03x / 1.05x at batch
 1 / 4 / 16 (held-out / outside; the same run: 1.04x / 0.98x, 0.95x / 0.93x, 0.99x / 1.01x), keeping
-the drafts that pay at batch 1 (BENCHMARKS.md, "A wider margin when sampling"). `speculative.policy_for`
-sets it; a policy option `margin` given explicitly wins.
+the drafts that pay at batch 1 (BENCHMARKS.md, "A wider margin when sampling"). A batch of several
+rows sampling asks SAMPLING_BATCH_MARGIN (0.5, `batch_margin`): in a batch of level rows (every row has
+the same tokens to go) the batch is a step shorter only when all the rows that hold it back accept, and
+the width-1 steps drafted at 0.3 at batch 4, T = 0.7 (62 of 504 trips) saved 8 trips, 0.13 a drafting
+step against the 0.47 or more the plan priced: 0.94-0.96x plain sampling held-out in three runs (0.98x
+outside in two), where 0.5 drafted on 0-1 steps and ran 0.97-1.05x (BENCHMARKS.md, "A wider margin for
+a sampled batch"). `speculative.policy_for` sets both; a policy option `margin` given explicitly holds
+at every batch size (`batch_margin` None), and a `batch_margin` given explicitly wins.
 """
 from __future__ import annotations
 
@@ -167,6 +173,7 @@ import numpy as np
 from jaxdecode.tree import Tree, depths
 
 SAMPLING_MARGIN = 0.3  # AdaptivePolicy.margin when sampling ("Sampling margin")
+SAMPLING_BATCH_MARGIN = 0.5  # AdaptivePolicy.batch_margin when sampling (ibid.)
 MEASURED_PRIOR_WEIGHT = 16.0  # observations a drafter's measured acceptance counts as ("Measured priors")
 MAX_RANK_KEYS = 16  # sibling ranks told apart in a changing tree's (depth, rank) keys; later ones share
 
@@ -185,6 +192,9 @@ class AdaptivePolicy:
     # A width that drafts must beat the plain step's tokens per second by this fraction: measured costs
     # carry noise, and a tie must not buy a slowdown (policy_for: SAMPLING_MARGIN when sampling).
     margin: float = 0.15
+    # The margin for a batch of more than one row; None: `margin` (policy_for: SAMPLING_BATCH_MARGIN when
+    # sampling, "Sampling margin").
+    batch_margin: float | None = None
     # Where the shape comes from: "proposal" (the proposed valid nodes: greedy decoding), "structure"
     # (the tree's parents, validity ignored: sampling with a fixed shape), "none" (all nodes or none,
     # judged on the previous proposal: sampling with a shape that follows the sampled tokens). See the
@@ -250,6 +260,10 @@ class AdaptivePolicy:
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"AdaptivePolicy.{name} must lie in [0, 1], got {v}")
+        if self.batch_margin is not None and (isinstance(self.batch_margin, bool) or not isinstance(
+                self.batch_margin, (int, float)) or not 0.0 <= self.batch_margin <= 1.0):
+            raise ValueError(f"AdaptivePolicy.batch_margin must be None (the margin) or lie in [0, 1], got "
+                             f"{self.batch_margin!r}")
         if not 0.0 < self.explore_floor <= 1.0:
             raise ValueError(f"AdaptivePolicy.explore_floor must lie in (0, 1], got {self.explore_floor}")
         prior = tuple(float(a) for a in self.prior_by_depth)
@@ -501,7 +515,14 @@ def _width_terms(policy, reach, order, eligible, depth, costs, remaining, drafte
     # Before drafting, a width costs its own draft (a capped draft is shorter); after it, what was
     # drafted is spent whatever is kept: the same cost at every width (entry 0, the whole proposal).
     step = verify + jnp.where(drafted, draft[0], jnp.where(widths > 0, draft, idle))
-    return count, steps, step * jnp.where(widths > 0, 1.0 + policy.margin, 1.0)
+    return count, steps, step * jnp.where(widths > 0, 1.0 + margin_at(policy, remaining.shape[0]), 1.0)
+
+
+def margin_at(policy: AdaptivePolicy, batch: int) -> float:
+    """The margin a drafting width must beat the plain step by in a batch of `batch` rows (static): the
+    whole batch's, also where a row is judged alone, since a row's proposal pays only if it makes the
+    batch draft."""
+    return policy.margin if batch == 1 or policy.batch_margin is None else policy.batch_margin
 
 
 @functools.cache

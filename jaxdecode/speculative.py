@@ -1020,11 +1020,13 @@ def policy_for(drafter, sampler: SamplerConfig, **overrides) -> "adaptive_mod.Ad
     guess), or when sampling at its rates for that temperature (`class_prior_at`: a measurement there,
     or a guess between measured temperatures). Measured starts count as MEASURED_PRIOR_WEIGHT
     observations (adaptive, "Measured priors"). Sampling: a drafting width must beat the plain step
-    by SAMPLING_MARGIN (adaptive, "Sampling margin")."""
+    by SAMPLING_MARGIN, in a batch of several rows by SAMPLING_BATCH_MARGIN (adaptive, "Sampling
+    margin")."""
     if sampler.is_greedy:
         overrides.setdefault("prior_by_depth", tuple(getattr(drafter, "acceptance_prior", None) or ()))
-    else:
-        overrides.setdefault("margin", adaptive_mod.SAMPLING_MARGIN)
+    elif "margin" not in overrides:  # a margin the caller gives holds at every batch size
+        overrides.update(margin=adaptive_mod.SAMPLING_MARGIN,
+                         batch_margin=overrides.get("batch_margin", adaptive_mod.SAMPLING_BATCH_MARGIN))
     static = getattr(getattr(drafter, "builder", None), "static_parents", None) is not None
     classes = int(getattr(drafter, "confidence_classes", 0) or 0)
     if classes and (sampler.is_greedy or drafter.child_rule in ("point", "topk", "argmax")):

@@ -545,18 +545,43 @@ def test_acceptance_prior_seeds_the_estimates_by_depth_for_greedy_decoding_only(
 
 
 def test_sampling_asks_a_wider_margin_of_a_drafting_width():
-    """Greedy keeps AdaptivePolicy's margin (0.15); sampling asks SAMPLING_MARGIN (0.3: adaptive,
-    "Sampling margin"), for a drafter keyed by depth and one keyed by confidence class; a margin the
-    caller gives wins either way."""
+    """Greedy keeps AdaptivePolicy's margin (0.15) at every batch size; sampling asks SAMPLING_MARGIN
+    (0.3: adaptive, "Sampling margin") of one row and SAMPLING_BATCH_MARGIN (0.5) of a batch, for a
+    drafter keyed by depth and one keyed by confidence class; a margin the caller gives holds at every
+    batch size, and a batch_margin the caller gives wins."""
     oracle = OracleDrafter(continuation=jnp.zeros((1, 4), jnp.int32), prompt_lengths=jnp.ones((1,), jnp.int32),
                            depth=4, shift=0, vocab=64, acceptance_prior=(0.7, 0.6))
     lookup = types.SimpleNamespace(num_nodes=4, max_depth=4, is_chain=True, child_rule="point", confidence_classes=2,
                                    class_prior=(0.3, 0.9))
     for drafter in (oracle, lookup):
         assert policy_for(drafter, GREEDY).margin == adaptive.AdaptivePolicy(widths=(0, 1)).margin == 0.15
-        assert policy_for(drafter, SamplerConfig(temperature=0.7)).margin == adaptive.SAMPLING_MARGIN == 0.3
-        assert policy_for(drafter, SamplerConfig(temperature=0.7), margin=0.05).margin == 0.05
+        assert policy_for(drafter, GREEDY).batch_margin is None
+        sampled = policy_for(drafter, SamplerConfig(temperature=0.7))
+        assert (sampled.margin, sampled.batch_margin) == (adaptive.SAMPLING_MARGIN, adaptive.SAMPLING_BATCH_MARGIN)
+        assert (adaptive.margin_at(sampled, 1), adaptive.margin_at(sampled, 4)) == (0.3, 0.5)
+        given = policy_for(drafter, SamplerConfig(temperature=0.7), margin=0.05)
+        assert (adaptive.margin_at(given, 1), adaptive.margin_at(given, 16)) == (0.05, 0.05)
+        assert policy_for(drafter, SamplerConfig(temperature=0.7), batch_margin=0.2).batch_margin == 0.2
         assert policy_for(drafter, GREEDY, margin=0.05).margin == 0.05
+
+
+def test_a_batch_margin_holds_a_batch_to_more_than_one_row():
+    """A one-node width whose expected tokens beat the plain step by 40% (reach 0.61 at 1.15x the cost)
+    is bought by one row at the 0.3 margin and refused by a batch at the 0.5 batch margin: a sampled
+    draft is a coin flip per row, and a level batch gains only when the rows that hold it back all
+    accept (adaptive, "Sampling margin"). The plain-run search, which asks the same plan, agrees."""
+    costs = jnp.asarray([1.0, 1.15, 0.0, 0.0, 0.0], jnp.float32)  # steps at widths 0 / 1, drafts, idle
+    policy = adaptive.AdaptivePolicy(widths=(0, 1), prior=0.61, margin=0.3, batch_margin=0.5)
+    for rows, buys in [(1, True), (4, False)]:
+        state = adaptive.init_state(policy, rows, 1, 1, np.array([-1], np.int32))
+        remaining = jnp.full((rows,), 64, jnp.int32)
+        assert bool(adaptive.should_draft(policy, state, costs, remaining)) == buys
+        alike = dataclasses.replace(policy, batch_margin=None)  # the margin at every batch size
+        assert bool(adaptive.should_draft(alike, state, costs, remaining))
+        assert int(adaptive.plain_run_length(policy, state, costs, remaining, 8)) == (1 if buys else 8)
+    for bad in (-0.1, 1.5, True, "0.5"):
+        with pytest.raises(ValueError, match="batch_margin must be None"):
+            adaptive.AdaptivePolicy(widths=(0, 1), batch_margin=bad)
 
 
 def test_a_measured_prior_outweighs_a_few_early_misses():
