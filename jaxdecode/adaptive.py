@@ -156,8 +156,8 @@ the drafts that pay at batch 1 (BENCHMARKS.md, "A wider margin when sampling"). 
 rows sampling asks SAMPLING_BATCH_MARGIN (0.5, `batch_margin`): in a batch of level rows (every row has
 the same tokens to go) the batch is a step shorter only when all the rows that hold it back accept, and
 the width-1 steps drafted at 0.3 at batch 4, T = 0.7 (62 of 504 trips) saved 8 trips, 0.13 a drafting
-step against the 0.47 or more the plan priced: 0.94-0.96x plain sampling held-out in three runs (0.98x
-outside in two), where 0.5 drafted on 0-1 steps and ran 0.97-1.05x (BENCHMARKS.md, "A wider margin for
+step against the 0.47 or more the plan priced: 0.94-0.96x plain sampling held-out in four runs (0.98x
+outside in three), where 0.5 drafted on 0-1 steps and ran 0.97-1.05x (BENCHMARKS.md, "A wider margin for
 a sampled batch"). `speculative.policy_for` sets both; a policy option `margin` given explicitly holds
 at every batch size (`batch_margin` None), and a `batch_margin` given explicitly wins.
 """
