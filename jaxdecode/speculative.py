@@ -1025,8 +1025,8 @@ def policy_for(drafter, sampler: SamplerConfig, **overrides) -> "adaptive_mod.Ad
     if sampler.is_greedy:
         overrides.setdefault("prior_by_depth", tuple(getattr(drafter, "acceptance_prior", None) or ()))
     elif "margin" not in overrides:  # a margin the caller gives holds at every batch size
-        overrides.update(margin=adaptive_mod.SAMPLING_MARGIN,
-                         batch_margin=overrides.get("batch_margin", adaptive_mod.SAMPLING_BATCH_MARGIN))
+        overrides["margin"] = adaptive_mod.SAMPLING_MARGIN
+        overrides.setdefault("batch_margin", adaptive_mod.SAMPLING_BATCH_MARGIN)
     static = getattr(getattr(drafter, "builder", None), "static_parents", None) is not None
     classes = int(getattr(drafter, "confidence_classes", 0) or 0)
     if classes and (sampler.is_greedy or drafter.child_rule in ("point", "topk", "argmax")):
