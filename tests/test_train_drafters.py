@@ -236,22 +236,28 @@ def test_draft_lm_on_policy_cli(tiny, tmp_path, capsys):
 
 def test_accept_head_cli_takes_its_own_options(tiny, tmp_path, capsys):
     """`train accept-head` lists and honours the options of label runs (--new-tokens, --temperatures,
-    --batch-size of labelled row-steps) and refuses the text-data options of the other kinds by name."""
+    --batch-size of labelled row-steps) and of the saved threshold's pricing (--draft-cost, --node-cost), and
+    refuses the text-data options of the other kinds by name."""
     from jaxdecode.cli import main
     target, corpus = tiny
     out = tmp_path / "head"
     base = ["train", "accept-head", "--target", target.path, "--corpus", str(corpus), "--out", str(out)]
     flags = _flags(draft=target.path, prompts=4, prompt_len=8, new_tokens=8, temperatures="0", eval_prompts=2,
                    steps=6, eval_every=3, checkpoint_every=3, batch_size=32, warmup=1, no_progress=True)
-    assert main([*base, *flags, "--set", "draft_len=3"]) == 0, capsys.readouterr().err
+    assert main([*base, *flags, "--set", "draft_len=3", "--draft-cost", "0.45", "--node-cost", "0.065"]) == 0, \
+        capsys.readouterr().err
     head = load_drafter(out, target)
     assert head.cfg.draft_len == 3 and head.extra["temperatures"] == [0.0] and head.extra["steps"] == 6
     assert set(head.extra["heldout"]) == {"T=0"}  # one label run per --temperatures entry
+    priced = head.extra["heldout"]["T=0"]["estimate"]  # the threshold was chosen at these unit costs
+    assert (priced["draft_cost"], priced["node_cost"]) == (0.45, 0.065)
     capsys.readouterr()
     for bad, why in [(["--data", "self"], "--data self does not apply"),
                      (["--temperature", "0.7"], "unrecognized arguments: --temperature"),
                      (["--seq-len", "9"], "unrecognized arguments: --seq-len"),
-                     (["--temperatures", "0,-1"], "temperatures must be finite, >= 0")]:
+                     (["--temperatures", "0,-1"], "temperatures must be finite, >= 0"),
+                     (["--draft-cost", "-0.1"], "a cost in target steps is a finite number >= 0"),
+                     (["--node-cost", "nan"], "a cost in target steps is a finite number >= 0")]:
         with pytest.raises(SystemExit):
             main([*base, *bad])
         assert why in capsys.readouterr().err
@@ -259,6 +265,7 @@ def test_accept_head_cli_takes_its_own_options(tiny, tmp_path, capsys):
         main(["train", "accept-head", "--help"])
     usage = capsys.readouterr().out
     assert "--new-tokens" in usage and "--temperatures" in usage and "labelled row-steps" in usage
+    assert "--draft-cost" in usage and "--node-cost" in usage
     assert not any(f in usage for f in ("--data ", "--seq-len", "--greedy-fraction", "--gen-batch-size", "--tree"))
 
 

@@ -222,8 +222,8 @@ def add_accept_head_parser(sub) -> argparse.ArgumentParser:
              "of --set draft_len=K on --prompts training windows, one label run per --temperatures entry; "
              "the target's verdicts label each position. Every --eval-every steps the BCE on label runs "
              "over --eval-prompts held-out windows goes to WORKDIR/metrics.jsonl; the export records the "
-             "held-out BCE and calibration (ECE) and the threshold h its training runs price best. "
-             "Rerunning the same command resumes from the last checkpoint.")
+             "held-out BCE and calibration (ECE) and the threshold h its training runs price best "
+             "(--draft-cost, --node-cost). Rerunning the same command resumes from the last checkpoint.")
     # No abbreviations: --data would be read as --data-parallel, --temperature as --temperatures.
     p = sub.add_parser("accept-head", help=f"train {what.split(',')[0]}", formatter_class=_DefaultsFormatter,
                        description=f"Train {what}. {about}", allow_abbrev=False)
@@ -242,6 +242,11 @@ def add_accept_head_parser(sub) -> argparse.ArgumentParser:
                    help="comma-separated; one label run each: greedy verification at 0, the chain "
                         "verifier on sampled chains above")
     g.add_argument("--label-batch-size", type=int, default=8, help="rows per batched label-run decode call")
+    c = p.add_argument_group("the saved threshold h (the best of training.accept_head.speed_estimate)")
+    c.add_argument("--draft-cost", type=_unit_cost, default=None,
+                   help="one draft level's cost in target steps (default 0.2; 0 over retrieval). On the 2-core "
+                        "CPU of BENCHMARKS.md an EAGLE-3 level of the embedded target costs ~0.45")
+    c.add_argument("--node-cost", type=_unit_cost, default=0.05, help="one verified node's cost in target steps")
     _add_eval_group(p, "held-out windows labelled (BCE, ECE)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="a field of AcceptHeadConfig (inner: the drafter the head cuts, e.g. '\"eagle3\"'; "
@@ -302,6 +307,19 @@ def _temperatures(text: str, greedy: bool = False) -> tuple:
             f"temperatures must be finite, {'>= 0 (0: greedy)' if greedy else '> 0'} and given once each"
             f"{'' if greedy else ' (greedy is always measured)'}, got {text!r}")
     return temps
+
+
+def _unit_cost(text: str) -> float:
+    """--draft-cost / --node-cost: a finite cost >= 0 in target steps."""
+    import math
+    try:
+        x = float(text)
+    except ValueError:
+        x = float("nan")
+    if not (math.isfinite(x) and x >= 0):
+        raise argparse.ArgumentTypeError(f"a cost in target steps is a finite number >= 0 (e.g. 0.2), "
+                                         f"got {text!r}")
+    return x
 
 
 def _no_head_data(text: str):
@@ -574,7 +592,8 @@ def _run_accept_head(args, target, corpus_dir, out: Path, work: Path, tcfg) -> i
                             train_config=tcfg, prompts=args.prompts, heldout=args.eval_prompts,
                             prompt_len=args.prompt_len, new_tokens=args.eval_new_tokens, workdir=work,
                             batch_size=args.batch_size, batch_rows=args.label_batch_size,
-                            config_overrides=sets, seed=args.seed, inner=inner, inner_dir=args.inner_dir)
+                            config_overrides=sets, seed=args.seed, inner=inner, inner_dir=args.inner_dir,
+                            draft_cost=args.draft_cost, node_cost=args.node_cost)
     report = "; ".join(f"{t}: ECE {r['ece']:.3f}, BCE {r['bce']:.3f}" for t, r in run.report.items()
                        if isinstance(r, dict) and "ece" in r)
     using = f"--draft {args.draft}" if draft is not None else f"(over {inner})"
