@@ -1,12 +1,14 @@
 """The acceptance head against the best fixed draft length of the drafter it wraps, on the embedded target.
 
     python benchmarks/bench_accept_head.py [--prompts 8 --prompt-tokens 128 --new 128 --ks 1,2,3,4,5,6,7,8
-                                            --head-k 8 --thresholds 0.3,0.5,0.7,0.8,0.9 --temperatures 0,0.7
+                                            --source heldout|outside --head-k 8 --thresholds 0.3,0.5,0.7,0.8,0.9
+                                            --temperatures 0,0.7
                                             --head DIR [--inner-dir DIR] | [--inner KIND] [--target-proj P]
                                             --head-out DIR --train-prompts 64 --steps 400 --fixed-catch-up
                                             --processes N --json FILE]
 
-Batch 1, held-out prompts (stdlib files of the embedded corpus's held-out split). The inner drafter is
+Batch 1, held-out prompts: stdlib files of the embedded corpus's held-out split, or with --source outside
+Python source from outside the corpus (_common.outside_prompts). The inner drafter is
 the one the head was trained over (its config's `inner`: the embedded draft LM, or a trained kind such
 as eagle3 or retrieval, from --inner-dir or the target's shipped drafters). For each temperature: plain
 decoding (the baseline), the inner drafter's chain:K for every K in --ks (a drafter's own cut, such as
@@ -49,7 +51,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import add_param_dtype_arg, heldout_prompts, interleaved_medians, load_target_and_draft, write_result
+from _common import (add_param_dtype_arg, heldout_prompts, interleaved_medians, load_target_and_draft, outside_prompts,
+                     write_result)
 
 from jaxdecode.autoregressive import decode, pad_prompts
 from jaxdecode.drafters import DraftLM, load_drafter, make_drafter
@@ -99,6 +102,8 @@ def main(argv=None):
     ap.add_argument("--target", default=None)
     ap.add_argument("--draft", default=None)
     ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--source", choices=("heldout", "outside"), default="heldout",
+                    help="timed prompts from held-out stdlib files, or from Python source outside the corpus")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--ks", default="1,2,3,4,5,6,7,8")
@@ -130,8 +135,10 @@ def main(argv=None):
 
     _, target, draft = load_target_and_draft(args)
     eos = tuple(target.config.eos_token_ids or ())
-    prompts = heldout_prompts(target.tokenizer, args.prompts, args.prompt_tokens)
+    make_prompts = {"heldout": heldout_prompts, "outside": outside_prompts}[args.source]
+    prompts = make_prompts(target.tokenizer, args.prompts, args.prompt_tokens)
     result = {"machine": platform.platform(), "backend": jax.default_backend(), "prompts": len(prompts),
+              "source": args.source,
               "new": args.new, "rows": [], "head": {}}
 
     head_dir = args.head
