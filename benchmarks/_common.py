@@ -138,6 +138,27 @@ def outside_prompts(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> lis
     return _windows(texts, tokenizer, n, prompt_tokens, seed)
 
 
+
+# Where timed prompts come from: the two sources no shipped model or drafter trained on.
+PROMPT_SOURCES = {"heldout": heldout_prompts, "outside": outside_prompts}
+
+
+def source_names(text: str) -> list[str]:
+    """A comma list of prompt sources (--sources) checked against PROMPT_SOURCES: ValueError names the
+    unknown ones and the choices."""
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = sorted(set(names) - set(PROMPT_SOURCES))
+    if not names:
+        raise ValueError(f"no prompt source given ({text!r}); choose from {', '.join(PROMPT_SOURCES)}")
+    if unknown:
+        raise ValueError(f"unknown prompt source(s) {unknown}; choose from {', '.join(PROMPT_SOURCES)}")
+    return names
+
+
+def prompts_by_source(names: list[str], tokenizer, n: int, prompt_tokens: int) -> dict:
+    """{source: n prompts of prompt_tokens tokens} for each name of source_names."""
+    return {s: PROMPT_SOURCES[s](tokenizer, n, prompt_tokens) for s in names}
+
 def finish_args(args, presets: dict) -> None:
     """Unset arguments from `presets` (a script's QUICK or FULL sizes); `--cost-cache` becomes
     JAXDECODE_CACHE_DIR (where adaptive speculation keeps its measured cost tables)."""

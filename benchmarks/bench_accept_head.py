@@ -51,7 +51,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import (add_param_dtype_arg, heldout_prompts, interleaved_medians, load_target_and_draft, outside_prompts,
+from _common import (PROMPT_SOURCES, add_param_dtype_arg, heldout_prompts, interleaved_medians, load_target_and_draft,
                      write_result)
 
 from jaxdecode.autoregressive import decode, pad_prompts
@@ -102,7 +102,7 @@ def main(argv=None):
     ap.add_argument("--target", default=None)
     ap.add_argument("--draft", default=None)
     ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--source", choices=("heldout", "outside"), default="heldout",
+    ap.add_argument("--source", choices=tuple(PROMPT_SOURCES), default="heldout",
                     help="timed prompts from held-out stdlib files, or from Python source outside the corpus")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
@@ -135,8 +135,7 @@ def main(argv=None):
 
     _, target, draft = load_target_and_draft(args)
     eos = tuple(target.config.eos_token_ids or ())
-    make_prompts = {"heldout": heldout_prompts, "outside": outside_prompts}[args.source]
-    prompts = make_prompts(target.tokenizer, args.prompts, args.prompt_tokens)
+    prompts = PROMPT_SOURCES[args.source](target.tokenizer, args.prompts, args.prompt_tokens)
     result = {"machine": platform.platform(), "backend": jax.default_backend(), "prompts": len(prompts),
               "source": args.source,
               "new": args.new, "rows": [], "head": {}}

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from _common import (add_param_dtype_arg, finish_args, heldout_prompts, interleaved_times, outside_prompts,
+from _common import (add_param_dtype_arg, finish_args, interleaved_times, prompts_by_source, source_names,
                      write_result)
 
 import jaxdecode
@@ -198,16 +198,15 @@ def main(argv=None):
     if bad:
         ap.error(f"--prompts {args.prompts} must be a multiple of every batch size (not of {bad}), so every "
                  f"batch has the same shape and no timed call compiles")
-    make_prompts = {"heldout": heldout_prompts, "outside": outside_prompts}
-    unknown = set(args.sources.split(",")) - set(make_prompts)
-    if unknown:
-        ap.error(f"--sources: unknown {sorted(unknown)}; choose from {sorted(make_prompts)}")
+    try:
+        source_list = source_names(args.sources)
+    except ValueError as e:
+        ap.error(f"--sources: {e}")
 
     target_dir = Path(args.target or embedded_model_path("target"))
     target = jaxdecode.load(target_dir, dtype="float32", param_dtype=args.param_dtype)
     draft = jaxdecode.load(args.draft, dtype="float32", param_dtype=args.param_dtype) if args.draft else None
-    sources = {s: make_prompts[s](target.tokenizer, args.prompts, args.prompt_tokens)
-               for s in args.sources.split(",")}
+    sources = prompts_by_source(source_list, target.tokenizer, args.prompts, args.prompt_tokens)
     skipped: list[str] = []
     kinds = [k for k in args.drafter.split(",") if k]
     spec_rows = configs(target_dir, target, draft, kinds, args.drafter_tree, skipped)

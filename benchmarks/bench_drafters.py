@@ -22,8 +22,8 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from _common import (add_param_dtype_arg, drafts_with_lm, heldout_prompts, load_target_and_draft, median_seconds,
-                     outside_prompts, timed, write_result)
+from _common import (add_param_dtype_arg, drafts_with_lm, load_target_and_draft, median_seconds, prompts_by_source,
+                     source_names, timed, write_result)
 
 import jaxdecode
 from jaxdecode.autoregressive import decode, pad_prompts, prefill
@@ -112,13 +112,16 @@ def main(argv=None):
     if labels and set(labels) - set(known):
         ap.error(f"--labels: unknown {sorted(set(labels) - set(known))}; known: {known}")
 
+    try:
+        source_list = source_names(args.sources)
+    except ValueError as e:
+        ap.error(f"--sources: {e}")
+
     target_dir, target, draft = load_target_and_draft(args)
     second = (jaxdecode.load(args.second_draft, dtype="float32", param_dtype=args.param_dtype)
               if args.second_draft else None)
     cfg = target.config
-    make_prompts = {"heldout": heldout_prompts, "outside": outside_prompts}
-    sources = {s: make_prompts[s](target.tokenizer, args.prompts, args.prompt_tokens)
-               for s in args.sources.split(",")}
+    sources = prompts_by_source(source_list, target.tokenizer, args.prompts, args.prompt_tokens)
     only = set(args.only.split(",")) if args.only else None
     print(f"target {cfg.num_parameters() / 1e6:.1f} M; {args.prompts} prompts x {args.prompt_tokens} tokens "
           f"per source ({', '.join(sources)}), {args.new} new; jax {jax.__version__} on "

@@ -23,7 +23,7 @@ import sys
 
 import jax
 import numpy as np
-from _common import heldout_prompts, interleaved_medians, outside_prompts, write_result
+from _common import interleaved_medians, prompts_by_source, source_names, write_result
 
 import jaxdecode
 from jaxdecode import costmodel
@@ -64,12 +64,15 @@ def main(argv=None):
     unknown = sorted(set(only) - set(CONFIGS))
     if unknown or not only:
         ap.error(f"--only takes a comma list of {', '.join(CONFIGS)}; got {args.only!r}")
+    try:
+        source_list = source_names(args.sources)
+    except ValueError as e:
+        ap.error(f"--sources: {e}")
     if args.cost_cache:
         os.environ["JAXDECODE_CACHE_DIR"] = args.cost_cache
     target = jaxdecode.load()
     cfg = target.config
-    make = {"heldout": heldout_prompts, "outside": outside_prompts}
-    sources = {s: make[s](target.tokenizer, args.prompts, args.prompt_tokens) for s in args.sources.split(",")}
+    sources = prompts_by_source(source_list, target.tokenizer, args.prompts, args.prompt_tokens)
     print(f"target {cfg.num_parameters() / 1e6:.1f} M; {args.prompts} prompts x {args.prompt_tokens} tokens per "
           f"source, {args.new} new; {args.rounds} rounds; jax {jax.__version__} on {jax.devices()[0].platform}, "
           f"{os.cpu_count()} cores, {platform.machine()}", flush=True)
