@@ -138,7 +138,6 @@ def outside_prompts(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> lis
     return _windows(texts, tokenizer, n, prompt_tokens, seed)
 
 
-
 # Where timed prompts come from: the two sources no shipped model or drafter trained on.
 PROMPT_SOURCES = {"heldout": heldout_prompts, "outside": outside_prompts}
 
@@ -158,6 +157,7 @@ def source_names(text: str) -> list[str]:
 def prompts_by_source(names: list[str], tokenizer, n: int, prompt_tokens: int) -> dict:
     """{source: n prompts of prompt_tokens tokens} for each name of source_names."""
     return {s: PROMPT_SOURCES[s](tokenizer, n, prompt_tokens) for s in names}
+
 
 def finish_args(args, presets: dict) -> None:
     """Unset arguments from `presets` (a script's QUICK or FULL sizes); `--cost-cache` becomes

@@ -290,8 +290,14 @@ def ece(p, label, mask, bins: int = 10) -> float:
     return float(total / p.size)
 
 
-def speed_estimate(params, cfg: AcceptHeadConfig, data: dict, thresholds, *, draft_cost: float = 0.2,
-                   node_cost: float = 0.05) -> dict:
+# The unit costs the saved threshold is priced with, in target steps (speed_estimate): one draft level,
+# one verified node. `jaxdecode train accept-head --draft-cost / --node-cost` sets them per run.
+DRAFT_COST = 0.2
+NODE_COST = 0.05
+
+
+def speed_estimate(params, cfg: AcceptHeadConfig, data: dict, thresholds, *, draft_cost: float = DRAFT_COST,
+                   node_cost: float = NODE_COST) -> dict:
     """Offline tokens per unit of cost, from label runs of chain:K: for each threshold h, the head's cut
     length L per recorded step, and for each fixed length K' <= K, L = K'. A step commits
     min(accepted, L) + 1 tokens and costs 1 + (draft_cost + node_cost) * L target-step units (L draft
@@ -386,7 +392,7 @@ def train_accept_head(target, draft=None, corpus_dir=None, out_dir=None, *, trai
                       temperatures=(0.0, 0.7), train_prompts=None, heldout_prompts=None, prompts: int = 64,
                       heldout: int = 16, prompt_len: int = 32, new_tokens: int = 64, batch_rows: int = 8,
                       batch_size: int = 256, workdir=None, config_overrides: dict | None = None, seed: int = 0,
-                      draft_cost: float | None = None, node_cost: float = 0.05, inner: str = "draft_lm",
+                      draft_cost: float | None = None, node_cost: float | None = None, inner: str = "draft_lm",
                       inner_dir=None):
     """The whole recipe: label runs of the inner drafter's chain:k on the target (one per temperature:
     greedy verification at 0, the chain verifier on sampled chains above) over training prompts, the
@@ -396,7 +402,8 @@ def train_accept_head(target, draft=None, corpus_dir=None, out_dir=None, *, trai
     shipped one). target / draft: Models or directories. Prompts: lists of token ids, or (when None)
     `prompts` / `heldout` windows of corpus_dir's train / held-out splits.
     The saved config's threshold maximises `speed_estimate` (draft_cost: one draft forward / one target
-    step, default 0.2, 0 for a drafter of point masses; node_cost: per verified node) on the training
+    step, default DRAFT_COST, 0 for a drafter of point masses; node_cost: per verified node, default
+    NODE_COST) on the training
     runs; the report adds that estimate against the best fixed length on the held-out runs.
     Returns an AcceptHeadRun (head, held-out report, the label sets, the config saved)."""
     from jaxdecode.drafters import DraftLM, make_drafter
@@ -428,7 +435,8 @@ def train_accept_head(target, draft=None, corpus_dir=None, out_dir=None, *, trai
     point = probe.child_rule == "point"  # retrieval: point masses with confidence classes
     classes = drafter_classes(probe) if point else 0
     if draft_cost is None:  # a drafter of point masses looks its drafts up: no forward to pay for
-        draft_cost = 0.0 if point else 0.2
+        draft_cost = 0.0 if point else DRAFT_COST
+    node_cost = NODE_COST if node_cost is None else node_cost
     overrides = dict(config_overrides or {})
     if overrides.get("drafter_proj"):  # the width of the states the head reads is the inner drafter's
         if not hasattr(probe, "source_state_dim"):

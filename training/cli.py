@@ -5,6 +5,7 @@ The lead's `jaxdecode/cli.py` calls `add_train_parser(subparsers)` and dispatche
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -246,7 +247,8 @@ def add_accept_head_parser(sub) -> argparse.ArgumentParser:
     c.add_argument("--draft-cost", type=_unit_cost, default=None,
                    help="one draft level's cost in target steps (default 0.2; 0 over retrieval). On the 2-core "
                         "CPU of BENCHMARKS.md an EAGLE-3 level of the embedded target costs ~0.45")
-    c.add_argument("--node-cost", type=_unit_cost, default=0.05, help="one verified node's cost in target steps")
+    c.add_argument("--node-cost", type=_unit_cost, default=None,
+                   help="one verified node's cost in target steps (default 0.05)")
     _add_eval_group(p, "held-out windows labelled (BCE, ECE)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="a field of AcceptHeadConfig (inner: the drafter the head cuts, e.g. '\"eagle3\"'; "
@@ -295,7 +297,6 @@ def add_retrieval_parser(sub) -> argparse.ArgumentParser:
 
 def _temperatures(text: str, greedy: bool = False) -> tuple:
     """'0.7,1.0' -> (0.7, 1.0); '' -> (); each finite and > 0 (>= 0 with greedy: 0 is a greedy run)."""
-    import math
     try:
         temps = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
@@ -311,7 +312,6 @@ def _temperatures(text: str, greedy: bool = False) -> tuple:
 
 def _unit_cost(text: str) -> float:
     """--draft-cost / --node-cost: a finite cost >= 0 in target steps."""
-    import math
     try:
         x = float(text)
     except ValueError:
