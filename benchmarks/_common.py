@@ -143,14 +143,15 @@ PROMPT_SOURCES = {"heldout": heldout_prompts, "outside": outside_prompts}
 
 
 def source_names(text: str) -> list[str]:
-    """A comma list of prompt sources (--sources) checked against PROMPT_SOURCES: ValueError names the
-    unknown ones and the choices."""
+    """The argparse type of --sources: a comma list of prompt sources checked against PROMPT_SOURCES
+    (the parser's error names the unknown ones and the choices)."""
+    import argparse
     names = [s.strip() for s in text.split(",") if s.strip()]
     unknown = sorted(set(names) - set(PROMPT_SOURCES))
     if not names:
-        raise ValueError(f"no prompt source given ({text!r}); choose from {', '.join(PROMPT_SOURCES)}")
+        raise argparse.ArgumentTypeError(f"no prompt source given ({text!r}); choose from {', '.join(PROMPT_SOURCES)}")
     if unknown:
-        raise ValueError(f"unknown prompt source(s) {unknown}; choose from {', '.join(PROMPT_SOURCES)}")
+        raise argparse.ArgumentTypeError(f"unknown prompt source(s) {unknown}; choose from {', '.join(PROMPT_SOURCES)}")
     return names
 
 

@@ -179,7 +179,7 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=None, help=f"({FULL['max_new_tokens']})")
     ap.add_argument("--batch-sizes", default=None, help=f"({FULL['batch_sizes']})")
     ap.add_argument("--temperatures", default=None, help=f"({FULL['temperatures']})")
-    ap.add_argument("--sources", default="heldout", help="heldout and/or outside, comma separated")
+    ap.add_argument("--sources", type=source_names, default="heldout", help="heldout and/or outside, comma separated")
     ap.add_argument("--repeats", type=int, default=3,
                     help="timed rounds per batch, round robin over the rows (median; default 3)")
     add_param_dtype_arg(ap)
@@ -198,15 +198,11 @@ def main(argv=None):
     if bad:
         ap.error(f"--prompts {args.prompts} must be a multiple of every batch size (not of {bad}), so every "
                  f"batch has the same shape and no timed call compiles")
-    try:
-        source_list = source_names(args.sources)
-    except ValueError as e:
-        ap.error(f"--sources: {e}")
 
     target_dir = Path(args.target or embedded_model_path("target"))
     target = jaxdecode.load(target_dir, dtype="float32", param_dtype=args.param_dtype)
     draft = jaxdecode.load(args.draft, dtype="float32", param_dtype=args.param_dtype) if args.draft else None
-    sources = prompts_by_source(source_list, target.tokenizer, args.prompts, args.prompt_tokens)
+    sources = prompts_by_source(args.sources, target.tokenizer, args.prompts, args.prompt_tokens)
     skipped: list[str] = []
     kinds = [k for k in args.drafter.split(",") if k]
     spec_rows = configs(target_dir, target, draft, kinds, args.drafter_tree, skipped)

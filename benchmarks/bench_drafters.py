@@ -97,7 +97,7 @@ def main(argv=None):
     ap.add_argument("--new", type=int, default=96)
     ap.add_argument("--batch-sizes", default="1,4")
     ap.add_argument("--temperatures", default="0,0.7")
-    ap.add_argument("--sources", default="heldout,outside")
+    ap.add_argument("--sources", type=source_names, default="heldout,outside")
     ap.add_argument("--only", default=None, help="comma list of drafter names to run")
     ap.add_argument("--labels", default=None,
                     help="';'-separated configuration labels to run (as in the table, e.g. 'hydra chain:4;"
@@ -112,16 +112,12 @@ def main(argv=None):
     if labels and set(labels) - set(known):
         ap.error(f"--labels: unknown {sorted(set(labels) - set(known))}; known: {known}")
 
-    try:
-        source_list = source_names(args.sources)
-    except ValueError as e:
-        ap.error(f"--sources: {e}")
 
     target_dir, target, draft = load_target_and_draft(args)
     second = (jaxdecode.load(args.second_draft, dtype="float32", param_dtype=args.param_dtype)
               if args.second_draft else None)
     cfg = target.config
-    sources = prompts_by_source(source_list, target.tokenizer, args.prompts, args.prompt_tokens)
+    sources = prompts_by_source(args.sources, target.tokenizer, args.prompts, args.prompt_tokens)
     only = set(args.only.split(",")) if args.only else None
     print(f"target {cfg.num_parameters() / 1e6:.1f} M; {args.prompts} prompts x {args.prompt_tokens} tokens "
           f"per source ({', '.join(sources)}), {args.new} new; jax {jax.__version__} on "

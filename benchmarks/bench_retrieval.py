@@ -53,7 +53,7 @@ def main(argv=None):
     ap.add_argument("--new", type=int, default=96)
     ap.add_argument("--batch-sizes", default="1")
     ap.add_argument("--temperatures", default="0,0.7")
-    ap.add_argument("--sources", default="heldout,outside")
+    ap.add_argument("--sources", type=source_names, default="heldout,outside")
     ap.add_argument("--rounds", type=int, default=5, help="round-robin timing rounds (medians)")
     ap.add_argument("--cost-cache", default=None, help="where the adaptive rows' cost tables are cached")
     ap.add_argument("--only", default=",".join(CONFIGS),
@@ -64,15 +64,11 @@ def main(argv=None):
     unknown = sorted(set(only) - set(CONFIGS))
     if unknown or not only:
         ap.error(f"--only takes a comma list of {', '.join(CONFIGS)}; got {args.only!r}")
-    try:
-        source_list = source_names(args.sources)
-    except ValueError as e:
-        ap.error(f"--sources: {e}")
     if args.cost_cache:
         os.environ["JAXDECODE_CACHE_DIR"] = args.cost_cache
     target = jaxdecode.load()
     cfg = target.config
-    sources = prompts_by_source(source_list, target.tokenizer, args.prompts, args.prompt_tokens)
+    sources = prompts_by_source(args.sources, target.tokenizer, args.prompts, args.prompt_tokens)
     print(f"target {cfg.num_parameters() / 1e6:.1f} M; {args.prompts} prompts x {args.prompt_tokens} tokens per "
           f"source, {args.new} new; {args.rounds} rounds; jax {jax.__version__} on {jax.devices()[0].platform}, "
           f"{os.cpu_count()} cores, {platform.machine()}", flush=True)

@@ -403,8 +403,8 @@ def train_accept_head(target, draft=None, corpus_dir=None, out_dir=None, *, trai
     `prompts` / `heldout` windows of corpus_dir's train / held-out splits.
     The saved config's threshold maximises `speed_estimate` (draft_cost: one draft forward / one target
     step, default DRAFT_COST, 0 for a drafter of point masses; node_cost: per verified node, default
-    NODE_COST) on the training
-    runs; the report adds that estimate against the best fixed length on the held-out runs.
+    NODE_COST) on the training runs; the report adds that estimate against the best fixed length on the
+    held-out runs.
     Returns an AcceptHeadRun (head, held-out report, the label sets, the config saved)."""
     from jaxdecode.drafters import DraftLM, make_drafter
     from jaxdecode.drafters.trained import save_drafter
