@@ -107,6 +107,23 @@ match) counts as empty: the plan judges a recorded shape at the best class and w
 next step, only to keep nothing. A plain stretch between probes runs as one lean run (`plain_run_length`
 finds the step at which the plan would draft), not as an engine step per token.
 
+First looks. A drafter with no measured acceptance starts every key at the flat guess `prior` (0.6),
+and where a drafting step is dear next to a plain one (a small model, where the engine's fixed costs
+weigh) no width may pay at 0.6: the plan never drafts, no key is ever tried, and the estimates only
+drift, too slowly to matter. A user's tiny model with prompt lookup, whose output repeated itself (the
+fixed chain verified 8 of 8 drafts every step, 1.9x plain greedy), decoded all 128 tokens plainly. So
+a key that started at the guess and was never tried (`never_tried`) is judged on a row's shape probe
+as if always accepted: the plan drafts the full shape and `truncate` keeps it. That verdict then
+weighs against the guess as one observation against another (weight 1 / (1 + decay), not 1 - decay):
+an always-right chain moves 0.6 -> 0.82 at every depth and pays from then on; a wrong one falls to
+0.27. A row looks only while a look that finds nothing (its draft, and the widest step in place of a
+plain one) costs at most `probe_cost` (2%) of its plain steps to go (EAGLE-3 sampled at T = 0.7 on
+the CPU, 128 new tokens, lost 2% to a look at 5%: a draft level costs half a plain step there), and
+only when decoding one row: a batch drafts when its slowest row pays, so a look pays only if every
+row is right (the embedded target with prompt lookup lost 3-6% at batch 4 and 16 to looks that did
+not). Measured priors (by depth or by class) and later siblings have nothing to look at.
+`first_look=False` turns it off.
+
 Batch spread. A row's tokens per step are random (K accepted nodes, then the bonus), so at a given
 width its steps to go are r / E_b, give or take sqrt(r Var K / E_b^3), and the batch waits for the
 row that was unluckiest: E[max_b steps_b] exceeds max_b E[steps_b] by about the spread times the
@@ -231,6 +248,11 @@ class AdaptivePolicy:
     # A later sibling's (rank >= 1) start, P(accepted | parent accepted, earlier siblings missed): the
     # priors (flat, or a drafter's measured acceptance by depth) are a first child's. See "Later siblings".
     sibling_share: float = 1.0 / 3.0
+    # Keys started at the flat `prior` (no measured one) that were never tried are judged on a shape probe
+    # as if always accepted, and their first observation there outweighs the guess; a row decoded alone
+    # looks only while a look that finds nothing costs at most `probe_cost` of its plain steps to go.
+    # See "First looks".
+    first_look: bool = True
     # A batch's steps are its slowest row's, and rows accept at random: > 0 prices E[max over rows] as
     # each row's mean steps plus this many times its spread times E[max of n normals] (n: the rows
     # contesting the maximum). 0 (default): the max of the means. See "Batch spread".
@@ -247,6 +269,8 @@ class AdaptivePolicy:
         if self.probe_first > self.probe_every:
             raise ValueError(f"AdaptivePolicy.probe_first ({self.probe_first}) must not exceed probe_every "
                              f"({self.probe_every}): the first wait is the shortest")
+        if not isinstance(self.first_look, bool):
+            raise ValueError(f"AdaptivePolicy.first_look must be a bool, got {self.first_look!r}")
         if isinstance(self.batch_spread, bool) or not (isinstance(self.batch_spread, (int, float))
                                                        and 0.0 <= self.batch_spread < np.inf):
             raise ValueError(f"AdaptivePolicy.batch_spread must be a finite number >= 0, got {self.batch_spread!r}")
@@ -353,6 +377,8 @@ class PolicyState:
     streak: jax.Array  # int32[]: drafting steps since the batch's last plain step (see "Returns to drafting")
     payoff: jax.Array  # f32[]: running mean of the plain steps each return to drafting saved (< 0: lost)
     explore_scale: jax.Array  # f32[]: the fraction of `explore` the estimates drift at, from `payoff`
+    never_tried: jax.Array  # bool[B, K]: a key started at the flat guess and never tried (see "First looks")
+    looking: jax.Array  # bool[B]: the row's step verifies a first look (set by `truncate`, read by `update`)
     # 0: keys are node indices (a fixed structure); R > 0: key = (depth - 1) * R + min(sibling rank, R - 1).
     ranks: int = dataclasses.field(default=0, metadata=dict(static=True))
     depth: int = dataclasses.field(default=1, metadata=dict(static=True))  # the drafter's max_depth
@@ -399,6 +425,8 @@ def init_state(policy: AdaptivePolicy, batch: int, max_depth: int, num_nodes: in
             start = table[jnp.minimum(jnp.arange(policy.classes), len(table) - 1)]
         key_rank = jnp.zeros(policy.classes, jnp.int32)
     weight = jnp.where(key_rank > 0, _steady_weight(policy), max(float(policy.prior_weight), _steady_weight(policy)))
+    guessed = not (policy.prior_by_class if policy.classes else policy.prior_by_depth)  # the start is `prior`
+    never_tried = (key_rank == 0) & (policy.first_look and guessed)
     return PolicyState(accept=jnp.broadcast_to(start, (batch, len(above))),
                        weight=jnp.broadcast_to(weight.astype(jnp.float32), (batch, len(above))),
                        above=jnp.asarray(above, jnp.int32),
@@ -409,6 +437,8 @@ def init_state(policy: AdaptivePolicy, batch: int, max_depth: int, num_nodes: in
                        full_parents=jnp.asarray(parents, jnp.int32), full_shaped=jnp.asarray(shaped),
                        hold=jnp.int32(0), backoff=jnp.int32(1), streak=jnp.int32(0), payoff=jnp.float32(0.0),
                        explore_scale=jnp.float32(1.0),
+                       never_tried=jnp.broadcast_to(never_tried, (batch, len(above))),
+                       looking=jnp.zeros((batch,), bool),
                        ranks=ranks, depth=max_depth, classes=policy.classes)
 
 
@@ -565,14 +595,29 @@ def probe_period(policy: AdaptivePolicy, costs):
     return jnp.maximum(need, policy.probe_every).astype(jnp.int32)
 
 
-def _with_probe(policy: AdaptivePolicy, state: PolicyState, costs) -> PolicyState:
+def _with_probe(policy: AdaptivePolicy, state: PolicyState, costs, remaining) -> PolicyState:
     """The state whose shape the plan judges: rows due a probe (see AdaptivePolicy.probe_every) take
-    the drafter's full shape in place of their last proposal's."""
+    the drafter's full shape in place of their last proposal's, and a first look where one is due."""
     if policy.shape != "proposal":  # the shape is the fixed structure, or all or nothing: nothing to probe
         return state
     due = (state.stale >= state.wait)[:, None]
-    return dataclasses.replace(state, parents=jnp.where(due, state.full_parents[None], state.parents),
-                               shaped=jnp.where(due, state.full_shaped[None], state.shaped))
+    state = dataclasses.replace(state, parents=jnp.where(due, state.full_parents[None], state.parents),
+                                shaped=jnp.where(due, state.full_shaped[None], state.shaped))
+    return _looking(policy, state, costs, remaining, due[:, 0])[0]
+
+
+def _looking(policy: AdaptivePolicy, state: PolicyState, costs, remaining, due):
+    """(the state as a shape probe judges it, bool[B]: the rows that take a first look). due: bool[B],
+    rows due a probe: their never-tried keys are judged as if always accepted where the row can afford
+    a first look (see "First looks")."""
+    if remaining.shape[0] > 1:  # a batch drafts when its slowest row pays: a look pays if every row is right
+        return state, jnp.zeros_like(due)
+    w = len(policy.widths)
+    # A look that finds nothing costs its draft and the widest step in place of a plain one.
+    spent = costs[w] + jnp.maximum(costs[w - 1] - costs[0], 0.0)
+    affordable = spent <= policy.probe_cost * _plain_seconds(policy, costs) * remaining
+    look = (due & affordable)[:, None] & state.never_tried
+    return dataclasses.replace(state, accept=jnp.where(look, 1.0, state.accept)), jnp.any(look, axis=1)
 
 
 def draft_plan(policy: AdaptivePolicy, state: PolicyState, costs, remaining):
@@ -581,7 +626,7 @@ def draft_plan(policy: AdaptivePolicy, state: PolicyState, costs, remaining):
     probe); the second is what a `level_capped` drafter is told to draft at most
     (DraftContext.max_nodes). remaining: int32[B], tokens each row still has to go (0: done)."""
     held = state.hold > 0
-    state = _with_probe(policy, state, costs)
+    state = _with_probe(policy, state, costs, remaining)
     state = _as_next(state)
     values = _node_values(policy, state, state.parents, state.shaped)
     best, count = _best_width(policy, *values, costs, remaining, drafted=False)
@@ -714,8 +759,10 @@ def truncate(policy: AdaptivePolicy, state: PolicyState, costs, tree: Tree, rema
     # its last shape's worth); "structure", the fixed structure (validity may follow sampled tokens);
     # "none", the previous proposal (the shape follows this step's sampled tokens).
     if policy.shape == "proposal":
-        judged = dataclasses.replace(new, shaped=new.shaped & has)
+        judged, looking = _looking(policy, dataclasses.replace(new, shaped=new.shaped & has), costs, remaining,
+                                   state.stale >= state.wait)
         new = _schedule_probes(policy, state, new, costs, remaining, ~has[:, 0])
+        new = dataclasses.replace(new, looking=looking)
     else:
         judged = new if policy.shape == "structure" else state
     reach, order, eligible, depth = _node_values(policy, judged, judged.parents, judged.shaped)
@@ -801,6 +848,9 @@ def update(policy: AdaptivePolicy, state: PolicyState, tree: Tree, path, committ
     heavy = n > _steady_weight(policy)
     w = 1.0 / (policy.decay * n + 1.0)
     seen = jnp.where(heavy, (1.0 - w) * a + w * x, policy.decay * a + (1.0 - policy.decay) * x)
+    # A first look's verdict on a key weighs against the flat guess as one observation against another.
+    first = state.looking[:, None] & state.never_tried & tried_k
+    seen = jnp.where(first, a + (x - a) / (policy.decay + 1.0), seen)
     new = jnp.where(tried_k, seen, _drifted(state, policy.explore * state.explore_scale))
     n_new = jnp.where(tried_k & heavy, jnp.maximum(policy.decay * n + 1.0, _steady_weight(policy)), n)
     if costs is not None:
@@ -808,7 +858,8 @@ def update(policy: AdaptivePolicy, state: PolicyState, tree: Tree, path, committ
     drafted = jnp.any(tree.valid & active[:, None])
     state = dataclasses.replace(state, streak=jnp.where(drafted, state.streak + 1, 0).astype(jnp.int32))
     return dataclasses.replace(state, accept=jnp.where(active[:, None], new, a),
-                               weight=jnp.where(active[:, None], n_new, n),
+                               weight=jnp.where(active[:, None], n_new, n), never_tried=state.never_tried & ~tried_k,
+                               looking=jnp.zeros_like(state.looking),
                                stale=state.stale + active.astype(jnp.int32), hold=jnp.maximum(state.hold - 1, 0))
 
 

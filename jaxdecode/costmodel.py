@@ -776,12 +776,13 @@ def _forced_steps(config, params, drafter, prompt, lengths, widths, sampler, ver
     # is part of the step; timed without it, the retrieval default's 1-node step at batch 4, T = 0.7
     # was priced at 1.23 plain tokens, with it 1.33, and the policy drafted at 0.91x plain decoding,
     # now 0.98x: BENCHMARKS.md, "the policy's own bookkeeping priced"), with estimates fixed at 1
-    # (decay 1, no drift, no reach limit): every kept node stays verifiable. A lean plain run of `grow`
-    # steps per trip, the room each trip has: the policy prices a plain token at what a run of them
-    # costs, not one run's overhead (the probe-time check of adaptive.plain_run_length) per token.
+    # (decay 1, no drift, no reach limit, no first look): every kept node stays verifiable. A lean
+    # plain run of `grow` steps per trip, the room each trip has: the policy prices a plain token at what
+    # a run of them costs, not one run's overhead (the probe-time check of adaptive.plain_run_length)
+    # per token.
     policy = policy_for(drafter, sampler or SamplerConfig(temperature=0.0), widths=widths, decay=1.0, prior=1.0,
                         explore=0.0, min_reach=0.0, margin=0.0, shape="proposal", plain_run=grow,
-                        prior_by_depth=(), prior_by_class=(), prior_weight=0.0)
+                        prior_by_depth=(), prior_by_class=(), prior_weight=0.0, first_look=False)
     static = dict(verifier=_verifier(drafter, sampler, verifier), sampler=sampler, max_new_tokens=max_new,
                   eos_ids=(), cache_len=cache_len, hist_cap=context_len + max_new + grow + 1,
                   attn_impl=attn_impl, verify_widths=widths, mesh=mesh, policy=policy)

@@ -216,8 +216,9 @@ def test_lean_plain_runs_probe_when_step_by_step_would(models, shift):
 
 def test_drift_compounds_and_the_plain_run_ends_at_the_next_probe():
     """`drift` over k steps equals k single-step drifts for depth-1 keys (toward 1), and
-    `plain_run_length` is the first step at which `should_draft` would say yes."""
-    policy = adaptive.AdaptivePolicy(widths=(0, 1), prior=0.2, explore=0.05, margin=0.0)
+    `plain_run_length` is the first step at which `should_draft` would say yes (first looks off: the
+    drift alone; with them the run ends at the first probe instead)."""
+    policy = adaptive.AdaptivePolicy(widths=(0, 1), prior=0.2, explore=0.05, margin=0.0, first_look=False)
     state = adaptive.init_state(policy, 2, 1, 1, np.array([-1], np.int32))
     steps = jnp.array([3, 0], jnp.int32)
     once = state
@@ -243,6 +244,10 @@ def test_drift_compounds_and_the_plain_run_ends_at_the_next_probe():
         assert run(costs, jnp.int32(0), max_run=32) == 0  # no run
     with pytest.raises(ValueError, match="exceeds max_run"):
         adaptive.plain_run_length(policy, state, costs, remaining, 40, max_run=32, vectorized=True)
+    looks = dataclasses.replace(policy, first_look=True)  # decoding one row, it looks at the first probe
+    looking = adaptive.init_state(looks, 1, 1, 1, np.array([-1], np.int32))
+    for vectorized in (False, True):  # a first look at the probe (probe_first 8) beats the drift's 10
+        assert int(adaptive.plain_run_length(looks, looking, costs, remaining[:1], 32, vectorized=vectorized)) == 8
 
 
 def test_a_short_proposal_does_not_stop_a_row_for_good():
@@ -464,16 +469,45 @@ def test_always_right_drafts_grow_to_the_maximum(models):
 
 
 def test_a_declared_acceptance_prior_gets_a_good_drafter_tried(models):
-    """A draft so costly that, at the flat prior (0.6 per level), a chain of 4 is not worth trying:
-    the policy never drafts and never learns the drafter is always right. Declaring the drafter's
-    measured acceptance (`acceptance_prior`, as trained drafters do) makes it draft from the first
-    step; greedy output stays exact either way (_oracle_stats)."""
+    """A draft so costly that, at the flat prior (0.6 per level), a chain of 4 is not worth trying.
+    Without first looks the policy never drafts and never learns the drafter is always right (the
+    control). Declaring the drafter's measured acceptance (`acceptance_prior`, as trained drafters do)
+    makes it draft from the first step; greedy output stays exact either way (_oracle_stats)."""
     n, costly = 40, Costs(per_node=0.05, draft=1.0)
-    flat = _oracle_stats(models, PROMPTS_4[:1], n, shift=0, costs=costly)
-    assert int(flat["speculative_steps"][0]) <= int(flat["verify_calls"][0]) // 4, flat["width_hist"]
+    blind = _oracle_stats(models, PROMPTS_4[:1], n, shift=0, costs=costly, first_look=False)
+    assert int(blind["speculative_steps"][0]) <= int(blind["verify_calls"][0]) // 4, blind["width_hist"]
     told = _oracle_stats(models, PROMPTS_4[:1], n, shift=0, costs=costly, prior=(0.95, 0.95, 0.95, 0.95))
     assert int(told["speculative_steps"][0]) == int(told["verify_calls"][0]), told["width_hist"]
     assert told["tau"][0] > 4.0, told["tau"]
+
+
+def test_a_first_look_tries_a_drafter_the_flat_guess_prices_out(models):
+    """The same costly draft with no declared prior, decoding one row: the row's first shape probe
+    (after probe_first plain steps) judges its never-tried keys as if always accepted, verifies the
+    whole chain, and that verdict outweighs the guess, so an always-right drafter drafts every step
+    after it. An always-wrong one costs that one look and stops (adaptive, "First looks"). Greedy
+    output stays exact. A look costs its draft and a widest step in place of a plain one (1.0 + 0.2
+    plain steps here): a 5% probe budget of the 32 tokens left at the probe holds it, the default 2%
+    does not."""
+    n, costly = 40, Costs(per_node=0.05, draft=1.0)
+    right = _oracle_stats(models, PROMPTS_4[:1], n, shift=0, costs=costly, probe_cost=0.05)
+    plain, full = int(right["width_hist"][0]), int(right["width_hist"][-1])
+    # Every drafting step verifies the whole chain and commits 5 tokens.
+    assert full == int(right["speculative_steps"][0]) and plain + 5 * full >= n, right["width_hist"]
+    assert plain <= adaptive.AdaptivePolicy(widths=(0, 4)).probe_first + 2, right["width_hist"]
+    wrong = _oracle_stats(models, PROMPTS_4[:1], n, shift=1, costs=costly, probe_cost=0.05)
+    assert int(wrong["speculative_steps"][0]) <= 2, wrong["width_hist"]
+    dear = _oracle_stats(models, PROMPTS_4[:1], n, shift=0, costs=costly)
+    assert int(dear["speculative_steps"][0]) <= int(dear["verify_calls"][0]) // 4, dear["width_hist"]
+    # A batch drafts only when its slowest row pays, so a look pays only if every row is right: rows of
+    # a batch do not look.
+    batch = _oracle_stats(models, PROMPTS_4[:2], n, shift=0, costs=costly, probe_cost=0.05)
+    assert np.all(batch["speculative_steps"] <= batch["verify_calls"] // 4), batch["width_hist"]
+    # Only keys started at the flat guess get a first look: a measured start has none to look at.
+    policy = adaptive.AdaptivePolicy(widths=(0, 1, 2), prior_by_depth=(0.9,))
+    assert not np.any(np.asarray(adaptive.init_state(policy, 2, 2, 2, is_chain=True).never_tried))
+    guessed = adaptive.init_state(dataclasses.replace(policy, prior_by_depth=()), 2, 2, 2, is_chain=True)
+    assert np.all(np.asarray(guessed.never_tried))
 
 
 def test_later_siblings_are_judged_given_the_earlier_ones_missed():
@@ -662,6 +696,8 @@ def test_bad_adaptive_arguments(models):
                            adaptive=adaptive.AdaptivePolicy(widths=(0, 1, 2)))
     with pytest.raises(ValueError, match="starting at 0"):
         adaptive.AdaptivePolicy(widths=(1, 4))
+    with pytest.raises(ValueError, match="first_look must be a bool"):
+        adaptive.AdaptivePolicy(widths=(0, 4), first_look=1)
     with pytest.raises(ValueError, match="unusable seconds"):
         adaptive.cost_vector(adaptive.AdaptivePolicy(widths=(0, 4)), Costs(draft=float("nan")))
 
