@@ -906,5 +906,7 @@ def drift(policy: AdaptivePolicy, state: PolicyState, steps):
     step by step)."""
     rate = 1.0 - (1.0 - policy.explore * state.explore_scale) ** steps.astype(jnp.float32)[:, None]
     state = dataclasses.replace(state, streak=jnp.where(jnp.any(steps > 0), 0, state.streak).astype(jnp.int32))
+    # A look whose step kept nothing (the lean run follows it, not `update`) is over.
     return dataclasses.replace(state, accept=_drifted(state, rate), stale=state.stale + steps.astype(jnp.int32),
-                               hold=jnp.maximum(state.hold - jnp.max(steps), 0).astype(jnp.int32))
+                               hold=jnp.maximum(state.hold - jnp.max(steps), 0).astype(jnp.int32),
+                               looking=jnp.zeros_like(state.looking))

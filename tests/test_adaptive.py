@@ -503,6 +503,10 @@ def test_a_first_look_tries_a_drafter_the_flat_guess_prices_out(models):
     # a batch do not look.
     batch = _oracle_stats(models, PROMPTS_4[:2], n, shift=0, costs=costly, probe_cost=0.05)
     assert np.all(batch["speculative_steps"] <= batch["verify_calls"] // 4), batch["width_hist"]
+    # A look whose step kept nothing is over once the plain steps after it drift the estimates.
+    one = adaptive.AdaptivePolicy(widths=(0, 1))
+    looked = dataclasses.replace(adaptive.init_state(one, 1, 1, 1, is_chain=True), looking=jnp.ones((1,), bool))
+    assert not bool(adaptive.drift(one, looked, jnp.zeros((1,), jnp.int32)).looking[0])
     # Only keys started at the flat guess get a first look: a measured start has none to look at.
     policy = adaptive.AdaptivePolicy(widths=(0, 1, 2), prior_by_depth=(0.9,))
     assert not np.any(np.asarray(adaptive.init_state(policy, 2, 2, 2, is_chain=True).never_tried))
