@@ -4,6 +4,7 @@ Scripts import it as `from _common import ...` (Python puts a script's own folde
 """
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -145,7 +146,6 @@ PROMPT_SOURCES = {"heldout": heldout_prompts, "outside": outside_prompts}
 def source_names(text: str) -> list[str]:
     """The argparse type of --sources: a comma list of prompt sources checked against PROMPT_SOURCES
     (the parser's error names the unknown ones and the choices)."""
-    import argparse
     names = [s.strip() for s in text.split(",") if s.strip()]
     unknown = sorted(set(names) - set(PROMPT_SOURCES))
     if not names:

@@ -112,7 +112,6 @@ def main(argv=None):
     if labels and set(labels) - set(known):
         ap.error(f"--labels: unknown {sorted(set(labels) - set(known))}; known: {known}")
 
-
     target_dir, target, draft = load_target_and_draft(args)
     second = (jaxdecode.load(args.second_draft, dtype="float32", param_dtype=args.param_dtype)
               if args.second_draft else None)
