@@ -113,15 +113,20 @@ weigh) no width may pay at 0.6: the plan never drafts, no key is ever tried, and
 drift, too slowly to matter. A user's tiny model with prompt lookup, whose output repeated itself (the
 fixed chain verified 8 of 8 drafts every step, 1.9x plain greedy), decoded all 128 tokens plainly. So
 a key that started at the guess and was never tried (`never_tried`) is judged on a row's shape probe
-as if always accepted: the plan drafts the full shape and `truncate` keeps it. That verdict then
-weighs against the guess as one observation against another (weight 1 / (1 + decay), not 1 - decay):
-an always-right chain moves 0.6 -> 0.82 at every depth and pays from then on; a wrong one falls to
-0.27. A row looks only while a look that finds nothing (its draft, and the widest step in place of a
-plain one) costs at most `probe_cost` (2%) of its plain steps to go (EAGLE-3 sampled at T = 0.7 on
-the CPU, 128 new tokens, lost 2% to a look at 5%: a draft level costs half a plain step there), and
-only when decoding one row: a batch drafts when its slowest row pays, so a look pays only if every
-row is right (the embedded target with prompt lookup lost 3-6% at batch 4 and 16 to looks that did
-not). Measured priors (by depth or by class) and later siblings have nothing to look at.
+as if always accepted: the plan drafts the shape and `truncate` keeps it. The verdict then weighs
+against the guess as one observation against another (weight 1 / (1 + decay), not 1 - decay): an
+always-right chain moves 0.6 -> 0.82 at every depth and pays from then on; a wrong one falls to 0.27.
+A look that finds nothing costs its draft and a step at its width in place of a plain one, and a row
+looks only as deep as that costs at most `probe_cost` (2%) of its plain steps to go; keys below that
+depth are judged never accepted on the look (EAGLE-3 sampled at T = 0.7 on the CPU, 128 new tokens,
+lost 2% to whole-chain looks at 5%: a draft level costs half a plain step there). A batch drafts when
+its slowest row pays, so the rows that have never-tried keys look together, on one step, or not at all
+(looks row by row cost the embedded target with prompt lookup 3-6% at batch 4 and 16). And there one
+row's miss would hold every row plain (some row always misses at batch 16; a tiny model's batch of 2
+decoded plainly after one unlucky row), so in a batch a miss leaves the row's guess as it was and a
+row looks once. Decoding one row, later looks at deeper keys (a short match leaves them untried) are
+worth their cost: prompt lookup on the embedded target's greedy text from outside its corpus ran 10%
+faster with them. Measured priors (by depth or by class) and later siblings have nothing to look at.
 `first_look=False` turns it off.
 
 Batch spread. A row's tokens per step are random (K accepted nodes, then the bonus), so at a given
@@ -249,9 +254,9 @@ class AdaptivePolicy:
     # priors (flat, or a drafter's measured acceptance by depth) are a first child's. See "Later siblings".
     sibling_share: float = 1.0 / 3.0
     # Keys started at the flat `prior` (no measured one) that were never tried are judged on a shape probe
-    # as if always accepted, and their first observation there outweighs the guess; a row decoded alone
-    # looks only while a look that finds nothing costs at most `probe_cost` of its plain steps to go.
-    # See "First looks".
+    # as if always accepted, to the depth at which a look that finds nothing costs at most `probe_cost`
+    # of the row's plain steps to go; the verdict there outweighs the guess. A batch's rows look together,
+    # once, and a miss there leaves the guess. See "First looks".
     first_look: bool = True
     # A batch's steps are its slowest row's, and rows accept at random: > 0 prices E[max over rows] as
     # each row's mean steps plus this many times its spread times E[max of n normals] (n: the rows
@@ -608,16 +613,33 @@ def _with_probe(policy: AdaptivePolicy, state: PolicyState, costs, remaining) ->
 
 def _looking(policy: AdaptivePolicy, state: PolicyState, costs, remaining, due):
     """(the state as a shape probe judges it, bool[B]: the rows that take a first look). due: bool[B],
-    rows due a probe: their never-tried keys are judged as if always accepted where the row can afford
-    a first look (see "First looks")."""
-    if remaining.shape[0] > 1:  # a batch drafts when its slowest row pays: a look pays if every row is right
-        return state, jnp.zeros_like(due)
+    rows due a probe: their never-tried keys are judged as if always accepted, to the depth the row can
+    afford, and the keys below it as never accepted (see "First looks")."""
     w = len(policy.widths)
-    # A look that finds nothing costs its draft and the widest step in place of a plain one.
-    spent = costs[w] + jnp.maximum(costs[w - 1] - costs[0], 0.0)
-    affordable = spent <= policy.probe_cost * _plain_seconds(policy, costs) * remaining
-    look = (due & affordable)[:, None] & state.never_tried
-    return dataclasses.replace(state, accept=jnp.where(look, 1.0, state.accept)), jnp.any(look, axis=1)
+    # A look that finds nothing costs its draft and a step at its width in place of a plain one.
+    spent = costs[w] + jnp.maximum(costs[:w] - costs[0], 0.0)  # [W]
+    budget = policy.probe_cost * _plain_seconds(policy, costs) * remaining  # [B]
+    node_depth = depths(state.full_parents)  # [N], of the drafter's full shape
+    levels = jnp.arange(1, state.depth + 1)
+    to_depth = jnp.sum(state.full_shaped[None, :] & (node_depth[None, :] <= levels[:, None]), axis=1)  # [D]
+    width_at = jnp.minimum(jnp.searchsorted(jnp.asarray(policy.widths), to_depth), w - 1)
+    cost_at = spent[width_at]  # [D]: a look to depth d at the width holding it (costs rise with width)
+    depth = jnp.sum(cost_at[None, :] <= budget[:, None], axis=1)  # [B]: the deepest affordable look
+    if state.classes:  # a class's nodes lie at any depth: only the whole shape can be looked at
+        key_depth = jnp.full(state.accept.shape[1:], state.depth)
+    elif state.ranks:
+        key_depth = jnp.arange(state.accept.shape[1]) // state.ranks + 1
+    else:  # keys are the static shape's nodes
+        key_depth = node_depth
+    within = key_depth[None, :] <= depth[:, None]  # [B, K]
+    wants = due & jnp.any(state.never_tried & within, axis=1)
+    # A batch drafts when its slowest row pays, so the rows that have never-tried keys look together or
+    # not at all (a lone row's look is outvoted by the others' plain plans, and looks in turn cost the
+    # embedded target with prompt lookup 3-6% at batch 4 and 16).
+    together = jnp.all(wants | (remaining <= 0) | ~jnp.any(state.never_tried, axis=1))
+    look = wants & together
+    judged = jnp.where(within, jnp.where(state.never_tried, 1.0, state.accept), 0.0)
+    return dataclasses.replace(state, accept=jnp.where(look[:, None], judged, state.accept)), look
 
 
 def draft_plan(policy: AdaptivePolicy, state: PolicyState, costs, remaining):
@@ -849,8 +871,14 @@ def update(policy: AdaptivePolicy, state: PolicyState, tree: Tree, path, committ
     w = 1.0 / (policy.decay * n + 1.0)
     seen = jnp.where(heavy, (1.0 - w) * a + w * x, policy.decay * a + (1.0 - policy.decay) * x)
     # A first look's verdict on a key weighs against the flat guess as one observation against another.
+    # In a batch a miss leaves the guess and a row looks once ("First looks": one row's unlucky miss
+    # would hold the whole batch plain).
     first = state.looking[:, None] & state.never_tried & tried_k
-    seen = jnp.where(first, a + (x - a) / (policy.decay + 1.0), seen)
+    verdict = x if b == 1 else jnp.maximum(x, a)
+    seen = jnp.where(first, a + (verdict - a) / (policy.decay + 1.0), seen)
+    never_tried = state.never_tried & ~tried_k
+    if b > 1:  # even a row whose proposal was empty at the look: looks for it alone would cost the batch
+        never_tried = never_tried & ~state.looking[:, None]
     new = jnp.where(tried_k, seen, _drifted(state, policy.explore * state.explore_scale))
     n_new = jnp.where(tried_k & heavy, jnp.maximum(policy.decay * n + 1.0, _steady_weight(policy)), n)
     if costs is not None:
@@ -858,7 +886,7 @@ def update(policy: AdaptivePolicy, state: PolicyState, tree: Tree, path, committ
     drafted = jnp.any(tree.valid & active[:, None])
     state = dataclasses.replace(state, streak=jnp.where(drafted, state.streak + 1, 0).astype(jnp.int32))
     return dataclasses.replace(state, accept=jnp.where(active[:, None], new, a),
-                               weight=jnp.where(active[:, None], n_new, n), never_tried=state.never_tried & ~tried_k,
+                               weight=jnp.where(active[:, None], n_new, n), never_tried=never_tried,
                                looking=jnp.zeros_like(state.looking),
                                stale=state.stale + active.astype(jnp.int32), hold=jnp.maximum(state.hold - 1, 0))
 

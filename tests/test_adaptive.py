@@ -482,27 +482,58 @@ def test_a_declared_acceptance_prior_gets_a_good_drafter_tried(models):
 
 
 def test_a_first_look_tries_a_drafter_the_flat_guess_prices_out(models):
-    """The same costly draft with no declared prior, decoding one row: the row's first shape probe
-    (after probe_first plain steps) judges its never-tried keys as if always accepted, verifies the
-    whole chain, and that verdict outweighs the guess, so an always-right drafter drafts every step
-    after it. An always-wrong one costs that one look and stops (adaptive, "First looks"). Greedy
-    output stays exact. A look costs its draft and a widest step in place of a plain one (1.0 + 0.2
-    plain steps here): a 5% probe budget of the 32 tokens left at the probe holds it, the default 2%
+    """The same costly draft with no declared prior: a row's first shape probe (after probe_first plain
+    steps) judges its never-tried keys as if always accepted, verifies the chain, and a hit outweighs
+    the guess, so an always-right drafter drafts every step after it; an always-wrong one costs that
+    look and stops (adaptive, "First looks"). A batch's rows look together. Greedy output stays exact.
+    A look costs its draft and a step at its width in place of a plain one (1.0 + 0.2 plain steps for
+    the whole chain here): a 5% probe budget of the 32 tokens left at the probe holds it, the default 2%
     does not."""
     n, costly = 40, Costs(per_node=0.05, draft=1.0)
-    right = _oracle_stats(models, PROMPTS_4[:1], n, shift=0, costs=costly, probe_cost=0.05)
-    plain, full = int(right["width_hist"][0]), int(right["width_hist"][-1])
-    # Every drafting step verifies the whole chain and commits 5 tokens.
-    assert full == int(right["speculative_steps"][0]) and plain + 5 * full >= n, right["width_hist"]
-    assert plain <= adaptive.AdaptivePolicy(widths=(0, 4)).probe_first + 2, right["width_hist"]
-    wrong = _oracle_stats(models, PROMPTS_4[:1], n, shift=1, costs=costly, probe_cost=0.05)
-    assert int(wrong["speculative_steps"][0]) <= 2, wrong["width_hist"]
-    dear = _oracle_stats(models, PROMPTS_4[:1], n, shift=0, costs=costly)
-    assert int(dear["speculative_steps"][0]) <= int(dear["verify_calls"][0]) // 4, dear["width_hist"]
-    # A batch drafts only when its slowest row pays, so a look pays only if every row is right: rows of
-    # a batch do not look.
-    batch = _oracle_stats(models, PROMPTS_4[:2], n, shift=0, costs=costly, probe_cost=0.05)
-    assert np.all(batch["speculative_steps"] <= batch["verify_calls"] // 4), batch["width_hist"]
+    for prompts in (PROMPTS_4[:1], PROMPTS_4[:2]):  # a batch's rows look together
+        right = _oracle_stats(models, prompts, n, shift=0, costs=costly, probe_cost=0.05)
+        plain, full = int(right["width_hist"][0]), int(right["width_hist"][-1])
+        # Every drafting step verifies the whole chain and commits 5 tokens.
+        assert np.all(full == right["speculative_steps"]) and plain + 5 * full >= n, right["width_hist"]
+        assert plain <= adaptive.AdaptivePolicy(widths=(0, 4)).probe_first + 2, right["width_hist"]
+        wrong = _oracle_stats(models, prompts, n, shift=1, costs=costly, probe_cost=0.05)
+        assert np.all(wrong["speculative_steps"] <= 2), wrong["width_hist"]
+        dear = _oracle_stats(models, prompts, n, shift=0, costs=costly)
+        assert np.all(dear["speculative_steps"] == 0), dear["width_hist"]
+    # Where only a shallow look is affordable (a node costs 0.35 plain steps, the draft 0.2: 2% of 32
+    # tokens buys one node), the row looks one level deep, and a hit there makes drafting pay.
+    shallow = Costs(per_node=0.35, draft=0.2)
+    looked = _oracle_stats(models, PROMPTS_4[:1], n, shift=0, costs=shallow)
+    blind = _oracle_stats(models, PROMPTS_4[:1], n, shift=0, costs=shallow, first_look=False)
+    widths = list(looked["policy_widths"])
+    assert int(looked["width_hist"][widths.index(1)]) >= 1 and looked["tau"][0] > 1.8, looked["width_hist"]
+    assert int(blind["speculative_steps"][0]) == 0, blind["width_hist"]
+    # What a look verifies and what its verdict does (a chain of 4 keys; a plain step costs 1, a node
+    # 0.2, the draft 0.1). 2% of 32 tokens to go buys a look of 2 levels (0.5 plain steps), not 4 (0.9);
+    # the keys below are judged never accepted on the look.
+    chain = adaptive.AdaptivePolicy(widths=(0, 1, 2, 4))
+    costs = jnp.asarray([1.0, 1.2, 1.4, 1.8, 0.1, 0.1, 0.1, 0.1, 0.0], jnp.float32)
+    st = adaptive.init_state(chain, 2, 4, 4, is_chain=True)
+    due = jnp.ones((2,), bool)
+    judged, look = adaptive._looking(chain, st, costs, jnp.asarray([32, 32]), due)
+    assert np.all(np.asarray(look))
+    np.testing.assert_allclose(np.asarray(judged.accept), [[1, 1, 0, 0]] * 2)
+    judged, look = adaptive._looking(chain, st, costs, jnp.asarray([64, 32]), due)
+    np.testing.assert_allclose(np.asarray(judged.accept)[0], [1, 1, 1, 1])
+    # Rows look together: one that cannot afford a look holds the others' back; a finished one does not.
+    assert not np.any(np.asarray(adaptive._looking(chain, st, costs, jnp.asarray([64, 8]), due)[1]))
+    assert np.asarray(adaptive._looking(chain, st, costs, jnp.asarray([64, 0]), due)[1]).tolist() == [True, False]
+    # A miss at depth 1: decoding one row, it weighs against the guess (0.6 -> 0.6 d / (1 + d)) and the
+    # deeper keys stay to be looked at; in a batch it leaves the guess, and the row has had its look.
+    tree = Tree(tokens=jnp.zeros((1, 4), jnp.int32), parents=jnp.array([[-1, 0, 1, 2]]), valid=jnp.ones((1, 4), bool))
+    for b in (1, 2):
+        one = dataclasses.replace(adaptive.init_state(chain, b, 4, 4, is_chain=True), looking=jnp.ones((b,), bool))
+        trees = jax.tree.map(lambda x: jnp.repeat(x, b, axis=0), tree)
+        zero = jnp.zeros((b,), jnp.int32)
+        after = adaptive.update(chain, one, trees, jnp.full((b, 4), -1, jnp.int32), zero, zero, jnp.ones((b,), bool))
+        miss = 0.6 * chain.decay / (1 + chain.decay) if b == 1 else 0.6
+        assert float(after.accept[0, 0]) == pytest.approx(miss, rel=1e-5)
+        assert np.asarray(after.never_tried)[0].tolist() == ([False, True, True, True] if b == 1 else [False] * 4)
     # A look whose step kept nothing is over once the plain steps after it drift the estimates.
     one = adaptive.AdaptivePolicy(widths=(0, 1))
     looked = dataclasses.replace(adaptive.init_state(one, 1, 1, 1, is_chain=True), looking=jnp.ones((1,), bool))
