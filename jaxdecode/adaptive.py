@@ -121,13 +121,13 @@ looks only as deep as that costs at most `probe_cost` (2%) of its plain steps to
 depth are judged never accepted on the look (EAGLE-3 sampled at T = 0.7 on the CPU, 128 new tokens,
 lost 2% to whole-chain looks at 5%: a draft level costs half a plain step there). A batch drafts when
 its slowest row pays, so the rows that have never-tried keys look together, on one step, or not at all
-(looks row by row cost the embedded target with prompt lookup 3-6% at batch 4 and 16). And there one
-row's miss would hold every row plain (some row always misses at batch 16; a tiny model's batch of 2
-decoded plainly after one unlucky row), so in a batch a miss leaves the row's guess as it was and a
-row looks once. Decoding one row, later looks at deeper keys (a short match leaves them untried) are
-worth their cost: prompt lookup on the embedded target's greedy text from outside its corpus ran 10%
-faster with them. Measured priors (by depth or by class) and later siblings have nothing to look at.
-`first_look=False` turns it off.
+(looks row by row, at a 5% budget, cost the embedded target with prompt lookup 3-6% at batch 4 and
+16). And there one row's miss would hold every row plain (some row always misses at batch 16; a tiny
+model's batch of 2 decoded plainly after one unlucky row), so in a batch a miss leaves the row's guess
+as it was and a row looks once. Decoding one row, later looks at deeper keys (a short match leaves them
+untried) are worth their cost: prompt lookup on the embedded target's greedy text from outside its
+corpus ran 10% faster with them. Measured priors (by depth or by class) and later siblings have nothing
+to look at. `first_look=False` turns it off.
 
 Batch spread. A row's tokens per step are random (K accepted nodes, then the bonus), so at a given
 width its steps to go are r / E_b, give or take sqrt(r Var K / E_b^3), and the batch waits for the
@@ -633,9 +633,8 @@ def _looking(policy: AdaptivePolicy, state: PolicyState, costs, remaining, due):
         key_depth = node_depth
     within = key_depth[None, :] <= depth[:, None]  # [B, K]
     wants = due & jnp.any(state.never_tried & within, axis=1)
-    # A batch drafts when its slowest row pays, so the rows that have never-tried keys look together or
-    # not at all (a lone row's look is outvoted by the others' plain plans, and looks in turn cost the
-    # embedded target with prompt lookup 3-6% at batch 4 and 16).
+    # A batch drafts when its slowest row pays: the rows that have never-tried keys look together or not
+    # at all (a lone row's look is outvoted by the others' plain plans).
     together = jnp.all(wants | (remaining <= 0) | ~jnp.any(state.never_tried, axis=1))
     look = wants & together
     judged = jnp.where(within, jnp.where(state.never_tried, 1.0, state.accept), 0.0)
