@@ -377,6 +377,8 @@ class PolicyState:
     wait: jax.Array  # int32[B]: the steps after which the row's plan judges the full shape (a probe)
     full_parents: jax.Array  # int32[N]: the drafter's full shape, which a shape probe judges ...
     full_shaped: jax.Array  # bool[N]: ... and its nodes
+    key_depth: jax.Array  # int32[K]: each key's depth (a class key's: max_depth, its nodes lie at any)
+    nodes_to_depth: jax.Array  # int32[D]: the full shape's nodes down to depth d + 1 (a look's size)
     hold: jax.Array  # int32[]: plain steps the batch takes before it may draft again (see "Batch backoff")
     backoff: jax.Array  # int32[]: the hold after the next drafting step that keeps nothing
     streak: jax.Array  # int32[]: drafting steps since the batch's last plain step (see "Returns to drafting")
@@ -413,9 +415,14 @@ def init_state(policy: AdaptivePolicy, batch: int, max_depth: int, num_nodes: in
         parents = parents.astype(np.int32)
         k = np.arange(max_depth * ranks)
         above = np.where(k >= ranks, (k // ranks - 1) * ranks, -1)  # (d, r) -> (d - 1, 0)
+    node_depth = depths(jnp.asarray(parents))  # [N]
+    levels = jnp.arange(1, max_depth + 1)[:, None]  # [D, 1]
+    nodes_to_depth = jnp.sum(jnp.asarray(shaped)[None, :] & (node_depth[None, :] <= levels), axis=1,
+                             dtype=jnp.int32)  # [D]
+    # each key's depth: d of a (d, r) key, a node key's node depth
+    key_depth = jnp.arange(len(above)) // ranks + 1 if ranks else node_depth
     start = jnp.full((len(above),), policy.prior, jnp.float32)
-    if policy.prior_by_depth:  # each key's depth: d of a (d, r) key, a node key's node depth
-        key_depth = jnp.arange(len(above)) // ranks + 1 if ranks else depths(jnp.asarray(parents))
+    if policy.prior_by_depth:
         table = jnp.asarray(policy.prior_by_depth, jnp.float32)
         start = table[jnp.minimum(key_depth, len(table)) - 1]
     # Each key's sibling rank: the priors are a first child's; a later one starts at the guess
@@ -429,6 +436,7 @@ def init_state(policy: AdaptivePolicy, batch: int, max_depth: int, num_nodes: in
             table = jnp.asarray(policy.prior_by_class, jnp.float32)
             start = table[jnp.minimum(jnp.arange(policy.classes), len(table) - 1)]
         key_rank = jnp.zeros(policy.classes, jnp.int32)
+        key_depth = jnp.full((policy.classes,), max_depth)
     weight = jnp.where(key_rank > 0, _steady_weight(policy), max(float(policy.prior_weight), _steady_weight(policy)))
     guessed = not (policy.prior_by_class if policy.classes else policy.prior_by_depth)  # the start is `prior`
     never_tried = (key_rank == 0) & (policy.first_look and guessed)
@@ -440,6 +448,7 @@ def init_state(policy: AdaptivePolicy, batch: int, max_depth: int, num_nodes: in
                        node_classes=jnp.zeros((batch, n), jnp.int32), stale=jnp.zeros((batch,), jnp.int32),
                        wait=jnp.full((batch,), policy.probe_first, jnp.int32),
                        full_parents=jnp.asarray(parents, jnp.int32), full_shaped=jnp.asarray(shaped),
+                       key_depth=key_depth.astype(jnp.int32), nodes_to_depth=nodes_to_depth,
                        hold=jnp.int32(0), backoff=jnp.int32(1), streak=jnp.int32(0), payoff=jnp.float32(0.0),
                        explore_scale=jnp.float32(1.0),
                        never_tried=jnp.broadcast_to(never_tried, (batch, len(above))),
@@ -619,19 +628,10 @@ def _looking(policy: AdaptivePolicy, state: PolicyState, costs, remaining, due):
     # A look that finds nothing costs its draft and a step at its width in place of a plain one.
     spent = costs[w] + jnp.maximum(costs[:w] - costs[0], 0.0)  # [W]
     budget = policy.probe_cost * _plain_seconds(policy, costs) * remaining  # [B]
-    node_depth = depths(state.full_parents)  # [N], of the drafter's full shape
-    levels = jnp.arange(1, state.depth + 1)
-    to_depth = jnp.sum(state.full_shaped[None, :] & (node_depth[None, :] <= levels[:, None]), axis=1)  # [D]
-    width_at = jnp.minimum(jnp.searchsorted(jnp.asarray(policy.widths), to_depth), w - 1)
+    width_at = jnp.minimum(jnp.searchsorted(jnp.asarray(policy.widths), state.nodes_to_depth), w - 1)
     cost_at = spent[width_at]  # [D]: a look to depth d at the width holding it (costs rise with width)
     depth = jnp.sum(cost_at[None, :] <= budget[:, None], axis=1)  # [B]: the deepest affordable look
-    if state.classes:  # a class's nodes lie at any depth: only the whole shape can be looked at
-        key_depth = jnp.full(state.accept.shape[1:], state.depth)
-    elif state.ranks:
-        key_depth = jnp.arange(state.accept.shape[1]) // state.ranks + 1
-    else:  # keys are the static shape's nodes
-        key_depth = node_depth
-    within = key_depth[None, :] <= depth[:, None]  # [B, K]
+    within = state.key_depth[None, :] <= depth[:, None]  # [B, K]
     wants = due & jnp.any(state.never_tried & within, axis=1)
     # A batch drafts when its slowest row pays: the rows that have never-tried keys look together or not
     # at all (a lone row's look is outvoted by the others' plain plans).
