@@ -39,7 +39,7 @@ def _timed(model, prompts, method, max_new_tokens, **opts):
     return out, time.perf_counter() - start
 
 
-def _side_by_side(model, prompts, max_new_tokens, spec_opts, repeats: int = 3):
+def _side_by_side(model, prompts, max_new_tokens, spec_opts, repeats: int = 5):
     """(greedy outputs, speculative outputs, greedy seconds, speculative seconds): each compiled first,
     then timed alternately `repeats` times (medians), so a change in the machine's load between the
     two does not show up as a speedup or a slowdown."""
@@ -82,7 +82,7 @@ def run_demo(max_new_tokens: int = 64) -> int:
         return 0
     draft = load("draft")
     print(f"\nspeculative decoding (greedy, lossless), measured side by side with plain greedy (median of "
-          f"3 alternating calls each); the default is adaptive: each step drafts only as deep as pays, from "
+          f"5 alternating calls each); the default is adaptive: each step drafts only as deep as pays, from "
           f"costs measured once on this machine (cached) and the rows' acceptance so far")
     for label, batch, opts in SPEC_CONFIGS:
         opts = dict(opts, **({"draft": draft} if opts.get("drafter") == "draft_lm" else {}))
